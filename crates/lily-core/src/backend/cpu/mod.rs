@@ -1,0 +1,155 @@
+//! The CPU backend: host memory, immediate execution on the rayon pool.
+//! `Cpu::new()` runs the production kernels (`kernels.rs`); `Cpu::reference()` runs the plain-loop
+//! twins (`reference.rs`) that every kernel is tested against, through the same interface, so a
+//! whole forward pass can be compared too.
+
+pub mod kernels;
+pub mod reference;
+
+use super::{params::*, Backend};
+use crate::{error::Result, quant::Matrix};
+
+pub struct Cpu {
+    reference: bool,
+}
+
+impl Cpu {
+    pub fn new() -> Self {
+        Cpu { reference: false }
+    }
+    pub fn reference() -> Self {
+        Cpu { reference: true }
+    }
+}
+
+impl Default for Cpu {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Call the reference or the production version of a kernel with the same arguments.
+macro_rules! dispatch {
+    ($self:ident, $op:ident($($arg:expr),*)) => {
+        if $self.reference { reference::$op($($arg),*) } else { kernels::$op($($arg),*) }
+    };
+}
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+    type Ids = Vec<u32>;
+    type Matrix = Matrix;
+
+    fn name(&self) -> &'static str {
+        if self.reference {
+            "cpu-reference"
+        } else {
+            "cpu"
+        }
+    }
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>> {
+        // Zeroed allocations come from calloc/mmap: pages never touched (the unused end of a
+        // long KV cache) cost no physical memory.
+        Ok(vec![0.0; len])
+    }
+    fn alloc_ids(&self, len: usize) -> Result<Vec<u32>> {
+        Ok(vec![0; len])
+    }
+    fn upload(&self, data: &[f32]) -> Result<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+    fn upload_matrix(&self, m: &Matrix) -> Result<Matrix> {
+        Ok(m.clone()) // zero-copy: the matrix points into the mapped checkpoint
+    }
+    fn write_ids(&self, dst: &mut Vec<u32>, data: &[u32]) -> Result<()> {
+        dst[..data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    fn read(&self, src: &Vec<f32>, offset: usize, out: &mut [f32]) -> Result<()> {
+        out.copy_from_slice(&src[offset..offset + out.len()]);
+        Ok(())
+    }
+    fn fill_zero(&self, buf: &mut Vec<f32>) -> Result<()> {
+        buf.fill(0.0);
+        Ok(())
+    }
+    fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>, len: usize) -> Result<()> {
+        dst[..len].copy_from_slice(&src[..len]);
+        Ok(())
+    }
+    fn begin(&self) -> Result<()> {
+        Ok(())
+    }
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn embed(&self, tokens: usize, table: &Matrix, ids: &Vec<u32>, out: &mut Vec<f32>) {
+        dispatch!(self, embed(tokens, table, ids, out))
+    }
+    fn rms_norm(&self, p: &RmsNormParams, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, rms_norm(p, x, w, out))
+    }
+    fn rms_norm_gated(&self, p: &RmsNormParams, x: &Vec<f32>, z: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, rms_norm_gated(p, x, z, w, out))
+    }
+    fn add(&self, p: &RowsParams, x: &mut Vec<f32>, y: &Vec<f32>) {
+        dispatch!(self, add(p, x, y))
+    }
+    fn matmul(&self, p: &MatmulParams, w: &Matrix, x: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, matmul(p, w, x, out))
+    }
+    fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
+        dispatch!(self, qk_norm_rope(p, q_norm, k_norm, qg, k))
+    }
+    fn kv_store(&self, p: &KvStoreParams, x: &Vec<f32>, cache: &mut Vec<f32>) {
+        dispatch!(self, kv_store(p, x, cache))
+    }
+    fn attention(&self, p: &AttentionParams, qg: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, attention(p, qg, k, v, out))
+    }
+    fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, delta_net_conv(p, w, state, x, out))
+    }
+    fn delta_net(
+        &self,
+        p: &DeltaNetParams,
+        qkv: &Vec<f32>,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+        state: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        dispatch!(self, delta_net(p, qkv, a, b, a_log, dt_bias, state, out))
+    }
+    fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
+        dispatch!(self, moe_route(p, logits, ids, weights))
+    }
+    fn moe_experts(
+        &self,
+        p: &MoeParams,
+        x: &Vec<f32>,
+        ids: &Vec<u32>,
+        weights: &Vec<f32>,
+        gate: &Matrix,
+        up: &Matrix,
+        down: &Matrix,
+        tmp: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        if self.reference {
+            reference::moe_experts(p, x, ids, weights, gate, up, down, out)
+        } else {
+            kernels::moe_experts(p, x, ids, weights, gate, up, down, tmp, out)
+        }
+    }
+    fn swiglu(&self, p: &RowsParams, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, swiglu(p, gate, up, out))
+    }
+    fn sigmoid_gate_add(&self, p: &RowsParams, y: &Vec<f32>, gate: &Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, sigmoid_gate_add(p, y, gate, out))
+    }
+}

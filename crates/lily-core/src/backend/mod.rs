@@ -1,0 +1,95 @@
+//! The backend interface: buffers, a command stream, and one method per kernel.
+//!
+//! `model/` issues every operation through [`Backend`]; a backend owns its device, its buffers,
+//! how commands are encoded and its kernels. Method names are the op stems used by the shaders
+//! (`shaders/metal/<family>.metal`), the CPU kernels and the tests. Buffers hold f32 values from
+//! the model's point of view (a device may store activations narrower); outputs are `&mut`.
+//! This file is the only place that knows which backends exist.
+
+pub mod cpu;
+pub mod params;
+
+pub use params::*;
+
+use crate::{error::Result, quant::Matrix};
+
+pub trait Backend: Send + Sized + 'static {
+    /// f32 activations, state and scratch.
+    type Buf: Send;
+    /// u32 buffers: token ids, expert ids.
+    type Ids: Send;
+    /// A weight matrix resident on the device (quantized weights stay quantized).
+    type Matrix: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    // ---- memory ----
+    /// A zeroed buffer of `len` f32 values.
+    fn alloc(&self, len: usize) -> Result<Self::Buf>;
+    fn alloc_ids(&self, len: usize) -> Result<Self::Ids>;
+    fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
+    fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix>;
+    fn write_ids(&self, dst: &mut Self::Ids, data: &[u32]) -> Result<()>;
+    /// Copy `out.len()` values starting at `offset` back to the host (waits for pending work).
+    fn read(&self, src: &Self::Buf, offset: usize, out: &mut [f32]) -> Result<()>;
+    fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
+    /// `dst[..len] = src[..len]` (state snapshots).
+    fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize) -> Result<()>;
+
+    // ---- command stream ----
+    /// Start encoding a forward step.
+    fn begin(&self) -> Result<()>;
+    /// Submit what was encoded since `begin` and wait; device errors surface here.
+    fn finish(&self) -> Result<()>;
+
+    // ---- kernels ----
+    /// out[t, :] = dequant(table row ids[t]); out [T, D].
+    fn embed(&self, tokens: usize, table: &Self::Matrix, ids: &Self::Ids, out: &mut Self::Buf);
+    /// out = x / sqrt(mean(x^2) + eps) * w per row (w already holds 1 + w where the model needs it).
+    fn rms_norm(&self, p: &RmsNormParams, x: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf);
+    /// out = rms_norm(x, w) * silu(z) per row; x, z, out [rows, dim], w [dim].
+    fn rms_norm_gated(&self, p: &RmsNormParams, x: &Self::Buf, z: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf);
+    /// x += y over [T, dim].
+    fn add(&self, p: &RowsParams, x: &mut Self::Buf, y: &Self::Buf);
+    /// out [T, N] = x[x_row0.., K] W^T with W [N, K] (in-kernel dequantization).
+    fn matmul(&self, p: &MatmulParams, w: &Self::Matrix, x: &Self::Buf, out: &mut Self::Buf);
+    /// q/k RMSNorm + partial RoPE in place: qg [T, H, 2*hd] (q is the first hd of each head), k [T, Hkv, hd].
+    fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Self::Buf, k_norm: &Self::Buf, qg: &mut Self::Buf, k: &mut Self::Buf);
+    /// cache[pos0 + t, :] = x[t, :]; x [T, width], cache [max_seq, width].
+    fn kv_store(&self, p: &KvStoreParams, x: &Self::Buf, cache: &mut Self::Buf);
+    /// out [T, H*hd] = softmax(q K^T * scale, causal) V, times sigmoid(gate) from qg.
+    fn attention(&self, p: &AttentionParams, qg: &Self::Buf, k_cache: &Self::Buf, v_cache: &Self::Buf, out: &mut Self::Buf);
+    /// out [T, C] = silu(causal depthwise conv of [state; x]); state [taps-1, C] becomes the last rows.
+    fn delta_net_conv(&self, p: &ConvParams, w: &Self::Buf, state: &mut Self::Buf, x: &Self::Buf, out: &mut Self::Buf);
+    /// Gated DeltaNet over T tokens (l2-norm q/k, gates, delta-rule recurrence); out [T, Hv, Dv].
+    fn delta_net(
+        &self,
+        p: &DeltaNetParams,
+        qkv: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        a_log: &Self::Buf,
+        dt_bias: &Self::Buf,
+        state: &mut Self::Buf,
+        out: &mut Self::Buf,
+    );
+    /// ids/weights [T, K] from router logits [T, E].
+    fn moe_route(&self, p: &RouteParams, logits: &Self::Buf, ids: &mut Self::Ids, weights: &mut Self::Buf);
+    /// out [T, D] = sum over the K selected experts; tmp is scratch of [T*K, D + 2I].
+    fn moe_experts(
+        &self,
+        p: &MoeParams,
+        x: &Self::Buf,
+        ids: &Self::Ids,
+        weights: &Self::Buf,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        down: &Self::Matrix,
+        tmp: &mut Self::Buf,
+        out: &mut Self::Buf,
+    );
+    /// out = silu(gate) * up over [T, dim].
+    fn swiglu(&self, p: &RowsParams, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf);
+    /// out[t, :] += sigmoid(gate[t]) * y[t, :] over [T, dim].
+    fn sigmoid_gate_add(&self, p: &RowsParams, y: &Self::Buf, gate: &Self::Buf, out: &mut Self::Buf);
+}

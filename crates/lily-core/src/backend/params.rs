@@ -1,0 +1,105 @@
+//! Kernel parameter structs: `#[repr(C)]`, plain 32-bit fields, so a GPU backend can bind them
+//! as they are (a Metal `params.h` mirrors this file). Shapes use the legend:
+//! T tokens in the call, D hidden size, H/Hkv attention heads, Hk/Hv DeltaNet key/value heads,
+//! Dk/Dv DeltaNet head dims, E experts, K experts per token, I expert width.
+
+/// Row-wise RMSNorm over `rows` rows of `dim` values.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormParams {
+    pub rows: u32,
+    pub dim: u32,
+    pub eps: f32,
+}
+
+/// `out[t, :] = W x[x_row0 + t, :]` for t in 0..tokens (W's shape comes from the matrix).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MatmulParams {
+    pub tokens: u32,
+    pub x_row0: u32,
+}
+
+/// Per-head RMSNorm (weight 1 + w folded in) then partial rotate-half RoPE on dims 0..rotary_dim,
+/// for q (inside the [T, H, 2*hd] q|gate projection) and k [T, Hkv, hd]; positions pos0..pos0+T.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RopeParams {
+    pub tokens: u32,
+    pub pos0: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub rotary_dim: u32,
+    pub eps: f32,
+    pub theta: f32,
+}
+
+/// Causal GQA attention of T new tokens against a cache of pos0 + T rows, with the sigmoid
+/// output gate. Cache rows are [Hkv, hd]; query head h reads KV head h / (H / Hkv).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionParams {
+    pub tokens: u32,
+    pub pos0: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub scale: f32,
+}
+
+/// KV-cache append: rows pos0..pos0+T of a cache of [max_seq, width].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvStoreParams {
+    pub tokens: u32,
+    pub pos0: u32,
+    pub width: u32,
+}
+
+/// Causal depthwise conv over T tokens with `taps - 1` rows of history, then SiLU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ConvParams {
+    pub tokens: u32,
+    pub channels: u32,
+    pub taps: u32,
+}
+
+/// Gated DeltaNet over T tokens: input [T, 2*Hk*Dk + Hv*Dv] (q | k | v after the conv),
+/// a/b [T, Hv], state [Hv, Dk, Dv] f32.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetParams {
+    pub tokens: u32,
+    pub key_heads: u32,
+    pub value_heads: u32,
+    pub key_dim: u32,
+    pub value_dim: u32,
+}
+
+/// Router: softmax over E logits, top K, optional renormalisation of the K weights.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RouteParams {
+    pub tokens: u32,
+    pub experts: u32,
+    pub top_k: u32,
+    pub renorm: u32,
+}
+
+/// Routed experts: out[t] = sum_k w[t,k] * down_e(silu(gate_e x) * up_e x), e = ids[t,k].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MoeParams {
+    pub tokens: u32,
+    pub top_k: u32,
+}
+
+/// Elementwise ops over `tokens` rows of `dim` values.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RowsParams {
+    pub tokens: u32,
+    pub dim: u32,
+}

@@ -1,0 +1,23 @@
+//! Lily core: a Qwen3.6-35B-A3B (Hugging Face `qwen3_5_moe`) inference engine.
+//!
+//! Data flow: `tokens -> embed -> L x (norm -> mixer -> +res -> norm -> moe -> +res) -> norm -> lm_head`,
+//! where the mixer is a Gated DeltaNet (GDN, "linear attention") layer or a gated full-attention
+//! layer. Modules:
+//! - [`config`]: `config.json` with every dimension;
+//! - [`safetensors`], [`weights`], [`quant`]: mmapped checkpoints, load-time quirks, MLX affine quantization;
+//! - [`model`]: the forward pass as math, generic over a [`backend::Backend`];
+//! - [`backend`]: devices, buffers and kernels (CPU now; Metal and CUDA plug in here);
+//! - [`engine`]: prefill / decode over one sequence.
+
+pub mod backend;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod quant;
+pub mod safetensors;
+pub mod sampling;
+pub mod weights;
+
+pub use engine::{BackendKind, Engine};
+pub use error::{Error, Result};

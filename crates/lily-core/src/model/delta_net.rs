@@ -1,0 +1,74 @@
+//! Gated DeltaNet (architecture.md §6):
+//!   mixed = in_proj_qkv h = [q | k | v]; z = in_proj_z h; b = in_proj_b h; a = in_proj_a h
+//!   [q | k | v] <- silu(causal depthwise conv(mixed))          (conv state: last taps-1 inputs)
+//!   q <- l2norm(q) / sqrt(Dk); k <- l2norm(k); beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)
+//!   per value head (q/k head = j / (Hv/Hk)): S <- e^g S; S <- S + k (beta (v - S^T k))^T; o = S^T q
+//!   out = out_proj (RMSNorm(o) * w * silu(z)) per value head
+
+use super::state::{DeltaNetState, Scratch};
+use crate::{
+    backend::{Backend, ConvParams, DeltaNetParams, MatmulParams, RmsNormParams},
+    config::ModelConfig,
+    error::Result,
+    weights::Loader,
+};
+
+pub struct DeltaNet<B: Backend> {
+    in_proj_qkv: B::Matrix, // [2 Hk Dk + Hv Dv, D]
+    in_proj_z: B::Matrix,   // [Hv Dv, D]
+    in_proj_b: B::Matrix,   // [Hv, D]
+    in_proj_a: B::Matrix,   // [Hv, D]
+    conv1d: B::Buf,         // [conv_dim, taps]
+    a_log: B::Buf,          // [Hv] f32
+    dt_bias: B::Buf,        // [Hv]
+    norm: B::Buf,           // [Dv] plain weight (not 1 + w)
+    out_proj: B::Matrix,    // [D, Hv Dv]
+    dims: DeltaNetParams,
+    taps: usize,
+    eps: f32,
+}
+
+impl<B: Backend> DeltaNet<B> {
+    pub fn load(b: &B, w: &Loader, i: usize, cfg: &ModelConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let (hv, taps) = (cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim);
+        let p = |n: &str| format!("layers.{i}.linear_attn.{n}");
+        Ok(DeltaNet {
+            in_proj_qkv: b.upload_matrix(&w.matrix(&p("in_proj_qkv"), cfg.conv_dim(), d)?)?,
+            in_proj_z: b.upload_matrix(&w.matrix(&p("in_proj_z"), cfg.value_dim(), d)?)?,
+            in_proj_b: b.upload_matrix(&w.matrix(&p("in_proj_b"), hv, d)?)?,
+            in_proj_a: b.upload_matrix(&w.matrix(&p("in_proj_a"), hv, d)?)?,
+            conv1d: b.upload(&w.conv(&p("conv1d.weight"), cfg.conv_dim(), taps)?)?,
+            a_log: b.upload(&w.vector(&p("A_log"), hv)?)?,
+            dt_bias: b.upload(&w.vector(&p("dt_bias"), hv)?)?,
+            norm: b.upload(&w.vector(&p("norm.weight"), cfg.linear_value_head_dim)?)?,
+            out_proj: b.upload_matrix(&w.matrix(&p("out_proj"), d, cfg.value_dim())?)?,
+            dims: DeltaNetParams {
+                tokens: 0,
+                key_heads: cfg.linear_num_key_heads as u32,
+                value_heads: hv as u32,
+                key_dim: cfg.linear_key_head_dim as u32,
+                value_dim: cfg.linear_value_head_dim as u32,
+            },
+            taps,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// s.mix = delta_net(s.h) for `t` tokens, advancing the conv and recurrent state.
+    pub fn forward(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
+        let mm = MatmulParams { tokens: t as u32, x_row0: 0 };
+        b.matmul(&mm, &self.in_proj_qkv, &s.h, &mut s.proj);
+        b.matmul(&mm, &self.in_proj_z, &s.h, &mut s.z);
+        b.matmul(&mm, &self.in_proj_b, &s.h, &mut s.b);
+        b.matmul(&mm, &self.in_proj_a, &s.h, &mut s.a);
+        let conv_dim = 2 * self.dims.key_heads * self.dims.key_dim + self.dims.value_heads * self.dims.value_dim;
+        let conv = ConvParams { tokens: t as u32, channels: conv_dim, taps: self.taps as u32 };
+        b.delta_net_conv(&conv, &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
+        let p = DeltaNetParams { tokens: t as u32, ..self.dims };
+        b.delta_net(&p, &s.conv, &s.a, &s.b, &self.a_log, &self.dt_bias, &mut st.ssm, &mut s.core);
+        let norm = RmsNormParams { rows: t as u32 * p.value_heads, dim: p.value_dim, eps: self.eps };
+        b.rms_norm_gated(&norm, &s.core, &s.z, &self.norm, &mut s.gated);
+        b.matmul(&mm, &self.out_proj, &s.gated, &mut s.mix);
+    }
+}

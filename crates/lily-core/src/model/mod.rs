@@ -1,0 +1,108 @@
+//! The Qwen3.5/3.6 MoE text decoder, written against the [`Backend`] interface:
+//!
+//! ```text
+//! x = embed[tokens]
+//! for each layer:  x += mixer(rms_norm(x))   (Gated DeltaNet or gated attention)
+//!                  x += moe(rms_norm(x))
+//! logits = lm_head rms_norm(x)
+//! ```
+
+pub mod attention;
+pub mod delta_net;
+pub mod moe;
+pub mod state;
+
+use attention::Attention;
+use delta_net::DeltaNet;
+use moe::Moe;
+use state::{LayerState, Scratch, State};
+
+use crate::{
+    backend::{Backend, MatmulParams, RmsNormParams, RowsParams},
+    config::{LayerKind, ModelConfig},
+    error::Result,
+    weights::Loader,
+};
+
+pub enum Mixer<B: Backend> {
+    DeltaNet(DeltaNet<B>),
+    Attention(Attention<B>),
+}
+
+pub struct Layer<B: Backend> {
+    input_layernorm: B::Buf,          // [D] (1 + w)
+    post_attention_layernorm: B::Buf, // [D] (1 + w)
+    mixer: Mixer<B>,
+    mlp: Moe<B>,
+}
+
+pub struct Model<B: Backend> {
+    embed_tokens: B::Matrix, // [V, D]
+    layers: Vec<Layer<B>>,
+    norm: B::Buf,         // [D] (1 + w)
+    lm_head: B::Matrix,   // [V, D]
+    hidden: usize,
+    vocab: usize,
+    eps: f32,
+}
+
+impl<B: Backend> Model<B> {
+    /// Load every weight through `w`, layer by layer; `progress(done, total)` after each layer.
+    pub fn load(b: &B, w: &Loader, cfg: &ModelConfig, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let n = cfg.num_hidden_layers;
+        let mut layers = Vec::with_capacity(n);
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            let mixer = match kind {
+                LayerKind::DeltaNet => Mixer::DeltaNet(DeltaNet::load(b, w, i, cfg)?),
+                LayerKind::Attention => Mixer::Attention(Attention::load(b, w, i, cfg)?),
+            };
+            layers.push(Layer {
+                input_layernorm: b.upload(&w.norm(&format!("layers.{i}.input_layernorm.weight"), d)?)?,
+                post_attention_layernorm: b.upload(&w.norm(&format!("layers.{i}.post_attention_layernorm.weight"), d)?)?,
+                mixer,
+                mlp: Moe::load(b, w, i, cfg)?,
+            });
+            progress(i + 1, n);
+        }
+        Ok(Model {
+            embed_tokens: b.upload_matrix(&w.embed()?)?,
+            layers,
+            norm: b.upload(&w.norm("norm.weight", d)?)?,
+            lm_head: b.upload_matrix(&w.lm_head()?)?,
+            hidden: d,
+            vocab: cfg.vocab_size,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Run `t` tokens (already in `s.ids`) at positions pos0..pos0+t; leaves the final-normed
+    /// hidden states in `s.h`.
+    pub fn forward(&self, b: &B, t: usize, pos0: usize, state: &mut State<B>, s: &mut Scratch<B>) {
+        let norm = RmsNormParams { rows: t as u32, dim: self.hidden as u32, eps: self.eps };
+        let rows = RowsParams { tokens: t as u32, dim: self.hidden as u32 };
+        b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
+        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+            b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
+            match (&layer.mixer, st) {
+                (Mixer::DeltaNet(m), LayerState::DeltaNet(st)) => m.forward(b, t, st, s),
+                (Mixer::Attention(m), LayerState::Attention(kv)) => m.forward(b, t, pos0, kv, s),
+                _ => unreachable!("state is built from the same layer kinds as the model"),
+            }
+            b.add(&rows, &mut s.x, &s.mix);
+            b.rms_norm(&norm, &s.x, &layer.post_attention_layernorm, &mut s.h);
+            layer.mlp.forward(b, t, s);
+            b.add(&rows, &mut s.x, &s.mix);
+        }
+        b.rms_norm(&norm, &s.x, &self.norm, &mut s.h);
+    }
+
+    /// s.logits[..rows] = lm_head s.h[row0..row0 + rows].
+    pub fn logits(&self, b: &B, row0: usize, rows: usize, s: &mut Scratch<B>) {
+        b.matmul(&MatmulParams { tokens: rows as u32, x_row0: row0 as u32 }, &self.lm_head, &s.h, &mut s.logits);
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+}

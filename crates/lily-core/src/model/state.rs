@@ -1,0 +1,130 @@
+//! Per-sequence state and the per-call scratch, allocated once when the engine is built.
+
+use crate::{
+    backend::Backend,
+    config::{LayerKind, ModelConfig},
+    error::Result,
+};
+
+/// Attention layer: keys (after q/k-norm and RoPE) and values of every position so far.
+pub struct KvCache<B: Backend> {
+    pub k: B::Buf, // [max_seq, Hkv * hd]
+    pub v: B::Buf, // [max_seq, Hkv * hd]
+}
+
+/// DeltaNet layer: the conv history and the recurrent state. Not positional: it cannot be
+/// truncated, only snapshotted.
+pub struct DeltaNetState<B: Backend> {
+    pub conv: B::Buf, // [taps - 1, conv_dim] pre-conv projections, oldest first
+    pub ssm: B::Buf,  // [Hv, Dk, Dv] f32
+}
+
+pub enum LayerState<B: Backend> {
+    Attention(KvCache<B>),
+    DeltaNet(DeltaNetState<B>),
+}
+
+pub struct State<B: Backend> {
+    pub layers: Vec<LayerState<B>>,
+}
+
+impl<B: Backend> State<B> {
+    pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
+        let kv_width = cfg.num_key_value_heads * cfg.head_dim;
+        let layers = cfg
+            .layer_types
+            .iter()
+            .map(|kind| {
+                Ok(match kind {
+                    LayerKind::Attention => {
+                        LayerState::Attention(KvCache { k: b.alloc(max_seq * kv_width)?, v: b.alloc(max_seq * kv_width)? })
+                    }
+                    LayerKind::DeltaNet => LayerState::DeltaNet(DeltaNetState {
+                        conv: b.alloc((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim())?,
+                        ssm: b.alloc(cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)?,
+                    }),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(State { layers })
+    }
+
+    /// Back to an empty sequence. The KV rows need no clearing: attention reads only rows < position.
+    pub fn reset(&mut self, b: &B) -> Result<()> {
+        for l in &mut self.layers {
+            if let LayerState::DeltaNet(s) = l {
+                b.fill_zero(&mut s.conv)?;
+                b.fill_zero(&mut s.ssm)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Activations of one forward call of up to `chunk` tokens.
+pub struct Scratch<B: Backend> {
+    pub chunk: usize,
+    pub ids: B::Ids,       // [chunk] token ids
+    pub x: B::Buf,         // [chunk, D] residual stream
+    pub h: B::Buf,         // [chunk, D] normed input of a block
+    pub mix: B::Buf,       // [chunk, D] output of a block
+    pub proj: B::Buf,      // [chunk, max(conv_dim, H * 2hd)] qkv (DeltaNet) or q|gate (attention)
+    pub conv: B::Buf,      // [chunk, conv_dim] conv + SiLU output
+    pub z: B::Buf,         // [chunk, Hv * Dv] DeltaNet output gate
+    pub a: B::Buf,         // [chunk, Hv]
+    pub b: B::Buf,         // [chunk, Hv]
+    pub k: B::Buf,         // [chunk, Hkv * hd]
+    pub v: B::Buf,         // [chunk, Hkv * hd]
+    pub core: B::Buf,      // [chunk, max(Hv * Dv, H * hd)] mixer output before o_proj / out_proj
+    pub gated: B::Buf,     // [chunk, Hv * Dv] gated-norm output
+    pub router: B::Buf,    // [chunk, E] router logits
+    pub expert_ids: B::Ids, // [chunk, K]
+    pub expert_w: B::Buf,  // [chunk, K]
+    pub moe_tmp: B::Buf,   // [chunk * K, I + D]
+    pub shared_g: B::Buf,  // [chunk, Is]
+    pub shared_u: B::Buf,  // [chunk, Is]
+    pub shared_act: B::Buf, // [chunk, Is]
+    pub shared_y: B::Buf,  // [chunk, D]
+    pub shared_gate: B::Buf, // [chunk, 1]
+    pub logits: B::Buf,    // [logit_rows, V]
+    pub logit_rows: usize,
+}
+
+impl<B: Backend> Scratch<B> {
+    pub fn new(b: &B, cfg: &ModelConfig, chunk: usize, logit_rows: usize) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let qg = cfg.num_attention_heads * 2 * cfg.head_dim;
+        let kv = cfg.num_key_value_heads * cfg.head_dim;
+        let (hv, vd) = (cfg.linear_num_value_heads, cfg.value_dim());
+        let core = vd.max(cfg.num_attention_heads * cfg.head_dim);
+        let (e, k, i, is) =
+            (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size);
+        Ok(Scratch {
+            chunk,
+            ids: b.alloc_ids(chunk)?,
+            x: b.alloc(chunk * d)?,
+            h: b.alloc(chunk * d)?,
+            mix: b.alloc(chunk * d)?,
+            proj: b.alloc(chunk * cfg.conv_dim().max(qg))?,
+            conv: b.alloc(chunk * cfg.conv_dim())?,
+            z: b.alloc(chunk * vd)?,
+            a: b.alloc(chunk * hv)?,
+            b: b.alloc(chunk * hv)?,
+            k: b.alloc(chunk * kv)?,
+            v: b.alloc(chunk * kv)?,
+            core: b.alloc(chunk * core)?,
+            gated: b.alloc(chunk * vd)?,
+            router: b.alloc(chunk * e)?,
+            expert_ids: b.alloc_ids(chunk * k)?,
+            expert_w: b.alloc(chunk * k)?,
+            moe_tmp: b.alloc(chunk * k * (i + d))?,
+            shared_g: b.alloc(chunk * is)?,
+            shared_u: b.alloc(chunk * is)?,
+            shared_act: b.alloc(chunk * is)?,
+            shared_y: b.alloc(chunk * d)?,
+            shared_gate: b.alloc(chunk)?,
+            logits: b.alloc(logit_rows * cfg.vocab_size)?,
+            logit_rows,
+        })
+    }
+}

@@ -1,0 +1,132 @@
+//! `lily.Engine`: a thin wrapper over `lily_core::Engine`. Token ids in, numpy logits out;
+//! the GIL is released while the model runs.
+
+use std::path::PathBuf;
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::{exceptions::PyValueError, prelude::*, types::PyAny};
+
+use crate::errors::PyLilyError;
+use lily_core::{BackendKind, Engine as CoreEngine};
+
+#[pyclass(module = "lily._lily", name = "Engine")]
+pub struct Engine {
+    inner: CoreEngine,
+}
+
+fn to_ids(tokens: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
+    tokens
+        .into_iter()
+        .map(|t| {
+            if t < 0 || t as u64 >= vocab as u64 {
+                Err(PyValueError::new_err(format!("token id {t} out of range: vocabulary has {vocab} entries")))
+            } else {
+                Ok(t as u32)
+            }
+        })
+        .collect()
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, progress = None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        backend: &str,
+        max_seq: Option<i64>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let kind = BackendKind::parse(backend).map_err(PyLilyError::from)?;
+        let max_seq = match max_seq {
+            Some(n) if n < 1 => return Err(PyValueError::new_err(format!("max_seq must be at least 1, got {n}"))),
+            Some(n) => Some(n as usize),
+            None => None,
+        };
+        let inner = py.detach(|| {
+            let mut report = |done: usize, total: usize| {
+                if let Some(cb) = &progress {
+                    // A failing progress callback must not abort the load: its error is printed.
+                    Python::attach(|py| {
+                        if let Err(e) = cb.call1(py, (done, total)) {
+                            e.print(py);
+                        }
+                    });
+                }
+            };
+            CoreEngine::with_progress(&path, kind, max_seq, &mut report)
+        });
+        Ok(Engine { inner: inner.map_err(PyLilyError::from)? })
+    }
+
+    /// Append tokens to the sequence; logits of the last one, or of every one with all_logits.
+    #[pyo3(signature = (tokens, *, all_logits = false))]
+    fn prefill<'py>(&mut self, py: Python<'py>, tokens: Vec<i64>, all_logits: bool) -> PyResult<Bound<'py, PyAny>> {
+        let vocab = self.inner.vocab_size();
+        let ids = to_ids(tokens, vocab)?;
+        let n = ids.len();
+        let inner = &mut self.inner;
+        let logits = py.detach(|| inner.prefill(&ids, all_logits)).map_err(PyLilyError::from)?;
+        let arr = PyArray1::from_vec(py, logits);
+        if all_logits {
+            let arr2: Bound<'py, PyArray2<f32>> = arr.reshape([n, vocab])?;
+            Ok(arr2.into_any())
+        } else {
+            Ok(arr.into_any())
+        }
+    }
+
+    /// Append one token; its next-token logits [vocab].
+    fn decode<'py>(&mut self, py: Python<'py>, token: i64) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let vocab = self.inner.vocab_size();
+        let id = to_ids(vec![token], vocab)?[0];
+        let inner = &mut self.inner;
+        let logits = py.detach(|| inner.decode(id)).map_err(PyLilyError::from)?;
+        Ok(PyArray1::from_vec(py, logits))
+    }
+
+    /// Forget the sequence (state and position back to zero).
+    fn reset(&mut self, py: Python<'_>) -> PyResult<()> {
+        let inner = &mut self.inner;
+        py.detach(|| inner.reset()).map_err(PyLilyError::from)?;
+        Ok(())
+    }
+
+    #[getter]
+    fn position(&self) -> usize {
+        self.inner.position()
+    }
+
+    #[getter]
+    fn max_seq(&self) -> usize {
+        self.inner.max_seq()
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
+    /// The checkpoint's config.json as a dict.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let text = self.inner.config().raw.to_string();
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Engine(backend={:?}, position={}, max_seq={}, vocab_size={})",
+            self.inner.backend_name(),
+            self.inner.position(),
+            self.inner.max_seq(),
+            self.inner.vocab_size()
+        )
+    }
+}

@@ -1,0 +1,20 @@
+//! `lily._lily`: the native module. Python owns tokenization, sampling policy and the CLI;
+//! this crate only moves token ids in and logits out.
+
+mod engine;
+mod errors;
+mod sampling;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _lily(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<engine::Engine>()?;
+    m.add("LilyError", py.get_type::<errors::LilyError>())?;
+    m.add("ModelLoadError", py.get_type::<errors::ModelLoadError>())?;
+    m.add("ContextFullError", py.get_type::<errors::ContextFullError>())?;
+    m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
+    sampling::register(m)?;
+    Ok(())
+}
