@@ -1,0 +1,349 @@
+//! Every production CPU kernel against its plain-loop reference twin, through the `Backend`
+//! interface, on shapes with partial blocks and every weight format.
+
+use lily_core::{
+    backend::{cpu::Cpu, params::*, Backend},
+    quant::{Format, Groups, Matrix},
+    safetensors::{Bytes, DType},
+};
+
+/// Deterministic pseudo-random values in [lo, hi) (xorshift; no dependency needed).
+fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// Max |a - b| relative to max |b|, with the index, for messages.
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    let (i, err) = a.iter().zip(b).map(|(x, y)| (x - y).abs()).enumerate().fold((0, 0f32), |m, (i, e)| {
+        if e > m.1 || e.is_nan() {
+            (i, e)
+        } else {
+            m
+        }
+    });
+    assert!(a.iter().all(|x| x.is_finite()), "{what}: non-finite output");
+    assert!(err <= tol * scale, "{what}: max |diff| {err:.3e} at {i} (scale {scale:.3e}, tol {tol:.1e})");
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect()
+}
+
+/// A [experts, rows, cols] matrix of random values in `format` (quantized the MLX affine way).
+fn matrix(experts: usize, rows: usize, cols: usize, format: Format, seed: u64) -> Matrix {
+    let n = experts * rows * cols;
+    let vals = rand_vec(n, seed, -1.0, 1.0);
+    let (data, groups) = match format {
+        Format::F32 => (vals.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
+        Format::F16 => (vals.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(), None),
+        Format::BF16 => (bf16_bytes(&vals), None),
+        Format::Affine { bits, group } => {
+            let levels = ((1u32 << bits) - 1) as f32;
+            let mut words = vec![0u32; n * bits as usize / 32];
+            let (mut scales, mut biases) = (Vec::new(), Vec::new());
+            for (g, chunk) in vals.chunks(group).enumerate() {
+                let (lo, hi) = chunk.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                // Alternate the sign of the scale, as MLX does for half of the groups.
+                let (s, b) = if g % 2 == 0 { ((hi - lo) / levels, lo) } else { ((lo - hi) / levels, hi) };
+                let (s, b) = (half::bf16::from_f32(s).to_f32(), half::bf16::from_f32(b).to_f32());
+                scales.push(s);
+                biases.push(b);
+                for (j, &x) in chunk.iter().enumerate() {
+                    let q = ((x - b) / s).round().clamp(0.0, levels) as u32;
+                    let bit = (g * group + j) * bits as usize;
+                    words[bit / 32] |= q << (bit % 32);
+                }
+            }
+            (
+                words.iter().flat_map(|w| w.to_le_bytes()).collect(),
+                Some(Groups {
+                    dtype: DType::BF16,
+                    scales: Bytes::from_slice(&bf16_bytes(&scales)),
+                    biases: Bytes::from_slice(&bf16_bytes(&biases)),
+                }),
+            )
+        }
+    };
+    Matrix {
+        name: "test".into(),
+        format,
+        experts,
+        rows,
+        cols,
+        expert_stride: rows,
+        row_offset: 0,
+        data: Bytes::from_slice(&data),
+        groups,
+    }
+}
+
+const FORMATS: [Format; 7] = [
+    Format::F32,
+    Format::F16,
+    Format::BF16,
+    Format::Affine { bits: 4, group: 64 },
+    Format::Affine { bits: 4, group: 128 },
+    Format::Affine { bits: 8, group: 32 },
+    Format::Affine { bits: 2, group: 64 },
+];
+
+fn both() -> (Cpu, Cpu) {
+    (Cpu::new(), Cpu::reference())
+}
+
+#[test]
+fn matmul_matches_reference() {
+    let (fast, refr) = both();
+    for (fi, &format) in FORMATS.iter().enumerate() {
+        for &(n, k, t, row0) in &[(37, 128, 1, 0), (70, 256, 5, 2), (16, 384, 19, 0)] {
+            let w = matrix(1, n, k, format, 11 + fi as u64);
+            let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
+            let p = MatmulParams { tokens: t as u32, x_row0: row0 as u32 };
+            let (mut a, mut b) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
+            fast.matmul(&p, &w, &x, &mut a);
+            refr.matmul(&p, &w, &x, &mut b);
+            assert_close(&a, &b, 1e-5, &format!("matmul {format:?} n={n} k={k} t={t}"));
+        }
+    }
+}
+
+#[test]
+fn dequant_matches_reference() {
+    for (fi, &format) in FORMATS.iter().enumerate() {
+        let m = matrix(2, 9, 256, format, 3 + fi as u64);
+        let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+        for (e, r) in [(0, 0), (1, 8), (1, 3)] {
+            lily_core::backend::cpu::kernels::dequant_row(&m, m.stored_row(e, r), &mut a);
+            m.dequant_row(e, r, &mut b);
+            assert_eq!(a, b, "{format:?} e={e} r={r}");
+        }
+    }
+}
+
+#[test]
+fn embed_matches_reference() {
+    let (fast, refr) = both();
+    let table = matrix(1, 50, 128, Format::Affine { bits: 4, group: 64 }, 7);
+    let ids = vec![0u32, 49, 7, 7, 23];
+    let (mut a, mut b) = (vec![0f32; 5 * 128], vec![0f32; 5 * 128]);
+    fast.embed(5, &table, &ids, &mut a);
+    refr.embed(5, &table, &ids, &mut b);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn norms_and_elementwise_match_reference() {
+    let (fast, refr) = both();
+    let (rows, dim) = (7, 96);
+    let x = rand_vec(rows * dim, 1, -3.0, 3.0);
+    let z = rand_vec(rows * dim, 2, -3.0, 3.0);
+    let w = rand_vec(dim, 3, 0.5, 1.5);
+    let p = RmsNormParams { rows: rows as u32, dim: dim as u32, eps: 1e-6 };
+    let (mut a, mut b) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
+    fast.rms_norm(&p, &x, &w, &mut a);
+    refr.rms_norm(&p, &x, &w, &mut b);
+    assert_close(&a, &b, 1e-6, "rms_norm");
+    fast.rms_norm_gated(&p, &x, &z, &w, &mut a);
+    refr.rms_norm_gated(&p, &x, &z, &w, &mut b);
+    assert_close(&a, &b, 1e-6, "rms_norm_gated");
+    let rp = RowsParams { tokens: rows as u32, dim: dim as u32 };
+    fast.swiglu(&rp, &x, &z, &mut a);
+    refr.swiglu(&rp, &x, &z, &mut b);
+    assert_close(&a, &b, 1e-6, "swiglu");
+    let gate = rand_vec(rows, 9, -2.0, 2.0);
+    let (mut a, mut b) = (x.clone(), x.clone());
+    fast.sigmoid_gate_add(&rp, &z, &gate, &mut a);
+    refr.sigmoid_gate_add(&rp, &z, &gate, &mut b);
+    assert_close(&a, &b, 1e-6, "sigmoid_gate_add");
+    fast.add(&rp, &mut a, &z);
+    refr.add(&rp, &mut b, &z);
+    assert_close(&a, &b, 1e-6, "add");
+}
+
+#[test]
+fn attention_path_matches_reference() {
+    let (fast, refr) = both();
+    // Real per-head shapes: hd 256, rotary 64, 8 query heads per KV head.
+    let (h, kv, hd, t, pos0) = (8, 1, 256, 9, 5);
+    let p = RopeParams {
+        tokens: t as u32,
+        pos0: pos0 as u32,
+        heads: h,
+        kv_heads: kv,
+        head_dim: hd,
+        rotary_dim: 64,
+        eps: 1e-6,
+        theta: 1e4,
+    };
+    let (hd, h, kv) = (hd as usize, h as usize, kv as usize);
+    let qg0 = rand_vec(t * h * 2 * hd, 1, -2.0, 2.0);
+    let k0 = rand_vec(t * kv * hd, 2, -2.0, 2.0);
+    let (qn, kn) = (rand_vec(hd, 3, 0.5, 1.5), rand_vec(hd, 4, 0.5, 1.5));
+    let (mut qa, mut ka, mut qb, mut kb) = (qg0.clone(), k0.clone(), qg0.clone(), k0.clone());
+    fast.qk_norm_rope(&p, &qn, &kn, &mut qa, &mut ka);
+    refr.qk_norm_rope(&p, &qn, &kn, &mut qb, &mut kb);
+    assert_close(&qa, &qb, 1e-6, "qk_norm_rope q");
+    assert_close(&ka, &kb, 1e-6, "qk_norm_rope k");
+    // Cache with pos0 earlier rows, then this chunk's keys appended.
+    let max_seq = 32;
+    let mut kc = rand_vec(max_seq * kv * hd, 5, -1.0, 1.0);
+    let mut vc = rand_vec(max_seq * kv * hd, 6, -1.0, 1.0);
+    let v = rand_vec(t * kv * hd, 7, -1.0, 1.0);
+    let sp = KvStoreParams { tokens: t as u32, pos0: pos0 as u32, width: (kv * hd) as u32 };
+    let mut kc2 = kc.clone();
+    fast.kv_store(&sp, &ka, &mut kc);
+    refr.kv_store(&sp, &ka, &mut kc2);
+    assert_eq!(kc, kc2);
+    fast.kv_store(&sp, &v, &mut vc);
+    let ap = AttentionParams {
+        tokens: t as u32,
+        pos0: pos0 as u32,
+        heads: h as u32,
+        kv_heads: kv as u32,
+        head_dim: hd as u32,
+        scale: 1.0 / 16.0,
+    };
+    let (mut a, mut b) = (vec![0f32; t * h * hd], vec![0f32; t * h * hd]);
+    fast.attention(&ap, &qa, &kc, &vc, &mut a);
+    refr.attention(&ap, &qa, &kc, &vc, &mut b);
+    assert_close(&a, &b, 1e-5, "attention");
+}
+
+#[test]
+fn rope_rotates_only_the_rotary_dims() {
+    // RMSNorm with w = 1 then RoPE at position 0 is the identity rotation: only the norm acts.
+    let mut v: Vec<f32> = (0..8).map(|i| i as f32 + 1.0).collect();
+    let ms = v.iter().map(|x| x * x).sum::<f32>() / 8.0;
+    let normed: Vec<f32> = v.iter().map(|x| x / (ms + 1e-6).sqrt()).collect();
+    lily_core::backend::cpu::reference::norm_rope_head(&mut v, &[1.0; 8], 1e-6, 4, 100.0, 0);
+    assert_close(&v, &normed, 1e-6, "pos 0");
+    // At position 1, dims 4..8 are untouched and (0, 2) rotate by angle 1 rad (inv_freq_0 = 1).
+    let mut w = normed.clone();
+    lily_core::backend::cpu::reference::norm_rope_head(&mut w, &[1.0; 8], 0.0, 4, 100.0, 1);
+    assert_close(&w[4..], &normed[4..], 1e-6, "pass-through dims");
+    let (c, s) = (1f32.cos(), 1f32.sin());
+    assert!((w[0] - (normed[0] * c - normed[2] * s)).abs() < 1e-5);
+    assert!((w[2] - (normed[2] * c + normed[0] * s)).abs() < 1e-5);
+}
+
+fn delta_net_case(t: usize, seed: u64) {
+    let (fast, refr) = both();
+    let (hk, hv, dk, dv) = (2usize, 4usize, 128usize, 128usize);
+    let width = 2 * hk * dk + hv * dv;
+    let qkv = rand_vec(t * width, seed, -1.0, 1.0);
+    let a = rand_vec(t * hv, seed + 1, -3.0, 3.0);
+    let b = rand_vec(t * hv, seed + 2, -3.0, 3.0);
+    let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
+    let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
+    let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
+    let p = DeltaNetParams { tokens: t as u32, key_heads: hk as u32, value_heads: hv as u32, key_dim: dk as u32, value_dim: dv as u32 };
+    let (mut sa, mut sb) = (s0.clone(), s0);
+    let (mut oa, mut ob) = (vec![0f32; t * hv * dv], vec![0f32; t * hv * dv]);
+    fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
+    refr.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sb, &mut ob);
+    assert_close(&oa, &ob, 2e-5, &format!("delta_net out t={t}"));
+    assert_close(&sa, &sb, 2e-5, &format!("delta_net state t={t}"));
+}
+
+#[test]
+fn delta_net_chunked_matches_step_recurrence() {
+    delta_net_case(1, 1); // decode step
+    delta_net_case(2, 2);
+    delta_net_case(64, 3); // one full chunk
+    delta_net_case(150, 4); // 64 + 64 + 22
+}
+
+#[test]
+fn delta_net_decode_steps_match_reference() {
+    // Many single steps: state errors compound over tokens.
+    let (fast, refr) = both();
+    let (hk, hv, dk, dv) = (1usize, 2usize, 128usize, 128usize);
+    let width = 2 * hk * dk + hv * dv;
+    let p = DeltaNetParams { tokens: 1, key_heads: hk as u32, value_heads: hv as u32, key_dim: dk as u32, value_dim: dv as u32 };
+    let (a_log, dt_bias) = (rand_vec(hv, 1, -4.0, 0.5), rand_vec(hv, 2, -1.0, 1.0));
+    let (mut sa, mut sb) = (vec![0f32; hv * dk * dv], vec![0f32; hv * dk * dv]);
+    let (mut oa, mut ob) = (vec![0f32; hv * dv], vec![0f32; hv * dv]);
+    for step in 0..64 {
+        let qkv = rand_vec(width, 100 + step, -1.0, 1.0);
+        let (a, b) = (rand_vec(hv, 200 + step, -2.0, 2.0), rand_vec(hv, 300 + step, -2.0, 2.0));
+        fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
+        refr.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sb, &mut ob);
+        assert_close(&oa, &ob, 1e-5, &format!("step {step}"));
+    }
+    assert_close(&sa, &sb, 1e-5, "state after 64 steps");
+}
+
+#[test]
+fn delta_net_conv_matches_reference() {
+    let (fast, refr) = both();
+    let (c, taps) = (300, 4);
+    let w = rand_vec(c * taps, 1, -1.0, 1.0);
+    for &t in &[1usize, 2, 5] {
+        let x = rand_vec(t * c, 2 + t as u64, -2.0, 2.0);
+        let st0 = rand_vec((taps - 1) * c, 9, -2.0, 2.0);
+        let (mut sa, mut sb) = (st0.clone(), st0);
+        let (mut a, mut b) = (vec![0f32; t * c], vec![0f32; t * c]);
+        let p = ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 };
+        fast.delta_net_conv(&p, &w, &mut sa, &x, &mut a);
+        refr.delta_net_conv(&p, &w, &mut sb, &x, &mut b);
+        assert_close(&a, &b, 1e-6, &format!("conv out t={t}"));
+        assert_close(&sa, &sb, 0.0, &format!("conv state t={t}"));
+    }
+}
+
+#[test]
+fn moe_matches_reference() {
+    let (fast, refr) = both();
+    let (e, k, d, i) = (16usize, 8usize, 128usize, 64usize);
+    for &t in &[1usize, 6] {
+        let logits = rand_vec(t * e, 1 + t as u64, -3.0, 3.0);
+        let rp = RouteParams { tokens: t as u32, experts: e as u32, top_k: k as u32, renorm: 1 };
+        let (mut ia, mut ib) = (vec![0u32; t * k], vec![0u32; t * k]);
+        let (mut wa, mut wb) = (vec![0f32; t * k], vec![0f32; t * k]);
+        fast.moe_route(&rp, &logits, &mut ia, &mut wa);
+        refr.moe_route(&rp, &logits, &mut ib, &mut wb);
+        assert_eq!(ia, ib, "moe_route ids");
+        assert_close(&wa, &wb, 1e-6, "moe_route weights");
+        for wt in wa.chunks(k) {
+            assert!((wt.iter().sum::<f32>() - 1.0).abs() < 1e-5, "renormalised weights sum to 1");
+        }
+        for format in [Format::BF16, Format::Affine { bits: 4, group: 64 }] {
+            let gate = matrix(e, i, d, format, 21);
+            let up = matrix(e, i, d, format, 22);
+            let down = matrix(e, d, i, format, 23);
+            let x = rand_vec(t * d, 24, -1.0, 1.0);
+            let mp = MoeParams { tokens: t as u32, top_k: k as u32 };
+            let mut tmp = vec![0f32; t * k * (i + d)];
+            let (mut a, mut b) = (vec![0f32; t * d], vec![0f32; t * d]);
+            fast.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut a);
+            refr.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut b);
+            assert_close(&a, &b, 1e-5, &format!("moe_experts {format:?} t={t}"));
+        }
+    }
+}
+
+#[test]
+fn fused_gate_up_views_select_the_right_rows() {
+    // HF stores gate_up [E, 2I, D]; the gate view is rows 0..I of each expert, up rows I..2I.
+    let (e, i, d) = (3, 4, 64);
+    let full = matrix(e, 2 * i, d, Format::BF16, 5);
+    let view = |off| Matrix { rows: i, expert_stride: 2 * i, row_offset: off, ..full.clone() };
+    let (gate, up) = (view(0), view(i));
+    let (mut a, mut b) = (vec![0f32; d], vec![0f32; d]);
+    gate.dequant_row(2, 1, &mut a);
+    full.dequant_row(2, 1, &mut b);
+    assert_eq!(a, b);
+    up.dequant_row(2, 1, &mut a);
+    full.dequant_row(2, i + 1, &mut b);
+    assert_eq!(a, b);
+}

@@ -1,0 +1,70 @@
+"""Native core of Lily (Rust): the model, its per-sequence state and the backends."""
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, final
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Self
+
+__all__ = ["ContextFullError", "DeviceError", "Engine", "LilyError", "ModelLoadError", "Sampler"]
+
+class LilyError(Exception):
+    """Base class of every Lily error."""
+
+class ModelLoadError(LilyError):
+    """The checkpoint or its config.json could not be loaded (missing file, bad field, bad tensor)."""
+
+class ContextFullError(LilyError):
+    """The sequence would grow past the engine's ``max_seq``; the engine is left unchanged."""
+
+class DeviceError(LilyError):
+    """The backend device is unavailable or a command failed on it."""
+
+@final
+class Engine:
+    """One Qwen3.6 MoE model and one sequence on one backend.
+
+    ``path`` is a checkpoint folder (MLX affine-quantized or Hugging Face bf16 safetensors with
+    ``config.json``). ``backend`` is ``"auto"`` (the best available), ``"cpu"``, ``"cpu-reference"``
+    (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"`` or ``"cuda"``. ``max_seq`` caps the
+    sequence length (default: the config's ``max_position_embeddings``). ``progress(done, total)`` is
+    called as layers load. The GIL is released while the model loads and runs.
+    """
+
+    def __new__(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        backend: Literal["auto", "cpu", "cpu-reference", "metal", "metal-sim", "cuda"] | str = "auto",
+        max_seq: int | None = None,
+        progress: Callable[[int, int], object] | None = None,
+    ) -> Self: ...
+    def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> npt.NDArray[np.float32]:
+        """Append ``tokens`` to the sequence (a second call continues it).
+
+        Returns the next-token logits after the last token, shape ``[vocab_size]``, or with
+        ``all_logits=True`` after every token, shape ``[len(tokens), vocab_size]``. Raises
+        ``ValueError`` for an empty list or a token id outside ``[0, vocab_size)`` and
+        ``ContextFullError`` past ``max_seq``; either way the sequence is unchanged.
+        """
+    def decode(self, token: int) -> npt.NDArray[np.float32]:
+        """Append one token; its next-token logits, shape ``[vocab_size]``."""
+    def reset(self) -> None:
+        """Start a new, empty sequence."""
+    @property
+    def position(self) -> int:
+        """Tokens in the current sequence."""
+    @property
+    def max_seq(self) -> int:
+        """Longest sequence this engine holds."""
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits (the checkpoint's vocab_size, padding ids included)."""
+    @property
+    def backend(self) -> str:
+        """The backend running the model, e.g. ``"cpu"``."""
+    @property
+    def config(self) -> dict[str, Any]:
+        """The checkpoint's ``config.json`` as a dict."""

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need, builds the package,
+# checks formatting and lints, then runs the Rust and Python tests. `.ci/run` calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+
+step() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
+
+step "install test dependencies"
+python3 -m pip install -q "maturin>=1.7,<2" -r tests/requirements.txt
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+if [ -x scripts/check_metal.sh ] && ! command -v clang-19 >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq clang-19 >/dev/null
+    else
+        sudo apt-get update -qq && sudo apt-get install -y -qq clang-19 >/dev/null
+    fi
+fi
+
+step "build and install the package (editable, release)"
+python3 -m pip install -q --no-build-isolation -e .
+
+step "rust: fmt, clippy, tests"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test -p lily-core --release --locked
+
+step "python: ruff, stub check"
+python3 -m ruff check python tests
+python3 -m mypy.stubtest lily._lily --allowlist tests/stubtest-allowlist.txt
+
+if [ -x scripts/check_metal.sh ]; then
+    step "metal: shader type-checks and simulator"
+    bash scripts/check_metal.sh
+fi
+
+step "python: pytest"
+python3 -m pytest -q tests
