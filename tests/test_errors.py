@@ -1,0 +1,362 @@
+"""Typed errors of ``lily.Engine`` and its small API surface (reset, position, max_seq, config, backend).
+
+Load problems raise ``lily.ModelLoadError``; bad token ids, empty prompts and unknown backend names raise
+``ValueError``; a full context raises ``lily.ContextFullError``. A failed call must leave the engine as it
+was: the next valid call gives the same logits as on a fresh engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+
+import fixtures
+import numpy as np
+import pytest
+
+TINY = fixtures.PRESETS["tiny"]
+D = TINY["hidden_size"]
+HV = TINY["linear_num_value_heads"]
+MAX_SEQ = 32
+
+
+@pytest.fixture
+def ckpt_copy(tmp_path, tiny_hf):
+    """A private, writable copy of the tiny HF checkpoint."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf, dst)
+    return dst
+
+
+def _load(lily, path, **kw):
+    kw.setdefault("backend", "cpu")
+    kw.setdefault("max_seq", MAX_SEQ)
+    return lily.Engine(str(path), **kw)
+
+
+def _edit_config(folder, edit):
+    f = folder / "config.json"
+    cfg = json.loads(f.read_text())
+    edit(cfg)
+    f.write_text(json.dumps(cfg))
+
+
+def _vocab(tiny_hf):
+    return json.loads((tiny_hf / "config.json").read_text())["text_config"]["vocab_size"]
+
+
+# --------------------------------------------------------------------------------------------------
+# exception classes
+
+
+def test_exception_hierarchy(lily):
+    for cls in (lily.ModelLoadError, lily.ContextFullError, lily.DeviceError):
+        assert issubclass(cls, lily.LilyError), cls
+    assert issubclass(lily.LilyError, Exception)
+    assert not issubclass(lily.ModelLoadError, lily.ContextFullError)
+
+
+# --------------------------------------------------------------------------------------------------
+# load errors
+
+
+def test_missing_folder(lily, tmp_path):
+    with pytest.raises(lily.ModelLoadError) as ei:
+        _load(lily, tmp_path / "does-not-exist")
+    assert "does-not-exist" in str(ei.value)
+
+
+def test_missing_config(lily, ckpt_copy):
+    (ckpt_copy / "config.json").unlink()
+    with pytest.raises(lily.ModelLoadError, match="config"):
+        _load(lily, ckpt_copy)
+
+
+def test_config_not_json(lily, ckpt_copy):
+    (ckpt_copy / "config.json").write_text("{not json")
+    with pytest.raises(lily.ModelLoadError, match="config"):
+        _load(lily, ckpt_copy)
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_unknown_model_type(lily, ckpt_copy, where):
+    def edit(cfg):
+        (cfg if where == "top" else cfg["text_config"])["model_type"] = "llama_unknown"
+
+    _edit_config(ckpt_copy, edit)
+    with pytest.raises(lily.ModelLoadError, match="llama_unknown"):
+        _load(lily, ckpt_copy)
+
+
+@pytest.mark.parametrize("field", ["num_experts_per_tok", "hidden_size", "num_key_value_heads", "rms_norm_eps"])
+def test_config_missing_field(lily, ckpt_copy, field):
+    _edit_config(ckpt_copy, lambda cfg: cfg["text_config"].pop(field))
+    with pytest.raises(lily.ModelLoadError) as ei:
+        _load(lily, ckpt_copy)
+    assert field in str(ei.value), f"message does not name `{field}`: {ei.value}"
+
+
+def test_config_wrong_field_type(lily, ckpt_copy):
+    _edit_config(ckpt_copy, lambda cfg: cfg["text_config"].__setitem__("num_experts", "many"))
+    with pytest.raises(lily.ModelLoadError, match="num_experts"):
+        _load(lily, ckpt_copy)
+
+
+def test_corrupt_safetensors_header(lily, ckpt_copy):
+    f = ckpt_copy / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[8:40] = b"#" * 32  # the JSON header is no longer JSON
+    f.write_bytes(bytes(raw))
+    with pytest.raises(lily.ModelLoadError, match="model.safetensors"):
+        _load(lily, ckpt_copy)
+
+
+def test_safetensors_header_length_past_eof(lily, ckpt_copy):
+    f = ckpt_copy / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[:8] = struct.pack("<Q", len(raw) * 4)
+    f.write_bytes(bytes(raw))
+    with pytest.raises(lily.ModelLoadError, match="model.safetensors"):
+        _load(lily, ckpt_copy)
+
+
+def test_truncated_safetensors(lily, ckpt_copy):
+    f = ckpt_copy / "model.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes(raw[: len(raw) - 1000])
+    with pytest.raises(lily.ModelLoadError, match="model.safetensors"):
+        _load(lily, ckpt_copy)
+
+
+def test_no_weight_files(lily, ckpt_copy):
+    (ckpt_copy / "model.safetensors").unlink()
+    with pytest.raises(lily.ModelLoadError):
+        _load(lily, ckpt_copy)
+
+
+def _rewrite(folder, edit):
+    f = folder / "model.safetensors"
+    tensors, meta = fixtures.read_safetensors(f)
+    edit(tensors)
+    fixtures.write_safetensors(f, tensors, meta)
+
+
+def test_wrong_tensor_shape(lily, ckpt_copy):
+    name = "model.language_model.layers.1.linear_attn.in_proj_a.weight"
+
+    def edit(t):
+        dt, arr = t[name]
+        assert arr.shape == (HV, D)
+        t[name] = (dt, np.concatenate([arr, arr[:1]], axis=0))  # [HV + 1, D]
+
+    _rewrite(ckpt_copy, edit)
+    with pytest.raises(lily.ModelLoadError) as ei:
+        _load(lily, ckpt_copy)
+    msg = str(ei.value)
+    assert "layers.1.linear_attn.in_proj_a" in msg, f"message does not name the tensor: {msg}"
+    for what, shape in (("expected", (HV, D)), ("found", (HV + 1, D))):
+        pat = rf"\b{shape[0]}\D{{1,4}}{shape[1]}\b"
+        assert re.search(pat, msg), f"message does not give the {what} shape {list(shape)}: {msg}"
+
+
+def test_wrong_expert_tensor_shape(lily, ckpt_copy):
+    name = "model.language_model.layers.3.mlp.experts.gate_up_proj"
+
+    def edit(t):
+        dt, arr = t[name]
+        t[name] = (dt, arr[:, : arr.shape[1] // 2])  # gate only, no up half
+
+    _rewrite(ckpt_copy, edit)
+    with pytest.raises(lily.ModelLoadError) as ei:
+        _load(lily, ckpt_copy)
+    assert "layers.3.mlp.experts.gate_up_proj" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["model.language_model.layers.2.linear_attn.dt_bias",
+                                  "model.language_model.layers.3.self_attn.k_norm.weight", "lm_head.weight"])
+def test_missing_tensor(lily, ckpt_copy, name):
+    _rewrite(ckpt_copy, lambda t: t.pop(name))
+    with pytest.raises(lily.ModelLoadError) as ei:
+        _load(lily, ckpt_copy)
+    short = name.removeprefix("model.language_model.").removesuffix(".weight")
+    assert short in str(ei.value), f"message does not name {short}: {ei.value}"
+
+
+def test_wrong_tensor_dtype(lily, ckpt_copy):
+    name = "model.language_model.layers.0.input_layernorm.weight"
+    _rewrite(ckpt_copy, lambda t: t.__setitem__(name, ("I32", t[name][1].astype(np.int32))))
+    with pytest.raises(lily.ModelLoadError, match="layers.0.input_layernorm"):
+        _load(lily, ckpt_copy)
+
+
+def test_unknown_backend(lily, tiny_hf):
+    with pytest.raises(ValueError, match="tpu"):
+        _load(lily, tiny_hf, backend="tpu")
+
+
+@pytest.mark.parametrize("backend", ["metal", "cuda"])
+def test_unavailable_backend_is_device_error(lily, tiny_hf, backend):
+    """This Linux CI box has no Metal and no CUDA device."""
+    with pytest.raises(lily.DeviceError):
+        _load(lily, tiny_hf, backend=backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# runtime errors leave the engine usable
+
+
+@pytest.fixture(scope="module")
+def fresh_logits(lily, tiny_hf):
+    """Reference: the logits of a fresh engine after prefilling ``tokens``."""
+    cache = {}
+
+    def get(tokens):
+        key = tuple(tokens)
+        if key not in cache:
+            eng = _load(lily, tiny_hf)
+            cache[key] = eng.prefill(list(tokens), all_logits=True)
+        return cache[key]
+
+    return get
+
+
+PROMPT = [5, 17, 300, 2, 99, 256, 7]
+
+
+def _assert_still_works(eng, fresh_logits, history):
+    """The engine holds ``history``; a following decode must match a fresh engine exactly (<= 1e-5)."""
+    assert eng.position == len(history), f"position {eng.position}, expected {len(history)} after a failed call"
+    nxt = 42
+    got = eng.decode(nxt)
+    ref = fresh_logits([*history, nxt])[-1]
+    err = float(np.abs(got - ref).max())
+    assert err <= 1e-4, f"after the error the engine's logits differ from a fresh engine's: max|Δ|={err:.3e}"
+
+
+@pytest.mark.parametrize("bad", ["vocab", "vocab+1000", "negative", "huge"])
+def test_bad_token_ids_raise_value_error(lily, tiny_hf, fresh_logits, bad):
+    vocab = _vocab(tiny_hf)
+    tok = {"vocab": vocab, "vocab+1000": vocab + 1000, "negative": -1, "huge": 2**40}[bad]
+    eng = _load(lily, tiny_hf)
+    with pytest.raises(ValueError):
+        eng.prefill([tok])
+    assert eng.position == 0
+    eng.prefill(PROMPT)
+    with pytest.raises(ValueError):
+        eng.prefill([1, 2, tok, 3])  # the bad id in the middle: nothing of this call may be applied
+    with pytest.raises(ValueError):
+        eng.decode(tok)
+    _assert_still_works(eng, fresh_logits, PROMPT)
+
+
+def test_last_valid_token_id_is_accepted(lily, tiny_hf):
+    vocab = _vocab(tiny_hf)
+    eng = _load(lily, tiny_hf)
+    out = eng.prefill([0, vocab - 1])
+    assert out.shape == (vocab,) and np.isfinite(out).all()
+
+
+def test_empty_prompt(lily, tiny_hf, fresh_logits):
+    eng = _load(lily, tiny_hf)
+    with pytest.raises(ValueError):
+        eng.prefill([])
+    with pytest.raises(ValueError):
+        eng.prefill([], all_logits=True)
+    assert eng.position == 0
+    eng.prefill(PROMPT)
+    with pytest.raises(ValueError):
+        eng.prefill([])
+    _assert_still_works(eng, fresh_logits, PROMPT)
+
+
+def test_prompt_longer_than_max_seq(lily, tiny_hf, fresh_logits):
+    eng = _load(lily, tiny_hf)
+    assert eng.max_seq == MAX_SEQ
+    with pytest.raises(lily.ContextFullError):
+        eng.prefill(list(range(MAX_SEQ + 1)))
+    assert eng.position == 0
+    eng.prefill(PROMPT)
+    with pytest.raises(lily.ContextFullError):
+        eng.prefill(list(range(MAX_SEQ - len(PROMPT) + 1)))  # one token too many on top of PROMPT
+    _assert_still_works(eng, fresh_logits, PROMPT)
+    # exactly filling the context is fine
+    eng.reset()
+    out = eng.prefill(list(range(MAX_SEQ)))
+    assert eng.position == MAX_SEQ and out.shape == (_vocab(tiny_hf),)
+
+
+def test_decode_past_max_seq(lily, tiny_hf, fresh_logits):
+    eng = _load(lily, tiny_hf)
+    hist = list(range(3, 3 + MAX_SEQ - 1))
+    eng.prefill(hist)
+    eng.decode(1)  # the last free slot
+    hist.append(1)
+    assert eng.position == MAX_SEQ
+    with pytest.raises(lily.ContextFullError):
+        eng.decode(2)
+    with pytest.raises(lily.ContextFullError):
+        eng.prefill([2])
+    assert eng.position == MAX_SEQ
+    eng.reset()
+    assert eng.position == 0
+    _assert_still_works(eng, fresh_logits, [])
+
+
+def test_context_full_is_a_lily_error(lily, tiny_hf):
+    eng = _load(lily, tiny_hf, max_seq=4)
+    with pytest.raises(lily.LilyError):
+        eng.prefill([1, 2, 3, 4, 5])
+
+
+# --------------------------------------------------------------------------------------------------
+# API surface
+
+
+def test_engine_attributes_and_reset(lily, tiny_hf, fresh_logits):
+    eng = _load(lily, tiny_hf)
+    assert eng.backend == "cpu"
+    assert eng.max_seq == MAX_SEQ
+    assert eng.position == 0
+    cfg = eng.config
+    assert isinstance(cfg, dict)
+    on_disk = json.loads((tiny_hf / "config.json").read_text())
+    assert cfg.get("model_type") == on_disk["model_type"]
+    assert cfg.get("text_config", cfg)["hidden_size"] == on_disk["text_config"]["hidden_size"]
+    assert cfg.get("text_config", cfg)["vocab_size"] == on_disk["text_config"]["vocab_size"]
+
+    a = eng.prefill(PROMPT, all_logits=True)
+    assert eng.position == len(PROMPT)
+    eng.decode(11)
+    assert eng.position == len(PROMPT) + 1
+    eng.reset()
+    assert eng.position == 0
+    b = eng.prefill(PROMPT, all_logits=True)
+    err = float(np.abs(a - b).max())
+    assert err == 0.0 or err <= 1e-6, f"after reset() the same prompt gives different logits: max|Δ|={err:.3e}"
+    np.testing.assert_allclose(b, fresh_logits(PROMPT), rtol=0, atol=1e-6)
+
+
+def test_auto_backend_on_cpu_only_box(lily, tiny_hf):
+    eng = _load(lily, tiny_hf, backend="auto")
+    assert eng.backend == "cpu"
+
+
+def test_default_max_seq(lily, tiny_hf):
+    eng = lily.Engine(str(tiny_hf), backend="cpu")
+    mpe = json.loads((tiny_hf / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert isinstance(eng.max_seq, int) and 0 < eng.max_seq <= mpe
+
+
+def test_invalid_max_seq(lily, tiny_hf):
+    with pytest.raises(ValueError):
+        _load(lily, tiny_hf, max_seq=0)
+
+
+def test_engines_are_independent(lily, tiny_hf, fresh_logits):
+    e1 = _load(lily, tiny_hf)
+    e2 = _load(lily, tiny_hf)
+    e1.prefill([9, 9, 9, 9])
+    e2.prefill(PROMPT)
+    _assert_still_works(e2, fresh_logits, PROMPT)
