@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self
 
-__all__ = ["ContextFullError", "DeviceError", "Engine", "LilyError", "ModelLoadError", "Sampler"]
+__all__ = ["ContextFullError", "DeviceError", "Engine", "LilyError", "ModelLoadError", "Sampler", "Snapshot"]
 
 class LilyError(Exception):
     """Base class of every Lily error."""
@@ -53,6 +53,15 @@ class Engine:
         """Append one token; its next-token logits, shape ``[vocab_size]``."""
     def reset(self) -> None:
         """Start a new, empty sequence."""
+    def snapshot(self) -> Snapshot:
+        """Copy the sequence state at the current position (DeltaNet states; KV rows are shared)."""
+    def restore(self, snapshot: Snapshot) -> None:
+        """Return to ``snapshot`` (earlier or later than now) if its tokens are still in the KV cache.
+
+        Raises ``ValueError`` if the snapshot is from another engine or its tokens were overwritten.
+        """
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` equal the tokens whose KV rows are in the cache."""
     @property
     def position(self) -> int:
         """Tokens in the current sequence."""
@@ -68,3 +77,42 @@ class Engine:
     @property
     def config(self) -> dict[str, Any]:
         """The checkpoint's ``config.json`` as a dict."""
+
+@final
+class Snapshot:
+    """The state of an engine's sequence at one position, from ``Engine.snapshot()``."""
+
+    @property
+    def position(self) -> int:
+        """Tokens in the sequence when the snapshot was taken."""
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence's token ids when the snapshot was taken."""
+
+@final
+class Sampler:
+    """Token sampling over a logits row, in Rust (the policy lives in ``lily.sampling``).
+
+    Padding ids at or beyond ``vocab_limit`` are never sampled. The same seed gives the same tokens.
+    """
+
+    def __new__(
+        cls,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        vocab_limit: int | None = None,
+        seed: int = 0,
+    ) -> Self: ...
+    def sample(self, logits: npt.NDArray[np.float32], logprob: bool = False) -> tuple[int, float | None]:
+        """Draw one token id; with ``logprob`` also its log-probability under the raw logits."""
+    def reset(self, prompt: Sequence[int], seed: int) -> None:
+        """Start a new sequence: penalties count ``prompt``; the random stream restarts from ``seed``."""
+    def accept(self, token: int) -> None:
+        """Record a generated token (for the penalties)."""

@@ -1,15 +1,26 @@
 //! The engine: one model, one sequence. `prefill` appends tokens in bounded chunks, `decode`
 //! appends one; both return next-token logits. Inputs are validated before any state changes,
 //! so an error leaves the sequence as it was.
+//!
+//! Prefix reuse: a [`Snapshot`] copies the DeltaNet states (which cannot be truncated) at the
+//! current position; the KV cache is not copied, since rows below that position stay valid as
+//! long as the tokens that wrote them are still there. The engine remembers the token behind every
+//! cached KV row, so `restore` can check that exactly.
 
-use std::path::Path;
+use std::{
+    any::Any,
+    path::Path,
+    sync::atomic::{AtomicU64, Ordering},
+};
 
+#[cfg(unix)]
+use crate::backend::metal::{sim::Sim, Metal};
 use crate::{
     backend::{cpu::Cpu, Backend},
     config::ModelConfig,
     error::{Error, Result},
     model::{
-        state::{Scratch, State},
+        state::{LayerState, Scratch, State},
         Model,
     },
     weights::Loader,
@@ -27,15 +38,55 @@ pub struct Runner<B: Backend> {
     scratch: Scratch<B>,
     pos: usize,
     max_seq: usize,
+    /// The token behind each KV row written so far (may run past `pos` after a restore).
+    cached: Vec<u32>,
+    /// Tells snapshots of this engine from those of another.
+    id: u64,
 }
 
+/// The sequence state at one position: DeltaNet conv + recurrent states and the token prefix.
+pub struct Snapshot {
+    engine: u64,
+    tokens: Vec<u32>,
+    states: Box<dyn Any + Send>, // Vec<B::Buf> of the runner that took it
+}
+
+impl Snapshot {
+    /// Tokens in the sequence when the snapshot was taken.
+    pub fn position(&self) -> usize {
+        self.tokens.len()
+    }
+    /// The sequence's tokens when the snapshot was taken.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
 impl<B: Backend> Runner<B> {
-    fn new(b: B, dir: &Path, cfg: &ModelConfig, max_seq: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+    fn new(
+        b: B,
+        dir: &Path,
+        cfg: &ModelConfig,
+        max_seq: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let loader = Loader::open(dir, cfg)?;
         let model = Model::load(&b, &loader, cfg, progress)?;
         let state = State::new(&b, cfg, max_seq)?;
         let scratch = Scratch::new(&b, cfg, PREFILL_CHUNK.min(max_seq), LOGIT_ROWS)?;
-        Ok(Runner { b, model, state, scratch, pos: 0, max_seq })
+        let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Runner {
+            b,
+            model,
+            state,
+            scratch,
+            pos: 0,
+            max_seq,
+            cached: Vec::new(),
+            id,
+        })
     }
 
     fn check(&self, tokens: &[u32]) -> Result<()> {
@@ -47,7 +98,11 @@ impl<B: Backend> Runner<B> {
             return Err(Error::InvalidToken { token: bad, vocab });
         }
         if self.pos + tokens.len() > self.max_seq {
-            return Err(Error::ContextFull { used: self.pos, requested: tokens.len(), max: self.max_seq });
+            return Err(Error::ContextFull {
+                used: self.pos,
+                requested: tokens.len(),
+                max: self.max_seq,
+            });
         }
         Ok(())
     }
@@ -61,14 +116,19 @@ impl<B: Backend> Runner<B> {
             let t = chunk.len();
             self.b.begin()?;
             self.b.write_ids(&mut self.scratch.ids, chunk)?;
-            self.model.forward(&self.b, t, self.pos, &mut self.state, &mut self.scratch);
+            self.model
+                .forward(&self.b, t, self.pos, &mut self.state, &mut self.scratch);
             if all_logits {
                 let mut row = 0;
                 while row < t {
                     let rows = (t - row).min(self.scratch.logit_rows);
                     self.model.logits(&self.b, row, rows, &mut self.scratch);
                     self.b.finish()?;
-                    self.b.read(&self.scratch.logits, 0, &mut out[(done + row) * vocab..][..rows * vocab])?;
+                    self.b.read(
+                        &self.scratch.logits,
+                        0,
+                        &mut out[(done + row) * vocab..][..rows * vocab],
+                    )?;
                     row += rows;
                 }
             } else if done + t == tokens.len() {
@@ -78,6 +138,8 @@ impl<B: Backend> Runner<B> {
             } else {
                 self.b.finish()?;
             }
+            self.cached.truncate(self.pos);
+            self.cached.extend_from_slice(chunk);
             self.pos += t;
             done += t;
         }
@@ -88,11 +150,58 @@ impl<B: Backend> Runner<B> {
         self.check(&[token])?;
         self.b.begin()?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
-        self.model.forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
+        self.model
+            .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
         self.model.logits(&self.b, 0, 1, &mut self.scratch);
         self.b.finish()?;
         self.b.read(&self.scratch.logits, 0, out)?;
+        self.cached.truncate(self.pos);
+        self.cached.push(token);
         self.pos += 1;
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Result<Snapshot> {
+        let mut bufs = Vec::new();
+        self.b.begin()?;
+        for layer in &self.state.layers {
+            if let LayerState::DeltaNet(s) = layer {
+                for (src, len) in [(&s.conv, s.conv_len), (&s.ssm, s.ssm_len)] {
+                    let mut dst = self.b.alloc(len)?;
+                    self.b.copy(src, &mut dst, len)?;
+                    bufs.push(dst);
+                }
+            }
+        }
+        self.b.finish()?;
+        Ok(Snapshot {
+            engine: self.id,
+            tokens: self.cached[..self.pos].to_vec(),
+            states: Box::new(bufs),
+        })
+    }
+
+    fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let stale = || {
+            Error::InvalidArgument("snapshot does not match this engine's cache: it was taken by another engine, or the tokens it covers have been overwritten since".into())
+        };
+        let n = snap.tokens.len();
+        if snap.engine != self.id || self.cached.len() < n || self.cached[..n] != snap.tokens[..] {
+            return Err(stale());
+        }
+        let bufs = snap.states.downcast_ref::<Vec<B::Buf>>().ok_or_else(stale)?;
+        let mut it = bufs.iter();
+        self.b.begin()?;
+        for layer in &mut self.state.layers {
+            if let LayerState::DeltaNet(s) = layer {
+                for (dst, len) in [(&mut s.conv, s.conv_len), (&mut s.ssm, s.ssm_len)] {
+                    let src = it.next().ok_or_else(stale)?;
+                    self.b.copy(src, dst, len)?;
+                }
+            }
+        }
+        self.b.finish()?;
+        self.pos = n;
         Ok(())
     }
 
@@ -100,6 +209,11 @@ impl<B: Backend> Runner<B> {
         self.state.reset(&self.b)?;
         self.pos = 0;
         Ok(())
+    }
+
+    /// Longest common prefix of `tokens` and the cached tokens (KV rows that could be reused).
+    fn cached_prefix(&self, tokens: &[u32]) -> usize {
+        self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count()
     }
 }
 
@@ -112,6 +226,8 @@ pub enum BackendKind {
     /// The plain-loop reference kernels (slow; for checking).
     CpuReference,
     Metal,
+    /// The Metal backend's command stream run by the CPU simulator (tools/metal-sim; needs clang-19).
+    MetalSim,
     Cuda,
 }
 
@@ -122,10 +238,11 @@ impl BackendKind {
             "cpu" => BackendKind::Cpu,
             "cpu-reference" => BackendKind::CpuReference,
             "metal" => BackendKind::Metal,
+            "metal-sim" => BackendKind::MetalSim,
             "cuda" => BackendKind::Cuda,
             _ => {
                 return Err(Error::InvalidArgument(format!(
-                    "unknown backend {name:?}: expected \"auto\", \"cpu\", \"cpu-reference\", \"metal\" or \"cuda\""
+                    "unknown backend {name:?}: expected \"auto\", \"cpu\", \"cpu-reference\", \"metal\", \"metal-sim\" or \"cuda\""
                 )))
             }
         })
@@ -135,12 +252,16 @@ impl BackendKind {
 /// The type-erased engine: one variant per compiled backend.
 pub enum Engine {
     Cpu(Runner<Cpu>, ModelConfig),
+    #[cfg(unix)]
+    MetalSim(Runner<Metal<Sim>>, ModelConfig),
 }
 
 macro_rules! each {
     ($self:expr, $r:ident => $body:expr) => {
         match $self {
             Engine::Cpu($r, _) => $body,
+            #[cfg(unix)]
+            Engine::MetalSim($r, _) => $body,
         }
     };
 }
@@ -170,11 +291,25 @@ impl Engine {
             BackendKind::Auto | BackendKind::Cpu => {
                 Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, progress)?, cfg))
             }
-            BackendKind::CpuReference => {
-                Ok(Engine::Cpu(Runner::new(Cpu::reference(), dir, &cfg, max_seq, progress)?, cfg))
-            }
-            BackendKind::Metal => Err(Error::Device("the Metal backend is not built into this package yet".into())),
-            BackendKind::Cuda => Err(Error::Device("the CUDA backend is not built into this package yet".into())),
+            BackendKind::CpuReference => Ok(Engine::Cpu(
+                Runner::new(Cpu::reference(), dir, &cfg, max_seq, progress)?,
+                cfg,
+            )),
+            #[cfg(unix)]
+            BackendKind::MetalSim => Ok(Engine::MetalSim(
+                Runner::new(Metal::sim()?, dir, &cfg, max_seq, progress)?,
+                cfg,
+            )),
+            #[cfg(not(unix))]
+            BackendKind::MetalSim => Err(Error::Device(
+                "the Metal simulator needs a Unix host with clang-19".into(),
+            )),
+            BackendKind::Metal => Err(Error::Device(
+                "the Metal backend is not built into this package yet".into(),
+            )),
+            BackendKind::Cuda => Err(Error::Device(
+                "the CUDA backend is not built into this package yet".into(),
+            )),
         }
     }
 
@@ -193,13 +328,33 @@ impl Engine {
     /// `decode` writing into a caller's buffer of `vocab_size` floats (no allocation).
     pub fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
         if out.len() != self.vocab_size() {
-            return Err(Error::InvalidArgument(format!("logits buffer has {} entries, vocab is {}", out.len(), self.vocab_size())));
+            return Err(Error::InvalidArgument(format!(
+                "logits buffer has {} entries, vocab is {}",
+                out.len(),
+                self.vocab_size()
+            )));
         }
         each!(self, r => r.decode_into(token, out))
     }
 
     pub fn reset(&mut self) -> Result<()> {
         each!(self, r => r.reset())
+    }
+
+    /// Copy the state at the current position, to come back to with [`Engine::restore`].
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        each!(self, r => r.snapshot())
+    }
+
+    /// Go back (or forward) to a snapshot of this engine whose tokens are still in the KV cache.
+    /// On error nothing changes.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        each!(self, r => r.restore(snap))
+    }
+
+    /// How many leading `tokens` match the tokens whose KV rows are cached.
+    pub fn cached_prefix(&self, tokens: &[u32]) -> usize {
+        each!(self, r => r.cached_prefix(tokens))
     }
 
     /// Tokens in the current sequence.
@@ -222,6 +377,8 @@ impl Engine {
     pub fn config(&self) -> &ModelConfig {
         match self {
             Engine::Cpu(_, c) => c,
+            #[cfg(unix)]
+            Engine::MetalSim(_, c) => c,
         }
     }
 }

@@ -1,13 +1,43 @@
 //! `lily.Engine`: a thin wrapper over `lily_core::Engine`. Token ids in, numpy logits out;
 //! the GIL is released while the model runs.
 
-use std::path::PathBuf;
+use std::{path::PathBuf, sync::Mutex};
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyAny};
 
 use crate::errors::PyLilyError;
-use lily_core::{BackendKind, Engine as CoreEngine};
+use lily_core::{engine::Snapshot as CoreSnapshot, BackendKind, Engine as CoreEngine};
+
+/// The sequence state at one position (DeltaNet states + token prefix), from `Engine.snapshot`.
+#[pyclass(module = "lily._lily", name = "Snapshot", frozen)]
+pub struct Snapshot {
+    inner: Mutex<CoreSnapshot>,
+    position: usize,
+}
+
+#[pymethods]
+impl Snapshot {
+    #[getter]
+    fn position(&self) -> usize {
+        self.position
+    }
+
+    /// The sequence's token ids when the snapshot was taken.
+    #[getter]
+    fn tokens(&self) -> PyResult<Vec<u32>> {
+        Ok(self
+            .inner
+            .lock()
+            .map_err(|_| PyValueError::new_err("snapshot lock poisoned"))?
+            .tokens()
+            .to_vec())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Snapshot(position={})", self.position)
+    }
+}
 
 #[pyclass(module = "lily._lily", name = "Engine")]
 pub struct Engine {
@@ -19,7 +49,9 @@ fn to_ids(tokens: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
         .into_iter()
         .map(|t| {
             if t < 0 || t as u64 >= vocab as u64 {
-                Err(PyValueError::new_err(format!("token id {t} out of range: vocabulary has {vocab} entries")))
+                Err(PyValueError::new_err(format!(
+                    "token id {t} out of range: vocabulary has {vocab} entries"
+                )))
             } else {
                 Ok(t as u32)
             }
@@ -57,7 +89,9 @@ impl Engine {
             };
             CoreEngine::with_progress(&path, kind, max_seq, &mut report)
         });
-        Ok(Engine { inner: inner.map_err(PyLilyError::from)? })
+        Ok(Engine {
+            inner: inner.map_err(PyLilyError::from)?,
+        })
     }
 
     /// Append tokens to the sequence; logits of the last one, or of every one with all_logits.
@@ -67,7 +101,9 @@ impl Engine {
         let ids = to_ids(tokens, vocab)?;
         let n = ids.len();
         let inner = &mut self.inner;
-        let logits = py.detach(|| inner.prefill(&ids, all_logits)).map_err(PyLilyError::from)?;
+        let logits = py
+            .detach(|| inner.prefill(&ids, all_logits))
+            .map_err(PyLilyError::from)?;
         let arr = PyArray1::from_vec(py, logits);
         if all_logits {
             let arr2: Bound<'py, PyArray2<f32>> = arr.reshape([n, vocab])?;
@@ -84,6 +120,38 @@ impl Engine {
         let inner = &mut self.inner;
         let logits = py.detach(|| inner.decode(id)).map_err(PyLilyError::from)?;
         Ok(PyArray1::from_vec(py, logits))
+    }
+
+    /// Copy the sequence state at the current position (for prefix reuse).
+    fn snapshot(&self, py: Python<'_>) -> PyResult<Snapshot> {
+        let inner = &self.inner;
+        let snap = py.detach(|| inner.snapshot()).map_err(PyLilyError::from)?;
+        let position = snap.position();
+        Ok(Snapshot {
+            inner: Mutex::new(snap),
+            position,
+        })
+    }
+
+    /// Return to a snapshot of this engine whose tokens are still in the KV cache.
+    /// (A state copy of tens of MB: done with the GIL held, since the snapshot is not Sync.)
+    fn restore(&mut self, snapshot: &Snapshot) -> PyResult<()> {
+        let snap = snapshot
+            .inner
+            .lock()
+            .map_err(|_| PyValueError::new_err("snapshot lock poisoned"))?;
+        self.inner.restore(&snap).map_err(PyLilyError::from)?;
+        Ok(())
+    }
+
+    /// How many leading `tokens` match the tokens whose KV rows are cached.
+    fn cached_prefix(&self, tokens: Vec<i64>) -> usize {
+        let ids: Vec<u32> = tokens
+            .iter()
+            .take_while(|&&t| (0..u32::MAX as i64).contains(&t))
+            .map(|&t| t as u32)
+            .collect();
+        self.inner.cached_prefix(&ids)
     }
 
     /// Forget the sequence (state and position back to zero).

@@ -3,9 +3,24 @@
 use pyo3::{create_exception, exceptions::PyException, exceptions::PyValueError, PyErr};
 
 create_exception!(lily, LilyError, PyException, "Base class of every Lily error.");
-create_exception!(lily, ModelLoadError, LilyError, "The checkpoint or its config.json could not be loaded.");
-create_exception!(lily, ContextFullError, LilyError, "The sequence would exceed the engine's max_seq.");
-create_exception!(lily, DeviceError, LilyError, "The backend device is unavailable or a command failed on it.");
+create_exception!(
+    lily,
+    ModelLoadError,
+    LilyError,
+    "The checkpoint or its config.json could not be loaded."
+);
+create_exception!(
+    lily,
+    ContextFullError,
+    LilyError,
+    "The sequence would exceed the engine's max_seq."
+);
+create_exception!(
+    lily,
+    DeviceError,
+    LilyError,
+    "The backend device is unavailable or a command failed on it."
+);
 
 /// Newtype so `?` converts core errors (orphan rule).
 pub struct PyLilyError(pub lily_core::Error);

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 fn _lily(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<engine::Engine>()?;
+    m.add_class::<engine::Snapshot>()?;
     m.add("LilyError", py.get_type::<errors::LilyError>())?;
     m.add("ModelLoadError", py.get_type::<errors::ModelLoadError>())?;
     m.add("ContextFullError", py.get_type::<errors::ContextFullError>())?;

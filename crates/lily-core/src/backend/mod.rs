@@ -7,6 +7,7 @@
 //! This file is the only place that knows which backends exist.
 
 pub mod cpu;
+pub mod metal;
 pub mod params;
 
 pub use params::*;
@@ -15,7 +16,7 @@ use crate::{error::Result, quant::Matrix};
 
 pub trait Backend: Send + Sized + 'static {
     /// f32 activations, state and scratch.
-    type Buf: Send;
+    type Buf: Send + 'static;
     /// u32 buffers: token ids, expert ids.
     type Ids: Send;
     /// A weight matrix resident on the device (quantized weights stay quantized).
@@ -54,11 +55,25 @@ pub trait Backend: Send + Sized + 'static {
     /// out [T, N] = x[x_row0.., K] W^T with W [N, K] (in-kernel dequantization).
     fn matmul(&self, p: &MatmulParams, w: &Self::Matrix, x: &Self::Buf, out: &mut Self::Buf);
     /// q/k RMSNorm + partial RoPE in place: qg [T, H, 2*hd] (q is the first hd of each head), k [T, Hkv, hd].
-    fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Self::Buf, k_norm: &Self::Buf, qg: &mut Self::Buf, k: &mut Self::Buf);
+    fn qk_norm_rope(
+        &self,
+        p: &RopeParams,
+        q_norm: &Self::Buf,
+        k_norm: &Self::Buf,
+        qg: &mut Self::Buf,
+        k: &mut Self::Buf,
+    );
     /// cache[pos0 + t, :] = x[t, :]; x [T, width], cache [max_seq, width].
     fn kv_store(&self, p: &KvStoreParams, x: &Self::Buf, cache: &mut Self::Buf);
     /// out [T, H*hd] = softmax(q K^T * scale, causal) V, times sigmoid(gate) from qg.
-    fn attention(&self, p: &AttentionParams, qg: &Self::Buf, k_cache: &Self::Buf, v_cache: &Self::Buf, out: &mut Self::Buf);
+    fn attention(
+        &self,
+        p: &AttentionParams,
+        qg: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        out: &mut Self::Buf,
+    );
     /// out [T, C] = silu(causal depthwise conv of [state; x]); state [taps-1, C] becomes the last rows.
     fn delta_net_conv(&self, p: &ConvParams, w: &Self::Buf, state: &mut Self::Buf, x: &Self::Buf, out: &mut Self::Buf);
     /// Gated DeltaNet over T tokens (l2-norm q/k, gates, delta-rule recurrence); out [T, Hv, Dv].

@@ -17,6 +17,8 @@ pub struct KvCache<B: Backend> {
 pub struct DeltaNetState<B: Backend> {
     pub conv: B::Buf, // [taps - 1, conv_dim] pre-conv projections, oldest first
     pub ssm: B::Buf,  // [Hv, Dk, Dv] f32
+    pub conv_len: usize,
+    pub ssm_len: usize,
 }
 
 pub enum LayerState<B: Backend> {
@@ -36,13 +38,20 @@ impl<B: Backend> State<B> {
             .iter()
             .map(|kind| {
                 Ok(match kind {
-                    LayerKind::Attention => {
-                        LayerState::Attention(KvCache { k: b.alloc(max_seq * kv_width)?, v: b.alloc(max_seq * kv_width)? })
-                    }
-                    LayerKind::DeltaNet => LayerState::DeltaNet(DeltaNetState {
-                        conv: b.alloc((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim())?,
-                        ssm: b.alloc(cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)?,
+                    LayerKind::Attention => LayerState::Attention(KvCache {
+                        k: b.alloc(max_seq * kv_width)?,
+                        v: b.alloc(max_seq * kv_width)?,
                     }),
+                    LayerKind::DeltaNet => {
+                        let conv_len = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
+                        let ssm_len = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim;
+                        LayerState::DeltaNet(DeltaNetState {
+                            conv: b.alloc(conv_len)?,
+                            ssm: b.alloc(ssm_len)?,
+                            conv_len,
+                            ssm_len,
+                        })
+                    }
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -64,29 +73,29 @@ impl<B: Backend> State<B> {
 /// Activations of one forward call of up to `chunk` tokens.
 pub struct Scratch<B: Backend> {
     pub chunk: usize,
-    pub ids: B::Ids,       // [chunk] token ids
-    pub x: B::Buf,         // [chunk, D] residual stream
-    pub h: B::Buf,         // [chunk, D] normed input of a block
-    pub mix: B::Buf,       // [chunk, D] output of a block
-    pub proj: B::Buf,      // [chunk, max(conv_dim, H * 2hd)] qkv (DeltaNet) or q|gate (attention)
-    pub conv: B::Buf,      // [chunk, conv_dim] conv + SiLU output
-    pub z: B::Buf,         // [chunk, Hv * Dv] DeltaNet output gate
-    pub a: B::Buf,         // [chunk, Hv]
-    pub b: B::Buf,         // [chunk, Hv]
-    pub k: B::Buf,         // [chunk, Hkv * hd]
-    pub v: B::Buf,         // [chunk, Hkv * hd]
-    pub core: B::Buf,      // [chunk, max(Hv * Dv, H * hd)] mixer output before o_proj / out_proj
-    pub gated: B::Buf,     // [chunk, Hv * Dv] gated-norm output
-    pub router: B::Buf,    // [chunk, E] router logits
-    pub expert_ids: B::Ids, // [chunk, K]
-    pub expert_w: B::Buf,  // [chunk, K]
-    pub moe_tmp: B::Buf,   // [chunk * K, I + D]
-    pub shared_g: B::Buf,  // [chunk, Is]
-    pub shared_u: B::Buf,  // [chunk, Is]
-    pub shared_act: B::Buf, // [chunk, Is]
-    pub shared_y: B::Buf,  // [chunk, D]
+    pub ids: B::Ids,         // [chunk] token ids
+    pub x: B::Buf,           // [chunk, D] residual stream
+    pub h: B::Buf,           // [chunk, D] normed input of a block
+    pub mix: B::Buf,         // [chunk, D] output of a block
+    pub proj: B::Buf,        // [chunk, max(conv_dim, H * 2hd)] qkv (DeltaNet) or q|gate (attention)
+    pub conv: B::Buf,        // [chunk, conv_dim] conv + SiLU output
+    pub z: B::Buf,           // [chunk, Hv * Dv] DeltaNet output gate
+    pub a: B::Buf,           // [chunk, Hv]
+    pub b: B::Buf,           // [chunk, Hv]
+    pub k: B::Buf,           // [chunk, Hkv * hd]
+    pub v: B::Buf,           // [chunk, Hkv * hd]
+    pub core: B::Buf,        // [chunk, max(Hv * Dv, H * hd)] mixer output before o_proj / out_proj
+    pub gated: B::Buf,       // [chunk, Hv * Dv] gated-norm output
+    pub router: B::Buf,      // [chunk, E] router logits
+    pub expert_ids: B::Ids,  // [chunk, K]
+    pub expert_w: B::Buf,    // [chunk, K]
+    pub moe_tmp: B::Buf,     // [chunk * K, I + D]
+    pub shared_g: B::Buf,    // [chunk, Is]
+    pub shared_u: B::Buf,    // [chunk, Is]
+    pub shared_act: B::Buf,  // [chunk, Is]
+    pub shared_y: B::Buf,    // [chunk, D]
     pub shared_gate: B::Buf, // [chunk, 1]
-    pub logits: B::Buf,    // [logit_rows, V]
+    pub logits: B::Buf,      // [logit_rows, V]
     pub logit_rows: usize,
 }
 
@@ -97,8 +106,12 @@ impl<B: Backend> Scratch<B> {
         let kv = cfg.num_key_value_heads * cfg.head_dim;
         let (hv, vd) = (cfg.linear_num_value_heads, cfg.value_dim());
         let core = vd.max(cfg.num_attention_heads * cfg.head_dim);
-        let (e, k, i, is) =
-            (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size);
+        let (e, k, i, is) = (
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size,
+        );
         Ok(Scratch {
             chunk,
             ids: b.alloc_ids(chunk)?,
