@@ -1,0 +1,37 @@
+"""Lily: fast local inference for Qwen3.6-35B-A3B.
+
+The Rust core (``lily._lily``) owns the weights, the device and the per-sequence state;
+this package owns tokenization, the chat template, sampling, streaming and the CLI.
+
+    model = lily.load("mlx-community/Qwen3.6-35B-A3B-4bit")
+    reply = model.chat([{"role": "user", "content": "Hi!"}])
+"""
+
+from lily._lily import ContextFullError, DeviceError, Engine, LilyError, ModelLoadError
+from lily.generate import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats, Model, load
+from lily.sampling import Sampler
+from lily.template import ChatTemplate, TemplateError
+from lily.tokenizer import StreamingDetokenizer, Tokenizer
+from lily.tools import parse_tool_calls, split_reasoning
+
+__all__ = [
+    "AssistantMessage",
+    "ChatChunk",
+    "ChatTemplate",
+    "Chunk",
+    "Completion",
+    "ContextFullError",
+    "DeviceError",
+    "Engine",
+    "GenerationStats",
+    "LilyError",
+    "Model",
+    "ModelLoadError",
+    "Sampler",
+    "StreamingDetokenizer",
+    "TemplateError",
+    "Tokenizer",
+    "load",
+    "parse_tool_calls",
+    "split_reasoning",
+]

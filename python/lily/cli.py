@@ -1,0 +1,264 @@
+"""The ``lily`` command: ``generate``, ``chat``, and ``synth`` / ``bench`` / ``eval`` (their own modules).
+
+    lily generate MODEL "prompt"      stream an answer (chat template applied; --raw to skip it)
+    lily chat MODEL                   interactive chat: /reset clears the history, /exit quits
+
+Errors (a missing model, a bad flag value) print one line, ``lily: error: ...``, and exit 1 or 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn, TextIO
+
+__all__ = ["main"]
+
+_DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval"}
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"lily: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _bias(text: str) -> tuple[int, float]:
+    try:
+        token, value = text.split("=", 1)
+        return int(token), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint folder or Hugging Face repo id (e.g. mlx-community/Qwen3.6-35B-A3B-4bit)")
+    p.add_argument("--backend", choices=["auto", "cpu", "metal", "cuda"], default="auto", help="compute backend")
+    p.add_argument("--max-seq", type=_positive_int, default=None, help="context length (default: the engine's)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None, help="tokens to generate at most (default 4096)")
+    s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    s.add_argument("--temperature", "--temp", type=float, default=None, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=None, help="0 = off")
+    s.add_argument("--top-p", type=float, default=None, help="1 = off")
+    s.add_argument("--min-p", type=float, default=None, help="0 = off")
+    s.add_argument("--repetition-penalty", type=float, default=None)
+    s.add_argument("--presence-penalty", type=float, default=None)
+    s.add_argument("--frequency-penalty", type=float, default=None)
+    s.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID=BIAS")
+    s.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")
+    p.add_argument("--hide-think", action="store_true", help="think, but do not print the thinking")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--no-stats", action="store_true", help="do not print the timing line")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto", help="dim the thinking text")
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="lily", description="Fast local inference for Qwen3.6-35B-A3B.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
+    _add_common(g)
+    g.add_argument("prompt", help="the prompt ('-' reads standard input)")
+    g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    c = sub.add_parser("chat", help="interactive chat (/reset, /exit)")
+    _add_common(c)
+    for name in _DISPATCH:
+        sub.add_parser(name, help=f"see `lily {name} --help`", add_help=False)
+    return p
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    out = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "seed": args.seed,
+    }
+    if args.logit_bias:
+        out["logit_bias"] = dict(args.logit_bias)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+class _Printer:
+    """Writes thinking (dimmed, or hidden) and answer text as it streams."""
+
+    def __init__(self, out: TextIO, color: bool, show_thinking: bool):
+        self.out, self.color, self.show_thinking = out, color, show_thinking
+        self.in_thinking = False
+
+    def reasoning(self, text: str) -> None:
+        if not text or not self.show_thinking:
+            return
+        if not self.in_thinking:
+            self.in_thinking = True
+            if self.color:
+                self.out.write(DIM)
+        self.out.write(text)
+        self.out.flush()
+
+    def content(self, text: str) -> None:
+        if not text:
+            return
+        self._end_thinking()
+        self.out.write(text)
+        self.out.flush()
+
+    def _end_thinking(self) -> None:
+        if self.in_thinking:
+            self.in_thinking = False
+            self.out.write((RESET if self.color else "") + "\n\n")
+
+    def finish(self) -> None:
+        self._end_thinking()
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _use_color(choice: str, stream: TextIO) -> bool:
+    if choice == "auto":
+        return stream.isatty()
+    return choice == "always"
+
+
+def _stats_line(stats, finish: str | None) -> str:
+    return f"[{stats} | finish: {finish}]"
+
+
+def _run_chat_turn(model, messages, args, printer: _Printer):
+    message = None
+    for chunk in model.chat(
+        messages,
+        enable_thinking=not args.no_think,
+        stream=True,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        **_sampling(args),
+    ):
+        printer.reasoning(chunk.reasoning)
+        printer.content(chunk.content)
+        if chunk.message is not None:
+            message = chunk.message
+    printer.finish()
+    if message is not None and message.tool_calls:
+        for call in message.tool_calls:
+            printer.out.write(f"[tool call] {call['function']['name']}({call['function']['arguments']})\n")
+    return message
+
+
+def _cmd_generate(model, args) -> int:
+    out = sys.stdout
+    printer = _Printer(out, _use_color(args.color, out), show_thinking=not args.hide_think)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.raw:
+        last = None
+        for chunk in model.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, **_sampling(args)):
+            printer.content(chunk.text)
+            last = chunk
+        printer.finish()
+        stats, finish = (last.stats, last.finish_reason) if last is not None else (None, None)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        message = _run_chat_turn(model, messages, args, printer)
+        stats, finish = (message.stats, message.finish_reason) if message is not None else (None, None)
+    if stats is not None and not args.no_stats:
+        print(_stats_line(stats, finish), file=sys.stderr)
+    return 0
+
+
+def _cmd_chat(model, args) -> int:
+    out = sys.stdout
+    color = _use_color(args.color, out)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict] = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("lily chat: /reset clears the conversation, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = list(system)
+            model.reset()
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        printer = _Printer(out, color, show_thinking=not args.hide_think)
+        try:
+            message = _run_chat_turn(model, messages, args, printer)
+        except KeyboardInterrupt:
+            printer.finish()
+            print("[interrupted]", file=sys.stderr)
+            messages.pop()
+            continue
+        if message is None:
+            messages.pop()
+            continue
+        messages.append(dict(message))
+        if not args.no_stats:
+            print(_stats_line(message.stats, message.finish_reason), file=sys.stderr)
+    return 0
+
+
+def _error(message: str, code: int = 1) -> int:
+    first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
+    print(f"lily: error: {first}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DISPATCH:
+        module = importlib.import_module(_DISPATCH[argv[0]])
+        return module.main(argv[1:]) or 0
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        import lily
+
+        try:
+            model = lily.load(args.model, backend=args.backend, max_seq=args.max_seq)
+            if args.command == "generate":
+                return _cmd_generate(model, args)
+            return _cmd_chat(model, args)
+        except (lily.LilyError, ValueError, TypeError, OSError) as e:
+            return _error(f"{e}")
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Sampling policy: ``Sampler`` holds the settings; the native ``lily._lily.Sampler`` does the work.
+
+Order (transformers' ``generate``): logit bias, repetition penalty (prompt + generated tokens),
+presence / frequency penalties (generated tokens), temperature, top-k, top-p, min-p, then a seeded
+draw. ``temperature=0`` is greedy. Ids ``>= vocab_limit`` (the padding rows past the tokenizer, ids
+248077... for Qwen3.6) are never sampled. The same seed gives the same tokens for the same logits.
+
+``benchmarks/sampling_overhead.py`` measures the whole per-token overhead outside the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lily import _lily
+
+__all__ = ["Sampler", "SamplingDefaults"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+    """The checkpoint's defaults (``generation_config.json``); ``do_sample=False`` means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    do_sample: bool = True
+
+    @classmethod
+    def from_generation_config(cls, config: Mapping[str, Any]) -> SamplingDefaults:
+        def get(key, default, kind):
+            value = config.get(key)
+            return default if value is None else kind(value)
+
+        return cls(
+            temperature=get("temperature", 1.0, float),
+            top_k=get("top_k", 0, int),
+            top_p=get("top_p", 1.0, float),
+            min_p=get("min_p", 0.0, float),
+            repetition_penalty=get("repetition_penalty", 1.0, float),
+            do_sample=get("do_sample", True, bool),
+        )
+
+
+class Sampler:
+    """A sampling policy over float32 logits rows.
+
+    ``sampler(logits)`` returns a token id; ``sampler.sample(logits, logprob=True)`` returns
+    ``(token, logprob)``. Call ``reset(prompt)`` at the start of each generation: it re-seeds (so a
+    fixed ``seed`` repeats its tokens) and records the prompt for the repetition penalty.
+    """
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        seed: int | None = None,
+        vocab_limit: int | None = None,
+    ):
+        if top_k is None or top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+        if seed is not None and not 0 <= int(seed) < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        if vocab_limit is not None and vocab_limit <= 0:
+            raise ValueError(f"vocab_limit must be > 0, got {vocab_limit}")
+        bias: dict[int, float] = {}
+        for k, v in (logit_bias or {}).items():
+            token = int(k)
+            if token < 0 or token >= 2**32:
+                raise ValueError(f"logit_bias: token id {k} out of range")
+            bias[token] = float(v)
+        self.temperature = float(temperature)
+        self.top_k = int(top_k)
+        self.top_p = float(top_p)
+        self.min_p = float(min_p)
+        self.repetition_penalty = float(repetition_penalty)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
+        self.logit_bias = bias
+        self.seed = None if seed is None else int(seed)
+        self.vocab_limit = vocab_limit
+        # Validates every value (ValueError naming the parameter).
+        self._native = _lily.Sampler(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias or None,
+            vocab_limit=vocab_limit,
+            seed=self._next_seed(),
+        )
+
+    def _next_seed(self) -> int:
+        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def reset(self, prompt: Sequence[int] = ()) -> None:
+        """Start a new sequence: re-seed and count ``prompt`` for the repetition penalty."""
+        self._native.reset([int(t) for t in prompt], self._next_seed())
+
+    def accept(self, token: int) -> None:
+        """Record a token chosen outside ``sample`` (for the penalties)."""
+        self._native.accept(int(token))
+
+    def sample(self, logits: np.ndarray, *, logprob: bool = False) -> tuple[int, float | None]:
+        """Draw a token from a 1-D float32 row; the row is read in place when it is contiguous float32."""
+        if not (isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.ndim == 1):
+            logits = np.ascontiguousarray(logits, dtype=np.float32)
+            if logits.ndim != 1:
+                raise ValueError(f"logits must be 1-D, got shape {logits.shape}")
+        elif not logits.flags.c_contiguous:
+            logits = np.ascontiguousarray(logits)
+        return self._native.sample(logits, logprob)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        return self.sample(logits)[0]
+
+    def replace(self, **changes: Any) -> Sampler:
+        """A copy with some settings changed."""
+        settings = self.settings()
+        settings.update(changes)
+        return Sampler(**settings)
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": dict(self.logit_bias),
+            "seed": self.seed,
+            "vocab_limit": self.vocab_limit,
+        }
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self.settings().items() if v not in (None, {})}
+        return "Sampler(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
