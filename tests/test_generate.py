@@ -38,6 +38,7 @@ class FakeEngine:
         self.decoded: list[int] = []
         self.resets = 0
         self.backend, self.config = "fake", {}
+        self.cached: list[int] = []  # the token behind each KV row (as the real engine tracks it)
 
     def _logits(self):
         row = np.full(self.vocab, -30.0, dtype=np.float32)
@@ -52,6 +53,7 @@ class FakeEngine:
         if self.position + len(tokens) > self.max_seq:
             raise lily.ContextFullError("full")
         self.prefilled.append(list(tokens))
+        self.cached = self.cached[: self.position] + list(tokens)
         self.position += len(tokens)
         return self._logits()
 
@@ -59,12 +61,34 @@ class FakeEngine:
         if self.position + 1 > self.max_seq:
             raise lily.ContextFullError("full")
         self.decoded.append(token)
+        self.cached = self.cached[: self.position] + [token]
         self.position += 1
         return self._logits()
 
     def reset(self):
         self.position, self.step = 0, 0  # the script starts over with a new sequence
         self.resets += 1
+
+    def cached_prefix(self, tokens):
+        n = 0
+        while n < min(len(tokens), len(self.cached)) and tokens[n] == self.cached[n]:
+            n += 1
+        return n
+
+    def snapshot(self):
+        # Taken after a partial prompt prefill, whose logits nobody samples: not a script step.
+        self.step -= 1
+        return FakeSnapshot(self.position, self.cached[: self.position], self.step)
+
+    def restore(self, snap):
+        if self.cached[: snap.position] != snap.tokens:
+            raise ValueError("snapshot does not match this engine's cache")
+        self.position = snap.position
+
+
+class FakeSnapshot:
+    def __init__(self, position, tokens, step):
+        self.position, self.tokens, self.step = position, tokens, step
 
 
 @pytest.fixture(scope="module")
@@ -302,13 +326,11 @@ def test_bad_arguments(tok):
 
 @pytest.fixture(scope="module")
 def tiny_real(tmp_path_factory):
-    fixtures = pytest.importorskip("fixtures")
+    import fixtures
+
     folder = tmp_path_factory.mktemp("tiny-real") / "ckpt"
     fixtures.write_hf_checkpoint(folder, preset="tiny", seed=0, real_tokenizer=True)
-    try:
-        return lily.load(folder, backend="cpu", max_seq=512)
-    except lily.ModelLoadError as e:  # pragma: no cover - an engine build without this checkpoint format
-        pytest.skip(f"engine cannot load the tiny checkpoint: {e}")
+    return lily.load(folder, backend="cpu", max_seq=512)
 
 
 def test_end_to_end_chat(tiny_real):
@@ -327,3 +349,19 @@ def test_end_to_end_chat(tiny_real):
     # a second turn extending the first reuses the engine state
     history = messages + [a, {"role": "user", "content": "again"}]
     model.chat(history, max_tokens=4, seed=1, template_kwargs={"preserve_thinking": True})
+
+
+def test_next_chat_turn_reuses_the_prefix_and_matches_a_fresh_run(tiny_real):
+    model = tiny_real
+    model.reset()
+    turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    first = model.chat(turn1, max_tokens=6, temperature=0)
+    turn2 = turn1 + [first, {"role": "user", "content": "And another one?"}]
+    second = model.chat(turn2, max_tokens=6, temperature=0)
+    # Everything up to the start of the last assistant message was reused, not recomputed.
+    ids = model.apply_chat_template(turn2, tokenize=True)
+    assert 0 < second.stats.cached_prompt_tokens < len(ids)
+    model.reset()
+    fresh = model.chat(turn2, max_tokens=6, temperature=0)
+    assert fresh.stats.cached_prompt_tokens == 0
+    assert fresh.content == second.content and fresh.reasoning_content == second.reasoning_content

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -214,8 +215,8 @@ class _ThinkSplitter:
 class Model:
     """An engine plus everything around it: tokenizer, chat template and generation defaults.
 
-    Made by ``lily.load``. One sequence at a time: a new prompt that extends the tokens already in the
-    engine only prefills the new part; any other prompt resets the engine first.
+    Made by ``lily.load``. One sequence at a time; a new prompt that shares a prefix with an earlier
+    one (the next turn of a chat) only prefills what is new, thanks to engine snapshots.
     """
 
     def __init__(
@@ -232,7 +233,10 @@ class Model:
         self.generation_config = dict(generation_config or {})
         self.defaults = SamplingDefaults.from_generation_config(self.generation_config)
         self.path = path
-        self._seq: list[int] | None = []  # tokens in the engine; None: unknown, reset before use
+        # Saved DeltaNet states for prefix reuse (each is ~63 MB for Qwen3.6-35B-A3B): newest last.
+        self._snapshots: list[Any] = []
+        self.max_snapshots = 4
+        self._boundary_id = tokenizer.token_to_id("<|im_start|>")
 
     def __repr__(self) -> str:
         return f"Model(path={str(self.path)!r}, backend={getattr(self.engine, 'backend', '?')!r})"
@@ -285,31 +289,51 @@ class Model:
     # ---- the engine
 
     def reset(self) -> None:
-        """Empty the engine's sequence."""
+        """Empty the engine's sequence and forget the saved prefixes."""
         self.engine.reset()
-        self._seq = []
+        self._snapshots.clear()
 
     def _prefill(self, tokens: list[int]) -> tuple[Any, int]:
-        """Logits after ``tokens``, and how many leading tokens were already in the engine."""
-        seq = self._seq
-        cached = 0
-        if seq is not None and 0 < len(seq) < len(tokens) and tokens[: len(seq)] == seq:
-            cached = len(seq)
+        """Logits after ``tokens``, and how many leading tokens were reused rather than computed.
+
+        Prefix reuse across turns: the DeltaNet state cannot be cut back like a KV cache, so the
+        engine is returned to the latest snapshot that the new prompt extends (snapshots are taken
+        at the start of the last message of each prompt, a point the next turn's prompt shares),
+        or continues directly when the prompt extends the engine's current sequence.
+        """
+        eng = self.engine
+        # Reuse at most len - 1 tokens: the last one must run to give the logits.
+        cached = min(eng.cached_prefix(tokens), len(tokens) - 1)
+        if 0 < eng.position <= cached:
+            start = eng.position
         else:
-            self.engine.reset()
-            self._seq = []
-        self._seq = None  # unknown until the call returns
-        logits = self.engine.prefill(tokens[cached:])
-        self._seq = list(tokens)
-        return logits, cached
+            best = max((s for s in self._snapshots if s.position <= cached), key=lambda s: s.position, default=None)
+            start = 0
+            if best is not None:
+                try:
+                    eng.restore(best)
+                    start = best.position
+                except ValueError:  # its rows were overwritten since
+                    self._snapshots.remove(best)
+            if start == 0:
+                eng.reset()
+        # Snapshot at the last message boundary, so the next turn can come back to it.
+        cut = next((i for i in range(len(tokens) - 1, start, -1) if tokens[i] == self._boundary_id), None)
+        if cut is not None and self._boundary_id is not None:
+            eng.prefill(tokens[start:cut])
+            self._remember(eng.snapshot())
+            logits = eng.prefill(tokens[cut:])
+        else:
+            logits = eng.prefill(tokens[start:])
+        return logits, start
+
+    def _remember(self, snap: Any) -> None:
+        self._snapshots = [s for s in self._snapshots if s.position != snap.position]
+        self._snapshots.append(snap)
+        del self._snapshots[: -self.max_snapshots]
 
     def _decode(self, token: int):
-        seq, self._seq = self._seq, None
-        logits = self.engine.decode(token)
-        if seq is not None:
-            seq.append(token)
-        self._seq = seq
-        return logits
+        return self.engine.decode(token)
 
     # ---- generation
 
@@ -543,6 +567,8 @@ def _eos_ids(folder: Path, generation_config: dict, tokenizer: Tokenizer) -> set
         ids.add(tokenizer.token_to_id(eos))
     return ids
 
+BACKENDS = ("auto", "cpu", "metal", "cuda", "cpu-reference", "metal-sim")
+
 
 def load(
     model: str | os.PathLike[str],
@@ -554,11 +580,12 @@ def load(
 ) -> Model:
     """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
 
-    ``backend`` is "auto", "cpu", "metal" or "cuda"; ``max_seq`` caps the context (default: the
-    engine's). Raises ``ModelLoadError`` with what to do when the model cannot be found or read.
+    ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim"); ``max_seq`` caps
+    the context (default: the engine's). Raises ``ModelLoadError`` with what to do when the model cannot
+    be found or read.
     """
-    if backend not in ("auto", "cpu", "metal", "cuda"):
-        raise ValueError(f"backend must be one of auto, cpu, metal, cuda; got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     folder = resolve_model(model, revision=revision, progress=progress)
     generation_config = _read_json(folder / "generation_config.json")
     try:
@@ -571,5 +598,28 @@ def load(
     tokenizer.detokenizer()  # builds the id -> bytes table now rather than during the first generation
     template = ChatTemplate.from_dir(folder)
     warm_page_cache(folder, progress=progress)
-    engine = Engine(str(folder), backend=backend, max_seq=max_seq)
+    engine = _open_engine(folder, backend, max_seq, progress)
     return Model(engine, tokenizer, template, generation_config, folder)
+
+
+def _open_engine(folder: Path, backend: str, max_seq: int | None, progress: bool) -> Engine:
+    """The engine, with a per-layer progress bar on stderr for large (>= 1 GiB) checkpoints."""
+    if not progress or sum(f.stat().st_size for f in folder.glob("*.safetensors")) < 1 << 30:
+        return Engine(str(folder), backend=backend, max_seq=max_seq)
+    bar = None
+
+    def report(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # pragma: no cover - tqdm comes with huggingface_hub
+                return
+            bar = tqdm(total=total, unit="layer", desc="Loading layers", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+
+    try:
+        return Engine(str(folder), backend=backend, max_seq=max_seq, progress=report)
+    finally:
+        if bar is not None:
+            bar.close()
