@@ -1,0 +1,831 @@
+//! The Metal backend. The encoding logic (which kernel, which bindings, grid and threadgroup
+//! sizes, buffer plan) lives here once, generic over an [`Executor`]: the real device
+//! (`device.rs`, Apple targets) or the simulator ([`sim::Sim`], which runs the same shaders on
+//! the CPU, so the whole command stream is tested on Linux).
+//!
+//! Activations, state and scratch are f32 buffers; weights stay in their checkpoint format
+//! (f32/f16/bf16, MLX affine 2/4/8-bit) and are dequantized inside the kernels. Kernels are
+//! encoded into one command stream that is committed at `finish` (or before a CPU read), so a
+//! decode step makes no CPU round-trip. Argument errors found while encoding (shapes a kernel
+//! does not support) are kept and returned by `finish`.
+
+pub mod args;
+pub mod executor;
+pub mod kernels;
+#[cfg(unix)]
+pub mod sim;
+
+use std::{collections::HashMap, sync::Mutex};
+
+use args::bytes_of;
+pub use args::{AttentionSplit, EmbedParams, MatrixDesc};
+pub use executor::{Arg, Executor, Grid};
+
+use super::{params::*, Backend};
+use crate::{
+    error::{Error, Result},
+    quant::{Format, Matrix},
+    safetensors::DType,
+};
+
+/// A device buffer of `len` 4-byte elements (f32 values or u32 ids).
+pub struct MetalBuf<X: Executor> {
+    buf: X::Buffer,
+    len: usize,
+}
+
+impl<X: Executor> MetalBuf<X> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    fn arg(&self) -> Arg<'_, X::Buffer> {
+        Arg::Buf(&self.buf, 0, self.len * 4)
+    }
+}
+
+/// A weight matrix on the device: packed data, scales and biases as (buffer, offset, bytes).
+pub struct MetalMatrix<X: Executor> {
+    data: (X::Buffer, usize, usize),
+    groups: Option<[(X::Buffer, usize, usize); 2]>,
+    desc: MatrixDesc,
+    /// Host-name suffix of the weight format (`q4_bf16`, `bf16`, ...).
+    suffix: &'static str,
+}
+
+struct Stream<X: Executor> {
+    enc: Option<X::Encoder>,
+    error: Option<Error>,
+    /// Attention split partials, grown on demand.
+    scratch: Option<MetalBuf<X>>,
+}
+
+pub struct Metal<X: Executor> {
+    x: X,
+    pipelines: HashMap<String, X::Pipeline>,
+    stream: Mutex<Stream<X>>,
+    /// Bound in place of the scales and biases of dense weights.
+    dummy: X::Buffer,
+    /// Single-token attention over more cache rows than this uses the split layout
+    /// (default 256; `LILY_METAL_SPLIT_ROWS` overrides it).
+    pub split_rows: u32,
+}
+
+#[cfg(unix)]
+impl Metal<sim::Sim> {
+    /// The simulated device (Linux CI): needs clang-19.
+    pub fn sim() -> Result<Self> {
+        Metal::new(sim::Sim::new()?)
+    }
+}
+
+fn ceil_div(a: usize, b: usize) -> u32 {
+    a.div_ceil(b) as u32
+}
+
+fn weight_suffix(m: &Matrix) -> Result<&'static str> {
+    let scale = |d: DType| match d {
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        DType::F32 => Ok("f32"),
+        _ => Err(Error::weight(&m.name, "scales must be BF16, F16 or F32")),
+    };
+    Ok(match m.format {
+        Format::F32 => "f32",
+        Format::F16 => "f16",
+        Format::BF16 => "bf16",
+        Format::Affine { bits, group } => {
+            let sd = scale(m.groups.as_ref().map_or(DType::BF16, |g| g.dtype))?;
+            if group % 8 != 0 || m.cols % group != 0 || (m.cols * bits as usize) % 32 != 0 {
+                return Err(Error::weight(
+                    &m.name,
+                    format!(
+                        "the Metal kernels need cols ({}) a multiple of the group ({group}), itself a multiple of 8",
+                        m.cols
+                    ),
+                ));
+            }
+            let name = format!("q{bits}_{sd}");
+            match kernels::WEIGHT_SUFFIXES.iter().find(|s| **s == name) {
+                Some(s) => s,
+                None => {
+                    return Err(Error::weight(
+                        &m.name,
+                        format!("{bits}-bit weights have no Metal kernel (2, 4 and 8 do)"),
+                    ))
+                }
+            }
+        }
+    })
+}
+
+impl<X: Executor> Metal<X> {
+    /// Build every pipeline up front, so a missing kernel fails here.
+    pub fn new(x: X) -> Result<Self> {
+        let mut pipelines = HashMap::new();
+        for name in kernels::kernel_names() {
+            let p = x.pipeline(&name)?;
+            pipelines.insert(name, p);
+        }
+        let dummy = x.new_buffer(16)?;
+        // LILY_METAL_SPLIT_ROWS lowers the split threshold so tests reach the split layout.
+        let split_rows = std::env::var("LILY_METAL_SPLIT_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(256);
+        Ok(Metal {
+            x,
+            pipelines,
+            stream: Mutex::new(Stream {
+                enc: None,
+                error: None,
+                scratch: None,
+            }),
+            dummy,
+            split_rows,
+        })
+    }
+
+    pub fn executor(&self) -> &X {
+        &self.x
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Stream<X>> {
+        self.stream.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Remember the first encoding error; `finish` returns it.
+    fn fail(&self, msg: String) {
+        let mut s = self.lock();
+        if s.error.is_none() {
+            s.error = Some(Error::Device(msg));
+        }
+    }
+
+    fn encode(&self, name: &str, args: &[Arg<'_, X::Buffer>], grid: Grid) {
+        let Some(p) = self.pipelines.get(name) else {
+            return self.fail(format!("no Metal kernel {name:?}"));
+        };
+        let mut s = self.lock();
+        if s.error.is_some() {
+            return;
+        }
+        if s.enc.is_none() {
+            match self.x.encoder() {
+                Ok(e) => s.enc = Some(e),
+                Err(e) => {
+                    s.error = Some(e);
+                    return;
+                }
+            }
+        }
+        if let Some(enc) = s.enc.as_mut() {
+            self.x.dispatch(enc, name, p, args, grid, &[]);
+        }
+    }
+
+    /// Commit what is encoded and wait for it.
+    fn flush(&self) -> Result<()> {
+        let (enc, err) = {
+            let mut s = self.lock();
+            (s.enc.take(), s.error.take())
+        };
+        if let Some(e) = err {
+            return Err(e);
+        }
+        match enc {
+            Some(enc) => self.x.commit_wait(enc),
+            None => Ok(()),
+        }
+    }
+
+    fn weights<'a>(&'a self, m: &'a MetalMatrix<X>) -> [Arg<'a, X::Buffer>; 3] {
+        let (b, o, l) = &m.data;
+        match &m.groups {
+            Some([s, bi]) => [
+                Arg::Buf(b, *o, *l),
+                Arg::Buf(&s.0, s.1, s.2),
+                Arg::Buf(&bi.0, bi.1, bi.2),
+            ],
+            None => [
+                Arg::Buf(b, *o, *l),
+                Arg::Buf(&self.dummy, 0, 16),
+                Arg::Buf(&self.dummy, 0, 16),
+            ],
+        }
+    }
+
+    fn new_buf(&self, len: usize) -> Result<MetalBuf<X>> {
+        Ok(MetalBuf {
+            buf: self.x.new_buffer(len * 4)?,
+            len,
+        })
+    }
+
+    /// Check `bufs` hold at least the given element counts; record an error otherwise.
+    fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
+        for &(what, have, need) in checks {
+            if have < need {
+                self.fail(format!("{op}: {what} has {have} elements, needs {need}"));
+                return false;
+            }
+        }
+        true
+    }
+}
+
+fn rows_grid(dim: usize, tokens: usize) -> Grid {
+    Grid::Threads {
+        threads: [dim as u32, tokens as u32, 1],
+        size: [64, 1, 1],
+    }
+}
+
+fn norm_threads(dim: usize) -> u32 {
+    (dim.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+impl<X: Executor> Backend for Metal<X> {
+    type Buf = MetalBuf<X>;
+    type Ids = MetalBuf<X>;
+    type Matrix = MetalMatrix<X>;
+
+    fn name(&self) -> &'static str {
+        X::NAME
+    }
+
+    fn alloc(&self, len: usize) -> Result<MetalBuf<X>> {
+        self.new_buf(len)
+    }
+    fn alloc_ids(&self, len: usize) -> Result<MetalBuf<X>> {
+        self.new_buf(len)
+    }
+    fn upload(&self, data: &[f32]) -> Result<MetalBuf<X>> {
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Ok(MetalBuf {
+            buf: self.x.new_buffer_with(&bytes)?,
+            len: data.len(),
+        })
+    }
+    fn upload_matrix(&self, m: &Matrix) -> Result<MetalMatrix<X>> {
+        let suffix = weight_suffix(m)?;
+        let too_big =
+            |v: usize| u32::try_from(v).map_err(|_| Error::weight(&m.name, "too large for 32-bit kernel indices"));
+        let stored_rows = m.data.len() / m.row_bytes().max(1);
+        too_big(stored_rows.saturating_mul(m.cols))?;
+        let (b, off) = self.x.weight_buffer(&m.data)?;
+        let groups = match &m.groups {
+            Some(g) => {
+                let (s, so) = self.x.weight_buffer(&g.scales)?;
+                let (bi, bo) = self.x.weight_buffer(&g.biases)?;
+                Some([(s, so, g.scales.len()), (bi, bo, g.biases.len())])
+            }
+            None => None,
+        };
+        let group = match m.format {
+            Format::Affine { group, .. } => group,
+            _ => 0,
+        };
+        let desc = MatrixDesc {
+            rows: too_big(m.rows)?,
+            cols: too_big(m.cols)?,
+            expert_stride: too_big(m.expert_stride)?,
+            row_offset: too_big(m.row_offset)?,
+            group: group as u32,
+            pad: [0; 3],
+        };
+        Ok(MetalMatrix {
+            data: (b, off, m.data.len()),
+            groups,
+            desc,
+            suffix,
+        })
+    }
+    fn write_ids(&self, dst: &mut MetalBuf<X>, data: &[u32]) -> Result<()> {
+        if data.len() > dst.len {
+            return Err(Error::InvalidArgument(format!(
+                "{} ids into a buffer of {}",
+                data.len(),
+                dst.len
+            )));
+        }
+        self.flush()?;
+        // SAFETY: in bounds (checked above); no GPU work is pending after flush.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, self.x.contents(&dst.buf), data.len() * 4) };
+        Ok(())
+    }
+    fn read(&self, src: &MetalBuf<X>, offset: usize, out: &mut [f32]) -> Result<()> {
+        if offset + out.len() > src.len {
+            return Err(Error::InvalidArgument(format!(
+                "read of {} values at {offset} from a buffer of {}",
+                out.len(),
+                src.len
+            )));
+        }
+        self.flush()?;
+        // SAFETY: in bounds (checked above); no GPU work is pending after flush.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.x.contents(&src.buf).add(offset * 4),
+                out.as_mut_ptr() as *mut u8,
+                out.len() * 4,
+            )
+        };
+        Ok(())
+    }
+    fn fill_zero(&self, buf: &mut MetalBuf<X>) -> Result<()> {
+        self.flush()?;
+        // SAFETY: the buffer holds len * 4 bytes; no GPU work is pending after flush.
+        unsafe { std::ptr::write_bytes(self.x.contents(&buf.buf), 0, buf.len * 4) };
+        Ok(())
+    }
+    fn copy(&self, src: &MetalBuf<X>, dst: &mut MetalBuf<X>, len: usize) -> Result<()> {
+        if len > src.len || len > dst.len {
+            return Err(Error::InvalidArgument(format!(
+                "copy of {len} values between buffers of {} and {}",
+                src.len, dst.len
+            )));
+        }
+        self.flush()?;
+        // SAFETY: in bounds (checked above); distinct buffers (&/&mut); no GPU work pending.
+        unsafe { std::ptr::copy_nonoverlapping(self.x.contents(&src.buf), self.x.contents(&dst.buf), len * 4) };
+        Ok(())
+    }
+    fn begin(&self) -> Result<()> {
+        Ok(())
+    }
+    fn finish(&self) -> Result<()> {
+        self.flush()
+    }
+
+    fn embed(&self, tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+        let d = table.desc.cols as usize;
+        if !self.fits("embed", &[("ids", ids.len, tokens), ("out", out.len, tokens * d)]) {
+            return;
+        }
+        let [w, s, b] = self.weights(table);
+        let args = [
+            Arg::Bytes(bytes_of(&EmbedParams { tokens: tokens as u32 })),
+            Arg::Bytes(bytes_of(&table.desc)),
+            w,
+            s,
+            b,
+            ids.arg(),
+            out.arg(),
+        ];
+        self.encode(&format!("embed_{}", table.suffix), &args, rows_grid(d, tokens));
+    }
+
+    fn rms_norm(&self, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+        let n = (p.rows * p.dim) as usize;
+        if !self.fits(
+            "rms_norm",
+            &[("x", x.len, n), ("w", w.len, p.dim as usize), ("out", out.len, n)],
+        ) {
+            return;
+        }
+        let grid = Grid::Groups {
+            count: [p.rows, 1, 1],
+            size: [norm_threads(p.dim as usize), 1, 1],
+        };
+        self.encode(
+            "rms_norm_f32",
+            &[Arg::Bytes(bytes_of(p)), x.arg(), w.arg(), out.arg()],
+            grid,
+        );
+    }
+
+    fn rms_norm_gated(
+        &self,
+        p: &RmsNormParams,
+        x: &MetalBuf<X>,
+        z: &MetalBuf<X>,
+        w: &MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let n = (p.rows * p.dim) as usize;
+        if !self.fits(
+            "rms_norm_gated",
+            &[
+                ("x", x.len, n),
+                ("z", z.len, n),
+                ("w", w.len, p.dim as usize),
+                ("out", out.len, n),
+            ],
+        ) {
+            return;
+        }
+        let grid = Grid::Groups {
+            count: [p.rows, 1, 1],
+            size: [norm_threads(p.dim as usize), 1, 1],
+        };
+        self.encode(
+            "rms_norm_gated_f32",
+            &[Arg::Bytes(bytes_of(p)), x.arg(), z.arg(), w.arg(), out.arg()],
+            grid,
+        );
+    }
+
+    fn add(&self, p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>) {
+        let n = (p.tokens * p.dim) as usize;
+        if !self.fits("add", &[("x", x.len, n), ("y", y.len, n)]) {
+            return;
+        }
+        self.encode(
+            "add_f32",
+            &[Arg::Bytes(bytes_of(p)), x.arg(), y.arg()],
+            rows_grid(p.dim as usize, p.tokens as usize),
+        );
+    }
+
+    fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+        let (n, k, t) = (w.desc.rows as usize, w.desc.cols as usize, p.tokens as usize);
+        if !self.fits(
+            "matmul",
+            &[("x", x.len, (p.x_row0 as usize + t) * k), ("out", out.len, t * n)],
+        ) {
+            return;
+        }
+        let (variant, tt) = if t == 1 { ("gemv", 1) } else { ("gemm", 8) };
+        let [wb, s, b] = self.weights(w);
+        let args = [
+            Arg::Bytes(bytes_of(p)),
+            Arg::Bytes(bytes_of(&w.desc)),
+            wb,
+            s,
+            b,
+            x.arg(),
+            out.arg(),
+        ];
+        let grid = Grid::Groups {
+            count: [ceil_div(n, 4), ceil_div(t, tt), 1],
+            size: [128, 1, 1],
+        };
+        self.encode(&format!("matmul_{variant}_{}", w.suffix), &args, grid);
+    }
+
+    fn qk_norm_rope(
+        &self,
+        p: &RopeParams,
+        q_norm: &MetalBuf<X>,
+        k_norm: &MetalBuf<X>,
+        qg: &mut MetalBuf<X>,
+        k: &mut MetalBuf<X>,
+    ) {
+        let (t, hd) = (p.tokens as usize, p.head_dim as usize);
+        if hd > 1024 || p.rotary_dim as usize > hd || p.rotary_dim % 2 != 0 {
+            return self.fail(format!(
+                "qk_norm_rope: head_dim {hd} / rotary_dim {} unsupported (hd <= 1024, even rotary_dim <= hd)",
+                p.rotary_dim
+            ));
+        }
+        let checks = [
+            ("q_norm", q_norm.len, hd),
+            ("k_norm", k_norm.len, hd),
+            ("qg", qg.len, t * p.heads as usize * 2 * hd),
+            ("k", k.len, t * p.kv_heads as usize * hd),
+        ];
+        if !self.fits("qk_norm_rope", &checks) {
+            return;
+        }
+        let grid = Grid::Groups {
+            count: [p.heads + p.kv_heads, p.tokens, 1],
+            size: [norm_threads(hd), 1, 1],
+        };
+        self.encode(
+            "qk_norm_rope_f32",
+            &[Arg::Bytes(bytes_of(p)), q_norm.arg(), k_norm.arg(), qg.arg(), k.arg()],
+            grid,
+        );
+    }
+
+    fn kv_store(&self, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalBuf<X>) {
+        let (t, w) = (p.tokens as usize, p.width as usize);
+        if !self.fits(
+            "kv_store",
+            &[("x", x.len, t * w), ("cache", cache.len, (p.pos0 as usize + t) * w)],
+        ) {
+            return;
+        }
+        self.encode(
+            "kv_store_f32",
+            &[Arg::Bytes(bytes_of(p)), x.arg(), cache.arg()],
+            rows_grid(w, t),
+        );
+    }
+
+    fn attention(
+        &self,
+        p: &AttentionParams,
+        qg: &MetalBuf<X>,
+        k_cache: &MetalBuf<X>,
+        v_cache: &MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let (t, h, kv, hd) = (
+            p.tokens as usize,
+            p.heads as usize,
+            p.kv_heads as usize,
+            p.head_dim as usize,
+        );
+        if kv == 0 || h % kv != 0 || h / kv > 32 || hd % 32 != 0 || hd > 256 {
+            return self.fail(format!(
+                "attention: {h} heads on {kv} KV heads of dim {hd} unsupported (at most 32 heads per KV head, head_dim a multiple of 32 up to 256)"
+            ));
+        }
+        let len = p.pos0 as usize + t;
+        let checks = [
+            ("qg", qg.len, t * h * 2 * hd),
+            ("k_cache", k_cache.len, len * kv * hd),
+            ("v_cache", v_cache.len, len * kv * hd),
+            ("out", out.len, t * h * hd),
+        ];
+        if !self.fits("attention", &checks) {
+            return;
+        }
+        let split_rows = self.split_rows.max(1) as usize;
+        let splits = if t == 1 && len > split_rows {
+            len.div_ceil(split_rows)
+        } else {
+            1
+        };
+        let sp = AttentionSplit {
+            splits: splits as u32,
+            split_rows: if splits == 1 { len as u32 } else { split_rows as u32 },
+        };
+        let grid = Grid::Groups {
+            count: [kv as u32, t as u32, splits as u32],
+            size: [(h / kv * 32) as u32, 1, 1],
+        };
+        let pb = || Arg::Bytes(bytes_of(p));
+        let sb = || Arg::Bytes(bytes_of(&sp));
+        if splits == 1 {
+            let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), out.arg()];
+            return self.encode("attention_f32", &args, grid);
+        }
+        let need = t * h * splits * (hd + 2);
+        let part = {
+            let mut s = self.lock();
+            if s.scratch.as_ref().is_none_or(|b| b.len < need) {
+                match self.x.new_buffer(need * 4) {
+                    Ok(buf) => s.scratch = Some(MetalBuf { buf, len: need }),
+                    Err(e) => {
+                        s.error.get_or_insert(e);
+                        return;
+                    }
+                }
+            }
+            match &s.scratch {
+                Some(b) => MetalBuf::<X> {
+                    buf: b.buf.clone(),
+                    len: b.len,
+                },
+                None => return,
+            }
+        };
+        let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), part.arg()];
+        self.encode("attention_f32", &args, grid);
+        let args = [pb(), sb(), part.arg(), qg.arg(), out.arg()];
+        self.encode(
+            "attention_reduce_f32",
+            &args,
+            Grid::Groups {
+                count: [h as u32, t as u32, 1],
+                size: [32, 1, 1],
+            },
+        );
+    }
+
+    fn delta_net_conv(
+        &self,
+        p: &ConvParams,
+        w: &MetalBuf<X>,
+        state: &mut MetalBuf<X>,
+        x: &MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let (t, c, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
+        if !(1..=9).contains(&taps) {
+            return self.fail(format!("delta_net_conv: {taps} taps unsupported (1..=9)"));
+        }
+        let checks = [
+            ("w", w.len, c * taps),
+            ("state", state.len, (taps - 1) * c),
+            ("x", x.len, t * c),
+            ("out", out.len, t * c),
+        ];
+        if !self.fits("delta_net_conv", &checks) {
+            return;
+        }
+        let grid = Grid::Threads {
+            threads: [c as u32, 1, 1],
+            size: [64, 1, 1],
+        };
+        self.encode(
+            "delta_net_conv_f32",
+            &[Arg::Bytes(bytes_of(p)), w.arg(), state.arg(), x.arg(), out.arg()],
+            grid,
+        );
+    }
+
+    fn delta_net(
+        &self,
+        p: &DeltaNetParams,
+        qkv: &MetalBuf<X>,
+        a: &MetalBuf<X>,
+        b: &MetalBuf<X>,
+        a_log: &MetalBuf<X>,
+        dt_bias: &MetalBuf<X>,
+        state: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let (t, hk, hv, dk, dv) = (
+            p.tokens as usize,
+            p.key_heads as usize,
+            p.value_heads as usize,
+            p.key_dim as usize,
+            p.value_dim as usize,
+        );
+        if hk == 0 || hv % hk != 0 || dk > 256 {
+            return self.fail(format!(
+                "delta_net: {hv} value heads on {hk} key heads of dim {dk} unsupported (Dk <= 256)"
+            ));
+        }
+        let checks = [
+            ("qkv", qkv.len, t * (2 * hk * dk + hv * dv)),
+            ("a", a.len, t * hv),
+            ("b", b.len, t * hv),
+            ("a_log", a_log.len, hv),
+            ("dt_bias", dt_bias.len, hv),
+            ("state", state.len, hv * dk * dv),
+            ("out", out.len, t * hv * dv),
+        ];
+        if !self.fits("delta_net", &checks) {
+            return;
+        }
+        let args = [
+            Arg::Bytes(bytes_of(p)),
+            qkv.arg(),
+            a.arg(),
+            b.arg(),
+            a_log.arg(),
+            dt_bias.arg(),
+            state.arg(),
+            out.arg(),
+        ];
+        self.encode(
+            "delta_net_f32",
+            &args,
+            Grid::Groups {
+                count: [ceil_div(dv, 4), hv as u32, 1],
+                size: [128, 1, 1],
+            },
+        );
+    }
+
+    fn moe_route(&self, p: &RouteParams, logits: &MetalBuf<X>, ids: &mut MetalBuf<X>, weights: &mut MetalBuf<X>) {
+        let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
+        if e > 1024 || k > 64 || k > e {
+            return self.fail(format!(
+                "moe_route: top {k} of {e} experts unsupported (E <= 1024, K <= 64)"
+            ));
+        }
+        if !self.fits(
+            "moe_route",
+            &[
+                ("logits", logits.len, t * e),
+                ("ids", ids.len, t * k),
+                ("weights", weights.len, t * k),
+            ],
+        ) {
+            return;
+        }
+        let grid = Grid::Groups {
+            count: [t as u32, 1, 1],
+            size: [256, 1, 1],
+        };
+        self.encode(
+            "moe_route_f32",
+            &[Arg::Bytes(bytes_of(p)), logits.arg(), ids.arg(), weights.arg()],
+            grid,
+        );
+    }
+
+    fn moe_experts(
+        &self,
+        p: &MoeParams,
+        x: &MetalBuf<X>,
+        ids: &MetalBuf<X>,
+        weights: &MetalBuf<X>,
+        gate: &MetalMatrix<X>,
+        up: &MetalMatrix<X>,
+        down: &MetalMatrix<X>,
+        tmp: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let (t, k) = (p.tokens as usize, p.top_k as usize);
+        let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
+        if gate.suffix != up.suffix || gate.suffix != down.suffix {
+            return self.fail(format!(
+                "moe_experts: gate/up/down formats differ ({}, {}, {})",
+                gate.suffix, up.suffix, down.suffix
+            ));
+        }
+        let checks = [
+            ("x", x.len, t * d),
+            ("ids", ids.len, t * k),
+            ("weights", weights.len, t * k),
+            ("tmp", tmp.len, t * k * (i + d)),
+            ("out", out.len, t * d),
+        ];
+        if !self.fits("moe_experts", &checks) {
+            return;
+        }
+        // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
+        let act_bytes = t * k * i * 4;
+        let act = Arg::Buf(&tmp.buf, 0, act_bytes);
+        let pb = || Arg::Bytes(bytes_of(p));
+        let [gw, gs, gb] = self.weights(gate);
+        let [uw, us, ub] = self.weights(up);
+        let args = [
+            pb(),
+            Arg::Bytes(bytes_of(&gate.desc)),
+            Arg::Bytes(bytes_of(&up.desc)),
+            gw,
+            gs,
+            gb,
+            uw,
+            us,
+            ub,
+            x.arg(),
+            ids.arg(),
+            act,
+        ];
+        let tk = (t * k) as u32;
+        self.encode(
+            &format!("moe_gate_up_{}", gate.suffix),
+            &args,
+            Grid::Groups {
+                count: [ceil_div(i, 4), tk, 1],
+                size: [128, 1, 1],
+            },
+        );
+        let [dw, ds, db] = self.weights(down);
+        let act = Arg::Buf(&tmp.buf, 0, act_bytes);
+        let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
+        let args = [pb(), Arg::Bytes(bytes_of(&down.desc)), dw, ds, db, ids.arg(), act, y];
+        self.encode(
+            &format!("moe_down_{}", down.suffix),
+            &args,
+            Grid::Groups {
+                count: [ceil_div(d, 4), tk, 1],
+                size: [128, 1, 1],
+            },
+        );
+        let rows = RowsParams {
+            tokens: p.tokens,
+            dim: d as u32,
+        };
+        let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
+        let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), y, out.arg()];
+        self.encode("moe_combine_f32", &args, rows_grid(d, t));
+    }
+
+    fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+        let n = (p.tokens * p.dim) as usize;
+        if !self.fits(
+            "swiglu",
+            &[("gate", gate.len, n), ("up", up.len, n), ("out", out.len, n)],
+        ) {
+            return;
+        }
+        self.encode(
+            "swiglu_f32",
+            &[Arg::Bytes(bytes_of(p)), gate.arg(), up.arg(), out.arg()],
+            rows_grid(p.dim as usize, p.tokens as usize),
+        );
+    }
+
+    fn sigmoid_gate_add(&self, p: &RowsParams, y: &MetalBuf<X>, gate: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+        let n = (p.tokens * p.dim) as usize;
+        if !self.fits(
+            "sigmoid_gate_add",
+            &[
+                ("y", y.len, n),
+                ("gate", gate.len, p.tokens as usize),
+                ("out", out.len, n),
+            ],
+        ) {
+            return;
+        }
+        let args = [Arg::Bytes(bytes_of(p)), y.arg(), gate.arg(), out.arg()];
+        self.encode(
+            "sigmoid_gate_add_f32",
+            &args,
+            rows_grid(p.dim as usize, p.tokens as usize),
+        );
+    }
+}

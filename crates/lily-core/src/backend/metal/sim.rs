@@ -1,0 +1,462 @@
+//! The simulated Metal device: the same `.metal` sources, compiled with clang-19 against the
+//! tools/metal-sim prelude (`-DMTL_EXEC`) into one shared library per file, and dispatched on
+//! the CPU through its `mtl_dispatch` (threadgroups as fibers, simd collectives emulated at 32
+//! lanes, threadgroup memory poisoned, every buffer bounds-checked behind a guard page).
+//!
+//! Libraries are cached under `$LILY_METAL_SIM_CACHE` (default: `<tmp>/lily-metal-sim`) by a
+//! hash of the sources, the prelude and the flags. `LILY_METAL_SIM_CXX` overrides `clang++-19`;
+//! `LILY_METAL_SIM_BOUNDS=0` turns the guard-page copies off (faster, no overrun detection);
+//! `MTL_SCHED=reverse` runs the threads of a threadgroup in reverse order.
+
+use std::{
+    ffi::{c_int, c_ulong, c_void},
+    path::{Path, PathBuf},
+    process::Command,
+    ptr::NonNull,
+    sync::{Arc, Mutex, OnceLock},
+};
+
+use super::{
+    executor::{Arg, Executor, Grid},
+    kernels,
+};
+use crate::error::{Error, Result};
+
+macro_rules! prelude {
+    ($file:literal) => {
+        (
+            $file,
+            include_str!(concat!("../../../../../tools/metal-sim/include/", $file)),
+        )
+    };
+}
+
+/// The stand-in for `<metal_stdlib>` and friends.
+const PRELUDE: &[(&str, &str)] = &[
+    prelude!("mtl_prelude.h"),
+    prelude!("metal_atomic"),
+    prelude!("metal_common"),
+    prelude!("metal_compute"),
+    prelude!("metal_geometric"),
+    prelude!("metal_integer"),
+    prelude!("metal_math"),
+    prelude!("metal_relational"),
+    prelude!("metal_simdgroup"),
+    prelude!("metal_simdgroup_matrix"),
+    prelude!("metal_stdlib"),
+];
+
+const FLAGS: &[&str] = &["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-shared", "-DMTL_EXEC", "-w"];
+
+type KernelGetter = unsafe extern "C" fn() -> *const c_void;
+type DispatchFn = unsafe extern "C" fn(
+    *const c_void,
+    *const u32,
+    *const u32,
+    *const u32,
+    *mut *mut c_void,
+    *const c_ulong,
+    c_int,
+    *const c_ulong,
+    c_int,
+) -> c_int;
+
+/// Host memory standing in for a shared-storage `MTLBuffer`.
+pub struct SimAlloc {
+    ptr: NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: a plain heap allocation; access is ordered by the command stream (one dispatch at a time).
+unsafe impl Send for SimAlloc {}
+unsafe impl Sync for SimAlloc {}
+
+impl Drop for SimAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new_buffer` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+pub struct SimPipeline {
+    kernel: *const c_void,
+    dispatch: DispatchFn,
+    _lib: Arc<libloading::Library>,
+}
+
+// SAFETY: function pointers into a library kept loaded by `_lib`.
+unsafe impl Send for SimPipeline {}
+unsafe impl Sync for SimPipeline {}
+
+/// One recorded dispatch, run at `commit_wait`.
+pub struct Recorded {
+    name: String,
+    kernel: *const c_void,
+    dispatch: DispatchFn,
+    args: Vec<RecArg>,
+    grid: Grid,
+    tg_mem: Vec<usize>,
+}
+
+// SAFETY: as SimPipeline; the buffers are owned through Arc.
+unsafe impl Send for Recorded {}
+
+pub enum RecArg {
+    Bytes(Vec<u8>),
+    Buf(Arc<SimAlloc>, usize, usize),
+}
+
+pub struct Sim {
+    libs: Vec<Arc<libloading::Library>>,
+    bounds_check: bool,
+}
+
+impl Sim {
+    /// Compile (or find in the cache) every shader and load it.
+    pub fn new() -> Result<Sim> {
+        // One build at a time per process: concurrent engines/tests then hit the cache.
+        static BUILD: Mutex<()> = Mutex::new(());
+        let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+        let cxx = std::env::var("LILY_METAL_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
+        let version = Command::new(&cxx).arg("--version").output().map_err(|e| {
+            Error::Device(format!(
+                "the Metal simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_METAL_SIM_CXX): {e}"
+            ))
+        })?;
+        let cache = std::env::var_os("LILY_METAL_SIM_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("lily-metal-sim"));
+        let mut common = Fnv::new();
+        common.add(&version.stdout);
+        for s in FLAGS {
+            common.add(s.as_bytes());
+        }
+        for (n, s) in PRELUDE
+            .iter()
+            .chain(kernels::SOURCES.iter().filter(|(n, _)| n.ends_with(".h")))
+        {
+            common.add(n.as_bytes());
+            common.add(s.as_bytes());
+        }
+        let src_dir = cache.join(format!("src-{:016x}", common.0));
+        write_tree(&src_dir, &common)?;
+        let files: Vec<(&str, &str)> = kernels::metal_files().collect();
+        let results: Vec<Result<PathBuf>> = std::thread::scope(|s| {
+            let handles: Vec<_> = files
+                .iter()
+                .map(|(name, src)| {
+                    let (cxx, src_dir, cache, common) = (&cxx, &src_dir, &cache, &common);
+                    s.spawn(move || build(cxx, src_dir, cache, common, name, src))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Device("shader build panicked".into())))
+                })
+                .collect()
+        });
+        let mut libs = Vec::new();
+        for r in results {
+            let so = r?;
+            libs.push(load(&so)?);
+        }
+        let bounds_check = std::env::var("LILY_METAL_SIM_BOUNDS").map_or(true, |v| v != "0");
+        Ok(Sim { libs, bounds_check })
+    }
+}
+
+/// Load a built library once per process and keep it loaded for good: its signal handler
+/// and thread-locals must outlive every engine (no dlclose at teardown).
+fn load(so: &Path) -> Result<Arc<libloading::Library>> {
+    static LIBS: Mutex<Vec<(PathBuf, Arc<libloading::Library>)>> = Mutex::new(Vec::new());
+    let mut libs = LIBS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, l)) = libs.iter().find(|(p, _)| p == so) {
+        return Ok(l.clone());
+    }
+    // SAFETY: a library built from our own sources; its initializers are the prelude's only.
+    let lib = Arc::new(
+        unsafe { libloading::Library::new(so) }
+            .map_err(|e| Error::Device(format!("metal-sim: cannot load {}: {e}", so.display())))?,
+    );
+    libs.push((so.to_path_buf(), lib.clone()));
+    Ok(lib)
+}
+
+/// FNV-1a, 64 bit: a stable content hash for the cache keys.
+#[derive(Clone, Copy)]
+struct Fnv(u64);
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf29ce484222325)
+    }
+    fn add(&mut self, bytes: &[u8]) {
+        for &b in bytes.iter().chain(&[0xffu8]) {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+}
+
+fn dev_err(what: &str, path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::Device(format!("metal-sim: {what} {}: {e}", path.display()))
+}
+
+/// Write `content` to `path` through a temporary name (concurrent builders never see half a file).
+fn write_atomic(path: &Path, content: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, content).map_err(|e| dev_err("cannot write", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| dev_err("cannot write", path, e))
+}
+
+/// The prelude and the shared headers, once per content hash.
+fn write_tree(dir: &Path, _key: &Fnv) -> Result<()> {
+    static LOCK: OnceLock<Mutex<()>> = OnceLock::new();
+    let _g = LOCK
+        .get_or_init(|| Mutex::new(()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if dir.join("ok").exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| dev_err("cannot create", dir, e))?;
+    for (n, s) in PRELUDE
+        .iter()
+        .chain(kernels::SOURCES.iter().filter(|(n, _)| n.ends_with(".h")))
+    {
+        write_atomic(&dir.join(n), s.as_bytes())?;
+    }
+    write_atomic(&dir.join("ok"), b"")
+}
+
+fn build(cxx: &str, src_dir: &Path, cache: &Path, common: &Fnv, name: &str, src: &str) -> Result<PathBuf> {
+    let mut h = *common;
+    h.add(name.as_bytes());
+    h.add(src.as_bytes());
+    let stem = name.trim_end_matches(".metal");
+    let so = cache.join(format!("{stem}-{:016x}.so", h.0));
+    if so.exists() {
+        return Ok(so);
+    }
+    let cpp = src_dir.join(format!("{stem}-{:016x}.cpp", h.0));
+    write_atomic(&cpp, lower(name, src).as_bytes())?;
+    let tmp = so.with_extension(format!("tmp{}.so", std::process::id()));
+    let out = Command::new(cxx)
+        .args(FLAGS)
+        .arg("-I")
+        .arg(src_dir)
+        .arg(&cpp)
+        .arg("-o")
+        .arg(&tmp)
+        .output()
+        .map_err(|e| Error::Device(format!("metal-sim: cannot run {cxx}: {e}")))?;
+    if !out.status.success() {
+        return Err(Error::Device(format!(
+            "metal-sim: {name} does not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .take(30)
+                .collect::<Vec<_>>()
+                .join("\n")
+        )));
+    }
+    std::fs::rename(&tmp, &so).map_err(|e| dev_err("cannot write", &so, e))?;
+    Ok(so)
+}
+
+/// The textual rewrites of tools/metal-sim/mtl_lower.py (kept in step with it): kernel-scope
+/// `threadgroup` variables become `MTL_TG_VAR`, `[[threadgroup(n)]]` arguments are renamed,
+/// `[[kernel]]` becomes `kernel`, and every non-template `kernel void name` is exported.
+pub fn lower(file: &str, src: &str) -> String {
+    let src = src
+        .replace("[[threadgroup(", "[[mtl_threadgroup_arg(")
+        .replace("[[kernel]]", "kernel");
+    let mut out = format!("#line 1 \"{file}\"\n");
+    let mut kernels = Vec::new();
+    for line in src.split_inclusive('\n') {
+        let body = line.trim_start();
+        let indent = &line[..line.len() - body.len()];
+        if let Some(rest) = body.strip_prefix("threadgroup") {
+            if rest.starts_with(|c: char| c.is_whitespace()) && is_variable_decl(rest) {
+                out.push_str(indent);
+                out.push_str("MTL_TG_VAR");
+                out.push_str(rest);
+                continue;
+            }
+        }
+        let words: Vec<&str> = body
+            .split(|c: char| c.is_whitespace() || c == '(')
+            .filter(|w| !w.is_empty())
+            .collect();
+        if words.len() >= 3 && words[0] == "kernel" && words[1] == "void" {
+            kernels.push(words[2].to_string());
+        }
+        out.push_str(line);
+    }
+    out.push('\n');
+    for k in kernels {
+        out.push_str(&format!("MTL_EXPORT({k})\n"));
+    }
+    out
+}
+
+/// `rest` (after `threadgroup`) reaches `;` with no `*&(){}` outside `[...]`.
+fn is_variable_decl(rest: &str) -> bool {
+    let mut depth = 0;
+    for c in rest.chars() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ';' => return true,
+            '*' | '&' | '(' | ')' | '{' | '}' if depth == 0 => return false,
+            _ => {}
+        }
+    }
+    false
+}
+
+impl Executor for Sim {
+    const NAME: &'static str = "metal-sim";
+    type Buffer = Arc<SimAlloc>;
+    type Pipeline = SimPipeline;
+    type Encoder = Vec<Recorded>;
+
+    fn describe(&self) -> String {
+        format!(
+            "Metal simulator (clang-19, tools/metal-sim; bounds checking {})",
+            if self.bounds_check { "on" } else { "off" }
+        )
+    }
+
+    fn new_buffer(&self, bytes: usize) -> Result<Arc<SimAlloc>> {
+        let layout = std::alloc::Layout::from_size_align(bytes.max(16), 64)
+            .map_err(|e| Error::Device(format!("metal-sim: buffer of {bytes} bytes: {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
+            .ok_or_else(|| Error::Device(format!("metal-sim: out of memory allocating {bytes} bytes")))?;
+        Ok(Arc::new(SimAlloc { ptr, layout }))
+    }
+
+    fn contents(&self, b: &Arc<SimAlloc>) -> *mut u8 {
+        b.ptr.as_ptr()
+    }
+
+    fn pipeline(&self, name: &str) -> Result<SimPipeline> {
+        let sym = format!("mtl_kernel_{name}");
+        for lib in &self.libs {
+            // SAFETY: the symbol types are those of the prelude's C ABI (mtl_prelude.h).
+            unsafe {
+                if let Ok(get) = lib.get::<KernelGetter>(sym.as_bytes()) {
+                    let dispatch = *lib
+                        .get::<DispatchFn>(b"mtl_dispatch")
+                        .map_err(|e| Error::Device(format!("metal-sim: no mtl_dispatch: {e}")))?;
+                    return Ok(SimPipeline {
+                        kernel: get(),
+                        dispatch,
+                        _lib: lib.clone(),
+                    });
+                }
+            }
+        }
+        Err(Error::Device(format!(
+            "metal-sim: no kernel named {name:?} in the compiled shaders"
+        )))
+    }
+
+    fn encoder(&self) -> Result<Vec<Recorded>> {
+        Ok(Vec::new())
+    }
+
+    fn dispatch(
+        &self,
+        enc: &mut Vec<Recorded>,
+        name: &str,
+        p: &SimPipeline,
+        args: &[Arg<'_, Arc<SimAlloc>>],
+        grid: Grid,
+        tg_mem: &[usize],
+    ) {
+        let args = args
+            .iter()
+            .map(|a| match a {
+                Arg::Bytes(b) => RecArg::Bytes(b.clone()),
+                Arg::Buf(b, off, len) => RecArg::Buf((*b).clone(), *off, *len),
+            })
+            .collect();
+        enc.push(Recorded {
+            name: name.to_string(),
+            kernel: p.kernel,
+            dispatch: p.dispatch,
+            args,
+            grid,
+            tg_mem: tg_mem.to_vec(),
+        });
+    }
+
+    fn commit_wait(&self, enc: Vec<Recorded>) -> Result<()> {
+        for mut r in enc {
+            let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(r.args.len());
+            let mut sizes: Vec<c_ulong> = Vec::with_capacity(r.args.len());
+            for a in r.args.iter_mut() {
+                match a {
+                    RecArg::Bytes(b) => {
+                        ptrs.push(b.as_mut_ptr() as *mut c_void);
+                        sizes.push(b.len() as c_ulong);
+                    }
+                    RecArg::Buf(b, off, len) => {
+                        if *off + *len > b.layout.size() {
+                            return Err(Error::Device(format!(
+                                "metal-sim: {}: binding {} bytes at offset {} of a {}-byte buffer",
+                                r.name,
+                                len,
+                                off,
+                                b.layout.size()
+                            )));
+                        }
+                        // SAFETY: in bounds, checked just above.
+                        ptrs.push(unsafe { b.ptr.as_ptr().add(*off) } as *mut c_void);
+                        sizes.push(*len as c_ulong);
+                    }
+                }
+            }
+            let tg_bytes: Vec<c_ulong> = r.tg_mem.iter().map(|&b| b as c_ulong).collect();
+            let (count, size, threads) = match r.grid {
+                Grid::Groups { count, size } => (count, size, None),
+                Grid::Threads { threads, size } => ([0; 3], size, Some(threads)),
+            };
+            let empty = match r.grid {
+                Grid::Groups { count, .. } => count.contains(&0),
+                Grid::Threads { threads, .. } => threads.contains(&0),
+            };
+            if empty {
+                continue; // an empty grid runs nothing, as on the device
+            }
+            // SAFETY: pointers and sizes describe live buffers (held by `r`) in slot order, the
+            // kernel pointer comes from the library that exports `dispatch`.
+            let rc = unsafe {
+                (r.dispatch)(
+                    r.kernel,
+                    count.as_ptr(),
+                    size.as_ptr(),
+                    threads.as_ref().map_or(std::ptr::null(), |t| t.as_ptr()),
+                    ptrs.as_mut_ptr(),
+                    if self.bounds_check {
+                        sizes.as_ptr()
+                    } else {
+                        std::ptr::null()
+                    },
+                    ptrs.len() as c_int,
+                    tg_bytes.as_ptr(),
+                    tg_bytes.len() as c_int,
+                )
+            };
+            if rc != 0 {
+                return Err(Error::Device(format!(
+                    "metal-sim: kernel {} failed (mtl_dispatch returned {rc})",
+                    r.name
+                )));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Metal checks that run without a Mac (needs clang-19: apt-get install -y clang-19):
+#  1. type-check every shaders/metal/*.metal in both tools/metal-sim modes (C++20 with address
+#     spaces, and clang's C++ for OpenCL 2021);
+#  2. run every kernel on the CPU simulator against its reference twin (bounds-checked), then again
+#     with the threads of each threadgroup in reverse order for the kernels using threadgroup memory;
+#  3. the tiny-model oracle test end to end through backend="metal-sim" (needs the Python package
+#     built and the test requirements; skip with --no-python).
+# Usage: scripts/check_metal.sh [--no-python]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export LILY_REQUIRE_METAL_SIM=1
+
+echo "== type-check shaders/metal (2 modes)"
+fail=0
+for f in shaders/metal/*.metal; do
+  for mode in check.sh check_clcpp.sh; do
+    if ! tools/metal-sim/$mode "$f" -Ishaders/metal; then
+      echo "FAILED: $mode $f"; fail=1
+    fi
+  done
+done
+[ "$fail" = 0 ] || exit 1
+
+echo "== kernels vs CPU reference (simulator, bounds-checked)"
+cargo test -p lily-core --test metal_sim
+
+echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse)"
+MTL_SCHED=reverse cargo test -p lily-core --test metal_sim -- rms_norm qk_norm_rope attention moe_route
+
+if [ "${1:-}" != "--no-python" ]; then
+  echo "== tiny-model oracle end to end through backend=\"metal-sim\""
+  python -m pytest tests/test_metal_sim.py -q
+fi

@@ -1,0 +1,103 @@
+// kv_store and gated GQA attention over the KV cache.
+#include "common.h"
+
+// kv_store: cache[pos0 + t, :] = x[t, :]; x [T, width], cache [max_seq, width] f32.
+// Bindings: 0 KvStoreParams, 1 x, 2 cache. Grid: dispatchThreads (width, T).
+kernel void kv_store_f32(constant KvStoreParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+                         device float* cache [[buffer(2)]], uint2 pos [[thread_position_in_grid]]) {
+  if (pos.x >= p.width || pos.y >= p.tokens) return;
+  cache[(ulong)(p.pos0 + pos.y) * p.width + pos.x] = x[(ulong)pos.y * p.width + pos.x];
+}
+
+constant constexpr uint ATT_TILE = 8;    // cache rows staged per step
+constant constexpr uint ATT_HD_MAX = 256;
+
+// attention: out [T, H*hd] = softmax(q K^T * scale, causal) V * sigmoid(gate), q/gate from
+// qg [T, H, 2*hd] (q then gate per head), caches [max_seq, Hkv, hd]; token t sees rows 0..pos0+t.
+// GQA packing: one threadgroup per (KV head, token, split) with G = H / Hkv simdgroups, one per
+// query head sharing that KV head; each tile of ATT_TILE K/V rows is loaded once into threadgroup
+// memory and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256).
+// Online softmax in f32. Split layout (flash-decoding): split z covers cache rows
+// [z * split_rows, (z + 1) * split_rows); with splits > 1, out is a partials buffer
+// [T, H, splits, 2 + hd] = (running max, sum of exp, unnormalised o) for attention_reduce.
+// Bindings: 0 AttentionParams, 1 AttentionSplit, 2 qg, 3 k_cache, 4 v_cache, 5 out.
+// Grid: threadgroups (Hkv, T, splits), G * 32 threads.
+kernel void attention_f32(constant AttentionParams& p [[buffer(0)]], constant AttentionSplit& sp [[buffer(1)]],
+                          device const float* qg [[buffer(2)]], device const float* k_cache [[buffer(3)]],
+                          device const float* v_cache [[buffer(4)]], device float* out [[buffer(5)]],
+                          uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                          uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float ks[ATT_TILE * ATT_HD_MAX];
+  threadgroup float vs[ATT_TILE * ATT_HD_MAX];
+  const uint kvh = tg.x, t = tg.y, split = tg.z;
+  const uint hd = p.head_dim, group = p.heads / p.kv_heads, h = kvh * group + sg;
+  const uint kvw = p.kv_heads * hd;
+  const uint len = p.pos0 + t + 1;
+  const uint s0 = split * sp.split_rows;
+  const uint s1 = min(len, s0 + sp.split_rows);
+  const uint nd = hd / 32;
+  device const float* qh = qg + ((ulong)t * p.heads + h) * 2 * hd;
+  float q[ATT_HD_MAX / 32], o[ATT_HD_MAX / 32];
+  for (uint i = 0; i < nd; ++i) {
+    q[i] = qh[lane + 32 * i] * p.scale;
+    o[i] = 0.0f;
+  }
+  float mx = NEG_BIG, l = 0.0f;
+  for (uint base = s0; base < s1; base += ATT_TILE) {
+    const uint n = min(ATT_TILE, s1 - base);
+    for (uint idx = tid; idx < n * hd; idx += ntg) {
+      const ulong src = (ulong)(base + idx / hd) * kvw + kvh * hd + idx % hd;
+      ks[idx] = k_cache[src];
+      vs[idx] = v_cache[src];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint r = 0; r < n; ++r) {
+      float s = 0.0f;
+      for (uint i = 0; i < nd; ++i) s += q[i] * ks[r * hd + lane + 32 * i];
+      s = simd_sum(s);
+      const float m_new = max(mx, s);
+      const float corr = metal::precise::exp(mx - m_new);
+      const float e = metal::precise::exp(s - m_new);
+      l = l * corr + e;
+      for (uint i = 0; i < nd; ++i) o[i] = o[i] * corr + e * vs[r * hd + lane + 32 * i];
+      mx = m_new;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (sp.splits == 1) {
+    device const float* gate = qh + hd;
+    for (uint i = 0; i < nd; ++i) {
+      const uint d = lane + 32 * i;
+      out[((ulong)t * p.heads + h) * hd + d] = o[i] / l * sigmoid(gate[d]);
+    }
+  } else {
+    device float* part = out + (((ulong)t * p.heads + h) * sp.splits + split) * (hd + 2);
+    if (lane == 0) {
+      part[0] = mx;
+      part[1] = l;
+    }
+    for (uint i = 0; i < nd; ++i) part[2 + lane + 32 * i] = o[i];
+  }
+}
+
+// attention_reduce: combine the split partials [T, H, splits, 2 + hd] into out [T, H*hd] and
+// apply the sigmoid gate from qg. Bindings: 0 AttentionParams, 1 AttentionSplit, 2 partials,
+// 3 qg, 4 out. Grid: threadgroups (H, T), 32 threads striding over hd. Accumulation: f32.
+kernel void attention_reduce_f32(constant AttentionParams& p [[buffer(0)]], constant AttentionSplit& sp [[buffer(1)]],
+                                 device const float* part [[buffer(2)]], device const float* qg [[buffer(3)]],
+                                 device float* out [[buffer(4)]], uint2 tg [[threadgroup_position_in_grid]],
+                                 uint lane [[thread_index_in_simdgroup]]) {
+  const uint h = tg.x, t = tg.y, hd = p.head_dim;
+  device const float* ph = part + ((ulong)t * p.heads + h) * sp.splits * (hd + 2);
+  float m = NEG_BIG;
+  for (uint z = 0; z < sp.splits; ++z) m = max(m, ph[z * (hd + 2)]);
+  float l = 0.0f;
+  for (uint z = 0; z < sp.splits; ++z) l += ph[z * (hd + 2) + 1] * metal::precise::exp(ph[z * (hd + 2)] - m);
+  device const float* gate = qg + ((ulong)t * p.heads + h) * 2 * hd + hd;
+  for (uint d = lane; d < hd; d += 32) {
+    float acc = 0.0f;
+    for (uint z = 0; z < sp.splits; ++z) acc += ph[z * (hd + 2) + 2 + d] * metal::precise::exp(ph[z * (hd + 2)] - m);
+    out[((ulong)t * p.heads + h) * hd + d] = acc / l * sigmoid(gate[d]);
+  }
+}

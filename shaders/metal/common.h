@@ -1,0 +1,132 @@
+// Shared helpers: activation functions, weight readers (dense and MLX affine-quantized), and
+// the INSTANTIATE macro that gives each template instance its host name `<op>[_<variant>]_<dtype>`.
+// Activations are f32 in device memory; every reduction accumulates in f32.
+#pragma once
+#include <metal_stdlib>
+using namespace metal;
+#include "params.h"
+
+// Apple's compiler: an explicit instantiation with a host name. The Linux simulator
+// (tools/metal-sim, which does not define __METAL_VERSION__): instantiate and export by name.
+// Template kernels are declared `TKERNEL` (C++ for OpenCL, the simulator's second check mode,
+// forbids kernel templates, so there they are checked as plain functions).
+#if defined(__METAL_VERSION__)
+#define INSTANTIATE(name, op, ...) template [[host_name(#name)]] [[kernel]] decltype(op<__VA_ARGS__>) op<__VA_ARGS__>;
+#define TKERNEL kernel
+#else
+#define INSTANTIATE(name, op, ...) MTL_EXPORT_AS(name, op<__VA_ARGS__>)
+#if defined(MTL_CLCPP)
+#define TKERNEL
+#else
+#define TKERNEL kernel
+#endif
+#endif
+
+inline float silu(float x) { return x / (1.0f + metal::precise::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + metal::precise::exp(-x)); }
+// log(1 + e^x), linear above 20 like torch.
+inline float softplus(float x) { return x > 20.0f ? x : metal::precise::log(1.0f + metal::precise::exp(x)); }
+
+constant constexpr float NEG_BIG = -3.402823466e38f;  // -FLT_MAX: a finite "minus infinity"
+
+// Threadgroup-wide sum / max of one value per thread (every thread gets the result); `partial`
+// holds one float per simdgroup. Must be reached by every thread of the threadgroup.
+inline float tg_sum(float v, threadgroup float* partial, uint sg, uint lane, uint nsg) {
+  v = simd_sum(v);
+  if (lane == 0) partial[sg] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float t = lane < nsg ? partial[lane] : 0.0f;
+  t = simd_sum(t);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // partial is reused by the caller's next call
+  return t;
+}
+
+inline float tg_max(float v, threadgroup float* partial, uint sg, uint lane, uint nsg) {
+  v = simd_max(v);
+  if (lane == 0) partial[sg] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float t = lane < nsg ? partial[lane] : NEG_BIG;
+  t = simd_max(t);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return t;
+}
+
+// Dense weights of element type T; row-major [stored rows, cols].
+template <typename T> struct DenseW {
+  device const T* w;
+  uint cols;
+  static inline DenseW make(device const uchar* w, device const uchar*, device const uchar*, constant MatrixDesc& m) {
+    return DenseW{(device const T*)w, m.cols};
+  }
+  // The 8 weights of stored row `row` starting at column j (j + 8 <= cols).
+  inline void load8(uint row, uint j, thread float* out) const {
+    device const T* p = w + (ulong)row * cols + j;
+    for (int i = 0; i < 8; ++i) out[i] = float(p[i]);
+  }
+  inline float at(uint row, uint j) const { return float(w[(ulong)row * cols + j]); }
+};
+
+// MLX affine weights: BITS-bit codes packed little-endian in u32 words per row; w = scale * q + bias
+// with one scale/bias (type S) per `group` consecutive columns. cols % group == 0, group % 8 == 0.
+template <int BITS, typename S> struct AffineW {
+  device const uint* w;
+  device const S* scales;
+  device const S* biases;
+  uint cols;
+  uint group;
+  static inline AffineW make(device const uchar* w, device const uchar* s, device const uchar* b, constant MatrixDesc& m) {
+    return AffineW{(device const uint*)w, (device const S*)s, (device const S*)b, m.cols, m.group};
+  }
+  inline void load8(uint row, uint j, thread float* out) const {
+    const uint words_per_row = cols * BITS / 32;
+    device const uint* rw = w + (ulong)row * words_per_row;
+    const uint g = row * (cols / group) + j / group;
+    const float s = float(scales[g]);
+    const float b = float(biases[g]);
+    const uint mask = (1u << BITS) - 1u;
+    for (int i = 0; i < 8; ++i) {
+      const uint bit = (j + i) * BITS;
+      const uint q = (rw[bit / 32] >> (bit % 32)) & mask;
+      out[i] = s * float(q) + b;
+    }
+  }
+  inline float at(uint row, uint j) const {
+    const uint words_per_row = cols * BITS / 32;
+    const uint bit = j * BITS;
+    const uint q = (w[(ulong)row * words_per_row + bit / 32] >> (bit % 32)) & ((1u << BITS) - 1u);
+    const uint g = row * (cols / group) + j / group;
+    return float(scales[g]) * float(q) + float(biases[g]);
+  }
+};
+
+// Dot product of stored row `row` (K columns) with x[0..K), reduced over the 32 lanes of one
+// simdgroup; every lane gets the sum. Lanes take 8 consecutive columns at a time.
+template <typename W>
+inline float row_dot(thread const W& wr, uint row, uint K, device const float* x, uint lane) {
+  float acc = 0.0f;
+  const uint k8 = K / 8 * 8;
+  for (uint j = lane * 8; j < k8; j += 256) {
+    float wv[8];
+    wr.load8(row, j, wv);
+    for (int i = 0; i < 8; ++i) acc += wv[i] * x[j + i];
+  }
+  for (uint j = k8 + lane; j < K; j += 32) acc += wr.at(row, j) * x[j];
+  return simd_sum(acc);
+}
+
+// Weight readers by host-name suffix; FOR_EACH_WEIGHT(F) calls F(suffix) for every format
+// (a kernel family instantiates itself per format with W_##suffix).
+typedef DenseW<float> W_f32;
+typedef DenseW<half> W_f16;
+typedef DenseW<bfloat> W_bf16;
+typedef AffineW<2, bfloat> W_q2_bf16;
+typedef AffineW<4, bfloat> W_q4_bf16;
+typedef AffineW<8, bfloat> W_q8_bf16;
+typedef AffineW<2, half> W_q2_f16;
+typedef AffineW<4, half> W_q4_f16;
+typedef AffineW<8, half> W_q8_f16;
+typedef AffineW<2, float> W_q2_f32;
+typedef AffineW<4, float> W_q4_f32;
+typedef AffineW<8, float> W_q8_f32;
+#define FOR_EACH_WEIGHT(F) \
+  F(f32) F(f16) F(bf16) F(q2_bf16) F(q4_bf16) F(q8_bf16) F(q2_f16) F(q4_f16) F(q8_f16) F(q2_f32) F(q4_f32) F(q8_f32)

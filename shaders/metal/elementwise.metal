@@ -1,0 +1,29 @@
+// Elementwise ops over [T, dim] f32 rows. Grid: dispatchThreads (dim, T), one thread per element
+// (threadgroups of 256 along dim). No reductions.
+//   add:              x += y                                  bindings 0 RowsParams, 1 x (in/out), 2 y
+//   swiglu:           out = silu(gate) * up                   0 RowsParams, 1 gate, 2 up, 3 out
+//   sigmoid_gate_add: out[t, :] += sigmoid(gate[t]) * y[t, :] 0 RowsParams, 1 y, 2 gate [T], 3 out
+#include "common.h"
+
+kernel void add_f32(constant RowsParams& p [[buffer(0)]], device float* x [[buffer(1)]],
+                    device const float* y [[buffer(2)]], uint2 pos [[thread_position_in_grid]]) {
+  if (pos.x >= p.dim || pos.y >= p.tokens) return;
+  const ulong i = (ulong)pos.y * p.dim + pos.x;
+  x[i] = x[i] + y[i];
+}
+
+kernel void swiglu_f32(constant RowsParams& p [[buffer(0)]], device const float* gate [[buffer(1)]],
+                       device const float* up [[buffer(2)]], device float* out [[buffer(3)]],
+                       uint2 pos [[thread_position_in_grid]]) {
+  if (pos.x >= p.dim || pos.y >= p.tokens) return;
+  const ulong i = (ulong)pos.y * p.dim + pos.x;
+  out[i] = silu(gate[i]) * up[i];
+}
+
+kernel void sigmoid_gate_add_f32(constant RowsParams& p [[buffer(0)]], device const float* y [[buffer(1)]],
+                                 device const float* gate [[buffer(2)]], device float* out [[buffer(3)]],
+                                 uint2 pos [[thread_position_in_grid]]) {
+  if (pos.x >= p.dim || pos.y >= p.tokens) return;
+  const ulong i = (ulong)pos.y * p.dim + pos.x;
+  out[i] = out[i] + sigmoid(gate[pos.y]) * y[i];
+}

@@ -1,0 +1,82 @@
+"""The Metal backend end to end through the simulated Metal device (``backend="metal-sim"``): the engine's
+real Metal command stream (kernel names, bindings, grids) executed on the CPU by tools/metal-sim, against
+MLX-LM teacher-forced logits and against the CPU backend.
+
+Tolerances as test_oracle.py (oracle.md): fp32 activations, so max |Δlogit| <= 1e-3 vs the fp32 oracle with
+top-1 agreement, <= 1e-4 vs the same computation on the CPU backend. The simulator is slow, so sequences are
+short (the oracle's 192-token logits are sliced: position i depends only on tokens[:i + 1]) and the
+real-heads preset runs once. Needs clang-19 (``apt-get install -y clang-19``); skipped with a message where it
+is absent unless ``LILY_REQUIRE_METAL_SIM=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from test_oracle import ORACLE_TOL, SELF_TOL, compare, tokens_for
+
+N_TOKENS = 40
+MAX_SEQ = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_clang():
+    if shutil.which(os.environ.get("LILY_METAL_SIM_CXX", "clang++-19")) is None:
+        if os.environ.get("LILY_REQUIRE_METAL_SIM") == "1":
+            pytest.fail("clang++-19 is required for the Metal simulator tests (apt-get install -y clang-19)")
+        pytest.skip("clang++-19 not found: the Metal simulator tests need it (apt-get install -y clang-19)")
+
+
+def _engine(lily, ckpts, name, backend="metal-sim"):
+    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ)
+    assert eng.backend == backend
+    return eng
+
+
+@pytest.mark.parametrize("name", ["tiny-s0", "tiny-s0-q4g64", "tiny-s1-q8g32", "real-s0-q4g64"])
+def test_metal_sim_prefill_matches_mlx(lily, ckpts, oracle_cache, name):
+    n = 12 if name.startswith("real") else N_TOKENS  # real head shapes: ~1.3 s per token simulated
+    toks = tokens_for(ckpts, name)
+    ref = oracle_cache.logits(name, toks)[:n]
+    eng = _engine(lily, ckpts, name)
+    got = eng.prefill(toks[:n].tolist(), all_logits=True).reshape(n, -1)
+    print(compare(got, ref, ORACLE_TOL, f"{name} metal-sim prefill vs MLX-LM"))
+
+
+def test_metal_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeypatch):
+    # Decode past 16 cache rows with LILY_METAL_SPLIT_ROWS=16 takes the split attention layout.
+    monkeypatch.setenv("LILY_METAL_SPLIT_ROWS", "16")
+    name, n_prefill = "tiny-s1-theta1e3", 24
+    toks = tokens_for(ckpts, name)[:N_TOKENS]
+    eng = _engine(lily, ckpts, name)
+    cpu = _engine(lily, ckpts, name, backend="cpu")
+    first = eng.prefill(toks[:n_prefill].tolist())
+    steps = [first] + [eng.decode(t) for t in toks[n_prefill:].tolist()]
+    got = np.stack(steps[:-1])
+    cpu_first = cpu.prefill(toks[:n_prefill].tolist())
+    want = np.stack([cpu_first] + [cpu.decode(t) for t in toks[n_prefill:-1].tolist()])
+    ref = oracle_cache.logits(name, tokens_for(ckpts, name))[n_prefill - 1:N_TOKENS - 1]
+    print(compare(got, want, SELF_TOL, f"{name} metal-sim decode vs cpu decode"))
+    print(compare(got, ref, ORACLE_TOL, f"{name} metal-sim decode vs MLX-LM"))
+    assert eng.position == N_TOKENS
+
+
+def test_metal_sim_reset_and_errors(lily, ckpts):
+    eng = _engine(lily, ckpts, "tiny-s0")
+    a = eng.prefill([1, 2, 3])
+    eng.reset()
+    b = eng.prefill([1, 2, 3])
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError):
+        eng.decode(10**6)
+    with pytest.raises(lily.ContextFullError):
+        eng.prefill(list(range(MAX_SEQ)))
+
+
+def test_missing_compiler_is_a_device_error(lily, ckpts, monkeypatch):
+    monkeypatch.setenv("LILY_METAL_SIM_CXX", "/nonexistent/clang++-19")
+    with pytest.raises(lily.DeviceError, match="clang"):
+        lily.Engine(str(ckpts.path("tiny-s0")), backend="metal-sim", max_seq=MAX_SEQ)
