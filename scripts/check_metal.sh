@@ -23,10 +23,10 @@ done
 [ "$fail" = 0 ] || exit 1
 
 echo "== kernels vs CPU reference (simulator, bounds-checked)"
-cargo test -p lily-core --test metal_sim
+cargo test -p lily-core --release --test metal_sim
 
 echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse)"
-MTL_SCHED=reverse cargo test -p lily-core --test metal_sim -- rms_norm qk_norm_rope attention moe_route
+MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route
 
 if [ "${1:-}" != "--no-python" ]; then
   echo "== tiny-model oracle end to end through backend=\"metal-sim\""
