@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.generate import BACKENDS
+
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 RESULT_TAG = "LILY_BENCH_RESULT "
 DRIFT_LIMIT = 0.03
@@ -609,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default=None,
                     help="comma-separated prompt lengths, K suffix allowed (default 256,512,...,128K, cut to "
                          "what fits max_seq and memory)")
-    ap.add_argument("--backend", default="auto", choices=("auto", "cpu", "metal", "cuda"))
+    ap.add_argument("--backend", default="auto", choices=BACKENDS)
     ap.add_argument("--max-seq", type=int, default=None, help="engine max_seq (default: the config's)")
     ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed after the first token (64)")
     ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up run (2)")

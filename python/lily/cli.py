@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
+from lily.generate import BACKENDS
+
 __all__ = ["main"]
 
 _DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval"}
@@ -47,7 +49,7 @@ def _bias(text: str) -> tuple[int, float]:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hugging Face repo id (e.g. mlx-community/Qwen3.6-35B-A3B-4bit)")
-    p.add_argument("--backend", choices=["auto", "cpu", "metal", "cuda"], default="auto", help="compute backend")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend")
     p.add_argument("--max-seq", type=_positive_int, default=None, help="context length (default: the engine's)")
     p.add_argument("--max-tokens", type=_positive_int, default=None, help="tokens to generate at most (default 4096)")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.generate import BACKENDS
+
 REAL_VOCAB = 248077  # rows >= this are padding in the Qwen3.6 vocabulary
 
 
@@ -213,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("prefill", "decode", "mixed"), default="prefill",
                     help="how the sequence goes through both engines: one prefill with all logits (default), "
                          "token-by-token decode, or prefill of the first half then decode")
-    ap.add_argument("--backend", default="auto", choices=("auto", "cpu", "metal", "cuda"))
+    ap.add_argument("--backend", default="auto", choices=BACKENDS)
     ap.add_argument("--max-seq", type=int, default=None)
     ap.add_argument("--mlx-dtype", choices=("auto", "native", "float32"), default="auto",
                     help="MLX-LM precision: auto = fp32 on the CPU, as saved on a GPU")
