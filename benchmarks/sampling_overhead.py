@@ -45,6 +45,7 @@ class ReplayEngine:
     def __init__(self, rows):
         self.rows, self.i = rows, 0
         self.backend, self.config, self.max_seq = "replay", {}, 1 << 30
+        self.position = 0
 
     def _next(self):
         self.i += 1
@@ -57,7 +58,10 @@ class ReplayEngine:
         return self._next()
 
     def reset(self):
-        pass
+        self.position = 0
+
+    def cached_prefix(self, tokens):
+        return 0  # nothing to reuse: every prompt is prefilled in full
 
 
 SETTINGS = {

@@ -168,6 +168,12 @@ pub struct Sampler {
     exps: Vec<f32>, // [n] f32
     block_sums: Vec<f32>, // [n / SUM_BLOCK] f32
     cand: Vec<(f32, u32)>,
+    /// Entries of the sub-bucket the top-p cut falls in: (weight, id).
+    edge: Vec<(f32, u32)>,
+    /// Ids of the entries tied at the top-p cut that are in the nucleus.
+    ties: Vec<u32>,
+    /// Compaction buffer of ids ([n + 1]).
+    idx: Vec<u32>,
 }
 
 impl Sampler {
@@ -181,6 +187,9 @@ impl Sampler {
             exps: Vec::new(),
             block_sums: Vec::new(),
             cand: Vec::new(),
+            edge: Vec::new(),
+            ties: Vec::new(),
+            idx: Vec::new(),
         })
     }
 
@@ -301,9 +310,9 @@ impl Sampler {
         }
         let min_cut = min_p_cut(p, max);
         if top_p < 1.0 {
-            self.nucleus_full(row, max, inv_t, top_p);
-            self.cand.retain(|&(x, _)| x >= min_cut);
-            return self.draw_cand(max, inv_t);
+            // min-p in weight terms: exp((x - max) / T) >= min_p.
+            let min_w = if p.min_p > 0.0 { p.min_p } else { 0.0 };
+            return self.draw_nucleus(row, max, inv_t, top_p, min_w);
         }
         if self.params.min_p > 0.0 {
             collect_above(row, min_cut, &mut self.cand);
@@ -312,65 +321,168 @@ impl Sampler {
         Ok(self.draw_full(row, max, inv_t))
     }
 
-    /// The top-p nucleus of the whole row into `self.cand`, in one exp pass and one histogram pass:
-    /// weights are bucketed by their binary exponent (a factor of 2 per bucket), whole buckets above
-    /// the cut are kept, and only the bucket the cut falls in is sorted.
-    fn nucleus_full(&mut self, row: &[f32], max: f32, inv_t: f32, top_p: f32) {
+    /// The top-p cut of the whole row: fills `self.exps` with the tempered weights and returns
+    /// `(c, ties)`, meaning the nucleus is every entry with weight > c plus `self.ties` (`ties` ids
+    /// with weight == c, the lowest ids first): the smallest top set whose mass reaches `top_p`, as
+    /// a sort would give. No sort of the row: weights are bucketed by binary exponent, the bucket
+    /// the cut falls in by its top 8 mantissa bits, and only that sub-bucket (a few entries) is
+    /// sorted. The full-row passes are branch-free: a flat row would make any data-dependent
+    /// branch mispredict on every other entry.
+    fn nucleus_cut(&mut self, row: &[f32], max: f32, inv_t: f32, top_p: f32) -> (f32, usize) {
         let n = row.len();
         self.exps.resize(n, 0.0);
-        let mut z = 0.0f64;
-        for (src, dst) in row.chunks(SUM_BLOCK).zip(self.exps.chunks_mut(SUM_BLOCK)) {
-            z += exp_into(src, dst, max, inv_t) as f64;
-        }
-        // Four interleaved histograms keep the adds to one bucket from waiting on each other.
-        let mut hist = [[0.0f64; 256]; 4];
-        let mut quads = self.exps.chunks_exact(4);
-        for q in &mut quads {
-            for j in 0..4 {
-                hist[j][(q[j].to_bits() >> 23) as usize & 0xFF] += q[j] as f64;
-            }
-        }
-        for &e in quads.remainder() {
-            hist[0][(e.to_bits() >> 23) as usize & 0xFF] += e as f64;
-        }
+        self.ties.clear();
+        // Pass 1: weights and their histogram by binary exponent, chunk by chunk while in L1; the
+        // two halves of a long row on two threads (the pass is most of the cost).
+        let (hist, z) = if n >= 1 << 16 {
+            let mid = (n / 2).div_ceil(SUM_BLOCK) * SUM_BLOCK;
+            let (r0, r1) = row.split_at(mid);
+            let (e0, e1) = self.exps.split_at_mut(mid);
+            let ((h0, z0), (h1, z1)) = rayon::join(|| exp_hist(r0, e0, max, inv_t), || exp_hist(r1, e1, max, inv_t));
+            let mut h = h0;
+            h.iter_mut().zip(h1.iter()).for_each(|(a, b)| *a += b);
+            (h, z0 + z1)
+        } else {
+            exp_hist(row, &mut self.exps, max, inv_t)
+        };
         let limit = top_p as f64 * z;
         let mut before = 0.0f64;
-        let mut edge_exp = 0usize;
-        for b in (0..256).rev() {
-            let m = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
+        let Some(edge_exp) = (0..256u32).rev().find(|&b| {
+            let m = hist[b as usize];
             if before + m >= limit {
-                edge_exp = b;
-                break;
+                return true;
             }
             before += m;
+            false
+        }) else {
+            return (-1.0, 0); // rounding left the mass short of the limit: everything is in
+        };
+        // Pass 2: the ids in the edge bucket, by branch-free compaction.
+        self.idx.resize(n + 1, 0);
+        let mut cnt = 0usize;
+        for (i, &w) in self.exps.iter().enumerate() {
+            self.idx[cnt] = i as u32;
+            cnt += (w.to_bits() >> 23 == edge_exp) as usize;
         }
-        // Weights with a larger exponent are all in; those with this exponent are decided one by one.
-        let edge_lo = f32::from_bits((edge_exp as u32) << 23);
-        let edge_hi = f32::from_bits(((edge_exp as u32 + 1).min(255)) << 23);
-        self.cand.clear();
-        let mut edge: Vec<(f32, u32)> = Vec::new();
-        for (b, block) in self.exps.chunks(BLOCK).enumerate() {
-            if block_max(block) < edge_lo {
+        // The edge bucket again by its top 8 mantissa bits; only the sub-bucket of the cut is sorted.
+        let key = |w: f32| ((w.to_bits() >> 15) & 0xFF) as usize;
+        let mut sub = [0.0f64; 256];
+        for &i in &self.idx[..cnt] {
+            let w = self.exps[i as usize];
+            sub[key(w)] += w as f64;
+        }
+        let mut cut_key = 0usize;
+        for k in (0..256).rev() {
+            if before + sub[k] >= limit {
+                cut_key = k;
+                break;
+            }
+            before += sub[k];
+        }
+        self.edge.clear();
+        for &i in &self.idx[..cnt] {
+            let w = self.exps[i as usize];
+            if key(w) == cut_key {
+                self.edge.push((w, i));
+            }
+        }
+        self.edge
+            .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        // Everything above this sub-bucket is in; walk it until the mass reaches the limit (at
+        // least one entry overall: the argmax is never cut).
+        let mut cut = (f32::INFINITY, 0usize);
+        for (k, &(w, _)) in self.edge.iter().enumerate() {
+            if (k > 0 || before > 0.0) && before >= limit {
+                break;
+            }
+            before += w as f64;
+            cut = if w == cut.0 { (w, cut.1 + 1) } else { (w, 1) };
+        }
+        if cut.0 == f32::INFINITY {
+            // The sub-bucket was empty (the limit was met above it): cut just below its floor.
+            return (
+                f32::from_bits(((edge_exp << 23) + ((cut_key as u32 + 1) << 15)).saturating_sub(1)),
+                0,
+            );
+        }
+        let first_tie = self.edge.iter().position(|&(w, _)| w == cut.0).unwrap_or(0);
+        self.ties
+            .extend(self.edge[first_tie..first_tie + cut.1].iter().map(|&(_, i)| i));
+        cut
+    }
+
+    /// Draws from the top-p nucleus of the whole row (weights >= `min_w` only, for min-p) by inverse
+    /// CDF over per-block sums of the included weights, without materialising the candidate set.
+    fn draw_nucleus(&mut self, row: &[f32], max: f32, inv_t: f32, top_p: f32, min_w: f32) -> Result<u32> {
+        let (mut c, mut ties) = self.nucleus_cut(row, max, inv_t, top_p);
+        if min_w > c {
+            // min-p cuts deeper than top-p: keep w >= min_w, i.e. w > the float just below it.
+            c = f32::from_bits(min_w.to_bits().saturating_sub(1));
+            ties = 0;
+        }
+        let kept = |w: f32| if w > c { w } else { 0.0 };
+        self.block_sums.clear();
+        for block in self.exps.chunks(SUM_BLOCK) {
+            let mut acc = [0f32; 8];
+            let mut lanes = block.chunks_exact(8);
+            for l in &mut lanes {
+                for j in 0..8 {
+                    acc[j] += kept(l[j]);
+                }
+            }
+            let tail: f32 = lanes.remainder().iter().map(|&w| kept(w)).sum();
+            self.block_sums.push(acc.iter().sum::<f32>() + tail);
+        }
+        let tie_mass = ties as f64 * c as f64;
+        let total: f64 = self.block_sums.iter().map(|&s| s as f64).sum::<f64>() + tie_mass;
+        if total <= 0.0 || !total.is_finite() {
+            return Err(Error::InvalidArgument(
+                "sampling: every token was filtered out".to_string(),
+            ));
+        }
+        let mut u = self.rng.next_f64() * total;
+        for (b, &s) in self.block_sums.iter().enumerate() {
+            if u >= s as f64 {
+                u -= s as f64;
                 continue;
             }
-            for (j, &e) in block.iter().enumerate() {
-                if e >= edge_lo {
-                    let i = b * BLOCK + j;
-                    if e >= edge_hi && edge_exp < 255 {
-                        self.cand.push((row[i], i as u32));
-                    } else {
-                        edge.push((row[i], i as u32));
+            let block = &self.exps[b * SUM_BLOCK..((b + 1) * SUM_BLOCK).min(self.exps.len())];
+            let mut last = None;
+            for (j, &w) in block.iter().enumerate() {
+                if w > c {
+                    last = Some(j);
+                    u -= w as f64;
+                    if u < 0.0 {
+                        break;
                     }
                 }
             }
-        }
-        sort_desc(&mut edge);
-        for (k, &(x, id)) in edge.iter().enumerate() {
-            if (k > 0 || !self.cand.is_empty()) && before >= limit {
-                break;
+            if let Some(j) = last {
+                return Ok((b * SUM_BLOCK + j) as u32);
             }
-            before += fast_exp((x - max) * inv_t) as f64;
-            self.cand.push((x, id));
+        }
+        // The tied entries at the cut, each of weight c (or rounding ran past the end).
+        let k = if c > 0.0 { (u / c as f64) as usize } else { 0 };
+        match self.ties.get(k.min(self.ties.len().saturating_sub(1))) {
+            Some(&id) if ties > 0 => Ok(id),
+            _ => self
+                .exps
+                .iter()
+                .rposition(|&w| w > c)
+                .map(|i| i as u32)
+                .ok_or_else(|| Error::InvalidArgument("sampling: every token was filtered out".to_string())),
+        }
+    }
+
+    /// The nucleus as a candidate list (for tests against a sort-based reference).
+    #[cfg(test)]
+    fn nucleus_full(&mut self, row: &[f32], max: f32, inv_t: f32, top_p: f32) {
+        let (c, _) = self.nucleus_cut(row, max, inv_t, top_p);
+        self.cand.clear();
+        for (i, &w) in self.exps.iter().enumerate() {
+            if w > c || self.ties.contains(&(i as u32)) {
+                self.cand.push((row[i], i as u32));
+            }
         }
     }
 
@@ -558,6 +670,31 @@ fn truncate_nucleus(cand: &mut Vec<(f32, u32)>, max: f32, inv_t: f32, z: f64, to
 }
 
 /// Sum over the row of exp((x - max) / T), vectorised (AVX2 when the CPU has it).
+/// Tempered weights of `src` into `dst` and their histogram by binary exponent (sum of weights
+/// per exponent), with the total. Four interleaved histograms keep the adds to one bucket from
+/// waiting on each other.
+fn exp_hist(src: &[f32], dst: &mut [f32], max: f32, inv_t: f32) -> ([f64; 256], f64) {
+    let mut hist = [[0.0f64; 256]; 4];
+    let mut z = 0.0f64;
+    for (s, d) in src.chunks(SUM_BLOCK).zip(dst.chunks_mut(SUM_BLOCK)) {
+        z += exp_into(s, d, max, inv_t) as f64;
+        let mut quads = d.chunks_exact(4);
+        for q in &mut quads {
+            for j in 0..4 {
+                hist[j][(q[j].to_bits() >> 23) as usize & 0xFF] += q[j] as f64;
+            }
+        }
+        for &e in quads.remainder() {
+            hist[0][(e.to_bits() >> 23) as usize & 0xFF] += e as f64;
+        }
+    }
+    let mut out = hist[0];
+    for h in &hist[1..] {
+        out.iter_mut().zip(h.iter()).for_each(|(a, b)| *a += b);
+    }
+    (out, z)
+}
+
 fn exp_sum(row: &[f32], max: f32, inv_t: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
