@@ -1,4 +1,4 @@
-"""The ``lily`` command: ``generate``, ``chat``, and ``synth`` / ``bench`` / ``eval`` (their own modules).
+"""The ``lily`` command: ``generate``, ``chat``, and ``synth`` / ``bench`` / ``eval`` / ``serve`` (own modules).
 
     lily generate MODEL "prompt"      stream an answer (chat template applied; --raw to skip it)
     lily chat MODEL                   interactive chat: /reset clears the history, /exit quits
@@ -18,7 +18,7 @@ from lily.generate import BACKENDS
 
 __all__ = ["main"]
 
-_DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval"}
+_DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval", "serve": "lily.server"}
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
