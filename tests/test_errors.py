@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import struct
+import sys
 
 import fixtures
 import numpy as np
@@ -198,7 +199,9 @@ def test_unknown_backend(lily, tiny_hf):
 
 @pytest.mark.parametrize("backend", ["metal", "cuda"])
 def test_unavailable_backend_is_device_error(lily, tiny_hf, backend):
-    """This Linux CI box has no Metal and no CUDA device."""
+    """No Metal device off macOS, and no CUDA backend in this build."""
+    if backend == "metal" and sys.platform == "darwin":
+        pytest.skip("macOS may have a Metal device: tests/test_metal_sim.py and metal_device.rs cover it")
     with pytest.raises(lily.DeviceError):
         _load(lily, tiny_hf, backend=backend)
 

@@ -44,5 +44,76 @@ TKERNEL void matmul(constant MatmulParams& p [[buffer(0)]], constant MatrixDesc&
   }
 }
 
-#define MATMUL(sfx) INSTANTIATE(matmul_gemv_##sfx, matmul, W_##sfx, 1) INSTANTIATE(matmul_gemm_##sfx, matmul, W_##sfx, 8)
+// matmul_mma: the prefill GEMM for T > 8 tokens on simdgroup matrices, same bindings and result
+// as matmul above. Grid: threadgroups (ceil(N / 32), ceil(T / 32)), 128 threads = 4 simdgroups
+// in a 2x2 arrangement; simdgroup s owns tokens 16 * (s / 2) .. +16 and rows 16 * (s % 2) .. +16
+// of the 32x32 output tile, as 2x2 8x8 f32 accumulators. Per K step of 32 the threadgroup stages
+// x [32 tokens][32] and the dequantized W [32 rows][32] as f32 in threadgroup memory (zero
+// outside T, N and K, so partial tiles need no other care): thread i fills 8 consecutive columns
+// of tile row i / 4 (one load8 of weights, dequantized once for all 32 tokens). Each simdgroup
+// then multiplies 4 k-slices, loading W transposed (B[k][n] = W[n][k]). The accumulators leave
+// through threadgroup memory so the partial edges are stored bounds-checked. Accumulation: f32.
+// Threadgroup memory: two arguments of 32 * 32 floats (4 KiB each), sized by the host (template
+// kernels cannot declare kernel-scope threadgroup arrays in the C++-for-OpenCL check mode).
+constant constexpr uint MMA_TILE = 32;
+
+template <typename W>
+TKERNEL void matmul_mma(constant MatmulParams& p [[buffer(0)]], constant MatrixDesc& m [[buffer(1)]],
+                        device const uchar* w [[buffer(2)]], device const uchar* scales [[buffer(3)]],
+                        device const uchar* biases [[buffer(4)]], device const float* x [[buffer(5)]],
+                        device float* out [[buffer(6)]],
+                        threadgroup float* xs [[threadgroup(0)]],  // [token][k], then the output tile [token][row]
+                        threadgroup float* ws [[threadgroup(1)]],  // [row][k], dequantized
+                        uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]]) {
+  const W wr = W::make(w, scales, biases, m);
+  const uint K = m.cols, N = m.rows;
+  const uint n0 = tg.x * MMA_TILE, t0 = tg.y * MMA_TILE;
+  const uint st = (sg / 2) * 16, sn = (sg % 2) * 16;  // this simdgroup's 16x16 sub-tile
+  const uint lr = tid / 4, lc = (tid % 4) * 8;        // staging: tile row, first of 8 columns
+  simdgroup_float8x8 acc[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint k0 = 0; k0 < K; k0 += MMA_TILE) {
+    const uint j = k0 + lc;
+    threadgroup float* xd = xs + lr * MMA_TILE + lc;
+    if (t0 + lr < p.tokens) {
+      device const float* xr = x + (ulong)(p.x_row0 + t0 + lr) * K;
+      for (uint i = 0; i < 8; ++i) xd[i] = j + i < K ? xr[j + i] : 0.0f;
+    } else {
+      for (uint i = 0; i < 8; ++i) xd[i] = 0.0f;
+    }
+    threadgroup float* wd = ws + lr * MMA_TILE + lc;
+    const uint row = m.row_offset + n0 + lr;
+    if (n0 + lr < N && j + 8 <= K) {
+      float wv[8];
+      wr.load8(row, j, wv);
+      for (int i = 0; i < 8; ++i) wd[i] = wv[i];
+    } else {
+      for (uint i = 0; i < 8; ++i) wd[i] = n0 + lr < N && j + i < K ? wr.at(row, j + i) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < MMA_TILE; kk += 8) {
+      simdgroup_float8x8 a[2], b[2];
+      for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs + (st + 8 * i) * MMA_TILE + kk, MMA_TILE);
+      // b[j][k][n] = ws[sn + 8 j + n][kk + k]: a transposed load.
+      for (uint i = 0; i < 2; ++i) simdgroup_load(b[i], ws + (sn + 8 * i) * MMA_TILE + kk, MMA_TILE, ulong2(0, 0), true);
+      for (int i = 0; i < 2; ++i)
+        for (int jj = 0; jj < 2; ++jj) simdgroup_multiply_accumulate(acc[i][jj], a[i], b[jj], acc[i][jj]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint i = 0; i < 2; ++i)
+    for (uint jj = 0; jj < 2; ++jj) simdgroup_store(acc[i][jj], xs + (st + 8 * i) * MMA_TILE + sn + 8 * jj, MMA_TILE);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < MMA_TILE * MMA_TILE; e += 128) {
+    const uint t = t0 + e / MMA_TILE, n = n0 + e % MMA_TILE;
+    if (t < p.tokens && n < N) out[(ulong)t * N + n] = xs[e];
+  }
+}
+
+#define MATMUL(sfx)                                       \
+  INSTANTIATE(matmul_gemv_##sfx, matmul, W_##sfx, 1)      \
+  INSTANTIATE(matmul_gemm_##sfx, matmul, W_##sfx, 8)      \
+  INSTANTIATE(matmul_mma_##sfx, matmul_mma, W_##sfx)
 FOR_EACH_WEIGHT(MATMUL)

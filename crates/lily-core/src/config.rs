@@ -80,14 +80,17 @@ pub struct ModelConfig {
 }
 
 fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<&'a Value> {
-    obj.get(name).ok_or_else(|| Error::Config(format!("missing field `{name}`")))
+    obj.get(name)
+        .ok_or_else(|| Error::Config(format!("missing field `{name}`")))
 }
 
 fn usize_field(obj: &Map<String, Value>, name: &str) -> Result<usize> {
     let v = field(obj, name)?;
     match v.as_u64() {
         Some(n) if n > 0 && n <= u32::MAX as u64 => Ok(n as usize),
-        _ => Err(Error::Config(format!("field `{name}` must be a positive integer, found {v}"))),
+        _ => Err(Error::Config(format!(
+            "field `{name}` must be a positive integer, found {v}"
+        ))),
     }
 }
 
@@ -95,7 +98,9 @@ fn f64_field(obj: &Map<String, Value>, name: &str) -> Result<f64> {
     let v = field(obj, name)?;
     match v.as_f64() {
         Some(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(Error::Config(format!("field `{name}` must be a positive number, found {v}"))),
+        _ => Err(Error::Config(format!(
+            "field `{name}` must be a positive number, found {v}"
+        ))),
     }
 }
 
@@ -103,28 +108,40 @@ fn bool_or(obj: &Map<String, Value>, name: &str, default: bool) -> Result<bool> 
     match obj.get(name) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(Error::Config(format!("field `{name}` must be true or false, found {v}"))),
+        Some(v) => Err(Error::Config(format!(
+            "field `{name}` must be true or false, found {v}"
+        ))),
     }
 }
 
 fn quant_spec(v: &Value, what: &str) -> Result<QuantSpec> {
-    let obj = v.as_object().ok_or_else(|| Error::Config(format!("`{what}` must be an object, found {v}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| Error::Config(format!("`{what}` must be an object, found {v}")))?;
     let bits = usize_field(obj, "bits").map_err(|e| Error::Config(format!("{what}: {e}")))? as u32;
     let group_size = usize_field(obj, "group_size").map_err(|e| Error::Config(format!("{what}: {e}")))?;
     if !matches!(bits, 2 | 4 | 8) {
-        return Err(Error::Config(format!("{what}: `bits` {bits} is not supported (2, 4 or 8)")));
+        return Err(Error::Config(format!(
+            "{what}: `bits` {bits} is not supported (2, 4 or 8)"
+        )));
     }
     if !matches!(group_size, 32 | 64 | 128) {
-        return Err(Error::Config(format!("{what}: `group_size` {group_size} is not supported (32, 64 or 128)")));
+        return Err(Error::Config(format!(
+            "{what}: `group_size` {group_size} is not supported (32, 64 or 128)"
+        )));
     }
     Ok(QuantSpec { bits, group_size })
 }
 
 fn parse_quantization(v: &Value) -> Result<Quantization> {
-    let obj = v.as_object().ok_or_else(|| Error::Config(format!("`quantization` must be an object, found {v}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| Error::Config(format!("`quantization` must be an object, found {v}")))?;
     if let Some(mode) = obj.get("mode") {
         if mode.as_str() != Some("affine") {
-            return Err(Error::Config(format!("quantization `mode` {mode} is not supported (only \"affine\")")));
+            return Err(Error::Config(format!(
+                "quantization `mode` {mode} is not supported (only \"affine\")"
+            )));
         }
     }
     let default = quant_spec(v, "quantization")?;
@@ -140,18 +157,21 @@ fn parse_quantization(v: &Value) -> Result<Quantization> {
 impl ModelConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, e))?;
-        let raw: Value =
-            serde_json::from_str(&text).map_err(|e| Error::file(path, format!("not valid JSON: {e}")))?;
+        let raw: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("not valid JSON: {e}")))?;
         Self::from_json(raw)
     }
 
     pub fn from_json(raw: Value) -> Result<Self> {
-        let top = raw.as_object().ok_or_else(|| Error::Config("config.json must hold a JSON object".into()))?;
+        let top = raw
+            .as_object()
+            .ok_or_else(|| Error::Config("config.json must hold a JSON object".into()))?;
         let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
         let text = match model_type {
             "qwen3_5_moe" => {
                 let tc = field(top, "text_config")?;
-                let tc = tc.as_object().ok_or_else(|| Error::Config(format!("`text_config` must be an object, found {tc}")))?;
+                let tc = tc
+                    .as_object()
+                    .ok_or_else(|| Error::Config(format!("`text_config` must be an object, found {tc}")))?;
                 let inner = tc.get("model_type").and_then(Value::as_str);
                 if inner.is_some() && inner != Some("qwen3_5_moe_text") {
                     return Err(Error::Config(format!(
@@ -185,45 +205,74 @@ impl ModelConfig {
                     .map(|(i, k)| match k.as_str() {
                         Some("linear_attention") => Ok(LayerKind::DeltaNet),
                         Some("full_attention") => Ok(LayerKind::Attention),
-                        _ => Err(Error::Config(format!("`layer_types[{i}]` must be \"linear_attention\" or \"full_attention\", found {k}"))),
+                        _ => Err(Error::Config(format!(
+                            "`layer_types[{i}]` must be \"linear_attention\" or \"full_attention\", found {k}"
+                        ))),
                     })
                     .collect::<Result<Vec<_>>>()?
             }
             Some(Value::Null) | None => {
                 let every = usize_field(text, "full_attention_interval")?;
                 (0..num_hidden_layers)
-                    .map(|i| if (i + 1) % every == 0 { LayerKind::Attention } else { LayerKind::DeltaNet })
+                    .map(|i| {
+                        if (i + 1) % every == 0 {
+                            LayerKind::Attention
+                        } else {
+                            LayerKind::DeltaNet
+                        }
+                    })
                     .collect()
             }
             Some(v) => return Err(Error::Config(format!("`layer_types` must be a list, found {v}"))),
         };
 
         // RoPE: `rope_parameters` (transformers >= 5) or the older top-level fields.
-        let rope = text.get("rope_parameters").and_then(Value::as_object).or_else(|| text.get("rope_scaling").and_then(Value::as_object));
+        let rope = text
+            .get("rope_parameters")
+            .and_then(Value::as_object)
+            .or_else(|| text.get("rope_scaling").and_then(Value::as_object));
         let rope_field = |name: &str| -> Option<&Value> { rope.and_then(|r| r.get(name)).or_else(|| text.get(name)) };
         if let Some(kind) = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))) {
             if !matches!(kind.as_str(), Some("default") | Some("mrope")) {
-                return Err(Error::Config(format!("`rope_type` {kind} is not supported (only \"default\")")));
+                return Err(Error::Config(format!(
+                    "`rope_type` {kind} is not supported (only \"default\")"
+                )));
             }
         }
         let rope_theta = match rope_field("rope_theta") {
-            Some(v) => v.as_f64().filter(|x| *x > 0.0).ok_or_else(|| Error::Config(format!("`rope_theta` must be a positive number, found {v}")))?,
-            None => return Err(Error::Config("missing field `rope_theta` (in `rope_parameters` or the text config)".into())),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| *x > 0.0)
+                .ok_or_else(|| Error::Config(format!("`rope_theta` must be a positive number, found {v}")))?,
+            None => {
+                return Err(Error::Config(
+                    "missing field `rope_theta` (in `rope_parameters` or the text config)".into(),
+                ))
+            }
         };
         let partial_rotary_factor = match rope_field("partial_rotary_factor") {
-            Some(v) => v.as_f64().filter(|x| *x > 0.0 && *x <= 1.0).ok_or_else(|| Error::Config(format!("`partial_rotary_factor` must be in (0, 1], found {v}")))?,
+            Some(v) => v
+                .as_f64()
+                .filter(|x| *x > 0.0 && *x <= 1.0)
+                .ok_or_else(|| Error::Config(format!("`partial_rotary_factor` must be in (0, 1], found {v}")))?,
             None => 1.0,
         };
 
         let hidden_act = text.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
         if hidden_act != "silu" {
-            return Err(Error::Config(format!("`hidden_act` must be \"silu\", found \"{hidden_act}\"")));
+            return Err(Error::Config(format!(
+                "`hidden_act` must be \"silu\", found \"{hidden_act}\""
+            )));
         }
         if bool_or(text, "attention_bias", false)? {
-            return Err(Error::Config("`attention_bias` true is not supported by this model family".into()));
+            return Err(Error::Config(
+                "`attention_bias` true is not supported by this model family".into(),
+            ));
         }
         if !bool_or(text, "attn_output_gate", true)? {
-            return Err(Error::Config("`attn_output_gate` false is not supported by this model family".into()));
+            return Err(Error::Config(
+                "`attn_output_gate` false is not supported by this model family".into(),
+            ));
         }
 
         let eos_token_ids = match text.get("eos_token_id").or_else(|| top.get("eos_token_id")) {
@@ -298,7 +347,10 @@ impl ModelConfig {
             ));
         }
         if self.rms_norm_eps >= 1.0 {
-            return bad(format!("`rms_norm_eps` {} is not a small positive number", self.rms_norm_eps));
+            return bad(format!(
+                "`rms_norm_eps` {} is not a small positive number",
+                self.rms_norm_eps
+            ));
         }
         Ok(())
     }
@@ -362,7 +414,10 @@ mod tests {
         assert!(ModelConfig::from_json(v).unwrap_err().to_string().contains("llama"));
         let mut v = base();
         v["text_config"].as_object_mut().unwrap().remove("num_experts");
-        assert!(ModelConfig::from_json(v).unwrap_err().to_string().contains("num_experts"));
+        assert!(ModelConfig::from_json(v)
+            .unwrap_err()
+            .to_string()
+            .contains("num_experts"));
     }
 
     #[test]

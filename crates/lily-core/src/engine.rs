@@ -13,6 +13,8 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
+#[cfg(target_os = "macos")]
+use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
 use crate::backend::metal::{sim::Sim, Metal};
 use crate::{
@@ -254,6 +256,8 @@ pub enum Engine {
     Cpu(Runner<Cpu>, ModelConfig),
     #[cfg(unix)]
     MetalSim(Runner<Metal<Sim>>, ModelConfig),
+    #[cfg(target_os = "macos")]
+    Metal(Runner<Metal<MetalDevice>>, ModelConfig),
 }
 
 macro_rules! each {
@@ -262,6 +266,8 @@ macro_rules! each {
             Engine::Cpu($r, _) => $body,
             #[cfg(unix)]
             Engine::MetalSim($r, _) => $body,
+            #[cfg(target_os = "macos")]
+            Engine::Metal($r, _) => $body,
         }
     };
 }
@@ -288,9 +294,15 @@ impl Engine {
             None => cfg.max_position_embeddings,
         };
         match backend {
-            BackendKind::Auto | BackendKind::Cpu => {
+            BackendKind::Auto => {
+                // Apple silicon: Metal when the device opens; CPU otherwise.
+                #[cfg(all(target_os = "macos", target_arch = "aarch64"))]
+                if let Ok(m) = Metal::device() {
+                    return Ok(Engine::Metal(Runner::new(m, dir, &cfg, max_seq, progress)?, cfg));
+                }
                 Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, progress)?, cfg))
             }
+            BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, progress)?, cfg)),
             BackendKind::CpuReference => Ok(Engine::Cpu(
                 Runner::new(Cpu::reference(), dir, &cfg, max_seq, progress)?,
                 cfg,
@@ -304,8 +316,14 @@ impl Engine {
             BackendKind::MetalSim => Err(Error::Device(
                 "the Metal simulator needs a Unix host with clang-19".into(),
             )),
+            #[cfg(target_os = "macos")]
+            BackendKind::Metal => Ok(Engine::Metal(
+                Runner::new(Metal::device()?, dir, &cfg, max_seq, progress)?,
+                cfg,
+            )),
+            #[cfg(not(target_os = "macos"))]
             BackendKind::Metal => Err(Error::Device(
-                "the Metal backend is not built into this package yet".into(),
+                "the Metal backend needs macOS on Apple silicon (on Linux, backend=\"metal-sim\" runs its kernels on the CPU)".into(),
             )),
             BackendKind::Cuda => Err(Error::Device(
                 "the CUDA backend is not built into this package yet".into(),
@@ -379,6 +397,8 @@ impl Engine {
             Engine::Cpu(_, c) => c,
             #[cfg(unix)]
             Engine::MetalSim(_, c) => c,
+            #[cfg(target_os = "macos")]
+            Engine::Metal(_, c) => c,
         }
     }
 }

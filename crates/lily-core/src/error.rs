@@ -28,10 +28,16 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn weight(name: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Weight { name: name.into(), msg: msg.into() }
+        Error::Weight {
+            name: name.into(),
+            msg: msg.into(),
+        }
     }
     pub(crate) fn file(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
-        Error::File { path: path.into(), msg: msg.to_string() }
+        Error::File {
+            path: path.into(),
+            msg: msg.to_string(),
+        }
     }
 }
 

@@ -17,7 +17,10 @@ pub enum Format {
     F16,
     BF16,
     /// MLX affine quantization; `bits` in {2, 4, 8}, `group` in {32, 64, 128}.
-    Affine { bits: u32, group: usize },
+    Affine {
+        bits: u32,
+        group: usize,
+    },
 }
 
 /// Scales and biases of a quantized matrix, one per (row, group).
@@ -86,7 +89,11 @@ impl Matrix {
 
     /// Bytes actually read to apply `rows` rows of this matrix once (for bandwidth figures).
     pub fn bytes_per_row(&self) -> usize {
-        self.row_bytes() + self.groups.as_ref().map_or(0, |g| 2 * self.groups_per_row() * g.dtype.size())
+        self.row_bytes()
+            + self
+                .groups
+                .as_ref()
+                .map_or(0, |g| 2 * self.groups_per_row() * g.dtype.size())
     }
 
     /// The packed bytes of one stored row, and its scales / biases byte slices.
@@ -97,7 +104,11 @@ impl Matrix {
         match &self.groups {
             Some(g) => {
                 let gb = self.groups_per_row() * g.dtype.size();
-                (data, &g.scales.as_slice()[stored * gb..(stored + 1) * gb], &g.biases.as_slice()[stored * gb..(stored + 1) * gb])
+                (
+                    data,
+                    &g.scales.as_slice()[stored * gb..(stored + 1) * gb],
+                    &g.biases.as_slice()[stored * gb..(stored + 1) * gb],
+                )
             }
             None => (data, &[], &[]),
         }
@@ -136,7 +147,10 @@ pub(crate) fn float_format(name: &str, dtype: DType, dtype_name: &str) -> Result
         DType::F32 => Ok(Format::F32),
         DType::F16 => Ok(Format::F16),
         DType::BF16 => Ok(Format::BF16),
-        _ => Err(Error::weight(name, format!("unsupported dtype {dtype_name} (expected BF16, F16, F32, or U32 with scales)"))),
+        _ => Err(Error::weight(
+            name,
+            format!("unsupported dtype {dtype_name} (expected BF16, F16, F32, or U32 with scales)"),
+        )),
     }
 }
 

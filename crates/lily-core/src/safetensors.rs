@@ -59,12 +59,20 @@ impl Bytes {
     pub fn from_slice(data: &[u8]) -> Bytes {
         let mut m = memmap2::MmapMut::map_anon(data.len().max(1)).expect("anonymous map");
         m[..data.len()].copy_from_slice(data);
-        Bytes { map: Arc::new(m.make_read_only().expect("read-only map")), start: 0, len: data.len() }
+        Bytes {
+            map: Arc::new(m.make_read_only().expect("read-only map")),
+            start: 0,
+            len: data.len(),
+        }
     }
     /// The sub-range `[offset, offset + len)` of this range.
     pub fn slice(&self, offset: usize, len: usize) -> Bytes {
         debug_assert!(offset + len <= self.len);
-        Bytes { map: self.map.clone(), start: self.start + offset, len }
+        Bytes {
+            map: self.map.clone(),
+            start: self.start + offset,
+            len,
+        }
     }
 }
 
@@ -86,13 +94,25 @@ impl TensorView {
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let b = self.bytes.as_slice();
         Ok(match self.dtype {
-            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            DType::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            DType::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
             _ => {
                 return Err(Error::weight(
                     &self.name,
-                    format!("dtype {} where a float tensor (F32, F16, BF16) is expected", self.dtype_name),
+                    format!(
+                        "dtype {} where a float tensor (F32, F16, BF16) is expected",
+                        self.dtype_name
+                    ),
                 ))
             }
         })
@@ -111,11 +131,20 @@ fn parse_file(path: &Path, out: &mut HashMap<String, TensorView>) -> Result<()> 
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::file(path, format!("cannot map: {e}")))?;
     let map = Arc::new(map);
     if map.len() < 8 {
-        return Err(Error::file(path, format!("not a safetensors file: {} bytes, no header", map.len())));
+        return Err(Error::file(
+            path,
+            format!("not a safetensors file: {} bytes, no header", map.len()),
+        ));
     }
     let n = u64::from_le_bytes(map[0..8].try_into().expect("8 bytes")) as usize;
     if n > map.len() - 8 || n > 100 << 20 {
-        return Err(Error::file(path, format!("corrupt safetensors header: length {n} in a file of {} bytes", map.len())));
+        return Err(Error::file(
+            path,
+            format!(
+                "corrupt safetensors header: length {n} in a file of {} bytes",
+                map.len()
+            ),
+        ));
     }
     let header: Value = serde_json::from_slice(&map[8..8 + n])
         .map_err(|e| Error::file(path, format!("corrupt safetensors header: {e}")))?;
@@ -129,29 +158,64 @@ fn parse_file(path: &Path, out: &mut HashMap<String, TensorView>) -> Result<()> 
             continue;
         }
         let bad = |msg: &str| Error::file(path, format!("corrupt safetensors entry `{name}`: {msg}"));
-        let dtype_name = info.get("dtype").and_then(Value::as_str).ok_or_else(|| bad("no dtype"))?;
+        let dtype_name = info
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("no dtype"))?;
         let shape = info
             .get("shape")
             .and_then(Value::as_array)
             .ok_or_else(|| bad("no shape"))?
             .iter()
-            .map(|d| d.as_u64().map(|d| d as usize).ok_or_else(|| bad("shape is not a list of integers")))
+            .map(|d| {
+                d.as_u64()
+                    .map(|d| d as usize)
+                    .ok_or_else(|| bad("shape is not a list of integers"))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let offsets = info.get("data_offsets").and_then(Value::as_array).ok_or_else(|| bad("no data_offsets"))?;
+        let offsets = info
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("no data_offsets"))?;
         let (begin, end) = match offsets.as_slice() {
-            [a, b] => (a.as_u64().ok_or_else(|| bad("bad offset"))? as usize, b.as_u64().ok_or_else(|| bad("bad offset"))? as usize),
+            [a, b] => (
+                a.as_u64().ok_or_else(|| bad("bad offset"))? as usize,
+                b.as_u64().ok_or_else(|| bad("bad offset"))? as usize,
+            ),
             _ => return Err(bad("data_offsets must have two entries")),
         };
         if begin > end || end > data_len {
-            return Err(bad(&format!("data [{begin}, {end}) lies outside the {data_len} data bytes (truncated file?)")));
+            return Err(bad(&format!(
+                "data [{begin}, {end}) lies outside the {data_len} data bytes (truncated file?)"
+            )));
         }
         let dtype = DType::parse(dtype_name);
-        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| bad("shape overflows"))?;
         if dtype != DType::Other && numel.checked_mul(dtype.size()) != Some(end - begin) {
-            return Err(bad(&format!("shape {shape:?} of {dtype_name} needs {} bytes, entry has {}", numel * dtype.size(), end - begin)));
+            return Err(bad(&format!(
+                "shape {shape:?} of {dtype_name} needs {} bytes, entry has {}",
+                numel * dtype.size(),
+                end - begin
+            )));
         }
-        let bytes = Bytes { map: map.clone(), start: data_start + begin, len: end - begin };
-        out.insert(name.clone(), TensorView { name: name.clone(), dtype, dtype_name: dtype_name.to_string(), shape, bytes });
+        let bytes = Bytes {
+            map: map.clone(),
+            start: data_start + begin,
+            len: end - begin,
+        };
+        out.insert(
+            name.clone(),
+            TensorView {
+                name: name.clone(),
+                dtype,
+                dtype_name: dtype_name.to_string(),
+                shape,
+                bytes,
+            },
+        );
     }
     Ok(())
 }
@@ -163,13 +227,16 @@ impl SafeTensors {
         let mut files: Vec<std::path::PathBuf> = Vec::new();
         if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| Error::file(&index, e))?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| Error::file(&index, format!("not valid JSON: {e}")))?;
+            let v: Value =
+                serde_json::from_str(&text).map_err(|e| Error::file(&index, format!("not valid JSON: {e}")))?;
             let map = v
                 .get("weight_map")
                 .and_then(Value::as_object)
                 .ok_or_else(|| Error::file(&index, "no `weight_map` object"))?;
             for f in map.values() {
-                let f = f.as_str().ok_or_else(|| Error::file(&index, format!("weight_map value {f} is not a file name")))?;
+                let f = f
+                    .as_str()
+                    .ok_or_else(|| Error::file(&index, format!("weight_map value {f} is not a file name")))?;
                 let p = dir.join(f);
                 if !files.contains(&p) {
                     files.push(p);
@@ -208,6 +275,7 @@ impl SafeTensors {
 
     /// A tensor that must exist.
     pub fn require(&self, name: &str) -> Result<&TensorView> {
-        self.get(name).ok_or_else(|| Error::weight(name, "missing from the checkpoint"))
+        self.get(name)
+            .ok_or_else(|| Error::weight(name, "missing from the checkpoint"))
     }
 }

@@ -69,7 +69,13 @@ impl<'a> Loader<'a> {
             None if prefix == "language_model.model." => Layout::Mlx,
             None => Layout::HuggingFace,
         };
-        Ok(Loader { st, cfg, prefix, lm_head, layout })
+        Ok(Loader {
+            st,
+            cfg,
+            prefix,
+            lm_head,
+            layout,
+        })
     }
 
     fn full(&self, name: &str) -> String {
@@ -116,24 +122,42 @@ impl<'a> Loader<'a> {
         };
         let biases = self.st.require(&format!("{base}.biases"))?;
         let q = self.cfg.quantization.as_ref().ok_or_else(|| {
-            Error::weight(&wname, "is quantized (has .scales) but config.json has no `quantization` block")
+            Error::weight(
+                &wname,
+                "is quantized (has .scales) but config.json has no `quantization` block",
+            )
         })?;
         let spec = q.spec_for(base);
         let group = spec.group_size;
         if w.dtype != DType::U32 {
-            return Err(Error::weight(&wname, format!("quantized weight must be U32, found {}", w.dtype_name)));
+            return Err(Error::weight(
+                &wname,
+                format!("quantized weight must be U32, found {}", w.dtype_name),
+            ));
         }
         if !matches!(scales.dtype, DType::F32 | DType::F16 | DType::BF16) || scales.dtype != biases.dtype {
-            return Err(Error::weight(&sname, format!("scales {} / biases {} must be one float dtype", scales.dtype_name, biases.dtype_name)));
+            return Err(Error::weight(
+                &sname,
+                format!(
+                    "scales {} / biases {} must be one float dtype",
+                    scales.dtype_name, biases.dtype_name
+                ),
+            ));
         }
         if cols % group != 0 {
-            return Err(Error::weight(&wname, format!("input dim {cols} is not a multiple of group size {group}")));
+            return Err(Error::weight(
+                &wname,
+                format!("input dim {cols} is not a multiple of group size {group}"),
+            ));
         }
         let groups_shape: Vec<usize> = lead.iter().copied().chain([rows, cols / group]).collect();
         if scales.shape != groups_shape {
             return Err(Error::weight(
                 &sname,
-                format!("expected shape {groups_shape:?} (group size {group} from config), found {:?}", scales.shape),
+                format!(
+                    "expected shape {groups_shape:?} (group size {group} from config), found {:?}",
+                    scales.shape
+                ),
             ));
         }
         if biases.shape != groups_shape {
@@ -141,7 +165,11 @@ impl<'a> Loader<'a> {
         }
         let packed = w.shape.last().copied().unwrap_or(0);
         let bits = packed * 32 / cols;
-        let packed_shape: Vec<usize> = lead.iter().copied().chain([rows, cols * spec.bits as usize / 32]).collect();
+        let packed_shape: Vec<usize> = lead
+            .iter()
+            .copied()
+            .chain([rows, cols * spec.bits as usize / 32])
+            .collect();
         if bits != spec.bits as usize || w.shape != packed_shape {
             return Err(Error::weight(
                 &wname,
@@ -160,7 +188,11 @@ impl<'a> Loader<'a> {
             expert_stride: rows,
             row_offset: 0,
             data: w.bytes.clone(),
-            groups: Some(Groups { dtype: scales.dtype, scales: scales.bytes.clone(), biases: biases.bytes.clone() }),
+            groups: Some(Groups {
+                dtype: scales.dtype,
+                scales: scales.bytes.clone(),
+                biases: biases.bytes.clone(),
+            }),
         })
     }
 
@@ -199,7 +231,11 @@ impl<'a> Loader<'a> {
 
     /// Routed experts of layer `i` as (gate [E, I, D], up [E, I, D], down [E, D, I]).
     pub fn experts(&self, i: usize) -> Result<(Matrix, Matrix, Matrix)> {
-        let (e, d, inter) = (self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size);
+        let (e, d, inter) = (
+            self.cfg.num_experts,
+            self.cfg.hidden_size,
+            self.cfg.moe_intermediate_size,
+        );
         let mlx = self.full(&format!("layers.{i}.mlp.switch_mlp"));
         if self.st.contains(&format!("{mlx}.gate_proj.weight")) {
             return Ok((

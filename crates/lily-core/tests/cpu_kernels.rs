@@ -24,15 +24,17 @@ fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
 fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let (i, err) = a.iter().zip(b).map(|(x, y)| (x - y).abs()).enumerate().fold((0, 0f32), |m, (i, e)| {
-        if e > m.1 || e.is_nan() {
-            (i, e)
-        } else {
-            m
-        }
-    });
+    let (i, err) = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .enumerate()
+        .fold((0, 0f32), |m, (i, e)| if e > m.1 || e.is_nan() { (i, e) } else { m });
     assert!(a.iter().all(|x| x.is_finite()), "{what}: non-finite output");
-    assert!(err <= tol * scale, "{what}: max |diff| {err:.3e} at {i} (scale {scale:.3e}, tol {tol:.1e})");
+    assert!(
+        err <= tol * scale,
+        "{what}: max |diff| {err:.3e} at {i} (scale {scale:.3e}, tol {tol:.1e})"
+    );
 }
 
 fn bf16_bytes(v: &[f32]) -> Vec<u8> {
@@ -45,16 +47,27 @@ fn matrix(experts: usize, rows: usize, cols: usize, format: Format, seed: u64) -
     let vals = rand_vec(n, seed, -1.0, 1.0);
     let (data, groups) = match format {
         Format::F32 => (vals.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
-        Format::F16 => (vals.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(), None),
+        Format::F16 => (
+            vals.iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect(),
+            None,
+        ),
         Format::BF16 => (bf16_bytes(&vals), None),
         Format::Affine { bits, group } => {
             let levels = ((1u32 << bits) - 1) as f32;
             let mut words = vec![0u32; n * bits as usize / 32];
             let (mut scales, mut biases) = (Vec::new(), Vec::new());
             for (g, chunk) in vals.chunks(group).enumerate() {
-                let (lo, hi) = chunk.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                let (lo, hi) = chunk
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
                 // Alternate the sign of the scale, as MLX does for half of the groups.
-                let (s, b) = if g % 2 == 0 { ((hi - lo) / levels, lo) } else { ((lo - hi) / levels, hi) };
+                let (s, b) = if g % 2 == 0 {
+                    ((hi - lo) / levels, lo)
+                } else {
+                    ((lo - hi) / levels, hi)
+                };
                 let (s, b) = (half::bf16::from_f32(s).to_f32(), half::bf16::from_f32(b).to_f32());
                 scales.push(s);
                 biases.push(b);
@@ -108,7 +121,10 @@ fn matmul_matches_reference() {
         for &(n, k, t, row0) in &[(37, 128, 1, 0), (70, 256, 5, 2), (16, 384, 19, 0)] {
             let w = matrix(1, n, k, format, 11 + fi as u64);
             let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
-            let p = MatmulParams { tokens: t as u32, x_row0: row0 as u32 };
+            let p = MatmulParams {
+                tokens: t as u32,
+                x_row0: row0 as u32,
+            };
             let (mut a, mut b) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
             fast.matmul(&p, &w, &x, &mut a);
             refr.matmul(&p, &w, &x, &mut b);
@@ -148,7 +164,11 @@ fn norms_and_elementwise_match_reference() {
     let x = rand_vec(rows * dim, 1, -3.0, 3.0);
     let z = rand_vec(rows * dim, 2, -3.0, 3.0);
     let w = rand_vec(dim, 3, 0.5, 1.5);
-    let p = RmsNormParams { rows: rows as u32, dim: dim as u32, eps: 1e-6 };
+    let p = RmsNormParams {
+        rows: rows as u32,
+        dim: dim as u32,
+        eps: 1e-6,
+    };
     let (mut a, mut b) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
     fast.rms_norm(&p, &x, &w, &mut a);
     refr.rms_norm(&p, &x, &w, &mut b);
@@ -156,7 +176,10 @@ fn norms_and_elementwise_match_reference() {
     fast.rms_norm_gated(&p, &x, &z, &w, &mut a);
     refr.rms_norm_gated(&p, &x, &z, &w, &mut b);
     assert_close(&a, &b, 1e-6, "rms_norm_gated");
-    let rp = RowsParams { tokens: rows as u32, dim: dim as u32 };
+    let rp = RowsParams {
+        tokens: rows as u32,
+        dim: dim as u32,
+    };
     fast.swiglu(&rp, &x, &z, &mut a);
     refr.swiglu(&rp, &x, &z, &mut b);
     assert_close(&a, &b, 1e-6, "swiglu");
@@ -199,7 +222,11 @@ fn attention_path_matches_reference() {
     let mut kc = rand_vec(max_seq * kv * hd, 5, -1.0, 1.0);
     let mut vc = rand_vec(max_seq * kv * hd, 6, -1.0, 1.0);
     let v = rand_vec(t * kv * hd, 7, -1.0, 1.0);
-    let sp = KvStoreParams { tokens: t as u32, pos0: pos0 as u32, width: (kv * hd) as u32 };
+    let sp = KvStoreParams {
+        tokens: t as u32,
+        pos0: pos0 as u32,
+        width: (kv * hd) as u32,
+    };
     let mut kc2 = kc.clone();
     fast.kv_store(&sp, &ka, &mut kc);
     refr.kv_store(&sp, &ka, &mut kc2);
@@ -246,7 +273,13 @@ fn delta_net_case(t: usize, seed: u64) {
     let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
     let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
     let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
-    let p = DeltaNetParams { tokens: t as u32, key_heads: hk as u32, value_heads: hv as u32, key_dim: dk as u32, value_dim: dv as u32 };
+    let p = DeltaNetParams {
+        tokens: t as u32,
+        key_heads: hk as u32,
+        value_heads: hv as u32,
+        key_dim: dk as u32,
+        value_dim: dv as u32,
+    };
     let (mut sa, mut sb) = (s0.clone(), s0);
     let (mut oa, mut ob) = (vec![0f32; t * hv * dv], vec![0f32; t * hv * dv]);
     fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
@@ -269,7 +302,13 @@ fn delta_net_decode_steps_match_reference() {
     let (fast, refr) = both();
     let (hk, hv, dk, dv) = (1usize, 2usize, 128usize, 128usize);
     let width = 2 * hk * dk + hv * dv;
-    let p = DeltaNetParams { tokens: 1, key_heads: hk as u32, value_heads: hv as u32, key_dim: dk as u32, value_dim: dv as u32 };
+    let p = DeltaNetParams {
+        tokens: 1,
+        key_heads: hk as u32,
+        value_heads: hv as u32,
+        key_dim: dk as u32,
+        value_dim: dv as u32,
+    };
     let (a_log, dt_bias) = (rand_vec(hv, 1, -4.0, 0.5), rand_vec(hv, 2, -1.0, 1.0));
     let (mut sa, mut sb) = (vec![0f32; hv * dk * dv], vec![0f32; hv * dk * dv]);
     let (mut oa, mut ob) = (vec![0f32; hv * dv], vec![0f32; hv * dv]);
@@ -293,7 +332,11 @@ fn delta_net_conv_matches_reference() {
         let st0 = rand_vec((taps - 1) * c, 9, -2.0, 2.0);
         let (mut sa, mut sb) = (st0.clone(), st0);
         let (mut a, mut b) = (vec![0f32; t * c], vec![0f32; t * c]);
-        let p = ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 };
+        let p = ConvParams {
+            tokens: t as u32,
+            channels: c as u32,
+            taps: taps as u32,
+        };
         fast.delta_net_conv(&p, &w, &mut sa, &x, &mut a);
         refr.delta_net_conv(&p, &w, &mut sb, &x, &mut b);
         assert_close(&a, &b, 1e-6, &format!("conv out t={t}"));
@@ -307,7 +350,12 @@ fn moe_matches_reference() {
     let (e, k, d, i) = (16usize, 8usize, 128usize, 64usize);
     for &t in &[1usize, 6] {
         let logits = rand_vec(t * e, 1 + t as u64, -3.0, 3.0);
-        let rp = RouteParams { tokens: t as u32, experts: e as u32, top_k: k as u32, renorm: 1 };
+        let rp = RouteParams {
+            tokens: t as u32,
+            experts: e as u32,
+            top_k: k as u32,
+            renorm: 1,
+        };
         let (mut ia, mut ib) = (vec![0u32; t * k], vec![0u32; t * k]);
         let (mut wa, mut wb) = (vec![0f32; t * k], vec![0f32; t * k]);
         fast.moe_route(&rp, &logits, &mut ia, &mut wa);
@@ -315,14 +363,20 @@ fn moe_matches_reference() {
         assert_eq!(ia, ib, "moe_route ids");
         assert_close(&wa, &wb, 1e-6, "moe_route weights");
         for wt in wa.chunks(k) {
-            assert!((wt.iter().sum::<f32>() - 1.0).abs() < 1e-5, "renormalised weights sum to 1");
+            assert!(
+                (wt.iter().sum::<f32>() - 1.0).abs() < 1e-5,
+                "renormalised weights sum to 1"
+            );
         }
         for format in [Format::BF16, Format::Affine { bits: 4, group: 64 }] {
             let gate = matrix(e, i, d, format, 21);
             let up = matrix(e, i, d, format, 22);
             let down = matrix(e, d, i, format, 23);
             let x = rand_vec(t * d, 24, -1.0, 1.0);
-            let mp = MoeParams { tokens: t as u32, top_k: k as u32 };
+            let mp = MoeParams {
+                tokens: t as u32,
+                top_k: k as u32,
+            };
             let mut tmp = vec![0f32; t * k * (i + d)];
             let (mut a, mut b) = (vec![0f32; t * d], vec![0f32; t * d]);
             fast.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut a);
@@ -337,7 +391,12 @@ fn fused_gate_up_views_select_the_right_rows() {
     // HF stores gate_up [E, 2I, D]; the gate view is rows 0..I of each expert, up rows I..2I.
     let (e, i, d) = (3, 4, 64);
     let full = matrix(e, 2 * i, d, Format::BF16, 5);
-    let view = |off| Matrix { rows: i, expert_stride: 2 * i, row_offset: off, ..full.clone() };
+    let view = |off| Matrix {
+        rows: i,
+        expert_stride: 2 * i,
+        row_offset: off,
+        ..full.clone()
+    };
     let (gate, up) = (view(0), view(i));
     let (mut a, mut b) = (vec![0f32; d], vec![0f32; d]);
     gate.dequant_row(2, 1, &mut a);

@@ -30,7 +30,12 @@ pub struct Attention<B: Backend> {
 
 impl<B: Backend> Attention<B> {
     pub fn load(b: &B, w: &Loader, i: usize, cfg: &ModelConfig) -> Result<Self> {
-        let (d, h, kv, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (d, h, kv, hd) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let p = |n: &str| format!("layers.{i}.self_attn.{n}");
         Ok(Attention {
             q_proj: b.upload_matrix(&w.matrix(&p("q_proj"), h * 2 * hd, d)?)?,
@@ -50,7 +55,10 @@ impl<B: Backend> Attention<B> {
 
     /// s.mix = attention(s.h) for `t` tokens at positions pos0..pos0+t.
     pub fn forward(&self, b: &B, t: usize, pos0: usize, kv: &mut KvCache<B>, s: &mut Scratch<B>) {
-        let mm = MatmulParams { tokens: t as u32, x_row0: 0 };
+        let mm = MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
         b.matmul(&mm, &self.q_proj, &s.h, &mut s.proj);
         b.matmul(&mm, &self.k_proj, &s.h, &mut s.k);
         b.matmul(&mm, &self.v_proj, &s.h, &mut s.v);
@@ -65,7 +73,11 @@ impl<B: Backend> Attention<B> {
             theta: self.theta,
         };
         b.qk_norm_rope(&rope, &self.q_norm, &self.k_norm, &mut s.proj, &mut s.k);
-        let store = KvStoreParams { tokens: t as u32, pos0: pos0 as u32, width: (self.kv_heads * self.head_dim) as u32 };
+        let store = KvStoreParams {
+            tokens: t as u32,
+            pos0: pos0 as u32,
+            width: (self.kv_heads * self.head_dim) as u32,
+        };
         b.kv_store(&store, &s.k, &mut kv.k);
         b.kv_store(&store, &s.v, &mut kv.v);
         let attn = AttentionParams {

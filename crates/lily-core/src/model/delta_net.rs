@@ -57,17 +57,40 @@ impl<B: Backend> DeltaNet<B> {
 
     /// s.mix = delta_net(s.h) for `t` tokens, advancing the conv and recurrent state.
     pub fn forward(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
-        let mm = MatmulParams { tokens: t as u32, x_row0: 0 };
+        let mm = MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
         b.matmul(&mm, &self.in_proj_qkv, &s.h, &mut s.proj);
         b.matmul(&mm, &self.in_proj_z, &s.h, &mut s.z);
         b.matmul(&mm, &self.in_proj_b, &s.h, &mut s.b);
         b.matmul(&mm, &self.in_proj_a, &s.h, &mut s.a);
         let conv_dim = 2 * self.dims.key_heads * self.dims.key_dim + self.dims.value_heads * self.dims.value_dim;
-        let conv = ConvParams { tokens: t as u32, channels: conv_dim, taps: self.taps as u32 };
+        let conv = ConvParams {
+            tokens: t as u32,
+            channels: conv_dim,
+            taps: self.taps as u32,
+        };
         b.delta_net_conv(&conv, &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
-        let p = DeltaNetParams { tokens: t as u32, ..self.dims };
-        b.delta_net(&p, &s.conv, &s.a, &s.b, &self.a_log, &self.dt_bias, &mut st.ssm, &mut s.core);
-        let norm = RmsNormParams { rows: t as u32 * p.value_heads, dim: p.value_dim, eps: self.eps };
+        let p = DeltaNetParams {
+            tokens: t as u32,
+            ..self.dims
+        };
+        b.delta_net(
+            &p,
+            &s.conv,
+            &s.a,
+            &s.b,
+            &self.a_log,
+            &self.dt_bias,
+            &mut st.ssm,
+            &mut s.core,
+        );
+        let norm = RmsNormParams {
+            rows: t as u32 * p.value_heads,
+            dim: p.value_dim,
+            eps: self.eps,
+        };
         b.rms_norm_gated(&norm, &s.core, &s.z, &self.norm, &mut s.gated);
         b.matmul(&mm, &self.out_proj, &s.gated, &mut s.mix);
     }

@@ -39,8 +39,8 @@ pub struct Layer<B: Backend> {
 pub struct Model<B: Backend> {
     embed_tokens: B::Matrix, // [V, D]
     layers: Vec<Layer<B>>,
-    norm: B::Buf,         // [D] (1 + w)
-    lm_head: B::Matrix,   // [V, D]
+    norm: B::Buf,       // [D] (1 + w)
+    lm_head: B::Matrix, // [V, D]
     hidden: usize,
     vocab: usize,
     eps: f32,
@@ -59,7 +59,8 @@ impl<B: Backend> Model<B> {
             };
             layers.push(Layer {
                 input_layernorm: b.upload(&w.norm(&format!("layers.{i}.input_layernorm.weight"), d)?)?,
-                post_attention_layernorm: b.upload(&w.norm(&format!("layers.{i}.post_attention_layernorm.weight"), d)?)?,
+                post_attention_layernorm: b
+                    .upload(&w.norm(&format!("layers.{i}.post_attention_layernorm.weight"), d)?)?,
                 mixer,
                 mlp: Moe::load(b, w, i, cfg)?,
             });
@@ -79,8 +80,15 @@ impl<B: Backend> Model<B> {
     /// Run `t` tokens (already in `s.ids`) at positions pos0..pos0+t; leaves the final-normed
     /// hidden states in `s.h`.
     pub fn forward(&self, b: &B, t: usize, pos0: usize, state: &mut State<B>, s: &mut Scratch<B>) {
-        let norm = RmsNormParams { rows: t as u32, dim: self.hidden as u32, eps: self.eps };
-        let rows = RowsParams { tokens: t as u32, dim: self.hidden as u32 };
+        let norm = RmsNormParams {
+            rows: t as u32,
+            dim: self.hidden as u32,
+            eps: self.eps,
+        };
+        let rows = RowsParams {
+            tokens: t as u32,
+            dim: self.hidden as u32,
+        };
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
         for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
             b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
@@ -99,7 +107,15 @@ impl<B: Backend> Model<B> {
 
     /// s.logits[..rows] = lm_head s.h[row0..row0 + rows].
     pub fn logits(&self, b: &B, row0: usize, rows: usize, s: &mut Scratch<B>) {
-        b.matmul(&MatmulParams { tokens: rows as u32, x_row0: row0 as u32 }, &self.lm_head, &s.h, &mut s.logits);
+        b.matmul(
+            &MatmulParams {
+                tokens: rows as u32,
+                x_row0: row0 as u32,
+            },
+            &self.lm_head,
+            &s.h,
+            &mut s.logits,
+        );
     }
 
     pub fn vocab(&self) -> usize {

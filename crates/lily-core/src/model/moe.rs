@@ -51,11 +51,22 @@ impl<B: Backend> Moe<B> {
 
     /// s.mix = moe(s.h) for `t` tokens.
     pub fn forward(&self, b: &B, t: usize, s: &mut Scratch<B>) {
-        let mm = MatmulParams { tokens: t as u32, x_row0: 0 };
+        let mm = MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
         b.matmul(&mm, &self.gate, &s.h, &mut s.router);
-        let route = RouteParams { tokens: t as u32, experts: self.experts as u32, top_k: self.top_k as u32, renorm: self.renorm as u32 };
+        let route = RouteParams {
+            tokens: t as u32,
+            experts: self.experts as u32,
+            top_k: self.top_k as u32,
+            renorm: self.renorm as u32,
+        };
         b.moe_route(&route, &s.router, &mut s.expert_ids, &mut s.expert_w);
-        let moe = MoeParams { tokens: t as u32, top_k: self.top_k as u32 };
+        let moe = MoeParams {
+            tokens: t as u32,
+            top_k: self.top_k as u32,
+        };
         b.moe_experts(
             &moe,
             &s.h,
@@ -69,9 +80,25 @@ impl<B: Backend> Moe<B> {
         );
         b.matmul(&mm, &self.shared_gate_proj, &s.h, &mut s.shared_g);
         b.matmul(&mm, &self.shared_up_proj, &s.h, &mut s.shared_u);
-        b.swiglu(&RowsParams { tokens: t as u32, dim: self.shared_inter as u32 }, &s.shared_g, &s.shared_u, &mut s.shared_act);
+        b.swiglu(
+            &RowsParams {
+                tokens: t as u32,
+                dim: self.shared_inter as u32,
+            },
+            &s.shared_g,
+            &s.shared_u,
+            &mut s.shared_act,
+        );
         b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
         b.matmul(&mm, &self.shared_expert_gate, &s.h, &mut s.shared_gate);
-        b.sigmoid_gate_add(&RowsParams { tokens: t as u32, dim: self.hidden as u32 }, &s.shared_y, &s.shared_gate, &mut s.mix);
+        b.sigmoid_gate_add(
+            &RowsParams {
+                tokens: t as u32,
+                dim: self.hidden as u32,
+            },
+            &s.shared_y,
+            &s.shared_gate,
+            &mut s.mix,
+        );
     }
 }

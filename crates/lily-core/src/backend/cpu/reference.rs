@@ -142,7 +142,13 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
     let (c_n, taps) = (p.channels as usize, p.taps as usize);
     let hist = taps - 1;
     // Rows of [state; x]: row i < hist is state, else x[i - hist].
-    let row = |i: usize, c: usize, state: &[f32]| if i < hist { state[i * c_n + c] } else { x[(i - hist) * c_n + c] };
+    let row = |i: usize, c: usize, state: &[f32]| {
+        if i < hist {
+            state[i * c_n + c]
+        } else {
+            x[(i - hist) * c_n + c]
+        }
+    };
     for t in 0..p.tokens as usize {
         for c in 0..c_n {
             let mut acc = 0f32;
@@ -154,7 +160,9 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
     }
     // New state: the last `hist` rows of [state; x].
     let total = hist + p.tokens as usize;
-    let new: Vec<f32> = (0..hist * c_n).map(|i| row(total - hist + i / c_n, i % c_n, state)).collect();
+    let new: Vec<f32> = (0..hist * c_n)
+        .map(|i| row(total - hist + i / c_n, i % c_n, state))
+        .collect();
     state[..hist * c_n].copy_from_slice(&new);
 }
 
@@ -169,7 +177,12 @@ pub fn delta_net_inputs(
     t: usize,
     j: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, f32, f32) {
-    let (hk, hv, dk, dv) = (p.key_heads as usize, p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+    let (hk, hv, dk, dv) = (
+        p.key_heads as usize,
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+    );
     let width = 2 * hk * dk + hv * dv;
     let row = &qkv[t * width..][..width];
     let kh = j / (hv / hk); // value head j reads q/k head j / (Hv/Hk)
@@ -231,7 +244,11 @@ pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut
         let sum: f32 = order[..k_n].iter().map(|&e| probs[e]).sum();
         for k in 0..k_n {
             ids[t * k_n + k] = order[k] as u32;
-            weights[t * k_n + k] = if p.renorm != 0 { probs[order[k]] / sum } else { probs[order[k]] };
+            weights[t * k_n + k] = if p.renorm != 0 {
+                probs[order[k]] / sum
+            } else {
+                probs[order[k]]
+            };
         }
     }
 }

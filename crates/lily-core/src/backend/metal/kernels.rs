@@ -28,7 +28,14 @@ pub const WEIGHT_SUFFIXES: &[&str] = &[
 ];
 
 /// Kernels instantiated once per weight format as `<family>_<suffix>`.
-const PER_WEIGHT: &[&str] = &["matmul_gemv", "matmul_gemm", "embed", "moe_gate_up", "moe_down"];
+const PER_WEIGHT: &[&str] = &[
+    "matmul_gemv",
+    "matmul_gemm",
+    "matmul_mma",
+    "embed",
+    "moe_gate_up",
+    "moe_down",
+];
 
 /// Kernels on f32 activations only.
 const F32_ONLY: &[&str] = &[
@@ -59,4 +66,61 @@ pub fn kernel_names() -> Vec<String> {
 /// The `.metal` files (not the headers).
 pub fn metal_files() -> impl Iterator<Item = (&'static str, &'static str)> {
     SOURCES.iter().copied().filter(|(n, _)| n.ends_with(".metal"))
+}
+
+/// The source of `.metal` file `file` as one self-contained string, for `newLibraryWithSource`
+/// (which has no include path): each `#include "x.h"` of a header in [`SOURCES`] is replaced by
+/// that header, once per string (their `#pragma once` dropped), with `#line` markers so
+/// compiler messages still name the original file and line. `<...>` includes stay.
+pub fn standalone(file: &str, src: &str) -> String {
+    fn expand(file: &str, src: &str, seen: &mut Vec<String>, out: &mut String) {
+        out.push_str(&format!("#line 1 \"{file}\"\n"));
+        for (i, line) in src.lines().enumerate() {
+            let t = line.trim();
+            if t == "#pragma once" {
+                out.push('\n');
+                continue;
+            }
+            let local = t
+                .strip_prefix("#include")
+                .map(str::trim)
+                .and_then(|r| r.strip_prefix('"'))
+                .and_then(|r| r.strip_suffix('"'));
+            match local.and_then(|name| SOURCES.iter().find(|(n, _)| *n == name)) {
+                Some((name, body)) => {
+                    if !seen.iter().any(|s| s == name) {
+                        seen.push(name.to_string());
+                        expand(name, body, seen, out);
+                    }
+                    out.push_str(&format!("#line {} \"{file}\"\n", i + 2));
+                }
+                None => {
+                    out.push_str(line);
+                    out.push('\n');
+                }
+            }
+        }
+    }
+    let mut out = String::new();
+    expand(file, src, &mut Vec::new(), &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standalone_sources_have_no_local_includes() {
+        for (file, src) in metal_files() {
+            let s = standalone(file, src);
+            assert!(!s.contains("#include \""), "{file}: a local include is left");
+            assert!(!s.contains("#pragma once"), "{file}");
+            assert_eq!(
+                s.matches("struct MatmulParams").count(),
+                1,
+                "{file}: params.h inlined once"
+            );
+        }
+    }
 }

@@ -10,6 +10,8 @@
 //! does not support) are kept and returned by `finish`.
 
 pub mod args;
+#[cfg(target_os = "macos")]
+pub mod device;
 pub mod executor;
 pub mod kernels;
 #[cfg(unix)]
@@ -78,6 +80,14 @@ impl Metal<sim::Sim> {
     /// The simulated device (Linux CI): needs clang-19.
     pub fn sim() -> Result<Self> {
         Metal::new(sim::Sim::new()?)
+    }
+}
+
+#[cfg(target_os = "macos")]
+impl Metal<device::Device> {
+    /// The real Metal device (Apple silicon, GPU family Apple7+); every pipeline built here.
+    pub fn device() -> Result<Self> {
+        Metal::new(device::Device::new()?)
     }
 }
 
@@ -166,6 +176,11 @@ impl<X: Executor> Metal<X> {
     }
 
     fn encode(&self, name: &str, args: &[Arg<'_, X::Buffer>], grid: Grid) {
+        self.encode_tg(name, args, grid, &[])
+    }
+
+    /// `encode` for a kernel with `[[threadgroup(i)]]` arguments of `tg_mem[i]` bytes.
+    fn encode_tg(&self, name: &str, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
         let Some(p) = self.pipelines.get(name) else {
             return self.fail(format!("no Metal kernel {name:?}"));
         };
@@ -183,7 +198,7 @@ impl<X: Executor> Metal<X> {
             }
         }
         if let Some(enc) = s.enc.as_mut() {
-            self.x.dispatch(enc, name, p, args, grid, &[]);
+            self.x.dispatch(enc, name, p, args, grid, tg_mem);
         }
     }
 
@@ -449,7 +464,6 @@ impl<X: Executor> Backend for Metal<X> {
         ) {
             return;
         }
-        let (variant, tt) = if t == 1 { ("gemv", 1) } else { ("gemm", 8) };
         let [wb, s, b] = self.weights(w);
         let args = [
             Arg::Bytes(bytes_of(p)),
@@ -460,6 +474,18 @@ impl<X: Executor> Backend for Metal<X> {
             x.arg(),
             out.arg(),
         ];
+        // Prefill past 8 tokens: the simdgroup-matrix GEMM, 32x32 output tiles staged through
+        // two 4 KiB threadgroup tiles (matmul.metal). Otherwise one simdgroup per output row
+        // for 1 (GEMV) or up to 8 (GEMM) tokens.
+        if t > 8 {
+            let grid = Grid::Groups {
+                count: [ceil_div(n, 32), ceil_div(t, 32), 1],
+                size: [128, 1, 1],
+            };
+            let tile = 32 * 32 * 4;
+            return self.encode_tg(&format!("matmul_mma_{}", w.suffix), &args, grid, &[tile, tile]);
+        }
+        let (variant, tt) = if t == 1 { ("gemv", 1) } else { ("gemm", 8) };
         let grid = Grid::Groups {
             count: [ceil_div(n, 4), ceil_div(t, tt), 1],
             size: [128, 1, 1],

@@ -1,0 +1,566 @@
+//! The Metal kernel tests, shared by the simulator (`tests/metal_sim.rs`) and the real device
+//! (`tests/metal_device.rs`, macOS): each kernel against its plain-loop twin `Cpu::reference()`,
+//! on shapes with partial tiles and groups. Each test is a function of the Metal backend under
+//! test and a tolerance factor (1 for the simulator; the device's fast math and reduction order
+//! get a little more room); `metal_tests!` turns the list into `#[test]`s.
+
+#![allow(dead_code)] // each test binary uses the subset its device supports
+
+use lily_core::{
+    backend::{
+        cpu::Cpu,
+        metal::{Executor, Metal},
+        params::*,
+        Backend,
+    },
+    quant::{Format, Groups, Matrix},
+    safetensors::{Bytes, DType},
+};
+
+/// One `#[test]` per name, each running `metal_common::<name>` on the backend `$dev()` returns
+/// (`None`: skipped, the constructor has said why) with tolerance factor `$tolx`.
+#[macro_export]
+macro_rules! metal_tests {
+    ($dev:expr, $tolx:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                if let Some(mut m) = $dev() {
+                    metal_common::$name(&mut m, $tolx);
+                }
+            }
+        )*
+    };
+}
+
+/// Every shared test, for `metal_tests!`.
+#[macro_export]
+macro_rules! all_metal_tests {
+    ($dev:expr, $tolx:expr) => {
+        $crate::metal_tests!($dev, $tolx;
+            rms_norm_matches_cpu,
+            rms_norm_gated_matches_cpu,
+            elementwise_matches_cpu,
+            matmul_matches_cpu,
+            weights_at_an_offset_match_cpu,
+            embed_matches_cpu,
+            qk_norm_rope_matches_cpu,
+            kv_store_matches_cpu,
+            attention_matches_cpu,
+            delta_net_conv_matches_cpu,
+            delta_net_matches_cpu,
+            moe_route_matches_cpu,
+            moe_experts_matches_cpu,
+            every_kernel_is_compiled,
+            unsupported_shape_is_an_error_not_a_panic,
+        );
+    };
+}
+
+/// Reads ids back, for either backend.
+trait ReadIds: Backend {
+    fn ids(&self, b: &Self::Ids) -> Vec<u32>;
+}
+impl ReadIds for Cpu {
+    fn ids(&self, b: &Vec<u32>) -> Vec<u32> {
+        b.clone()
+    }
+}
+impl<X: Executor> ReadIds for Metal<X> {
+    fn ids(&self, b: &Self::Ids) -> Vec<u32> {
+        let mut v = vec![0f32; b.len()];
+        self.read(b, 0, &mut v).unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+}
+
+/// Deterministic values in [lo, hi).
+fn patterned(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    b.read(buf, 0, &mut v).unwrap();
+    v
+}
+
+/// max |a - b| <= tol * max(1, max |b|), and no NaN.
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let (mut worst, mut at) = (0f32, 0);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: non-finite value {g} at {i} (reference {w})");
+        let e = (g - w).abs();
+        if e > worst {
+            (worst, at) = (e, i);
+        }
+    }
+    assert!(
+        worst <= tol * scale,
+        "{what}: max |Δ| = {worst:e} at {at} (got {}, want {}), tolerance {:e}",
+        got[at],
+        want[at],
+        tol * scale
+    );
+}
+
+/// Run `$body` with `$b` bound to the CPU reference and then to the Metal backend `$dev`;
+/// compare every returned vector.
+macro_rules! both {
+    ($dev:expr, $tol:expr, $what:expr, $b:ident => $body:expr) => {{
+        let want: Vec<Vec<f32>> = {
+            let $b = &Cpu::reference();
+            $body
+        };
+        let got: Vec<Vec<f32>> = {
+            let $b = &*$dev;
+            $body
+        };
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(g, w, $tol, &format!("{} output {i}", $what));
+        }
+    }};
+}
+
+const TOL: f32 = 2e-5;
+
+fn to_bytes(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+        DType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine),
+/// seen as `[experts, rows, cols]` with the given stride and offset.
+fn matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) -> Matrix {
+    let (data, groups) = match format {
+        Format::F32 => (to_bytes(&patterned(stored * cols, seed, -1.0, 1.0), DType::F32), None),
+        Format::F16 => (to_bytes(&patterned(stored * cols, seed, -1.0, 1.0), DType::F16), None),
+        Format::BF16 => (to_bytes(&patterned(stored * cols, seed, -1.0, 1.0), DType::BF16), None),
+        Format::Affine { bits, group } => {
+            let words = stored * cols * bits as usize / 32;
+            let data: Vec<u8> = patterned(words, seed, 0.0, 1.0)
+                .iter()
+                .enumerate()
+                .flat_map(|(i, v)| ((v * 4294967295.0) as u32 ^ (i as u32).wrapping_mul(2654435761)).to_le_bytes())
+                .collect();
+            let ng = stored * cols / group;
+            let s = to_bytes(&patterned(ng, seed + 1, -0.1, 0.1), sdtype);
+            let b = to_bytes(&patterned(ng, seed + 2, -0.5, 0.5), sdtype);
+            (
+                data,
+                Some(Groups {
+                    dtype: sdtype,
+                    scales: Bytes::from_slice(&s),
+                    biases: Bytes::from_slice(&b),
+                }),
+            )
+        }
+    };
+    Matrix {
+        name: "test".into(),
+        format,
+        experts: 1,
+        rows: stored,
+        cols,
+        expert_stride: 0,
+        row_offset: 0,
+        data: Bytes::from_slice(&data),
+        groups,
+    }
+}
+
+fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
+    let mut buf = b.alloc_ids(ids.len()).unwrap();
+    b.write_ids(&mut buf, ids).unwrap();
+    buf
+}
+
+pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
+        let x = patterned(rows * dim, 1, -2.0, 2.0);
+        let w = patterned(dim, 2, 0.5, 1.5);
+        let p = RmsNormParams {
+            rows: rows as u32,
+            dim: dim as u32,
+            eps: 1e-6,
+        };
+        both!(dev, tolx * TOL, format!("rms_norm {rows}x{dim}"), b => {
+            let (xb, wb) = (b.upload(&x).unwrap(), b.upload(&w).unwrap());
+            let mut out = b.alloc(rows * dim).unwrap();
+            b.begin().unwrap();
+            b.rms_norm(&p, &xb, &wb, &mut out);
+            b.finish().unwrap();
+            vec![read_all(b, &out, rows * dim)]
+        });
+    }
+}
+
+pub fn rms_norm_gated_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let (rows, dim) = (5, 48);
+    let x = patterned(rows * dim, 3, -2.0, 2.0);
+    let z = patterned(rows * dim, 4, -3.0, 3.0);
+    let w = patterned(dim, 5, 0.5, 1.5);
+    let p = RmsNormParams {
+        rows: rows as u32,
+        dim: dim as u32,
+        eps: 1e-6,
+    };
+    both!(dev, tolx * TOL, "rms_norm_gated", b => {
+        let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
+        let mut out = b.alloc(rows * dim).unwrap();
+        b.rms_norm_gated(&p, &xb, &zb, &wb, &mut out);
+        b.finish().unwrap();
+        vec![read_all(b, &out, rows * dim)]
+    });
+}
+
+pub fn elementwise_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // add, swiglu, sigmoid_gate_add on a dim that leaves a partial threadgroup.
+    let (t, d) = (3, 70);
+    let x = patterned(t * d, 6, -1.0, 1.0);
+    let y = patterned(t * d, 7, -1.0, 1.0);
+    let g = patterned(t, 8, -2.0, 2.0);
+    let p = RowsParams {
+        tokens: t as u32,
+        dim: d as u32,
+    };
+    both!(dev, tolx * TOL, "add/swiglu/sigmoid_gate_add", b => {
+        let (mut xb, yb, gb) = (b.upload(&x).unwrap(), b.upload(&y).unwrap(), b.upload(&g).unwrap());
+        let mut s = b.alloc(t * d).unwrap();
+        b.swiglu(&p, &xb, &yb, &mut s);
+        b.add(&p, &mut xb, &yb);
+        b.sigmoid_gate_add(&p, &yb, &gb, &mut xb);
+        b.finish().unwrap();
+        vec![read_all(b, &s, t * d), read_all(b, &xb, t * d)]
+    });
+}
+
+fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
+    let w = b.upload_matrix(m).unwrap();
+    let xb = b.upload(x).unwrap();
+    let mut out = b.alloc(tokens * m.rows).unwrap();
+    b.matmul(
+        &MatmulParams {
+            tokens: tokens as u32,
+            x_row0: x_row0 as u32,
+        },
+        &w,
+        &xb,
+        &mut out,
+    );
+    b.finish().unwrap();
+    read_all(b, &out, tokens * m.rows)
+}
+
+pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let mut cases = vec![
+        (Format::F32, DType::F32, 70),
+        (Format::F16, DType::F32, 70),
+        (Format::BF16, DType::F32, 70),
+    ];
+    for bits in [2, 4, 8] {
+        for (sd, group) in [(DType::BF16, 64), (DType::F16, 32), (DType::F32, 128)] {
+            cases.push((Format::Affine { bits, group }, sd, 256));
+        }
+    }
+    for (i, (format, sd, cols)) in cases.into_iter().enumerate() {
+        let mut m = matrix(format, sd, 41, cols, 10 + i as u64);
+        m.rows = 37; // a view: rows 3..40 of the stored 41 (partial tile of 4 rows)
+        m.row_offset = 3;
+        // 1: GEMV; 5: the 8-token GEMM; 11 and 41: the simdgroup-matrix GEMM on partial 32x32
+        // tiles (41 tokens = two token tiles, 37 rows = two row tiles, cols 70 = a partial K step
+        // with a tail past the last 8 columns).
+        for (tokens, x_row0) in [(1, 2), (5, 0), (11, 1), (41, 2)] {
+            let x = patterned((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
+            both!(dev, tolx * TOL, format!("matmul {format:?} scales {sd:?} T={tokens}"), b => vec![run_matmul(b, &m, tokens, x_row0, &x)]);
+        }
+    }
+}
+
+pub fn embed_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (format, sd, d) in [
+        (Format::BF16, DType::F32, 72),
+        (Format::Affine { bits: 4, group: 64 }, DType::BF16, 128),
+    ] {
+        let m = matrix(format, sd, 50, d, 30);
+        let ids = [7u32, 0, 49, 7, 13];
+        both!(dev, tolx * TOL, format!("embed {format:?}"), b => {
+            let table = b.upload_matrix(&m).unwrap();
+            let ib = ids_buf(b, &ids);
+            let mut out = b.alloc(ids.len() * d).unwrap();
+            b.embed(ids.len(), &table, &ib, &mut out);
+            b.finish().unwrap();
+            vec![read_all(b, &out, ids.len() * d)]
+        });
+    }
+}
+
+pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // Small theta makes rotation errors loud; the second case has the real head shapes.
+    for (t, pos0, h, kv, hd, rot, theta) in [(3, 5, 4, 2, 64, 16, 100.0), (2, 40, 16, 2, 256, 64, 1e7)] {
+        let p = RopeParams {
+            tokens: t,
+            pos0,
+            heads: h,
+            kv_heads: kv,
+            head_dim: hd,
+            rotary_dim: rot,
+            eps: 1e-6,
+            theta,
+        };
+        let (t, h, kv, hd) = (t as usize, h as usize, kv as usize, hd as usize);
+        let qg = patterned(t * h * 2 * hd, 40, -2.0, 2.0);
+        let k = patterned(t * kv * hd, 41, -2.0, 2.0);
+        let (qn, kn) = (patterned(hd, 42, 0.5, 1.5), patterned(hd, 43, 0.5, 1.5));
+        both!(dev, tolx * 1e-4, format!("qk_norm_rope hd={hd}"), b => {
+            let (qnb, knb) = (b.upload(&qn).unwrap(), b.upload(&kn).unwrap());
+            let (mut qb, mut kb) = (b.upload(&qg).unwrap(), b.upload(&k).unwrap());
+            b.qk_norm_rope(&p, &qnb, &knb, &mut qb, &mut kb);
+            b.finish().unwrap();
+            vec![read_all(b, &qb, qg.len()), read_all(b, &kb, k.len())]
+        });
+    }
+}
+
+pub fn kv_store_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx; // exact
+    let (t, w, max) = (3, 40, 10);
+    let x = patterned(t * w, 50, -1.0, 1.0);
+    let p = KvStoreParams {
+        tokens: t as u32,
+        pos0: 6,
+        width: w as u32,
+    };
+    both!(dev, 0.0, "kv_store", b => {
+        let xb = b.upload(&x).unwrap();
+        let mut cache = b.alloc(max * w).unwrap();
+        b.kv_store(&p, &xb, &mut cache);
+        b.finish().unwrap();
+        vec![read_all(b, &cache, max * w)]
+    });
+}
+
+/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps.
+fn run_attention<B: Backend>(
+    b: &B,
+    h: usize,
+    kv: usize,
+    hd: usize,
+    pos0: usize,
+    t: usize,
+    decode: usize,
+) -> Vec<Vec<f32>> {
+    let max = pos0 + t + decode;
+    let kc = b.upload(&patterned(max * kv * hd, 60, -1.0, 1.0)).unwrap();
+    let vc = b.upload(&patterned(max * kv * hd, 61, -1.0, 1.0)).unwrap();
+    let mut outs = Vec::new();
+    let mut pos = pos0;
+    for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, decode)).enumerate() {
+        let qg = b.upload(&patterned(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
+        let mut out = b.alloc(n * h * hd).unwrap();
+        let p = AttentionParams {
+            tokens: n as u32,
+            pos0: pos as u32,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        b.attention(&p, &qg, &kc, &vc, &mut out);
+        b.finish().unwrap();
+        outs.push(read_all(b, &out, n * h * hd));
+        pos += n;
+    }
+    outs
+}
+
+pub fn attention_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // (H, Hkv, hd, pos0, T, decode steps): partial tiles of 8 rows; decode past split_rows = 16
+    // takes the split (flash-decoding) path; the last case has the real head shapes (8 per KV head).
+    for (h, kv, hd, pos0, t, steps) in [
+        (4, 2, 32, 0, 13, 0),
+        (8, 2, 64, 3, 5, 2),
+        (4, 1, 32, 30, 1, 3),
+        (16, 2, 256, 20, 3, 1),
+    ] {
+        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps);
+        let saved = dev.split_rows;
+        dev.split_rows = 16;
+        let got = run_attention(&*dev, h, kv, hd, pos0, t, steps);
+        dev.split_rows = saved;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(g, w, tolx * TOL, &format!("attention H={h} Hkv={kv} hd={hd} call {i}"));
+        }
+    }
+}
+
+pub fn delta_net_conv_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let (c, taps) = (70, 4);
+    let w = patterned(c * taps, 70, -1.0, 1.0);
+    both!(dev, tolx * TOL, "delta_net_conv", b => {
+        let wb = b.upload(&w).unwrap();
+        let mut state = b.alloc((taps - 1) * c).unwrap();
+        let mut outs = Vec::new();
+        for (i, t) in [5usize, 1, 2, 1].into_iter().enumerate() {
+            let x = b.upload(&patterned(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
+            let mut out = b.alloc(t * c).unwrap();
+            b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);
+            b.finish().unwrap();
+            outs.push(read_all(b, &out, t * c));
+        }
+        outs.push(read_all(b, &state, (taps - 1) * c));
+        outs
+    });
+}
+
+pub fn delta_net_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // Tiny heads (Dk = 16 < 32 lanes) over a 7-token prefill and 24 decode steps, then the real
+    // head dims (Dk = Dv = 128, 2 value heads per key head): errors compound over steps.
+    for (hk, hv, dk, dv, calls) in [(2usize, 4usize, 16usize, 16usize, 25usize), (2, 4, 128, 128, 4)] {
+        let a_log = patterned(hv, 80, -3.0, 0.7);
+        let dt_bias = patterned(hv, 81, -1.0, 1.0);
+        let width = 2 * hk * dk + hv * dv;
+        both!(dev, tolx * 1e-4, format!("delta_net Dk={dk}"), b => {
+            let (al, dt) = (b.upload(&a_log).unwrap(), b.upload(&dt_bias).unwrap());
+            let mut state = b.alloc(hv * dk * dv).unwrap();
+            let mut outs = Vec::new();
+            for i in 0..calls {
+                let t = if i == 0 { 7 } else { 1 };
+                let p = DeltaNetParams { tokens: t as u32, key_heads: hk as u32, value_heads: hv as u32, key_dim: dk as u32, value_dim: dv as u32 };
+                let qkv = b.upload(&patterned(t * width, 90 + i as u64, -1.0, 1.0)).unwrap();
+                let a = b.upload(&patterned(t * hv, 200 + i as u64, -2.0, 2.0)).unwrap();
+                let bb = b.upload(&patterned(t * hv, 300 + i as u64, -2.0, 2.0)).unwrap();
+                let mut out = b.alloc(t * hv * dv).unwrap();
+                b.delta_net(&p, &qkv, &a, &bb, &al, &dt, &mut state, &mut out);
+                b.finish().unwrap();
+                outs.push(read_all(b, &out, t * hv * dv));
+            }
+            outs.push(read_all(b, &state, hv * dk * dv));
+            outs
+        });
+    }
+}
+
+pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (t, e, k, renorm) in [(4usize, 70usize, 8usize, 1u32), (3, 16, 8, 0), (2, 300, 2, 1)] {
+        let logits = patterned(t * e, 100 + e as u64, -3.0, 3.0);
+        let p = RouteParams {
+            tokens: t as u32,
+            experts: e as u32,
+            top_k: k as u32,
+            renorm,
+        };
+        let run = |ids: Vec<u32>, w: Vec<f32>| (ids, w);
+        let cpu = Cpu::reference();
+        let (ci, cw) = {
+            let lb = cpu.upload(&logits).unwrap();
+            let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
+            cpu.moe_route(&p, &lb, &mut ib, &mut wb);
+            run(cpu.ids(&ib), read_all(&cpu, &wb, t * k))
+        };
+        let m = &*dev;
+        let lb = m.upload(&logits).unwrap();
+        let (mut ib, mut wb) = (m.alloc_ids(t * k).unwrap(), m.alloc(t * k).unwrap());
+        m.moe_route(&p, &lb, &mut ib, &mut wb);
+        m.finish().unwrap();
+        assert_eq!(m.ids(&ib), ci, "moe_route ids E={e} K={k}");
+        assert_close(
+            &read_all(m, &wb, t * k),
+            &cw,
+            tolx * TOL,
+            &format!("moe_route weights E={e} K={k}"),
+        );
+    }
+}
+
+pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // Fused gate_up [E, 2I, D] seen as two views (the HF layout), down [E, D, I].
+    for (format, sd, d, inter) in [
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96),
+        (Format::BF16, DType::F32, 70, 36),
+    ] {
+        let (e, t, k) = (6usize, 3usize, 2usize);
+        let fused = matrix(format, sd, e * 2 * inter, d, 110);
+        let mut gate = fused.clone();
+        (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
+        let mut up = gate.clone();
+        up.row_offset = inter;
+        let mut down = matrix(format, sd, e * d, inter, 111);
+        (down.experts, down.rows, down.expert_stride) = (e, d, d);
+        let x = patterned(t * d, 112, -1.0, 1.0);
+        let ids = [5u32, 0, 2, 2, 1, 4];
+        let w = patterned(t * k, 113, 0.0, 1.0);
+        both!(dev, tolx * TOL, format!("moe_experts {format:?}"), b => {
+            let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
+            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
+            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+            let mut out = b.alloc(t * d).unwrap();
+            b.moe_experts(&MoeParams { tokens: t as u32, top_k: k as u32 }, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+            b.finish().unwrap();
+            vec![read_all(b, &out, t * d)]
+        });
+    }
+}
+
+pub fn every_kernel_is_compiled<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // Metal::new looks up every host name of kernels::kernel_names(); a missing one fails here.
+    let _ = tolx;
+    assert!(dev.name().starts_with("metal"), "{}", dev.name());
+}
+
+pub fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx;
+    let m = &*dev;
+    let p = AttentionParams {
+        tokens: 1,
+        pos0: 0,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 48,
+        scale: 1.0,
+    };
+    let (qg, kc) = (m.alloc(4 * 96).unwrap(), m.alloc(2 * 48).unwrap());
+    let mut out = m.alloc(4 * 48).unwrap();
+    m.attention(&p, &qg, &kc, &kc, &mut out);
+    let err = m.finish().unwrap_err().to_string();
+    assert!(err.contains("head_dim"), "{err}");
+    m.finish().unwrap(); // the error is reported once; the stream is usable again
+}
+
+/// Weights that sit inside a larger mapping, as checkpoint tensors do: a 4-byte-aligned offset
+/// (wrapped in place by the device, the offset bound with the buffer) and a 2-byte-aligned one
+/// (copied once). Both must give the reference result.
+pub fn weights_at_an_offset_match_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let (rows, cols) = (37usize, 256usize);
+    for (format, offset) in [
+        (Format::Affine { bits: 4, group: 64 }, 4100usize),
+        (Format::BF16, 20002),
+    ] {
+        let mut m = matrix(format, DType::BF16, rows, cols, 140);
+        let shift = |b: &Bytes| {
+            let mut v = vec![0xa5u8; offset];
+            v.extend_from_slice(b.as_slice());
+            v.extend_from_slice(&[0x5a; 100]);
+            Bytes::from_slice(&v).slice(offset, b.len())
+        };
+        m.data = shift(&m.data);
+        if let Some(g) = m.groups.as_mut() {
+            (g.scales, g.biases) = (shift(&g.scales), shift(&g.biases));
+        }
+        let x = patterned(3 * cols, 141, -1.0, 1.0);
+        both!(dev, tolx * TOL, format!("matmul {format:?} at offset {offset}"), b => vec![run_matmul(b, &m, 1, 0, &x), run_matmul(b, &m, 3, 0, &x)]);
+    }
+}
