@@ -32,5 +32,8 @@ python3 -m mypy.stubtest lily._lily --allowlist tests/stubtest-allowlist.txt
 step "metal: shader type-checks, kernels in the simulator (also in reversed thread order)"
 bash scripts/check_metal.sh --no-python
 
+step "apple: type-check the macOS Metal host layer for aarch64-apple-darwin"
+bash scripts/check_apple.sh
+
 step "python: pytest"
 python3 -m pytest -q tests
