@@ -1,211 +1,782 @@
-//! Production CPU kernels: the same math as `reference.rs`, split over the rayon pool, weights
-//! dequantized row by row inside the kernels (never materialised), f32 accumulation.
-//! DeltaNet prefill uses the chunked (parallel) form; decode the step recurrence.
-
-use std::{cell::RefCell, ops::Range};
+//! Production CPU kernels: the same math as `reference.rs` with SIMD (runtime-dispatched, see
+//! `simd.rs`), the persistent rayon pool (one thread per core, created once) and in-kernel
+//! dequantization: weights are read from their packed bytes, never materialised as a matrix.
+//! Accumulation is f32 everywhere.
+//!
+//! Decode (one token) streams weights through GEMV kernels that split rows over the threads;
+//! prefill runs tiled GEMM (a dequantized tile of rows against every token), MoE experts with the
+//! tokens grouped by expert, tiled causal attention with online softmax, and the chunked DeltaNet
+//! form. Scratch comes from per-thread buffers that grow once (`gemm::with_task`/`with_caller`),
+//! so a decode step allocates nothing.
 
 use rayon::prelude::*;
 
-use super::reference::{self, sigmoid, silu};
-use crate::{
-    backend::params::*,
-    quant::{read_scalar, Format, Matrix},
-    safetensors::DType,
+use super::{
+    gemm::{self, with_caller, with_caller_ids, with_task, Out},
+    reference::{self, sigmoid, silu, softplus},
+    simd::{self, multiversion, Isa},
 };
-
-/// A raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-// SAFETY: every use writes a set of indices no other task touches, inside one parallel call.
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-impl Out {
-    /// # Safety
-    /// `i` is in bounds of the buffer and written by this task alone.
-    #[inline]
-    unsafe fn set(self, i: usize, v: f32) {
-        unsafe { *self.0.add(i) = v }
-    }
-}
-
-thread_local! {
-    static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Run `f` with a per-thread scratch of at least `len` floats (grown once, then reused).
-fn with_row<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    ROW.with(|r| {
-        let mut r = r.borrow_mut();
-        if r.len() < len {
-            r.resize(len, 0.0);
-        }
-        f(&mut r[..len])
-    })
-}
+use crate::{backend::params::*, quant::Matrix};
 
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
+    simd::dot(Isa::get(), a, b)
 }
 
-#[inline]
-fn word(data: &[u8], w: usize) -> u32 {
-    u32::from_le_bytes([data[4 * w], data[4 * w + 1], data[4 * w + 2], data[4 * w + 3]])
-}
-
-/// Dequantize one stored row into `out[..cols]`, a word at a time.
+/// Dequantize one stored row into `out[..cols]`.
 pub fn dequant_row(m: &Matrix, stored: usize, out: &mut [f32]) {
-    let (data, scales, biases) = m.row_parts(stored);
-    let cols = m.cols;
-    match m.format {
-        Format::BF16 => {
-            for (o, c) in out[..cols].iter_mut().zip(data.chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-            }
-        }
-        Format::F16 => (0..cols).for_each(|j| out[j] = read_scalar(DType::F16, data, j)),
-        Format::F32 => (0..cols).for_each(|j| out[j] = read_scalar(DType::F32, data, j)),
-        Format::Affine { bits, group } => {
-            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
-            let per_word = 32 / bits as usize;
-            let mask = (1u32 << bits) - 1;
-            let words_per_group = group / per_word;
-            for g in 0..cols / group {
-                let (s, b) = (read_scalar(sd, scales, g), read_scalar(sd, biases, g));
-                for wi in 0..words_per_group {
-                    let w = word(data, g * words_per_group + wi);
-                    let o = &mut out[(g * words_per_group + wi) * per_word..][..per_word];
-                    for (i, v) in o.iter_mut().enumerate() {
-                        *v = s * ((w >> (i * bits as usize)) & mask) as f32 + b;
-                    }
-                }
-            }
-        }
-    }
+    simd::dequant_row(Isa::get(), m, stored, out)
 }
 
+/// out[t, :] = dequant(table row ids[t]). Threads: one task per token row.
 pub fn embed(tokens: usize, table: &Matrix, ids: &[u32], out: &mut [f32]) {
-    let d = table.cols;
+    let (isa, d) = (Isa::get(), table.cols);
+    if tokens == 1 {
+        simd::dequant_row(isa, table, table.stored_row(0, ids[0] as usize), &mut out[..d]);
+        return;
+    }
     out[..tokens * d]
         .par_chunks_mut(d)
         .zip(&ids[..tokens])
-        .for_each(|(o, &id)| dequant_row(table, table.stored_row(0, id as usize), o));
+        .for_each(|(o, &id)| simd::dequant_row(isa, table, table.stored_row(0, id as usize), o));
 }
 
-fn norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let inv = 1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt();
+fn norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = 1.0 / (simd::dot(isa, x, x) / x.len() as f32 + eps).sqrt();
     for j in 0..x.len() {
         out[j] = x[j] * inv * w[j];
     }
 }
 
+/// Row-wise RMSNorm [rows, dim]; one task per row (a single row runs inline).
 pub fn rms_norm(p: &RmsNormParams, x: &[f32], w: &[f32], out: &mut [f32]) {
-    let d = p.dim as usize;
+    let (isa, d) = (Isa::get(), p.dim as usize);
     let n = p.rows as usize * d;
-    out[..n].par_chunks_mut(d).zip(x[..n].par_chunks(d)).for_each(|(o, xr)| norm_row(xr, w, p.eps, o));
+    if p.rows == 1 {
+        return norm_row(isa, &x[..d], w, p.eps, &mut out[..d]);
+    }
+    out[..n]
+        .par_chunks_mut(d)
+        .zip(x[..n].par_chunks(d))
+        .for_each(|(o, xr)| norm_row(isa, xr, w, p.eps, o));
 }
 
+/// RMSNorm times silu(z), rows of [rows, dim] (rows = tokens x value heads).
 pub fn rms_norm_gated(p: &RmsNormParams, x: &[f32], z: &[f32], w: &[f32], out: &mut [f32]) {
-    let d = p.dim as usize;
+    let (isa, d) = (Isa::get(), p.dim as usize);
     let n = p.rows as usize * d;
-    out[..n].par_chunks_mut(d).zip(x[..n].par_chunks(d).zip(z[..n].par_chunks(d))).for_each(|(o, (xr, zr))| {
-        norm_row(xr, w, p.eps, o);
+    let row = |o: &mut [f32], xr: &[f32], zr: &[f32]| {
+        norm_row(isa, xr, w, p.eps, o);
         o.iter_mut().zip(zr).for_each(|(v, zz)| *v *= silu(*zz));
+    };
+    if n <= 1 << 14 {
+        // Decode (32 heads x 128): cheaper than a pool round trip.
+        for ((o, xr), zr) in out[..n].chunks_mut(d).zip(x[..n].chunks(d)).zip(z[..n].chunks(d)) {
+            row(o, xr, zr);
+        }
+        return;
+    }
+    out[..n]
+        .par_chunks_mut(d)
+        .zip(x[..n].par_chunks(d).zip(z[..n].par_chunks(d)))
+        .for_each(|(o, (xr, zr))| row(o, xr, zr));
+}
+
+/// out [T, N] = x[x_row0.., K] W^T: GEMV (decode) or tiled GEMM (prefill), see `gemm.rs`.
+pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
+    matmul_with(Isa::get(), p, w, x, out)
+}
+
+pub fn matmul_with(isa: Isa, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
+    gemm::matmul(isa, p.tokens as usize, p.x_row0 as usize, w, x, out)
+}
+
+/// Keys per attention block: scores of a block are [rows, KEY_BLOCK] in the task's scratch.
+const KEY_BLOCK: usize = 32;
+
+/// Causal GQA attention with the sigmoid output gate, tiled with online softmax.
+///
+/// Layout: qg [T, H, 2hd] (q | gate per head), caches [max_seq, Hkv, hd], out [T, H, hd].
+/// Thread mapping: one task per (block of query tokens, KV head). The task's query rows are the
+/// `group` query heads sharing that KV head for each of its tokens (GQA packing: each K/V row is
+/// loaded once per task and used by all of them). Decode: one token, so the tasks are the KV
+/// heads. Keys stream in blocks of KEY_BLOCK: scores by 4 x 4 register tiles, then a running max /
+/// sum per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
+pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+    attention_with(Isa::get(), p, qg, k_cache, v_cache, out)
+}
+
+pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+    let (h_n, kv_n, hd, t_n) = (
+        p.heads as usize,
+        p.kv_heads as usize,
+        p.head_dim as usize,
+        p.tokens as usize,
+    );
+    if t_n == 0 || kv_n == 0 {
+        return;
+    }
+    let group = h_n / kv_n;
+    // Prefill: ~64 query rows per task so each key block in cache serves many rows.
+    let bq = if t_n == 1 { 1 } else { (64 / group.max(1)).max(1) };
+    let tasks = t_n.div_ceil(bq) * kv_n;
+    let o = Out(out.as_mut_ptr());
+    let run = |task: usize| {
+        let (qb, kvh) = (task / kv_n, task % kv_n);
+        let (t0, t1) = (qb * bq, ((qb + 1) * bq).min(t_n));
+        let rows = (t1 - t0) * group;
+        with_task(rows * (hd + 2 + KEY_BLOCK), |scr| {
+            attend_block(isa, p, qg, k_cache, v_cache, t0, t1, kvh, scr, o)
+        });
+    };
+    if tasks == 1 {
+        run(0)
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+multiversion! {
+    fn attend_block(
+        p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], t0: usize, t1: usize, kvh: usize,
+        scr: &mut [f32], o: Out
+    ) = attend_block_body;
+}
+
+#[inline(always)]
+fn attend_block_body(
+    isa: Isa,
+    p: &AttentionParams,
+    qg: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    t0: usize,
+    t1: usize,
+    kvh: usize,
+    scr: &mut [f32],
+    o: Out,
+) {
+    let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
+    let group = h_n / kv_n;
+    let pos0 = p.pos0 as usize;
+    let nr = (t1 - t0) * group;
+    // Row i: token t0 + i / group, query head kvh * group + i % group.
+    let head = |i: usize| (t0 + i / group) * h_n + kvh * group + i % group;
+    let q_of = |i: usize| &qg[head(i) * 2 * hd..][..hd];
+    let visible = |i: usize| pos0 + t0 + i / group + 1; // keys 0..visible (causal)
+    let krow = |s: usize| &kc[(s * kv_n + kvh) * hd..][..hd];
+    let vrow = |s: usize| &vc[(s * kv_n + kvh) * hd..][..hd];
+    let (acc, rest) = scr.split_at_mut(nr * hd);
+    let (mx, rest) = rest.split_at_mut(nr);
+    let (l, sc) = rest.split_at_mut(nr);
+    acc.fill(0.0);
+    mx.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let kmax = pos0 + t1;
+    let mut kb = 0;
+    while kb < kmax {
+        let kn = (kmax - kb).min(KEY_BLOCK);
+        // Scores [nr, kn] = Q K^T * scale, 4 query rows x 4 keys per register tile.
+        let mut i0 = 0;
+        while i0 < nr {
+            let rn = (nr - i0).min(4);
+            let qs = [0, 1, 2, 3].map(|a| q_of(i0 + a.min(rn - 1)));
+            let mut s0 = 0;
+            while s0 < kn {
+                let sn = (kn - s0).min(4);
+                let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
+                let d = simd::dot4x4(isa, qs, ks, hd);
+                for a in 0..rn {
+                    for b in 0..sn {
+                        sc[(i0 + a) * KEY_BLOCK + s0 + b] = d[a][b] * p.scale;
+                    }
+                }
+                s0 += 4;
+            }
+            i0 += 4;
+        }
+        // Online softmax per row over its visible keys of this block.
+        for i in 0..nr {
+            let vis = visible(i).saturating_sub(kb).min(kn);
+            if vis == 0 {
+                continue;
+            }
+            let sr = &mut sc[i * KEY_BLOCK..][..vis];
+            let m_new = sr.iter().fold(mx[i], |m, &x| m.max(x));
+            let corr = (mx[i] - m_new).exp(); // 0 on the first block (mx = -inf)
+            let mut sum = 0f32;
+            for x in sr.iter_mut() {
+                *x = (*x - m_new).exp();
+                sum += *x;
+            }
+            l[i] = l[i] * corr + sum;
+            mx[i] = m_new;
+            let a = &mut acc[i * hd..][..hd];
+            if corr != 1.0 {
+                a.iter_mut().for_each(|v| *v *= corr);
+            }
+            for (s, &pw) in sr.iter().enumerate() {
+                a.iter_mut().zip(vrow(kb + s)).for_each(|(v, x)| *v += pw * x);
+            }
+        }
+        kb += kn;
+    }
+    for i in 0..nr {
+        let hrow = head(i);
+        let gate = &qg[hrow * 2 * hd + hd..][..hd];
+        let inv = 1.0 / l[i];
+        for j in 0..hd {
+            // SAFETY: row (token, head) belongs to this task alone.
+            unsafe { o.set(hrow * hd + j, acc[i * hd + j] * inv * sigmoid(gate[j])) };
+        }
+    }
+}
+
+/// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
+const CHUNK: usize = 64;
+
+/// Gated DeltaNet over T tokens (architecture.md §6).
+///
+/// Layout: qkv [T, 2 Hk Dk + Hv Dv], a/b [T, Hv], state [Hv, Dk, Dv] f32 (rows contiguous in the
+/// value index), out [T, Hv, Dv]. Thread mapping: one task per value head (its state is private
+/// to the task). One token runs the step recurrence; more run the chunked form (§6.1) in chunks
+/// of CHUNK tokens, whose products are blocked matrix loops over the task's scratch.
+/// Accumulation: f32; only exponentials of non-positive numbers.
+pub fn delta_net(
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let isa = Isa::get();
+    let (hv, dk, dv, t_n) = (
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+        p.tokens as usize,
+    );
+    let o = Out(out.as_mut_ptr());
+    let n = t_n.min(CHUNK);
+    let scratch = n * (3 * dk + 2 * dv + 2 + n) + 3 * dv + 2 * dk;
+    state[..hv * dk * dv]
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .for_each(|(j, s)| {
+            with_task(scratch, |scr| {
+                let mut t0 = 0;
+                while t0 < t_n {
+                    let n = (t_n - t0).min(CHUNK);
+                    if n == 1 {
+                        delta_step(isa, p, qkv, a, b, a_log, dt_bias, t0, j, s, scr, o);
+                    } else {
+                        delta_chunk(isa, p, qkv, a, b, a_log, dt_bias, t0, n, j, s, scr, o);
+                    }
+                    t0 += n;
+                }
+            })
+        });
+}
+
+/// Inputs of value head j at token t: writes l2-normed q (times Dk^-1/2) and k into `q`, `k`;
+/// returns (v, beta, g) with v borrowed from qkv.
+#[inline(always)]
+fn delta_inputs<'a>(
+    isa: Isa,
+    p: &DeltaNetParams,
+    qkv: &'a [f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    t: usize,
+    j: usize,
+    q: &mut [f32],
+    k: &mut [f32],
+) -> (&'a [f32], f32, f32) {
+    let (hk, hv, dk, dv) = (
+        p.key_heads as usize,
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+    );
+    let width = 2 * hk * dk + hv * dv;
+    let row = &qkv[t * width..][..width];
+    let kh = j / (hv / hk).max(1); // value head j reads q/k head j / (Hv/Hk)
+    let (qs, ks) = (&row[kh * dk..][..dk], &row[hk * dk + kh * dk..][..dk]);
+    let scale = 1.0 / (dk as f32).sqrt();
+    let qi = scale / (simd::dot(isa, qs, qs) + 1e-6).sqrt();
+    let ki = 1.0 / (simd::dot(isa, ks, ks) + 1e-6).sqrt();
+    q.iter_mut().zip(qs).for_each(|(o, x)| *o = x * qi);
+    k.iter_mut().zip(ks).for_each(|(o, x)| *o = x * ki);
+    let beta = sigmoid(b[t * hv + j]);
+    let g = -a_log[j].exp() * softplus(a[t * hv + j] + dt_bias[j]);
+    (&row[2 * hk * dk + j * dv..][..dv], beta, g)
+}
+
+multiversion! {
+    fn delta_step(
+        p: &DeltaNetParams, qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32],
+        t: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
+    ) = delta_step_body;
+}
+
+/// One token of value head j: decay, read, delta, write, read out. S is [Dk, Dv], swept twice
+/// (decay + prediction, then rank-1 write + output), both passes over contiguous rows.
+#[inline(always)]
+fn delta_step_body(
+    isa: Isa,
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    t: usize,
+    j: usize,
+    s: &mut [f32],
+    scr: &mut [f32],
+    o: Out,
+) {
+    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+    let (q, rest) = scr.split_at_mut(dk);
+    let (k, rest) = rest.split_at_mut(dk);
+    let (pred, rest) = rest.split_at_mut(dv);
+    let (delta, rest) = rest.split_at_mut(dv);
+    let outv = &mut rest[..dv];
+    let (v, beta, g) = delta_inputs(isa, p, qkv, a, b, a_log, dt_bias, t, j, q, k);
+    let alpha = g.exp();
+    pred.fill(0.0);
+    for d in 0..dk {
+        let row = &mut s[d * dv..][..dv];
+        let kd = k[d];
+        row.iter_mut().zip(pred.iter_mut()).for_each(|(x, pc)| {
+            *x *= alpha;
+            *pc += *x * kd;
+        });
+    }
+    delta
+        .iter_mut()
+        .zip(v.iter().zip(pred.iter()))
+        .for_each(|(dc, (vc, pc))| *dc = beta * (vc - pc));
+    outv.fill(0.0);
+    for d in 0..dk {
+        let row = &mut s[d * dv..][..dv];
+        let (kd, qd) = (k[d], q[d]);
+        row.iter_mut()
+            .zip(delta.iter())
+            .zip(outv.iter_mut())
+            .for_each(|((x, dc), oc)| {
+                *x += kd * dc;
+                *oc += *x * qd;
+            });
+    }
+    for c in 0..dv {
+        // SAFETY: value head j's outputs belong to this task.
+        unsafe { o.set((t * hv + j) * dv + c, outv[c]) };
+    }
+}
+
+multiversion! {
+    fn delta_chunk(
+        p: &DeltaNetParams, qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32],
+        t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
+    ) = delta_chunk_body;
+}
+
+/// The chunked form (architecture.md §6.1) for tokens t0..t0+n of value head j, as blocked
+/// matrix products over [n, Dk] / [n, Dv] panels and the [Dk, Dv] state.
+#[inline(always)]
+fn delta_chunk_body(
+    isa: Isa,
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    t0: usize,
+    n: usize,
+    j: usize,
+    s: &mut [f32],
+    scr: &mut [f32],
+    o: Out,
+) {
+    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+    let (q, rest) = scr.split_at_mut(n * dk);
+    let (k, rest) = rest.split_at_mut(n * dk);
+    let (w, rest) = rest.split_at_mut(n * dk);
+    let (u, rest) = rest.split_at_mut(n * dv);
+    let (v, rest) = rest.split_at_mut(n * dv);
+    let (beta, rest) = rest.split_at_mut(n);
+    let (gam, rest) = rest.split_at_mut(n); // cumulative log-decay
+    let (amat, rest) = rest.split_at_mut(n * n);
+    let oi = &mut rest[..dv];
+    let mut acc = 0f32;
+    for i in 0..n {
+        let (vi, bi, gi) = delta_inputs(
+            isa,
+            p,
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            t0 + i,
+            j,
+            &mut q[i * dk..][..dk],
+            &mut k[i * dk..][..dk],
+        );
+        v[i * dv..][..dv].copy_from_slice(vi);
+        beta[i] = bi;
+        acc += gi;
+        gam[i] = acc;
+    }
+    let (q, k): (&[f32], &[f32]) = (q, k);
+    // A[i, j'] = beta_i (k_i . k_j') exp(gam_i - gam_j') for j' < i (K K^T by 4 x 4 tiles).
+    amat.fill(0.0);
+    gemm::tile_products(
+        isa,
+        k,
+        n,
+        dk,
+        n,
+        |jj| &k[jj * dk..][..dk],
+        |jj, i, kk| {
+            if jj < i {
+                amat[i * n + jj] = beta[i] * kk * (gam[i] - gam[jj]).exp();
+            }
+        },
+    );
+    // Solve (I + A) U = beta V and (I + A) W = beta exp(gam) K by forward substitution.
+    for i in 0..n {
+        let eg = gam[i].exp();
+        let (done_u, cur_u) = u.split_at_mut(i * dv);
+        let (done_w, cur_w) = w.split_at_mut(i * dk);
+        let (ui, wi) = (&mut cur_u[..dv], &mut cur_w[..dk]);
+        ui.iter_mut()
+            .zip(&v[i * dv..][..dv])
+            .for_each(|(x, vv)| *x = beta[i] * vv);
+        wi.iter_mut()
+            .zip(&k[i * dk..][..dk])
+            .for_each(|(x, kv)| *x = beta[i] * eg * kv);
+        for jj in 0..i {
+            let aij = amat[i * n + jj];
+            if aij != 0.0 {
+                ui.iter_mut()
+                    .zip(&done_u[jj * dv..][..dv])
+                    .for_each(|(x, y)| *x -= aij * y);
+                wi.iter_mut()
+                    .zip(&done_w[jj * dk..][..dk])
+                    .for_each(|(x, y)| *x -= aij * y);
+            }
+        }
+    }
+    // V' = U - W S  ([n, Dv]).
+    for i in 0..n {
+        let ui = &mut u[i * dv..][..dv];
+        for d in 0..dk {
+            let wd = w[i * dk + d];
+            ui.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x -= wd * sv);
+        }
+    }
+    // O_i = exp(gam_i) q_i S + sum_{j' <= i} (q_i . k_j') exp(gam_i - gam_j') V'_j'.
+    // (q_i . k_j') for all pairs by 4 x 4 tiles into amat (A is no longer needed).
+    gemm::tile_products(
+        isa,
+        q,
+        n,
+        dk,
+        n,
+        |jj| &k[jj * dk..][..dk],
+        |jj, i, qk| {
+            amat[i * n + jj] = if jj <= i { qk * (gam[i] - gam[jj]).exp() } else { 0.0 };
+        },
+    );
+    for i in 0..n {
+        oi.fill(0.0);
+        let eg = gam[i].exp();
+        for d in 0..dk {
+            let qd = q[i * dk + d] * eg;
+            oi.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x += qd * sv);
+        }
+        for jj in 0..=i {
+            let c = amat[i * n + jj];
+            oi.iter_mut().zip(&u[jj * dv..][..dv]).for_each(|(x, vv)| *x += c * vv);
+        }
+        for c in 0..dv {
+            // SAFETY: value head j's outputs belong to this task.
+            unsafe { o.set(((t0 + i) * hv + j) * dv + c, oi[c]) };
+        }
+    }
+    // S <- exp(gam_n) S + sum_j' exp(gam_n - gam_j') k_j' (x) V'_j'.
+    let gn = gam[n - 1];
+    let en = gn.exp();
+    s.iter_mut().for_each(|x| *x *= en);
+    for jj in 0..n {
+        let f = (gn - gam[jj]).exp();
+        for d in 0..dk {
+            let kd = k[jj * dk + d] * f;
+            s[d * dv..][..dv]
+                .iter_mut()
+                .zip(&u[jj * dv..][..dv])
+                .for_each(|(x, vv)| *x += kd * vv);
+        }
+    }
+}
+
+/// Weight rows per decode MoE task: 64 rows of gate and of up (2 x 36 KiB at 4-bit, D = 2048).
+const MOE_DECODE_ROWS: usize = 64;
+
+/// out [T, D] = sum over each token's K experts of w_k down_e(silu(gate_e x) * up_e x).
+///
+/// Layout: gate/up [E, I, D], down [E, D, I] (possibly views of fused tensors); tmp holds
+/// act [T K, I] then the per-pair outputs [T K, D]. Only the selected experts' rows are read.
+/// Decode (one token): GEMV straight from the packed bytes, tasks = (expert slot, block of rows).
+/// Prefill: the (token, slot) pairs are grouped by expert (counting sort), and each task
+/// dequantizes a tile of one expert's rows once and multiplies it against all of that expert's
+/// tokens (4 x 4 register tiles). Accumulation f32; the K outputs are summed in slot order.
+pub fn moe_experts(
+    p: &MoeParams,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    tmp: &mut [f32],
+    out: &mut [f32],
+) {
+    moe_experts_with(Isa::get(), p, x, ids, weights, gate, up, down, tmp, out)
+}
+
+pub fn moe_experts_with(
+    isa: Isa,
+    p: &MoeParams,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    tmp: &mut [f32],
+    out: &mut [f32],
+) {
+    let (d, inter, k_n, t_n) = (gate.cols, gate.rows, p.top_k as usize, p.tokens as usize);
+    let pairs = t_n * k_n;
+    if pairs == 0 {
+        return;
+    }
+    let (act, ys) = tmp[..pairs * (inter + d)].split_at_mut(pairs * inter);
+    let fused = [gate, up, down].iter().all(|m| simd::has_row_kernel(m)) && gate.format == up.format;
+    if t_n == 1 && fused {
+        moe_decode(isa, k_n, x, ids, gate, up, down, act, ys);
+    } else {
+        moe_grouped(isa, pairs, k_n, x, ids, gate, up, down, act, ys);
+    }
+    let ys: &[f32] = ys;
+    let combine = |t: usize, o: &mut [f32]| {
+        o.fill(0.0);
+        for k in 0..k_n {
+            let w = weights[t * k_n + k];
+            o.iter_mut()
+                .zip(&ys[(t * k_n + k) * d..][..d])
+                .for_each(|(a, y)| *a += w * y);
+        }
+    };
+    if t_n == 1 {
+        combine(0, &mut out[..d]);
+    } else {
+        out[..t_n * d]
+            .par_chunks_mut(d)
+            .enumerate()
+            .for_each(|(t, o)| combine(t, o));
+    }
+}
+
+/// One token: every slot's expert by GEMV from the packed rows.
+fn moe_decode(
+    isa: Isa,
+    k_n: usize,
+    x: &[f32],
+    ids: &[u32],
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    act: &mut [f32],
+    ys: &mut [f32],
+) {
+    let (d, inter) = (gate.cols, gate.rows);
+    let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
+    let sb_len = 2 * gate.groups_per_row().max(down.groups_per_row());
+    with_caller(simd::prep_len(gate), |buf| {
+        simd::prepare(isa, gate, &x[..d], buf);
+        let xr = simd::view(gate, &x[..d], buf);
+        let blocks = inter.div_ceil(MOE_DECODE_ROWS);
+        (0..k_n * blocks).into_par_iter().for_each(|task| {
+            let (slot, blk) = (task / blocks, task % blocks);
+            let e = ids[slot] as usize;
+            let rows = blk * MOE_DECODE_ROWS..((blk + 1) * MOE_DECODE_ROWS).min(inter);
+            let rn = rows.len();
+            with_task(sb_len + 2 * rn, |scr| {
+                let (sb, rest) = scr.split_at_mut(sb_len);
+                let (g, u) = rest.split_at_mut(rn);
+                gemm::gemv_rows(isa, gate, e, rows.start, xr, sb, g);
+                gemm::gemv_rows(isa, up, e, rows.start, xr, sb, u);
+                for i in 0..rn {
+                    // SAFETY: (slot, row) is written by this task only.
+                    unsafe { act_o.set(slot * inter + rows.start + i, silu(g[i]) * u[i]) };
+                }
+            });
+        });
+    });
+    let act: &[f32] = act;
+    let pl = simd::prep_len(down);
+    with_caller(k_n * pl, |buf| {
+        for slot in 0..k_n {
+            simd::prepare(isa, down, &act[slot * inter..][..inter], &mut buf[slot * pl..][..pl]);
+        }
+        let buf: &[f32] = buf;
+        let rows_per = 4 * MOE_DECODE_ROWS;
+        let blocks = d.div_ceil(rows_per);
+        (0..k_n * blocks).into_par_iter().for_each(|task| {
+            let (slot, blk) = (task / blocks, task % blocks);
+            let e = ids[slot] as usize;
+            let xr = simd::view(down, &act[slot * inter..][..inter], &buf[slot * pl..][..pl]);
+            let rows = blk * rows_per..((blk + 1) * rows_per).min(d);
+            let rn = rows.len();
+            with_task(sb_len + rn, |scr| {
+                let (sb, y) = scr.split_at_mut(sb_len);
+                gemm::gemv_rows(isa, down, e, rows.start, xr, sb, y);
+                for (i, &v) in y.iter().enumerate() {
+                    // SAFETY: (slot, row) is written by this task only.
+                    unsafe { ys_o.set(slot * d + rows.start + i, v) };
+                }
+            });
+        });
+    });
+}
+
+/// Many tokens: pairs grouped by expert, tiled GEMM per expert.
+fn moe_grouped(
+    isa: Isa,
+    pairs: usize,
+    k_n: usize,
+    x: &[f32],
+    ids: &[u32],
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    act: &mut [f32],
+    ys: &mut [f32],
+) {
+    let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
+    let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
+    // ids scratch: counts/starts [E + 1] | order [pairs] | groups [(expert, start, end)].
+    let groups_max = e_n.min(pairs);
+    with_caller_ids(e_n + 1 + pairs + 3 * groups_max, |buf| {
+        let (starts, rest) = buf.split_at_mut(e_n + 1);
+        let (order, glist) = rest.split_at_mut(pairs);
+        starts.fill(0);
+        for &e in &ids[..pairs] {
+            starts[(e as usize).min(e_n - 1) + 1] += 1;
+        }
+        for e in 0..e_n {
+            starts[e + 1] += starts[e];
+        }
+        let mut ng = 0;
+        for e in 0..e_n {
+            if starts[e + 1] > starts[e] {
+                glist[3 * ng..3 * ng + 3].copy_from_slice(&[e as u32, starts[e], starts[e + 1]]);
+                ng += 1;
+            }
+        }
+        // Scatter pair indices into expert order (starts[e] advances to the end of group e).
+        for (pi, &e) in ids[..pairs].iter().enumerate() {
+            let e = (e as usize).min(e_n - 1);
+            order[starts[e] as usize] = pi as u32;
+            starts[e] += 1;
+        }
+        let (order, glist): (&[u32], &[u32]) = (order, &glist[..3 * ng]);
+        let group = |g: usize| {
+            (
+                glist[3 * g] as usize,
+                &order[glist[3 * g + 1] as usize..glist[3 * g + 2] as usize],
+            )
+        };
+
+        let blocks = inter.div_ceil(gemm::TILE_ROWS);
+        (0..ng * blocks).into_par_iter().for_each(|task| {
+            let (g, blk) = (task / blocks, task % blocks);
+            let (e, members) = group(g);
+            let rows = blk * gemm::TILE_ROWS..((blk + 1) * gemm::TILE_ROWS).min(inter);
+            let rn = rows.len();
+            with_task(2 * rn * d + members.len() * rn, |scr| {
+                let (gt, rest) = scr.split_at_mut(rn * d);
+                let (ut, gv) = rest.split_at_mut(rn * d);
+                gemm::dequant_tile(isa, gate, e, rows.clone(), gt);
+                gemm::dequant_tile(isa, up, e, rows.clone(), ut);
+                let xrow = |m: usize| &x[(members[m] as usize / k_n) * d..][..d];
+                gemm::tile_products(isa, gt, rn, d, members.len(), xrow, |m, i, v| gv[m * rn + i] = v);
+                gemm::tile_products(isa, ut, rn, d, members.len(), xrow, |m, i, u| {
+                    // SAFETY: (pair, row) of this expert's row block is written by this task only.
+                    unsafe { act_o.set(members[m] as usize * inter + rows.start + i, silu(gv[m * rn + i]) * u) };
+                });
+            });
+        });
+        let act: &[f32] = act;
+        let blocks = d.div_ceil(gemm::TILE_ROWS);
+        (0..ng * blocks).into_par_iter().for_each(|task| {
+            let (g, blk) = (task / blocks, task % blocks);
+            let (e, members) = group(g);
+            let rows = blk * gemm::TILE_ROWS..((blk + 1) * gemm::TILE_ROWS).min(d);
+            let rn = rows.len();
+            with_task(rn * inter, |tile| {
+                gemm::dequant_tile(isa, down, e, rows.clone(), tile);
+                let xrow = |m: usize| &act[members[m] as usize * inter..][..inter];
+                gemm::tile_products(isa, tile, rn, inter, members.len(), xrow, |m, i, y| {
+                    // SAFETY: (pair, row) of this expert's row block is written by this task only.
+                    unsafe { ys_o.set(members[m] as usize * d + rows.start + i, y) };
+                });
+            });
+        });
     });
 }
 
 pub fn add(p: &RowsParams, x: &mut [f32], y: &[f32]) {
     let n = (p.tokens * p.dim) as usize;
-    x[..n].par_chunks_mut(4096).zip(y[..n].par_chunks(4096)).for_each(|(a, b)| {
-        a.iter_mut().zip(b).for_each(|(u, v)| *u += v);
-    });
-}
-
-/// out[t * n_stride + r] = row r of expert e · x_t for the given tokens' rows of x.
-fn apply_rows(m: &Matrix, e: usize, x: &[f32], xs: Range<usize>, out: Out, n_stride: usize, rows: Range<usize>) {
-    with_row(m.cols, |row| {
-        for r in rows {
-            dequant_row(m, m.stored_row(e, r), row);
-            for (i, xr) in xs.clone().enumerate() {
-                let v = dot(row, &x[xr * m.cols..][..m.cols]);
-                // SAFETY: (i, r) pairs are distinct across the tasks of one call.
-                unsafe { out.set(i * n_stride + r, v) };
-            }
-        }
-    });
-}
-
-pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
-    let (n, t_n) = (w.rows, p.tokens as usize);
-    assert!(out.len() >= t_n * n && x.len() >= (p.x_row0 as usize + t_n) * w.cols);
-    let xs = p.x_row0 as usize..p.x_row0 as usize + t_n;
-    let o = Out(out.as_mut_ptr());
-    let block = 16;
-    (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
-        apply_rows(w, 0, x, xs.clone(), o, n, b * block..((b + 1) * block).min(n));
-    });
+    x[..n]
+        .par_chunks_mut(4096)
+        .zip(y[..n].par_chunks(4096))
+        .for_each(|(a, b)| {
+            a.iter_mut().zip(b).for_each(|(u, v)| *u += v);
+        });
 }
 
 pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f32], k: &mut [f32]) {
     let (hd, rot) = (p.head_dim as usize, p.rotary_dim as usize);
     let t_n = p.tokens as usize;
-    qg[..t_n * p.heads as usize * 2 * hd].par_chunks_mut(2 * hd).enumerate().for_each(|(i, head)| {
-        let pos = p.pos0 as usize + i / p.heads as usize;
-        reference::norm_rope_head(&mut head[..hd], q_norm, p.eps, rot, p.theta, pos);
-    });
-    k[..t_n * p.kv_heads as usize * hd].par_chunks_mut(hd).enumerate().for_each(|(i, head)| {
-        let pos = p.pos0 as usize + i / p.kv_heads as usize;
-        reference::norm_rope_head(head, k_norm, p.eps, rot, p.theta, pos);
-    });
+    qg[..t_n * p.heads as usize * 2 * hd]
+        .par_chunks_mut(2 * hd)
+        .enumerate()
+        .for_each(|(i, head)| {
+            let pos = p.pos0 as usize + i / p.heads as usize;
+            reference::norm_rope_head(&mut head[..hd], q_norm, p.eps, rot, p.theta, pos);
+        });
+    k[..t_n * p.kv_heads as usize * hd]
+        .par_chunks_mut(hd)
+        .enumerate()
+        .for_each(|(i, head)| {
+            let pos = p.pos0 as usize + i / p.kv_heads as usize;
+            reference::norm_rope_head(head, k_norm, p.eps, rot, p.theta, pos);
+        });
 }
 
 pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
     reference::kv_store(p, x, cache)
-}
-
-/// One query head against `len` cached rows (two passes: scores, then softmax-weighted V).
-pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
-    let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
-    let group = h_n / kv_n;
-    let t_n = p.tokens as usize;
-    out[..t_n * h_n * hd].par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
-        let (t, h) = (i / h_n, i % h_n);
-        let len = p.pos0 as usize + t + 1;
-        let q = &qg[(t * h_n + h) * 2 * hd..][..hd];
-        let gate = &qg[(t * h_n + h) * 2 * hd + hd..][..hd];
-        let kvh = h / group;
-        with_row(len, |scores| {
-            let mut m = f32::NEG_INFINITY;
-            for (s, sc) in scores.iter_mut().enumerate() {
-                *sc = dot(q, &k_cache[(s * kv_n + kvh) * hd..][..hd]) * p.scale;
-                m = m.max(*sc);
-            }
-            let mut z = 0f32;
-            scores.iter_mut().for_each(|sc| {
-                *sc = (*sc - m).exp();
-                z += *sc;
-            });
-            o.fill(0.0);
-            for (s, &e) in scores.iter().enumerate() {
-                let v = &v_cache[(s * kv_n + kvh) * hd..][..hd];
-                let w = e / z;
-                o.iter_mut().zip(v).for_each(|(a, b)| *a += w * b);
-            }
-        });
-        o.iter_mut().zip(gate).for_each(|(a, g)| *a *= sigmoid(*g));
-    });
 }
 
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
@@ -236,174 +807,14 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
     });
 }
 
-/// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
-const CHUNK: usize = 64;
-
-pub fn delta_net(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) {
-    let (hv, dk, dv, t_n) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize, p.tokens as usize);
-    let o = Out(out.as_mut_ptr());
-    state[..hv * dk * dv].par_chunks_mut(dk * dv).enumerate().for_each(|(j, s)| {
-        let mut t0 = 0;
-        while t0 < t_n {
-            let n = (t_n - t0).min(CHUNK);
-            if n == 1 {
-                delta_step(p, qkv, a, b, a_log, dt_bias, t0, j, s, o);
-            } else {
-                delta_chunk(p, qkv, a, b, a_log, dt_bias, t0, n, j, s, o);
-            }
-            t0 += n;
-        }
-    });
-}
-
-fn delta_step(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    t: usize,
-    j: usize,
-    s: &mut [f32],
-    o: Out,
-) {
-    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
-    let (q, k, v, beta, g) = reference::delta_net_inputs(p, qkv, a, b, a_log, dt_bias, t, j);
-    let alpha = g.exp();
-    // pred[c] = sum_d alpha*S[d,c]*k[d]; S stays [Dk, Dv] so rows are contiguous in c.
-    let mut pred = vec![0f32; dv];
-    for d in 0..dk {
-        let row = &mut s[d * dv..][..dv];
-        row.iter_mut().for_each(|x| *x *= alpha);
-        pred.iter_mut().zip(row.iter()).for_each(|(pc, x)| *pc += x * k[d]);
-    }
-    let delta: Vec<f32> = (0..dv).map(|c| beta * (v[c] - pred[c])).collect();
-    let mut outv = vec![0f32; dv];
-    for d in 0..dk {
-        let row = &mut s[d * dv..][..dv];
-        row.iter_mut().zip(&delta).for_each(|(x, dc)| *x += k[d] * dc);
-        outv.iter_mut().zip(row.iter()).for_each(|(oc, x)| *oc += x * q[d]);
-    }
-    for c in 0..dv {
-        // SAFETY: value head j's outputs belong to this task.
-        unsafe { o.set((t * hv + j) * dv + c, outv[c]) };
-    }
-}
-
-/// The chunked form (architecture.md §6.1) for tokens t0..t0+n of value head j.
-fn delta_chunk(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    t0: usize,
-    n: usize,
-    j: usize,
-    s: &mut [f32],
-    o: Out,
-) {
-    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
-    let mut q = vec![0f32; n * dk];
-    let mut k = vec![0f32; n * dk];
-    let mut v = vec![0f32; n * dv];
-    let mut beta = vec![0f32; n];
-    let mut gam = vec![0f32; n]; // cumulative log-decay
-    let mut acc = 0f32;
-    for i in 0..n {
-        let (qi, ki, vi, bi, gi) = reference::delta_net_inputs(p, qkv, a, b, a_log, dt_bias, t0 + i, j);
-        q[i * dk..][..dk].copy_from_slice(&qi);
-        k[i * dk..][..dk].copy_from_slice(&ki);
-        v[i * dv..][..dv].copy_from_slice(&vi);
-        beta[i] = bi;
-        acc += gi;
-        gam[i] = acc;
-    }
-    // A[i, j'] = beta_i (k_i . k_j') exp(gam_i - gam_j') for j' < i; solve (I + A) U = beta V and
-    // (I + A) W = beta exp(gam) K by forward substitution.
-    let mut u = vec![0f32; n * dv];
-    let mut w = vec![0f32; n * dk];
-    let mut amat = vec![0f32; n * n];
-    for i in 0..n {
-        for jj in 0..i {
-            amat[i * n + jj] = beta[i] * dot(&k[i * dk..][..dk], &k[jj * dk..][..dk]) * (gam[i] - gam[jj]).exp();
-        }
-    }
-    for i in 0..n {
-        let eg = gam[i].exp();
-        for c in 0..dv {
-            u[i * dv + c] = beta[i] * v[i * dv + c];
-        }
-        for d in 0..dk {
-            w[i * dk + d] = beta[i] * eg * k[i * dk + d];
-        }
-        for jj in 0..i {
-            let aij = amat[i * n + jj];
-            if aij != 0.0 {
-                for c in 0..dv {
-                    u[i * dv + c] -= aij * u[jj * dv + c];
-                }
-                for d in 0..dk {
-                    w[i * dk + d] -= aij * w[jj * dk + d];
-                }
-            }
-        }
-    }
-    // V' = U - W S  ([n, Dv]).
-    for i in 0..n {
-        for d in 0..dk {
-            let wd = w[i * dk + d];
-            let srow = &s[d * dv..][..dv];
-            u[i * dv..][..dv].iter_mut().zip(srow).for_each(|(x, sv)| *x -= wd * sv);
-        }
-    }
-    // O_i = exp(gam_i) q_i S + sum_{j' <= i} (q_i . k_j') exp(gam_i - gam_j') V'_j'.
-    let mut oi = vec![0f32; dv];
-    for i in 0..n {
-        oi.fill(0.0);
-        let eg = gam[i].exp();
-        for d in 0..dk {
-            let qd = q[i * dk + d] * eg;
-            oi.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x += qd * sv);
-        }
-        for jj in 0..=i {
-            let c = dot(&q[i * dk..][..dk], &k[jj * dk..][..dk]) * (gam[i] - gam[jj]).exp();
-            oi.iter_mut().zip(&u[jj * dv..][..dv]).for_each(|(x, vv)| *x += c * vv);
-        }
-        for c in 0..dv {
-            // SAFETY: value head j's outputs belong to this task.
-            unsafe { o.set(((t0 + i) * hv + j) * dv + c, oi[c]) };
-        }
-    }
-    // S <- exp(gam_n) S + sum_j' exp(gam_n - gam_j') k_j' (x) V'_j'.
-    let gn = gam[n - 1];
-    let en = gn.exp();
-    s.iter_mut().for_each(|x| *x *= en);
-    for jj in 0..n {
-        let f = (gn - gam[jj]).exp();
-        for d in 0..dk {
-            let kd = k[jj * dk + d] * f;
-            s[d * dv..][..dv].iter_mut().zip(&u[jj * dv..][..dv]).for_each(|(x, vv)| *x += kd * vv);
-        }
-    }
-}
-
 pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut [f32]) {
     let (e_n, k_n) = (p.experts as usize, p.top_k as usize);
     let t_n = p.tokens as usize;
-    ids[..t_n * k_n].par_chunks_mut(k_n).zip(weights[..t_n * k_n].par_chunks_mut(k_n)).enumerate().for_each(
-        |(t, (id, wt))| {
+    ids[..t_n * k_n]
+        .par_chunks_mut(k_n)
+        .zip(weights[..t_n * k_n].par_chunks_mut(k_n))
+        .enumerate()
+        .for_each(|(t, (id, wt))| {
             let l = &logits[t * e_n..][..e_n];
             let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let z: f32 = l.iter().map(|x| (x - m).exp()).sum();
@@ -431,100 +842,28 @@ pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut
             if p.renorm != 0 {
                 wt.iter_mut().for_each(|w| *w /= sum);
             }
-        },
-    );
-}
-
-pub fn moe_experts(
-    p: &MoeParams,
-    x: &[f32],
-    ids: &[u32],
-    weights: &[f32],
-    gate: &Matrix,
-    up: &Matrix,
-    down: &Matrix,
-    tmp: &mut [f32],
-    out: &mut [f32],
-) {
-    let (d, inter, k_n, t_n) = (gate.cols, gate.rows, p.top_k as usize, p.tokens as usize);
-    let pairs = t_n * k_n;
-    // tmp rows: [pairs, I] activations, then [pairs, D] expert outputs.
-    let (act, ys) = tmp[..pairs * (inter + d)].split_at_mut(pairs * inter);
-    let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
-    // Group the (token, slot) pairs by expert so each expert row is dequantized once per call.
-    let mut order: Vec<u32> = (0..pairs as u32).collect();
-    order.sort_by_key(|&i| ids[i as usize]);
-    let mut groups: Vec<(usize, usize)> = Vec::new(); // ranges of `order`
-    let mut s = 0;
-    for i in 1..=pairs {
-        if i == pairs || ids[order[i] as usize] != ids[order[s] as usize] {
-            groups.push((s, i));
-            s = i;
-        }
-    }
-    // Split each expert's rows in blocks so a few experts still use every core.
-    let block = 32;
-    let gate_up_tasks: Vec<(usize, usize)> =
-        groups.iter().enumerate().flat_map(|(g, _)| (0..inter.div_ceil(block)).map(move |b| (g, b))).collect();
-    gate_up_tasks.par_iter().for_each(|&(g, b)| {
-        let (lo, hi) = groups[g];
-        let e = ids[order[lo] as usize] as usize;
-        with_row(2 * d, |rows| {
-            let (gr, ur) = rows.split_at_mut(d);
-            for r in b * block..((b + 1) * block).min(inter) {
-                dequant_row(gate, gate.stored_row(e, r), gr);
-                dequant_row(up, up.stored_row(e, r), ur);
-                for &pi in &order[lo..hi] {
-                    let t = pi as usize / k_n;
-                    let xt = &x[t * d..][..d];
-                    // SAFETY: (pair, r) is written by this task only.
-                    unsafe { act_o.set(pi as usize * inter + r, silu(dot(gr, xt)) * dot(ur, xt)) };
-                }
-            }
         });
-    });
-    let act: &[f32] = act;
-    let down_tasks: Vec<(usize, usize)> =
-        groups.iter().enumerate().flat_map(|(g, _)| (0..d.div_ceil(block)).map(move |b| (g, b))).collect();
-    down_tasks.par_iter().for_each(|&(g, b)| {
-        let (lo, hi) = groups[g];
-        let e = ids[order[lo] as usize] as usize;
-        with_row(inter, |row| {
-            for r in b * block..((b + 1) * block).min(d) {
-                dequant_row(down, down.stored_row(e, r), row);
-                for &pi in &order[lo..hi] {
-                    let pi = pi as usize;
-                    // SAFETY: (pair, r) is written by this task only.
-                    unsafe { ys_o.set(pi * d + r, dot(row, &act[pi * inter..][..inter])) };
-                }
-            }
-        });
-    });
-    let ys: &[f32] = ys;
-    out[..t_n * d].par_chunks_mut(d).enumerate().for_each(|(t, o)| {
-        o.fill(0.0);
-        for k in 0..k_n {
-            let w = weights[t * k_n + k];
-            o.iter_mut().zip(&ys[(t * k_n + k) * d..][..d]).for_each(|(a, y)| *a += w * y);
-        }
-    });
 }
 
 pub fn swiglu(p: &RowsParams, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = (p.tokens * p.dim) as usize;
-    out[..n].par_chunks_mut(4096).zip(gate[..n].par_chunks(4096).zip(up[..n].par_chunks(4096))).for_each(
-        |(o, (g, u))| {
+    out[..n]
+        .par_chunks_mut(4096)
+        .zip(gate[..n].par_chunks(4096).zip(up[..n].par_chunks(4096)))
+        .for_each(|(o, (g, u))| {
             for i in 0..o.len() {
                 o[i] = silu(g[i]) * u[i];
             }
-        },
-    );
+        });
 }
 
 pub fn sigmoid_gate_add(p: &RowsParams, y: &[f32], gate: &[f32], out: &mut [f32]) {
     let d = p.dim as usize;
-    out[..p.tokens as usize * d].par_chunks_mut(d).enumerate().for_each(|(t, o)| {
-        let s = sigmoid(gate[t]);
-        o.iter_mut().zip(&y[t * d..][..d]).for_each(|(a, b)| *a += s * b);
-    });
+    out[..p.tokens as usize * d]
+        .par_chunks_mut(d)
+        .enumerate()
+        .for_each(|(t, o)| {
+            let s = sigmoid(gate[t]);
+            o.iter_mut().zip(&y[t * d..][..d]).for_each(|(a, b)| *a += s * b);
+        });
 }

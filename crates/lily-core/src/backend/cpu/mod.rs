@@ -3,8 +3,10 @@
 //! twins (`reference.rs`) that every kernel is tested against, through the same interface, so a
 //! whole forward pass can be compared too.
 
+pub mod gemm;
 pub mod kernels;
 pub mod reference;
+pub mod simd;
 
 use super::{params::*, Backend};
 use crate::{error::Result, quant::Matrix};

@@ -1,0 +1,282 @@
+//! GEMV / GEMM throughput of the CPU kernels at the real Qwen3.6-35B-A3B shapes (architecture.md
+//! §13), 4-bit group-64 with bf16 scales as in the MLX checkpoints, next to this machine's
+//! measured read bandwidth and f32 FMA peak. A plain binary (`harness = false`) so it needs no
+//! extra dependency: `cargo bench -p lily-core --bench gemv [-- --isa avx2|portable] [--quick]`.
+//! Each figure is the median of several runs (the machine may be shared).
+
+use std::time::Instant;
+
+use lily_core::{
+    backend::cpu::{gemm, simd::Isa},
+    quant::{Format, Groups, Matrix},
+    safetensors::{Bytes, DType},
+};
+use rayon::prelude::*;
+
+fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n.div_ceil(8))
+        .flat_map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s.to_le_bytes()
+        })
+        .take(n)
+        .collect()
+}
+
+/// A random [experts, rows, cols] matrix: 4/8-bit affine group 64 (bf16 scales) or bf16.
+fn matrix(experts: usize, rows: usize, cols: usize, format: Format) -> Matrix {
+    let n = experts * rows * cols;
+    let (data, groups) = match format {
+        Format::Affine { bits, group } => {
+            let g = n / group;
+            // Scales ~1e-2 and biases ~-8e-2 (bf16 bytes 0x3c23 / 0xbda3) keep outputs finite.
+            let s: Vec<u8> = (0..g).flat_map(|_| [0x23u8, 0x3c]).collect();
+            let b: Vec<u8> = (0..g).flat_map(|_| [0xa3u8, 0xbd]).collect();
+            let groups = Groups {
+                dtype: DType::BF16,
+                scales: Bytes::from_slice(&s),
+                biases: Bytes::from_slice(&b),
+            };
+            (rand_bytes(n * bits as usize / 8, 7), Some(groups))
+        }
+        // bf16 values with a small exponent: the top byte 0x3c.
+        _ => ((0..n).flat_map(|i| [(i * 37) as u8, 0x3c]).collect(), None),
+    };
+    Matrix {
+        name: "bench".into(),
+        format,
+        experts,
+        rows,
+        cols,
+        expert_stride: rows,
+        row_offset: 0,
+        data: Bytes::from_slice(&data),
+        groups,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f` over `reps` runs after one warm-up.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    median(
+        (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+/// Read bandwidth: every pool thread sums its half of a 1 GiB buffer (GB/s, median).
+fn read_bandwidth(reps: usize) -> f64 {
+    let buf = vec![1u64; (1 << 30) / 8];
+    let threads = rayon::current_num_threads();
+    let chunk = buf.len().div_ceil(threads);
+    let s = time(reps, || {
+        let tot: u64 = buf
+            .par_chunks(chunk)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .sum();
+        std::hint::black_box(tot);
+    });
+    (buf.len() * 8) as f64 / s / 1e9
+}
+
+/// Copy bandwidth as `lily bench` measures it: (read + write bytes) / time, 2 x 512 MiB.
+fn copy_bandwidth(reps: usize) -> f64 {
+    let src = vec![1f64; (1 << 29) / 8];
+    let mut dst = vec![0f64; src.len()];
+    let threads = rayon::current_num_threads();
+    let chunk = src.len().div_ceil(threads);
+    let s = time(reps, || {
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+    });
+    (2 * src.len() * 8) as f64 / s / 1e9
+}
+
+/// f32 FMA peak: independent register-resident FMA chains on every pool thread (GFLOP/s).
+fn peak_gflops(isa: Isa, reps: usize) -> f64 {
+    let threads = rayon::current_num_threads();
+    let iters = 2_000_000;
+    let lanes = match isa {
+        Isa::Avx512 => 16,
+        Isa::Avx2 => 8,
+        Isa::Portable => 4,
+    };
+    let s = time(reps, || {
+        (0..threads).into_par_iter().for_each(|_| {
+            std::hint::black_box(fma_chains(isa, std::hint::black_box(iters)));
+        })
+    });
+    (threads * iters * 16 * lanes * 2) as f64 / s / 1e9
+}
+
+/// 16 independent FMA chains (enough to cover latency x ports) for `iters` rounds.
+fn fma_chains(isa: Isa, iters: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn v512(iters: usize) -> f32 {
+            let mut a = [_mm512_set1_ps(1.0); 16];
+            let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+            for _ in 0..iters {
+                for v in a.iter_mut() {
+                    *v = _mm512_fmadd_ps(*v, m, c);
+                }
+            }
+            a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn v256(iters: usize) -> f32 {
+            let mut a = [_mm256_set1_ps(1.0); 16];
+            let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+            for _ in 0..iters {
+                for v in a.iter_mut() {
+                    *v = _mm256_fmadd_ps(*v, m, c);
+                }
+            }
+            let mut o = [0f32; 8];
+            let sum = a.iter().fold(_mm256_setzero_ps(), |s, v| _mm256_add_ps(s, *v));
+            // SAFETY: o holds 8 floats.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), sum) };
+            o.iter().sum()
+        }
+        match isa {
+            // SAFETY: the ISA was checked available.
+            Isa::Avx512 => return unsafe { v512(iters) },
+            Isa::Avx2 => return unsafe { v256(iters) },
+            Isa::Portable => {}
+        }
+    }
+    let mut a = [[1f32; 4]; 16];
+    for _ in 0..iters {
+        for v in a.iter_mut() {
+            for x in v.iter_mut() {
+                *x = x.mul_add(0.999_999, 1e-7);
+            }
+        }
+    }
+    a.iter().flatten().sum()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let isa = match args
+        .iter()
+        .position(|a| a == "--isa")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+    {
+        Some("portable") => Isa::Portable,
+        Some("avx2") => Isa::Avx2,
+        _ => Isa::get(),
+    };
+    assert!(isa.available(), "{isa:?} is not available on this CPU");
+    let reps = if quick { 5 } else { 11 };
+    println!("isa {isa:?}, {} pool threads", rayon::current_num_threads());
+    let bw = read_bandwidth(reps);
+    let cbw = copy_bandwidth(reps);
+    let peak = peak_gflops(isa, reps);
+    println!("memory: read {bw:.1} GB/s, copy (read+write) {cbw:.1} GB/s; f32 FMA peak {peak:.0} GFLOP/s");
+
+    let q4 = Format::Affine { bits: 4, group: 64 };
+    let q8 = Format::Affine { bits: 8, group: 64 };
+    let cases: Vec<(&str, usize, usize, usize, Format)> = vec![
+        ("in_proj_qkv 2048->8192 q4", 1, 8192, 2048, q4),
+        ("out_proj 4096->2048 q4", 1, 2048, 4096, q4),
+        ("router 2048->256 q8", 1, 256, 2048, q8),
+        ("in_proj_qkv 2048->8192 q8", 1, 8192, 2048, q8),
+        ("in_proj_qkv 2048->8192 bf16", 1, 8192, 2048, Format::BF16),
+        ("lm_head 2048->248320 q4", 1, 248320, 2048, q4),
+    ];
+    println!("\nGEMV (decode, 1 token)                      GB/s   of read BW");
+    for (name, e, n, k, f) in &cases {
+        if quick && *n > 100_000 {
+            continue;
+        }
+        // Enough copies (as experts) to span 1 GiB, used in turn: this machine's L3 is large
+        // enough to hold a small matrix, and decode never finds its weights in cache.
+        let one = matrix(1, *n, *k, *f).bytes_per_row() * n;
+        let copies = (*e).max((1usize << 30) / one).max(1);
+        let m = matrix(copies, *n, *k, *f);
+        let x: Vec<f32> = (0..*k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut out = vec![0f32; *n];
+        let mut c = 0;
+        let s = time(reps, || {
+            c = (c + 1) % copies;
+            gemm::gemv(isa, &m, c, &x, &mut out)
+        });
+        let gbs = (m.bytes_per_row() * n) as f64 / s / 1e9;
+        println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
+    }
+
+    // Compute ceiling: one expert-sized matrix that stays in L2, so the kernel, not memory, limits.
+    for (name, f) in [
+        ("in-cache 2048->512 q4 (compute bound)", q4),
+        ("in-cache 2048->512 q8 (compute bound)", q8),
+    ] {
+        let m = matrix(1, 512, 2048, f);
+        let x: Vec<f32> = (0..2048).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut out = vec![0f32; 512];
+        let s = time(reps * 20, || gemm::gemv(isa, &m, 0, &x, &mut out));
+        let gbs = (m.bytes_per_row() * 512) as f64 / s / 1e9;
+        println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
+    }
+
+    // MoE decode: 8 of 256 experts, gate + up [512, 2048] and down [2048, 512], as the kernel runs.
+    {
+        use lily_core::backend::{cpu::kernels, params::MoeParams};
+        let (e_n, inter, d) = (256, 512, 2048);
+        let (g, u, dn) = (
+            matrix(e_n, inter, d, q4),
+            matrix(e_n, inter, d, q4),
+            matrix(e_n, d, inter, q4),
+        );
+        let x: Vec<f32> = (0..d).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let w = vec![0.125f32; 8];
+        let mut tmp = vec![0f32; 8 * (inter + d)];
+        let mut out = vec![0f32; d];
+        let mut step = 0u32;
+        let s = time(reps, || {
+            // Different experts every call, as in decode (no cache reuse between calls).
+            step += 1;
+            let ids: Vec<u32> = (0..8).map(|i| (step * 37 + i * 31) % 256).collect();
+            let p = MoeParams { tokens: 1, top_k: 8 };
+            kernels::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out);
+        });
+        let bytes = 8 * (2 * inter * g.bytes_per_row() + d * dn.bytes_per_row());
+        let gbs = bytes as f64 / s / 1e9;
+        println!(
+            "{:<42} {gbs:6.1}   {:4.0}%",
+            "MoE 8 experts 2048->512x2->2048 q4",
+            100.0 * gbs / bw
+        );
+    }
+
+    println!("\nGEMM (prefill)                      tokens  GFLOP/s  of peak");
+    for (name, n, k, t) in [
+        ("in_proj_qkv 2048->8192 q4", 8192, 2048, 256),
+        ("out_proj 4096->2048 q4", 2048, 4096, 256),
+    ] {
+        let m = matrix(1, n, k, q4);
+        let x: Vec<f32> = (0..t * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut out = vec![0f32; t * n];
+        let s = time(reps.min(5), || gemm::gemm(isa, &m, 0, &x, t, &mut out));
+        let gf = (2 * n * k * t) as f64 / s / 1e9;
+        println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
+    }
+}

@@ -1,0 +1,252 @@
+//! Matrix products with in-kernel dequantization, and the per-thread scratch they use.
+//!
+//! - [`gemv`] (decode, one activation row): each weight row is dotted straight from its packed
+//!   bytes ([`simd::row_dot`]), so every weight byte is read once; rows are split into a few
+//!   contiguous ranges per pool thread so both cores stream memory.
+//! - [`gemm_rows`] (prefill, many activation rows): a block of [`TILE_ROWS`] weight rows is
+//!   dequantized once into an f32 tile (per-thread scratch), then multiplied against the
+//!   activation rows 4 x 4 at a time ([`simd::dot4x4`]); row blocks are the parallel tasks.
+//!
+//! Scratch: [`with_task`] lends a task's thread a reusable buffer; [`with_caller`] lends the
+//! calling thread one for data shared by every task of a call (prepared x). Both grow once and
+//! are then reused, so a decode step allocates nothing.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::simd::{self, multiversion, Isa, XRow};
+use crate::quant::Matrix;
+
+thread_local! {
+    static TASK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static CALLER: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static CALLER_IDS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn lend<T: Copy + Default, R>(
+    key: &'static std::thread::LocalKey<RefCell<Vec<T>>>,
+    len: usize,
+    f: impl FnOnce(&mut [T]) -> R,
+) -> R {
+    key.with(|r| {
+        // A nested borrow (a kernel called from inside a task of another) gets a fresh buffer
+        // instead of a panic; no kernel does that today.
+        match r.try_borrow_mut() {
+            Ok(mut v) => {
+                if v.len() < len {
+                    v.resize(len, T::default());
+                }
+                f(&mut v[..len])
+            }
+            Err(_) => f(&mut vec![T::default(); len]),
+        }
+    })
+}
+
+/// Per-task scratch of `len` floats (contents unspecified).
+pub fn with_task<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    lend(&TASK, len, f)
+}
+
+/// Calling-thread scratch of `len` floats for data the tasks of one call share.
+pub fn with_caller<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    lend(&CALLER, len, f)
+}
+
+/// Calling-thread scratch of `len` u32 (expert grouping).
+pub fn with_caller_ids<R>(len: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
+    lend(&CALLER_IDS, len, f)
+}
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+pub struct Out(pub *mut f32);
+// SAFETY: every use writes a set of indices no other task touches, inside one parallel call.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+impl Out {
+    /// # Safety
+    /// `i` is in bounds of the buffer and written by this task alone.
+    #[inline]
+    pub unsafe fn set(self, i: usize, v: f32) {
+        unsafe { *self.0.add(i) = v }
+    }
+}
+
+/// Weight rows per prefill tile: 16 rows x 2048 inputs = 128 KiB of f32, resident in L2 while
+/// every activation row passes over it.
+pub const TILE_ROWS: usize = 16;
+
+/// Rows per decode task: about four tasks per pool thread, so a core slowed by another process
+/// can hand work over, while each task still streams at least ~64 KiB.
+fn gemv_chunk(rows: usize, row_bytes: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let min_rows = (64 << 10) / row_bytes.max(1) + 1;
+    rows.div_ceil(4 * threads).max(min_rows)
+}
+
+/// out[r] = row r of expert e . x for r in 0..out.len() (decode GEMV).
+/// Layout: `m` rows packed as stored; x [cols]; out [rows]. Threads: contiguous row ranges.
+/// Accumulation: f32 per row, affine groups in the form sum_g s_g (q . x)_g + b_g sum_g x.
+pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
+    let g_n = m.groups_per_row();
+    if !simd::has_row_kernel(m) {
+        // Formats without a fused kernel (2-bit): dequantize each row, then dot.
+        let chunk = gemv_chunk(out.len(), m.bytes_per_row());
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+            with_task(m.cols, |row| {
+                for (i, v) in o.iter_mut().enumerate() {
+                    simd::dequant_row(isa, m, m.stored_row(e, c * chunk + i), row);
+                    *v = simd::dot(isa, row, &x[..m.cols]);
+                }
+            })
+        });
+        return;
+    }
+    with_caller(simd::prep_len(m), |buf| {
+        simd::prepare(isa, m, x, buf);
+        let xr = simd::view(m, x, buf);
+        let chunk = gemv_chunk(out.len(), m.bytes_per_row());
+        let run = |c: usize, o: &mut [f32]| with_task(2 * g_n, |sb| gemv_rows(isa, m, e, c * chunk, xr, sb, o));
+        if chunk >= out.len() {
+            run(0, out); // one task: skip the pool round trip
+        } else {
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| run(c, o));
+        }
+    })
+}
+
+multiversion! {
+    pub(crate) fn gemv_rows(m: &Matrix, e: usize, r0: usize, xr: XRow, sb: &mut [f32], out: &mut [f32]) = gemv_rows_body;
+}
+
+/// out[i] = row r0 + i . x; compiled per ISA so the per-row scale conversion and bias term
+/// vectorize too (they are ~1/8 of the work of a 4-bit row).
+#[inline(always)]
+fn gemv_rows_body(isa: Isa, m: &Matrix, e: usize, r0: usize, xr: XRow, sb: &mut [f32], out: &mut [f32]) {
+    for (i, v) in out.iter_mut().enumerate() {
+        *v = simd::row_dot(isa, m, m.stored_row(e, r0 + i), xr, sb);
+    }
+}
+
+/// Dot of row `r` of expert `e` with an already prepared x (inside a task).
+#[inline]
+pub fn row_dot(isa: Isa, m: &Matrix, e: usize, r: usize, x: XRow, sb: &mut [f32]) -> f32 {
+    simd::row_dot(isa, m, m.stored_row(e, r), x, sb)
+}
+
+/// Dequantize rows `rows` of expert `e` into `tile` ([rows.len(), cols], f32).
+pub fn dequant_tile(isa: Isa, m: &Matrix, e: usize, rows: std::ops::Range<usize>, tile: &mut [f32]) {
+    for (i, r) in rows.enumerate() {
+        simd::dequant_row(isa, m, m.stored_row(e, r), &mut tile[i * m.cols..][..m.cols]);
+    }
+}
+
+/// The micro-kernel sweep of one dequantized tile against `items` activation rows:
+/// calls `emit(item, tile_row, value)` for tile_row < tile_rows, item < items, where
+/// value = tile row . x row `xrow(item)` (k floats each). 4 x 4 register blocks; a partial
+/// block repeats its last row and drops the duplicate results.
+#[inline]
+pub fn tile_products<'x>(
+    isa: Isa,
+    tile: &[f32],
+    tile_rows: usize,
+    k: usize,
+    items: usize,
+    xrow: impl Fn(usize) -> &'x [f32],
+    mut emit: impl FnMut(usize, usize, f32),
+) {
+    let mut t0 = 0;
+    while t0 < items {
+        let tn = (items - t0).min(4);
+        let xs = [0, 1, 2, 3].map(|j| xrow(t0 + j.min(tn - 1)));
+        let mut r0 = 0;
+        while r0 < tile_rows {
+            let rn = (tile_rows - r0).min(4);
+            let ws = [0, 1, 2, 3].map(|i| &tile[(r0 + i.min(rn - 1)) * k..][..k]);
+            let d = simd::dot4x4(isa, ws, xs, k);
+            for i in 0..rn {
+                for j in 0..tn {
+                    emit(t0 + j, r0 + i, d[i][j]);
+                }
+            }
+            r0 += 4;
+        }
+        t0 += 4;
+    }
+}
+
+/// out[t * n + r] = W[r] . x[t] for t < tokens (prefill GEMM), W = expert e of `m` [n, k].
+/// Threads: one task per block of weight rows; each dequantizes its rows once.
+/// AVX-512 with at least 6 tokens: a K-major tile of 32 rows and the outer-product micro-kernel
+/// (32 rows x 6 tokens of f32 accumulators); otherwise TILE_ROWS rows and 4 x 4 dot tiles.
+pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
+    let (n, k) = (m.rows, m.cols);
+    let o = Out(out.as_mut_ptr());
+    if simd::has_tile32x6(isa) && tokens >= 6 {
+        const R: usize = simd::TILE_T_ROWS;
+        (0..n.div_ceil(R)).into_par_iter().for_each(|b| {
+            let rows = b * R..((b + 1) * R).min(n);
+            let rn = rows.len();
+            with_task(R * k + k, |scr| {
+                let (wt, row) = scr.split_at_mut(R * k);
+                for (i, r) in rows.clone().enumerate() {
+                    simd::dequant_row(isa, m, m.stored_row(e, r), row);
+                    for (j, &v) in row.iter().enumerate() {
+                        wt[j * R + i] = v;
+                    }
+                }
+                let mut acc = [[0f32; R]; 6];
+                let mut t0 = 0;
+                while t0 < tokens {
+                    let tn = (tokens - t0).min(6);
+                    let xs = [0, 1, 2, 3, 4, 5].map(|j| &x[(t0 + j.min(tn - 1)) * k..][..k]);
+                    simd::tile32x6(isa, wt, xs, k, &mut acc);
+                    for (j, a) in acc[..tn].iter().enumerate() {
+                        for (i, &v) in a[..rn].iter().enumerate() {
+                            // SAFETY: (token, row) pairs of this row block are written by this task only.
+                            unsafe { o.set((t0 + j) * n + rows.start + i, v) }
+                        }
+                    }
+                    t0 += 6;
+                }
+            });
+        });
+        return;
+    }
+    (0..n.div_ceil(TILE_ROWS)).into_par_iter().for_each(|b| {
+        let rows = b * TILE_ROWS..((b + 1) * TILE_ROWS).min(n);
+        let rn = rows.len();
+        with_task(rn * k, |tile| {
+            dequant_tile(isa, m, e, rows.clone(), tile);
+            tile_products(
+                isa,
+                tile,
+                rn,
+                k,
+                tokens,
+                |t| &x[t * k..][..k],
+                |t, i, v| {
+                    // SAFETY: (t, row) pairs of this row block are written by this task only.
+                    unsafe { o.set(t * n + rows.start + i, v) }
+                },
+            );
+        });
+    });
+}
+
+/// `out [T, N] = x[x_row0.., K] W^T`: GEMV for one token, tiled GEMM for more.
+pub fn matmul(isa: Isa, tokens: usize, x_row0: usize, w: &Matrix, x: &[f32], out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    assert!(
+        out.len() >= tokens * n && x.len() >= (x_row0 + tokens) * k,
+        "matmul: buffers too small"
+    );
+    let x = &x[x_row0 * k..(x_row0 + tokens) * k];
+    if tokens == 1 {
+        gemv(isa, w, 0, x, &mut out[..n]);
+    } else if tokens > 1 {
+        gemm(isa, w, 0, x, tokens, out);
+    }
+}

@@ -1,0 +1,995 @@
+//! SIMD primitives of the CPU backend with runtime dispatch: an [`Isa`] is chosen once per process
+//! (the best the CPU supports, or `LILY_CPU_ISA=portable|avx2|avx512` to force a lower one), and
+//! every primitive takes it as an argument so tests can run each path against the portable one.
+//!
+//! Primitives (all f32 accumulation):
+//! - dot products of an activation with one weight row in every format, dequantizing in
+//!   registers (4-bit, 8-bit affine; bf16, f16, f32), each weight byte read once;
+//! - a 4 x 4 register-blocked dot tile (4 weight rows x 4 activation rows) for prefill GEMM;
+//! - fast row dequantization into f32 (GEMM tiles, embedding rows).
+//!
+//! 4-bit rows are multiplied against a *permuted* copy of x: the low nibbles of a block of `W`
+//! bytes hold elements 0, 2, .., 2W-2 and the high nibbles 1, 3, .., 2W-1, so unpacking a block
+//! yields one vector of even and one of odd elements. Permuting x once per call ([`permute_q4`],
+//! W = [`Isa::q4_block`]) saves an interleave per weight block. The group form
+//! y = sum_g s_g (sum_j q_j x_j) + b_g (sum_j x_j) needs per-group sums of x ([`group_sums`]);
+//! the AVX-512 4-bit kernel instead looks the exact weights s_g q + b_g up in a 16-entry register
+//! table per group, which needs neither the int->float converts nor the per-group scale pass.
+//!
+//! On arm64 the portable paths are written as fixed-width lane loops that LLVM vectorizes to NEON
+//! (a baseline feature there); hand-written NEON kernels are not done yet.
+
+use std::sync::OnceLock;
+
+use crate::{
+    quant::{read_scalar, Format, Matrix},
+    safetensors::DType,
+};
+
+/// Define `$name(isa, args..)` that runs the `#[inline(always)]` body `$body(isa, args..)`
+/// compiled for the ISA's vector width, so plain lane loops in the body auto-vectorize to AVX2 /
+/// AVX-512 (the crate itself is built for baseline x86_64).
+macro_rules! multiversion {
+    ($vis:vis fn $name:ident($($arg:ident : $ty:ty),*) = $body:ident;) => {
+        $vis fn $name(isa: Isa, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+                unsafe fn v512(isa: Isa, $($arg: $ty),*) {
+                    $body(isa, $($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn v256(isa: Isa, $($arg: $ty),*) {
+                    $body(isa, $($arg),*)
+                }
+                match isa {
+                    // SAFETY: an Isa value other than Portable is only produced when available.
+                    Isa::Avx512 => return unsafe { v512(isa, $($arg),*) },
+                    Isa::Avx2 => return unsafe { v256(isa, $($arg),*) },
+                    Isa::Portable => {}
+                }
+            }
+            $body(isa, $($arg),*)
+        }
+    };
+}
+
+pub(crate) use multiversion;
+
+/// Instruction sets with their own kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust lane loops (auto-vectorized for the build's baseline target).
+    Portable,
+    /// x86_64 AVX2 + FMA + F16C (8 f32 lanes).
+    Avx2,
+    /// x86_64 AVX-512 F/BW/VL (16 f32 lanes).
+    Avx512,
+}
+
+impl Isa {
+    /// Whether this CPU can run the kernels of `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every ISA this CPU can run, best last (the tests run each).
+    pub fn all_available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.available())
+            .collect()
+    }
+
+    /// The ISA the production kernels use: the best available, capped by `LILY_CPU_ISA`.
+    /// Decided once; an unknown or unavailable request falls back to the best available.
+    pub fn get() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            let best = *Isa::all_available().last().unwrap_or(&Isa::Portable);
+            let want = match std::env::var("LILY_CPU_ISA").as_deref() {
+                Ok("portable") => Isa::Portable,
+                Ok("avx2") => Isa::Avx2,
+                Ok("avx512") => Isa::Avx512,
+                _ => best,
+            };
+            if want.available() {
+                want
+            } else {
+                best
+            }
+        })
+    }
+
+    /// Bytes per 4-bit unpack block (the `W` of the x permutation).
+    pub fn q4_block(self) -> usize {
+        match self {
+            Isa::Avx512 => 16,
+            _ => 8,
+        }
+    }
+}
+
+/// x permuted for 4-bit rows unpacked `w` bytes at a time: within each block of 2w elements, the
+/// even elements first, then the odd ones.
+#[inline]
+pub fn permute_q4(x: &[f32], w: usize, out: &mut [f32]) {
+    for (xb, ob) in x.chunks_exact(2 * w).zip(out.chunks_exact_mut(2 * w)) {
+        for i in 0..w {
+            ob[i] = xb[2 * i];
+            ob[w + i] = xb[2 * i + 1];
+        }
+    }
+}
+
+/// Per-group sums of x (the bias term of the affine group form).
+#[inline]
+pub fn group_sums(x: &[f32], group: usize, out: &mut [f32]) {
+    for (o, xg) in out.iter_mut().zip(x.chunks_exact(group)) {
+        *o = xg.iter().sum();
+    }
+}
+
+/// Scales or biases of one row as f32 (`out[..groups]`).
+#[inline]
+pub fn scalars_f32(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        _ => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, o)| *o = read_scalar(dtype, bytes, i)),
+    }
+}
+
+/// Whether `m` has a fused in-register kernel (else rows are dequantized, then dotted).
+pub fn has_row_kernel(m: &Matrix) -> bool {
+    match m.format {
+        Format::F32 | Format::F16 | Format::BF16 => true,
+        Format::Affine { bits: 4, group } => group % 32 == 0 && m.cols % group == 0,
+        Format::Affine { bits: 8, group } => group % 16 == 0 && m.cols % group == 0,
+        Format::Affine { .. } => false,
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// dot products
+
+/// sum a_i b_i.
+#[inline]
+pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    match isa {
+        // SAFETY: the ISA was checked available; pointers cover n elements.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::dot_avx512(a.as_ptr(), b.as_ptr(), n) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot_avx2(a.as_ptr(), b.as_ptr(), n) },
+        _ => dot_portable(&a[..n], &b[..n]),
+    }
+}
+
+#[inline]
+pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// One prepared activation row for [`row_dot`]: x itself, x permuted for 4-bit rows (empty when
+/// the matrix is not 4-bit) and per-group sums (empty for dense matrices).
+#[derive(Clone, Copy)]
+pub struct XRow<'a> {
+    pub x: &'a [f32],
+    pub perm: &'a [f32],
+    pub gsum: &'a [f32],
+}
+
+/// Scratch floats [`prepare`] needs for a matrix with `cols` inputs.
+pub fn prep_len(m: &Matrix) -> usize {
+    m.cols + m.groups_per_row()
+}
+
+/// Fill `buf` (at least [`prep_len`]) with what [`row_dot`] needs for `m` and x.
+pub fn prepare(isa: Isa, m: &Matrix, x: &[f32], buf: &mut [f32]) {
+    let (perm, gsum) = buf.split_at_mut(m.cols);
+    if let Format::Affine { bits, group } = m.format {
+        if has_row_kernel(m) {
+            group_sums(&x[..m.cols], group, &mut gsum[..m.groups_per_row()]);
+            if bits == 4 {
+                permute_q4(&x[..m.cols], isa.q4_block(), perm);
+            }
+        }
+    }
+}
+
+/// The view of x and a buffer filled by [`prepare`].
+pub fn view<'a>(m: &Matrix, x: &'a [f32], buf: &'a [f32]) -> XRow<'a> {
+    let (perm, gsum) = buf.split_at(m.cols);
+    match m.format {
+        Format::Affine { bits: 4, .. } => XRow {
+            x,
+            perm,
+            gsum: &gsum[..m.groups_per_row()],
+        },
+        Format::Affine { .. } => XRow {
+            x,
+            perm: &[],
+            gsum: &gsum[..m.groups_per_row()],
+        },
+        _ => XRow {
+            x,
+            perm: &[],
+            gsum: &[],
+        },
+    }
+}
+
+/// Row `stored` of `m` times the prepared x, f32 accumulation. `sb` is scratch of 2 * groups
+/// floats (row scales and biases as f32). `m` must have a row kernel ([`has_row_kernel`]).
+/// Always inlined, so callers compiled per ISA vectorize the scale conversion too.
+#[inline(always)]
+pub fn row_dot(isa: Isa, m: &Matrix, stored: usize, x: XRow, sb: &mut [f32]) -> f32 {
+    let (data, scales, biases) = m.row_parts(stored);
+    let k = m.cols;
+    match m.format {
+        Format::Affine { bits, group } => {
+            let g_n = k / group;
+            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+            let (s, b) = sb[..2 * g_n].split_at_mut(g_n);
+            scalars_f32(sd, scales, s);
+            scalars_f32(sd, biases, b);
+            #[cfg(target_arch = "x86_64")]
+            if bits == 4 && isa == Isa::Avx512 {
+                assert!(data.len() * 2 >= k && x.perm.len() >= k);
+                // SAFETY: ISA available; the row's k elements and k permuted x values exist.
+                return unsafe {
+                    x86::q4_dot_table_avx512(data.as_ptr(), s.as_ptr(), b.as_ptr(), x.perm.as_ptr(), g_n, group)
+                };
+            }
+            let bias_term = dot_portable(b, x.gsum);
+            bias_term
+                + if bits == 4 {
+                    q4_dot(isa, data, s, x.perm, group)
+                } else {
+                    q8_dot(isa, data, s, x.x, group)
+                }
+        }
+        Format::BF16 => dense_dot(isa, DType::BF16, data, &x.x[..k]),
+        Format::F16 => dense_dot(isa, DType::F16, data, &x.x[..k]),
+        Format::F32 => dense_dot(isa, DType::F32, data, &x.x[..k]),
+    }
+}
+
+/// sum_g s_g sum_{j in g} q_j xp_j over a 4-bit row (`xp` permuted for `isa`).
+#[inline]
+pub fn q4_dot(isa: Isa, data: &[u8], s: &[f32], xp: &[f32], group: usize) -> f32 {
+    let g_n = s.len();
+    assert!(data.len() * 2 >= g_n * group && xp.len() >= g_n * group);
+    match isa {
+        // SAFETY: ISA available; lengths checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::q4_dot_avx512(data.as_ptr(), s.as_ptr(), xp.as_ptr(), g_n, group) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::q4_dot_avx2(data.as_ptr(), s.as_ptr(), xp.as_ptr(), g_n, group) },
+        _ => q4_dot_portable(data, s, xp, group),
+    }
+}
+
+pub fn q4_dot_portable(data: &[u8], s: &[f32], xp: &[f32], group: usize) -> f32 {
+    let mut tot = 0f32;
+    for (g, &sg) in s.iter().enumerate() {
+        let mut acc = [0f32; 8];
+        let wb = &data[g * group / 2..][..group / 2];
+        let xg = &xp[g * group..][..group];
+        for (bytes, xs) in wb.chunks_exact(8).zip(xg.chunks_exact(16)) {
+            for i in 0..8 {
+                acc[i] += (bytes[i] & 15) as f32 * xs[i] + (bytes[i] >> 4) as f32 * xs[8 + i];
+            }
+        }
+        tot += sg * acc.iter().sum::<f32>();
+    }
+    tot
+}
+
+/// sum_g s_g sum_{j in g} q_j x_j over an 8-bit row.
+#[inline]
+pub fn q8_dot(isa: Isa, data: &[u8], s: &[f32], x: &[f32], group: usize) -> f32 {
+    let g_n = s.len();
+    assert!(data.len() >= g_n * group && x.len() >= g_n * group);
+    match isa {
+        // SAFETY: ISA available; lengths checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::q8_dot_avx512(data.as_ptr(), s.as_ptr(), x.as_ptr(), g_n, group) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::q8_dot_avx2(data.as_ptr(), s.as_ptr(), x.as_ptr(), g_n, group) },
+        _ => q8_dot_portable(data, s, x, group),
+    }
+}
+
+pub fn q8_dot_portable(data: &[u8], s: &[f32], x: &[f32], group: usize) -> f32 {
+    let mut tot = 0f32;
+    for (g, &sg) in s.iter().enumerate() {
+        let mut acc = [0f32; 8];
+        let wb = &data[g * group..][..group];
+        let xg = &x[g * group..][..group];
+        for (bytes, xs) in wb.chunks_exact(8).zip(xg.chunks_exact(8)) {
+            for i in 0..8 {
+                acc[i] += bytes[i] as f32 * xs[i];
+            }
+        }
+        tot += sg * acc.iter().sum::<f32>();
+    }
+    tot
+}
+
+/// A dense (bf16 / f16 / f32) little-endian row times x.
+#[inline]
+pub fn dense_dot(isa: Isa, dtype: DType, data: &[u8], x: &[f32]) -> f32 {
+    let k = x.len();
+    assert!(data.len() >= k * dtype.size());
+    match (isa, dtype) {
+        // SAFETY: ISA available; length checked above.
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::BF16) => unsafe { x86::bf16_dot_avx512(data.as_ptr(), x.as_ptr(), k) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::F16) => unsafe { x86::f16_dot_avx512(data.as_ptr(), x.as_ptr(), k) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, DType::BF16) => unsafe { x86::bf16_dot_avx2(data.as_ptr(), x.as_ptr(), k) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, DType::F16) => unsafe { x86::f16_dot_avx2(data.as_ptr(), x.as_ptr(), k) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, DType::F32) => unsafe { x86::dot_avx512(data.as_ptr() as *const f32, x.as_ptr(), k) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, DType::F32) => unsafe { x86::dot_avx2(data.as_ptr() as *const f32, x.as_ptr(), k) },
+        _ => dense_dot_portable(dtype, data, x),
+    }
+}
+
+pub fn dense_dot_portable(dtype: DType, data: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut row = [0f32; 8];
+    let sz = dtype.size();
+    let full = x.len() / 8 * 8;
+    for (c, xs) in data[..full * sz].chunks_exact(8 * sz).zip(x.chunks_exact(8)) {
+        scalars_f32(dtype, c, &mut row);
+        for i in 0..8 {
+            acc[i] += row[i] * xs[i];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for j in full..x.len() {
+        s += read_scalar(dtype, data, j) * x[j];
+    }
+    s
+}
+
+// ------------------------------------------------------------------------------------------------
+// GEMM tile and dequantization
+
+/// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
+#[inline]
+pub fn dot4x4(isa: Isa, w: [&[f32]; 4], x: [&[f32]; 4], k: usize) -> [[f32; 4]; 4] {
+    assert!(w.iter().chain(x.iter()).all(|r| r.len() >= k));
+    match isa {
+        // SAFETY: ISA available; every row holds at least k floats.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::dot4x4_avx512(w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()), k) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot4x4_avx2(w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()), k) },
+        _ => {
+            let mut o = [[0f32; 4]; 4];
+            for i in 0..4 {
+                for t in 0..4 {
+                    o[i][t] = dot_portable(&w[i][..k], &x[t][..k]);
+                }
+            }
+            o
+        }
+    }
+}
+
+/// Rows per K-major tile of [`tile32x6`].
+pub const TILE_T_ROWS: usize = 32;
+
+/// Whether [`tile32x6`] has a kernel for `isa` (else use [`dot4x4`]).
+pub fn has_tile32x6(isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx512
+}
+
+/// out[t][r] = sum_j wt[j][r] x[t][j] for a K-major tile wt [k][32] and 6 activation rows.
+/// Only for ISAs where [`has_tile32x6`]; others get zeros.
+#[inline]
+pub fn tile32x6(isa: Isa, wt: &[f32], x: [&[f32]; 6], k: usize, out: &mut [[f32; 32]; 6]) {
+    assert!(wt.len() >= 32 * k && x.iter().all(|r| r.len() >= k));
+    match isa {
+        // SAFETY: ISA available; tile and rows hold k columns.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::tile32x6_avx512(wt.as_ptr(), x.map(|r| r.as_ptr()), k, out) },
+        _ => *out = [[0.0; 32]; 6],
+    }
+}
+
+/// Dequantize one stored row of `m` into `out[..cols]` (natural element order).
+pub fn dequant_row(isa: Isa, m: &Matrix, stored: usize, out: &mut [f32]) {
+    match isa {
+        // SAFETY: ISA available; the body is safe code compiled with wider vectors.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx2 => unsafe { x86::dequant_row_avx2(m, stored, out) },
+        _ => dequant_row_generic(m, stored, out),
+    }
+}
+
+#[inline(always)]
+pub(crate) fn dequant_row_generic(m: &Matrix, stored: usize, out: &mut [f32]) {
+    let (data, scales, biases) = m.row_parts(stored);
+    let cols = m.cols;
+    match m.format {
+        Format::BF16 => scalars_f32(DType::BF16, data, &mut out[..cols]),
+        Format::F16 => (0..cols).for_each(|j| out[j] = read_scalar(DType::F16, data, j)),
+        Format::F32 => (0..cols).for_each(|j| out[j] = read_scalar(DType::F32, data, j)),
+        Format::Affine { bits, group } if (bits == 4 || bits == 8) && cols % group == 0 && group % 8 == 0 => {
+            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+            let gb = group * bits as usize / 8;
+            for g in 0..cols / group {
+                let (s, b) = (read_scalar(sd, scales, g), read_scalar(sd, biases, g));
+                let o = &mut out[g * group..][..group];
+                let d = &data[g * gb..][..gb];
+                if bits == 4 {
+                    for (pair, &byte) in o.chunks_exact_mut(2).zip(d) {
+                        pair[0] = s * (byte & 15) as f32 + b;
+                        pair[1] = s * (byte >> 4) as f32 + b;
+                    }
+                } else {
+                    for (v, &byte) in o.iter_mut().zip(d) {
+                        *v = s * byte as f32 + b;
+                    }
+                }
+            }
+        }
+        Format::Affine { bits, group } => {
+            // Any other width (2-bit) or group: element by element, as `Matrix::dequant_row`.
+            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+            let mask = (1u32 << bits) - 1;
+            for j in 0..cols {
+                let bit = j * bits as usize;
+                let w = bit / 32;
+                let word = u32::from_le_bytes([data[4 * w], data[4 * w + 1], data[4 * w + 2], data[4 * w + 3]]);
+                let q = (word >> (bit % 32)) & mask;
+                out[j] = read_scalar(sd, scales, j / group) * q as f32 + read_scalar(sd, biases, j / group);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The x86_64 kernels. Each is `unsafe` because it needs its target features (checked by
+    //! [`super::Isa::available`] before any call) and reads through raw pointers whose extents the
+    //! safe wrappers check.
+    use std::arch::x86_64::*;
+
+    use crate::quant::Matrix;
+
+    /// Bytes ahead of the current weight read to prefetch: the 4/8-bit kernels spend enough
+    /// instructions per byte that the out-of-order window alone may keep too few cache-line
+    /// misses in flight. Rows of a matrix are contiguous, so this runs into the next rows; a
+    /// prefetch never faults, even past the end of the mapping.
+    const PREFETCH: usize = 2048;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequant_row_avx2(m: &Matrix, stored: usize, out: &mut [f32]) {
+        super::dequant_row_generic(m, stored, out)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    // -- dot f32 ---------------------------------------------------------------------------------
+
+    /// sum a_i b_i; 4 independent accumulators hide the FMA latency.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn dot_avx512(a: *const f32, b: *const f32, n: usize) -> f32 {
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 64 <= n {
+                for u in 0..4 {
+                    acc[u] = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(a.add(i + 16 * u)),
+                        _mm512_loadu_ps(b.add(i + 16 * u)),
+                        acc[u],
+                    );
+                }
+                i += 64;
+            }
+            while i + 16 <= n {
+                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(i)), _mm512_loadu_ps(b.add(i)), acc[0]);
+                i += 16;
+            }
+            if i < n {
+                let m: __mmask16 = (1u32 << (n - i)) as u16 - 1;
+                acc[1] = _mm512_fmadd_ps(
+                    _mm512_maskz_loadu_ps(m, a.add(i)),
+                    _mm512_maskz_loadu_ps(m, b.add(i)),
+                    acc[1],
+                );
+            }
+            _mm512_reduce_add_ps(_mm512_add_ps(
+                _mm512_add_ps(acc[0], acc[1]),
+                _mm512_add_ps(acc[2], acc[3]),
+            ))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: *const f32, b: *const f32, n: usize) -> f32 {
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 32 <= n {
+                for u in 0..4 {
+                    acc[u] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(a.add(i + 8 * u)),
+                        _mm256_loadu_ps(b.add(i + 8 * u)),
+                        acc[u],
+                    );
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
+                i += 8;
+            }
+            let mut s = hsum256(_mm256_add_ps(
+                _mm256_add_ps(acc[0], acc[1]),
+                _mm256_add_ps(acc[2], acc[3]),
+            ));
+            while i < n {
+                s += *a.add(i) * *b.add(i);
+                i += 1;
+            }
+            s
+        }
+    }
+
+    // -- 4-bit -----------------------------------------------------------------------------------
+
+    /// sum_{j in group g} q_j xp_j as a vector (16-byte blocks; see q4_dot_avx512).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[inline]
+    unsafe fn q4_group_avx512(w: *const u8, xp: *const f32, g: usize, group: usize) -> __m512 {
+        unsafe {
+            let mask = _mm512_set1_epi32(15);
+            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut off = g * group;
+            while off < (g + 1) * group {
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2) as *const __m128i));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp.add(off)), a0);
+                a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(off + 16)), a1);
+                off += 32;
+            }
+            _mm512_add_ps(a0, a1)
+        }
+    }
+
+    /// 4-bit row: per group, blocks of 16 bytes widen to 16 u32 lanes; `& 15` gives the even
+    /// elements, `>> 4` the odd ones, matched by the x permutation of block 16. Then
+    /// total += s_g * group partial, two groups per iteration into two register totals (named
+    /// variables: an indexed array of vectors would live in memory).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn q4_dot_avx512(w: *const u8, s: *const f32, xp: *const f32, groups: usize, group: usize) -> f32 {
+        unsafe {
+            let (mut t0, mut t1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut g = 0;
+            while g + 2 <= groups {
+                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q4_group_avx512(w, xp, g, group), t0);
+                t1 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g + 1)), q4_group_avx512(w, xp, g + 1, group), t1);
+                g += 2;
+            }
+            if g < groups {
+                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q4_group_avx512(w, xp, g, group), t0);
+            }
+            _mm512_reduce_add_ps(_mm512_add_ps(t0, t1))
+        }
+    }
+
+    /// 4-bit row with the dequantization folded into a lookup: per group, a 16-entry table
+    /// T[q] = s_g q + b_g (the exact reference weights) in one register; `vpermps` indexes it with
+    /// the low 4 bits of each lane, so the even elements need no mask or int->float convert and
+    /// the odd ones one shift. 6 vector ops per 32 weights, no per-group scale or bias pass.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn q4_dot_table_avx512(
+        w: *const u8,
+        s: *const f32,
+        b: *const f32,
+        xp: *const f32,
+        groups: usize,
+        group: usize,
+    ) -> f32 {
+        unsafe {
+            let iota = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+            let (mut a0, mut a1, mut a2, mut a3) = (
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+                _mm512_setzero_ps(),
+            );
+            for g in 0..groups {
+                let table = _mm512_fmadd_ps(iota, _mm512_set1_ps(*s.add(g)), _mm512_set1_ps(*b.add(g)));
+                let mut off = g * group;
+                while off + 64 <= (g + 1) * group {
+                    _mm_prefetch::<_MM_HINT_T0>(w.add(off / 2 + PREFETCH) as *const i8);
+                    let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2) as *const __m128i));
+                    let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2 + 16) as *const __m128i));
+                    a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, table), _mm512_loadu_ps(xp.add(off)), a0);
+                    a1 = _mm512_fmadd_ps(
+                        _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), table),
+                        _mm512_loadu_ps(xp.add(off + 16)),
+                        a1,
+                    );
+                    a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, table), _mm512_loadu_ps(xp.add(off + 32)), a2);
+                    a3 = _mm512_fmadd_ps(
+                        _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), table),
+                        _mm512_loadu_ps(xp.add(off + 48)),
+                        a3,
+                    );
+                    off += 64;
+                }
+                if off < (g + 1) * group {
+                    let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2) as *const __m128i));
+                    a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, table), _mm512_loadu_ps(xp.add(off)), a0);
+                    a1 = _mm512_fmadd_ps(
+                        _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), table),
+                        _mm512_loadu_ps(xp.add(off + 16)),
+                        a1,
+                    );
+                }
+            }
+            _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn q4_group_avx2(w: *const u8, xp: *const f32, g: usize, group: usize) -> __m256 {
+        unsafe {
+            let mask = _mm256_set1_epi32(15);
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut off = g * group;
+            while off < (g + 1) * group {
+                _mm_prefetch::<_MM_HINT_T0>(w.add(off / 2 + PREFETCH) as *const i8);
+                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(off / 2) as *const __m128i));
+                let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+                let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xp.add(off)), a0);
+                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xp.add(off + 8)), a1);
+                off += 16;
+            }
+            _mm256_add_ps(a0, a1)
+        }
+    }
+
+    /// 4-bit row, AVX2: blocks of 8 bytes (x permuted with block 8).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_dot_avx2(w: *const u8, s: *const f32, xp: *const f32, groups: usize, group: usize) -> f32 {
+        unsafe {
+            let (mut t0, mut t1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut g = 0;
+            while g + 2 <= groups {
+                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q4_group_avx2(w, xp, g, group), t0);
+                t1 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g + 1)), q4_group_avx2(w, xp, g + 1, group), t1);
+                g += 2;
+            }
+            if g < groups {
+                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q4_group_avx2(w, xp, g, group), t0);
+            }
+            hsum256(_mm256_add_ps(t0, t1))
+        }
+    }
+
+    // -- 8-bit -----------------------------------------------------------------------------------
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[inline]
+    unsafe fn q8_group_avx512(w: *const u8, x: *const f32, g: usize, group: usize) -> __m512 {
+        unsafe {
+            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut off = g * group;
+            while off + 32 <= (g + 1) * group {
+                _mm_prefetch::<_MM_HINT_T0>(w.add(off + PREFETCH) as *const i8);
+                let v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off) as *const __m128i)));
+                let v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off + 16) as *const __m128i)));
+                a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x.add(off)), a0);
+                a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x.add(off + 16)), a1);
+                off += 32;
+            }
+            if off < (g + 1) * group {
+                let v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off) as *const __m128i)));
+                a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x.add(off)), a0);
+            }
+            _mm512_add_ps(a0, a1)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn q8_dot_avx512(w: *const u8, s: *const f32, x: *const f32, groups: usize, group: usize) -> f32 {
+        unsafe {
+            let (mut t0, mut t1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut g = 0;
+            while g + 2 <= groups {
+                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q8_group_avx512(w, x, g, group), t0);
+                t1 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g + 1)), q8_group_avx512(w, x, g + 1, group), t1);
+                g += 2;
+            }
+            if g < groups {
+                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q8_group_avx512(w, x, g, group), t0);
+            }
+            _mm512_reduce_add_ps(_mm512_add_ps(t0, t1))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn q8_group_avx2(w: *const u8, x: *const f32, g: usize, group: usize) -> __m256 {
+        unsafe {
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut off = g * group;
+            while off < (g + 1) * group {
+                let v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(off) as *const __m128i)));
+                let v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(off + 8) as *const __m128i)));
+                a0 = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x.add(off)), a0);
+                a1 = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x.add(off + 8)), a1);
+                off += 16;
+            }
+            _mm256_add_ps(a0, a1)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_dot_avx2(w: *const u8, s: *const f32, x: *const f32, groups: usize, group: usize) -> f32 {
+        unsafe {
+            let (mut t0, mut t1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut g = 0;
+            while g + 2 <= groups {
+                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q8_group_avx2(w, x, g, group), t0);
+                t1 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g + 1)), q8_group_avx2(w, x, g + 1, group), t1);
+                g += 2;
+            }
+            if g < groups {
+                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q8_group_avx2(w, x, g, group), t0);
+            }
+            hsum256(_mm256_add_ps(t0, t1))
+        }
+    }
+
+    // -- bf16 / f16 ------------------------------------------------------------------------------
+
+    /// bf16 row: widen 16 u16 to u32 lanes, shift into the f32 high half.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn bf16_dot_avx512(w: *const u8, x: *const f32, k: usize) -> f32 {
+        unsafe {
+            let mut acc0 = _mm512_setzero_ps();
+            let mut i = 0;
+            while i + 16 <= k {
+                let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(w.add(2 * i) as *const __m256i));
+                let f = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                acc0 = _mm512_fmadd_ps(f, _mm512_loadu_ps(x.add(i)), acc0);
+                i += 16;
+            }
+            let mut s = _mm512_reduce_add_ps(acc0);
+            while i < k {
+                s += super::read_scalar(crate::safetensors::DType::BF16, std::slice::from_raw_parts(w, 2 * k), i)
+                    * *x.add(i);
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn f16_dot_avx512(w: *const u8, x: *const f32, k: usize) -> f32 {
+        unsafe {
+            let mut acc0 = _mm512_setzero_ps();
+            let mut i = 0;
+            while i + 16 <= k {
+                let f = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * i) as *const __m256i));
+                acc0 = _mm512_fmadd_ps(f, _mm512_loadu_ps(x.add(i)), acc0);
+                i += 16;
+            }
+            let mut s = _mm512_reduce_add_ps(acc0);
+            while i < k {
+                s += super::read_scalar(crate::safetensors::DType::F16, std::slice::from_raw_parts(w, 2 * k), i)
+                    * *x.add(i);
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn bf16_dot_avx2(w: *const u8, x: *const f32, k: usize) -> f32 {
+        unsafe {
+            let mut acc0 = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= k {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(2 * i) as *const __m128i));
+                let f = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                acc0 = _mm256_fmadd_ps(f, _mm256_loadu_ps(x.add(i)), acc0);
+                i += 8;
+            }
+            let mut s = hsum256(acc0);
+            while i < k {
+                s += super::read_scalar(crate::safetensors::DType::BF16, std::slice::from_raw_parts(w, 2 * k), i)
+                    * *x.add(i);
+                i += 1;
+            }
+            s
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_dot_avx2(w: *const u8, x: *const f32, k: usize) -> f32 {
+        unsafe {
+            let mut acc0 = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= k {
+                let f = _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * i) as *const __m128i));
+                acc0 = _mm256_fmadd_ps(f, _mm256_loadu_ps(x.add(i)), acc0);
+                i += 8;
+            }
+            let mut s = hsum256(acc0);
+            while i < k {
+                s += super::read_scalar(crate::safetensors::DType::F16, std::slice::from_raw_parts(w, 2 * k), i)
+                    * *x.add(i);
+                i += 1;
+            }
+            s
+        }
+    }
+
+    // -- GEMM tile ---------------------------------------------------------------------------------
+
+    /// 4 weight rows x 4 activation rows: 16 zmm accumulators, 8 loads per 16 FMAs; the k tail
+    /// uses masked loads.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn dot4x4_avx512(w: [*const f32; 4], x: [*const f32; 4], k: usize) -> [[f32; 4]; 4] {
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+            let mut j = 0;
+            while j < k {
+                let m: __mmask16 = if k - j >= 16 {
+                    0xffff
+                } else {
+                    ((1u32 << (k - j)) - 1) as u16
+                };
+                let wv = [0, 1, 2, 3].map(|i| _mm512_maskz_loadu_ps(m, w[i].add(j)));
+                for t in 0..4 {
+                    let xv = _mm512_maskz_loadu_ps(m, x[t].add(j));
+                    for i in 0..4 {
+                        acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+                    }
+                }
+                j += 16;
+            }
+            let mut o = [[0f32; 4]; 4];
+            for i in 0..4 {
+                for t in 0..4 {
+                    o[i][t] = _mm512_reduce_add_ps(acc[i][t]);
+                }
+            }
+            o
+        }
+    }
+
+    /// Outer-product GEMM micro-kernel: wt is a K-major tile [k][32] (32 weight rows side by side),
+    /// x 6 activation rows. Per k: two 16-row weight vectors times 6 broadcast activations into
+    /// 12 zmm accumulators (8 loads per 12 FMAs, no horizontal sums). out[t][r] = row r . x[t].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn tile32x6_avx512(wt: *const f32, x: [*const f32; 6], k: usize, out: &mut [[f32; 32]; 6]) {
+        unsafe {
+            let z = _mm512_setzero_ps();
+            let (mut c00, mut c01, mut c10, mut c11, mut c20, mut c21) = (z, z, z, z, z, z);
+            let (mut c30, mut c31, mut c40, mut c41, mut c50, mut c51) = (z, z, z, z, z, z);
+            for j in 0..k {
+                let w0 = _mm512_loadu_ps(wt.add(32 * j));
+                let w1 = _mm512_loadu_ps(wt.add(32 * j + 16));
+                let b = _mm512_set1_ps(*x[0].add(j));
+                c00 = _mm512_fmadd_ps(w0, b, c00);
+                c01 = _mm512_fmadd_ps(w1, b, c01);
+                let b = _mm512_set1_ps(*x[1].add(j));
+                c10 = _mm512_fmadd_ps(w0, b, c10);
+                c11 = _mm512_fmadd_ps(w1, b, c11);
+                let b = _mm512_set1_ps(*x[2].add(j));
+                c20 = _mm512_fmadd_ps(w0, b, c20);
+                c21 = _mm512_fmadd_ps(w1, b, c21);
+                let b = _mm512_set1_ps(*x[3].add(j));
+                c30 = _mm512_fmadd_ps(w0, b, c30);
+                c31 = _mm512_fmadd_ps(w1, b, c31);
+                let b = _mm512_set1_ps(*x[4].add(j));
+                c40 = _mm512_fmadd_ps(w0, b, c40);
+                c41 = _mm512_fmadd_ps(w1, b, c41);
+                let b = _mm512_set1_ps(*x[5].add(j));
+                c50 = _mm512_fmadd_ps(w0, b, c50);
+                c51 = _mm512_fmadd_ps(w1, b, c51);
+            }
+            for (t, (lo, hi)) in [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)]
+                .into_iter()
+                .enumerate()
+            {
+                _mm512_storeu_ps(out[t].as_mut_ptr(), lo);
+                _mm512_storeu_ps(out[t].as_mut_ptr().add(16), hi);
+            }
+        }
+    }
+
+    /// AVX2 has 16 ymm registers: two 4 x 2 passes (8 accumulators + 4 rows + 1 x each).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4x4_avx2(w: [*const f32; 4], x: [*const f32; 4], k: usize) -> [[f32; 4]; 4] {
+        unsafe {
+            let mut o = [[0f32; 4]; 4];
+            let k8 = k / 8 * 8;
+            for half in 0..2 {
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                let mut j = 0;
+                while j < k8 {
+                    let wv = [0, 1, 2, 3].map(|i| _mm256_loadu_ps(w[i].add(j)));
+                    for t in 0..2 {
+                        let xv = _mm256_loadu_ps(x[2 * half + t].add(j));
+                        for i in 0..4 {
+                            acc[i][t] = _mm256_fmadd_ps(wv[i], xv, acc[i][t]);
+                        }
+                    }
+                    j += 8;
+                }
+                for i in 0..4 {
+                    for t in 0..2 {
+                        let mut s = hsum256(acc[i][t]);
+                        for jj in k8..k {
+                            s += *w[i].add(jj) * *x[2 * half + t].add(jj);
+                        }
+                        o[i][2 * half + t] = s;
+                    }
+                }
+            }
+            o
+        }
+    }
+}

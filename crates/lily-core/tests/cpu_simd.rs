@@ -1,0 +1,408 @@
+//! Each SIMD path of the CPU kernels against the portable one and the reference twin, with the
+//! ISA forced through the function argument, so AVX-512, AVX2 and the portable fallback all run
+//! on any machine that has them. Plus: the decode-step kernels allocate nothing once warm.
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Mutex,
+    },
+};
+
+use lily_core::{
+    backend::{
+        cpu::{gemm, kernels, reference, simd, simd::Isa},
+        params::*,
+    },
+    quant::{Format, Groups, Matrix},
+    safetensors::{Bytes, DType},
+};
+
+/// Counts every allocation, so a test can check that warm decode kernels make none.
+struct Counting;
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+// SAFETY: forwards to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+/// Tests of this file run one at a time so the allocation count sees only its own test.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(a.iter().all(|x| x.is_finite()), "{what}: non-finite output");
+    assert!(
+        err <= tol * scale,
+        "{what}: max |diff| {err:.3e} (scale {scale:.3e}, tol {tol:.1e})"
+    );
+}
+
+fn half_bytes(v: &[f32], dtype: DType) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| match dtype {
+            DType::F16 => half::f16::from_f32(*x).to_le_bytes(),
+            _ => half::bf16::from_f32(*x).to_le_bytes(),
+        })
+        .collect()
+}
+
+/// A random [experts, rows, cols] matrix; affine scales of both signs, in `sdtype`.
+fn matrix(experts: usize, rows: usize, cols: usize, format: Format, sdtype: DType, seed: u64) -> Matrix {
+    let n = experts * rows * cols;
+    let vals = rand_vec(n, seed, -1.0, 1.0);
+    let (data, groups) = match format {
+        Format::F32 => (vals.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
+        Format::F16 => (half_bytes(&vals, DType::F16), None),
+        Format::BF16 => (half_bytes(&vals, DType::BF16), None),
+        Format::Affine { bits, group } => {
+            let levels = ((1u32 << bits) - 1) as f32;
+            let mut words = vec![0u32; n * bits as usize / 32];
+            let (mut sc, mut bi) = (Vec::new(), Vec::new());
+            for (g, chunk) in vals.chunks(group).enumerate() {
+                let (lo, hi) = chunk
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                let (s, b) = if g % 2 == 0 {
+                    ((hi - lo) / levels, lo)
+                } else {
+                    ((lo - hi) / levels, hi)
+                };
+                sc.push(s);
+                bi.push(b);
+                for (j, &x) in chunk.iter().enumerate() {
+                    let q = ((x - b) / s).round().clamp(0.0, levels) as u32;
+                    let bit = (g * group + j) * bits as usize;
+                    words[bit / 32] |= q << (bit % 32);
+                }
+            }
+            let enc = |v: &[f32]| match sdtype {
+                DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+                d => half_bytes(v, d),
+            };
+            (
+                words.iter().flat_map(|w| w.to_le_bytes()).collect(),
+                Some(Groups {
+                    dtype: sdtype,
+                    scales: Bytes::from_slice(&enc(&sc)),
+                    biases: Bytes::from_slice(&enc(&bi)),
+                }),
+            )
+        }
+    };
+    Matrix {
+        name: "test".into(),
+        format,
+        experts,
+        rows,
+        cols,
+        expert_stride: rows,
+        row_offset: 0,
+        data: Bytes::from_slice(&data),
+        groups,
+    }
+}
+
+const FORMATS: &[(Format, DType)] = &[
+    (Format::Affine { bits: 4, group: 64 }, DType::BF16),
+    (Format::Affine { bits: 4, group: 32 }, DType::F16),
+    (Format::Affine { bits: 4, group: 128 }, DType::F32),
+    (Format::Affine { bits: 8, group: 64 }, DType::BF16),
+    (Format::Affine { bits: 8, group: 32 }, DType::BF16),
+    (Format::Affine { bits: 2, group: 64 }, DType::BF16),
+    (Format::BF16, DType::BF16),
+    (Format::F16, DType::BF16),
+    (Format::F32, DType::BF16),
+];
+
+#[test]
+fn every_isa_is_listed_and_portable_is_always_there() {
+    let _g = serial();
+    let all = Isa::all_available();
+    assert_eq!(all.first(), Some(&Isa::Portable));
+    assert!(all.contains(&Isa::get()));
+}
+
+#[test]
+fn primitive_dots_match_portable_on_every_isa() {
+    let _g = serial();
+    for isa in Isa::all_available() {
+        for n in [1usize, 7, 16, 33, 64, 100, 257] {
+            let (a, b) = (rand_vec(n, 1, -1.0, 1.0), rand_vec(n, 2, -1.0, 1.0));
+            let (f, p) = (simd::dot(isa, &a, &b), simd::dot_portable(&a, &b));
+            assert!((f - p).abs() <= 1e-5 * n as f32, "{isa:?} dot n={n}: {f} vs {p}");
+        }
+        for k in [16usize, 40, 256, 300] {
+            let w: Vec<Vec<f32>> = (0..4).map(|i| rand_vec(k, 10 + i, -1.0, 1.0)).collect();
+            let x: Vec<Vec<f32>> = (0..4).map(|i| rand_vec(k, 20 + i, -1.0, 1.0)).collect();
+            let d = simd::dot4x4(isa, [0, 1, 2, 3].map(|i| &w[i][..]), [0, 1, 2, 3].map(|i| &x[i][..]), k);
+            for i in 0..4 {
+                for t in 0..4 {
+                    let r = simd::dot_portable(&w[i], &x[t]);
+                    assert!((d[i][t] - r).abs() <= 1e-5 * k as f32, "{isa:?} dot4x4 k={k} ({i},{t})");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_every_isa_and_format_matches_reference() {
+    let _g = serial();
+    for isa in Isa::all_available() {
+        for (fi, &(format, sd)) in FORMATS.iter().enumerate() {
+            for &(n, k, t, row0) in &[(37, 256, 1, 0), (300, 512, 1, 1), (70, 256, 5, 2), (21, 384, 19, 0)] {
+                let w = matrix(1, n, k, format, sd, 11 + fi as u64);
+                let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
+                let p = MatmulParams {
+                    tokens: t as u32,
+                    x_row0: row0 as u32,
+                };
+                let (mut a, mut b) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
+                kernels::matmul_with(isa, &p, &w, &x, &mut a);
+                reference::matmul(&p, &w, &x, &mut b);
+                assert_close(
+                    &a,
+                    &b,
+                    2e-5,
+                    &format!("{isa:?} matmul {format:?}/{sd:?} n={n} k={k} t={t}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dequant_every_isa_matches_reference_exactly() {
+    let _g = serial();
+    for isa in Isa::all_available() {
+        for (fi, &(format, sd)) in FORMATS.iter().enumerate() {
+            let m = matrix(2, 5, 256, format, sd, 3 + fi as u64);
+            let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+            for (e, r) in [(0, 0), (1, 4), (1, 2)] {
+                simd::dequant_row(isa, &m, m.stored_row(e, r), &mut a);
+                m.dequant_row(e, r, &mut b);
+                assert_eq!(a, b, "{isa:?} {format:?} e={e} r={r}");
+            }
+        }
+    }
+}
+
+fn moe_case(isa: Isa, t: usize, format: Format) {
+    let (e_n, i_n, d, k_n) = (12, 64, 128, 4);
+    let gate = matrix(e_n, i_n, d, format, DType::BF16, 1);
+    let up = matrix(e_n, i_n, d, format, DType::BF16, 2);
+    let down = matrix(e_n, d, i_n, format, DType::BF16, 3);
+    let x = rand_vec(t * d, 4, -1.0, 1.0);
+    // Distinct experts per token, overlapping across tokens (so groups have several tokens).
+    let ids: Vec<u32> = (0..t * k_n)
+        .map(|i| ((i / k_n) * 5 + (i % k_n) * 3) as u32 % e_n as u32)
+        .collect();
+    let w = rand_vec(t * k_n, 6, 0.0, 1.0);
+    let p = MoeParams {
+        tokens: t as u32,
+        top_k: k_n as u32,
+    };
+    let mut tmp = vec![0f32; t * k_n * (i_n + d)];
+    let (mut a, mut b) = (vec![f32::NAN; t * d], vec![f32::NAN; t * d]);
+    kernels::moe_experts_with(isa, &p, &x, &ids, &w, &gate, &up, &down, &mut tmp, &mut a);
+    reference::moe_experts(&p, &x, &ids, &w, &gate, &up, &down, &mut b);
+    assert_close(&a, &b, 2e-5, &format!("{isa:?} moe {format:?} t={t}"));
+}
+
+#[test]
+fn moe_every_isa_matches_reference() {
+    let _g = serial();
+    for isa in Isa::all_available() {
+        for format in [
+            Format::Affine { bits: 4, group: 64 },
+            Format::Affine { bits: 8, group: 32 },
+            Format::BF16,
+        ] {
+            for t in [1, 3, 9] {
+                moe_case(isa, t, format);
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_every_isa_matches_reference_across_key_blocks() {
+    let _g = serial();
+    let (h, kv, hd) = (8, 2, 64);
+    for isa in Isa::all_available() {
+        for &(t, pos0) in &[(1usize, 0usize), (1, 77), (5, 40), (70, 3)] {
+            let len = pos0 + t;
+            let qg = rand_vec(t * h * 2 * hd, 1, -1.0, 1.0);
+            let kc = rand_vec(len * kv * hd, 2, -1.0, 1.0);
+            let vc = rand_vec(len * kv * hd, 3, -1.0, 1.0);
+            let p = AttentionParams {
+                tokens: t as u32,
+                pos0: pos0 as u32,
+                heads: h as u32,
+                kv_heads: kv as u32,
+                head_dim: hd as u32,
+                scale: 0.4,
+            };
+            let (mut a, mut b) = (vec![f32::NAN; t * h * hd], vec![f32::NAN; t * h * hd]);
+            kernels::attention_with(isa, &p, &qg, &kc, &vc, &mut a);
+            reference::attention(&p, &qg, &kc, &vc, &mut b);
+            assert_close(&a, &b, 1e-5, &format!("{isa:?} attention t={t} pos0={pos0}"));
+        }
+    }
+}
+
+#[test]
+fn gemv_tiles_split_rows_exactly() {
+    let _g = serial();
+    // Row counts around the task split, including fewer rows than threads.
+    let format = Format::Affine { bits: 4, group: 64 };
+    for n in [1usize, 2, 3, 57, 58, 1000] {
+        let m = matrix(1, n, 128, format, DType::BF16, n as u64);
+        let x = rand_vec(128, 9, -1.0, 1.0);
+        let (mut a, mut b) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        gemm::gemv(Isa::get(), &m, 0, &x, &mut a);
+        reference::matmul(&MatmulParams { tokens: 1, x_row0: 0 }, &m, &x, &mut b);
+        assert_close(&a, &b, 2e-5, &format!("gemv n={n}"));
+    }
+}
+
+struct DecodeBufs {
+    w: Matrix,
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+    norm_w: Vec<f32>,
+    x: Vec<f32>,
+    y: Vec<f32>,
+    qg: Vec<f32>,
+    kc: Vec<f32>,
+    vc: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+    out: Vec<f32>,
+    qkv: Vec<f32>,
+    gates: Vec<f32>,
+    state: Vec<f32>,
+    core: Vec<f32>,
+}
+
+/// The kernels of one decode step at small shapes of the real layout, on preallocated buffers.
+fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
+    kernels::rms_norm(
+        &RmsNormParams {
+            rows: 1,
+            dim: 128,
+            eps: 1e-6,
+        },
+        &s.x,
+        &s.norm_w,
+        &mut s.out,
+    );
+    kernels::matmul_with(isa, &MatmulParams { tokens: 1, x_row0: 0 }, &s.w, &s.x, &mut s.y);
+    let ap = AttentionParams {
+        tokens: 1,
+        pos0: 40,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        scale: 0.125,
+    };
+    kernels::attention_with(isa, &ap, &s.qg, &s.kc, &s.vc, &mut s.att);
+    let (ids, wt) = ([1u32, 5, 7, 2], [0.4f32, 0.3, 0.2, 0.1]);
+    let mp = MoeParams { tokens: 1, top_k: 4 };
+    kernels::moe_experts_with(
+        isa, &mp, &s.x, &ids, &wt, &s.gate, &s.up, &s.down, &mut s.tmp, &mut s.out,
+    );
+    let dp = DeltaNetParams {
+        tokens: 1,
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: 32,
+        value_dim: 32,
+    };
+    let (a, rest) = s.gates.split_at(4);
+    let (b, rest) = rest.split_at(4);
+    let (alog, dtb) = rest.split_at(4);
+    kernels::delta_net(&dp, &s.qkv, a, b, alog, dtb, &mut s.state, &mut s.core);
+}
+
+#[test]
+fn decode_kernels_do_not_allocate_once_warm() {
+    let _g = serial();
+    let q4 = Format::Affine { bits: 4, group: 64 };
+    let mut s = DecodeBufs {
+        w: matrix(1, 512, 128, q4, DType::BF16, 1),
+        gate: matrix(8, 64, 128, q4, DType::BF16, 2),
+        up: matrix(8, 64, 128, q4, DType::BF16, 3),
+        down: matrix(8, 128, 64, q4, DType::BF16, 4),
+        norm_w: vec![1.0; 128],
+        x: rand_vec(128, 5, -1.0, 1.0),
+        y: vec![0.0; 512],
+        qg: rand_vec(8 * 128, 6, -1.0, 1.0),
+        kc: rand_vec(41 * 128, 7, -1.0, 1.0),
+        vc: rand_vec(41 * 128, 8, -1.0, 1.0),
+        att: vec![0.0; 8 * 64],
+        tmp: vec![0.0; 4 * (64 + 128)],
+        out: vec![0.0; 128],
+        qkv: rand_vec(2 * 2 * 32 + 4 * 32, 9, -1.0, 1.0),
+        gates: rand_vec(16, 10, -1.0, 1.0),
+        state: vec![0.0; 4 * 32 * 32],
+        core: vec![0.0; 4 * 32],
+    };
+    let isa = Isa::get();
+    // Warm every pool thread's scratch (which thread runs which task varies).
+    for _ in 0..50 {
+        decode_step_kernels(isa, &mut s);
+    }
+    // The test harness may allocate on its own thread meanwhile (reporting another test), so a
+    // per-step allocation must show in every round; a stray one in a single round is not ours.
+    let n = (0..3)
+        .map(|_| {
+            let before = ALLOCS.load(Ordering::SeqCst);
+            for _ in 0..20 {
+                decode_step_kernels(isa, &mut s);
+            }
+            ALLOCS.load(Ordering::SeqCst) - before
+        })
+        .min()
+        .unwrap_or(0);
+    // What remains is rayon's own: work submitted from outside the pool goes through its
+    // injector queue, which allocates one block per 63 submissions (~5 submissions per step
+    // here). Any allocation inside a kernel would add at least one per step (20 per round).
+    assert!(n <= 2, "{n} allocations in 20 warm decode steps");
+}
