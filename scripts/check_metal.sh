@@ -26,7 +26,7 @@ echo "== kernels vs CPU reference (simulator, bounds-checked)"
 cargo test -p lily-core --release --test metal_sim
 
 echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse)"
-MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route matmul
+MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route moe_sort moe_experts_sorted matmul
 
 if [ "${1:-}" != "--no-python" ]; then
   echo "== tiny-model oracle end to end through backend=\"metal-sim\""

@@ -122,5 +122,272 @@ kernel void moe_combine_f32(constant MoeParams& p [[buffer(0)]], constant RowsPa
   out[(ulong)t * rp.dim + pos.x] = acc;
 }
 
-#define MOE(sfx) INSTANTIATE(moe_gate_up_##sfx, moe_gate_up, W_##sfx) INSTANTIATE(moe_down_##sfx, moe_down, W_##sfx)
+
+// ---- Prefill (T > a threshold): expert-sorted GEMMs, routed entirely on the GPU ----------------
+// After moe_route (ids [T, K]) one command stream runs: moe_histogram (tokens per expert per sort
+// block) -> moe_scan (exclusive prefix scan: row offsets of each expert in expert-sorted order,
+// and a block map of MOE_TILE-row blocks) -> moe_scatter ((token, slot) pairs into sorted order)
+// -> moe_gemm_gate_up (act = SwiGLU over each expert's gathered tokens) -> moe_gemm_down (y) ->
+// moe_combine_sorted (out [T, D], k ascending). Pair p = t*K + k. Within one expert, pairs are
+// sorted by p (a stable counting sort, no atomics), so every buffer is the same on every run.
+// Scratch (u32, owned by the backend): count [4] (count[0] = number of blocks), blocks
+// [max_blocks, 4] (expert, first sorted row, rows <= MOE_TILE, 0), hist [token_blocks, E],
+// order [T*K] (sorted row -> p), pos [T*K] (p -> sorted row).
+constant constexpr uint MOE_TILE = 32;
+
+// Threadgroup exclusive prefix sum of one uint per thread: (sum of v over lower thread indices,
+// total over the threadgroup). Threads per threadgroup a multiple of 32; `partial` holds one
+// uint per simdgroup. Must be reached by every thread.
+inline uint2 tg_scan_exclusive(uint v, threadgroup uint* partial, uint sg, uint lane, uint nsg) {
+  const uint pre = simd_prefix_exclusive_sum(v);
+  if (lane == 31) partial[sg] = pre + v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint before = 0, all = 0;
+  for (uint s = 0; s < nsg; ++s) {
+    const uint q = partial[s];
+    if (s < sg) before += q;
+    all += q;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // partial is reused by the next call
+  return uint2(before + pre, all);
+}
+
+// moe_histogram: hist[b, e] = number of pairs of sort block b (tokens b*S .. b*S+S-1, S =
+// sort_tokens) routed to expert e. Bindings: 0 MoeParams, 1 MoeSortDesc, 2 ids [T*K], 3 hist
+// [token_blocks, E]. Grid: dispatchThreads (E, token_blocks); each thread scans its block's ids.
+kernel void moe_histogram_u32(constant MoeParams& p [[buffer(0)]], constant MoeSortDesc& s [[buffer(1)]],
+                              device const uint* ids [[buffer(2)]], device uint* hist [[buffer(3)]],
+                              uint2 pos [[thread_position_in_grid]]) {
+  const uint e = pos.x, b = pos.y;
+  if (e >= s.experts || b >= s.token_blocks) return;
+  const uint p0 = b * s.sort_tokens * p.top_k;
+  const uint p1 = min(p0 + s.sort_tokens * p.top_k, p.tokens * p.top_k);
+  uint c = 0;
+  for (uint i = p0; i < p1; ++i) c += ids[i] == e ? 1u : 0u;
+  hist[b * s.experts + e] = c;
+}
+
+// moe_scan: one threadgroup, thread e owns expert e (threads: E rounded up to 32, E <= 1024).
+// In place, hist[b, e] becomes the first sorted row of block b's pairs of expert e (the running
+// count over b plus the exclusive scan of the expert totals); the block map gets ceil(n_e / 32)
+// entries per expert (exclusive scan of the block counts), count[0] the number of blocks.
+// Bindings: 0 MoeParams, 1 MoeSortDesc, 2 hist, 3 count [4], 4 blocks [max_blocks, 4].
+// Grid: threadgroups (1), threads ceil(E / 32) * 32. Integer sums (exact).
+kernel void moe_scan_u32(constant MoeParams& p [[buffer(0)]], constant MoeSortDesc& s [[buffer(1)]],
+                         device uint* hist [[buffer(2)]], device uint* count [[buffer(3)]],
+                         device uint* blocks [[buffer(4)]], uint e [[thread_index_in_threadgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                         uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup uint partial[32];
+  const uint E = s.experts;
+  uint total = 0;
+  if (e < E)
+    for (uint b = 0; b < s.token_blocks; ++b) {
+      const uint c = hist[b * E + e];
+      hist[b * E + e] = total;
+      total += c;
+    }
+  const uint off = tg_scan_exclusive(total, partial, sg, lane, nsg).x;
+  if (e < E)
+    for (uint b = 0; b < s.token_blocks; ++b) hist[b * E + e] += off;
+  const uint nb = (total + MOE_TILE - 1) / MOE_TILE;
+  const uint2 bo = tg_scan_exclusive(nb, partial, sg, lane, nsg);
+  for (uint j = 0; j < nb && bo.x + j < s.max_blocks; ++j) {
+    device uint* m = blocks + 4 * (bo.x + j);
+    m[0] = e;
+    m[1] = off + j * MOE_TILE;
+    m[2] = min(MOE_TILE, total - j * MOE_TILE);
+    m[3] = 0;
+  }
+  if (e == 0) count[0] = min(bo.y, s.max_blocks);
+}
+
+// moe_scatter: thread (e, b) walks sort block b's pairs in order and gives those of expert e
+// consecutive sorted rows from hist[b, e]: order[row] = p, pos[p] = row. Bindings: 0 MoeParams,
+// 1 MoeSortDesc, 2 ids [T*K], 3 hist (first rows, from moe_scan), 4 order [T*K], 5 pos [T*K].
+// Grid: dispatchThreads (E, token_blocks).
+kernel void moe_scatter_u32(constant MoeParams& p [[buffer(0)]], constant MoeSortDesc& s [[buffer(1)]],
+                            device const uint* ids [[buffer(2)]], device const uint* hist [[buffer(3)]],
+                            device uint* order [[buffer(4)]], device uint* pos [[buffer(5)]],
+                            uint2 gid [[thread_position_in_grid]]) {
+  const uint e = gid.x, b = gid.y;
+  if (e >= s.experts || b >= s.token_blocks) return;
+  const uint p0 = b * s.sort_tokens * p.top_k;
+  const uint p1 = min(p0 + s.sort_tokens * p.top_k, p.tokens * p.top_k);
+  uint row = hist[b * s.experts + e];
+  for (uint i = p0; i < p1; ++i)
+    if (ids[i] == e) {
+      order[row] = i;
+      pos[i] = row;
+      ++row;
+    }
+}
+
+// Stage 8 weights of stored row `row` from column j into wd (zero where !valid or past K).
+template <typename W>
+inline void moe_stage_w8(thread const W& wr, uint row, bool valid, uint j, uint K, threadgroup float* wd) {
+  if (valid && j + 8 <= K) {
+    float wv[8];
+    wr.load8(row, j, wv);
+    for (int i = 0; i < 8; ++i) wd[i] = wv[i];
+  } else {
+    for (uint i = 0; i < 8; ++i) wd[i] = valid && j + i < K ? wr.at(row, j + i) : 0.0f;
+  }
+}
+
+// Stage 8 activations of row xr from column j into xd (zero where xr is null or past K).
+inline void moe_stage_x8(device const float* xr, bool valid, uint j, uint K, threadgroup float* xd) {
+  for (uint i = 0; i < 8; ++i) xd[i] = valid && j + i < K ? xr[j + i] : 0.0f;
+}
+
+// moe_gemm_gate_up: for block j of the map (expert e, sorted rows r0 .. r0 + nr, nr <= 32),
+// act[r0 + i, n] = silu(gate_e[n] . x[t_i]) * (up_e[n] . x[t_i]), t_i = order[r0 + i] / K;
+// gate/up [E, I, D] (MatrixDesc views), x [T, D], act [T*K, I] in sorted row order.
+// Bindings: 0 MoeParams, 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up,
+// 9 x, 10 count, 11 blocks, 12 order, 13 act. Grid: threadgroups (ceil(I / 32), max_blocks)
+// (groups past count[0] return at once), 128 threads = 4 simdgroups in 2x2, each owning a 16x16
+// (tokens x rows) sub-tile of the 32x32 tile as 2x2 8x8 f32 accumulators for gate and for up.
+// Per K step of 32 the threadgroup stages the gathered x [32 tokens][32] and the dequantized gate
+// and up rows [32][32] as f32 (zero outside nr, I and D; thread i fills 8 columns of tile row
+// i / 4), so the expert's weights are read once per 32 tokens. Accumulation: f32. Threadgroup
+// memory: three arguments of 32 * 32 floats (4 KiB each), sized by the host.
+template <typename W>
+TKERNEL void moe_gemm_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& gm [[buffer(1)]],
+                              constant MatrixDesc& um [[buffer(2)]], device const uchar* gw [[buffer(3)]],
+                              device const uchar* gsc [[buffer(4)]], device const uchar* gbi [[buffer(5)]],
+                              device const uchar* uw [[buffer(6)]], device const uchar* usc [[buffer(7)]],
+                              device const uchar* ubi [[buffer(8)]], device const float* x [[buffer(9)]],
+                              device const uint* count [[buffer(10)]], device const uint* blocks [[buffer(11)]],
+                              device const uint* order [[buffer(12)]], device float* act [[buffer(13)]],
+                              threadgroup float* xs [[threadgroup(0)]],  // [token][k], then gate out [token][row]
+                              threadgroup float* gt [[threadgroup(1)]],  // gate [row][k], then up out
+                              threadgroup float* ut [[threadgroup(2)]],  // up [row][k]
+                              uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]]) {
+  if (tg.y >= count[0]) return;  // whole threadgroup
+  device const uint* blk = blocks + 4 * tg.y;
+  const uint e = blk[0], r0 = blk[1], nr = blk[2];
+  const W g = W::make(gw, gsc, gbi, gm);
+  const W u = W::make(uw, usc, ubi, um);
+  const uint K = gm.cols, N = gm.rows, n0 = tg.x * MOE_TILE;
+  const uint st = (sg / 2) * 16, sn = (sg % 2) * 16;
+  const uint lr = tid / 4, lc = (tid % 4) * 8;
+  const bool has_x = lr < nr, has_w = n0 + lr < N;
+  device const float* xr = x + (ulong)(has_x ? order[r0 + lr] / p.top_k : 0) * K;
+  const uint grow = e * gm.expert_stride + gm.row_offset + n0 + lr;
+  const uint urow = e * um.expert_stride + um.row_offset + n0 + lr;
+  simdgroup_float8x8 ag[2][2], au[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      ag[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      au[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  for (uint k0 = 0; k0 < K; k0 += MOE_TILE) {
+    const uint j = k0 + lc, o = lr * MOE_TILE + lc;
+    moe_stage_x8(xr, has_x, j, K, xs + o);
+    moe_stage_w8(g, grow, has_w, j, K, gt + o);
+    moe_stage_w8(u, urow, has_w, j, K, ut + o);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < MOE_TILE; kk += 8) {
+      simdgroup_float8x8 a[2], bg[2], bu[2];
+      for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs + (st + 8 * i) * MOE_TILE + kk, MOE_TILE);
+      for (uint i = 0; i < 2; ++i) {  // transposed: b[k][n] = W[sn + 8 i + n][kk + k]
+        simdgroup_load(bg[i], gt + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
+        simdgroup_load(bu[i], ut + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
+      }
+      for (int i = 0; i < 2; ++i)
+        for (int jj = 0; jj < 2; ++jj) {
+          simdgroup_multiply_accumulate(ag[i][jj], a[i], bg[jj], ag[i][jj]);
+          simdgroup_multiply_accumulate(au[i][jj], a[i], bu[jj], au[i][jj]);
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint i = 0; i < 2; ++i)
+    for (uint jj = 0; jj < 2; ++jj) {
+      simdgroup_store(ag[i][jj], xs + (st + 8 * i) * MOE_TILE + sn + 8 * jj, MOE_TILE);
+      simdgroup_store(au[i][jj], gt + (st + 8 * i) * MOE_TILE + sn + 8 * jj, MOE_TILE);
+    }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint q = tid; q < MOE_TILE * MOE_TILE; q += 128) {
+    const uint i = q / MOE_TILE, n = n0 + q % MOE_TILE;
+    if (i < nr && n < N) act[(ulong)(r0 + i) * N + n] = silu(xs[q]) * gt[q];
+  }
+}
+
+// moe_gemm_down: for block j of the map (expert e, sorted rows r0 .. r0 + nr),
+// y[r0 + i, n] = down_e[n] . act[r0 + i]; down [E, D, I], act [T*K, I] and y [T*K, D] in sorted
+// row order (the block's rows are contiguous). Bindings: 0 MoeParams, 1 MatrixDesc, 2-4
+// w/scales/biases, 5 count, 6 blocks, 7 act, 8 y. Grid: threadgroups (ceil(D / 32), max_blocks),
+// 128 threads; tiling, staging and accumulation as moe_gemm_gate_up with one weight tile.
+// Threadgroup memory: two arguments of 32 * 32 floats.
+template <typename W>
+TKERNEL void moe_gemm_down(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& m [[buffer(1)]],
+                           device const uchar* w [[buffer(2)]], device const uchar* scales [[buffer(3)]],
+                           device const uchar* biases [[buffer(4)]], device const uint* count [[buffer(5)]],
+                           device const uint* blocks [[buffer(6)]], device const float* act [[buffer(7)]],
+                           device float* y [[buffer(8)]],
+                           threadgroup float* xs [[threadgroup(0)]],  // [token][k], then the output tile
+                           threadgroup float* ws [[threadgroup(1)]],  // [row][k], dequantized
+                           uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                           uint sg [[simdgroup_index_in_threadgroup]]) {
+  if (tg.y >= count[0]) return;  // whole threadgroup
+  device const uint* blk = blocks + 4 * tg.y;
+  const uint e = blk[0], r0 = blk[1], nr = blk[2];
+  const W wr = W::make(w, scales, biases, m);
+  const uint K = m.cols, N = m.rows, n0 = tg.x * MOE_TILE;
+  const uint st = (sg / 2) * 16, sn = (sg % 2) * 16;
+  const uint lr = tid / 4, lc = (tid % 4) * 8;
+  const bool has_x = lr < nr, has_w = n0 + lr < N;
+  device const float* xr = act + (ulong)(r0 + (has_x ? lr : 0)) * K;
+  const uint row = e * m.expert_stride + m.row_offset + n0 + lr;
+  simdgroup_float8x8 acc[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint k0 = 0; k0 < K; k0 += MOE_TILE) {
+    const uint j = k0 + lc, o = lr * MOE_TILE + lc;
+    moe_stage_x8(xr, has_x, j, K, xs + o);
+    moe_stage_w8(wr, row, has_w, j, K, ws + o);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < MOE_TILE; kk += 8) {
+      simdgroup_float8x8 a[2], b[2];
+      for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs + (st + 8 * i) * MOE_TILE + kk, MOE_TILE);
+      for (uint i = 0; i < 2; ++i) simdgroup_load(b[i], ws + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
+      for (int i = 0; i < 2; ++i)
+        for (int jj = 0; jj < 2; ++jj) simdgroup_multiply_accumulate(acc[i][jj], a[i], b[jj], acc[i][jj]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint i = 0; i < 2; ++i)
+    for (uint jj = 0; jj < 2; ++jj) simdgroup_store(acc[i][jj], xs + (st + 8 * i) * MOE_TILE + sn + 8 * jj, MOE_TILE);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint q = tid; q < MOE_TILE * MOE_TILE; q += 128) {
+    const uint i = q / MOE_TILE, n = n0 + q % MOE_TILE;
+    if (i < nr && n < N) y[(ulong)(r0 + i) * N + n] = xs[q];
+  }
+}
+
+// moe_combine_sorted: out [T, D] = sum_k weights[t, k] * y[pos[t*K + k], :] (k ascending, f32;
+// the same order as moe_combine, so the result does not depend on the sort). Bindings:
+// 0 MoeParams, 1 RowsParams (T, D), 2 weights [T, K], 3 pos [T*K], 4 y [T*K, D] sorted, 5 out.
+// Grid: dispatchThreads (D, T).
+kernel void moe_combine_sorted_f32(constant MoeParams& p [[buffer(0)]], constant RowsParams& rp [[buffer(1)]],
+                                   device const float* weights [[buffer(2)]], device const uint* pos [[buffer(3)]],
+                                   device const float* y [[buffer(4)]], device float* out [[buffer(5)]],
+                                   uint2 gid [[thread_position_in_grid]]) {
+  if (gid.x >= rp.dim || gid.y >= rp.tokens) return;
+  const uint t = gid.y, K = p.top_k, rows = rp.tokens * K;
+  float acc = 0.0f;
+  for (uint k = 0; k < K; ++k) {
+    const uint r = pos[t * K + k];
+    if (r < rows) acc += weights[t * K + k] * y[(ulong)r * rp.dim + gid.x];
+  }
+  out[(ulong)t * rp.dim + gid.x] = acc;
+}
+
+#define MOE(sfx)                                                   \
+  INSTANTIATE(moe_gate_up_##sfx, moe_gate_up, W_##sfx)             \
+  INSTANTIATE(moe_down_##sfx, moe_down, W_##sfx)                   \
+  INSTANTIATE(moe_gemm_gate_up_##sfx, moe_gemm_gate_up, W_##sfx)   \
+  INSTANTIATE(moe_gemm_down_##sfx, moe_gemm_down, W_##sfx)
 FOR_EACH_WEIGHT(MOE)

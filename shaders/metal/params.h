@@ -26,6 +26,9 @@ struct MatrixDesc { uint rows; uint cols; uint expert_stride; uint row_offset; u
 struct AttentionSplit { uint splits; uint split_rows; };
 // embed: T rows.
 struct EmbedParams { uint tokens; };
+// The expert-sorted prefill path of moe_experts (moe.metal): E experts, the T tokens cut into
+// `token_blocks` sort blocks of `sort_tokens` tokens, at most `max_blocks` expert row blocks.
+struct MoeSortDesc { uint experts; uint token_blocks; uint sort_tokens; uint max_blocks; };
 
 static_assert(sizeof(RmsNormParams) == 12, "RmsNormParams");
 static_assert(sizeof(MatmulParams) == 8, "MatmulParams");
@@ -40,3 +43,4 @@ static_assert(sizeof(RowsParams) == 8, "RowsParams");
 static_assert(sizeof(MatrixDesc) == 32, "MatrixDesc");
 static_assert(sizeof(AttentionSplit) == 8, "AttentionSplit");
 static_assert(sizeof(EmbedParams) == 4, "EmbedParams");
+static_assert(sizeof(MoeSortDesc) == 16, "MoeSortDesc");

@@ -90,7 +90,7 @@ pub trait Backend: Send + Sized + 'static {
     );
     /// ids/weights [T, K] from router logits [T, E].
     fn moe_route(&self, p: &RouteParams, logits: &Self::Buf, ids: &mut Self::Ids, weights: &mut Self::Buf);
-    /// out [T, D] = sum over the K selected experts; tmp is scratch of [T*K, D + 2I].
+    /// out [T, D] = sum over the K selected experts; tmp is scratch of [T*K, I + D].
     fn moe_experts(
         &self,
         p: &MoeParams,

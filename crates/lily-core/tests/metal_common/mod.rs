@@ -9,7 +9,7 @@
 use lily_core::{
     backend::{
         cpu::Cpu,
-        metal::{Executor, Metal},
+        metal::{Executor, Metal, MoeSorted},
         params::*,
         Backend,
     },
@@ -51,6 +51,8 @@ macro_rules! all_metal_tests {
             delta_net_matches_cpu,
             moe_route_matches_cpu,
             moe_experts_matches_cpu,
+            moe_sort_matches_cpu,
+            moe_experts_sorted_matches_cpu,
             every_kernel_is_compiled,
             unsupported_shape_is_an_error_not_a_panic,
         );
@@ -512,6 +514,165 @@ pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             b.finish().unwrap();
             vec![read_all(b, &out, t * d)]
         });
+    }
+}
+
+/// The routing of the sorted MoE path, by plain loops: pairs p = t*K + k stably sorted by
+/// expert, each expert's rows cut into blocks of 32.
+fn moe_sort_reference(ids: &[u32], e: usize) -> MoeSorted {
+    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+    order.sort_by_key(|&p| ids[p as usize]); // stable
+    let mut pos = vec![0u32; ids.len()];
+    for (row, &p) in order.iter().enumerate() {
+        pos[p as usize] = row as u32;
+    }
+    let mut blocks = Vec::new();
+    let mut row0 = 0u32;
+    for (x, n) in tokens_per_expert(ids, e).into_iter().enumerate() {
+        for j in (0..n).step_by(32) {
+            blocks.push([x as u32, row0 + j as u32, (n - j).min(32) as u32]);
+        }
+        row0 += n as u32;
+    }
+    MoeSorted { blocks, order, pos }
+}
+
+/// Top-k ids [T, K] (distinct per token) with uneven counts: expert 0 in every token at a slot
+/// that rotates with t, the others from the first E - 2 experts, so the last two get none.
+fn uneven_ids(t: usize, k: usize, e: usize) -> Vec<u32> {
+    (0..t)
+        .flat_map(|ti| {
+            let mut row = vec![0u32];
+            let mut c = 1 + (ti * 5) % (e - 3);
+            while row.len() < k {
+                if !row.contains(&(c as u32)) {
+                    row.push(c as u32);
+                }
+                c = 1 + (c + ti % 3) % (e - 3);
+            }
+            row.rotate_right(ti % k);
+            row
+        })
+        .collect()
+}
+
+/// moe_histogram -> moe_scan -> moe_scatter (the GPU routing of the sorted MoE path) against a
+/// plain stable counting sort, exactly: block map, sorted order and its inverse. Shapes: several
+/// sort blocks of 32 tokens with a partial last one, experts with 0, < 32, exactly 32 and > 64
+/// tokens, E not a multiple of 32 (a partial simdgroup in the scan) and E > 32 (several).
+pub fn moe_sort_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx; // exact
+    let mut cases: Vec<(usize, usize, usize, Vec<u32>)> = vec![
+        (41, 4, 12, uneven_ids(41, 4, 12)),
+        (9, 2, 6, uneven_ids(9, 2, 6)),
+        (100, 8, 70, uneven_ids(100, 8, 70)),
+    ];
+    // Exactly 32 tokens for expert 3, 65 for expert 1, none for the rest.
+    let (t, k) = (97, 1);
+    cases.push((t, k, 40, (0..t).map(|i| if i < 32 { 3 } else { 1 }).collect()));
+    for (t, k, e, ids) in cases {
+        let want = moe_sort_reference(&ids, e);
+        let m = &*dev;
+        let ib = ids_buf(m, &ids);
+        let p = MoeParams {
+            tokens: t as u32,
+            top_k: k as u32,
+        };
+        let got = m.moe_sort(&p, &ib, e).unwrap();
+        assert_eq!(got.blocks, want.blocks, "moe_sort blocks T={t} K={k} E={e}");
+        assert_eq!(got.order, want.order, "moe_sort order T={t} K={k} E={e}");
+        assert_eq!(got.pos, want.pos, "moe_sort pos T={t} K={k} E={e}");
+    }
+}
+
+/// Expert e's tokens of `ids` [T, K].
+fn tokens_per_expert(ids: &[u32], e: usize) -> Vec<usize> {
+    let mut n = vec![0; e];
+    for &i in ids {
+        n[i as usize] += 1;
+    }
+    n
+}
+
+/// The prefill path of `moe_experts` (T above `moe_gemm_tokens`): histogram, scan, scatter and
+/// block map on the GPU, expert GEMMs over 32-row blocks. Shapes: an expert with more than 32
+/// tokens (two blocks, the second partial), experts with a handful of tokens, experts with none
+/// (ids of the last experts never chosen), I and D that leave partial 32-row tiles and partial
+/// K steps (D = 70: a tail past the last 8 columns), 4-bit and dense weights; the sorted path
+/// must also agree with the per-token kernels it replaces, and repeat bit for bit.
+pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // (format, scales, D, I, E, T, K)
+    let cases = [
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96, 12, 41, 4),
+        (Format::BF16, DType::F32, 70, 36, 6, 9, 2),
+        (Format::Affine { bits: 8, group: 16 }, DType::F16, 80, 48, 9, 70, 3),
+    ];
+    for (format, sd, d, inter, e, t, k) in cases {
+        let fused = matrix(format, sd, e * 2 * inter, d, 120);
+        let mut gate = fused.clone();
+        (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
+        let mut up = gate.clone();
+        up.row_offset = inter;
+        let mut down = matrix(format, sd, e * d, inter, 121);
+        (down.experts, down.rows, down.expert_stride) = (e, d, d);
+        let x = patterned(t * d, 122, -1.0, 1.0);
+        let ids = uneven_ids(t, k, e);
+        let n = tokens_per_expert(&ids, e);
+        assert!(n[0] == t && n[e - 1] == 0 && n[e - 2] == 0, "{n:?}");
+        let w = patterned(t * k, 123, 0.0, 1.0);
+        let what = format!("moe_experts sorted {format:?} E={e} T={t} K={k} per expert {n:?}");
+        let go = |b: &Metal<X>| {
+            let (g, u, dn) = (
+                b.upload_matrix(&gate).unwrap(),
+                b.upload_matrix(&up).unwrap(),
+                b.upload_matrix(&down).unwrap(),
+            );
+            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
+            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+            let mut out = b.alloc(t * d).unwrap();
+            let p = MoeParams {
+                tokens: t as u32,
+                top_k: k as u32,
+            };
+            b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+            b.finish().unwrap();
+            read_all(b, &out, t * d)
+        };
+        let want = {
+            let b = Cpu::reference();
+            let (g, u, dn) = (
+                b.upload_matrix(&gate).unwrap(),
+                b.upload_matrix(&up).unwrap(),
+                b.upload_matrix(&down).unwrap(),
+            );
+            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(&b, &ids));
+            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+            let mut out = b.alloc(t * d).unwrap();
+            let p = MoeParams {
+                tokens: t as u32,
+                top_k: k as u32,
+            };
+            b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+            read_all(&b, &out, t * d)
+        };
+        let saved = dev.moe_gemm_tokens;
+        dev.moe_gemm_tokens = 8;
+        let sorted = go(dev);
+        let again = go(dev);
+        dev.moe_gemm_tokens = u32::MAX;
+        let per_token = go(dev);
+        dev.moe_gemm_tokens = saved;
+        assert_close(&sorted, &want, tolx * TOL, &what);
+        assert_close(
+            &sorted,
+            &per_token,
+            tolx * TOL,
+            &format!("{what} vs the per-token kernels"),
+        );
+        assert!(
+            sorted.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: two runs differ"
+        );
     }
 }
 

@@ -29,7 +29,19 @@ pub struct EmbedParams {
     pub tokens: u32,
 }
 
+/// The expert-sorted prefill path of `moe_experts`: `experts` E, the T tokens cut into
+/// `token_blocks` sort blocks of `sort_tokens` tokens, at most `max_blocks` expert row blocks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSortDesc {
+    pub experts: u32,
+    pub token_blocks: u32,
+    pub sort_tokens: u32,
+    pub max_blocks: u32,
+}
+
 const _: () = assert!(size_of::<MatrixDesc>() == 32);
+const _: () = assert!(size_of::<MoeSortDesc>() == 16);
 const _: () = assert!(size_of::<AttentionSplit>() == 8);
 const _: () = assert!(size_of::<EmbedParams>() == 4);
 

@@ -35,9 +35,11 @@ const PER_WEIGHT: &[&str] = &[
     "embed",
     "moe_gate_up",
     "moe_down",
+    "moe_gemm_gate_up",
+    "moe_gemm_down",
 ];
 
-/// Kernels on f32 activations only.
+/// Kernels instantiated once (f32 activations, u32 routing indices).
 const F32_ONLY: &[&str] = &[
     "add_f32",
     "attention_f32",
@@ -46,7 +48,11 @@ const F32_ONLY: &[&str] = &[
     "delta_net_f32",
     "kv_store_f32",
     "moe_combine_f32",
+    "moe_combine_sorted_f32",
+    "moe_histogram_u32",
     "moe_route_f32",
+    "moe_scan_u32",
+    "moe_scatter_u32",
     "qk_norm_rope_f32",
     "rms_norm_f32",
     "rms_norm_gated_f32",

@@ -20,7 +20,7 @@ pub mod sim;
 use std::{collections::HashMap, sync::Mutex};
 
 use args::bytes_of;
-pub use args::{AttentionSplit, EmbedParams, MatrixDesc};
+pub use args::{AttentionSplit, EmbedParams, MatrixDesc, MoeSortDesc};
 pub use executor::{Arg, Executor, Grid};
 
 use super::{params::*, Backend};
@@ -53,6 +53,8 @@ pub struct MetalMatrix<X: Executor> {
     data: (X::Buffer, usize, usize),
     groups: Option<[(X::Buffer, usize, usize); 2]>,
     desc: MatrixDesc,
+    /// Experts stacked in the matrix (1 for a plain matrix).
+    experts: u32,
     /// Host-name suffix of the weight format (`q4_bf16`, `bf16`, ...).
     suffix: &'static str,
 }
@@ -62,6 +64,9 @@ struct Stream<X: Executor> {
     error: Option<Error>,
     /// Attention split partials, grown on demand.
     scratch: Option<MetalBuf<X>>,
+    /// u32 routing scratch of the expert-sorted MoE prefill, grown on demand (to the largest
+    /// chunk seen; see `moe_experts_sorted`).
+    moe_scratch: Option<MetalBuf<X>>,
 }
 
 pub struct Metal<X: Executor> {
@@ -73,6 +78,10 @@ pub struct Metal<X: Executor> {
     /// Single-token attention over more cache rows than this uses the split layout
     /// (default 256; `LILY_METAL_SPLIT_ROWS` overrides it).
     pub split_rows: u32,
+    /// `moe_experts` over more tokens than this runs the expert-sorted GEMM path (histogram,
+    /// scan, scatter, block map and expert GEMMs, all on the GPU); otherwise the per-token
+    /// kernels (decode). Default 8; `LILY_METAL_MOE_GEMM_TOKENS` overrides it.
+    pub moe_gemm_tokens: u32,
 }
 
 #[cfg(unix)]
@@ -146,6 +155,10 @@ impl<X: Executor> Metal<X> {
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
             .unwrap_or(256);
+        let moe_gemm_tokens = std::env::var("LILY_METAL_MOE_GEMM_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(8);
         Ok(Metal {
             x,
             pipelines,
@@ -153,9 +166,11 @@ impl<X: Executor> Metal<X> {
                 enc: None,
                 error: None,
                 scratch: None,
+                moe_scratch: None,
             }),
             dummy,
             split_rows,
+            moe_gemm_tokens,
         })
     }
 
@@ -316,6 +331,7 @@ impl<X: Executor> Backend for Metal<X> {
             data: (b, off, m.data.len()),
             groups,
             desc,
+            experts: too_big(m.experts.max(1))?,
             suffix,
         })
     }
@@ -770,6 +786,9 @@ impl<X: Executor> Backend for Metal<X> {
         if !self.fits("moe_experts", &checks) {
             return;
         }
+        if t > self.moe_gemm_tokens as usize && gate.experts <= 1024 {
+            return self.moe_experts_sorted(p, x, ids, weights, gate, up, down, tmp, out);
+        }
         // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
         let act_bytes = t * k * i * 4;
         let act = Arg::Buf(&tmp.buf, 0, act_bytes);
@@ -853,5 +872,231 @@ impl<X: Executor> Backend for Metal<X> {
             &args,
             rows_grid(p.dim as usize, p.tokens as usize),
         );
+    }
+}
+
+/// Rows of one expert block of the sorted MoE path (`MOE_TILE` in moe.metal).
+const MOE_TILE: usize = 32;
+/// Tokens per sort block of `moe_histogram` / `moe_scatter`.
+const MOE_SORT_TOKENS: usize = 32;
+
+/// Where the regions of the sorted-MoE routing scratch lie: (first element, elements) in u32.
+#[derive(Clone, Copy, Debug)]
+struct MoeSortLayout {
+    count: (usize, usize),
+    blocks: (usize, usize),
+    hist: (usize, usize),
+    order: (usize, usize),
+    pos: (usize, usize),
+    max_blocks: usize,
+}
+
+/// The routing of the sorted MoE path, read back (`Metal::moe_sort`, for tests).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeSorted {
+    /// (expert, first sorted row, rows) of each 32-row block, in order.
+    pub blocks: Vec<[u32; 3]>,
+    /// Sorted row -> pair t*K + k.
+    pub order: Vec<u32>,
+    /// Pair t*K + k -> sorted row.
+    pub pos: Vec<u32>,
+}
+
+impl<X: Executor> Metal<X> {
+    /// Encode the routing of the sorted MoE path for ids [T, K] over `experts` experts:
+    /// `moe_histogram` (pairs per expert per sort block), `moe_scan` (sorted row offsets and the
+    /// block map) and `moe_scatter` (order / pos). The scratch buffer and its layout.
+    fn encode_moe_sort(
+        &self,
+        p: &MoeParams,
+        ids: &MetalBuf<X>,
+        experts: usize,
+    ) -> Option<(MetalBuf<X>, MoeSortLayout)> {
+        let (t, k, e) = (p.tokens as usize, p.top_k as usize, experts);
+        let pairs = t * k;
+        let token_blocks = t.div_ceil(MOE_SORT_TOKENS);
+        let max_blocks = pairs.div_ceil(MOE_TILE) + e.min(pairs);
+        if e == 0 || e > 1024 {
+            self.fail(format!(
+                "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
+            ));
+            return None;
+        }
+        if !self.fits("moe_experts", &[("ids", ids.len, pairs)]) {
+            return None;
+        }
+        let sd = MoeSortDesc {
+            experts: e as u32,
+            token_blocks: token_blocks as u32,
+            sort_tokens: MOE_SORT_TOKENS as u32,
+            max_blocks: max_blocks as u32,
+        };
+        // count [4] | blocks [max_blocks, 4] | hist [token_blocks, E] | order [T*K] | pos [T*K]
+        let mut at = 0;
+        let mut next = |n: usize| {
+            at += n;
+            (at - n, n)
+        };
+        let l = MoeSortLayout {
+            count: next(4),
+            blocks: next(4 * max_blocks),
+            hist: next(token_blocks * e),
+            order: next(pairs),
+            pos: next(pairs),
+            max_blocks,
+        };
+        let sc = self.moe_scratch(at)?;
+        let region = |r: (usize, usize)| Arg::Buf(&sc.buf, r.0 * 4, r.1 * 4);
+        let pb = || Arg::Bytes(bytes_of(p));
+        let sb = || Arg::Bytes(bytes_of(&sd));
+        let sort_grid = Grid::Threads {
+            threads: [e as u32, token_blocks as u32, 1],
+            size: [64, 1, 1],
+        };
+        self.encode("moe_histogram_u32", &[pb(), sb(), ids.arg(), region(l.hist)], sort_grid);
+        let scan = Grid::Groups {
+            count: [1, 1, 1],
+            size: [(e.div_ceil(32) * 32) as u32, 1, 1],
+        };
+        let args = [pb(), sb(), region(l.hist), region(l.count), region(l.blocks)];
+        self.encode("moe_scan_u32", &args, scan);
+        let args = [pb(), sb(), ids.arg(), region(l.hist), region(l.order), region(l.pos)];
+        self.encode("moe_scatter_u32", &args, sort_grid);
+        Some((sc, l))
+    }
+
+    /// Run the routing of the sorted MoE path alone and read it back (tests: the kernels
+    /// `moe_histogram`, `moe_scan` and `moe_scatter` against a plain counting sort).
+    pub fn moe_sort(&self, p: &MoeParams, ids: &MetalBuf<X>, experts: usize) -> Result<MoeSorted> {
+        let enc = self.encode_moe_sort(p, ids, experts);
+        self.flush()?;
+        let Some((sc, l)) = enc else {
+            return Err(Error::Device("moe_sort: nothing encoded".into()));
+        };
+        let get = |r: (usize, usize)| -> Result<Vec<u32>> {
+            let mut v = vec![0f32; r.1];
+            self.read(&sc, r.0, &mut v)?;
+            Ok(v.iter().map(|x| x.to_bits()).collect())
+        };
+        let n = get(l.count)?[0] as usize;
+        let blocks = get(l.blocks)?.chunks(4).take(n).map(|b| [b[0], b[1], b[2]]).collect();
+        Ok(MoeSorted {
+            blocks,
+            order: get(l.order)?,
+            pos: get(l.pos)?,
+        })
+    }
+
+    /// The u32 routing scratch of the sorted MoE path, at least `need` elements (grown, never
+    /// shrunk; one buffer for every layer: the command stream runs the layers in order).
+    fn moe_scratch(&self, need: usize) -> Option<MetalBuf<X>> {
+        let mut s = self.lock();
+        if s.moe_scratch.as_ref().is_none_or(|b| b.len < need) {
+            match self.x.new_buffer(need * 4) {
+                Ok(buf) => s.moe_scratch = Some(MetalBuf { buf, len: need }),
+                Err(e) => {
+                    s.error.get_or_insert(e);
+                    return None;
+                }
+            }
+        }
+        s.moe_scratch.as_ref().map(|b| MetalBuf {
+            buf: b.buf.clone(),
+            len: b.len,
+        })
+    }
+
+    /// `moe_experts` for prefill: route-sorted expert GEMMs, with no CPU round-trip. The pairs
+    /// p = t*K + k are counted per expert (`moe_histogram`), scanned into per-expert row offsets
+    /// and a map of 32-row blocks (`moe_scan`), scattered into expert-sorted order
+    /// (`moe_scatter`); each block then runs gate/up + SwiGLU (`moe_gemm_gate_up`, into
+    /// act [T*K, I] of `tmp`) and down (`moe_gemm_down`, into y [T*K, D] of `tmp`) with the
+    /// weights dequantized tile by tile, and `moe_combine_sorted` sums the K rows of each token
+    /// in slot order. The block grids are sized for the worst case (`max_blocks`); the
+    /// threadgroups past the block count return at once.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_sorted(
+        &self,
+        p: &MoeParams,
+        x: &MetalBuf<X>,
+        ids: &MetalBuf<X>,
+        weights: &MetalBuf<X>,
+        gate: &MetalMatrix<X>,
+        up: &MetalMatrix<X>,
+        down: &MetalMatrix<X>,
+        tmp: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let (t, k) = (p.tokens as usize, p.top_k as usize);
+        let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
+        let pairs = t * k;
+        let Some((sc, l)) = self.encode_moe_sort(p, ids, gate.experts as usize) else {
+            return;
+        };
+        let region = |r: (usize, usize)| Arg::Buf(&sc.buf, r.0 * 4, r.1 * 4);
+        let (count, blocks, order, pos) = (
+            || region(l.count),
+            || region(l.blocks),
+            || region(l.order),
+            || region(l.pos),
+        );
+        let max_blocks = l.max_blocks;
+        let pb = || Arg::Bytes(bytes_of(p));
+        // tmp = [act [T*K, I] | y [T*K, D]], both in sorted row order.
+        let act_bytes = pairs * i * 4;
+        let act = || Arg::Buf(&tmp.buf, 0, act_bytes);
+        let y = || Arg::Buf(&tmp.buf, act_bytes, pairs * d * 4);
+        let tile = MOE_TILE * MOE_TILE * 4;
+        let [gw, gs, gb] = self.weights(gate);
+        let [uw, us, ub] = self.weights(up);
+        let args = [
+            pb(),
+            Arg::Bytes(bytes_of(&gate.desc)),
+            Arg::Bytes(bytes_of(&up.desc)),
+            gw,
+            gs,
+            gb,
+            uw,
+            us,
+            ub,
+            x.arg(),
+            count(),
+            blocks(),
+            order(),
+            act(),
+        ];
+        let grid = Grid::Groups {
+            count: [ceil_div(i, MOE_TILE), max_blocks as u32, 1],
+            size: [128, 1, 1],
+        };
+        self.encode_tg(
+            &format!("moe_gemm_gate_up_{}", gate.suffix),
+            &args,
+            grid,
+            &[tile, tile, tile],
+        );
+        let [dw, ds, db] = self.weights(down);
+        let args = [
+            pb(),
+            Arg::Bytes(bytes_of(&down.desc)),
+            dw,
+            ds,
+            db,
+            count(),
+            blocks(),
+            act(),
+            y(),
+        ];
+        let grid = Grid::Groups {
+            count: [ceil_div(d, MOE_TILE), max_blocks as u32, 1],
+            size: [128, 1, 1],
+        };
+        self.encode_tg(&format!("moe_gemm_down_{}", down.suffix), &args, grid, &[tile, tile]);
+        let rows = RowsParams {
+            tokens: p.tokens,
+            dim: d as u32,
+        };
+        let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), pos(), y(), out.arg()];
+        self.encode("moe_combine_sorted_f32", &args, rows_grid(d, t));
     }
 }
