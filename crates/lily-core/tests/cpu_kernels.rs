@@ -1,104 +1,14 @@
 //! Every production CPU kernel against its plain-loop reference twin, through the `Backend`
 //! interface, on shapes with partial blocks and every weight format.
 
+mod common;
+
+use common::{assert_close, matrix, rand_vec};
 use lily_core::{
     backend::{cpu::Cpu, params::*, Backend},
-    quant::{Format, Groups, Matrix},
-    safetensors::{Bytes, DType},
+    quant::{Format, Matrix},
+    safetensors::DType,
 };
-
-/// Deterministic pseudo-random values in [lo, hi) (xorshift; no dependency needed).
-fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
-
-/// Max |a - b| relative to max |b|, with the index, for messages.
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let (i, err) = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .enumerate()
-        .fold((0, 0f32), |m, (i, e)| if e > m.1 || e.is_nan() { (i, e) } else { m });
-    assert!(a.iter().all(|x| x.is_finite()), "{what}: non-finite output");
-    assert!(
-        err <= tol * scale,
-        "{what}: max |diff| {err:.3e} at {i} (scale {scale:.3e}, tol {tol:.1e})"
-    );
-}
-
-fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect()
-}
-
-/// A [experts, rows, cols] matrix of random values in `format` (quantized the MLX affine way).
-fn matrix(experts: usize, rows: usize, cols: usize, format: Format, seed: u64) -> Matrix {
-    let n = experts * rows * cols;
-    let vals = rand_vec(n, seed, -1.0, 1.0);
-    let (data, groups) = match format {
-        Format::F32 => (vals.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
-        Format::F16 => (
-            vals.iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                .collect(),
-            None,
-        ),
-        Format::BF16 => (bf16_bytes(&vals), None),
-        Format::Affine { bits, group } => {
-            let levels = ((1u32 << bits) - 1) as f32;
-            let mut words = vec![0u32; n * bits as usize / 32];
-            let (mut scales, mut biases) = (Vec::new(), Vec::new());
-            for (g, chunk) in vals.chunks(group).enumerate() {
-                let (lo, hi) = chunk
-                    .iter()
-                    .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                // Alternate the sign of the scale, as MLX does for half of the groups.
-                let (s, b) = if g % 2 == 0 {
-                    ((hi - lo) / levels, lo)
-                } else {
-                    ((lo - hi) / levels, hi)
-                };
-                let (s, b) = (half::bf16::from_f32(s).to_f32(), half::bf16::from_f32(b).to_f32());
-                scales.push(s);
-                biases.push(b);
-                for (j, &x) in chunk.iter().enumerate() {
-                    let q = ((x - b) / s).round().clamp(0.0, levels) as u32;
-                    let bit = (g * group + j) * bits as usize;
-                    words[bit / 32] |= q << (bit % 32);
-                }
-            }
-            (
-                words.iter().flat_map(|w| w.to_le_bytes()).collect(),
-                Some(Groups {
-                    dtype: DType::BF16,
-                    scales: Bytes::from_slice(&bf16_bytes(&scales)),
-                    biases: Bytes::from_slice(&bf16_bytes(&biases)),
-                }),
-            )
-        }
-    };
-    Matrix {
-        name: "test".into(),
-        format,
-        experts,
-        rows,
-        cols,
-        expert_stride: rows,
-        row_offset: 0,
-        data: Bytes::from_slice(&data),
-        groups,
-    }
-}
 
 const FORMATS: [Format; 7] = [
     Format::F32,
@@ -119,7 +29,7 @@ fn matmul_matches_reference() {
     let (fast, refr) = both();
     for (fi, &format) in FORMATS.iter().enumerate() {
         for &(n, k, t, row0) in &[(37, 128, 1, 0), (70, 256, 5, 2), (16, 384, 19, 0)] {
-            let w = matrix(1, n, k, format, 11 + fi as u64);
+            let w = matrix(1, n, k, format, DType::BF16, 11 + fi as u64);
             let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
             let p = MatmulParams {
                 tokens: t as u32,
@@ -136,7 +46,7 @@ fn matmul_matches_reference() {
 #[test]
 fn dequant_matches_reference() {
     for (fi, &format) in FORMATS.iter().enumerate() {
-        let m = matrix(2, 9, 256, format, 3 + fi as u64);
+        let m = matrix(2, 9, 256, format, DType::BF16, 3 + fi as u64);
         let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
         for (e, r) in [(0, 0), (1, 8), (1, 3)] {
             lily_core::backend::cpu::kernels::dequant_row(&m, m.stored_row(e, r), &mut a);
@@ -149,7 +59,7 @@ fn dequant_matches_reference() {
 #[test]
 fn embed_matches_reference() {
     let (fast, refr) = both();
-    let table = matrix(1, 50, 128, Format::Affine { bits: 4, group: 64 }, 7);
+    let table = matrix(1, 50, 128, Format::Affine { bits: 4, group: 64 }, DType::BF16, 7);
     let ids = vec![0u32, 49, 7, 7, 23];
     let (mut a, mut b) = (vec![0f32; 5 * 128], vec![0f32; 5 * 128]);
     fast.embed(5, &table, &ids, &mut a);
@@ -369,9 +279,9 @@ fn moe_matches_reference() {
             );
         }
         for format in [Format::BF16, Format::Affine { bits: 4, group: 64 }] {
-            let gate = matrix(e, i, d, format, 21);
-            let up = matrix(e, i, d, format, 22);
-            let down = matrix(e, d, i, format, 23);
+            let gate = matrix(e, i, d, format, DType::BF16, 21);
+            let up = matrix(e, i, d, format, DType::BF16, 22);
+            let down = matrix(e, d, i, format, DType::BF16, 23);
             let x = rand_vec(t * d, 24, -1.0, 1.0);
             let mp = MoeParams {
                 tokens: t as u32,
@@ -390,7 +300,7 @@ fn moe_matches_reference() {
 fn fused_gate_up_views_select_the_right_rows() {
     // HF stores gate_up [E, 2I, D]; the gate view is rows 0..I of each expert, up rows I..2I.
     let (e, i, d) = (3, 4, 64);
-    let full = matrix(e, 2 * i, d, Format::BF16, 5);
+    let full = matrix(e, 2 * i, d, Format::BF16, DType::BF16, 5);
     let view = |off| Matrix {
         rows: i,
         expert_stride: 2 * i,

@@ -10,13 +10,16 @@ use std::{
     },
 };
 
+mod common;
+
+use common::{assert_close, matrix, rand_vec};
 use lily_core::{
     backend::{
         cpu::{gemm, kernels, reference, simd, simd::Isa},
         params::*,
     },
-    quant::{Format, Groups, Matrix},
-    safetensors::{Bytes, DType},
+    quant::{Format, Matrix},
+    safetensors::DType,
 };
 
 /// Counts every allocation, so a test can check that warm decode kernels make none.
@@ -47,94 +50,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
-
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let err = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(a.iter().all(|x| x.is_finite()), "{what}: non-finite output");
-    assert!(
-        err <= tol * scale,
-        "{what}: max |diff| {err:.3e} (scale {scale:.3e}, tol {tol:.1e})"
-    );
-}
-
-fn half_bytes(v: &[f32], dtype: DType) -> Vec<u8> {
-    v.iter()
-        .flat_map(|x| match dtype {
-            DType::F16 => half::f16::from_f32(*x).to_le_bytes(),
-            _ => half::bf16::from_f32(*x).to_le_bytes(),
-        })
-        .collect()
-}
-
-/// A random [experts, rows, cols] matrix; affine scales of both signs, in `sdtype`.
-fn matrix(experts: usize, rows: usize, cols: usize, format: Format, sdtype: DType, seed: u64) -> Matrix {
-    let n = experts * rows * cols;
-    let vals = rand_vec(n, seed, -1.0, 1.0);
-    let (data, groups) = match format {
-        Format::F32 => (vals.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
-        Format::F16 => (half_bytes(&vals, DType::F16), None),
-        Format::BF16 => (half_bytes(&vals, DType::BF16), None),
-        Format::Affine { bits, group } => {
-            let levels = ((1u32 << bits) - 1) as f32;
-            let mut words = vec![0u32; n * bits as usize / 32];
-            let (mut sc, mut bi) = (Vec::new(), Vec::new());
-            for (g, chunk) in vals.chunks(group).enumerate() {
-                let (lo, hi) = chunk
-                    .iter()
-                    .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-                let (s, b) = if g % 2 == 0 {
-                    ((hi - lo) / levels, lo)
-                } else {
-                    ((lo - hi) / levels, hi)
-                };
-                sc.push(s);
-                bi.push(b);
-                for (j, &x) in chunk.iter().enumerate() {
-                    let q = ((x - b) / s).round().clamp(0.0, levels) as u32;
-                    let bit = (g * group + j) * bits as usize;
-                    words[bit / 32] |= q << (bit % 32);
-                }
-            }
-            let enc = |v: &[f32]| match sdtype {
-                DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
-                d => half_bytes(v, d),
-            };
-            (
-                words.iter().flat_map(|w| w.to_le_bytes()).collect(),
-                Some(Groups {
-                    dtype: sdtype,
-                    scales: Bytes::from_slice(&enc(&sc)),
-                    biases: Bytes::from_slice(&enc(&bi)),
-                }),
-            )
-        }
-    };
-    Matrix {
-        name: "test".into(),
-        format,
-        experts,
-        rows,
-        cols,
-        expert_stride: rows,
-        row_offset: 0,
-        data: Bytes::from_slice(&data),
-        groups,
-    }
 }
 
 const FORMATS: &[(Format, DType)] = &[
