@@ -213,3 +213,19 @@ def lily():
 @pytest.fixture(scope="session")
 def tiny_hf(ckpts) -> Path:
     return ckpts.path("tiny-s0")
+
+
+# `lily synth` overrides for a small checkpoint with the real per-head shapes (bench / eval tests).
+TINY_SYNTH = ["hidden_size=256", "num_experts=16", "vocab_size=1024", "linear_num_key_heads=2",
+              "linear_num_value_heads=4", "num_attention_heads=16", "num_key_value_heads=2",
+              "moe_intermediate_size=128", "shared_expert_intermediate_size=128", "max_position_embeddings=4096"]
+
+
+@pytest.fixture(scope="session")
+def tiny_synth(tmp_path_factory) -> Path:
+    """A 4-layer `lily synth` checkpoint (MLX 4-bit layout), written once per session."""
+    from lily import synth
+
+    out = tmp_path_factory.mktemp("synth") / "tiny"
+    synth.synthesize(out, None, layers=4, sets=TINY_SYNTH, progress=False)
+    return out

@@ -8,25 +8,6 @@ from pathlib import Path
 import pytest
 from lily import bench, synth
 
-TINY = ["hidden_size=256", "num_experts=16", "vocab_size=1024", "linear_num_key_heads=2", "linear_num_value_heads=4",
-        "num_attention_heads=16", "num_key_value_heads=2", "moe_intermediate_size=128",
-        "shared_expert_intermediate_size=128", "max_position_embeddings=4096"]
-
-
-def lily_core_available() -> bool:
-    try:
-        import lily._lily as core
-    except ImportError:
-        return False
-    return not getattr(core, "__lily_stub__", False)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "tiny"
-    synth.synthesize(out, None, layers=4, sets=TINY, progress=False)
-    return out
-
 
 def header_only_checkpoint(folder: Path, **kw) -> Path:
     """The full-size checkpoint's files with headers only (sparse: no disk used for the data)."""
@@ -77,9 +58,9 @@ def check_records(data, lengths, compare=False):
     assert data["meta"]["machine"]["cpu_count"] >= 1
 
 
-def test_bench_protocol_with_mlx_lm(tiny, tmp_path, capsys):
+def test_bench_protocol_with_mlx_lm(tiny_synth, tmp_path, capsys):
     js = tmp_path / "b.json"
-    rc = bench.main([str(tiny), "--engine", "mlx-lm", "--mlx-dtype", "float32", "--lengths", "32,64",
+    rc = bench.main([str(tiny_synth), "--engine", "mlx-lm", "--mlx-dtype", "float32", "--lengths", "32,64",
                      "--decode-steps", "4", "--json", str(js), "--bandwidth-mib", "64", "--same-process"])
     assert rc == 0
     out = capsys.readouterr().out
@@ -87,20 +68,20 @@ def test_bench_protocol_with_mlx_lm(tiny, tmp_path, capsys):
     check_records(json.loads(js.read_text()), [32, 64])
 
 
-def test_plot(tiny, tmp_path):
+def test_plot(tiny_synth, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "b.png"
-    assert bench.main([str(tiny), "--engine", "mlx-lm", "--mlx-dtype", "float32", "--lengths", "16,32",
+    assert bench.main([str(tiny_synth), "--engine", "mlx-lm", "--mlx-dtype", "float32", "--lengths", "16,32",
                        "--decode-steps", "2", "--rounds", "1", "--plot", str(png), "--bandwidth-mib", "64",
                        "--same-process", "-q"]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.skipif(not lily_core_available(), reason="lily core not built")
-def test_bench_lily_compare_mlx_lm(tiny, tmp_path):
+def test_bench_lily_compare_mlx_lm(tiny_synth, tmp_path):
     js = tmp_path / "b.json"
-    rc = bench.main([str(tiny), "--backend", "cpu", "--lengths", "32,128", "--decode-steps", "8", "--json", str(js),
-                     "--compare", "mlx-lm", "--mlx-dtype", "float32", "--bandwidth-mib", "64", "-q"])
+    rc = bench.main([str(tiny_synth), "--backend", "cpu", "--lengths", "32,128", "--decode-steps", "8",
+                     "--json", str(js), "--compare", "mlx-lm", "--mlx-dtype", "float32", "--bandwidth-mib", "64",
+                     "-q"])
     assert rc == 0
     data = json.loads(js.read_text())
     check_records(data, [32, 128], compare=True)
@@ -116,10 +97,10 @@ def test_cli_errors(tmp_path, capsys):
     assert "Traceback" not in err and err.count("lily bench: error:") == 3
 
 
-def test_worker_failure_is_one_line(tiny, tmp_path, capsys):
+def test_worker_failure_is_one_line(tiny_synth, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
-    for f in tiny.iterdir():
+    for f in tiny_synth.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     st = bad / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-4096])  # truncated data, intact header

@@ -7,26 +7,6 @@ import json
 import numpy as np
 import pytest
 from lily import eval as leval
-from lily import synth
-
-TINY = ["hidden_size=256", "num_experts=16", "vocab_size=1024", "linear_num_key_heads=2", "linear_num_value_heads=4",
-        "num_attention_heads=16", "num_key_value_heads=2", "moe_intermediate_size=128",
-        "shared_expert_intermediate_size=128", "max_position_embeddings=4096"]
-
-
-def lily_core_available() -> bool:
-    try:
-        import lily._lily as core
-    except ImportError:
-        return False
-    return not getattr(core, "__lily_stub__", False)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval") / "tiny"
-    synth.synthesize(out, None, layers=4, sets=TINY, progress=False)
-    return out
 
 
 def test_metrics():
@@ -48,50 +28,49 @@ def test_metrics():
         leval.compare(a, a[:, :10], None)
 
 
-def test_mlx_against_itself_and_saved_reference(tiny, tmp_path, capsys):
+def test_mlx_against_itself_and_saved_reference(tiny_synth, tmp_path, capsys):
     ref = tmp_path / "ref.npz"
     js = tmp_path / "e.json"
-    assert leval.main([str(tiny), "--engine", "mlx-lm", "--positions", "40", "--mode", "mixed",
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--positions", "40", "--mode", "mixed",
                        "--save-reference", str(ref), "--json", str(js)]) == 0
     m = json.loads(js.read_text())["metrics"]
     assert m["positions"] == 40 and m["top1_agreement"] == 1.0 and m["max_abs_logit_diff"] < 1e-4
     z = np.load(ref)
     assert z["logits"].shape == (40, 1024) and z["tokens"].shape == (41,)
     # the saved reference against MLX-LM's bf16 path: close, not equal
-    assert leval.main([str(tiny), "--engine", "mlx-lm", "--reference", str(ref), "--mlx-dtype", "native",
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--reference", str(ref), "--mlx-dtype", "native",
                        "--json", str(js), "--min-top1", "0.5"]) == 0
     m = json.loads(js.read_text())["metrics"]
     assert 0 < m["max_abs_logit_diff"] < 3 and m["kl_mean"] < 0.1
     assert "top-1 agreement" in capsys.readouterr().out
 
 
-def test_text(tiny, tmp_path):
+def test_text(tiny_synth, tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("Lily runs Qwen3.6 on a laptop. " * 4)
     js = tmp_path / "e.json"
-    assert leval.main([str(tiny), "--engine", "mlx-lm", "--text", str(txt), "--positions", "50",
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--text", str(txt), "--positions", "50",
                        "--json", str(js)]) == 0
     data = json.loads(js.read_text())
     assert data["metrics"]["positions"] == 50 and data["meta"]["tokens"] == "text t.txt"
 
 
-@pytest.mark.skipif(not lily_core_available(), reason="lily core not built")
 @pytest.mark.parametrize("mode", ["prefill", "mixed"])
-def test_lily_matches_mlx_lm(tiny, tmp_path, mode):
+def test_lily_matches_mlx_lm(tiny_synth, tmp_path, mode):
     js = tmp_path / "e.json"
-    rc = leval.main([str(tiny), "--backend", "cpu", "--positions", "64", "--mode", mode, "--json", str(js),
+    rc = leval.main([str(tiny_synth), "--backend", "cpu", "--positions", "64", "--mode", mode, "--json", str(js),
                      "--min-top1", "0.9"])
     m = json.loads(js.read_text())["metrics"]
     assert rc == 0, m
     assert m["kl_mean"] < 2e-3, m
 
 
-def test_cli_errors(tiny, tmp_path, capsys):
+def test_cli_errors(tiny_synth, tmp_path, capsys):
     assert leval.main([str(tmp_path)]) == 2
-    assert leval.main([str(tiny), "--reference", str(tmp_path / "missing.npz")]) == 2
+    assert leval.main([str(tiny_synth), "--reference", str(tmp_path / "missing.npz")]) == 2
     bad = tmp_path / "bad.npz"
     np.savez(bad, logits=np.zeros((3, 1024), np.float32), tokens=np.zeros(9, np.int32))
-    assert leval.main([str(tiny), "--reference", str(bad)]) == 2
-    assert leval.main([str(tiny), "--text", str(tmp_path / "none.txt"), "--engine", "mlx-lm"]) == 2
+    assert leval.main([str(tiny_synth), "--reference", str(bad)]) == 2
+    assert leval.main([str(tiny_synth), "--text", str(tmp_path / "none.txt"), "--engine", "mlx-lm"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("lily eval: error:") == 4
