@@ -811,6 +811,9 @@ inline int _run_group(const uint3 tgpig, const uint3 tptg, const uint3 tgpg, con
 // dispatchThreadgroups(tg_count, tg_size)  if grid_threads == 0 (uniform);
 // otherwise dispatchThreads(grid_threads, tg_size) with non-uniform edge groups.
 namespace mtl_rt {
+// Fiber order of the dispatches this OS thread makes next: -1 MTL_SCHED decides, 0 forward,
+// 1 reverse (mtl_set_schedule).
+inline thread_local int g_schedule = -1;
 // Guarded copies: each buffer is copied so that its last byte sits right before a
 // PROT_NONE page; any read/write past the end faults and is reported.
 struct Guarded { char *base; size_t total; char *data; void *user; size_t n; };
@@ -871,7 +874,7 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
   Ctx *c = new Ctx();
   g_ctx = c;
   c->fn = fn;
-  c->reverse = getenv("MTL_SCHED") && !strcmp(getenv("MTL_SCHED"), "reverse");
+  c->reverse = g_schedule >= 0 ? g_schedule == 1 : getenv("MTL_SCHED") && !strcmp(getenv("MTL_SCHED"), "reverse");
   uint3 tptg = uint3(tg_size[0], tg_size[1], tg_size[2]);
   uint3 tgpg;
   uint3 grid;
@@ -917,6 +920,9 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
   }
   return rc;
 }
+// The fiber order of this OS thread's next mtl_dispatch calls: -1 (default) as MTL_SCHED says,
+// 0 forward, 1 reverse. Lets a test run one dispatch reversed without touching the environment.
+extern "C" __attribute__((visibility("default"))) void mtl_set_schedule(int mode) { mtl_rt::g_schedule = mode; }
 #define MTL_EXPORT(name)                                                          \
   static void _mtl_call_##name() { name(); }                                      \
   extern "C" __attribute__((visibility("default"))) void (*mtl_kernel_##name())() { return &_mtl_call_##name; }

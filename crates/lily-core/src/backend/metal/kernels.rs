@@ -44,6 +44,8 @@ const F32_ONLY: &[&str] = &[
     "add_f32",
     "attention_f32",
     "attention_reduce_f32",
+    "delta_net_chunk_f32",
+    "delta_net_chunk_prep_f32",
     "delta_net_conv_f32",
     "delta_net_f32",
     "kv_store_f32",

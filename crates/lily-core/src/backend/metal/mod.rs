@@ -67,6 +67,9 @@ struct Stream<X: Executor> {
     /// u32 routing scratch of the expert-sorted MoE prefill, grown on demand (to the largest
     /// chunk seen; see `moe_experts_sorted`).
     moe_scratch: Option<MetalBuf<X>>,
+    /// f32 intra-chunk matrices of the chunked DeltaNet prefill, grown on demand (to the largest
+    /// chunk seen; see `delta_net_chunked`).
+    delta_scratch: Option<MetalBuf<X>>,
 }
 
 pub struct Metal<X: Executor> {
@@ -82,6 +85,10 @@ pub struct Metal<X: Executor> {
     /// scan, scatter, block map and expert GEMMs, all on the GPU); otherwise the per-token
     /// kernels (decode). Default 8; `LILY_METAL_MOE_GEMM_TOKENS` overrides it.
     pub moe_gemm_tokens: u32,
+    /// `delta_net` over at least this many tokens runs the chunked prefill kernels
+    /// (`delta_net_chunk_prep` + `delta_net_chunk`); fewer run the step recurrence
+    /// (`delta_net`). Default one chunk (32); `LILY_METAL_DELTA_CHUNK_TOKENS` overrides it.
+    pub delta_net_chunk_tokens: u32,
 }
 
 #[cfg(unix)]
@@ -159,6 +166,11 @@ impl<X: Executor> Metal<X> {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(8);
+        let delta_net_chunk_tokens = std::env::var("LILY_METAL_DELTA_CHUNK_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(DN_CHUNK as u32);
         Ok(Metal {
             x,
             pipelines,
@@ -167,10 +179,12 @@ impl<X: Executor> Metal<X> {
                 error: None,
                 scratch: None,
                 moe_scratch: None,
+                delta_scratch: None,
             }),
             dummy,
             split_rows,
             moe_gemm_tokens,
+            delta_net_chunk_tokens,
         })
     }
 
@@ -708,6 +722,9 @@ impl<X: Executor> Backend for Metal<X> {
         if !self.fits("delta_net", &checks) {
             return;
         }
+        if t > 0 && t >= self.delta_net_chunk_tokens as usize {
+            return self.delta_net_chunked(p, qkv, a, b, a_log, dt_bias, state, out);
+        }
         let args = [
             Arg::Bytes(bytes_of(p)),
             qkv.arg(),
@@ -990,17 +1007,27 @@ impl<X: Executor> Metal<X> {
     /// The u32 routing scratch of the sorted MoE path, at least `need` elements (grown, never
     /// shrunk; one buffer for every layer: the command stream runs the layers in order).
     fn moe_scratch(&self, need: usize) -> Option<MetalBuf<X>> {
+        self.grown_scratch(need, |s| &mut s.moe_scratch)
+    }
+
+    /// The scratch buffer `slot` picks out of the stream, at least `need` elements (grown, never
+    /// shrunk); a handle to it, or `None` with the allocation error recorded.
+    fn grown_scratch(
+        &self,
+        need: usize,
+        slot: impl Fn(&mut Stream<X>) -> &mut Option<MetalBuf<X>>,
+    ) -> Option<MetalBuf<X>> {
         let mut s = self.lock();
-        if s.moe_scratch.as_ref().is_none_or(|b| b.len < need) {
+        if slot(&mut s).as_ref().is_none_or(|b| b.len < need) {
             match self.x.new_buffer(need * 4) {
-                Ok(buf) => s.moe_scratch = Some(MetalBuf { buf, len: need }),
+                Ok(buf) => *slot(&mut s) = Some(MetalBuf { buf, len: need }),
                 Err(e) => {
                     s.error.get_or_insert(e);
                     return None;
                 }
             }
         }
-        s.moe_scratch.as_ref().map(|b| MetalBuf {
+        slot(&mut s).as_ref().map(|b| MetalBuf {
             buf: b.buf.clone(),
             len: b.len,
         })
@@ -1098,5 +1125,73 @@ impl<X: Executor> Metal<X> {
         };
         let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), pos(), y(), out.arg()];
         self.encode("moe_combine_sorted_f32", &args, rows_grid(d, t));
+    }
+}
+
+/// Tokens per chunk of the chunked DeltaNet prefill (`DN_CHUNK` in delta_net.metal).
+const DN_CHUNK: usize = 32;
+/// Value columns per threadgroup of `delta_net_chunk_f32` (`DN_COLS`).
+const DN_COLS: usize = 16;
+
+/// f32 elements of the chunked-DeltaNet scratch block of one (value head, chunk), as
+/// `dn_layout` in delta_net.metal: -W, Qg, Kd [32, Dkp], U [32, Dvp], M [32, 32], the chunk
+/// decay and 3 floats of padding (Dkp, Dvp: Dk, Dv rounded up to 32).
+fn delta_net_block(dk: usize, dv: usize) -> usize {
+    DN_CHUNK * (3 * dk.next_multiple_of(32) + dv.next_multiple_of(32) + DN_CHUNK) + 4
+}
+
+impl<X: Executor> Metal<X> {
+    /// `delta_net` for prefill: the chunked form (architecture.md 6.1) in chunks of 32 tokens.
+    /// `delta_net_chunk_prep` builds every chunk's intra-chunk matrices at once (threadgroups
+    /// over chunks x value heads) into the DeltaNet scratch, then `delta_net_chunk` carries the
+    /// state through the chunks in order (threadgroups over 16-column blocks of the state x
+    /// value heads). The caller has checked the shapes and buffer sizes.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net_chunked(
+        &self,
+        p: &DeltaNetParams,
+        qkv: &MetalBuf<X>,
+        a: &MetalBuf<X>,
+        b: &MetalBuf<X>,
+        a_log: &MetalBuf<X>,
+        dt_bias: &MetalBuf<X>,
+        state: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        let (t, hv, dk, dv) = (
+            p.tokens as usize,
+            p.value_heads as usize,
+            p.key_dim as usize,
+            p.value_dim as usize,
+        );
+        let chunks = t.div_ceil(DN_CHUNK);
+        let need = hv * chunks * delta_net_block(dk, dv);
+        let Some(sc) = self.grown_scratch(need, |s| &mut s.delta_scratch) else {
+            return;
+        };
+        let scratch = || Arg::Buf(&sc.buf, 0, need * 4);
+        let pb = || Arg::Bytes(bytes_of(p));
+        let args = [pb(), qkv.arg(), a.arg(), b.arg(), a_log.arg(), dt_bias.arg(), scratch()];
+        let tile = DN_CHUNK * DN_CHUNK * 4;
+        self.encode_tg(
+            "delta_net_chunk_prep_f32",
+            &args,
+            Grid::Groups {
+                count: [chunks as u32, hv as u32, 1],
+                size: [128, 1, 1],
+            },
+            &[4 * DN_CHUNK * 4, 2 * tile, 2 * tile],
+        );
+        let state_block = dk.next_multiple_of(32) * DN_COLS * 4;
+        let cols = DN_CHUNK * DN_COLS * 4;
+        self.encode_tg(
+            "delta_net_chunk_f32",
+            &[pb(), scratch(), state.arg(), out.arg()],
+            Grid::Groups {
+                count: [ceil_div(dv, DN_COLS), hv as u32, 1],
+                size: [128, 1, 1],
+            },
+            &[state_block, cols, cols],
+        );
     }
 }

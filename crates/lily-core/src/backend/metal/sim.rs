@@ -6,14 +6,18 @@
 //! Libraries are cached under `$LILY_METAL_SIM_CACHE` (default: `<tmp>/lily-metal-sim`) by a
 //! hash of the sources, the prelude and the flags. `LILY_METAL_SIM_CXX` overrides `clang++-19`;
 //! `LILY_METAL_SIM_BOUNDS=0` turns the guard-page copies off (faster, no overrun detection);
-//! `MTL_SCHED=reverse` runs the threads of a threadgroup in reverse order.
+//! `MTL_SCHED=reverse` runs the threads of a threadgroup in reverse order (`Sim::set_reverse`
+//! sets it for one device).
 
 use std::{
     ffi::{c_int, c_ulong, c_void},
     path::{Path, PathBuf},
     process::Command,
     ptr::NonNull,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{
+        atomic::{AtomicI32, Ordering},
+        Arc, Mutex, OnceLock,
+    },
 };
 
 use super::{
@@ -60,6 +64,7 @@ type DispatchFn = unsafe extern "C" fn(
     *const c_ulong,
     c_int,
 ) -> c_int;
+type ScheduleFn = unsafe extern "C" fn(c_int);
 
 /// Host memory standing in for a shared-storage `MTLBuffer`.
 pub struct SimAlloc {
@@ -81,6 +86,7 @@ impl Drop for SimAlloc {
 pub struct SimPipeline {
     kernel: *const c_void,
     dispatch: DispatchFn,
+    schedule: ScheduleFn,
     _lib: Arc<libloading::Library>,
 }
 
@@ -93,6 +99,7 @@ pub struct Recorded {
     name: String,
     kernel: *const c_void,
     dispatch: DispatchFn,
+    schedule: ScheduleFn,
     args: Vec<RecArg>,
     grid: Grid,
     tg_mem: Vec<usize>,
@@ -109,6 +116,8 @@ pub enum RecArg {
 pub struct Sim {
     libs: Vec<Arc<libloading::Library>>,
     bounds_check: bool,
+    /// Fiber order of the dispatches: -1 as `MTL_SCHED` says, 0 forward, 1 reverse.
+    schedule: AtomicI32,
 }
 
 impl Sim {
@@ -163,7 +172,20 @@ impl Sim {
             libs.push(load(&so)?);
         }
         let bounds_check = std::env::var("LILY_METAL_SIM_BOUNDS").map_or(true, |v| v != "0");
-        Ok(Sim { libs, bounds_check })
+        Ok(Sim {
+            libs,
+            bounds_check,
+            schedule: AtomicI32::new(-1),
+        })
+    }
+
+    /// Run the threads of each threadgroup in reverse (`Some(true)`) or forward order, or as
+    /// `MTL_SCHED` says (`None`, the default), for the dispatches committed from now on: a
+    /// kernel that depends on the order in which its threads run (a missing barrier) gives a
+    /// different result reversed.
+    pub fn set_reverse(&self, reverse: Option<bool>) {
+        let mode = reverse.map_or(-1, |r| r as i32);
+        self.schedule.store(mode, Ordering::Relaxed);
     }
 }
 
@@ -350,9 +372,13 @@ impl Executor for Sim {
                     let dispatch = *lib
                         .get::<DispatchFn>(b"mtl_dispatch")
                         .map_err(|e| Error::Device(format!("metal-sim: no mtl_dispatch: {e}")))?;
+                    let schedule = *lib
+                        .get::<ScheduleFn>(b"mtl_set_schedule")
+                        .map_err(|e| Error::Device(format!("metal-sim: no mtl_set_schedule: {e}")))?;
                     return Ok(SimPipeline {
                         kernel: get(),
                         dispatch,
+                        schedule,
                         _lib: lib.clone(),
                     });
                 }
@@ -387,6 +413,7 @@ impl Executor for Sim {
             name: name.to_string(),
             kernel: p.kernel,
             dispatch: p.dispatch,
+            schedule: p.schedule,
             args,
             grid,
             tg_mem: tg_mem.to_vec(),
@@ -432,8 +459,10 @@ impl Executor for Sim {
                 continue; // an empty grid runs nothing, as on the device
             }
             // SAFETY: pointers and sizes describe live buffers (held by `r`) in slot order, the
-            // kernel pointer comes from the library that exports `dispatch`.
+            // kernel pointer comes from the library that exports `dispatch` and `schedule`
+            // (which only sets a thread-local of that library for this thread's dispatches).
             let rc = unsafe {
+                (r.schedule)(self.schedule.load(Ordering::Relaxed));
                 (r.dispatch)(
                     r.kernel,
                     count.as_ptr(),
