@@ -15,6 +15,12 @@ if ! command -v clang++-19 >/dev/null; then
     sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq && $sudo apt-get install -y -qq clang-19 >/dev/null
 fi
+# qemu + a cross linker run the CPU kernels' arm64 (NEON / sdot) paths on this x86_64 machine.
+if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null; then
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq qemu-user gcc-aarch64-linux-gnu >/dev/null
+fi
+rustup target add aarch64-unknown-linux-gnu >/dev/null
 export LILY_REQUIRE_METAL_SIM=1  # a missing simulator fails the Metal tests instead of skipping them
 
 step "build and install the package (editable, release)"
@@ -23,7 +29,15 @@ python3 -m pip install -q --no-build-isolation -e .
 step "rust: fmt, clippy, tests"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test -p lily-core --release --locked
+LILY_EXPECT_DOTS="$(grep -q avx512_vnni /proc/cpuinfo && echo Vnni512,Maddubs512,Maddubs256)" \
+    cargo test -p lily-core --release --locked
+
+step "rust: CPU kernels on arm64 (qemu): every NEON path against its twin"
+CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
+LILY_EXPECT_DOTS=NeonSdot \
+    cargo test -p lily-core --release --locked --target aarch64-unknown-linux-gnu \
+    --test cpu_int8 --test cpu_simd --test cpu_kernels
 
 step "python: ruff, stub check"
 python3 -m ruff check python tests

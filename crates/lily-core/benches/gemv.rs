@@ -124,6 +124,7 @@ fn peak_gflops(isa: Isa, reps: usize) -> f64 {
 }
 
 /// 16 independent FMA chains (enough to cover latency x ports) for `iters` rounds.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn fma_chains(isa: Isa, iters: usize) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {

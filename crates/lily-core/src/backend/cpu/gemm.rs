@@ -90,7 +90,6 @@ fn gemv_chunk(rows: usize, row_bytes: usize) -> usize {
 /// Layout: `m` rows packed as stored; x [cols]; out [rows]. Threads: contiguous row ranges.
 /// Accumulation: f32 per row, affine groups in the form sum_g s_g (q . x)_g + b_g sum_g x.
 pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
-    let g_n = m.groups_per_row();
     if !simd::has_row_kernel(m) {
         // Formats without a fused kernel (2-bit): dequantize each row, then dot.
         let chunk = gemv_chunk(out.len(), m.bytes_per_row());
@@ -106,9 +105,13 @@ pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
     }
     with_caller(simd::prep_len(m), |buf| {
         simd::prepare(isa, m, x, buf);
-        let xr = simd::view(m, x, buf);
+        let xr = simd::view(isa, m, x, buf);
         let chunk = gemv_chunk(out.len(), m.bytes_per_row());
-        let run = |c: usize, o: &mut [f32]| with_task(2 * g_n, |sb| gemv_rows(isa, m, e, c * chunk, xr, sb, o));
+        let run = |c: usize, o: &mut [f32]| {
+            with_task(simd::row_scratch_len(m), |sb| {
+                gemv_rows(isa, m, e, c * chunk, xr, sb, o)
+            })
+        };
         if chunk >= out.len() {
             run(0, out); // one task: skip the pool round trip
         } else {

@@ -611,10 +611,10 @@ fn moe_decode(
 ) {
     let (d, inter) = (gate.cols, gate.rows);
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
-    let sb_len = 2 * gate.groups_per_row().max(down.groups_per_row());
+    let sb_len = simd::row_scratch_len(gate).max(simd::row_scratch_len(down));
     with_caller(simd::prep_len(gate), |buf| {
         simd::prepare(isa, gate, &x[..d], buf);
-        let xr = simd::view(gate, &x[..d], buf);
+        let xr = simd::view(isa, gate, &x[..d], buf);
         let blocks = inter.div_ceil(MOE_DECODE_ROWS);
         (0..k_n * blocks).into_par_iter().for_each(|task| {
             let (slot, blk) = (task / blocks, task % blocks);
@@ -645,7 +645,7 @@ fn moe_decode(
         (0..k_n * blocks).into_par_iter().for_each(|task| {
             let (slot, blk) = (task / blocks, task % blocks);
             let e = ids[slot] as usize;
-            let xr = simd::view(down, &act[slot * inter..][..inter], &buf[slot * pl..][..pl]);
+            let xr = simd::view(isa, down, &act[slot * inter..][..inter], &buf[slot * pl..][..pl]);
             let rows = blk * rows_per..((blk + 1) * rows_per).min(d);
             let rn = rows.len();
             with_task(sb_len + rn, |scr| {

@@ -4,6 +4,7 @@
 //! whole forward pass can be compared too.
 
 pub mod gemm;
+pub mod int8;
 pub mod kernels;
 pub mod reference;
 pub mod simd;

@@ -8,19 +8,16 @@
 //! - a 4 x 4 register-blocked dot tile (4 weight rows x 4 activation rows) for prefill GEMM;
 //! - fast row dequantization into f32 (GEMM tiles, embedding rows).
 //!
-//! 4-bit rows are multiplied against a *permuted* copy of x: the low nibbles of a block of `W`
-//! bytes hold elements 0, 2, .., 2W-2 and the high nibbles 1, 3, .., 2W-1, so unpacking a block
-//! yields one vector of even and one of odd elements. Permuting x once per call ([`permute_q4`],
-//! W = [`Isa::q4_block`]) saves an interleave per weight block. The group form
-//! y = sum_g s_g (sum_j q_j x_j) + b_g (sum_j x_j) needs per-group sums of x ([`group_sums`]);
-//! the AVX-512 4-bit kernel instead looks the exact weights s_g q + b_g up in a 16-entry register
-//! table per group, which needs neither the int->float converts nor the per-group scale pass.
+//! 4-bit rows are multiplied by x written as integer planes, with the CPU's byte dot products
+//! ([`int8`]); 8-bit and dense rows dequantize in registers against f32 x. The affine group form
+//! y = sum_g s_g (sum_j q_j x_j) + b_g (sum_j x_j) needs per-group sums of x ([`group_sums`]).
 //!
-//! On arm64 the portable paths are written as fixed-width lane loops that LLVM vectorizes to NEON
-//! (a baseline feature there); hand-written NEON kernels are not done yet.
+//! On arm64 the 4-bit dot uses `sdot` (hand-written); the other paths are fixed-width lane loops
+//! that LLVM vectorizes to NEON (a baseline feature there).
 
 use std::sync::OnceLock;
 
+use super::int8::{self, Dot};
 use crate::{
     quant::{read_scalar, Format, Matrix},
     safetensors::DType,
@@ -115,26 +112,6 @@ impl Isa {
             }
         })
     }
-
-    /// Bytes per 4-bit unpack block (the `W` of the x permutation).
-    pub fn q4_block(self) -> usize {
-        match self {
-            Isa::Avx512 => 16,
-            _ => 8,
-        }
-    }
-}
-
-/// x permuted for 4-bit rows unpacked `w` bytes at a time: within each block of 2w elements, the
-/// even elements first, then the odd ones.
-#[inline]
-pub fn permute_q4(x: &[f32], w: usize, out: &mut [f32]) {
-    for (xb, ob) in x.chunks_exact(2 * w).zip(out.chunks_exact_mut(2 * w)) {
-        for i in 0..w {
-            ob[i] = xb[2 * i];
-            ob[w + i] = xb[2 * i + 1];
-        }
-    }
 }
 
 /// Per-group sums of x (the bias term of the affine group form).
@@ -205,57 +182,85 @@ pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// One prepared activation row for [`row_dot`]: x itself, x permuted for 4-bit rows (empty when
-/// the matrix is not 4-bit) and per-group sums (empty for dense matrices).
+/// One prepared activation row for [`row_dot`]: x itself, per-group sums of x (the affine bias
+/// term; empty for dense matrices) and, for 4-bit rows, x as integer planes ([`int8`]).
 #[derive(Clone, Copy)]
 pub struct XRow<'a> {
     pub x: &'a [f32],
-    pub perm: &'a [f32],
     pub gsum: &'a [f32],
+    pub q4: Option<Q4x<'a>>,
 }
 
-/// Scratch floats [`prepare`] needs for a matrix with `cols` inputs.
+/// x prepared for [`int8::dot`]: the kernel, plane-0 steps per group, the int8 planes.
+#[derive(Clone, Copy)]
+pub struct Q4x<'a> {
+    pub dot: Dot,
+    pub dx: &'a [f32],
+    pub xq: &'a [i8],
+}
+
+/// The int8 kernel for 4-bit rows of `m` (None for other formats).
+fn q4_dot_kind(isa: Isa, m: &Matrix) -> Option<Dot> {
+    match m.format {
+        Format::Affine { bits: 4, group } if has_row_kernel(m) && group % 8 == 0 => Dot::pick(isa, m.cols),
+        _ => None,
+    }
+}
+
+/// Scratch floats [`prepare`] needs for a matrix with `cols` inputs: group sums, then for 4-bit
+/// rows the plane steps and the planes (`PLANES * cols` bytes).
 pub fn prep_len(m: &Matrix) -> usize {
-    m.cols + m.groups_per_row()
+    2 * m.groups_per_row() + (int8::PLANES * m.cols).div_ceil(4)
+}
+
+/// Per-row scratch floats [`row_dot`] needs: the row's scales and biases as f32, and the 4-bit
+/// lane scales (`cols / 8`).
+pub fn row_scratch_len(m: &Matrix) -> usize {
+    2 * m.groups_per_row() + m.cols.div_ceil(8)
 }
 
 /// Fill `buf` (at least [`prep_len`]) with what [`row_dot`] needs for `m` and x.
 pub fn prepare(isa: Isa, m: &Matrix, x: &[f32], buf: &mut [f32]) {
-    let (perm, gsum) = buf.split_at_mut(m.cols);
-    if let Format::Affine { bits, group } = m.format {
+    let g_n = m.groups_per_row();
+    let (gsum, rest) = buf.split_at_mut(g_n);
+    let (dx, planes) = rest.split_at_mut(g_n);
+    if let Format::Affine { group, .. } = m.format {
         if has_row_kernel(m) {
-            group_sums(&x[..m.cols], group, &mut gsum[..m.groups_per_row()]);
-            if bits == 4 {
-                permute_q4(&x[..m.cols], isa.q4_block(), perm);
+            group_sums(&x[..m.cols], group, gsum);
+            if let Some(dot) = q4_dot_kind(isa, m) {
+                int8::quantize(isa, dot, &x[..m.cols], group, dx, as_i8(planes));
             }
         }
     }
 }
 
-/// The view of x and a buffer filled by [`prepare`].
-pub fn view<'a>(m: &Matrix, x: &'a [f32], buf: &'a [f32]) -> XRow<'a> {
-    let (perm, gsum) = buf.split_at(m.cols);
-    match m.format {
-        Format::Affine { bits: 4, .. } => XRow {
-            x,
-            perm,
-            gsum: &gsum[..m.groups_per_row()],
-        },
-        Format::Affine { .. } => XRow {
-            x,
-            perm: &[],
-            gsum: &gsum[..m.groups_per_row()],
-        },
-        _ => XRow {
-            x,
-            perm: &[],
-            gsum: &[],
-        },
+/// The i8 view of a float scratch buffer.
+fn as_i8(v: &mut [f32]) -> &mut [i8] {
+    // SAFETY: same allocation, 4 bytes per f32, i8 has no alignment or validity requirement.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut i8, v.len() * 4) }
+}
+
+/// The view of x and a buffer filled by [`prepare`] (with the same `isa`).
+pub fn view<'a>(isa: Isa, m: &Matrix, x: &'a [f32], buf: &'a [f32]) -> XRow<'a> {
+    let g_n = m.groups_per_row();
+    let q4 = q4_dot_kind(isa, m).map(|dot| {
+        let planes = &buf[2 * g_n..];
+        Q4x {
+            dot,
+            dx: &buf[g_n..2 * g_n],
+            // SAFETY: as in `as_i8`.
+            xq: unsafe { std::slice::from_raw_parts(planes.as_ptr() as *const i8, planes.len() * 4) },
+        }
+    });
+    XRow {
+        x,
+        gsum: &buf[..g_n],
+        q4,
     }
 }
 
-/// Row `stored` of `m` times the prepared x, f32 accumulation. `sb` is scratch of 2 * groups
-/// floats (row scales and biases as f32). `m` must have a row kernel ([`has_row_kernel`]).
+/// Row `stored` of `m` times the prepared x, f32 accumulation. `sb` is scratch of
+/// [`row_scratch_len`] floats. `m` must have a row kernel ([`has_row_kernel`]).
 /// Always inlined, so callers compiled per ISA vectorize the scale conversion too.
 #[inline(always)]
 pub fn row_dot(isa: Isa, m: &Matrix, stored: usize, x: XRow, sb: &mut [f32]) -> f32 {
@@ -265,60 +270,23 @@ pub fn row_dot(isa: Isa, m: &Matrix, stored: usize, x: XRow, sb: &mut [f32]) -> 
         Format::Affine { bits, group } => {
             let g_n = k / group;
             let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
-            let (s, b) = sb[..2 * g_n].split_at_mut(g_n);
+            let (s, rest) = sb.split_at_mut(g_n);
+            let (b, cl) = rest.split_at_mut(g_n);
             scalars_f32(sd, scales, s);
             scalars_f32(sd, biases, b);
-            #[cfg(target_arch = "x86_64")]
-            if bits == 4 && isa == Isa::Avx512 {
-                assert!(data.len() * 2 >= k && x.perm.len() >= k);
-                // SAFETY: ISA available; the row's k elements and k permuted x values exist.
-                return unsafe {
-                    x86::q4_dot_table_avx512(data.as_ptr(), s.as_ptr(), b.as_ptr(), x.perm.as_ptr(), g_n, group)
-                };
-            }
             let bias_term = dot_portable(b, x.gsum);
-            bias_term
-                + if bits == 4 {
-                    q4_dot(isa, data, s, x.perm, group)
-                } else {
-                    q8_dot(isa, data, s, x.x, group)
+            match x.q4 {
+                Some(q) if bits == 4 => {
+                    int8::lane_scales(s, q.dx, group, &mut cl[..k / 8]);
+                    bias_term + int8::dot(q.dot, data, q.xq, cl)
                 }
+                _ => bias_term + q8_dot(isa, data, s, x.x, group),
+            }
         }
         Format::BF16 => dense_dot(isa, DType::BF16, data, &x.x[..k]),
         Format::F16 => dense_dot(isa, DType::F16, data, &x.x[..k]),
         Format::F32 => dense_dot(isa, DType::F32, data, &x.x[..k]),
     }
-}
-
-/// sum_g s_g sum_{j in g} q_j xp_j over a 4-bit row (`xp` permuted for `isa`).
-#[inline]
-pub fn q4_dot(isa: Isa, data: &[u8], s: &[f32], xp: &[f32], group: usize) -> f32 {
-    let g_n = s.len();
-    assert!(data.len() * 2 >= g_n * group && xp.len() >= g_n * group);
-    match isa {
-        // SAFETY: ISA available; lengths checked above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::q4_dot_avx512(data.as_ptr(), s.as_ptr(), xp.as_ptr(), g_n, group) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::q4_dot_avx2(data.as_ptr(), s.as_ptr(), xp.as_ptr(), g_n, group) },
-        _ => q4_dot_portable(data, s, xp, group),
-    }
-}
-
-pub fn q4_dot_portable(data: &[u8], s: &[f32], xp: &[f32], group: usize) -> f32 {
-    let mut tot = 0f32;
-    for (g, &sg) in s.iter().enumerate() {
-        let mut acc = [0f32; 8];
-        let wb = &data[g * group / 2..][..group / 2];
-        let xg = &xp[g * group..][..group];
-        for (bytes, xs) in wb.chunks_exact(8).zip(xg.chunks_exact(16)) {
-            for i in 0..8 {
-                acc[i] += (bytes[i] & 15) as f32 * xs[i] + (bytes[i] >> 4) as f32 * xs[8 + i];
-            }
-        }
-        tot += sg * acc.iter().sum::<f32>();
-    }
-    tot
 }
 
 /// sum_g s_g sum_{j in g} q_j x_j over an 8-bit row.
@@ -587,145 +555,6 @@ mod x86 {
             s
         }
     }
-
-    // -- 4-bit -----------------------------------------------------------------------------------
-
-    /// sum_{j in group g} q_j xp_j as a vector (16-byte blocks; see q4_dot_avx512).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    #[inline]
-    unsafe fn q4_group_avx512(w: *const u8, xp: *const f32, g: usize, group: usize) -> __m512 {
-        unsafe {
-            let mask = _mm512_set1_epi32(15);
-            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let mut off = g * group;
-            while off < (g + 1) * group {
-                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2) as *const __m128i));
-                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
-                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-                a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp.add(off)), a0);
-                a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(off + 16)), a1);
-                off += 32;
-            }
-            _mm512_add_ps(a0, a1)
-        }
-    }
-
-    /// 4-bit row: per group, blocks of 16 bytes widen to 16 u32 lanes; `& 15` gives the even
-    /// elements, `>> 4` the odd ones, matched by the x permutation of block 16. Then
-    /// total += s_g * group partial, two groups per iteration into two register totals (named
-    /// variables: an indexed array of vectors would live in memory).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn q4_dot_avx512(w: *const u8, s: *const f32, xp: *const f32, groups: usize, group: usize) -> f32 {
-        unsafe {
-            let (mut t0, mut t1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let mut g = 0;
-            while g + 2 <= groups {
-                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q4_group_avx512(w, xp, g, group), t0);
-                t1 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g + 1)), q4_group_avx512(w, xp, g + 1, group), t1);
-                g += 2;
-            }
-            if g < groups {
-                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q4_group_avx512(w, xp, g, group), t0);
-            }
-            _mm512_reduce_add_ps(_mm512_add_ps(t0, t1))
-        }
-    }
-
-    /// 4-bit row with the dequantization folded into a lookup: per group, a 16-entry table
-    /// T[q] = s_g q + b_g (the exact reference weights) in one register; `vpermps` indexes it with
-    /// the low 4 bits of each lane, so the even elements need no mask or int->float convert and
-    /// the odd ones one shift. 6 vector ops per 32 weights, no per-group scale or bias pass.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn q4_dot_table_avx512(
-        w: *const u8,
-        s: *const f32,
-        b: *const f32,
-        xp: *const f32,
-        groups: usize,
-        group: usize,
-    ) -> f32 {
-        unsafe {
-            let iota = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
-            let (mut a0, mut a1, mut a2, mut a3) = (
-                _mm512_setzero_ps(),
-                _mm512_setzero_ps(),
-                _mm512_setzero_ps(),
-                _mm512_setzero_ps(),
-            );
-            for g in 0..groups {
-                let table = _mm512_fmadd_ps(iota, _mm512_set1_ps(*s.add(g)), _mm512_set1_ps(*b.add(g)));
-                let mut off = g * group;
-                while off + 64 <= (g + 1) * group {
-                    _mm_prefetch::<_MM_HINT_T0>(w.add(off / 2 + PREFETCH) as *const i8);
-                    let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2) as *const __m128i));
-                    let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2 + 16) as *const __m128i));
-                    a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, table), _mm512_loadu_ps(xp.add(off)), a0);
-                    a1 = _mm512_fmadd_ps(
-                        _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), table),
-                        _mm512_loadu_ps(xp.add(off + 16)),
-                        a1,
-                    );
-                    a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, table), _mm512_loadu_ps(xp.add(off + 32)), a2);
-                    a3 = _mm512_fmadd_ps(
-                        _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), table),
-                        _mm512_loadu_ps(xp.add(off + 48)),
-                        a3,
-                    );
-                    off += 64;
-                }
-                if off < (g + 1) * group {
-                    let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(w.add(off / 2) as *const __m128i));
-                    a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, table), _mm512_loadu_ps(xp.add(off)), a0);
-                    a1 = _mm512_fmadd_ps(
-                        _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), table),
-                        _mm512_loadu_ps(xp.add(off + 16)),
-                        a1,
-                    );
-                }
-            }
-            _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn q4_group_avx2(w: *const u8, xp: *const f32, g: usize, group: usize) -> __m256 {
-        unsafe {
-            let mask = _mm256_set1_epi32(15);
-            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut off = g * group;
-            while off < (g + 1) * group {
-                _mm_prefetch::<_MM_HINT_T0>(w.add(off / 2 + PREFETCH) as *const i8);
-                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(off / 2) as *const __m128i));
-                let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
-                let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xp.add(off)), a0);
-                a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xp.add(off + 8)), a1);
-                off += 16;
-            }
-            _mm256_add_ps(a0, a1)
-        }
-    }
-
-    /// 4-bit row, AVX2: blocks of 8 bytes (x permuted with block 8).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_dot_avx2(w: *const u8, s: *const f32, xp: *const f32, groups: usize, group: usize) -> f32 {
-        unsafe {
-            let (mut t0, mut t1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut g = 0;
-            while g + 2 <= groups {
-                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q4_group_avx2(w, xp, g, group), t0);
-                t1 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g + 1)), q4_group_avx2(w, xp, g + 1, group), t1);
-                g += 2;
-            }
-            if g < groups {
-                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q4_group_avx2(w, xp, g, group), t0);
-            }
-            hsum256(_mm256_add_ps(t0, t1))
-        }
-    }
-
-    // -- 8-bit -----------------------------------------------------------------------------------
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[inline]

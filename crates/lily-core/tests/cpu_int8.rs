@@ -1,0 +1,150 @@
+//! The integer-activation 4-bit dot ([`int8`]): every kernel this CPU has against the portable
+//! twin, the activation planes against their error bound, and the kernel choice per shape.
+//! On arm64 (CI runs this file under qemu) the `sdot` kernel is among them.
+
+mod common;
+
+use common::rand_vec;
+use lily_core::backend::cpu::{
+    int8::{self, Dot, PLANES},
+    simd::Isa,
+};
+
+/// Random packed 4-bit codes.
+fn codes(n_bytes: usize, seed: u64) -> Vec<u8> {
+    rand_vec(n_bytes, seed, 0.0, 256.0)
+        .into_iter()
+        .map(|v| v as u8)
+        .collect()
+}
+
+/// x with a few large outliers, as real activations have.
+fn activations(cols: usize, seed: u64) -> Vec<f32> {
+    let mut x = rand_vec(cols, seed, -1.0, 1.0);
+    for i in (0..cols).step_by(97) {
+        x[i] *= 60.0;
+    }
+    x
+}
+
+/// Element i of x rebuilt from the planes of `dot`'s layout: d_g (q0 + q1 / 128 + q2 / 128^2).
+fn rebuilt(dot: Dot, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
+    let b = dot.block();
+    let (blk, k) = (i / (2 * b), i % (2 * b));
+    let pos = blk * 2 * b * PLANES + (k % 2) * b + k / 2;
+    let mut v = 0f64;
+    for p in 0..PLANES {
+        v += xq[pos + p * 2 * b] as f64 / 128f64.powi(p as i32);
+    }
+    (v * dx[i / group] as f64) as f32
+}
+
+#[test]
+fn planes_rebuild_x_within_their_bound() {
+    for dot in Dot::all_available() {
+        for group in [32, 64, 128] {
+            let cols = 4 * 128;
+            let x = activations(cols, group as u64);
+            let (mut dx, mut xq) = (vec![0f32; cols / group], vec![0i8; PLANES * cols]);
+            int8::quantize(Isa::get(), dot, &x, group, &mut dx, &mut xq);
+            for (g, xg) in x.chunks_exact(group).enumerate() {
+                let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!((dx[g] - amax / 127.0).abs() <= 1e-7 * amax, "{dot:?} step of group {g}");
+                // Half a step of the last plane, plus f32 rounding of the rebuilt value.
+                let bound = amax / (127.0 * 2.0 * 128f32.powi(PLANES as i32 - 1)) + 2e-7 * amax;
+                for (j, &v) in xg.iter().enumerate() {
+                    let i = g * group + j;
+                    let err = (rebuilt(dot, &xq, &dx, group, i) - v).abs();
+                    assert!(
+                        err <= bound,
+                        "{dot:?} group {group}: element {i} off by {err:e} (bound {bound:e})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_and_tiny_groups_quantize_without_nan() {
+    let dot = Dot::pick(Isa::get(), 256).unwrap();
+    let mut x = vec![0f32; 256];
+    x[64..128].iter_mut().for_each(|v| *v = 1e-30);
+    let (mut dx, mut xq) = (vec![f32::NAN; 4], vec![1i8; PLANES * 256]);
+    int8::quantize(Isa::get(), dot, &x, 64, &mut dx, &mut xq);
+    assert_eq!(dx[0], 0.0);
+    assert!(dx.iter().all(|d| d.is_finite()));
+    let w = codes(128, 3);
+    let mut cl = vec![0f32; 32];
+    int8::lane_scales(&[1.0; 4], &dx, 64, &mut cl);
+    let y = int8::dot(dot, &w, &xq, &cl);
+    assert!(y.is_finite() && y.abs() < 1e-25, "{y}");
+}
+
+#[test]
+fn every_dot_kernel_matches_the_portable_twin() {
+    for dot in Dot::all_available() {
+        let b = dot.block();
+        // One block, an odd number (the unrolled loop's tail), a real row (2048).
+        for cols in [2 * b, 6 * b, 10 * b, 2048] {
+            for group in [32, 64, 128] {
+                if cols % group != 0 {
+                    continue;
+                }
+                let x = activations(cols, cols as u64);
+                let (mut dx, mut xq) = (vec![0f32; cols / group], vec![0i8; PLANES * cols]);
+                int8::quantize(Isa::get(), dot, &x, group, &mut dx, &mut xq);
+                let w = codes(cols / 2, 7 + cols as u64);
+                let s = rand_vec(cols / group, 9, 0.001, 0.02);
+                let mut cl = vec![0f32; cols / 8];
+                int8::lane_scales(&s, &dx, group, &mut cl);
+                let got = int8::dot(dot, &w, &xq, &cl);
+                let want = int8::dot_portable(&w, &xq, &cl, b);
+                // Same integer lane sums; only the f32 order of the lane totals differs.
+                let mag: f32 = cl.iter().map(|c| c.abs()).sum::<f32>() * 8.0 * 15.0 * 127.0;
+                assert!(
+                    (got - want).abs() <= 1e-6 * mag,
+                    "{dot:?} cols {cols} group {group}: {got} vs {want}"
+                );
+                // And the exact product of the codes with x, sum_j s_g q_j x_j (the affine
+                // bias term is added outside the kernel).
+                let exact: f64 = (0..cols)
+                    .map(|j| {
+                        let q = if j % 2 == 0 { w[j / 2] & 15 } else { w[j / 2] >> 4 };
+                        s[j / group] as f64 * q as f64 * x[j] as f64
+                    })
+                    .sum();
+                let scale: f64 = (0..cols).map(|j| s[j / group] as f64 * 15.0 * x[j].abs() as f64).sum();
+                assert!(
+                    (got as f64 - exact).abs() <= 1e-6 * scale,
+                    "{dot:?} cols {cols} group {group}: {got} vs exact {exact}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_pick_fits_the_shape_and_the_isa() {
+    for isa in Isa::all_available() {
+        for cols in [32, 64, 96, 128, 2048, 4096 + 32] {
+            let dot = Dot::pick(isa, cols).expect("every multiple of 32 has a kernel");
+            assert!(dot.available());
+            assert_eq!(cols % (2 * dot.block()), 0, "{isa:?} {cols} -> {dot:?}");
+        }
+        assert_eq!(Dot::pick(isa, 48), None);
+    }
+    assert_eq!(Dot::pick(Isa::Portable, 2048).map(|d| d.block()), Some(16));
+    // CI names the kernels its machines must have, so a detection bug cannot skip one silently.
+    for want in std::env::var("LILY_EXPECT_DOTS")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+    {
+        let all = Dot::all_available();
+        assert!(
+            all.iter().any(|d| format!("{d:?}") == want),
+            "{want} not available: {all:?}"
+        );
+    }
+}
