@@ -42,7 +42,7 @@ def test_lengths_and_fit():
 
 def test_bandwidth_is_measured():
     bw = bench.measure_bandwidth(64 << 20, repeats=2)
-    assert bw["memory_bandwidth_gbps"] > 0.1
+    assert bw["memory_bandwidth_gbps"] > 0.1 and bw["read_bandwidth_gbps"] > 0.1
 
 
 def check_records(data, lengths, compare=False):
@@ -50,7 +50,8 @@ def check_records(data, lengths, compare=False):
     assert [r["prompt_tokens"] for r in recs] == lengths
     for r in recs:
         for k in ("prefill_tok_s", "decode_tok_s", "decode_effective_gbps", "memory_bandwidth_gbps",
-                  "decode_bandwidth_fraction", "peak_memory_bytes"):
+                  "decode_bandwidth_fraction", "read_bandwidth_gbps", "decode_read_bandwidth_fraction",
+                  "peak_memory_bytes"):
             assert r[k] > 0, k
         assert len(r["decode_tok_s_rounds"]) == 2 and "decode_drift" in r
         if compare:

@@ -184,42 +184,54 @@ def machine_info() -> dict:
 
 
 def measure_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, method: str = "numpy") -> dict:
-    """Memory bandwidth in GB/s as a copy (bytes read + bytes written) / time, best of ``repeats``."""
+    """Memory bandwidth in GB/s, best of ``repeats``: as a copy ((bytes read + bytes written) / time,
+    the usual figure) and as a read (bytes read / time: what a decode step does, streaming weights)."""
     if method == "mlx":
         import mlx.core as mx
 
         n = size_bytes // 4
         a = mx.ones((n,), dtype=mx.float32)
         mx.eval(a)
-        best = math.inf
+        best, best_read = math.inf, math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
             b = a + 1.0
             mx.eval(b)
             best = min(best, time.perf_counter() - t0)
             del b
-        return {"memory_bandwidth_gbps": 2 * n * 4 / best / 1e9,
-                "bandwidth_method": f"mlx GPU copy {size_bytes >> 20} MiB"}
+            t0 = time.perf_counter()
+            mx.eval(mx.max(a))
+            best_read = min(best_read, time.perf_counter() - t0)
+        return {"memory_bandwidth_gbps": 2 * n * 4 / best / 1e9, "read_bandwidth_gbps": n * 4 / best_read / 1e9,
+                "bandwidth_method": f"mlx GPU copy / max {size_bytes >> 20} MiB"}
     from concurrent.futures import ThreadPoolExecutor
 
     n = size_bytes // 8
     src = np.ones(n, dtype=np.float64)
     dst = np.empty_like(src)
+    raw = src.view(np.uint8)
     threads = max(1, os.cpu_count() or 1)
     parts = [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
 
     def copy(p):
         np.copyto(dst[p[0]:p[1]], src[p[0]:p[1]])
 
-    best = math.inf
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(copy, parts))  # first touch
+    def read(p):  # a SIMD max over bytes: nothing but the stream of loads (numpy releases the GIL)
+        return raw[8 * p[0]:8 * p[1]].max()
+
+    def best_of(f) -> float:
+        best = math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
-            list(pool.map(copy, parts))
+            list(pool.map(f, parts))
             best = min(best, time.perf_counter() - t0)
-    return {"memory_bandwidth_gbps": 2 * n * 8 / best / 1e9,
-            "bandwidth_method": f"numpy copy {size_bytes >> 20} MiB, {threads} threads"}
+        return best
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(copy, parts))  # first touch
+        t_copy, t_read = best_of(copy), best_of(read)
+    return {"memory_bandwidth_gbps": 2 * n * 8 / t_copy / 1e9, "read_bandwidth_gbps": n * 8 / t_read / 1e9,
+            "bandwidth_method": f"numpy copy / byte max {size_bytes >> 20} MiB, {threads} threads"}
 
 
 def peak_rss_bytes() -> int:
@@ -454,6 +466,8 @@ def summarize(raw: dict, lengths: list[int], bm: dict, bw: dict, steps: int, eng
             d["decode_effective_gbps"] = bpt * d["decode_tok_s"] / 1e9
             d["memory_bandwidth_gbps"] = bw["memory_bandwidth_gbps"]
             d["decode_bandwidth_fraction"] = d["decode_effective_gbps"] / bw["memory_bandwidth_gbps"]
+            d["read_bandwidth_gbps"] = bw["read_bandwidth_gbps"]
+            d["decode_read_bandwidth_fraction"] = d["decode_effective_gbps"] / bw["read_bandwidth_gbps"]
             if eng == engines[0]:
                 rec.update(d)
                 rec["engine"] = eng
@@ -473,7 +487,8 @@ def _fmt(x, spec=",.1f"):
 
 def format_table(records: list[dict], meta: dict) -> str:
     cmp_key = "mlx_lm" if any("mlx_lm" in r for r in records) else None
-    head = ["prompt", "prefill tok/s", "decode tok/s", "drift", "MB/token", "eff GB/s", "of BW", "peak mem"]
+    head = ["prompt", "prefill tok/s", "decode tok/s", "drift", "MB/token", "eff GB/s", "of copy BW", "of read BW",
+            "peak mem"]
     if cmp_key:
         head += ["mlx-lm prefill", "mlx-lm decode", "prefill x", "decode x"]
     rows = [head]
@@ -483,6 +498,7 @@ def format_table(records: list[dict], meta: dict) -> str:
                f"{drift * 100:.1f}%" + ("" if r.get("drift_ok", True) else " !"),
                _fmt(r.get("decode_bytes_per_token", 0) / 1e6, ",.0f"), _fmt(r.get("decode_effective_gbps"), ".2f"),
                _fmt(100 * r.get("decode_bandwidth_fraction", float("nan")), ".0f") + "%",
+               _fmt(100 * r.get("decode_read_bandwidth_fraction", float("nan")), ".0f") + "%",
                _fmt((r.get("peak_memory_bytes") or float("nan")) / 1e9, ".2f") + " GB"]
         if "error" in r:
             row[1] = "error"
@@ -496,7 +512,8 @@ def format_table(records: list[dict], meta: dict) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     m = meta
     foot = (f"engine {m['engine']} backend {m.get('backend')}; {m['machine']['cpu']} ({m['machine']['cpu_count']} "
-            f"cores); memory bandwidth {m['memory_bandwidth_gbps']:.1f} GB/s ({m['bandwidth_method']}); "
+            f"cores); memory bandwidth {m['memory_bandwidth_gbps']:.1f} GB/s copy, "
+            f"{m.get('read_bandwidth_gbps', float('nan')):.1f} GB/s read ({m['bandwidth_method']}); "
             f"{m['decode_steps']} decode steps; drift = max spread of the {m['rounds']} rounds"
             + (" (! = 3 % or more)" if any(not r.get("drift_ok", True) for r in records) else ""))
     return "\n".join(lines) + "\n" + foot
@@ -553,8 +570,8 @@ def bench(args) -> int:
         method = "mlx" if args.backend == "metal" else "numpy"
     bw = measure_bandwidth(int(args.bandwidth_mib) << 20, method=method)
     if not args.quiet:
-        print(f"lily bench: memory bandwidth {bw['memory_bandwidth_gbps']:.1f} GB/s ({bw['bandwidth_method']})",
-              file=sys.stderr)
+        print(f"lily bench: memory bandwidth {bw['memory_bandwidth_gbps']:.1f} GB/s copy, "
+              f"{bw['read_bandwidth_gbps']:.1f} GB/s read ({bw['bandwidth_method']})", file=sys.stderr)
 
     from lily.synth import Progress
 
