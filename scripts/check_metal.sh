@@ -2,10 +2,12 @@
 # Metal checks that run without a Mac (needs clang-19: apt-get install -y clang-19):
 #  1. type-check every shaders/metal/*.metal in both tools/metal-sim modes (C++20 with address
 #     spaces, and clang's C++ for OpenCL 2021);
-#  2. run every kernel on the CPU simulator against its reference twin (bounds-checked), then again
-#     with the threads of each threadgroup in reverse order for the kernels using threadgroup memory;
+#  2. run every kernel (every GPU-family variant) on the CPU simulator against its reference twin
+#     (bounds-checked), one tiny-model forward pass per GPU family, then again with the threads of
+#     each threadgroup in reverse order for the kernels using threadgroup memory;
 #  3. the tiny-model oracle test end to end through backend="metal-sim" (needs the Python package
-#     built and the test requirements; skip with --no-python).
+#     built and the test requirements; skip with --no-python), also with the Apple7 variants
+#     (LILY_METAL_FAMILY=7).
 # Usage: scripts/check_metal.sh [--no-python]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +28,9 @@ echo "== kernels vs CPU reference (simulator, bounds-checked)"
 cargo test -p lily-core --release --test metal_sim
 
 echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse)"
-MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route moe_sort moe_experts_sorted matmul
+# (matmul and moe_experts_sorted run every GEMM tile variant; delta_net_chunked also has a
+# reversed twin in the plain run, delta_net_chunked_reversed_matches_cpu.)
+MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route moe_sort moe_experts_sorted matmul delta_net_chunked
 
 if [ "${1:-}" != "--no-python" ]; then
   echo "== tiny-model oracle end to end through backend=\"metal-sim\""

@@ -5,8 +5,10 @@ MLX-LM teacher-forced logits and against the CPU backend.
 Tolerances as test_oracle.py (oracle.md): fp32 activations, so max |Δlogit| <= 1e-3 vs the fp32 oracle with
 top-1 agreement, <= 1e-4 vs the same computation on the CPU backend. The simulator is slow, so sequences are
 short (the oracle's 192-token logits are sliced: position i depends only on tokens[:i + 1]) and the
-real-heads preset runs once. Needs clang-19 (``apt-get install -y clang-19``); skipped with a message where it
-is absent unless ``LILY_REQUIRE_METAL_SIM=1``.
+real-heads preset runs once. The decode test runs twice: with the kernel variants of the newest GPU
+family (the simulator's default) and with those of Apple7 (``LILY_METAL_FAMILY=7``). Needs clang-19
+(``apt-get install -y clang-19``); skipped with a message where it is absent unless
+``LILY_REQUIRE_METAL_SIM=1``.
 """
 
 from __future__ import annotations
@@ -46,9 +48,16 @@ def test_metal_sim_prefill_matches_mlx(lily, ckpts, oracle_cache, name):
     print(compare(got, ref, ORACLE_TOL, f"{name} metal-sim prefill vs MLX-LM"))
 
 
-def test_metal_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeypatch):
+@pytest.mark.parametrize("family", [None, "7"], ids=["newest", "apple7"])
+def test_metal_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeypatch, family):
     # Decode past 16 cache rows with LILY_METAL_SPLIT_ROWS=16 takes the split attention layout.
     monkeypatch.setenv("LILY_METAL_SPLIT_ROWS", "16")
+    # The simulated GPU family picks the kernel variants: the default (newest, Apple10) runs the
+    # GEMVs with 4 rows per simdgroup and 64-row GEMM tiles, Apple7 (M1) 2 rows and 32-row tiles.
+    if family is None:
+        monkeypatch.delenv("LILY_METAL_FAMILY", raising=False)
+    else:
+        monkeypatch.setenv("LILY_METAL_FAMILY", family)
     name, n_prefill = "tiny-s1-theta1e3", 24
     toks = tokens_for(ckpts, name)[:N_TOKENS]
     eng = _engine(lily, ckpts, name)
@@ -74,6 +83,12 @@ def test_metal_sim_reset_and_errors(lily, ckpts):
         eng.decode(10**6)
     with pytest.raises(lily.ContextFullError):
         eng.prefill(list(range(MAX_SEQ)))
+
+
+def test_bad_gpu_family_is_a_device_error(lily, ckpts, monkeypatch):
+    monkeypatch.setenv("LILY_METAL_FAMILY", "6")
+    with pytest.raises(lily.DeviceError, match="LILY_METAL_FAMILY"):
+        lily.Engine(str(ckpts.path("tiny-s0")), backend="metal-sim", max_seq=MAX_SEQ)
 
 
 def test_missing_compiler_is_a_device_error(lily, ckpts, monkeypatch):

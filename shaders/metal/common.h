@@ -1,5 +1,9 @@
 // Shared helpers: activation functions, weight readers (dense and MLX affine-quantized), and
-// the INSTANTIATE macro that gives each template instance its host name `<op>[_<variant>]_<dtype>`.
+// the INSTANTIATE macro that gives each template instance its host name
+// `<op>[_<path>]_<weight>[_<tile>]`: `<path>` picks the algorithm (matmul_gemv / matmul_gemm /
+// matmul_mma), `<weight>` the weight format (FOR_EACH_WEIGHT), `<tile>` the GPU-family variant of
+// the tiling (`r2` / `r4`: rows per simdgroup of a GEMV; `n32` / `n64`: weight rows per
+// threadgroup tile of a GEMM; chosen by the host's table in backend/metal/kernels.rs).
 // Activations are f32 in device memory; every reduction accumulates in f32.
 #pragma once
 #include <metal_stdlib>
@@ -99,19 +103,38 @@ template <int BITS, typename S> struct AffineW {
   }
 };
 
-// Dot product of stored row `row` (K columns) with x[0..K), reduced over the 32 lanes of one
-// simdgroup; every lane gets the sum. Lanes take 8 consecutive columns at a time.
-template <typename W>
-inline float row_dot(thread const W& wr, uint row, uint K, device const float* x, uint lane) {
-  float acc = 0.0f;
+// Dot products of R consecutive stored rows row0 .. row0 + R - 1 with x[0..K), each reduced over
+// the 32 lanes of one simdgroup (every lane gets every sum): out[r] for r < nr, nr in 1..=R; rows
+// past nr repeat row row0 + nr - 1 (loads that hit the cache, no branch in the loop) and their
+// sums are not meant to be stored. Lanes take 8 consecutive columns at a time; each x chunk is
+// loaded once for the R rows and the R weight loads are independent (more memory requests in
+// flight per lane). Row r is summed in the same order whatever R.
+// The decode GEMV kernels (matmul_gemv, moe_gate_up, moe_down) instantiate this with
+// R = 2 or 4 rows per simdgroup: the `_r2` / `_r4` host-name variants chosen per GPU family.
+template <typename W, int R>
+inline void rows_dot(thread const W& wr, uint row0, uint nr, uint K, device const float* x, uint lane,
+                     thread float* out) {
+  uint rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = row0 + min((uint)r, nr - 1);
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   const uint k8 = K / 8 * 8;
   for (uint j = lane * 8; j < k8; j += 256) {
-    float wv[8];
-    wr.load8(row, j, wv);
-    for (int i = 0; i < 8; ++i) acc += wv[i] * x[j + i];
+    float xv[8];
+    for (int i = 0; i < 8; ++i) xv[i] = x[j + i];
+    for (int r = 0; r < R; ++r) {
+      float wv[8];
+      wr.load8(rows[r], j, wv);
+      float s = 0.0f;
+      for (int i = 0; i < 8; ++i) s += wv[i] * xv[i];
+      acc[r] += s;
+    }
   }
-  for (uint j = k8 + lane; j < K; j += 32) acc += wr.at(row, j) * x[j];
-  return simd_sum(acc);
+  for (uint j = k8 + lane; j < K; j += 32) {
+    const float xj = x[j];
+    for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
+  }
+  for (int r = 0; r < R; ++r) out[r] = simd_sum(acc[r]);
 }
 
 // Weight readers by host-name suffix; FOR_EACH_WEIGHT(F) calls F(suffix) for every format

@@ -67,12 +67,14 @@ kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const fl
   }
 }
 
-// moe_gate_up: act [T*K, I] with act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
+// moe_gate_up_<w>_r<R>: act [T*K, I] with act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
 // e = ids[t*K + k]; gate/up [E, I, D] in one weight format. Bindings: 0 MoeParams,
 // 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up w/scales/biases,
-// 9 x [T, D], 10 ids [T*K], 11 act. Grid: threadgroups (ceil(I / 4), T*K), 128 threads:
-// simdgroup per output row (both dot products), lanes over D. Accumulation: f32.
-template <typename W>
+// 9 x [T, D], 10 ids [T*K], 11 act. Grid: threadgroups (ceil(I / (4 R)), T*K), 128 threads =
+// 4 simdgroups; simdgroup s owns the R rows (4 tg.x + s) R .. + R of pair tg.y (rows_dot in
+// common.h for the gate rows, then the up rows; lanes over D). R = 2 on Apple7/8, 4 on Apple9+
+// (kernels.rs). Accumulation: f32.
+template <typename W, int R>
 TKERNEL void moe_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& gm [[buffer(1)]],
                          constant MatrixDesc& um [[buffer(2)]], device const uchar* gw [[buffer(3)]],
                          device const uchar* gs [[buffer(4)]], device const uchar* gb [[buffer(5)]],
@@ -80,33 +82,40 @@ TKERNEL void moe_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDes
                          device const uchar* ub [[buffer(8)]], device const float* x [[buffer(9)]],
                          device const uint* ids [[buffer(10)]], device float* act [[buffer(11)]],
                          uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
-                         uint lane [[thread_index_in_simdgroup]]) {
-  const uint r = tg.x * 4 + sg, tk = tg.y;
-  if (r >= gm.rows) return;
+                         uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+  const uint r0 = (tg.x * nsg + sg) * R, tk = tg.y;
+  if (r0 >= gm.rows) return;  // whole simdgroup
+  const uint nr = min((uint)R, gm.rows - r0);
   const uint t = tk / p.top_k, e = ids[tk], D = gm.cols;
   const W g = W::make(gw, gs, gb, gm);
   const W u = W::make(uw, us, ub, um);
-  const float gv = row_dot(g, e * gm.expert_stride + gm.row_offset + r, D, x + (ulong)t * D, lane);
-  const float uv = row_dot(u, e * um.expert_stride + um.row_offset + r, D, x + (ulong)t * D, lane);
-  if (lane == 0) act[(ulong)tk * gm.rows + r] = silu(gv) * uv;
+  float gv[R], uv[R];
+  rows_dot<W, R>(g, e * gm.expert_stride + gm.row_offset + r0, nr, D, x + (ulong)t * D, lane, gv);
+  rows_dot<W, R>(u, e * um.expert_stride + um.row_offset + r0, nr, D, x + (ulong)t * D, lane, uv);
+  if (lane == 0)
+    for (uint r = 0; r < nr; ++r) act[(ulong)tk * gm.rows + r0 + r] = silu(gv[r]) * uv[r];
 }
 
-// moe_down: y [T*K, D] with y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Bindings:
+// moe_down_<w>_r<R>: y [T*K, D] with y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Bindings:
 // 0 MoeParams, 1 MatrixDesc, 2-4 w/scales/biases, 5 ids [T*K], 6 act [T*K, I], 7 y.
-// Grid: threadgroups (ceil(D / 4), T*K), 128 threads, simdgroup per output row. f32.
-template <typename W>
+// Grid: threadgroups (ceil(D / (4 R)), T*K), 128 threads, R rows per simdgroup as moe_gate_up.
+// Accumulation: f32.
+template <typename W, int R>
 TKERNEL void moe_down(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& m [[buffer(1)]],
                       device const uchar* w [[buffer(2)]], device const uchar* scales [[buffer(3)]],
                       device const uchar* biases [[buffer(4)]], device const uint* ids [[buffer(5)]],
                       device const float* act [[buffer(6)]], device float* y [[buffer(7)]],
                       uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
-                      uint lane [[thread_index_in_simdgroup]]) {
-  const uint r = tg.x * 4 + sg, tk = tg.y;
-  if (r >= m.rows) return;
+                      uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+  const uint r0 = (tg.x * nsg + sg) * R, tk = tg.y;
+  if (r0 >= m.rows) return;  // whole simdgroup
+  const uint nr = min((uint)R, m.rows - r0);
   const uint e = ids[tk], I = m.cols;
   const W wr = W::make(w, scales, biases, m);
-  const float v = row_dot(wr, e * m.expert_stride + m.row_offset + r, I, act + (ulong)tk * I, lane);
-  if (lane == 0) y[(ulong)tk * m.rows + r] = v;
+  float v[R];
+  rows_dot<W, R>(wr, e * m.expert_stride + m.row_offset + r0, nr, I, act + (ulong)tk * I, lane, v);
+  if (lane == 0)
+    for (uint r = 0; r < nr; ++r) y[(ulong)tk * m.rows + r0 + r] = v[r];
 }
 
 // moe_combine: out [T, D] = sum_k weights[t, k] * y[t*K + k, :] (k ascending, f32).
@@ -240,18 +249,22 @@ inline void moe_stage_x8(device const float* xr, bool valid, uint j, uint K, thr
   for (uint i = 0; i < 8; ++i) xd[i] = valid && j + i < K ? xr[j + i] : 0.0f;
 }
 
-// moe_gemm_gate_up: for block j of the map (expert e, sorted rows r0 .. r0 + nr, nr <= 32),
-// act[r0 + i, n] = silu(gate_e[n] . x[t_i]) * (up_e[n] . x[t_i]), t_i = order[r0 + i] / K;
+// moe_gemm_gate_up_<w>_n<TN>: for block j of the map (expert e, sorted rows r0 .. r0 + nr,
+// nr <= 32), act[r0 + i, n] = silu(gate_e[n] . x[t_i]) * (up_e[n] . x[t_i]), t_i = order[r0 + i] / K;
 // gate/up [E, I, D] (MatrixDesc views), x [T, D], act [T*K, I] in sorted row order.
 // Bindings: 0 MoeParams, 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up,
-// 9 x, 10 count, 11 blocks, 12 order, 13 act. Grid: threadgroups (ceil(I / 32), max_blocks)
-// (groups past count[0] return at once), 128 threads = 4 simdgroups in 2x2, each owning a 16x16
-// (tokens x rows) sub-tile of the 32x32 tile as 2x2 8x8 f32 accumulators for gate and for up.
-// Per K step of 32 the threadgroup stages the gathered x [32 tokens][32] and the dequantized gate
-// and up rows [32][32] as f32 (zero outside nr, I and D; thread i fills 8 columns of tile row
-// i / 4), so the expert's weights are read once per 32 tokens. Accumulation: f32. Threadgroup
-// memory: three arguments of 32 * 32 floats (4 KiB each), sized by the host.
-template <typename W>
+// 9 x, 10 count, 11 blocks, 12 order, 13 act. Grid: threadgroups (ceil(I / TN), max_blocks)
+// (groups past count[0] return at once), 128 threads = 4 simdgroups in 2x2, each owning a
+// 16 x TN/2 (tokens x rows) sub-tile of the 32 x TN tile as 2 x (TN / 16) 8x8 f32 accumulators
+// for gate and for up. TN = 32 on Apple7/8, 64 on Apple9+ (kernels.rs): 64 halves the x gathers
+// per weight and doubles the accumulators (16 8x8 matrices per simdgroup). Per K step of 32 the
+// threadgroup stages the gathered x [32 tokens][32] and the dequantized gate and up rows
+// [TN][32] as f32 (zero outside nr, I and D; thread i fills 8 columns of x row i / 4 and of
+// weight rows i / 4 + 32 j), so the expert's weights are read once per 32 tokens. The results
+// leave through the weight tiles' memory as [32 tokens][TN rows]. Accumulation: f32, the same
+// order for every TN. Threadgroup memory: argument 0 32 * 32 floats, arguments 1 and 2 TN * 32
+// floats each, sized by the host.
+template <typename W, int TN>
 TKERNEL void moe_gemm_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& gm [[buffer(1)]],
                               constant MatrixDesc& um [[buffer(2)]], device const uchar* gw [[buffer(3)]],
                               device const uchar* gsc [[buffer(4)]], device const uchar* gbi [[buffer(5)]],
@@ -259,44 +272,48 @@ TKERNEL void moe_gemm_gate_up(constant MoeParams& p [[buffer(0)]], constant Matr
                               device const uchar* ubi [[buffer(8)]], device const float* x [[buffer(9)]],
                               device const uint* count [[buffer(10)]], device const uint* blocks [[buffer(11)]],
                               device const uint* order [[buffer(12)]], device float* act [[buffer(13)]],
-                              threadgroup float* xs [[threadgroup(0)]],  // [token][k], then gate out [token][row]
-                              threadgroup float* gt [[threadgroup(1)]],  // gate [row][k], then up out
-                              threadgroup float* ut [[threadgroup(2)]],  // up [row][k]
+                              threadgroup float* xs [[threadgroup(0)]],  // [token][k]
+                              threadgroup float* gt [[threadgroup(1)]],  // gate [row][k], then gate out [token][row]
+                              threadgroup float* ut [[threadgroup(2)]],  // up [row][k], then up out [token][row]
                               uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr int NB = TN / 16;
   if (tg.y >= count[0]) return;  // whole threadgroup
   device const uint* blk = blocks + 4 * tg.y;
   const uint e = blk[0], r0 = blk[1], nr = blk[2];
   const W g = W::make(gw, gsc, gbi, gm);
   const W u = W::make(uw, usc, ubi, um);
-  const uint K = gm.cols, N = gm.rows, n0 = tg.x * MOE_TILE;
-  const uint st = (sg / 2) * 16, sn = (sg % 2) * 16;
+  const uint K = gm.cols, N = gm.rows, n0 = tg.x * TN;
+  const uint st = (sg / 2) * 16, sn = (sg % 2) * (TN / 2);
   const uint lr = tid / 4, lc = (tid % 4) * 8;
-  const bool has_x = lr < nr, has_w = n0 + lr < N;
+  const bool has_x = lr < nr;
   device const float* xr = x + (ulong)(has_x ? order[r0 + lr] / p.top_k : 0) * K;
-  const uint grow = e * gm.expert_stride + gm.row_offset + n0 + lr;
-  const uint urow = e * um.expert_stride + um.row_offset + n0 + lr;
-  simdgroup_float8x8 ag[2][2], au[2][2];
+  const uint grow = e * gm.expert_stride + gm.row_offset + n0;
+  const uint urow = e * um.expert_stride + um.row_offset + n0;
+  simdgroup_float8x8 ag[2][NB], au[2][NB];
   for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NB; ++j) {
       ag[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       au[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
   for (uint k0 = 0; k0 < K; k0 += MOE_TILE) {
-    const uint j = k0 + lc, o = lr * MOE_TILE + lc;
-    moe_stage_x8(xr, has_x, j, K, xs + o);
-    moe_stage_w8(g, grow, has_w, j, K, gt + o);
-    moe_stage_w8(u, urow, has_w, j, K, ut + o);
+    const uint j = k0 + lc;
+    moe_stage_x8(xr, has_x, j, K, xs + lr * MOE_TILE + lc);
+    for (uint rr = lr; rr < (uint)TN; rr += MOE_TILE) {
+      const bool has_w = n0 + rr < N;
+      moe_stage_w8(g, grow + rr, has_w, j, K, gt + rr * MOE_TILE + lc);
+      moe_stage_w8(u, urow + rr, has_w, j, K, ut + rr * MOE_TILE + lc);
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint kk = 0; kk < MOE_TILE; kk += 8) {
-      simdgroup_float8x8 a[2], bg[2], bu[2];
+      simdgroup_float8x8 a[2], bg[NB], bu[NB];
       for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs + (st + 8 * i) * MOE_TILE + kk, MOE_TILE);
-      for (uint i = 0; i < 2; ++i) {  // transposed: b[k][n] = W[sn + 8 i + n][kk + k]
+      for (uint i = 0; i < (uint)NB; ++i) {  // transposed: b[k][n] = W[sn + 8 i + n][kk + k]
         simdgroup_load(bg[i], gt + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
         simdgroup_load(bu[i], ut + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
       }
       for (int i = 0; i < 2; ++i)
-        for (int jj = 0; jj < 2; ++jj) {
+        for (int jj = 0; jj < NB; ++jj) {
           simdgroup_multiply_accumulate(ag[i][jj], a[i], bg[jj], ag[i][jj]);
           simdgroup_multiply_accumulate(au[i][jj], a[i], bu[jj], au[i][jj]);
         }
@@ -304,66 +321,69 @@ TKERNEL void moe_gemm_gate_up(constant MoeParams& p [[buffer(0)]], constant Matr
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   for (uint i = 0; i < 2; ++i)
-    for (uint jj = 0; jj < 2; ++jj) {
-      simdgroup_store(ag[i][jj], xs + (st + 8 * i) * MOE_TILE + sn + 8 * jj, MOE_TILE);
-      simdgroup_store(au[i][jj], gt + (st + 8 * i) * MOE_TILE + sn + 8 * jj, MOE_TILE);
+    for (uint jj = 0; jj < (uint)NB; ++jj) {
+      simdgroup_store(ag[i][jj], gt + (st + 8 * i) * TN + sn + 8 * jj, TN);
+      simdgroup_store(au[i][jj], ut + (st + 8 * i) * TN + sn + 8 * jj, TN);
     }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint q = tid; q < MOE_TILE * MOE_TILE; q += 128) {
-    const uint i = q / MOE_TILE, n = n0 + q % MOE_TILE;
-    if (i < nr && n < N) act[(ulong)(r0 + i) * N + n] = silu(xs[q]) * gt[q];
+  for (uint q = tid; q < MOE_TILE * (uint)TN; q += 128) {
+    const uint i = q / TN, n = n0 + q % TN;
+    if (i < nr && n < N) act[(ulong)(r0 + i) * N + n] = silu(gt[q]) * ut[q];
   }
 }
 
-// moe_gemm_down: for block j of the map (expert e, sorted rows r0 .. r0 + nr),
+// moe_gemm_down_<w>_n<TN>: for block j of the map (expert e, sorted rows r0 .. r0 + nr),
 // y[r0 + i, n] = down_e[n] . act[r0 + i]; down [E, D, I], act [T*K, I] and y [T*K, D] in sorted
 // row order (the block's rows are contiguous). Bindings: 0 MoeParams, 1 MatrixDesc, 2-4
-// w/scales/biases, 5 count, 6 blocks, 7 act, 8 y. Grid: threadgroups (ceil(D / 32), max_blocks),
-// 128 threads; tiling, staging and accumulation as moe_gemm_gate_up with one weight tile.
-// Threadgroup memory: two arguments of 32 * 32 floats.
-template <typename W>
+// w/scales/biases, 5 count, 6 blocks, 7 act, 8 y. Grid: threadgroups (ceil(D / TN), max_blocks),
+// 128 threads; tiling, staging, variants and accumulation as moe_gemm_gate_up with one weight
+// tile. Threadgroup memory: argument 0 32 * 32 floats, argument 1 TN * 32 floats.
+template <typename W, int TN>
 TKERNEL void moe_gemm_down(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& m [[buffer(1)]],
                            device const uchar* w [[buffer(2)]], device const uchar* scales [[buffer(3)]],
                            device const uchar* biases [[buffer(4)]], device const uint* count [[buffer(5)]],
                            device const uint* blocks [[buffer(6)]], device const float* act [[buffer(7)]],
                            device float* y [[buffer(8)]],
-                           threadgroup float* xs [[threadgroup(0)]],  // [token][k], then the output tile
-                           threadgroup float* ws [[threadgroup(1)]],  // [row][k], dequantized
+                           threadgroup float* xs [[threadgroup(0)]],  // [token][k]
+                           threadgroup float* ws [[threadgroup(1)]],  // [row][k] dequantized, then the output tile
                            uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr int NB = TN / 16;
   if (tg.y >= count[0]) return;  // whole threadgroup
   device const uint* blk = blocks + 4 * tg.y;
   const uint e = blk[0], r0 = blk[1], nr = blk[2];
   const W wr = W::make(w, scales, biases, m);
-  const uint K = m.cols, N = m.rows, n0 = tg.x * MOE_TILE;
-  const uint st = (sg / 2) * 16, sn = (sg % 2) * 16;
+  const uint K = m.cols, N = m.rows, n0 = tg.x * TN;
+  const uint st = (sg / 2) * 16, sn = (sg % 2) * (TN / 2);
   const uint lr = tid / 4, lc = (tid % 4) * 8;
-  const bool has_x = lr < nr, has_w = n0 + lr < N;
+  const bool has_x = lr < nr;
   device const float* xr = act + (ulong)(r0 + (has_x ? lr : 0)) * K;
-  const uint row = e * m.expert_stride + m.row_offset + n0 + lr;
-  simdgroup_float8x8 acc[2][2];
+  const uint row = e * m.expert_stride + m.row_offset + n0;
+  simdgroup_float8x8 acc[2][NB];
   for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int j = 0; j < NB; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   for (uint k0 = 0; k0 < K; k0 += MOE_TILE) {
-    const uint j = k0 + lc, o = lr * MOE_TILE + lc;
-    moe_stage_x8(xr, has_x, j, K, xs + o);
-    moe_stage_w8(wr, row, has_w, j, K, ws + o);
+    const uint j = k0 + lc;
+    moe_stage_x8(xr, has_x, j, K, xs + lr * MOE_TILE + lc);
+    for (uint rr = lr; rr < (uint)TN; rr += MOE_TILE)
+      moe_stage_w8(wr, row + rr, n0 + rr < N, j, K, ws + rr * MOE_TILE + lc);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint kk = 0; kk < MOE_TILE; kk += 8) {
-      simdgroup_float8x8 a[2], b[2];
+      simdgroup_float8x8 a[2], b[NB];
       for (uint i = 0; i < 2; ++i) simdgroup_load(a[i], xs + (st + 8 * i) * MOE_TILE + kk, MOE_TILE);
-      for (uint i = 0; i < 2; ++i) simdgroup_load(b[i], ws + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
+      for (uint i = 0; i < (uint)NB; ++i)
+        simdgroup_load(b[i], ws + (sn + 8 * i) * MOE_TILE + kk, MOE_TILE, ulong2(0, 0), true);
       for (int i = 0; i < 2; ++i)
-        for (int jj = 0; jj < 2; ++jj) simdgroup_multiply_accumulate(acc[i][jj], a[i], b[jj], acc[i][jj]);
+        for (int jj = 0; jj < NB; ++jj) simdgroup_multiply_accumulate(acc[i][jj], a[i], b[jj], acc[i][jj]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   for (uint i = 0; i < 2; ++i)
-    for (uint jj = 0; jj < 2; ++jj) simdgroup_store(acc[i][jj], xs + (st + 8 * i) * MOE_TILE + sn + 8 * jj, MOE_TILE);
+    for (uint jj = 0; jj < (uint)NB; ++jj) simdgroup_store(acc[i][jj], ws + (st + 8 * i) * TN + sn + 8 * jj, TN);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint q = tid; q < MOE_TILE * MOE_TILE; q += 128) {
-    const uint i = q / MOE_TILE, n = n0 + q % MOE_TILE;
-    if (i < nr && n < N) y[(ulong)(r0 + i) * N + n] = xs[q];
+  for (uint q = tid; q < MOE_TILE * (uint)TN; q += 128) {
+    const uint i = q / TN, n = n0 + q % TN;
+    if (i < nr && n < N) y[(ulong)(r0 + i) * N + n] = ws[q];
   }
 }
 
@@ -385,9 +405,13 @@ kernel void moe_combine_sorted_f32(constant MoeParams& p [[buffer(0)]], constant
   out[(ulong)t * rp.dim + gid.x] = acc;
 }
 
-#define MOE(sfx)                                                   \
-  INSTANTIATE(moe_gate_up_##sfx, moe_gate_up, W_##sfx)             \
-  INSTANTIATE(moe_down_##sfx, moe_down, W_##sfx)                   \
-  INSTANTIATE(moe_gemm_gate_up_##sfx, moe_gemm_gate_up, W_##sfx)   \
-  INSTANTIATE(moe_gemm_down_##sfx, moe_gemm_down, W_##sfx)
+#define MOE(sfx)                                                            \
+  INSTANTIATE(moe_gate_up_##sfx##_r2, moe_gate_up, W_##sfx, 2)              \
+  INSTANTIATE(moe_gate_up_##sfx##_r4, moe_gate_up, W_##sfx, 4)              \
+  INSTANTIATE(moe_down_##sfx##_r2, moe_down, W_##sfx, 2)                    \
+  INSTANTIATE(moe_down_##sfx##_r4, moe_down, W_##sfx, 4)                    \
+  INSTANTIATE(moe_gemm_gate_up_##sfx##_n32, moe_gemm_gate_up, W_##sfx, 32)  \
+  INSTANTIATE(moe_gemm_gate_up_##sfx##_n64, moe_gemm_gate_up, W_##sfx, 64)  \
+  INSTANTIATE(moe_gemm_down_##sfx##_n32, moe_gemm_down, W_##sfx, 32)        \
+  INSTANTIATE(moe_gemm_down_##sfx##_n64, moe_gemm_down, W_##sfx, 64)
 FOR_EACH_WEIGHT(MOE)

@@ -27,6 +27,9 @@ fn device() -> Option<Metal<Device>> {
 
 // Fast math and the GPU's reduction order: 20x the simulator's tolerances (4e-4 relative).
 all_metal_tests!(device, 20.0);
+// A tiny checkpoint end to end with the kernel variants of each GPU family (all run on any
+// Apple7+ GPU).
+metal_tests!(device, 20.0; forward_per_family_matches_cpu);
 
 /// A checkpoint tensor at a 4-byte-aligned offset inside its mapping is wrapped in place: the
 /// buffer plus the returned binding offset address the mapped bytes themselves.

@@ -3,13 +3,19 @@
 //! `Cpu::reference()` (the tests themselves are in `metal_common`, shared with the real
 //! device). Skipped (with a message) where clang-19 is absent, unless LILY_REQUIRE_METAL_SIM=1
 //! (CI). `MTL_SCHED=reverse` reruns the kernels with the threads of each group in reverse order.
+//! Also here: one forward pass of a tiny checkpoint per GPU family (the simulator reporting that
+//! family, so the backend picks its kernel variants), the variants agreeing bit for bit, and the
+//! command-stream labels.
 
 #![cfg(unix)]
 
 #[macro_use]
 mod metal_common;
 
-use lily_core::backend::metal::{sim::Sim, Metal};
+use lily_core::backend::{
+    cpu::Cpu,
+    metal::{sim::Sim, GemmTile, GemvRows, GpuFamily, Metal, StreamLabel, Variants},
+};
 
 fn sim() -> Option<Metal<Sim>> {
     match Metal::sim() {
@@ -33,4 +39,83 @@ fn delta_net_chunked_reversed_matches_cpu() {
         m.executor().set_reverse(Some(true));
         metal_common::delta_net_chunked_matches_cpu(&mut m, 1.0);
     }
+}
+
+fn sim_family(f: GpuFamily) -> Option<Metal<Sim>> {
+    // Skips (or fails under LILY_REQUIRE_METAL_SIM=1) like sim() when clang-19 is missing.
+    sim()?;
+    Some(Metal::sim_family(f).unwrap())
+}
+
+/// One forward pass (40-token prefill with every position's logits, then 3 decode steps) of a
+/// tiny 4-bit checkpoint per GPU family, the simulator reporting that family (so `Metal::new`
+/// picks its kernel variants from the table), against the reference backend.
+#[test]
+fn forward_per_family_matches_cpu() {
+    if sim().is_none() {
+        return;
+    }
+    let ckpt = metal_common::TinyCheckpoint::write();
+    let want = ckpt.logits(&Cpu::reference());
+    for f in GpuFamily::ALL {
+        let m = sim_family(f).unwrap();
+        assert_eq!(m.family(), f);
+        assert_eq!(m.variants, Variants::for_family(f), "{f}");
+        assert!(
+            m.describe().contains(&format!("Apple{}", f.number())),
+            "{}",
+            m.describe()
+        );
+        let got = ckpt.logits(&m);
+        let worst = metal_common::assert_logits_close(&got, &want, 1.0, &format!("tiny model on {f}"));
+        eprintln!(
+            "tiny model on {f} ({:?}): max |Δlogit| / max(1, max |logit|) = {worst:.2e}",
+            m.variants
+        );
+    }
+}
+
+/// The variants of a kernel sum each output in the same order: in the simulator their results
+/// are the same bits (the GEMVs with 2 and 4 rows per simdgroup, the GEMM tiles of 32 and 64
+/// rows), through the whole model.
+#[test]
+fn variants_agree_bit_for_bit() {
+    let Some(mut m) = sim() else { return };
+    let ckpt = metal_common::TinyCheckpoint::write();
+    m.variants = Variants {
+        gemv: GemvRows::R2,
+        gemm: GemmTile::N32,
+    };
+    let small = ckpt.logits(&m);
+    m.variants = Variants {
+        gemv: GemvRows::R4,
+        gemm: GemmTile::N64,
+    };
+    let large = ckpt.logits(&m);
+    for (i, (a, b)) in small.iter().zip(&large).enumerate() {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "position {i}: r2/n32 and r4/n64 differ"
+        );
+    }
+}
+
+/// The command streams of a forward pass carry the labels the device gives its command
+/// buffers: the prefill chunk (with the first 16 rows of logits), two streams of further logits
+/// rows, then "lily step 1", "lily step 2", ...
+#[test]
+fn command_streams_are_labelled() {
+    let Some(m) = sim() else { return };
+    let ckpt = metal_common::TinyCheckpoint::write();
+    m.executor().take_committed_labels();
+    ckpt.logits(&m);
+    let labels = m.executor().take_committed_labels();
+    use StreamLabel::*;
+    assert_eq!(
+        labels,
+        [PrefillChunk, Commands, Commands, Step(1), Step(2), Step(3)],
+        "{labels:?}"
+    );
+    let names: Vec<String> = labels.iter().map(|l| l.to_string()).collect();
+    assert_eq!(names[3], "lily step 1");
 }

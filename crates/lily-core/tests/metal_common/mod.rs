@@ -1,20 +1,30 @@
 //! The Metal kernel tests, shared by the simulator (`tests/metal_sim.rs`) and the real device
 //! (`tests/metal_device.rs`, macOS): each kernel against its plain-loop twin `Cpu::reference()`,
-//! on shapes with partial tiles and groups. Each test is a function of the Metal backend under
+//! on shapes with partial tiles and groups, every GPU-family kernel variant (`Metal::variants`)
+//! included; and a tiny checkpoint end to end (`TinyCheckpoint`, written here in the MLX
+//! layout) against the reference backend. Each test is a function of the Metal backend under
 //! test and a tolerance factor (1 for the simulator; the device's fast math and reduction order
 //! get a little more room); `metal_tests!` turns the list into `#[test]`s.
 
 #![allow(dead_code)] // each test binary uses the subset its device supports
 
+use std::path::{Path, PathBuf};
+
 use lily_core::{
     backend::{
         cpu::Cpu,
-        metal::{Executor, Metal, MoeSorted},
+        metal::{Executor, GemmTile, GemvRows, GpuFamily, Metal, MoeSorted, Variants},
         params::*,
         Backend,
     },
+    config::ModelConfig,
+    model::{
+        state::{Scratch, State},
+        Model,
+    },
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
+    weights::Loader,
 };
 
 /// One `#[test]` per name, each running `metal_common::<name>` on the backend `$dev()` returns
@@ -268,7 +278,10 @@ fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[
     read_all(b, &out, tokens * m.rows)
 }
 
+/// Every kernel path of `matmul` and every GPU-family variant of the GEMV (T = 1) and of the
+/// simdgroup-matrix GEMM (T > 8) against the reference.
 pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved = dev.variants;
     let mut cases = vec![
         (Format::F32, DType::F32, 70),
         (Format::F16, DType::F32, 70),
@@ -283,14 +296,32 @@ pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         let mut m = matrix(format, sd, 41, cols, 10 + i as u64);
         m.rows = 37; // a view: rows 3..40 of the stored 41 (partial tile of 4 rows)
         m.row_offset = 3;
-        // 1: GEMV; 5: the 8-token GEMM; 11 and 41: the simdgroup-matrix GEMM on partial 32x32
-        // tiles (41 tokens = two token tiles, 37 rows = two row tiles, cols 70 = a partial K step
-        // with a tail past the last 8 columns).
+        // 1: GEMV (37 rows: a partial group of rows for both r2 and r4); 5: the 8-token GEMM;
+        // 11 and 41: the simdgroup-matrix GEMM on partial tiles (41 tokens = two token tiles,
+        // 37 rows = a partial row tile of 32 or 64, cols 70 = a partial K step with a tail past
+        // the last 8 columns).
         for (tokens, x_row0) in [(1, 2), (5, 0), (11, 1), (41, 2)] {
             let x = patterned((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
-            both!(dev, tolx * TOL, format!("matmul {format:?} scales {sd:?} T={tokens}"), b => vec![run_matmul(b, &m, tokens, x_row0, &x)]);
+            let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
+            // The variants of the path this T takes (the other choice changes nothing).
+            let variants: Vec<Variants> = match tokens {
+                1 => GemvRows::ALL.map(|gemv| Variants { gemv, ..saved }).to_vec(),
+                2..=8 => vec![saved],
+                _ => GemmTile::ALL.map(|gemm| Variants { gemm, ..saved }).to_vec(),
+            };
+            for v in variants {
+                dev.variants = v;
+                let got = run_matmul(&*dev, &m, tokens, x_row0, &x);
+                assert_close(
+                    &got,
+                    &want,
+                    tolx * TOL,
+                    &format!("matmul {format:?} scales {sd:?} T={tokens} {v:?}"),
+                );
+            }
         }
     }
+    dev.variants = saved;
 }
 
 pub fn embed_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
@@ -570,11 +601,16 @@ pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     }
 }
 
+/// The per-token (decode) MoE kernels, every GEMV variant (2 and 4 rows per simdgroup).
+/// Shapes: I = 37 and D = 70 leave a simdgroup with fewer rows than the variant's (r2: 37 = 4 x 8
+/// + 5; r4: 37 = 2 x 16 + 5 and 70 = 4 x 16 + 6), I = 40 a partial threadgroup of r4.
 pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved = dev.variants;
     // Fused gate_up [E, 2I, D] seen as two views (the HF layout), down [E, D, I].
     for (format, sd, d, inter) in [
         (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96),
-        (Format::BF16, DType::F32, 70, 36),
+        (Format::BF16, DType::F32, 70, 37),
+        (Format::Affine { bits: 8, group: 8 }, DType::F16, 48, 40),
     ] {
         let (e, t, k) = (6usize, 3usize, 2usize);
         let fused = matrix(format, sd, e * 2 * inter, d, 110);
@@ -587,16 +623,20 @@ pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         let x = patterned(t * d, 112, -1.0, 1.0);
         let ids = [5u32, 0, 2, 2, 1, 4];
         let w = patterned(t * k, 113, 0.0, 1.0);
-        both!(dev, tolx * TOL, format!("moe_experts {format:?}"), b => {
-            let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
-            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
-            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
-            let mut out = b.alloc(t * d).unwrap();
-            b.moe_experts(&MoeParams { tokens: t as u32, top_k: k as u32 }, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
-            b.finish().unwrap();
-            vec![read_all(b, &out, t * d)]
-        });
+        for gemv in GemvRows::ALL {
+            dev.variants.gemv = gemv;
+            both!(dev, tolx * TOL, format!("moe_experts {format:?} I={inter} D={d} {gemv:?}"), b => {
+                let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
+                let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
+                let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+                let mut out = b.alloc(t * d).unwrap();
+                b.moe_experts(&MoeParams { tokens: t as u32, top_k: k as u32 }, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+                b.finish().unwrap();
+                vec![read_all(b, &out, t * d)]
+            });
+        }
     }
+    dev.variants = saved;
 }
 
 /// The routing of the sorted MoE path, by plain loops: pairs p = t*K + k stably sorted by
@@ -681,8 +721,10 @@ fn tokens_per_expert(ids: &[u32], e: usize) -> Vec<usize> {
 /// tokens (two blocks, the second partial), experts with a handful of tokens, experts with none
 /// (ids of the last experts never chosen), I and D that leave partial 32-row tiles and partial
 /// K steps (D = 70: a tail past the last 8 columns), 4-bit and dense weights; the sorted path
-/// must also agree with the per-token kernels it replaces, and repeat bit for bit.
+/// must also agree with the per-token kernels it replaces, and repeat bit for bit. Every tile
+/// variant (32 and 64 weight rows; I = 96 and D = 70, 80 leave a partial 64-row tile).
 pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved_variants = dev.variants;
     // (format, scales, D, I, E, T, K)
     let cases = [
         (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96, 12, 41, 4),
@@ -738,30 +780,39 @@ pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
             read_all(&b, &out, t * d)
         };
         let saved = dev.moe_gemm_tokens;
-        dev.moe_gemm_tokens = 8;
-        let sorted = go(dev);
-        let again = go(dev);
         dev.moe_gemm_tokens = u32::MAX;
         let per_token = go(dev);
+        dev.moe_gemm_tokens = 8;
+        for gemm in GemmTile::ALL {
+            dev.variants.gemm = gemm;
+            let what = format!("{what} {gemm:?}");
+            let sorted = go(dev);
+            let again = go(dev);
+            assert_close(&sorted, &want, tolx * TOL, &what);
+            assert_close(
+                &sorted,
+                &per_token,
+                tolx * TOL,
+                &format!("{what} vs the per-token kernels"),
+            );
+            assert!(
+                sorted.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: two runs differ"
+            );
+        }
         dev.moe_gemm_tokens = saved;
-        assert_close(&sorted, &want, tolx * TOL, &what);
-        assert_close(
-            &sorted,
-            &per_token,
-            tolx * TOL,
-            &format!("{what} vs the per-token kernels"),
-        );
-        assert!(
-            sorted.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: two runs differ"
-        );
     }
+    dev.variants = saved_variants;
 }
 
 pub fn every_kernel_is_compiled<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // Metal::new looks up every host name of kernels::kernel_names(); a missing one fails here.
+    // Metal::new builds the kernels of its family's variants; the others are built on first
+    // use: build every host name of kernels::kernel_names() (every variant) now.
     let _ = tolx;
     assert!(dev.name().starts_with("metal"), "{}", dev.name());
+    dev.build_all_pipelines().unwrap();
+    assert_eq!(dev.variants, Variants::for_family(dev.family()));
+    eprintln!("{}", dev.describe());
 }
 
 pub fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
@@ -806,4 +857,328 @@ pub fn weights_at_an_offset_match_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
         let x = patterned(3 * cols, 141, -1.0, 1.0);
         both!(dev, tolx * TOL, format!("matmul {format:?} at offset {offset}"), b => vec![run_matmul(b, &m, 1, 0, &x), run_matmul(b, &m, 3, 0, &x)]);
     }
+}
+
+// ---- End to end: a tiny checkpoint through the whole model ------------------------------------
+
+/// A tiny Qwen3.5-MoE checkpoint in the MLX layout, written to a fresh folder (removed on drop):
+/// 2 layers (DeltaNet, then attention), D = 96, vocabulary 250, 8 experts (top 2, I = 64), every
+/// matrix 4-bit group 32 with bf16 scales except the routers (`mlp.gate`,
+/// `shared_expert_gate`: 8-bit overrides, as MLX writes them). Row counts leave partial tiles
+/// for every variant (250-row lm_head and embedding, 4-row DeltaNet a/b projections, 1-row
+/// shared-expert gate, 96-row output projections against 64-row tiles).
+pub struct TinyCheckpoint {
+    pub dir: PathBuf,
+}
+
+impl Drop for TinyCheckpoint {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One tensor for the safetensors writer: name, dtype, shape, little-endian bytes.
+type Tensor = (String, &'static str, Vec<usize>, Vec<u8>);
+
+/// `name` as an MLX affine-quantized matrix [lead.., rows, cols] (`.weight` u32, `.scales` and
+/// `.biases` bf16): random codes, scales such that w has a standard deviation of about
+/// `std`, centred on zero.
+fn quantized(out: &mut Vec<Tensor>, name: &str, shape: &[usize], bits: usize, std: f32, seed: u64) {
+    let (cols, group) = (shape[shape.len() - 1], 32);
+    let lead: usize = shape[..shape.len() - 1].iter().product();
+    let words = lead * cols * bits / 32;
+    let codes: Vec<u8> = patterned(words, seed, 0.0, 1.0)
+        .iter()
+        .enumerate()
+        .flat_map(|(i, v)| ((v * 4294967295.0) as u32 ^ (i as u32).wrapping_mul(2654435761)).to_le_bytes())
+        .collect();
+    // Uniform codes in [0, 2^bits): std (2^bits) / sqrt(12), mean (2^bits - 1) / 2.
+    let levels = (1u32 << bits) as f32;
+    let ng = lead * cols / group;
+    let scales: Vec<f32> = patterned(ng, seed + 1, 0.7, 1.3)
+        .iter()
+        .map(|f| f * std * 12f32.sqrt() / levels)
+        .collect();
+    let biases: Vec<f32> = scales
+        .iter()
+        .zip(patterned(ng, seed + 2, -0.2, 0.2))
+        .map(|(s, n)| -s * (levels - 1.0) / 2.0 + n * std)
+        .collect();
+    let mut wshape = shape.to_vec();
+    *wshape.last_mut().unwrap() = cols * bits / 32;
+    let mut gshape = shape.to_vec();
+    *gshape.last_mut().unwrap() = cols / group;
+    out.push((format!("{name}.weight"), "U32", wshape, codes));
+    out.push((
+        format!("{name}.scales"),
+        "BF16",
+        gshape.clone(),
+        to_bytes(&scales, DType::BF16),
+    ));
+    out.push((format!("{name}.biases"), "BF16", gshape, to_bytes(&biases, DType::BF16)));
+}
+
+fn f32_tensor(out: &mut Vec<Tensor>, name: &str, shape: &[usize], lo: f32, hi: f32, seed: u64) {
+    let n = shape.iter().product();
+    out.push((
+        name.to_string(),
+        "F32",
+        shape.to_vec(),
+        to_bytes(&patterned(n, seed, lo, hi), DType::F32),
+    ));
+}
+
+/// A minimal safetensors writer: the JSON header (offsets in order, no holes), then the bytes.
+/// 4-byte dtypes first, so every u32 / f32 tensor stays 4-byte aligned in the mapping.
+fn write_safetensors(path: &Path, mut tensors: Vec<Tensor>) {
+    tensors.sort_by_key(|t| t.1 == "BF16");
+    let mut header = serde_json::Map::new();
+    let mut at = 0;
+    for (name, dtype, shape, bytes) in &tensors {
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, at + bytes.len()]}),
+        );
+        at += bytes.len();
+    }
+    let mut h = serde_json::Value::Object(header).to_string().into_bytes();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&h);
+    for (_, _, _, bytes) in &tensors {
+        file.extend_from_slice(bytes);
+    }
+    std::fs::write(path, file).unwrap();
+}
+
+impl TinyCheckpoint {
+    pub fn write() -> TinyCheckpoint {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "lily-metal-tiny-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (d, v, layers) = (96usize, 250usize, 2usize);
+        let (h, kv, hd) = (4usize, 2usize, 32usize);
+        let (hk, hv, dk, dv, taps) = (2usize, 4usize, 32usize, 32usize, 4usize);
+        let (e, inter, shared) = (8usize, 64usize, 64usize);
+        let conv_dim = 2 * hk * dk + hv * dv;
+        let mut overrides = serde_json::Map::new();
+        for i in 0..layers {
+            for m in ["mlp.gate", "mlp.shared_expert_gate"] {
+                overrides.insert(
+                    format!("language_model.model.layers.{i}.{m}"),
+                    serde_json::json!({"group_size": 32, "bits": 8}),
+                );
+            }
+        }
+        let mut quant = serde_json::json!({"group_size": 32, "bits": 4, "mode": "affine"});
+        quant.as_object_mut().unwrap().extend(overrides);
+        let config = serde_json::json!({
+            "model_type": "qwen3_5_moe",
+            "text_config": {
+                "model_type": "qwen3_5_moe_text", "hidden_size": d, "num_hidden_layers": layers,
+                "vocab_size": v, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+                "full_attention_interval": 2, "num_attention_heads": h, "num_key_value_heads": kv,
+                "head_dim": hd,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                "linear_num_key_heads": hk, "linear_num_value_heads": hv, "linear_key_head_dim": dk,
+                "linear_value_head_dim": dv, "linear_conv_kernel_dim": taps, "num_experts": e,
+                "num_experts_per_tok": 2, "moe_intermediate_size": inter,
+                "shared_expert_intermediate_size": shared, "tie_word_embeddings": false
+            },
+            "quantization": quant,
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+
+        let mut t: Vec<Tensor> = Vec::new();
+        let p = "language_model.model.";
+        let std_in = |cols: usize| 1.0 / (cols as f32).sqrt();
+        quantized(&mut t, &format!("{p}embed_tokens"), &[v, d], 4, 1.0, 1);
+        quantized(&mut t, "language_model.lm_head", &[v, d], 4, 3.0 * std_in(d), 2);
+        f32_tensor(&mut t, &format!("{p}norm.weight"), &[d], 0.8, 1.2, 3);
+        for i in 0..layers {
+            let l = format!("{p}layers.{i}.");
+            let s = 100 * (i as u64 + 1);
+            f32_tensor(&mut t, &format!("{l}input_layernorm.weight"), &[d], 0.8, 1.2, s);
+            f32_tensor(
+                &mut t,
+                &format!("{l}post_attention_layernorm.weight"),
+                &[d],
+                0.8,
+                1.2,
+                s + 1,
+            );
+            if i % 2 == 0 {
+                let a = format!("{l}linear_attn.");
+                quantized(&mut t, &format!("{a}in_proj_qkv"), &[conv_dim, d], 4, std_in(d), s + 2);
+                quantized(&mut t, &format!("{a}in_proj_z"), &[hv * dv, d], 4, std_in(d), s + 3);
+                quantized(&mut t, &format!("{a}in_proj_b"), &[hv, d], 4, std_in(d), s + 4);
+                quantized(&mut t, &format!("{a}in_proj_a"), &[hv, d], 4, std_in(d), s + 5);
+                quantized(
+                    &mut t,
+                    &format!("{a}out_proj"),
+                    &[d, hv * dv],
+                    4,
+                    0.5 * std_in(hv * dv),
+                    s + 6,
+                );
+                f32_tensor(
+                    &mut t,
+                    &format!("{a}conv1d.weight"),
+                    &[conv_dim, taps, 1],
+                    -0.5,
+                    0.5,
+                    s + 7,
+                );
+                f32_tensor(&mut t, &format!("{a}A_log"), &[hv], -2.0, 0.5, s + 8);
+                f32_tensor(&mut t, &format!("{a}dt_bias"), &[hv], -0.5, 0.5, s + 9);
+                f32_tensor(&mut t, &format!("{a}norm.weight"), &[dv], 0.8, 1.2, s + 10);
+            } else {
+                let a = format!("{l}self_attn.");
+                quantized(&mut t, &format!("{a}q_proj"), &[h * 2 * hd, d], 4, std_in(d), s + 2);
+                quantized(&mut t, &format!("{a}k_proj"), &[kv * hd, d], 4, std_in(d), s + 3);
+                quantized(&mut t, &format!("{a}v_proj"), &[kv * hd, d], 4, std_in(d), s + 4);
+                quantized(
+                    &mut t,
+                    &format!("{a}o_proj"),
+                    &[d, h * hd],
+                    4,
+                    0.5 * std_in(h * hd),
+                    s + 5,
+                );
+                f32_tensor(&mut t, &format!("{a}q_norm.weight"), &[hd], 0.8, 1.2, s + 6);
+                f32_tensor(&mut t, &format!("{a}k_norm.weight"), &[hd], 0.8, 1.2, s + 7);
+            }
+            let m = format!("{l}mlp.");
+            quantized(&mut t, &format!("{m}gate"), &[e, d], 8, std_in(d), s + 20);
+            quantized(
+                &mut t,
+                &format!("{m}switch_mlp.gate_proj"),
+                &[e, inter, d],
+                4,
+                std_in(d),
+                s + 21,
+            );
+            quantized(
+                &mut t,
+                &format!("{m}switch_mlp.up_proj"),
+                &[e, inter, d],
+                4,
+                std_in(d),
+                s + 22,
+            );
+            quantized(
+                &mut t,
+                &format!("{m}switch_mlp.down_proj"),
+                &[e, d, inter],
+                4,
+                0.5 * std_in(inter),
+                s + 23,
+            );
+            quantized(
+                &mut t,
+                &format!("{m}shared_expert.gate_proj"),
+                &[shared, d],
+                4,
+                std_in(d),
+                s + 24,
+            );
+            quantized(
+                &mut t,
+                &format!("{m}shared_expert.up_proj"),
+                &[shared, d],
+                4,
+                std_in(d),
+                s + 25,
+            );
+            quantized(
+                &mut t,
+                &format!("{m}shared_expert.down_proj"),
+                &[d, shared],
+                4,
+                0.5 * std_in(shared),
+                s + 26,
+            );
+            quantized(&mut t, &format!("{m}shared_expert_gate"), &[1, d], 8, std_in(d), s + 27);
+        }
+        write_safetensors(&dir.join("model.safetensors"), t);
+        TinyCheckpoint { dir }
+    }
+
+    /// Prompt and decode tokens: a 40-token prefill (past 32 tokens: the chunked DeltaNet, the
+    /// simdgroup-matrix GEMM and the expert-sorted MoE with a partial last chunk), then 3 decode
+    /// steps (the GEMVs, the step recurrence, the per-token MoE).
+    pub fn tokens() -> (Vec<u32>, Vec<u32>) {
+        let all: Vec<u32> = (0..43u32).map(|i| (i * 97 + 13) % 250).collect();
+        (all[..40].to_vec(), all[40..].to_vec())
+    }
+
+    /// The model on backend `b`: logits of every prompt position (prefill, all logits), then of
+    /// each decode step, as the engine computes them.
+    pub fn logits<B: Backend>(&self, b: &B) -> Vec<Vec<f32>> {
+        let cfg = ModelConfig::from_file(&self.dir.join("config.json")).unwrap();
+        let loader = Loader::open(&self.dir, &cfg).unwrap();
+        let model = Model::load(b, &loader, &cfg, &mut |_, _| {}).unwrap();
+        let mut state = State::new(b, &cfg, 64).unwrap();
+        let mut s = Scratch::new(b, &cfg, 64, 16).unwrap();
+        let vocab = cfg.vocab_size;
+        let (prompt, decode) = Self::tokens();
+        let mut outs = Vec::new();
+        b.begin().unwrap();
+        b.write_ids(&mut s.ids, &prompt).unwrap();
+        model.forward(b, prompt.len(), 0, &mut state, &mut s);
+        for row0 in (0..prompt.len()).step_by(16) {
+            let rows = (prompt.len() - row0).min(16);
+            model.logits(b, row0, rows, &mut s);
+            b.finish().unwrap();
+            let mut out = vec![0f32; rows * vocab];
+            b.read(&s.logits, 0, &mut out).unwrap();
+            outs.extend(out.chunks(vocab).map(<[f32]>::to_vec));
+        }
+        for (i, &tok) in decode.iter().enumerate() {
+            b.begin().unwrap();
+            b.write_ids(&mut s.ids, &[tok]).unwrap();
+            model.forward(b, 1, prompt.len() + i, &mut state, &mut s);
+            model.logits(b, 0, 1, &mut s);
+            b.finish().unwrap();
+            let mut out = vec![0f32; vocab];
+            b.read(&s.logits, 0, &mut out).unwrap();
+            outs.push(out);
+        }
+        outs
+    }
+}
+
+/// `got` (a Metal backend's `TinyCheckpoint::logits`) against the reference's `want`: every
+/// position within tolx * 1e-4 of max(1, max |logit|); the largest relative error is returned.
+pub fn assert_logits_close(got: &[Vec<f32>], want: &[Vec<f32>], tolx: f32, what: &str) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: positions");
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_close(g, w, tolx * 1e-4, &format!("{what} position {i}"));
+        let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
+        worst = worst.max(g.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale);
+    }
+    worst
+}
+
+/// One forward pass (40-token prefill, 3 decode steps) of the tiny checkpoint with the kernel
+/// variants of each GPU family (set on this backend), against the reference backend.
+pub fn forward_per_family_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let ckpt = TinyCheckpoint::write();
+    let want = ckpt.logits(&Cpu::reference());
+    let saved = dev.variants;
+    for f in GpuFamily::ALL {
+        dev.variants = Variants::for_family(f);
+        let got = ckpt.logits(&*dev);
+        let worst = assert_logits_close(&got, &want, tolx, &format!("tiny model, variants of {f}"));
+        eprintln!("tiny model, variants of {f}: max |Δlogit| / max(1, max |logit|) = {worst:.2e}");
+    }
+    dev.variants = saved;
 }

@@ -1,7 +1,10 @@
 //! The real Metal device (macOS, Apple silicon): the [`Executor`] that `Metal<Device>` drives.
 //!
 //! - Device: `MTLCreateSystemDefaultDevice`, accepted when it supports `MTLGPUFamilyApple7`
-//!   (M1 and later: the kernels rely on Apple-GPU simdgroup operations and `bfloat`).
+//!   (M1 and later: the kernels rely on Apple-GPU simdgroup operations and `bfloat`). Its GPU
+//!   family is the newest `MTLGPUFamilyAppleN` (N = 7..10) that `supportsFamily` accepts, and
+//!   picks the kernel variants (`kernels::Variants::for_family`); `LILY_METAL_FAMILY=7..10`
+//!   picks another family's variants (every variant runs on every Apple7+ GPU).
 //! - Shaders: the sources embedded in `kernels.rs`, one library per `.metal` file with the
 //!   headers inlined (`kernels::standalone`), compiled at construction with
 //!   `newLibraryWithSource` (fast math on; `LILY_METAL_FAST_MATH=0` turns it off when hunting
@@ -15,6 +18,19 @@
 //! - Commands: one command buffer with one serial compute encoder per `Metal` command stream
 //!   (a whole decode step), committed and waited for at `commit_wait`; its error, if any,
 //!   comes back as `Error::Device` there.
+//! - Debug labels (for Xcode GPU captures and Instruments): the command buffer is labelled
+//!   "lily step N" (a one-token forward), "lily prefill chunk" or "lily commands", its compute
+//!   encoder "lily decode" / "lily prefill" / "lily commands", and every dispatch sits in a
+//!   debug group named after its kernel (`matmul_gemv_q4_bf16_r4`, ...). The NSStrings are made
+//!   once (per pipeline, per label kind): a dispatch allocates nothing for its label, a decode
+//!   step one string (its number). `LILY_METAL_LABELS=0` turns the labels and groups off.
+//! - GPU capture: `LILY_METAL_CAPTURE=/path/trace.gputrace` captures the first
+//!   `LILY_METAL_CAPTURE_COMMANDS` command buffers (default 1: the first prefill chunk) of the
+//!   queue into that file through `MTLCaptureManager` (destination `GPUTraceDocument`); open
+//!   it in Xcode. Metal allows this outside Xcode only when the process starts with
+//!   `MTL_CAPTURE_ENABLED=1` in its environment; without it (or with a trace file that already
+//!   exists) `Device::new` fails with a `DeviceError` that says so. The capture stops after
+//!   those command buffers complete, or when the device is dropped.
 //!
 //! Thread safety: `MTLDevice`, `MTLCommandQueue`, `MTLLibrary` and pipeline states are
 //! thread-safe (objc2-metal marks them `Send + Sync`). Buffers and command buffers are not
@@ -22,23 +38,28 @@
 
 use std::{
     ffi::{c_int, c_void},
+    path::{Path, PathBuf},
     ptr::NonNull,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
 };
 
 use objc2::{
     rc::{autoreleasepool, Retained},
-    runtime::ProtocolObject,
+    runtime::{AnyObject, ProtocolObject},
 };
-use objc2_foundation::{NSError, NSString};
+use objc2_foundation::{NSError, NSString, NSURL};
 use objc2_metal::{
-    MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue, MTLCompileOptions,
-    MTLComputeCommandEncoder, MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily,
-    MTLLibrary, MTLResourceOptions, MTLSize,
+    MTLBuffer, MTLCaptureDescriptor, MTLCaptureDestination, MTLCaptureManager, MTLCommandBuffer,
+    MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder,
+    MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily, MTLLibrary, MTLResourceOptions,
+    MTLSize,
 };
 
 use super::{
-    executor::{Arg, Executor, Grid},
+    executor::{Arg, Executor, GpuFamily, Grid, StreamLabel},
     kernels,
 };
 use crate::{
@@ -59,6 +80,64 @@ pub struct Device {
     name: String,
     fast_math: bool,
     page: usize,
+    /// The newest GPU family the device supports.
+    hw_family: GpuFamily,
+    /// The family whose kernel variants are used (`LILY_METAL_FAMILY` or `hw_family`).
+    family: GpuFamily,
+    /// The fixed command-buffer and encoder labels; None with `LILY_METAL_LABELS=0`.
+    labels: Option<Labels>,
+    /// The GPU capture in progress (`LILY_METAL_CAPTURE`).
+    capture: Option<Capture>,
+}
+
+/// An immutable NSString (made by `NSString::from_str`, never an NSMutableString): a debug
+/// label made once and read from any thread.
+struct Label(Retained<NSString>);
+
+// SAFETY: an immutable NSString is thread-safe; nothing mutates it after creation.
+unsafe impl Send for Label {}
+unsafe impl Sync for Label {}
+
+impl Label {
+    fn new(s: &str) -> Label {
+        Label(NSString::from_str(s))
+    }
+}
+
+/// The label strings that do not change, made once.
+struct Labels {
+    prefill: Label,
+    commands: Label,
+    enc_decode: Label,
+    enc_prefill: Label,
+    enc_commands: Label,
+}
+
+impl Labels {
+    fn new() -> Labels {
+        let ns = Label::new;
+        Labels {
+            prefill: ns(&StreamLabel::PrefillChunk.to_string()),
+            commands: ns(&StreamLabel::Commands.to_string()),
+            enc_decode: ns(StreamLabel::Step(0).encoder()),
+            enc_prefill: ns(StreamLabel::PrefillChunk.encoder()),
+            enc_commands: ns(StreamLabel::Commands.encoder()),
+        }
+    }
+
+    fn encoder(&self, l: StreamLabel) -> &NSString {
+        match l {
+            StreamLabel::Step(_) => &self.enc_decode.0,
+            StreamLabel::PrefillChunk => &self.enc_prefill.0,
+            StreamLabel::Commands => &self.enc_commands.0,
+        }
+    }
+}
+
+/// A GPU capture into a `.gputrace` file, stopped after `left` more command buffers complete.
+struct Capture {
+    path: PathBuf,
+    left: AtomicUsize,
 }
 
 /// A shared-storage `MTLBuffer`; `_keep` holds the mapped checkpoint a no-copy buffer wraps.
@@ -76,10 +155,12 @@ unsafe impl Sync for BufferInner {}
 #[derive(Clone)]
 pub struct DeviceBuffer(Arc<BufferInner>);
 
-/// A compute pipeline and the largest threadgroup it accepts.
+/// A compute pipeline, the largest threadgroup it accepts and its kernel name as an NSString
+/// (the debug group of its dispatches, made once).
 pub struct DevicePipeline {
     state: Retained<ProtocolObject<dyn MTLComputePipelineState>>,
     max_threads: usize,
+    label: Label,
 }
 
 /// One command buffer with its open compute encoder.
@@ -129,14 +210,26 @@ impl Device {
             Error::Device("no Metal device: MTLCreateSystemDefaultDevice returned nil (a VM or a headless runner without GPU access?)".into())
         })?;
         let name = device.name().to_string();
-        if !device.supportsFamily(MTLGPUFamily::Apple7) {
+        // Newest first; MTLGPUFamilyAppleN is the integer 1000 + N.
+        let Some(hw_family) = GpuFamily::ALL
+            .into_iter()
+            .rev()
+            .find(|f| device.supportsFamily(MTLGPUFamily(1000 + f.number() as isize)))
+        else {
             return Err(Error::Device(format!(
                 "Metal device {name:?} is not in GPU family Apple7 or later (M1..M5): Lily's Metal kernels need Apple-silicon simdgroup operations and bfloat; use backend=\"cpu\""
             )));
-        }
+        };
+        let family = GpuFamily::from_env()?.unwrap_or(hw_family);
         let queue = device
             .newCommandQueue()
             .ok_or_else(|| Error::Device(format!("Metal device {name:?}: cannot create a command queue")))?;
+        let labels = std::env::var("LILY_METAL_LABELS")
+            .map_or(true, |v| v != "0")
+            .then(Labels::new);
+        if labels.is_some() {
+            queue.setLabel(Some(&NSString::from_str("lily")));
+        }
         let fast_math = std::env::var("LILY_METAL_FAST_MATH").map_or(true, |v| v != "0");
         let opts = MTLCompileOptions::new();
         // setMathMode replaces this from macOS 15 only; fastMathEnabled works on every macOS.
@@ -157,6 +250,10 @@ impl Device {
         }
         // SAFETY: getpagesize has no preconditions.
         let page = usize::try_from(unsafe { getpagesize() }).unwrap_or(16384).max(4096);
+        let capture = match std::env::var_os("LILY_METAL_CAPTURE").filter(|v| !v.is_empty()) {
+            Some(path) => Some(start_capture(&queue, Path::new(&path))?),
+            None => None,
+        };
         Ok(Device {
             device,
             queue,
@@ -164,6 +261,10 @@ impl Device {
             name,
             fast_math,
             page,
+            hw_family,
+            family,
+            labels,
+            capture,
         })
     }
 
@@ -228,11 +329,27 @@ impl Executor for Device {
     type Encoder = DeviceEncoder;
 
     fn describe(&self) -> String {
+        let family = if self.family == self.hw_family {
+            format!("GPU family {}", self.hw_family)
+        } else {
+            format!(
+                "GPU family {}, kernel variants of {} (LILY_METAL_FAMILY)",
+                self.hw_family, self.family
+            )
+        };
+        let capture = match &self.capture {
+            Some(c) => format!("; capturing to {}", c.path.display()),
+            None => String::new(),
+        };
         format!(
-            "Metal on {} (fast math {})",
+            "Metal on {} ({family}; fast math {}{capture})",
             self.name,
             if self.fast_math { "on" } else { "off" }
         )
+    }
+
+    fn family(&self) -> GpuFamily {
+        self.family
     }
 
     fn new_buffer(&self, bytes: usize) -> Result<DeviceBuffer> {
@@ -272,8 +389,8 @@ impl Executor for Device {
         autoreleasepool(|_| self.build_pipeline(name))
     }
 
-    fn encoder(&self) -> Result<DeviceEncoder> {
-        autoreleasepool(|_| self.open_encoder())
+    fn encoder(&self, label: StreamLabel) -> Result<DeviceEncoder> {
+        autoreleasepool(|_| self.open_encoder(label))
     }
 
     fn dispatch(
@@ -309,17 +426,31 @@ impl Device {
             .newComputePipelineStateWithFunction_error(&f)
             .map_err(|e| Error::Device(format!("Metal: pipeline {name}: {}", ns_error(&e))))?;
         let max_threads = state.maxTotalThreadsPerThreadgroup();
-        Ok(DevicePipeline { state, max_threads })
+        Ok(DevicePipeline {
+            state,
+            max_threads,
+            label: Label(ns),
+        })
     }
 
-    fn open_encoder(&self) -> Result<DeviceEncoder> {
+    fn open_encoder(&self, label: StreamLabel) -> Result<DeviceEncoder> {
         let cb = self
             .queue
             .commandBuffer()
             .ok_or_else(|| Error::Device("Metal: cannot create a command buffer".into()))?;
+        if let Some(l) = &self.labels {
+            match label {
+                StreamLabel::Step(_) => cb.setLabel(Some(&NSString::from_str(&label.to_string()))),
+                StreamLabel::PrefillChunk => cb.setLabel(Some(&l.prefill.0)),
+                StreamLabel::Commands => cb.setLabel(Some(&l.commands.0)),
+            }
+        }
         let enc = cb
             .computeCommandEncoder()
             .ok_or_else(|| Error::Device("Metal: cannot create a compute encoder".into()))?;
+        if let Some(l) = &self.labels {
+            enc.setLabel(Some(l.encoder(label)));
+        }
         Ok(DeviceEncoder {
             cb,
             enc,
@@ -357,6 +488,21 @@ impl Device {
         if empty {
             return; // nothing to run (Metal rejects empty grids)
         }
+        for a in args {
+            if let Arg::Buf(b, off, len) = a {
+                if *off + *len > b.0.buf.length() {
+                    e.error = Some(Error::Device(format!(
+                        "Metal: {name}: binding {len} bytes at offset {off} of a {}-byte buffer",
+                        b.0.buf.length()
+                    )));
+                    return;
+                }
+            }
+        }
+        // Everything below is encoded: the debug group is always popped.
+        if self.labels.is_some() {
+            e.enc.pushDebugGroup(&p.label.0);
+        }
         e.enc.setComputePipelineState(&p.state);
         for (i, a) in args.iter().enumerate() {
             match a {
@@ -368,15 +514,9 @@ impl Device {
                     // limit); Metal copies them into the command buffer before returning.
                     unsafe { e.enc.setBytes_length_atIndex(ptr, b.len(), i) };
                 }
-                Arg::Buf(b, off, len) => {
-                    if *off + *len > b.0.buf.length() {
-                        e.error = Some(Error::Device(format!(
-                            "Metal: {name}: binding {len} bytes at offset {off} of a {}-byte buffer",
-                            b.0.buf.length()
-                        )));
-                        return;
-                    }
-                    // SAFETY: a live buffer of this device; the binding lies inside it (checked).
+                Arg::Buf(b, off, _) => {
+                    // SAFETY: a live buffer of this device; the binding lies inside it (checked
+                    // above).
                     unsafe { e.enc.setBuffer_offset_atIndex(Some(&b.0.buf), *off, i) };
                     if b.0._keep.is_some() {
                         e.keep.push((*b).clone());
@@ -386,12 +526,16 @@ impl Device {
         }
         for (i, &bytes) in tg_mem.iter().enumerate() {
             // SAFETY: a length rounded up to 16 bytes (Metal's rule) for `[[threadgroup(i)]]`;
-            // the kernels need at most a few KiB, under every Apple7+ GPU's 32 KiB.
+            // the kernels need at most 20 KiB in all (moe_gemm_gate_up_*_n64, delta_net_chunk at
+            // Dk = 256), under every Apple7+ GPU's 32 KiB.
             unsafe { e.enc.setThreadgroupMemoryLength_atIndex(bytes.div_ceil(16) * 16, i) };
         }
         match grid {
             Grid::Groups { count, size: s } => e.enc.dispatchThreadgroups_threadsPerThreadgroup(size(count), size(s)),
             Grid::Threads { threads, size: s } => e.enc.dispatchThreads_threadsPerThreadgroup(size(threads), size(s)),
+        }
+        if self.labels.is_some() {
+            e.enc.popDebugGroup();
         }
     }
 
@@ -402,6 +546,7 @@ impl Device {
         }
         e.cb.commit();
         e.cb.waitUntilCompleted();
+        self.count_captured();
         if e.cb.status() == MTLCommandBufferStatus::Error {
             let why =
                 e.cb.error()
@@ -412,5 +557,94 @@ impl Device {
             )));
         }
         Ok(())
+    }
+}
+
+/// Start capturing the command buffers of `queue` into the `.gputrace` file `path`, for
+/// `LILY_METAL_CAPTURE_COMMANDS` (default 1) of them.
+fn start_capture(queue: &ProtocolObject<dyn MTLCommandQueue>, path: &Path) -> Result<Capture> {
+    let shown = path.display();
+    if path.extension().is_none_or(|e| e != "gputrace") {
+        return Err(Error::Device(format!(
+            "LILY_METAL_CAPTURE must name a .gputrace file to write, found {shown:?}"
+        )));
+    }
+    if path.exists() {
+        return Err(Error::Device(format!(
+            "LILY_METAL_CAPTURE: {shown} already exists (Metal does not overwrite a trace): remove it or choose another name"
+        )));
+    }
+    let commands = match std::env::var("LILY_METAL_CAPTURE_COMMANDS") {
+        Ok(v) => v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
+            Error::Device(format!(
+                "LILY_METAL_CAPTURE_COMMANDS must be a positive number of command buffers, found {v:?}"
+            ))
+        })?,
+        Err(_) => 1,
+    };
+    // SAFETY: the shared capture manager is a process-wide singleton; this thread uses it while
+    // no capture of ours runs yet.
+    let manager = unsafe { MTLCaptureManager::sharedCaptureManager() };
+    if !manager.supportsDestination(MTLCaptureDestination::GPUTraceDocument) {
+        let why = if std::env::var_os("MTL_CAPTURE_ENABLED").is_none_or(|v| v != "1") {
+            "Metal writes GPU traces outside Xcode only when the process starts with MTL_CAPTURE_ENABLED=1 in its environment (run e.g. `MTL_CAPTURE_ENABLED=1 LILY_METAL_CAPTURE=/tmp/lily.gputrace python ...`)"
+        } else {
+            "MTL_CAPTURE_ENABLED=1 is set, but this system still refuses GPU-trace documents (a macOS without the Metal developer tools?)"
+        };
+        return Err(Error::Device(format!(
+            "LILY_METAL_CAPTURE={shown}: GPU capture to a .gputrace file is not supported here: {why}"
+        )));
+    }
+    let desc = MTLCaptureDescriptor::new();
+    let queue_obj: &AnyObject = queue.as_ref();
+    // SAFETY: the capture object is a command queue, one of the kinds Metal accepts.
+    unsafe { desc.setCaptureObject(Some(queue_obj)) };
+    desc.setDestination(MTLCaptureDestination::GPUTraceDocument);
+    let url = NSURL::fileURLWithPath(&NSString::from_str(&path.to_string_lossy()));
+    desc.setOutputURL(Some(&url));
+    manager.startCaptureWithDescriptor_error(&desc).map_err(|e| {
+        Error::Device(format!(
+            "LILY_METAL_CAPTURE: the GPU capture to {shown} did not start: {}",
+            ns_error(&e)
+        ))
+    })?;
+    Ok(Capture {
+        path: path.to_path_buf(),
+        left: AtomicUsize::new(commands),
+    })
+}
+
+impl Device {
+    /// One more captured command buffer has completed: stop the capture (which writes the
+    /// trace) after the last one.
+    fn count_captured(&self) {
+        let Some(c) = &self.capture else { return };
+        let before = c
+            .left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if before == Ok(1) {
+            stop_capture(c);
+        }
+    }
+}
+
+fn stop_capture(c: &Capture) {
+    // SAFETY: as in start_capture.
+    let manager = unsafe { MTLCaptureManager::sharedCaptureManager() };
+    if manager.isCapturing() {
+        manager.stopCapture();
+        eprintln!("lily: Metal GPU capture written to {}", c.path.display());
+    }
+}
+
+impl Drop for Device {
+    /// A capture still running (fewer command buffers than asked for) is stopped, so the trace
+    /// is written.
+    fn drop(&mut self) {
+        if let Some(c) = &self.capture {
+            if c.left.swap(0, Ordering::AcqRel) > 0 {
+                autoreleasepool(|_| stop_capture(c));
+            }
+        }
     }
 }

@@ -7,7 +7,124 @@
 //! host memory in the simulator). Dispatches of one command stream run in encoding order, each
 //! seeing the writes of the previous ones (a serial compute encoder).
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// The Apple GPU family a Metal device supports (`MTLGPUFamilyApple7` and later; Lily's kernels
+/// need Apple7's simdgroup operations and `bfloat`). Every kernel variant runs on every family;
+/// the family only picks the fastest ones (`kernels::Variants::for_family`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum GpuFamily {
+    /// M1 (and A14).
+    Apple7,
+    /// M2 (and A15, A16).
+    Apple8,
+    /// M3 and M4 (and A17 Pro, A18): dynamic caching (registers and threadgroup memory allocated
+    /// as the shader runs, not reserved for the worst case at launch).
+    Apple9,
+    /// M5 (and A19).
+    Apple10,
+}
+
+impl GpuFamily {
+    /// Oldest first.
+    pub const ALL: [GpuFamily; 4] = [
+        GpuFamily::Apple7,
+        GpuFamily::Apple8,
+        GpuFamily::Apple9,
+        GpuFamily::Apple10,
+    ];
+    /// What the simulator reports unless told otherwise.
+    pub const NEWEST: GpuFamily = GpuFamily::Apple10;
+
+    /// The number N of `MTLGPUFamilyAppleN`.
+    pub fn number(self) -> u32 {
+        match self {
+            GpuFamily::Apple7 => 7,
+            GpuFamily::Apple8 => 8,
+            GpuFamily::Apple9 => 9,
+            GpuFamily::Apple10 => 10,
+        }
+    }
+
+    pub fn from_number(n: u32) -> Option<GpuFamily> {
+        GpuFamily::ALL.into_iter().find(|f| f.number() == n)
+    }
+
+    /// The Mac chips of the family.
+    pub fn chips(self) -> &'static str {
+        match self {
+            GpuFamily::Apple7 => "M1",
+            GpuFamily::Apple8 => "M2",
+            GpuFamily::Apple9 => "M3/M4",
+            GpuFamily::Apple10 => "M5",
+        }
+    }
+
+    /// `LILY_METAL_FAMILY` (7, 8, 9 or 10; `Apple9` is accepted too): the family whose kernel
+    /// variants to use, read when a Metal executor is created. `None` when unset or empty.
+    pub fn from_env() -> Result<Option<GpuFamily>> {
+        let Ok(v) = std::env::var("LILY_METAL_FAMILY") else {
+            return Ok(None);
+        };
+        if v.trim().is_empty() {
+            return Ok(None);
+        }
+        GpuFamily::parse(&v).map(Some)
+    }
+
+    /// "7" .. "10" or "Apple7" .. "Apple10".
+    pub fn parse(v: &str) -> Result<GpuFamily> {
+        let t = v.trim();
+        let n = t.strip_prefix("Apple").or_else(|| t.strip_prefix("apple")).unwrap_or(t);
+        n.parse().ok().and_then(GpuFamily::from_number).ok_or_else(|| {
+            Error::Device(format!(
+                "LILY_METAL_FAMILY must be 7, 8, 9 or 10 (GPU family Apple7 = M1 .. Apple10 = M5), found {v:?}"
+            ))
+        })
+    }
+}
+
+impl std::fmt::Display for GpuFamily {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Apple{} ({})", self.number(), self.chips())
+    }
+}
+
+/// What a command stream runs: the device labels its command buffer and compute encoder with
+/// it, so an Xcode GPU capture reads "lily step 12" / "lily prefill chunk" rather than
+/// "Command Buffer 0x...". Set by the backend from the stream's first dispatch (`embed`
+/// starts every forward pass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamLabel {
+    /// A one-token forward pass: decode step `n` of this backend (counted from 1).
+    Step(u64),
+    /// A forward pass over several tokens.
+    PrefillChunk,
+    /// Anything else (logits of earlier prefill rows, single kernels in tests).
+    Commands,
+}
+
+impl StreamLabel {
+    /// The compute encoder's label (static: no allocation).
+    pub fn encoder(self) -> &'static str {
+        match self {
+            StreamLabel::Step(_) => "lily decode",
+            StreamLabel::PrefillChunk => "lily prefill",
+            StreamLabel::Commands => "lily commands",
+        }
+    }
+}
+
+impl std::fmt::Display for StreamLabel {
+    /// The command buffer's label.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamLabel::Step(n) => write!(f, "lily step {n}"),
+            StreamLabel::PrefillChunk => f.write_str("lily prefill chunk"),
+            StreamLabel::Commands => f.write_str("lily commands"),
+        }
+    }
+}
 
 /// One `[[buffer(i)]]` binding, in slot order.
 pub enum Arg<'a, B> {
@@ -38,6 +155,10 @@ pub trait Executor: Send + Sized + 'static {
 
     /// What runs the kernels, in words.
     fn describe(&self) -> String;
+    /// The GPU family whose kernel variants the backend uses: the newest `MTLGPUFamilyAppleN`
+    /// the device supports (or `LILY_METAL_FAMILY`); in the simulator, the family chosen at
+    /// construction.
+    fn family(&self) -> GpuFamily;
     /// A zeroed, CPU-visible buffer of `bytes` bytes.
     fn new_buffer(&self, bytes: usize) -> Result<Self::Buffer>;
     /// A buffer holding a copy of `data`.
@@ -56,7 +177,9 @@ pub trait Executor: Send + Sized + 'static {
     fn contents(&self, b: &Self::Buffer) -> *mut u8;
     /// The kernel with host name `name`, compiled at construction.
     fn pipeline(&self, name: &str) -> Result<Self::Pipeline>;
-    fn encoder(&self) -> Result<Self::Encoder>;
+    /// Open a command stream; `label` names it in GPU captures.
+    fn encoder(&self, label: StreamLabel) -> Result<Self::Encoder>;
+    /// Encode one dispatch of kernel `name` (the device wraps it in a debug group of that name).
     fn dispatch(
         &self,
         enc: &mut Self::Encoder,
@@ -68,4 +191,31 @@ pub trait Executor: Send + Sized + 'static {
     );
     /// Submit and wait; errors of the command stream surface here.
     fn commit_wait(&self, enc: Self::Encoder) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn families_parse_and_print() {
+        for f in GpuFamily::ALL {
+            assert_eq!(GpuFamily::parse(&f.number().to_string()).unwrap(), f);
+            assert_eq!(GpuFamily::parse(&format!("Apple{}", f.number())).unwrap(), f);
+        }
+        assert_eq!(GpuFamily::parse(" 9 ").unwrap().to_string(), "Apple9 (M3/M4)");
+        for bad in ["6", "11", "M1", ""] {
+            let e = GpuFamily::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("LILY_METAL_FAMILY"), "{e}");
+        }
+        assert!(GpuFamily::ALL.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(GpuFamily::NEWEST, *GpuFamily::ALL.last().unwrap());
+    }
+
+    #[test]
+    fn stream_labels() {
+        assert_eq!(StreamLabel::Step(12).to_string(), "lily step 12");
+        assert_eq!(StreamLabel::PrefillChunk.to_string(), "lily prefill chunk");
+        assert_eq!(StreamLabel::Step(1).encoder(), "lily decode");
+    }
 }

@@ -8,6 +8,12 @@
 //! encoded into one command stream that is committed at `finish` (or before a CPU read), so a
 //! decode step makes no CPU round-trip. Argument errors found while encoding (shapes a kernel
 //! does not support) are kept and returned by `finish`.
+//!
+//! GPU families: the executor reports the Apple GPU family (Apple7 = M1 .. Apple10 = M5) and
+//! [`kernels::Variants::for_family`], the one table of kernel variants, picks the tiling of the
+//! decode GEMVs and prefill GEMMs for it ([`Metal::variants`], public so tests can run every
+//! variant). Pipelines of the common kernels and of the chosen variants are built at
+//! construction; the other variants on first use.
 
 pub mod args;
 #[cfg(target_os = "macos")]
@@ -17,11 +23,15 @@ pub mod kernels;
 #[cfg(unix)]
 pub mod sim;
 
-use std::{collections::HashMap, sync::Mutex};
+use std::{
+    collections::HashMap,
+    sync::{Mutex, OnceLock},
+};
 
 use args::bytes_of;
 pub use args::{AttentionSplit, EmbedParams, MatrixDesc, MoeSortDesc};
-pub use executor::{Arg, Executor, Grid};
+pub use executor::{Arg, Executor, GpuFamily, Grid, StreamLabel};
+pub use kernels::{GemmTile, GemvRows, Variants};
 
 use super::{params::*, Backend};
 use crate::{
@@ -70,11 +80,24 @@ struct Stream<X: Executor> {
     /// f32 intra-chunk matrices of the chunked DeltaNet prefill, grown on demand (to the largest
     /// chunk seen; see `delta_net_chunked`).
     delta_scratch: Option<MetalBuf<X>>,
+    /// The label of the next command stream opened (set by `embed`, which starts a forward
+    /// pass); `Commands` when none.
+    next_label: Option<StreamLabel>,
+    /// One-token forward passes encoded so far (the N of "lily step N").
+    steps: u64,
 }
+
+/// A pipeline, built on first use; the error message if it cannot be.
+type LazyPipeline<P> = OnceLock<std::result::Result<P, String>>;
 
 pub struct Metal<X: Executor> {
     x: X,
-    pipelines: HashMap<String, X::Pipeline>,
+    /// Every kernel host name (`kernels::kernel_names`) -> its pipeline.
+    pipelines: HashMap<String, LazyPipeline<X::Pipeline>>,
+    /// The GPU family reported by the executor.
+    family: GpuFamily,
+    /// The kernel variants dispatched: `Variants::for_family(family)` unless changed (tests).
+    pub variants: Variants,
     stream: Mutex<Stream<X>>,
     /// Bound in place of the scales and biases of dense weights.
     dummy: X::Buffer,
@@ -93,9 +116,15 @@ pub struct Metal<X: Executor> {
 
 #[cfg(unix)]
 impl Metal<sim::Sim> {
-    /// The simulated device (Linux CI): needs clang-19.
+    /// The simulated device (Linux CI): needs clang-19. GPU family: `LILY_METAL_FAMILY`, else
+    /// the newest.
     pub fn sim() -> Result<Self> {
         Metal::new(sim::Sim::new()?)
+    }
+
+    /// The simulated device reporting GPU family `family` (its kernel variants).
+    pub fn sim_family(family: GpuFamily) -> Result<Self> {
+        Metal::new(sim::Sim::with_family(family)?)
     }
 }
 
@@ -148,13 +177,15 @@ fn weight_suffix(m: &Matrix) -> Result<&'static str> {
 }
 
 impl<X: Executor> Metal<X> {
-    /// Build every pipeline up front, so a missing kernel fails here.
+    /// Build the pipelines of every kernel this device dispatches (the common kernels and the
+    /// variants of its GPU family) up front, so a missing kernel fails here.
     pub fn new(x: X) -> Result<Self> {
-        let mut pipelines = HashMap::new();
-        for name in kernels::kernel_names() {
-            let p = x.pipeline(&name)?;
-            pipelines.insert(name, p);
-        }
+        let pipelines = kernels::kernel_names()
+            .into_iter()
+            .map(|name| (name, OnceLock::new()))
+            .collect();
+        let family = x.family();
+        let variants = Variants::for_family(family);
         let dummy = x.new_buffer(16)?;
         // LILY_METAL_SPLIT_ROWS lowers the split threshold so tests reach the split layout.
         let split_rows = std::env::var("LILY_METAL_SPLIT_ROWS")
@@ -171,25 +202,89 @@ impl<X: Executor> Metal<X> {
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
             .unwrap_or(DN_CHUNK as u32);
-        Ok(Metal {
+        let m = Metal {
             x,
             pipelines,
+            family,
+            variants,
             stream: Mutex::new(Stream {
                 enc: None,
                 error: None,
                 scratch: None,
                 moe_scratch: None,
                 delta_scratch: None,
+                next_label: None,
+                steps: 0,
             }),
             dummy,
             split_rows,
             moe_gemm_tokens,
             delta_net_chunk_tokens,
-        })
+        };
+        for name in kernels::common_kernel_names()
+            .into_iter()
+            .chain(variants.kernel_names())
+        {
+            m.pipeline(&name)?;
+        }
+        Ok(m)
     }
 
     pub fn executor(&self) -> &X {
         &self.x
+    }
+
+    /// The GPU family the executor reports (whose variants `Metal::new` chose).
+    pub fn family(&self) -> GpuFamily {
+        self.family
+    }
+
+    /// The device, its GPU family and the kernel variants in use, in words.
+    pub fn describe(&self) -> String {
+        format!(
+            "{}; kernel variants: GEMV {} rows per simdgroup, GEMM tiles of 32 x {}",
+            self.x.describe(),
+            self.variants.gemv.rows(),
+            self.variants.gemm.rows()
+        )
+    }
+
+    /// The pipeline of kernel `name`, built on first use.
+    fn pipeline(&self, name: &str) -> Result<&X::Pipeline> {
+        let cell = self
+            .pipelines
+            .get(name)
+            .ok_or_else(|| Error::Device(format!("no Metal kernel {name:?}")))?;
+        cell.get_or_init(|| {
+            self.x.pipeline(name).map_err(|e| match e {
+                Error::Device(m) => m,
+                e => e.to_string(),
+            })
+        })
+        .as_ref()
+        .map_err(|m| Error::Device(m.clone()))
+    }
+
+    /// Build the pipeline of every kernel and every variant (tests: every host name exists).
+    pub fn build_all_pipelines(&self) -> Result<()> {
+        for name in kernels::kernel_names() {
+            self.pipeline(&name)?;
+        }
+        Ok(())
+    }
+
+    /// Label the next command stream as a forward pass over `tokens` tokens ("lily step N" for
+    /// one token, "lily prefill chunk" for more), if no stream is open yet.
+    fn label_forward(&self, tokens: usize) {
+        let mut s = self.lock();
+        if s.enc.is_none() && s.error.is_none() {
+            s.next_label = Some(if tokens == 1 {
+                s.steps += 1;
+                StreamLabel::Step(s.steps)
+            } else {
+                StreamLabel::PrefillChunk
+            });
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Stream<X>> {
@@ -210,15 +305,21 @@ impl<X: Executor> Metal<X> {
 
     /// `encode` for a kernel with `[[threadgroup(i)]]` arguments of `tg_mem[i]` bytes.
     fn encode_tg(&self, name: &str, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
-        let Some(p) = self.pipelines.get(name) else {
-            return self.fail(format!("no Metal kernel {name:?}"));
+        let p = match self.pipeline(name) {
+            Ok(p) => p,
+            Err(e) => {
+                let mut s = self.lock();
+                s.error.get_or_insert(e);
+                return;
+            }
         };
         let mut s = self.lock();
         if s.error.is_some() {
             return;
         }
         if s.enc.is_none() {
-            match self.x.encoder() {
+            let label = s.next_label.take().unwrap_or(StreamLabel::Commands);
+            match self.x.encoder(label) {
                 Ok(e) => s.enc = Some(e),
                 Err(e) => {
                     s.error = Some(e);
@@ -235,6 +336,7 @@ impl<X: Executor> Metal<X> {
     fn flush(&self) -> Result<()> {
         let (enc, err) = {
             let mut s = self.lock();
+            s.next_label = None;
             (s.enc.take(), s.error.take())
         };
         if let Some(e) = err {
@@ -411,6 +513,7 @@ impl<X: Executor> Backend for Metal<X> {
         if !self.fits("embed", &[("ids", ids.len, tokens), ("out", out.len, tokens * d)]) {
             return;
         }
+        self.label_forward(tokens);
         let [w, s, b] = self.weights(table);
         let args = [
             Arg::Bytes(bytes_of(&EmbedParams { tokens: tokens as u32 })),
@@ -504,23 +607,31 @@ impl<X: Executor> Backend for Metal<X> {
             x.arg(),
             out.arg(),
         ];
-        // Prefill past 8 tokens: the simdgroup-matrix GEMM, 32x32 output tiles staged through
-        // two 4 KiB threadgroup tiles (matmul.metal). Otherwise one simdgroup per output row
-        // for 1 (GEMV) or up to 8 (GEMM) tokens.
+        // Prefill past 8 tokens: the simdgroup-matrix GEMM, output tiles of 32 tokens x TN rows
+        // staged through threadgroup memory (matmul.metal; TN by GPU family). One token: the
+        // GEMV, R rows per simdgroup (by GPU family). 2..8 tokens: one simdgroup per output row.
+        let v = self.variants;
         if t > 8 {
+            let tn = v.gemm.rows();
             let grid = Grid::Groups {
-                count: [ceil_div(n, 32), ceil_div(t, 32), 1],
+                count: [ceil_div(n, tn), ceil_div(t, 32), 1],
                 size: [128, 1, 1],
             };
-            let tile = 32 * 32 * 4;
-            return self.encode_tg(&format!("matmul_mma_{}", w.suffix), &args, grid, &[tile, tile]);
+            let tg_mem = [32 * 32 * 4, tn * 32 * 4];
+            return self.encode_tg(&v.gemm_name("matmul_mma", w.suffix), &args, grid, &tg_mem);
         }
-        let (variant, tt) = if t == 1 { ("gemv", 1) } else { ("gemm", 8) };
+        if t == 1 {
+            let grid = Grid::Groups {
+                count: [ceil_div(n, 4 * v.gemv.rows()), 1, 1],
+                size: [128, 1, 1],
+            };
+            return self.encode(&v.gemv_name("matmul_gemv", w.suffix), &args, grid);
+        }
         let grid = Grid::Groups {
-            count: [ceil_div(n, 4), ceil_div(t, tt), 1],
+            count: [ceil_div(n, 4), ceil_div(t, 8), 1],
             size: [128, 1, 1],
         };
-        self.encode(&format!("matmul_{variant}_{}", w.suffix), &args, grid);
+        self.encode(&format!("matmul_gemm_{}", w.suffix), &args, grid);
     }
 
     fn qk_norm_rope(
@@ -827,11 +938,13 @@ impl<X: Executor> Backend for Metal<X> {
             act,
         ];
         let tk = (t * k) as u32;
+        let v = self.variants;
+        let rows_per_group = 4 * v.gemv.rows();
         self.encode(
-            &format!("moe_gate_up_{}", gate.suffix),
+            &v.gemv_name("moe_gate_up", gate.suffix),
             &args,
             Grid::Groups {
-                count: [ceil_div(i, 4), tk, 1],
+                count: [ceil_div(i, rows_per_group), tk, 1],
                 size: [128, 1, 1],
             },
         );
@@ -840,10 +953,10 @@ impl<X: Executor> Backend for Metal<X> {
         let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
         let args = [pb(), Arg::Bytes(bytes_of(&down.desc)), dw, ds, db, ids.arg(), act, y];
         self.encode(
-            &format!("moe_down_{}", down.suffix),
+            &v.gemv_name("moe_down", down.suffix),
             &args,
             Grid::Groups {
-                count: [ceil_div(d, 4), tk, 1],
+                count: [ceil_div(d, rows_per_group), tk, 1],
                 size: [128, 1, 1],
             },
         );
@@ -892,7 +1005,8 @@ impl<X: Executor> Backend for Metal<X> {
     }
 }
 
-/// Rows of one expert block of the sorted MoE path (`MOE_TILE` in moe.metal).
+/// Rows (token pairs) of one expert block of the sorted MoE path and the K step of its GEMMs
+/// (`MOE_TILE` in moe.metal; the weight-row side of the tiles is the `GemmTile` variant).
 const MOE_TILE: usize = 32;
 /// Tokens per sort block of `moe_histogram` / `moe_scatter`.
 const MOE_SORT_TOKENS: usize = 32;
@@ -1073,7 +1187,9 @@ impl<X: Executor> Metal<X> {
         let act_bytes = pairs * i * 4;
         let act = || Arg::Buf(&tmp.buf, 0, act_bytes);
         let y = || Arg::Buf(&tmp.buf, act_bytes, pairs * d * 4);
-        let tile = MOE_TILE * MOE_TILE * 4;
+        let v = self.variants;
+        let tn = v.gemm.rows();
+        let (x_tile, w_tile) = (MOE_TILE * MOE_TILE * 4, tn * MOE_TILE * 4);
         let [gw, gs, gb] = self.weights(gate);
         let [uw, us, ub] = self.weights(up);
         let args = [
@@ -1093,14 +1209,14 @@ impl<X: Executor> Metal<X> {
             act(),
         ];
         let grid = Grid::Groups {
-            count: [ceil_div(i, MOE_TILE), max_blocks as u32, 1],
+            count: [ceil_div(i, tn), max_blocks as u32, 1],
             size: [128, 1, 1],
         };
         self.encode_tg(
-            &format!("moe_gemm_gate_up_{}", gate.suffix),
+            &v.gemm_name("moe_gemm_gate_up", gate.suffix),
             &args,
             grid,
-            &[tile, tile, tile],
+            &[x_tile, w_tile, w_tile],
         );
         let [dw, ds, db] = self.weights(down);
         let args = [
@@ -1115,10 +1231,15 @@ impl<X: Executor> Metal<X> {
             y(),
         ];
         let grid = Grid::Groups {
-            count: [ceil_div(d, MOE_TILE), max_blocks as u32, 1],
+            count: [ceil_div(d, tn), max_blocks as u32, 1],
             size: [128, 1, 1],
         };
-        self.encode_tg(&format!("moe_gemm_down_{}", down.suffix), &args, grid, &[tile, tile]);
+        self.encode_tg(
+            &v.gemm_name("moe_gemm_down", down.suffix),
+            &args,
+            grid,
+            &[x_tile, w_tile],
+        );
         let rows = RowsParams {
             tokens: p.tokens,
             dim: d as u32,

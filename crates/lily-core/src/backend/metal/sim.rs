@@ -7,7 +7,9 @@
 //! hash of the sources, the prelude and the flags. `LILY_METAL_SIM_CXX` overrides `clang++-19`;
 //! `LILY_METAL_SIM_BOUNDS=0` turns the guard-page copies off (faster, no overrun detection);
 //! `MTL_SCHED=reverse` runs the threads of a threadgroup in reverse order (`Sim::set_reverse`
-//! sets it for one device).
+//! sets it for one device). The simulated device reports the GPU family it is built with
+//! (`Sim::with_family`; `Sim::new`: `LILY_METAL_FAMILY`, else the newest), which picks the kernel
+//! variants the backend dispatches; the simulator runs every variant alike.
 
 use std::{
     ffi::{c_int, c_ulong, c_void},
@@ -21,7 +23,7 @@ use std::{
 };
 
 use super::{
-    executor::{Arg, Executor, Grid},
+    executor::{Arg, Executor, GpuFamily, Grid, StreamLabel},
     kernels,
 };
 use crate::error::{Error, Result};
@@ -113,16 +115,32 @@ pub enum RecArg {
     Buf(Arc<SimAlloc>, usize, usize),
 }
 
+/// A recorded command stream and its label (named in error messages), run at `commit_wait`.
+pub struct SimEncoder {
+    label: StreamLabel,
+    dispatches: Vec<Recorded>,
+}
+
 pub struct Sim {
     libs: Vec<Arc<libloading::Library>>,
     bounds_check: bool,
+    family: GpuFamily,
+    /// The labels of the command streams committed so far (the latest 256), for tests.
+    committed: Mutex<Vec<StreamLabel>>,
     /// Fiber order of the dispatches: -1 as `MTL_SCHED` says, 0 forward, 1 reverse.
     schedule: AtomicI32,
 }
 
 impl Sim {
-    /// Compile (or find in the cache) every shader and load it.
+    /// Compile (or find in the cache) every shader and load it. The device reports GPU family
+    /// `LILY_METAL_FAMILY` if set, else the newest ([`GpuFamily::NEWEST`]).
     pub fn new() -> Result<Sim> {
+        let family = GpuFamily::from_env()?.unwrap_or(GpuFamily::NEWEST);
+        Self::with_family(family)
+    }
+
+    /// [`Sim::new`] reporting GPU family `family` (whatever `LILY_METAL_FAMILY` says).
+    pub fn with_family(family: GpuFamily) -> Result<Sim> {
         // One build at a time per process: concurrent engines/tests then hit the cache.
         static BUILD: Mutex<()> = Mutex::new(());
         let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
@@ -175,6 +193,8 @@ impl Sim {
         Ok(Sim {
             libs,
             bounds_check,
+            family,
+            committed: Mutex::new(Vec::new()),
             schedule: AtomicI32::new(-1),
         })
     }
@@ -186,6 +206,12 @@ impl Sim {
     pub fn set_reverse(&self, reverse: Option<bool>) {
         let mode = reverse.map_or(-1, |r| r as i32);
         self.schedule.store(mode, Ordering::Relaxed);
+    }
+
+    /// The labels of the command streams committed since the last call (at most the latest
+    /// 256), oldest first: what the device would label its command buffers with.
+    pub fn take_committed_labels(&self) -> Vec<StreamLabel> {
+        std::mem::take(&mut *self.committed.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -341,13 +367,18 @@ impl Executor for Sim {
     const NAME: &'static str = "metal-sim";
     type Buffer = Arc<SimAlloc>;
     type Pipeline = SimPipeline;
-    type Encoder = Vec<Recorded>;
+    type Encoder = SimEncoder;
 
     fn describe(&self) -> String {
         format!(
-            "Metal simulator (clang-19, tools/metal-sim; bounds checking {})",
+            "Metal simulator (clang-19, tools/metal-sim; GPU family {}; bounds checking {})",
+            self.family,
             if self.bounds_check { "on" } else { "off" }
         )
+    }
+
+    fn family(&self) -> GpuFamily {
+        self.family
     }
 
     fn new_buffer(&self, bytes: usize) -> Result<Arc<SimAlloc>> {
@@ -389,13 +420,16 @@ impl Executor for Sim {
         )))
     }
 
-    fn encoder(&self) -> Result<Vec<Recorded>> {
-        Ok(Vec::new())
+    fn encoder(&self, label: StreamLabel) -> Result<SimEncoder> {
+        Ok(SimEncoder {
+            label,
+            dispatches: Vec::new(),
+        })
     }
 
     fn dispatch(
         &self,
-        enc: &mut Vec<Recorded>,
+        enc: &mut SimEncoder,
         name: &str,
         p: &SimPipeline,
         args: &[Arg<'_, Arc<SimAlloc>>],
@@ -409,7 +443,7 @@ impl Executor for Sim {
                 Arg::Buf(b, off, len) => RecArg::Buf((*b).clone(), *off, *len),
             })
             .collect();
-        enc.push(Recorded {
+        enc.dispatches.push(Recorded {
             name: name.to_string(),
             kernel: p.kernel,
             dispatch: p.dispatch,
@@ -420,8 +454,16 @@ impl Executor for Sim {
         });
     }
 
-    fn commit_wait(&self, enc: Vec<Recorded>) -> Result<()> {
-        for mut r in enc {
+    fn commit_wait(&self, enc: SimEncoder) -> Result<()> {
+        let label = enc.label;
+        {
+            let mut c = self.committed.lock().unwrap_or_else(|e| e.into_inner());
+            if c.len() == 256 {
+                c.remove(0);
+            }
+            c.push(label);
+        }
+        for mut r in enc.dispatches {
             let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(r.args.len());
             let mut sizes: Vec<c_ulong> = Vec::with_capacity(r.args.len());
             for a in r.args.iter_mut() {
@@ -433,7 +475,7 @@ impl Executor for Sim {
                     RecArg::Buf(b, off, len) => {
                         if *off + *len > b.layout.size() {
                             return Err(Error::Device(format!(
-                                "metal-sim: {}: binding {} bytes at offset {} of a {}-byte buffer",
+                                "metal-sim: {} ({label}): binding {} bytes at offset {} of a {}-byte buffer",
                                 r.name,
                                 len,
                                 off,
@@ -481,7 +523,7 @@ impl Executor for Sim {
             };
             if rc != 0 {
                 return Err(Error::Device(format!(
-                    "metal-sim: kernel {} failed (mtl_dispatch returned {rc})",
+                    "metal-sim: kernel {} failed in {label} (mtl_dispatch returned {rc})",
                     r.name
                 )));
             }
