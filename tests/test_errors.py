@@ -357,6 +357,21 @@ def test_invalid_max_seq(lily, tiny_hf):
         _load(lily, tiny_hf, max_seq=0)
 
 
+def test_max_seq_beyond_memory_is_a_device_error(lily, tiny_hf):
+    # The KV cache of 10^12 positions cannot be allocated: a typed error, not an aborted process.
+    with pytest.raises(lily.DeviceError, match="cannot allocate"):
+        lily.Engine(str(tiny_hf), backend="cpu", max_seq=10**12)
+
+
+def test_prefill_chunk(lily, tiny_hf):
+    assert _load(lily, tiny_hf).prefill_chunk == min(1024, MAX_SEQ)  # the CPU backend's default
+    assert _load(lily, tiny_hf, prefill_chunk=5).prefill_chunk == 5
+    assert _load(lily, tiny_hf, max_seq=8, prefill_chunk=100).prefill_chunk == 8
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            _load(lily, tiny_hf, prefill_chunk=bad)
+
+
 def test_engines_are_independent(lily, tiny_hf, fresh_logits):
     e1 = _load(lily, tiny_hf)
     e2 = _load(lily, tiny_hf)

@@ -187,8 +187,8 @@ def test_oracle_hf_reference_is_fp32(ckpts, oracle_cache):
 # the engine against the oracle
 
 
-def _engine(lily, ckpts, name, max_seq=MAX_SEQ):
-    eng = lily.Engine(str(ckpts.path(name)), backend="cpu", max_seq=max_seq)
+def _engine(lily, ckpts, name, max_seq=MAX_SEQ, **kw):
+    eng = lily.Engine(str(ckpts.path(name)), backend="cpu", max_seq=max_seq, **kw)
     assert eng.backend == "cpu"
     return eng
 
@@ -218,6 +218,19 @@ def test_decode_matches_prefill_and_mlx(lily, ckpts, oracle_cache, name):
     msgs = [compare(steps, full, SELF_TOL, f"{name} decode vs prefill")]
     msgs.append(compare(steps, oracle_cache.logits(name, toks), ORACLE_TOL, f"{name} decode vs MLX-LM"))
     print("\n".join(msgs))
+
+
+def test_small_prefill_chunks_match_one_chunk(lily, ckpts, oracle_cache):
+    # Chunks of 7 and 64 tokens: the state carried across chunk boundaries inside one prefill call.
+    name = CONSISTENCY[0]
+    toks = tokens_for(ckpts, name)
+    full = _engine(lily, ckpts, name).prefill(toks.tolist(), all_logits=True)
+    for chunk in (7, 64):
+        eng = _engine(lily, ckpts, name, prefill_chunk=chunk)
+        assert eng.prefill_chunk == chunk
+        got = eng.prefill(toks.tolist(), all_logits=True)
+        print(compare(got, full, SELF_TOL, f"{name} prefill in chunks of {chunk} vs one chunk"))
+        print(compare(got, oracle_cache.logits(name, toks), ORACLE_TOL, f"{name} chunks of {chunk} vs MLX-LM"))
 
 
 @pytest.mark.parametrize("splits", [(1, 37, 64, 65, 150), (2, 3, 63, 128, 129, 191), (100,)],

@@ -29,8 +29,11 @@ class Engine:
     ``path`` is a checkpoint folder (MLX affine-quantized or Hugging Face bf16 safetensors with
     ``config.json``). ``backend`` is ``"auto"`` (the best available), ``"cpu"``, ``"cpu-reference"``
     (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"`` or ``"cuda"``. ``max_seq`` caps the
-    sequence length (default: the config's ``max_position_embeddings``). ``progress(done, total)`` is
-    called as layers load. The GIL is released while the model loads and runs.
+    sequence length (default: the config's ``max_position_embeddings``). ``prefill_chunk`` is the
+    number of tokens per forward call during prefill (default: the backend's, 1024 on the CPU): larger
+    is faster and takes more scratch memory (about 270 KB per token at the real shapes).
+    ``progress(done, total)`` is called as layers load. The GIL is released while the model loads and
+    runs.
     """
 
     def __new__(
@@ -39,6 +42,7 @@ class Engine:
         *,
         backend: Literal["auto", "cpu", "cpu-reference", "metal", "metal-sim", "cuda"] | str = "auto",
         max_seq: int | None = None,
+        prefill_chunk: int | None = None,
         progress: Callable[[int, int], object] | None = None,
     ) -> Self: ...
     def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> npt.NDArray[np.float32]:
@@ -68,6 +72,9 @@ class Engine:
     @property
     def max_seq(self) -> int:
         """Longest sequence this engine holds."""
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per forward call during prefill."""
     @property
     def vocab_size(self) -> int:
         """Rows of the logits (the checkpoint's vocab_size, padding ids included)."""

@@ -575,13 +575,15 @@ def load(
     *,
     backend: str = "auto",
     max_seq: int | None = None,
+    prefill_chunk: int | None = None,
     revision: str | None = None,
     progress: bool = True,
 ) -> Model:
     """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
 
     ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim"); ``max_seq`` caps
-    the context (default: the engine's). Raises ``ModelLoadError`` with what to do when the model cannot
+    the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
+    backend's; smaller saves memory). Raises ``ModelLoadError`` with what to do when the model cannot
     be found or read.
     """
     if backend not in BACKENDS:
@@ -598,14 +600,15 @@ def load(
     tokenizer.detokenizer()  # builds the id -> bytes table now rather than during the first generation
     template = ChatTemplate.from_dir(folder)
     warm_page_cache(folder, progress=progress)
-    engine = _open_engine(folder, backend, max_seq, progress)
+    engine = _open_engine(folder, backend, max_seq, prefill_chunk, progress)
     return Model(engine, tokenizer, template, generation_config, folder)
 
 
-def _open_engine(folder: Path, backend: str, max_seq: int | None, progress: bool) -> Engine:
+def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk: int | None,
+                 progress: bool) -> Engine:
     """The engine, with a per-layer progress bar on stderr for large (>= 1 GiB) checkpoints."""
     if not progress or sum(f.stat().st_size for f in folder.glob("*.safetensors")) < 1 << 30:
-        return Engine(str(folder), backend=backend, max_seq=max_seq)
+        return Engine(str(folder), backend=backend, max_seq=max_seq, prefill_chunk=prefill_chunk)
     bar = None
 
     def report(done: int, total: int) -> None:
@@ -619,7 +622,8 @@ def _open_engine(folder: Path, backend: str, max_seq: int | None, progress: bool
         bar.update(done - bar.n)
 
     try:
-        return Engine(str(folder), backend=backend, max_seq=max_seq, progress=report)
+        return Engine(str(folder), backend=backend, max_seq=max_seq, prefill_chunk=prefill_chunk,
+                      progress=report)
     finally:
         if bar is not None:
             bar.close()

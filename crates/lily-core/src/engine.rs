@@ -28,8 +28,6 @@ use crate::{
     weights::Loader,
 };
 
-/// Tokens per forward call during prefill: bounds scratch memory whatever the prompt length.
-pub const PREFILL_CHUNK: usize = 256;
 /// Rows of logits computed per lm_head call when all logits are requested.
 const LOGIT_ROWS: usize = 16;
 
@@ -72,12 +70,15 @@ impl<B: Backend> Runner<B> {
         dir: &Path,
         cfg: &ModelConfig,
         max_seq: usize,
+        prefill_chunk: Option<usize>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let loader = Loader::open(dir, cfg)?;
         let model = Model::load(&b, &loader, cfg, progress)?;
         let state = State::new(&b, cfg, max_seq)?;
-        let scratch = Scratch::new(&b, cfg, PREFILL_CHUNK.min(max_seq), LOGIT_ROWS)?;
+        // Tokens per forward call during prefill: bounds scratch memory whatever the prompt length.
+        let chunk = prefill_chunk.unwrap_or_else(|| b.prefill_chunk()).min(max_seq);
+        let scratch = Scratch::new(&b, cfg, chunk, LOGIT_ROWS)?;
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         Ok(Runner {
             b,
@@ -275,13 +276,16 @@ macro_rules! each {
 impl Engine {
     /// Load the checkpoint in `dir`. `max_seq` defaults to the config's `max_position_embeddings`.
     pub fn new(dir: &Path, backend: BackendKind, max_seq: Option<usize>) -> Result<Self> {
-        Self::with_progress(dir, backend, max_seq, &mut |_, _| {})
+        Self::with_progress(dir, backend, max_seq, None, &mut |_, _| {})
     }
 
+    /// `prefill_chunk`: tokens per forward call during prefill (default: the backend's choice);
+    /// larger chunks prefill faster and take more scratch memory.
     pub fn with_progress(
         dir: &Path,
         backend: BackendKind,
         max_seq: Option<usize>,
+        prefill_chunk: Option<usize>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         if !dir.is_dir() {
@@ -293,23 +297,26 @@ impl Engine {
             Some(n) => n,
             None => cfg.max_position_embeddings,
         };
+        if prefill_chunk == Some(0) {
+            return Err(Error::InvalidArgument("prefill_chunk must be at least 1".into()));
+        }
         match backend {
             BackendKind::Auto => {
                 // Apple silicon: Metal when the device opens; CPU otherwise.
                 #[cfg(all(target_os = "macos", target_arch = "aarch64"))]
                 if let Ok(m) = Metal::device() {
-                    return Ok(Engine::Metal(Runner::new(m, dir, &cfg, max_seq, progress)?, cfg));
+                    return Ok(Engine::Metal(Runner::new(m, dir, &cfg, max_seq, prefill_chunk, progress)?, cfg));
                 }
-                Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, progress)?, cfg))
+                Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, prefill_chunk, progress)?, cfg))
             }
-            BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, progress)?, cfg)),
+            BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, prefill_chunk, progress)?, cfg)),
             BackendKind::CpuReference => Ok(Engine::Cpu(
-                Runner::new(Cpu::reference(), dir, &cfg, max_seq, progress)?,
+                Runner::new(Cpu::reference(), dir, &cfg, max_seq, prefill_chunk, progress)?,
                 cfg,
             )),
             #[cfg(unix)]
             BackendKind::MetalSim => Ok(Engine::MetalSim(
-                Runner::new(Metal::sim()?, dir, &cfg, max_seq, progress)?,
+                Runner::new(Metal::sim()?, dir, &cfg, max_seq, prefill_chunk, progress)?,
                 cfg,
             )),
             #[cfg(not(unix))]
@@ -318,7 +325,7 @@ impl Engine {
             )),
             #[cfg(target_os = "macos")]
             BackendKind::Metal => Ok(Engine::Metal(
-                Runner::new(Metal::device()?, dir, &cfg, max_seq, progress)?,
+                Runner::new(Metal::device()?, dir, &cfg, max_seq, prefill_chunk, progress)?,
                 cfg,
             )),
             #[cfg(not(target_os = "macos"))]
@@ -382,6 +389,11 @@ impl Engine {
 
     pub fn max_seq(&self) -> usize {
         each!(self, r => r.max_seq)
+    }
+
+    /// Tokens per forward call during prefill.
+    pub fn prefill_chunk(&self) -> usize {
+        each!(self, r => r.scratch.chunk)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -62,17 +62,27 @@ fn to_ids(tokens: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, progress = None))]
+    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, prefill_chunk = None, progress = None))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         backend: &str,
         max_seq: Option<i64>,
+        prefill_chunk: Option<i64>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let kind = BackendKind::parse(backend).map_err(PyLilyError::from)?;
         let max_seq = match max_seq {
             Some(n) if n < 1 => return Err(PyValueError::new_err(format!("max_seq must be at least 1, got {n}"))),
+            Some(n) => Some(n as usize),
+            None => None,
+        };
+        let prefill_chunk = match prefill_chunk {
+            Some(n) if n < 1 => {
+                return Err(PyValueError::new_err(format!(
+                    "prefill_chunk must be at least 1, got {n}"
+                )))
+            }
             Some(n) => Some(n as usize),
             None => None,
         };
@@ -87,7 +97,7 @@ impl Engine {
                     });
                 }
             };
-            CoreEngine::with_progress(&path, kind, max_seq, &mut report)
+            CoreEngine::with_progress(&path, kind, max_seq, prefill_chunk, &mut report)
         });
         Ok(Engine {
             inner: inner.map_err(PyLilyError::from)?,
@@ -169,6 +179,11 @@ impl Engine {
     #[getter]
     fn max_seq(&self) -> usize {
         self.inner.max_seq()
+    }
+
+    #[getter]
+    fn prefill_chunk(&self) -> usize {
+        self.inner.prefill_chunk()
     }
 
     #[getter]

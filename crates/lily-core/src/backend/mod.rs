@@ -24,6 +24,13 @@ pub trait Backend: Send + Sized + 'static {
 
     fn name(&self) -> &'static str;
 
+    /// Tokens per forward call during prefill unless the caller chooses: scratch memory grows
+    /// with it; a larger chunk spreads each expert's weight reads and dequantization over more
+    /// tokens.
+    fn prefill_chunk(&self) -> usize {
+        256
+    }
+
     // ---- memory ----
     /// A zeroed buffer of `len` f32 values.
     fn alloc(&self, len: usize) -> Result<Self::Buf>;

@@ -10,7 +10,10 @@ pub mod reference;
 pub mod simd;
 
 use super::{params::*, Backend};
-use crate::{error::Result, quant::Matrix};
+use crate::{
+    error::{Error, Result},
+    quant::Matrix,
+};
 
 pub struct Cpu {
     reference: bool,
@@ -28,6 +31,36 @@ impl Cpu {
 impl Default for Cpu {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Element types whose all-zero bytes are the value 0.
+trait Zero: Copy {}
+impl Zero for f32 {}
+impl Zero for u32 {}
+
+/// A zeroed buffer straight from the allocator (calloc / fresh pages): pages never touched, like
+/// the unused end of a long KV cache, cost no physical memory. A size the machine cannot give
+/// is a typed error, not an abort.
+fn zeroed<T: Zero>(len: usize) -> Result<Vec<T>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let too_big = || {
+        Error::Device(format!(
+            "cannot allocate {len} x {} bytes of host memory",
+            size_of::<T>()
+        ))
+    };
+    let layout = std::alloc::Layout::array::<T>(len).map_err(|_| too_big())?;
+    // SAFETY: the layout has a non-zero size; all-zero bytes are a valid T (`Zero`); the Vec
+    // takes ownership of memory from the global allocator with exactly this layout.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut T;
+        if p.is_null() {
+            return Err(too_big());
+        }
+        Ok(Vec::from_raw_parts(p, len, len))
     }
 }
 
@@ -51,13 +84,17 @@ impl Backend for Cpu {
         }
     }
 
+    /// 1024 tokens (about 270 KB of scratch per token at the real shapes): each of the 256
+    /// experts then sees ~32 tokens per dequantized tile. Measured on `lily synth --layers 4`,
+    /// 1024-token prompt, this machine: 114 / 132 / 149 tok/s with chunks of 256 / 512 / 1024.
+    fn prefill_chunk(&self) -> usize {
+        1024
+    }
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
-        // Zeroed allocations come from calloc/mmap: pages never touched (the unused end of a
-        // long KV cache) cost no physical memory.
-        Ok(vec![0.0; len])
+        zeroed(len)
     }
     fn alloc_ids(&self, len: usize) -> Result<Vec<u32>> {
-        Ok(vec![0; len])
+        zeroed(len)
     }
     fn upload(&self, data: &[f32]) -> Result<Vec<f32>> {
         Ok(data.to_vec())
