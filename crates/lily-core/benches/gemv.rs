@@ -280,4 +280,34 @@ fn main() {
         let gf = (2 * n * k * t) as f64 / s / 1e9;
         println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
     }
+
+    // MoE prefill: 1024 tokens (the CPU's prefill chunk), each to 8 of 256 experts (~32 tokens per
+    // expert), gate + up [512, 2048] and down [2048, 512] per expert.
+    {
+        use lily_core::backend::{cpu::kernels, params::MoeParams};
+        let (e_n, inter, d, t) = (256, 512, 2048, if quick { 256 } else { 1024 });
+        let (g, u, dn) = (
+            matrix(e_n, inter, d, q4),
+            matrix(e_n, inter, d, q4),
+            matrix(e_n, d, inter, q4),
+        );
+        let x: Vec<f32> = (0..t * d).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let ids: Vec<u32> = (0..t * 8).map(|i| ((i / 8) * 37 + (i % 8) * 31) as u32 % 256).collect();
+        let w = vec![0.125f32; t * 8];
+        let mut tmp = vec![0f32; t * 8 * (inter + d)];
+        let mut out = vec![0f32; t * d];
+        let p = MoeParams {
+            tokens: t as u32,
+            top_k: 8,
+        };
+        let s = time(reps.min(5), || {
+            kernels::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out)
+        });
+        let gf = (t * 8 * 3 * 2 * inter * d) as f64 / s / 1e9;
+        println!(
+            "{:<36} {t:6}  {gf:7.1}  {:5.0}%",
+            "MoE top-8 of 256, 2048->512x2->2048 q4",
+            100.0 * gf / peak
+        );
+    }
 }
