@@ -179,8 +179,16 @@ def _version(pkg: str) -> str | None:
 
 def machine_info() -> dict:
     return {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu_name(),
-            "cpu_count": os.cpu_count(), "memory_bytes": total_memory_bytes(), "python": platform.python_version(),
+            "cpu_count": usable_cpus(), "memory_bytes": total_memory_bytes(), "python": platform.python_version(),
             "numpy": np.__version__, "lily": _version("lily"), "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm")}
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. under taskset), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return max(1, os.cpu_count() or 1)
 
 
 def measure_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, method: str = "numpy") -> dict:
@@ -210,7 +218,7 @@ def measure_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, method: str =
     src = np.ones(n, dtype=np.float64)
     dst = np.empty_like(src)
     raw = src.view(np.uint8)
-    threads = max(1, os.cpu_count() or 1)
+    threads = usable_cpus()
     parts = [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
 
     def copy(p):
