@@ -5,7 +5,9 @@
 #  2. run every kernel (every GPU-family variant) on the CPU simulator against its reference twin
 #     (bounds-checked), one tiny-model forward pass per GPU family, then again with the threads of
 #     each threadgroup in reverse order for the kernels using threadgroup memory;
-#  3. the tiny-model oracle test end to end through backend="metal-sim" (needs the Python package
+#  3. the host encoding layer: warm decode steps and prefill chunks of a tiny model encoded
+#     through a null executor allocate nothing (tests/metal_alloc.rs, a counting allocator);
+#  4. the tiny-model oracle test end to end through backend="metal-sim" (needs the Python package
 #     built and the test requirements; skip with --no-python), also with the Apple7 variants
 #     (LILY_METAL_FAMILY=7).
 # Usage: scripts/check_metal.sh [--no-python]
@@ -31,6 +33,9 @@ echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse
 # (matmul and moe_experts_sorted run every GEMM tile variant; delta_net_chunked also has a
 # reversed twin in the plain run, delta_net_chunked_reversed_matches_cpu.)
 MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route moe_sort moe_experts_sorted matmul delta_net_chunked
+
+echo "== warm forward passes encode without allocating (counting allocator, null executor)"
+cargo test -p lily-core --release --test metal_alloc
 
 if [ "${1:-}" != "--no-python" ]; then
   echo "== tiny-model oracle end to end through backend=\"metal-sim\""

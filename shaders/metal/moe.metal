@@ -3,57 +3,80 @@
 
 constant constexpr uint ROUTE_E_MAX = 1024;
 
+// Router logit x as a finite value, decided on its bits (Apple's fast math may assume floats are
+// never NaN or infinite, so float compares cannot be trusted to catch them): NaN and -inf become
+// -FLT_MAX (NaN ranks as -inf), +inf becomes FLT_MAX, finite values are unchanged.
+inline float route_logit(float x) {
+  const uint b = as_type<uint>(x);
+  if ((b & 0x7fffffffu) < 0x7f800000u) return x;  // finite
+  return b == 0x7f800000u ? -NEG_BIG : NEG_BIG;
+}
+
+// exp(x - m) for route_logit values x <= m (m their maximum): exactly 0 where it underflows
+// (x < m - 110; e^-104 is already below the smallest f32), so x - m never overflows.
+inline float route_exp(float x, float m) { return x >= m - 110.0f ? metal::precise::exp(x - m) : 0.0f; }
+
 // moe_route: per token, p = softmax(logits) over all E experts, top K by p (ties: lower id
 // first), weights p / sum(top K p) when renorm != 0. logits [T, E], ids [T, K] u32, weights [T, K].
 // Bindings: 0 RouteParams, 1 logits, 2 ids, 3 weights. Grid: threadgroups (T), 256 threads
 // striding over E (<= 1024); probabilities in threadgroup memory; K rounds of a threadgroup
 // argmax (simd_max / simd_min on the id, then across simdgroups by thread 0). f32 throughout.
+// Non-finite logits (route_logit): NaN ranks as -inf; +inf logits share the probability equally
+// (the softmax limit), every finite one gets 0; when every logit is NaN or -inf, every expert
+// gets 1/E (so the top K are the lowest ids). The argmax runs on integer keys (the bits of
+// p + 1, 0 for "taken"): always K distinct ids < E, the same on every run, whatever the input.
 kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
                           device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
                           uint t [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                           uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
   threadgroup float partial[32];
+  threadgroup uint partial_key[32];
   threadgroup uint partial_id[32];
-  threadgroup float pr[ROUTE_E_MAX];
+  threadgroup uint key[ROUTE_E_MAX];
   threadgroup float picked_p[64];
   threadgroup uint picked[64];
-  const uint E = p.experts, K = p.top_k;
-  device const float* l = logits + (ulong)t * E;
+  // The host checks E <= 1024 and K <= min(E, 64); clamped here too, so no index can leave the
+  // threadgroup arrays and every round has an expert left to take.
+  const uint E = min(p.experts, ROUTE_E_MAX), K = min(p.top_k, min(E, 64u));
+  device const float* l = logits + (ulong)t * p.experts;
   float m = NEG_BIG;
-  for (uint e = tid; e < E; e += ntg) m = max(m, l[e]);
+  for (uint e = tid; e < E; e += ntg) m = max(m, route_logit(l[e]));
   m = tg_max(m, partial, sg, lane, nsg);
   float z = 0.0f;
-  for (uint e = tid; e < E; e += ntg) z += metal::precise::exp(l[e] - m);
-  z = tg_sum(z, partial, sg, lane, nsg);
-  for (uint e = tid; e < E; e += ntg) pr[e] = metal::precise::exp(l[e] - m) / z;
+  for (uint e = tid; e < E; e += ntg) z += route_exp(route_logit(l[e]), m);
+  z = tg_sum(z, partial, sg, lane, nsg);  // >= 1: the maximum contributes exp(0)
+  for (uint e = tid; e < E; e += ntg) {
+    // p in [0, 1]: its bits order like its value; + 1 keeps 0 free for "taken".
+    const uint b = as_type<uint>(route_exp(route_logit(l[e]), m) / z);
+    key[e] = (b >> 31) != 0u ? 1u : min(b, 0x7f800000u) + 1u;
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint k = 0; k < K; ++k) {
-    float best = -1.0f;
-    uint best_id = 0xffffffffu;
+    uint best = 0u, best_id = E;  // nothing yet: loses to any untaken expert
     for (uint e = tid; e < E; e += ntg)
-      if (pr[e] > best) {
-        best = pr[e];
+      if (key[e] > best) {
+        best = key[e];
         best_id = e;
       }
-    const float sbest = simd_max(best);
+    const uint sbest = simd_max(best);
     const uint sid = simd_min(best == sbest ? best_id : 0xffffffffu);
     if (lane == 0) {
-      partial[sg] = sbest;
+      partial_key[sg] = sbest;
       partial_id[sg] = sid;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid == 0) {
-      float bv = partial[0];
-      uint bi = partial_id[0];
+      uint bv = partial_key[0], bi = partial_id[0];
       for (uint s = 1; s < nsg; ++s)
-        if (partial[s] > bv || (partial[s] == bv && partial_id[s] < bi)) {
-          bv = partial[s];
+        if (partial_key[s] > bv || (partial_key[s] == bv && partial_id[s] < bi)) {
+          bv = partial_key[s];
           bi = partial_id[s];
         }
+      // bv >= 1 and bi < E: K <= E leaves an untaken expert in every round.
       picked[k] = bi;
-      picked_p[k] = bv;
-      pr[bi] = -1.0f;  // taken
+      picked_p[k] = as_type<float>(bv - 1u);
+      if (bi < E) key[bi] = 0u;  // taken
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
@@ -61,8 +84,8 @@ kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const fl
     float sum = 0.0f;
     for (uint k = 0; k < K; ++k) sum += picked_p[k];
     for (uint k = 0; k < K; ++k) {
-      ids[t * K + k] = picked[k];
-      weights[t * K + k] = p.renorm != 0 ? picked_p[k] / sum : picked_p[k];
+      ids[t * p.top_k + k] = picked[k];
+      weights[t * p.top_k + k] = p.renorm != 0 ? picked_p[k] / sum : picked_p[k];
     }
   }
 }

@@ -61,6 +61,7 @@ macro_rules! all_metal_tests {
             delta_net_matches_cpu,
             delta_net_chunked_matches_cpu,
             moe_route_matches_cpu,
+            moe_route_non_finite_is_safe,
             moe_experts_matches_cpu,
             moe_sort_matches_cpu,
             moe_experts_sorted_matches_cpu,
@@ -598,6 +599,162 @@ pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             tolx * TOL,
             &format!("moe_route weights E={e} K={k}"),
         );
+    }
+}
+
+/// The rule `moe_route` follows on any logits (moe.metal): NaN ranks as -inf; +inf logits share
+/// the probability equally and every finite one gets 0; when every logit is NaN or -inf, every
+/// expert gets 1/E; top K by probability, ties to the lower id. On finite logits (and -inf ones
+/// beside a finite one) it is the reference's softmax and top K. The ids and weights of one row.
+fn route_rule(l: &[f32], k: usize, renorm: bool) -> (Vec<u32>, Vec<f32>) {
+    let s: Vec<f32> = l
+        .iter()
+        .map(|&x| {
+            if x.is_nan() {
+                f32::MIN
+            } else {
+                x.clamp(f32::MIN, f32::MAX)
+            }
+        })
+        .collect();
+    let m = s.iter().copied().fold(f32::MIN, f32::max);
+    let w: Vec<f32> = s
+        .iter()
+        .map(|&x| if x >= m - 110.0 { (x - m).exp() } else { 0.0 })
+        .collect();
+    let z: f32 = w.iter().sum();
+    let p: Vec<f32> = w.iter().map(|v| v / z).collect();
+    let mut order: Vec<usize> = (0..l.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    let ids: Vec<u32> = order[..k].iter().map(|&e| e as u32).collect();
+    let sum: f32 = order[..k].iter().map(|&e| p[e]).sum();
+    let wts = order[..k]
+        .iter()
+        .map(|&e| if renorm { p[e] / sum } else { p[e] })
+        .collect();
+    (ids, wts)
+}
+
+/// Router logits rows of `e` experts with NaN, infinities, ties and extreme values (name, row).
+fn non_finite_rows(e: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
+    let nans = [
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7fc0_1234),
+        f32::from_bits(0x7f80_0001), // signalling
+        f32::from_bits(0xffff_ffff),
+    ];
+    let base = patterned(e, seed, -3.0, 3.0);
+    let with = |every: usize, f: &dyn Fn(usize) -> f32| -> Vec<f32> {
+        base.iter()
+            .enumerate()
+            .map(|(i, &x)| if i % every == 1 { f(i) } else { x })
+            .collect()
+    };
+    let mut three_finite = vec![f32::NAN; e];
+    for (j, i) in [e / 2, 1, e - 1].into_iter().enumerate() {
+        three_finite[i] = j as f32;
+    }
+    let mut inf_and_nan: Vec<f32> = (0..e).map(|i| nans[i % nans.len()]).collect();
+    for i in [e - 1, e / 3, 2] {
+        inf_and_nan[i] = f32::INFINITY;
+    }
+    vec![
+        ("finite", base.clone()),
+        ("NaN among finite", with(3, &|i| nans[i % nans.len()])),
+        ("all NaN", (0..e).map(|i| nans[i % nans.len()]).collect()),
+        ("all equal", vec![0.25; e]),
+        (
+            "all zero, some -0",
+            (0..e).map(|i| if i % 2 == 0 { 0.0 } else { -0.0 }).collect(),
+        ),
+        ("one +inf", {
+            let mut r = base.clone();
+            r[e / 2] = f32::INFINITY;
+            r
+        }),
+        ("+inf among NaN", inf_and_nan),
+        ("-inf among finite", with(2, &|_| f32::NEG_INFINITY)),
+        ("all -inf", vec![f32::NEG_INFINITY; e]),
+        ("all +inf", vec![f32::INFINITY; e]),
+        ("NaN, -inf and three finite", {
+            let mut r = three_finite.clone();
+            r.iter_mut().step_by(4).for_each(|x| {
+                if x.is_nan() {
+                    *x = f32::NEG_INFINITY
+                }
+            });
+            r
+        }),
+        (
+            "extremes",
+            with(2, &|i| [f32::MAX, f32::MIN, 1e30, -1e30, f32::MIN_POSITIVE][i % 5]),
+        ),
+        ("huge ties", vec![f32::MAX; e]),
+    ]
+}
+
+/// `moe_route` on router logits with NaN (of several bit patterns), +-inf, all-equal, all-NaN
+/// and extreme values (`non_finite_rows`), K < E and K = E, with and without renormalisation:
+/// every token gets K distinct ids < E (the simulator bounds-checks every access) and finite
+/// weights in [0, 1], as `route_rule` says; where the reference's softmax is defined (no NaN, no
+/// +inf, a finite logit) ids and weights match `Cpu::reference()` too. The reference itself
+/// always returns K distinct ids < E as well (a total-order sort of all E).
+pub fn moe_route_non_finite_is_safe<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (e, k) in [(70usize, 8usize), (16, 16), (300, 2), (1024, 64), (3, 1)] {
+        let rows = non_finite_rows(e, 200 + e as u64);
+        let t = rows.len();
+        let logits: Vec<f32> = rows.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+        for renorm in [1u32, 0] {
+            let p = RouteParams {
+                tokens: t as u32,
+                experts: e as u32,
+                top_k: k as u32,
+                renorm,
+            };
+            let cpu = Cpu::reference();
+            let (ci, cw) = {
+                let lb = cpu.upload(&logits).unwrap();
+                let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
+                cpu.moe_route(&p, &lb, &mut ib, &mut wb);
+                (cpu.ids(&ib), read_all(&cpu, &wb, t * k))
+            };
+            let m = &*dev;
+            let lb = m.upload(&logits).unwrap();
+            let (mut ib, mut wb) = (m.alloc_ids(t * k).unwrap(), m.alloc(t * k).unwrap());
+            m.moe_route(&p, &lb, &mut ib, &mut wb);
+            m.finish().unwrap();
+            let (gi, gw) = (m.ids(&ib), read_all(m, &wb, t * k));
+            for (row, (what, l)) in rows.iter().enumerate() {
+                let at = format!("moe_route E={e} K={k} renorm={renorm} {what:?}");
+                let (ids, w) = (&gi[row * k..][..k], &gw[row * k..][..k]);
+                let (ref_ids, ref_w) = (&ci[row * k..][..k], &cw[row * k..][..k]);
+                for (name, ids) in [("Metal", ids), ("reference", ref_ids)] {
+                    let mut seen = vec![false; e];
+                    for &i in ids {
+                        assert!((i as usize) < e, "{at}: {name} id {i} out of range: {ids:?}");
+                        assert!(!seen[i as usize], "{at}: {name} id {i} twice: {ids:?}");
+                        seen[i as usize] = true;
+                    }
+                }
+                assert!(
+                    w.iter().all(|x| x.is_finite() && (0.0..=1.0).contains(x)),
+                    "{at}: weights {w:?}"
+                );
+                if renorm != 0 {
+                    let sum: f32 = w.iter().sum();
+                    assert!((sum - 1.0).abs() <= 1e-5, "{at}: weights sum to {sum}");
+                }
+                let (want_ids, want_w) = route_rule(l, k, renorm != 0);
+                assert_eq!(ids, &want_ids[..], "{at}: ids");
+                assert_close(w, &want_w, tolx * TOL, &format!("{at}: weights"));
+                let defined = l.iter().all(|x| !x.is_nan() && *x != f32::INFINITY) && l.iter().any(|x| x.is_finite());
+                if defined {
+                    assert_eq!(ids, ref_ids, "{at}: ids against the reference");
+                    assert_close(w, ref_w, tolx * TOL, &format!("{at}: weights against the reference"));
+                }
+            }
+        }
     }
 }
 

@@ -1,5 +1,11 @@
 //! Metal-only kernel arguments, `#[repr(C)]` and mirrored by `shaders/metal/params.h` (the op
-//! parameter structs themselves come from `backend/params.rs` and are bound as they are).
+//! parameter structs themselves come from `backend/params.rs` and are bound as they are), and
+//! their bytes as a dispatch binds them ([`bytes_of`]: inline, no allocation).
+
+use crate::backend::params::{
+    AttentionParams, ConvParams, DeltaNetParams, KvStoreParams, MatmulParams, MoeParams, RmsNormParams, RopeParams,
+    RouteParams, RowsParams,
+};
 
 /// A weight matrix `[experts?, rows, cols]` as the kernels see it: logical row `r` of expert `e`
 /// is stored row `e * expert_stride + row_offset + r`; `group` is the quantization group (0: dense).
@@ -45,12 +51,113 @@ const _: () = assert!(size_of::<MoeSortDesc>() == 16);
 const _: () = assert!(size_of::<AttentionSplit>() == 8);
 const _: () = assert!(size_of::<EmbedParams>() == 4);
 
-/// The bytes of a parameter struct, for `setBytes`.
+/// A parameter struct the kernels take by value (`setBytes`): `#[repr(C)]`, plain `u32` / `f32`
+/// fields, so no padding and no pointers, and at most [`ParamBytes::MAX`] bytes.
 ///
-/// Only for the `#[repr(C)]` structs of plain `u32` / `f32` fields of this module and
-/// `backend/params.rs` (no padding, no pointers).
-pub fn bytes_of<T: Copy>(v: &T) -> Vec<u8> {
-    // SAFETY: T is one of the padding-free repr(C) parameter structs (all 4-byte fields), so
-    // every byte of it is initialized.
-    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, size_of::<T>()) }.to_vec()
+/// # Safety
+/// Implement only for such structs: [`bytes_of`] reads every byte of the value.
+pub unsafe trait Param: Copy {}
+
+macro_rules! params {
+    ($($t:ty),* $(,)?) => {
+        $(
+            // SAFETY: repr(C) structs of u32 / f32 fields only (params.h mirrors them).
+            unsafe impl Param for $t {}
+        )*
+    };
+}
+
+params!(
+    RmsNormParams,
+    MatmulParams,
+    RopeParams,
+    AttentionParams,
+    KvStoreParams,
+    ConvParams,
+    DeltaNetParams,
+    RouteParams,
+    MoeParams,
+    RowsParams,
+    MatrixDesc,
+    AttentionSplit,
+    EmbedParams,
+    MoeSortDesc,
+);
+
+/// The bytes of one parameter struct, held inline (no allocation): what a dispatch binds with
+/// `setBytes`. 4-byte aligned, so a kernel (or the simulator) can read the struct in place.
+#[derive(Clone, Copy)]
+pub struct ParamBytes {
+    len: usize,
+    words: [u32; ParamBytes::MAX / 4],
+}
+
+impl ParamBytes {
+    /// The largest parameter struct (`RopeParams`, `MatrixDesc`).
+    pub const MAX: usize = 32;
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` <= MAX bytes of `words`, all initialized.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+    }
+
+    /// The first byte, writable (for an executor that hands the bytes to C by a mutable pointer).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.words.as_mut_ptr() as *mut u8
+    }
+}
+
+impl std::fmt::Debug for ParamBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ParamBytes").field(&self.as_slice()).finish()
+    }
+}
+
+/// The bytes of a parameter struct, for `setBytes`, copied onto the stack.
+pub fn bytes_of<T: Param>(v: &T) -> ParamBytes {
+    const {
+        assert!(size_of::<T>() <= ParamBytes::MAX && size_of::<T>() % 4 == 0);
+    }
+    let mut words = [0u32; ParamBytes::MAX / 4];
+    // SAFETY: T is a padding-free parameter struct (`Param`) of at most MAX bytes, so every one
+    // of its size_of::<T>() bytes is initialized and fits in `words`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            v as *const T as *const u8,
+            words.as_mut_ptr() as *mut u8,
+            size_of::<T>(),
+        )
+    };
+    ParamBytes {
+        len: size_of::<T>(),
+        words,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_bytes_hold_the_struct() {
+        let d = MatrixDesc {
+            rows: 1,
+            cols: 2,
+            expert_stride: 3,
+            row_offset: 4,
+            group: 5,
+            pad: [6, 7, 8],
+        };
+        let b = bytes_of(&d);
+        assert_eq!(b.as_slice().len(), 32);
+        let words: Vec<u32> = b
+            .as_slice()
+            .chunks(4)
+            .map(|c| u32::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(words, [1, 2, 3, 4, 5, 6, 7, 8]);
+        let e = bytes_of(&EmbedParams { tokens: 9 });
+        assert_eq!(e.as_slice(), 9u32.to_ne_bytes());
+        assert_eq!(e.as_slice().as_ptr() as usize % 4, 0);
+    }
 }

@@ -23,7 +23,11 @@
 //!   encoder "lily decode" / "lily prefill" / "lily commands", and every dispatch sits in a
 //!   debug group named after its kernel (`matmul_gemv_q4_bf16_r4`, ...). The NSStrings are made
 //!   once (per pipeline, per label kind): a dispatch allocates nothing for its label, a decode
-//!   step one string (its number). `LILY_METAL_LABELS=0` turns the labels and groups off.
+//!   step one NSString (its number, formatted on the stack). `LILY_METAL_LABELS=0` turns the
+//!   labels and groups off.
+//! - Host allocations: a dispatch allocates nothing on the Rust side (its parameter bytes come
+//!   inline, the no-copy weights it binds go into a list reused from stream to stream); what
+//!   Metal itself allocates per command buffer is Metal's.
 //! - GPU capture: `LILY_METAL_CAPTURE=/path/trace.gputrace` captures the first
 //!   `LILY_METAL_CAPTURE_COMMANDS` command buffers (default 1: the first prefill chunk) of the
 //!   queue into that file through `MTLCaptureManager` (destination `GPUTraceDocument`); open
@@ -42,7 +46,7 @@ use std::{
     ptr::NonNull,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc,
+        Arc, Mutex,
     },
 };
 
@@ -88,6 +92,9 @@ pub struct Device {
     labels: Option<Labels>,
     /// The GPU capture in progress (`LILY_METAL_CAPTURE`).
     capture: Option<Capture>,
+    /// The emptied `DeviceEncoder::keep` list of the last command stream, reused by the next
+    /// (so binding weights allocates nothing once warm).
+    spare_keep: Mutex<Vec<DeviceBuffer>>,
 }
 
 /// An immutable NSString (made by `NSString::from_str`, never an NSMutableString): a debug
@@ -265,6 +272,7 @@ impl Device {
             family,
             labels,
             capture,
+            spare_keep: Mutex::new(Vec::new()),
         })
     }
 
@@ -312,6 +320,33 @@ impl Device {
         };
         Some((DeviceBuffer(Arc::new(inner)), ptr - start))
     }
+}
+
+/// `args` formatted into `buf` (truncated at its end, on a character boundary), no allocation.
+fn format_on_stack<'a>(buf: &'a mut [u8], args: std::fmt::Arguments<'_>) -> &'a str {
+    struct Cursor<'b> {
+        buf: &'b mut [u8],
+        at: usize,
+    }
+    impl std::fmt::Write for Cursor<'_> {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let mut n = s.len().min(self.buf.len() - self.at);
+            while !s.is_char_boundary(n) {
+                n -= 1;
+            }
+            self.buf[self.at..self.at + n].copy_from_slice(&s.as_bytes()[..n]);
+            self.at += n;
+            Ok(())
+        }
+    }
+    let at = {
+        let mut c = Cursor { buf: &mut *buf, at: 0 };
+        let _ = std::fmt::Write::write_fmt(&mut c, args);
+        c.at
+    };
+    let buf: &'a [u8] = buf;
+    // Only whole characters were copied.
+    std::str::from_utf8(&buf[..at]).unwrap_or("")
 }
 
 fn size(v: [u32; 3]) -> MTLSize {
@@ -440,7 +475,13 @@ impl Device {
             .ok_or_else(|| Error::Device("Metal: cannot create a command buffer".into()))?;
         if let Some(l) = &self.labels {
             match label {
-                StreamLabel::Step(_) => cb.setLabel(Some(&NSString::from_str(&label.to_string()))),
+                StreamLabel::Step(_) => {
+                    // "lily step N" formatted on the stack: the NSString is the step's only label
+                    // allocation.
+                    let mut buf = [0u8; 48];
+                    let text = format_on_stack(&mut buf, format_args!("{label}"));
+                    cb.setLabel(Some(&NSString::from_str(text)))
+                }
                 StreamLabel::PrefillChunk => cb.setLabel(Some(&l.prefill.0)),
                 StreamLabel::Commands => cb.setLabel(Some(&l.commands.0)),
             }
@@ -451,11 +492,12 @@ impl Device {
         if let Some(l) = &self.labels {
             enc.setLabel(Some(l.encoder(label)));
         }
+        let keep = std::mem::take(&mut *self.spare_keep.lock().unwrap_or_else(|e| e.into_inner()));
         Ok(DeviceEncoder {
             cb,
             enc,
             ended: false,
-            keep: Vec::new(),
+            keep,
             error: None,
         })
     }
@@ -507,6 +549,7 @@ impl Device {
         for (i, a) in args.iter().enumerate() {
             match a {
                 Arg::Bytes(b) => {
+                    let b = b.as_slice();
                     let Some(ptr) = NonNull::new(b.as_ptr() as *mut c_void) else {
                         continue;
                     };
@@ -546,6 +589,10 @@ impl Device {
         }
         e.cb.commit();
         e.cb.waitUntilCompleted();
+        // The GPU is done with the weights: hand the emptied list to the next command stream.
+        let mut keep = std::mem::take(&mut e.keep);
+        keep.clear();
+        *self.spare_keep.lock().unwrap_or_else(|e| e.into_inner()) = keep;
         self.count_captured();
         if e.cb.status() == MTLCommandBufferStatus::Error {
             let why =

@@ -7,6 +7,7 @@
 //! host memory in the simulator). Dispatches of one command stream run in encoding order, each
 //! seeing the writes of the previous ones (a serial compute encoder).
 
+pub use super::args::ParamBytes;
 use crate::error::{Error, Result};
 
 /// The Apple GPU family a Metal device supports (`MTLGPUFamilyApple7` and later; Lily's kernels
@@ -126,10 +127,10 @@ impl std::fmt::Display for StreamLabel {
     }
 }
 
-/// One `[[buffer(i)]]` binding, in slot order.
+/// One `[[buffer(i)]]` binding, in slot order. Building one allocates nothing.
 pub enum Arg<'a, B> {
-    /// A small parameter struct copied into the command stream (`setBytes`).
-    Bytes(Vec<u8>),
+    /// A small parameter struct copied into the command stream (`setBytes`), held inline.
+    Bytes(ParamBytes),
     /// `len` bytes of a buffer starting at `offset` (`setBuffer:offset:`).
     Buf(&'a B, usize, usize),
 }
@@ -180,6 +181,8 @@ pub trait Executor: Send + Sized + 'static {
     /// Open a command stream; `label` names it in GPU captures.
     fn encoder(&self, label: StreamLabel) -> Result<Self::Encoder>;
     /// Encode one dispatch of kernel `name` (the device wraps it in a debug group of that name).
+    /// Called for every kernel of every decode step: an executor should not allocate here once
+    /// warm (the device does not; the simulator, test tooling, records the dispatch).
     fn dispatch(
         &self,
         enc: &mut Self::Encoder,

@@ -30,18 +30,100 @@ pub const WEIGHT_SUFFIXES: &[&str] = &[
     "f32", "f16", "bf16", "q2_bf16", "q4_bf16", "q8_bf16", "q2_f16", "q4_f16", "q8_f16", "q2_f32", "q4_f32", "q8_f32",
 ];
 
-/// Kernels instantiated once per weight format as `<op>_<suffix>`.
-const PER_WEIGHT: &[&str] = &["matmul_gemm", "embed"];
+/// A weight format that has Metal kernels: its place in [`WEIGHT_SUFFIXES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Weight(u8);
 
-/// Decode GEMV kernels, instantiated per weight format and rows-per-simdgroup variant as
-/// `<op>_<suffix>_r<R>` (`rows_dot` in common.h).
-pub const GEMV_OPS: &[&str] = &["matmul_gemv", "moe_gate_up", "moe_down"];
+impl Weight {
+    pub fn from_suffix(suffix: &str) -> Option<Weight> {
+        WEIGHT_SUFFIXES
+            .iter()
+            .position(|s| *s == suffix)
+            .map(|i| Weight(i as u8))
+    }
+    /// Host-name suffix (`q4_bf16`, `bf16`, ...).
+    pub fn suffix(self) -> &'static str {
+        WEIGHT_SUFFIXES[self.0 as usize]
+    }
+    pub fn all() -> impl Iterator<Item = Weight> {
+        (0..WEIGHT_SUFFIXES.len()).map(|i| Weight(i as u8))
+    }
+}
 
-/// Prefill GEMM kernels on simdgroup matrices, instantiated per weight format and tile variant
-/// as `<op>_<suffix>_n<TN>`.
-pub const GEMM_OPS: &[&str] = &["matmul_mma", "moe_gemm_gate_up", "moe_gemm_down"];
+/// An enum of kernels (or kernel families) and their host names (stems), in table order.
+macro_rules! kernel_enum {
+    ($(#[$meta:meta])* $name:ident { $($v:ident = $s:literal,)* }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $($v,)*
+        }
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$v,)*];
+            /// The host name (of a family: the stem before the weight suffix).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($name::$v => $s,)*
+                }
+            }
+        }
+    };
+}
 
-/// Rows of W per simdgroup of the decode GEMV kernels (`GEMV_OPS`; 4 simdgroups, 128 threads
+kernel_enum!(
+    /// Kernels instantiated once (f32 activations, u32 routing indices).
+    Fixed {
+        Add = "add_f32",
+        Attention = "attention_f32",
+        AttentionReduce = "attention_reduce_f32",
+        DeltaNetChunk = "delta_net_chunk_f32",
+        DeltaNetChunkPrep = "delta_net_chunk_prep_f32",
+        DeltaNetConv = "delta_net_conv_f32",
+        DeltaNet = "delta_net_f32",
+        KvStore = "kv_store_f32",
+        MoeCombine = "moe_combine_f32",
+        MoeCombineSorted = "moe_combine_sorted_f32",
+        MoeHistogram = "moe_histogram_u32",
+        MoeRoute = "moe_route_f32",
+        MoeScan = "moe_scan_u32",
+        MoeScatter = "moe_scatter_u32",
+        QkNormRope = "qk_norm_rope_f32",
+        RmsNorm = "rms_norm_f32",
+        RmsNormGated = "rms_norm_gated_f32",
+        SigmoidGateAdd = "sigmoid_gate_add_f32",
+        Swiglu = "swiglu_f32",
+    }
+);
+
+kernel_enum!(
+    /// Kernels instantiated once per weight format as `<op>_<suffix>`.
+    WeightOp {
+        MatmulGemm = "matmul_gemm",
+        Embed = "embed",
+    }
+);
+
+kernel_enum!(
+    /// Decode GEMV kernels, instantiated per weight format and rows-per-simdgroup variant as
+    /// `<op>_<suffix>_r<R>` (`rows_dot` in common.h).
+    GemvOp {
+        MatmulGemv = "matmul_gemv",
+        MoeGateUp = "moe_gate_up",
+        MoeDown = "moe_down",
+    }
+);
+
+kernel_enum!(
+    /// Prefill GEMM kernels on simdgroup matrices, instantiated per weight format and tile
+    /// variant as `<op>_<suffix>_n<TN>`.
+    GemmOp {
+        MatmulMma = "matmul_mma",
+        MoeGemmGateUp = "moe_gemm_gate_up",
+        MoeGemmDown = "moe_gemm_down",
+    }
+);
+
+/// Rows of W per simdgroup of the decode GEMV kernels (`GemvOp`; 4 simdgroups, 128 threads
 /// per threadgroup, so 4 R rows per threadgroup).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemvRows {
@@ -66,7 +148,7 @@ impl GemvRows {
     }
 }
 
-/// Rows of W per threadgroup tile of the prefill GEMMs (`GEMM_OPS`; tiles of 32 tokens x TN
+/// Rows of W per threadgroup tile of the prefill GEMMs (`GemmOp`; tiles of 32 tokens x TN
 /// rows, 128 threads; threadgroup memory 4 KiB of x plus TN x 32 floats per weight tile).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmTile {
@@ -137,71 +219,130 @@ impl Variants {
         }
     }
 
-    /// The host name of GEMV op `op` (one of `GEMV_OPS`) for weight suffix `w`.
-    pub fn gemv_name(&self, op: &str, w: &str) -> String {
-        format!("{op}_{w}_{}", self.gemv.suffix())
+    /// The GEMV kernel `op` for weight format `w`, in these variants.
+    pub fn gemv_kernel(&self, op: GemvOp, w: Weight) -> Kernel {
+        Kernel::gemv(op, w, self.gemv)
     }
 
-    /// The host name of GEMM op `op` (one of `GEMM_OPS`) for weight suffix `w`.
-    pub fn gemm_name(&self, op: &str, w: &str) -> String {
-        format!("{op}_{w}_{}", self.gemm.suffix())
+    /// The GEMM kernel `op` for weight format `w`, in these variants.
+    pub fn gemm_kernel(&self, op: GemmOp, w: Weight) -> Kernel {
+        Kernel::gemm(op, w, self.gemm)
+    }
+
+    /// The kernels these variants dispatch (for every weight format).
+    pub fn kernels(&self) -> Vec<Kernel> {
+        let mut v = Vec::new();
+        for w in Weight::all() {
+            v.extend(GemvOp::ALL.iter().map(|&op| self.gemv_kernel(op, w)));
+            v.extend(GemmOp::ALL.iter().map(|&op| self.gemm_kernel(op, w)));
+        }
+        v
     }
 
     /// The host names of the kernels these variants dispatch (for every weight format).
     pub fn kernel_names(&self) -> Vec<String> {
-        let mut v = Vec::new();
-        for w in WEIGHT_SUFFIXES {
-            v.extend(GEMV_OPS.iter().map(|op| self.gemv_name(op, w)));
-            v.extend(GEMM_OPS.iter().map(|op| self.gemm_name(op, w)));
-        }
-        v
+        self.kernels().into_iter().map(Kernel::name).collect()
     }
 }
 
-/// Kernels instantiated once (f32 activations, u32 routing indices).
-const F32_ONLY: &[&str] = &[
-    "add_f32",
-    "attention_f32",
-    "attention_reduce_f32",
-    "delta_net_chunk_f32",
-    "delta_net_chunk_prep_f32",
-    "delta_net_conv_f32",
-    "delta_net_f32",
-    "kv_store_f32",
-    "moe_combine_f32",
-    "moe_combine_sorted_f32",
-    "moe_histogram_u32",
-    "moe_route_f32",
-    "moe_scan_u32",
-    "moe_scatter_u32",
-    "qk_norm_rope_f32",
-    "rms_norm_f32",
-    "rms_norm_gated_f32",
-    "sigmoid_gate_add_f32",
-    "swiglu_f32",
-];
+const N_WEIGHTS: usize = WEIGHT_SUFFIXES.len();
+/// Where each group of the kernel table ends: fixed kernels, per-weight kernels, GEMV variants,
+/// GEMM variants (= every kernel).
+const FIXED_END: usize = Fixed::ALL.len();
+const WEIGHT_END: usize = FIXED_END + WeightOp::ALL.len() * N_WEIGHTS;
+const GEMV_END: usize = WEIGHT_END + GemvOp::ALL.len() * N_WEIGHTS * GemvRows::ALL.len();
+const KERNELS: usize = GEMV_END + GemmOp::ALL.len() * N_WEIGHTS * GemmTile::ALL.len();
+
+/// One kernel host name, as its place in the table of every kernel the backend may dispatch
+/// (`Kernel::all`, in the order of [`kernel_names`]): the backend holds one pipeline and one name
+/// per place, built at construction, so a dispatch finds both without building a string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel(u16);
+
+impl Kernel {
+    /// The number of kernels (table places).
+    pub const COUNT: usize = KERNELS;
+
+    pub fn fixed(f: Fixed) -> Kernel {
+        Kernel(f as u16)
+    }
+    pub fn per_weight(op: WeightOp, w: Weight) -> Kernel {
+        Kernel((FIXED_END + op as usize * N_WEIGHTS + w.0 as usize) as u16)
+    }
+    pub fn gemv(op: GemvOp, w: Weight, rows: GemvRows) -> Kernel {
+        let n = GemvRows::ALL.len();
+        Kernel((WEIGHT_END + (op as usize * N_WEIGHTS + w.0 as usize) * n + rows as usize) as u16)
+    }
+    pub fn gemm(op: GemmOp, w: Weight, tile: GemmTile) -> Kernel {
+        let n = GemmTile::ALL.len();
+        Kernel((GEMV_END + (op as usize * N_WEIGHTS + w.0 as usize) * n + tile as usize) as u16)
+    }
+
+    /// Its place in the table (0 .. `Kernel::COUNT`).
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    /// Every kernel, in table order.
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        (0..KERNELS).map(|i| Kernel(i as u16))
+    }
+
+    /// The host name `<op>[_<weight>][_<variant>]` (built: for construction and messages).
+    pub fn name(self) -> String {
+        let i = self.index();
+        if i < FIXED_END {
+            return Fixed::ALL[i].name().to_string();
+        }
+        if i < WEIGHT_END {
+            let j = i - FIXED_END;
+            return format!(
+                "{}_{}",
+                WeightOp::ALL[j / N_WEIGHTS].name(),
+                WEIGHT_SUFFIXES[j % N_WEIGHTS]
+            );
+        }
+        if i < GEMV_END {
+            let (j, n) = (i - WEIGHT_END, GemvRows::ALL.len());
+            let (op, w, r) = (j / n / N_WEIGHTS, j / n % N_WEIGHTS, j % n);
+            return format!(
+                "{}_{}_{}",
+                GemvOp::ALL[op].name(),
+                WEIGHT_SUFFIXES[w],
+                GemvRows::ALL[r].suffix()
+            );
+        }
+        let (j, n) = (i - GEMV_END, GemmTile::ALL.len());
+        let (op, w, t) = (j / n / N_WEIGHTS, j / n % N_WEIGHTS, j % n);
+        format!(
+            "{}_{}_{}",
+            GemmOp::ALL[op].name(),
+            WEIGHT_SUFFIXES[w],
+            GemmTile::ALL[t].suffix()
+        )
+    }
+}
+
+impl From<Fixed> for Kernel {
+    fn from(f: Fixed) -> Kernel {
+        Kernel::fixed(f)
+    }
+}
+
+/// The kernels that have no GPU-family variants (the fixed and the per-weight kernels).
+pub fn common_kernels() -> impl Iterator<Item = Kernel> {
+    Kernel::all().take(WEIGHT_END)
+}
 
 /// The host names of the kernels that have no GPU-family variants.
 pub fn common_kernel_names() -> Vec<String> {
-    let mut v: Vec<String> = F32_ONLY.iter().map(|s| s.to_string()).collect();
-    for f in PER_WEIGHT {
-        v.extend(WEIGHT_SUFFIXES.iter().map(|s| format!("{f}_{s}")));
-    }
-    v
+    common_kernels().map(Kernel::name).collect()
 }
 
-/// Every kernel host name the backend may dispatch: the common kernels and every variant.
+/// Every kernel host name the backend may dispatch: the common kernels and every variant, in
+/// table order (`Kernel::index`).
 pub fn kernel_names() -> Vec<String> {
-    let mut v = common_kernel_names();
-    for w in WEIGHT_SUFFIXES {
-        for r in GemvRows::ALL {
-            v.extend(GEMV_OPS.iter().map(|op| format!("{op}_{w}_{}", r.suffix())));
-        }
-        for t in GemmTile::ALL {
-            v.extend(GEMM_OPS.iter().map(|op| format!("{op}_{w}_{}", t.suffix())));
-        }
-    }
-    v
+    Kernel::all().map(Kernel::name).collect()
 }
 
 /// The `.metal` files (not the headers).
@@ -275,14 +416,59 @@ mod tests {
     #[test]
     fn variant_names_are_instantiated() {
         let src: String = metal_files().map(|(_, s)| s).collect();
-        for op in GEMV_OPS.iter().chain(GEMM_OPS) {
+        let gemv = GemvOp::ALL.iter().map(|o| (o.name(), true));
+        for (op, is_gemv) in gemv.chain(GemmOp::ALL.iter().map(|o| (o.name(), false))) {
             for tile in ["r2", "r4", "n32", "n64"] {
                 let needle = format!("{op}_##sfx##_{tile},");
-                let is_gemv = GEMV_OPS.contains(op);
                 let expected = is_gemv == tile.starts_with('r');
                 assert_eq!(src.contains(&needle), expected, "{needle}");
             }
         }
+    }
+
+    /// The kernel table: every place has its own host name, the constructors land on the place
+    /// whose name they mean, and the names are those of the shaders' naming scheme.
+    #[test]
+    fn kernel_table_round_trips() {
+        let names = kernel_names();
+        assert_eq!(names.len(), Kernel::COUNT);
+        for (i, k) in Kernel::all().enumerate() {
+            assert_eq!(k.index(), i);
+            assert_eq!(k.name(), names[i]);
+        }
+        let mut want = Vec::new();
+        for &f in Fixed::ALL {
+            assert_eq!(Kernel::fixed(f).name(), f.name());
+            want.push(f.name().to_string());
+        }
+        for w in Weight::all() {
+            assert_eq!(Weight::from_suffix(w.suffix()), Some(w));
+            for &op in WeightOp::ALL {
+                let name = format!("{}_{}", op.name(), w.suffix());
+                assert_eq!(Kernel::per_weight(op, w).name(), name);
+                want.push(name);
+            }
+            for &op in GemvOp::ALL {
+                for r in GemvRows::ALL {
+                    let name = format!("{}_{}_{}", op.name(), w.suffix(), r.suffix());
+                    assert_eq!(Kernel::gemv(op, w, r).name(), name);
+                    want.push(name);
+                }
+            }
+            for &op in GemmOp::ALL {
+                for t in GemmTile::ALL {
+                    let name = format!("{}_{}_{}", op.name(), w.suffix(), t.suffix());
+                    assert_eq!(Kernel::gemm(op, w, t).name(), name);
+                    want.push(name);
+                }
+            }
+        }
+        want.sort();
+        let mut got = names.clone();
+        got.sort();
+        assert_eq!(got, want, "the table holds exactly the kernels of the naming scheme");
+        assert_eq!(Weight::from_suffix("q3_bf16"), None);
+        assert_eq!(Kernel::fixed(Fixed::MoeRoute).name(), "moe_route_f32");
     }
 
     #[test]

@@ -14,6 +14,13 @@
 //! decode GEMVs and prefill GEMMs for it ([`Metal::variants`], public so tests can run every
 //! variant). Pipelines of the common kernels and of the chosen variants are built at
 //! construction; the other variants on first use.
+//!
+//! Encoding allocates nothing once warm (the house rule: weights, state and scratch are
+//! allocated once; the decode loop does not allocate): every kernel is a [`Kernel`], a place in
+//! a table of host names and pipelines made at construction; parameter structs are bound as
+//! inline [`ParamBytes`]; scratch is grown, never per step (the attention split partials are
+//! sized for the whole KV cache the first time a step splits). `tests/metal_alloc.rs` checks it
+//! with a counting allocator over warm decode steps and prefill chunks.
 
 pub mod args;
 #[cfg(target_os = "macos")]
@@ -23,15 +30,13 @@ pub mod kernels;
 #[cfg(unix)]
 pub mod sim;
 
-use std::{
-    collections::HashMap,
-    sync::{Mutex, OnceLock},
-};
+use std::sync::{Mutex, OnceLock};
 
 use args::bytes_of;
 pub use args::{AttentionSplit, EmbedParams, MatrixDesc, MoeSortDesc};
-pub use executor::{Arg, Executor, GpuFamily, Grid, StreamLabel};
-pub use kernels::{GemmTile, GemvRows, Variants};
+pub use executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel};
+use kernels::Fixed as F;
+pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 
 use super::{params::*, Backend};
 use crate::{
@@ -65,14 +70,15 @@ pub struct MetalMatrix<X: Executor> {
     desc: MatrixDesc,
     /// Experts stacked in the matrix (1 for a plain matrix).
     experts: u32,
-    /// Host-name suffix of the weight format (`q4_bf16`, `bf16`, ...).
-    suffix: &'static str,
+    /// The weight format (its host-name suffix: `q4_bf16`, `bf16`, ...).
+    weight: Weight,
 }
 
 struct Stream<X: Executor> {
     enc: Option<X::Encoder>,
     error: Option<Error>,
-    /// Attention split partials, grown on demand.
+    /// Attention split partials: [H, splits, 2 + hd] for the most splits of the largest KV
+    /// cache seen (grown once per cache size, not per step).
     scratch: Option<MetalBuf<X>>,
     /// u32 routing scratch of the expert-sorted MoE prefill, grown on demand (to the largest
     /// chunk seen; see `moe_experts_sorted`).
@@ -92,8 +98,9 @@ type LazyPipeline<P> = OnceLock<std::result::Result<P, String>>;
 
 pub struct Metal<X: Executor> {
     x: X,
-    /// Every kernel host name (`kernels::kernel_names`) -> its pipeline.
-    pipelines: HashMap<String, LazyPipeline<X::Pipeline>>,
+    /// Every kernel, by `Kernel::index`: its host name and its pipeline. Made at construction,
+    /// so a dispatch finds both without building a string (encoding allocates nothing).
+    kernels: Box<[(String, LazyPipeline<X::Pipeline>)]>,
     /// The GPU family reported by the executor.
     family: GpuFamily,
     /// The kernel variants dispatched: `Variants::for_family(family)` unless changed (tests).
@@ -140,17 +147,18 @@ fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
 }
 
-fn weight_suffix(m: &Matrix) -> Result<&'static str> {
+fn weight_format(m: &Matrix) -> Result<Weight> {
     let scale = |d: DType| match d {
         DType::BF16 => Ok("bf16"),
         DType::F16 => Ok("f16"),
         DType::F32 => Ok("f32"),
         _ => Err(Error::weight(&m.name, "scales must be BF16, F16 or F32")),
     };
+    let dense = |s: &str| Weight::from_suffix(s).ok_or_else(|| Error::weight(&m.name, "no Metal kernel"));
     Ok(match m.format {
-        Format::F32 => "f32",
-        Format::F16 => "f16",
-        Format::BF16 => "bf16",
+        Format::F32 => dense("f32")?,
+        Format::F16 => dense("f16")?,
+        Format::BF16 => dense("bf16")?,
         Format::Affine { bits, group } => {
             let sd = scale(m.groups.as_ref().map_or(DType::BF16, |g| g.dtype))?;
             if group % 8 != 0 || m.cols % group != 0 || (m.cols * bits as usize) % 32 != 0 {
@@ -162,9 +170,8 @@ fn weight_suffix(m: &Matrix) -> Result<&'static str> {
                     ),
                 ));
             }
-            let name = format!("q{bits}_{sd}");
-            match kernels::WEIGHT_SUFFIXES.iter().find(|s| **s == name) {
-                Some(s) => s,
+            match Weight::from_suffix(&format!("q{bits}_{sd}")) {
+                Some(w) => w,
                 None => {
                     return Err(Error::weight(
                         &m.name,
@@ -180,10 +187,7 @@ impl<X: Executor> Metal<X> {
     /// Build the pipelines of every kernel this device dispatches (the common kernels and the
     /// variants of its GPU family) up front, so a missing kernel fails here.
     pub fn new(x: X) -> Result<Self> {
-        let pipelines = kernels::kernel_names()
-            .into_iter()
-            .map(|name| (name, OnceLock::new()))
-            .collect();
+        let kernels = Kernel::all().map(|k| (k.name(), OnceLock::new())).collect();
         let family = x.family();
         let variants = Variants::for_family(family);
         let dummy = x.new_buffer(16)?;
@@ -204,7 +208,7 @@ impl<X: Executor> Metal<X> {
             .unwrap_or(DN_CHUNK as u32);
         let m = Metal {
             x,
-            pipelines,
+            kernels,
             family,
             variants,
             stream: Mutex::new(Stream {
@@ -221,11 +225,8 @@ impl<X: Executor> Metal<X> {
             moe_gemm_tokens,
             delta_net_chunk_tokens,
         };
-        for name in kernels::common_kernel_names()
-            .into_iter()
-            .chain(variants.kernel_names())
-        {
-            m.pipeline(&name)?;
+        for k in kernels::common_kernels().chain(variants.kernels()) {
+            m.pipeline(k)?;
         }
         Ok(m)
     }
@@ -249,26 +250,25 @@ impl<X: Executor> Metal<X> {
         )
     }
 
-    /// The pipeline of kernel `name`, built on first use.
-    fn pipeline(&self, name: &str) -> Result<&X::Pipeline> {
-        let cell = self
-            .pipelines
-            .get(name)
-            .ok_or_else(|| Error::Device(format!("no Metal kernel {name:?}")))?;
-        cell.get_or_init(|| {
-            self.x.pipeline(name).map_err(|e| match e {
-                Error::Device(m) => m,
-                e => e.to_string(),
+    /// The host name and the pipeline of kernel `k`, the pipeline built on first use.
+    fn pipeline(&self, k: Kernel) -> Result<(&str, &X::Pipeline)> {
+        let (name, cell) = &self.kernels[k.index()];
+        let p = cell
+            .get_or_init(|| {
+                self.x.pipeline(name).map_err(|e| match e {
+                    Error::Device(m) => m,
+                    e => e.to_string(),
+                })
             })
-        })
-        .as_ref()
-        .map_err(|m| Error::Device(m.clone()))
+            .as_ref()
+            .map_err(|m| Error::Device(m.clone()))?;
+        Ok((name, p))
     }
 
     /// Build the pipeline of every kernel and every variant (tests: every host name exists).
     pub fn build_all_pipelines(&self) -> Result<()> {
-        for name in kernels::kernel_names() {
-            self.pipeline(&name)?;
+        for k in Kernel::all() {
+            self.pipeline(k)?;
         }
         Ok(())
     }
@@ -299,13 +299,16 @@ impl<X: Executor> Metal<X> {
         }
     }
 
-    fn encode(&self, name: &str, args: &[Arg<'_, X::Buffer>], grid: Grid) {
-        self.encode_tg(name, args, grid, &[])
+    /// Encode one dispatch of kernel `k` into the open command stream (opened here if none is).
+    /// Allocates nothing: the name and pipeline come from the table, the bindings and their
+    /// parameter bytes live on the caller's stack.
+    fn encode(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid) {
+        self.encode_tg(k, args, grid, &[])
     }
 
     /// `encode` for a kernel with `[[threadgroup(i)]]` arguments of `tg_mem[i]` bytes.
-    fn encode_tg(&self, name: &str, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
-        let p = match self.pipeline(name) {
+    fn encode_tg(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
+        let (name, p) = match self.pipeline(k.into()) {
             Ok(p) => p,
             Err(e) => {
                 let mut s = self.lock();
@@ -417,7 +420,7 @@ impl<X: Executor> Backend for Metal<X> {
         })
     }
     fn upload_matrix(&self, m: &Matrix) -> Result<MetalMatrix<X>> {
-        let suffix = weight_suffix(m)?;
+        let weight = weight_format(m)?;
         let too_big =
             |v: usize| u32::try_from(v).map_err(|_| Error::weight(&m.name, "too large for 32-bit kernel indices"));
         let stored_rows = m.data.len() / m.row_bytes().max(1);
@@ -448,7 +451,7 @@ impl<X: Executor> Backend for Metal<X> {
             groups,
             desc,
             experts: too_big(m.experts.max(1))?,
-            suffix,
+            weight,
         })
     }
     fn write_ids(&self, dst: &mut MetalBuf<X>, data: &[u32]) -> Result<()> {
@@ -524,7 +527,11 @@ impl<X: Executor> Backend for Metal<X> {
             ids.arg(),
             out.arg(),
         ];
-        self.encode(&format!("embed_{}", table.suffix), &args, rows_grid(d, tokens));
+        self.encode(
+            Kernel::per_weight(WeightOp::Embed, table.weight),
+            &args,
+            rows_grid(d, tokens),
+        );
     }
 
     fn rms_norm(&self, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
@@ -540,7 +547,7 @@ impl<X: Executor> Backend for Metal<X> {
             size: [norm_threads(p.dim as usize), 1, 1],
         };
         self.encode(
-            "rms_norm_f32",
+            F::RmsNorm,
             &[Arg::Bytes(bytes_of(p)), x.arg(), w.arg(), out.arg()],
             grid,
         );
@@ -571,7 +578,7 @@ impl<X: Executor> Backend for Metal<X> {
             size: [norm_threads(p.dim as usize), 1, 1],
         };
         self.encode(
-            "rms_norm_gated_f32",
+            F::RmsNormGated,
             &[Arg::Bytes(bytes_of(p)), x.arg(), z.arg(), w.arg(), out.arg()],
             grid,
         );
@@ -583,7 +590,7 @@ impl<X: Executor> Backend for Metal<X> {
             return;
         }
         self.encode(
-            "add_f32",
+            F::Add,
             &[Arg::Bytes(bytes_of(p)), x.arg(), y.arg()],
             rows_grid(p.dim as usize, p.tokens as usize),
         );
@@ -618,20 +625,20 @@ impl<X: Executor> Backend for Metal<X> {
                 size: [128, 1, 1],
             };
             let tg_mem = [32 * 32 * 4, tn * 32 * 4];
-            return self.encode_tg(&v.gemm_name("matmul_mma", w.suffix), &args, grid, &tg_mem);
+            return self.encode_tg(v.gemm_kernel(GemmOp::MatmulMma, w.weight), &args, grid, &tg_mem);
         }
         if t == 1 {
             let grid = Grid::Groups {
                 count: [ceil_div(n, 4 * v.gemv.rows()), 1, 1],
                 size: [128, 1, 1],
             };
-            return self.encode(&v.gemv_name("matmul_gemv", w.suffix), &args, grid);
+            return self.encode(v.gemv_kernel(GemvOp::MatmulGemv, w.weight), &args, grid);
         }
         let grid = Grid::Groups {
             count: [ceil_div(n, 4), ceil_div(t, 8), 1],
             size: [128, 1, 1],
         };
-        self.encode(&format!("matmul_gemm_{}", w.suffix), &args, grid);
+        self.encode(Kernel::per_weight(WeightOp::MatmulGemm, w.weight), &args, grid);
     }
 
     fn qk_norm_rope(
@@ -663,7 +670,7 @@ impl<X: Executor> Backend for Metal<X> {
             size: [norm_threads(hd), 1, 1],
         };
         self.encode(
-            "qk_norm_rope_f32",
+            F::QkNormRope,
             &[Arg::Bytes(bytes_of(p)), q_norm.arg(), k_norm.arg(), qg.arg(), k.arg()],
             grid,
         );
@@ -678,7 +685,7 @@ impl<X: Executor> Backend for Metal<X> {
             return;
         }
         self.encode(
-            "kv_store_f32",
+            F::KvStore,
             &[Arg::Bytes(bytes_of(p)), x.arg(), cache.arg()],
             rows_grid(w, t),
         );
@@ -731,33 +738,21 @@ impl<X: Executor> Backend for Metal<X> {
         let sb = || Arg::Bytes(bytes_of(&sp));
         if splits == 1 {
             let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), out.arg()];
-            return self.encode("attention_f32", &args, grid);
+            return self.encode(F::Attention, &args, grid);
         }
-        let need = t * h * splits * (hd + 2);
-        let part = {
-            let mut s = self.lock();
-            if s.scratch.as_ref().is_none_or(|b| b.len < need) {
-                match self.x.new_buffer(need * 4) {
-                    Ok(buf) => s.scratch = Some(MetalBuf { buf, len: need }),
-                    Err(e) => {
-                        s.error.get_or_insert(e);
-                        return;
-                    }
-                }
-            }
-            match &s.scratch {
-                Some(b) => MetalBuf::<X> {
-                    buf: b.buf.clone(),
-                    len: b.len,
-                },
-                None => return,
-            }
+        // Sized for the most splits this cache can need (its capacity in rows), not for this
+        // step's: grown once, the first time a step splits, so later steps allocate nothing
+        // as the context grows.
+        let cache_rows = (k_cache.len / (kv * hd).max(1)).max(len);
+        let need = t * h * cache_rows.div_ceil(split_rows) * (hd + 2);
+        let Some(part) = self.grown_scratch(need, |s| &mut s.scratch) else {
+            return;
         };
         let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), part.arg()];
-        self.encode("attention_f32", &args, grid);
+        self.encode(F::Attention, &args, grid);
         let args = [pb(), sb(), part.arg(), qg.arg(), out.arg()];
         self.encode(
-            "attention_reduce_f32",
+            F::AttentionReduce,
             &args,
             Grid::Groups {
                 count: [h as u32, t as u32, 1],
@@ -792,7 +787,7 @@ impl<X: Executor> Backend for Metal<X> {
             size: [64, 1, 1],
         };
         self.encode(
-            "delta_net_conv_f32",
+            F::DeltaNetConv,
             &[Arg::Bytes(bytes_of(p)), w.arg(), state.arg(), x.arg(), out.arg()],
             grid,
         );
@@ -847,7 +842,7 @@ impl<X: Executor> Backend for Metal<X> {
             out.arg(),
         ];
         self.encode(
-            "delta_net_f32",
+            F::DeltaNet,
             &args,
             Grid::Groups {
                 count: [ceil_div(dv, 4), hv as u32, 1],
@@ -878,7 +873,7 @@ impl<X: Executor> Backend for Metal<X> {
             size: [256, 1, 1],
         };
         self.encode(
-            "moe_route_f32",
+            F::MoeRoute,
             &[Arg::Bytes(bytes_of(p)), logits.arg(), ids.arg(), weights.arg()],
             grid,
         );
@@ -898,10 +893,12 @@ impl<X: Executor> Backend for Metal<X> {
     ) {
         let (t, k) = (p.tokens as usize, p.top_k as usize);
         let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
-        if gate.suffix != up.suffix || gate.suffix != down.suffix {
+        if gate.weight != up.weight || gate.weight != down.weight {
             return self.fail(format!(
                 "moe_experts: gate/up/down formats differ ({}, {}, {})",
-                gate.suffix, up.suffix, down.suffix
+                gate.weight.suffix(),
+                up.weight.suffix(),
+                down.weight.suffix()
             ));
         }
         let checks = [
@@ -941,7 +938,7 @@ impl<X: Executor> Backend for Metal<X> {
         let v = self.variants;
         let rows_per_group = 4 * v.gemv.rows();
         self.encode(
-            &v.gemv_name("moe_gate_up", gate.suffix),
+            v.gemv_kernel(GemvOp::MoeGateUp, gate.weight),
             &args,
             Grid::Groups {
                 count: [ceil_div(i, rows_per_group), tk, 1],
@@ -953,7 +950,7 @@ impl<X: Executor> Backend for Metal<X> {
         let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
         let args = [pb(), Arg::Bytes(bytes_of(&down.desc)), dw, ds, db, ids.arg(), act, y];
         self.encode(
-            &v.gemv_name("moe_down", down.suffix),
+            v.gemv_kernel(GemvOp::MoeDown, down.weight),
             &args,
             Grid::Groups {
                 count: [ceil_div(d, rows_per_group), tk, 1],
@@ -966,7 +963,7 @@ impl<X: Executor> Backend for Metal<X> {
         };
         let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
         let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), y, out.arg()];
-        self.encode("moe_combine_f32", &args, rows_grid(d, t));
+        self.encode(F::MoeCombine, &args, rows_grid(d, t));
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {
@@ -978,7 +975,7 @@ impl<X: Executor> Backend for Metal<X> {
             return;
         }
         self.encode(
-            "swiglu_f32",
+            F::Swiglu,
             &[Arg::Bytes(bytes_of(p)), gate.arg(), up.arg(), out.arg()],
             rows_grid(p.dim as usize, p.tokens as usize),
         );
@@ -997,11 +994,7 @@ impl<X: Executor> Backend for Metal<X> {
             return;
         }
         let args = [Arg::Bytes(bytes_of(p)), y.arg(), gate.arg(), out.arg()];
-        self.encode(
-            "sigmoid_gate_add_f32",
-            &args,
-            rows_grid(p.dim as usize, p.tokens as usize),
-        );
+        self.encode(F::SigmoidGateAdd, &args, rows_grid(p.dim as usize, p.tokens as usize));
     }
 }
 
@@ -1084,15 +1077,15 @@ impl<X: Executor> Metal<X> {
             threads: [e as u32, token_blocks as u32, 1],
             size: [64, 1, 1],
         };
-        self.encode("moe_histogram_u32", &[pb(), sb(), ids.arg(), region(l.hist)], sort_grid);
+        self.encode(F::MoeHistogram, &[pb(), sb(), ids.arg(), region(l.hist)], sort_grid);
         let scan = Grid::Groups {
             count: [1, 1, 1],
             size: [(e.div_ceil(32) * 32) as u32, 1, 1],
         };
         let args = [pb(), sb(), region(l.hist), region(l.count), region(l.blocks)];
-        self.encode("moe_scan_u32", &args, scan);
+        self.encode(F::MoeScan, &args, scan);
         let args = [pb(), sb(), ids.arg(), region(l.hist), region(l.order), region(l.pos)];
-        self.encode("moe_scatter_u32", &args, sort_grid);
+        self.encode(F::MoeScatter, &args, sort_grid);
         Some((sc, l))
     }
 
@@ -1213,7 +1206,7 @@ impl<X: Executor> Metal<X> {
             size: [128, 1, 1],
         };
         self.encode_tg(
-            &v.gemm_name("moe_gemm_gate_up", gate.suffix),
+            v.gemm_kernel(GemmOp::MoeGemmGateUp, gate.weight),
             &args,
             grid,
             &[x_tile, w_tile, w_tile],
@@ -1235,7 +1228,7 @@ impl<X: Executor> Metal<X> {
             size: [128, 1, 1],
         };
         self.encode_tg(
-            &v.gemm_name("moe_gemm_down", down.suffix),
+            v.gemm_kernel(GemmOp::MoeGemmDown, down.weight),
             &args,
             grid,
             &[x_tile, w_tile],
@@ -1245,7 +1238,7 @@ impl<X: Executor> Metal<X> {
             dim: d as u32,
         };
         let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), pos(), y(), out.arg()];
-        self.encode("moe_combine_sorted_f32", &args, rows_grid(d, t));
+        self.encode(F::MoeCombineSorted, &args, rows_grid(d, t));
     }
 }
 
@@ -1295,7 +1288,7 @@ impl<X: Executor> Metal<X> {
         let args = [pb(), qkv.arg(), a.arg(), b.arg(), a_log.arg(), dt_bias.arg(), scratch()];
         let tile = DN_CHUNK * DN_CHUNK * 4;
         self.encode_tg(
-            "delta_net_chunk_prep_f32",
+            F::DeltaNetChunkPrep,
             &args,
             Grid::Groups {
                 count: [chunks as u32, hv as u32, 1],
@@ -1306,7 +1299,7 @@ impl<X: Executor> Metal<X> {
         let state_block = dk.next_multiple_of(32) * DN_COLS * 4;
         let cols = DN_CHUNK * DN_COLS * 4;
         self.encode_tg(
-            "delta_net_chunk_f32",
+            F::DeltaNetChunk,
             &[pb(), scratch(), state.arg(), out.arg()],
             Grid::Groups {
                 count: [ceil_div(dv, DN_COLS), hv as u32, 1],

@@ -23,7 +23,7 @@ use std::{
 };
 
 use super::{
-    executor::{Arg, Executor, GpuFamily, Grid, StreamLabel},
+    executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel},
     kernels,
 };
 use crate::error::{Error, Result};
@@ -111,7 +111,7 @@ pub struct Recorded {
 unsafe impl Send for Recorded {}
 
 pub enum RecArg {
-    Bytes(Vec<u8>),
+    Bytes(ParamBytes),
     Buf(Arc<SimAlloc>, usize, usize),
 }
 
@@ -439,7 +439,7 @@ impl Executor for Sim {
         let args = args
             .iter()
             .map(|a| match a {
-                Arg::Bytes(b) => RecArg::Bytes(b.clone()),
+                Arg::Bytes(b) => RecArg::Bytes(*b),
                 Arg::Buf(b, off, len) => RecArg::Buf((*b).clone(), *off, *len),
             })
             .collect();
@@ -469,8 +469,9 @@ impl Executor for Sim {
             for a in r.args.iter_mut() {
                 match a {
                     RecArg::Bytes(b) => {
+                        sizes.push(b.as_slice().len() as c_ulong);
+                        // Mutable: with bounds checking, mtl_dispatch copies every binding back.
                         ptrs.push(b.as_mut_ptr() as *mut c_void);
-                        sizes.push(b.len() as c_ulong);
                     }
                     RecArg::Buf(b, off, len) => {
                         if *off + *len > b.layout.size() {
