@@ -235,22 +235,24 @@ fn delta_net_decode_steps_match_reference() {
 #[test]
 fn delta_net_conv_matches_reference() {
     let (fast, refr) = both();
-    let (c, taps) = (300, 4);
-    let w = rand_vec(c * taps, 1, -1.0, 1.0);
-    for &t in &[1usize, 2, 5] {
-        let x = rand_vec(t * c, 2 + t as u64, -2.0, 2.0);
-        let st0 = rand_vec((taps - 1) * c, 9, -2.0, 2.0);
-        let (mut sa, mut sb) = (st0.clone(), st0);
-        let (mut a, mut b) = (vec![0f32; t * c], vec![0f32; t * c]);
-        let p = ConvParams {
-            tokens: t as u32,
-            channels: c as u32,
-            taps: taps as u32,
-        };
-        fast.delta_net_conv(&p, &w, &mut sa, &x, &mut a);
-        refr.delta_net_conv(&p, &w, &mut sb, &x, &mut b);
-        assert_close(&a, &b, 1e-6, &format!("conv out t={t}"));
-        assert_close(&sa, &sb, 0.0, &format!("conv state t={t}"));
+    // 300 channels: a partial channel block; T below, at and above the history length.
+    for (c, taps) in [(300, 4), (300, 2), (40, 5)] {
+        let w = rand_vec(c * taps, 1, -1.0, 1.0);
+        for &t in &[1usize, 2, 3, 5, 70] {
+            let x = rand_vec(t * c, 2 + t as u64, -2.0, 2.0);
+            let st0 = rand_vec((taps - 1) * c, 9, -2.0, 2.0);
+            let (mut sa, mut sb) = (st0.clone(), st0);
+            let (mut a, mut b) = (vec![0f32; t * c], vec![0f32; t * c]);
+            let p = ConvParams {
+                tokens: t as u32,
+                channels: c as u32,
+                taps: taps as u32,
+            };
+            fast.delta_net_conv(&p, &w, &mut sa, &x, &mut a);
+            refr.delta_net_conv(&p, &w, &mut sb, &x, &mut b);
+            assert_close(&a, &b, 1e-6, &format!("conv out c={c} taps={taps} t={t}"));
+            assert_close(&sa, &sb, 0.0, &format!("conv state c={c} taps={taps} t={t}"));
+        }
     }
 }
 

@@ -72,6 +72,13 @@ impl Out {
     pub unsafe fn set(self, i: usize, v: f32) {
         unsafe { *self.0.add(i) = v }
     }
+    /// # Safety
+    /// `start..start + len` is in bounds of the buffer, and no other live reference overlaps it.
+    #[inline]
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
 }
 
 /// Weight rows per prefill tile: 16 rows x 2048 inputs = 128 KiB of f32, resident in L2 while

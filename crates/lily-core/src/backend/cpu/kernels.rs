@@ -779,29 +779,63 @@ pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
     reference::kv_store(p, x, cache)
 }
 
+/// Causal depthwise conv + SiLU over the rows of [state; x] (x [T, C], state [taps - 1, C], w
+/// [C, taps]). Threads: blocks of CONV_BLOCK channels. Within a block the loops run token-outer,
+/// channel-inner, so every read and write is a contiguous run of the block's channels (a
+/// channel-outer loop walks x's columns at a stride of C floats, one cache miss per value), with
+/// the block's weights transposed to [taps][block] first so the inner loops vectorize.
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
+    const CONV_BLOCK: usize = 256;
+    const MAX_TAPS: usize = 16;
     let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
+    assert!((1..=MAX_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
     let hist = taps - 1;
-    let o = Out(out.as_mut_ptr());
-    let block = 256;
-    // Channels are independent: each task owns a block of channels, its outputs and its state.
-    let st = Out(state.as_mut_ptr());
-    (0..c_n.div_ceil(block)).into_par_iter().for_each(|b| {
-        let mut win = [0f32; 16];
-        for c in b * block..((b + 1) * block).min(c_n) {
-            let wc = &w[c * taps..][..taps];
-            // SAFETY: channel c's state column is read and written by this task only.
-            for i in 0..hist {
-                win[i] = unsafe { *st.0.add(i * c_n + c) };
+    let (o, st) = (Out(out.as_mut_ptr()), Out(state.as_mut_ptr()));
+    (0..c_n.div_ceil(CONV_BLOCK)).into_par_iter().for_each(|blk| {
+        let c0 = blk * CONV_BLOCK;
+        let n = CONV_BLOCK.min(c_n - c0);
+        let mut wt = [[0f32; CONV_BLOCK]; MAX_TAPS];
+        for (i, wc) in w[c0 * taps..(c0 + n) * taps].chunks_exact(taps).enumerate() {
+            for j in 0..taps {
+                wt[j][i] = wc[j];
             }
-            for t in 0..t_n {
-                win[hist] = x[t * c_n + c];
-                let acc: f32 = (0..taps).map(|j| wc[j] * win[j]).sum();
-                unsafe { o.set(t * c_n + c, silu(acc)) };
-                win.copy_within(1..taps, 0);
+        }
+        // SAFETY: this task alone reads and writes channels c0..c0 + n of the state and out.
+        let state_row = |i: usize| unsafe { &*st.slice(i * c_n + c0, n) };
+        // Row i of [state; x], this block's channels.
+        let row = |i: usize| {
+            if i < hist {
+                state_row(i)
+            } else {
+                &x[(i - hist) * c_n + c0..][..n]
             }
-            for i in 0..hist {
-                unsafe { st.set(i * c_n + c, win[i]) };
+        };
+        let mut acc = [0f32; CONV_BLOCK];
+        for t in 0..t_n {
+            let acc = &mut acc[..n];
+            acc.fill(0.0);
+            for (j, wj) in wt[..taps].iter().enumerate() {
+                for ((a, &wv), &v) in acc.iter_mut().zip(&wj[..n]).zip(row(t + j)) {
+                    *a += wv * v;
+                }
+            }
+            // SAFETY: as above.
+            let ot = unsafe { o.slice(t * c_n + c0, n) };
+            for (y, &a) in ot.iter_mut().zip(acc.iter()) {
+                *y = silu(a);
+            }
+        }
+        // New state: the last `hist` rows of [state; x]. Rows still coming from the old state
+        // (T < hist) move up, so go in increasing order (a row only reads from a later one).
+        for i in 0..hist {
+            let src = t_n + i;
+            if src < hist {
+                // SAFETY: as above; src > i, distinct rows.
+                let (from, to) = unsafe { (st.slice(src * c_n + c0, n), st.slice(i * c_n + c0, n)) };
+                to.copy_from_slice(from);
+            } else {
+                // SAFETY: as above.
+                unsafe { st.slice(i * c_n + c0, n) }.copy_from_slice(&x[(src - hist) * c_n + c0..][..n]);
             }
         }
     });
