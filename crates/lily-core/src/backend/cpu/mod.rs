@@ -109,11 +109,10 @@ mod profile {
         let r = f();
         let dt = t.elapsed().as_secs_f64();
         let mut g = TABLE.lock().unwrap_or_else(|e| e.into_inner());
-        let phase = if DECODE.load(std::sync::atomic::Ordering::Relaxed) {
-            "decode"
-        } else {
-            "prefill"
-        };
+        let decode = DECODE.load(std::sync::atomic::Ordering::Relaxed);
+        let phase = if decode { "decode" } else { "prefill" };
+        // Weight bytes per second only means something for decode (prefill reuses each weight).
+        let bytes = if decode { bytes } else { 0 };
         let e = g
             .get_or_insert_with(HashMap::new)
             .entry(format!("{phase:7} {name}"))
