@@ -359,111 +359,63 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
-    kernel!(
-        vnni512,
-        "avx512f,avx512bw,avx512vnni",
-        64,
-        __m512i,
-        __m512,
-        load = _mm512_loadu_si512,
-        loadf = _mm512_loadu_ps,
-        set1 = _mm512_set1_epi8,
-        and = _mm512_and_si512,
-        srli = _mm512_srli_epi16,
-        slli32 = _mm512_slli_epi32,
-        shift = SHIFT as u32,
-        zero = _mm512_setzero_si512,
-        zerof = _mm512_setzero_ps,
-        cvt = _mm512_cvtepi32_ps,
-        fma = _mm512_fmadd_ps,
-        add = _mm512_add_ps,
-        hsum = _mm512_reduce_add_ps,
-        dot2 = vnni512_2
-    );
-    kernel!(
-        maddubs512,
-        "avx512f,avx512bw",
-        64,
-        __m512i,
-        __m512,
-        load = _mm512_loadu_si512,
-        loadf = _mm512_loadu_ps,
-        set1 = _mm512_set1_epi8,
-        and = _mm512_and_si512,
-        srli = _mm512_srli_epi16,
-        slli32 = _mm512_slli_epi32,
-        shift = SHIFT as u32,
-        zero = _mm512_setzero_si512,
-        zerof = _mm512_setzero_ps,
-        cvt = _mm512_cvtepi32_ps,
-        fma = _mm512_fmadd_ps,
-        add = _mm512_add_ps,
-        hsum = _mm512_reduce_add_ps,
-        dot2 = maddubs512_2
-    );
-    kernel!(
-        vnni256,
-        "avx2,fma,avx512f,avx512vl,avx512vnni",
-        32,
-        __m256i,
-        __m256,
-        load = _mm256_loadu_si256,
-        loadf = _mm256_loadu_ps,
-        set1 = _mm256_set1_epi8,
-        and = _mm256_and_si256,
-        srli = _mm256_srli_epi16,
-        slli32 = _mm256_slli_epi32,
-        shift = SHIFT,
-        zero = _mm256_setzero_si256,
-        zerof = _mm256_setzero_ps,
-        cvt = _mm256_cvtepi32_ps,
-        fma = _mm256_fmadd_ps,
-        add = _mm256_add_ps,
-        hsum = hsum256,
-        dot2 = vnni256_2
-    );
-    kernel!(
-        avxvnni256,
-        "avx2,fma,avxvnni",
-        32,
-        __m256i,
-        __m256,
-        load = _mm256_loadu_si256,
-        loadf = _mm256_loadu_ps,
-        set1 = _mm256_set1_epi8,
-        and = _mm256_and_si256,
-        srli = _mm256_srli_epi16,
-        slli32 = _mm256_slli_epi32,
-        shift = SHIFT,
-        zero = _mm256_setzero_si256,
-        zerof = _mm256_setzero_ps,
-        cvt = _mm256_cvtepi32_ps,
-        fma = _mm256_fmadd_ps,
-        add = _mm256_add_ps,
-        hsum = hsum256,
-        dot2 = avxvnni256_2
-    );
-    kernel!(
-        maddubs256,
-        "avx2,fma",
-        32,
-        __m256i,
-        __m256,
-        load = _mm256_loadu_si256,
-        loadf = _mm256_loadu_ps,
-        set1 = _mm256_set1_epi8,
-        and = _mm256_and_si256,
-        srli = _mm256_srli_epi16,
-        slli32 = _mm256_slli_epi32,
-        shift = SHIFT,
-        zero = _mm256_setzero_si256,
-        zerof = _mm256_setzero_ps,
-        cvt = _mm256_cvtepi32_ps,
-        fma = _mm256_fmadd_ps,
-        add = _mm256_add_ps,
-        hsum = hsum256,
-        dot2 = maddubs256_2
-    );
+    // The intrinsics of each vector width, once; then one line per instruction choice.
+    macro_rules! kernel512 {
+        ($name:ident, $feat:literal, $dot2:ident) => {
+            kernel!(
+                $name,
+                $feat,
+                64,
+                __m512i,
+                __m512,
+                load = _mm512_loadu_si512,
+                loadf = _mm512_loadu_ps,
+                set1 = _mm512_set1_epi8,
+                and = _mm512_and_si512,
+                srli = _mm512_srli_epi16,
+                slli32 = _mm512_slli_epi32,
+                shift = SHIFT as u32,
+                zero = _mm512_setzero_si512,
+                zerof = _mm512_setzero_ps,
+                cvt = _mm512_cvtepi32_ps,
+                fma = _mm512_fmadd_ps,
+                add = _mm512_add_ps,
+                hsum = _mm512_reduce_add_ps,
+                dot2 = $dot2
+            );
+        };
+    }
+    macro_rules! kernel256 {
+        ($name:ident, $feat:literal, $dot2:ident) => {
+            kernel!(
+                $name,
+                $feat,
+                32,
+                __m256i,
+                __m256,
+                load = _mm256_loadu_si256,
+                loadf = _mm256_loadu_ps,
+                set1 = _mm256_set1_epi8,
+                and = _mm256_and_si256,
+                srli = _mm256_srli_epi16,
+                slli32 = _mm256_slli_epi32,
+                shift = SHIFT,
+                zero = _mm256_setzero_si256,
+                zerof = _mm256_setzero_ps,
+                cvt = _mm256_cvtepi32_ps,
+                fma = _mm256_fmadd_ps,
+                add = _mm256_add_ps,
+                hsum = hsum256,
+                dot2 = $dot2
+            );
+        };
+    }
+
+    kernel512!(vnni512, "avx512f,avx512bw,avx512vnni", vnni512_2);
+    kernel512!(maddubs512, "avx512f,avx512bw", maddubs512_2);
+    kernel256!(vnni256, "avx2,fma,avx512f,avx512vl,avx512vnni", vnni256_2);
+    kernel256!(avxvnni256, "avx2,fma,avxvnni", avxvnni256_2);
+    kernel256!(maddubs256, "avx2,fma", maddubs256_2);
 }
 
 #[cfg(target_arch = "aarch64")]
