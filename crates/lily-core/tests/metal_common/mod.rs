@@ -10,6 +10,12 @@
 
 use std::path::{Path, PathBuf};
 
+// The CPU tests' deterministic data and float encoding.
+#[path = "../common/mod.rs"]
+mod common;
+
+use common::{float_bytes, rand_vec};
+
 use lily_core::{
     backend::{
         cpu::Cpu,
@@ -88,19 +94,6 @@ impl<X: Executor> ReadIds for Metal<X> {
     }
 }
 
-/// Deterministic values in [lo, hi).
-fn patterned(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
-        })
-        .collect()
-}
-
 fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
     b.read(buf, 0, &mut v).unwrap();
@@ -148,31 +141,26 @@ macro_rules! both {
 
 const TOL: f32 = 2e-5;
 
-fn to_bytes(v: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
-        DType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
-        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
-}
-
 /// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine),
 /// seen as `[experts, rows, cols]` with the given stride and offset.
 fn matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) -> Matrix {
     let (data, groups) = match format {
-        Format::F32 => (to_bytes(&patterned(stored * cols, seed, -1.0, 1.0), DType::F32), None),
-        Format::F16 => (to_bytes(&patterned(stored * cols, seed, -1.0, 1.0), DType::F16), None),
-        Format::BF16 => (to_bytes(&patterned(stored * cols, seed, -1.0, 1.0), DType::BF16), None),
+        Format::F32 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F32), None),
+        Format::F16 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F16), None),
+        Format::BF16 => (
+            float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::BF16),
+            None,
+        ),
         Format::Affine { bits, group } => {
             let words = stored * cols * bits as usize / 32;
-            let data: Vec<u8> = patterned(words, seed, 0.0, 1.0)
+            let data: Vec<u8> = rand_vec(words, seed, 0.0, 1.0)
                 .iter()
                 .enumerate()
                 .flat_map(|(i, v)| ((v * 4294967295.0) as u32 ^ (i as u32).wrapping_mul(2654435761)).to_le_bytes())
                 .collect();
             let ng = stored * cols / group;
-            let s = to_bytes(&patterned(ng, seed + 1, -0.1, 0.1), sdtype);
-            let b = to_bytes(&patterned(ng, seed + 2, -0.5, 0.5), sdtype);
+            let s = float_bytes(&rand_vec(ng, seed + 1, -0.1, 0.1), sdtype);
+            let b = float_bytes(&rand_vec(ng, seed + 2, -0.5, 0.5), sdtype);
             (
                 data,
                 Some(Groups {
@@ -204,8 +192,8 @@ fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
 
 pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
-        let x = patterned(rows * dim, 1, -2.0, 2.0);
-        let w = patterned(dim, 2, 0.5, 1.5);
+        let x = rand_vec(rows * dim, 1, -2.0, 2.0);
+        let w = rand_vec(dim, 2, 0.5, 1.5);
         let p = RmsNormParams {
             rows: rows as u32,
             dim: dim as u32,
@@ -224,9 +212,9 @@ pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
 
 pub fn rms_norm_gated_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     let (rows, dim) = (5, 48);
-    let x = patterned(rows * dim, 3, -2.0, 2.0);
-    let z = patterned(rows * dim, 4, -3.0, 3.0);
-    let w = patterned(dim, 5, 0.5, 1.5);
+    let x = rand_vec(rows * dim, 3, -2.0, 2.0);
+    let z = rand_vec(rows * dim, 4, -3.0, 3.0);
+    let w = rand_vec(dim, 5, 0.5, 1.5);
     let p = RmsNormParams {
         rows: rows as u32,
         dim: dim as u32,
@@ -244,9 +232,9 @@ pub fn rms_norm_gated_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
 pub fn elementwise_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     // add, swiglu, sigmoid_gate_add on a dim that leaves a partial threadgroup.
     let (t, d) = (3, 70);
-    let x = patterned(t * d, 6, -1.0, 1.0);
-    let y = patterned(t * d, 7, -1.0, 1.0);
-    let g = patterned(t, 8, -2.0, 2.0);
+    let x = rand_vec(t * d, 6, -1.0, 1.0);
+    let y = rand_vec(t * d, 7, -1.0, 1.0);
+    let g = rand_vec(t, 8, -2.0, 2.0);
     let p = RowsParams {
         tokens: t as u32,
         dim: d as u32,
@@ -302,7 +290,7 @@ pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         // 37 rows = a partial row tile of 32 or 64, cols 70 = a partial K step with a tail past
         // the last 8 columns).
         for (tokens, x_row0) in [(1, 2), (5, 0), (11, 1), (41, 2)] {
-            let x = patterned((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
+            let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
             let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
             // The variants of the path this T takes (the other choice changes nothing).
             let variants: Vec<Variants> = match tokens {
@@ -357,9 +345,9 @@ pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             theta,
         };
         let (t, h, kv, hd) = (t as usize, h as usize, kv as usize, hd as usize);
-        let qg = patterned(t * h * 2 * hd, 40, -2.0, 2.0);
-        let k = patterned(t * kv * hd, 41, -2.0, 2.0);
-        let (qn, kn) = (patterned(hd, 42, 0.5, 1.5), patterned(hd, 43, 0.5, 1.5));
+        let qg = rand_vec(t * h * 2 * hd, 40, -2.0, 2.0);
+        let k = rand_vec(t * kv * hd, 41, -2.0, 2.0);
+        let (qn, kn) = (rand_vec(hd, 42, 0.5, 1.5), rand_vec(hd, 43, 0.5, 1.5));
         both!(dev, tolx * 1e-4, format!("qk_norm_rope hd={hd}"), b => {
             let (qnb, knb) = (b.upload(&qn).unwrap(), b.upload(&kn).unwrap());
             let (mut qb, mut kb) = (b.upload(&qg).unwrap(), b.upload(&k).unwrap());
@@ -373,7 +361,7 @@ pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
 pub fn kv_store_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     let _ = tolx; // exact
     let (t, w, max) = (3, 40, 10);
-    let x = patterned(t * w, 50, -1.0, 1.0);
+    let x = rand_vec(t * w, 50, -1.0, 1.0);
     let p = KvStoreParams {
         tokens: t as u32,
         pos0: 6,
@@ -399,12 +387,12 @@ fn run_attention<B: Backend>(
     decode: usize,
 ) -> Vec<Vec<f32>> {
     let max = pos0 + t + decode;
-    let kc = b.upload(&patterned(max * kv * hd, 60, -1.0, 1.0)).unwrap();
-    let vc = b.upload(&patterned(max * kv * hd, 61, -1.0, 1.0)).unwrap();
+    let kc = b.upload(&rand_vec(max * kv * hd, 60, -1.0, 1.0)).unwrap();
+    let vc = b.upload(&rand_vec(max * kv * hd, 61, -1.0, 1.0)).unwrap();
     let mut outs = Vec::new();
     let mut pos = pos0;
     for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, decode)).enumerate() {
-        let qg = b.upload(&patterned(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
+        let qg = b.upload(&rand_vec(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
         let mut out = b.alloc(n * h * hd).unwrap();
         let p = AttentionParams {
             tokens: n as u32,
@@ -444,13 +432,13 @@ pub fn attention_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
 
 pub fn delta_net_conv_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     let (c, taps) = (70, 4);
-    let w = patterned(c * taps, 70, -1.0, 1.0);
+    let w = rand_vec(c * taps, 70, -1.0, 1.0);
     both!(dev, tolx * TOL, "delta_net_conv", b => {
         let wb = b.upload(&w).unwrap();
         let mut state = b.alloc((taps - 1) * c).unwrap();
         let mut outs = Vec::new();
         for (i, t) in [5usize, 1, 2, 1].into_iter().enumerate() {
-            let x = b.upload(&patterned(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
+            let x = b.upload(&rand_vec(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
             let mut out = b.alloc(t * c).unwrap();
             b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);
             b.finish().unwrap();
@@ -465,8 +453,8 @@ pub fn delta_net_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     // Tiny heads (Dk = 16 < 32 lanes) over a 7-token prefill and 24 decode steps, then the real
     // head dims (Dk = Dv = 128, 2 value heads per key head): errors compound over steps.
     for (hk, hv, dk, dv, calls) in [(2usize, 4usize, 16usize, 16usize, 25usize), (2, 4, 128, 128, 4)] {
-        let a_log = patterned(hv, 80, -3.0, 0.7);
-        let dt_bias = patterned(hv, 81, -1.0, 1.0);
+        let a_log = rand_vec(hv, 80, -3.0, 0.7);
+        let dt_bias = rand_vec(hv, 81, -1.0, 1.0);
         let width = 2 * hk * dk + hv * dv;
         both!(dev, tolx * 1e-4, format!("delta_net Dk={dk}"), b => {
             let (al, dt) = (b.upload(&a_log).unwrap(), b.upload(&dt_bias).unwrap());
@@ -475,9 +463,9 @@ pub fn delta_net_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             for i in 0..calls {
                 let t = if i == 0 { 7 } else { 1 };
                 let p = DeltaNetParams { tokens: t as u32, key_heads: hk as u32, value_heads: hv as u32, key_dim: dk as u32, value_dim: dv as u32 };
-                let qkv = b.upload(&patterned(t * width, 90 + i as u64, -1.0, 1.0)).unwrap();
-                let a = b.upload(&patterned(t * hv, 200 + i as u64, -2.0, 2.0)).unwrap();
-                let bb = b.upload(&patterned(t * hv, 300 + i as u64, -2.0, 2.0)).unwrap();
+                let qkv = b.upload(&rand_vec(t * width, 90 + i as u64, -1.0, 1.0)).unwrap();
+                let a = b.upload(&rand_vec(t * hv, 200 + i as u64, -2.0, 2.0)).unwrap();
+                let bb = b.upload(&rand_vec(t * hv, 300 + i as u64, -2.0, 2.0)).unwrap();
                 let mut out = b.alloc(t * hv * dv).unwrap();
                 b.delta_net(&p, &qkv, &a, &bb, &al, &dt, &mut state, &mut out);
                 b.finish().unwrap();
@@ -545,9 +533,9 @@ fn delta_net_calls<B: Backend>(b: &B, s: &DeltaShape, calls: &[usize]) -> Vec<Ve
     let (hk, hv, dk, dv, seed) = (s.hk, s.hv, s.dk, s.dv, s.seed);
     let width = 2 * hk * dk + hv * dv;
     // a_log in [-3, 0.7]: per-token decay from about 0.99 (memory across chunks) to e^-6.
-    let al = b.upload(&patterned(hv, seed, -3.0, 0.7)).unwrap();
-    let dt = b.upload(&patterned(hv, seed + 1, -1.0, 1.0)).unwrap();
-    let mut state = b.upload(&patterned(hv * dk * dv, seed + 2, -1.0, 1.0)).unwrap();
+    let al = b.upload(&rand_vec(hv, seed, -3.0, 0.7)).unwrap();
+    let dt = b.upload(&rand_vec(hv, seed + 1, -1.0, 1.0)).unwrap();
+    let mut state = b.upload(&rand_vec(hv * dk * dv, seed + 2, -1.0, 1.0)).unwrap();
     let mut outs = Vec::new();
     for (i, &t) in calls.iter().enumerate() {
         let p = DeltaNetParams {
@@ -558,9 +546,9 @@ fn delta_net_calls<B: Backend>(b: &B, s: &DeltaShape, calls: &[usize]) -> Vec<Ve
             value_dim: dv as u32,
         };
         let k = seed + 10 * (i as u64 + 1);
-        let qkv = b.upload(&patterned(t * width, k, -1.0, 1.0)).unwrap();
-        let a = b.upload(&patterned(t * hv, k + 1, -2.0, 2.0)).unwrap();
-        let bb = b.upload(&patterned(t * hv, k + 2, -2.0, 2.0)).unwrap();
+        let qkv = b.upload(&rand_vec(t * width, k, -1.0, 1.0)).unwrap();
+        let a = b.upload(&rand_vec(t * hv, k + 1, -2.0, 2.0)).unwrap();
+        let bb = b.upload(&rand_vec(t * hv, k + 2, -2.0, 2.0)).unwrap();
         let mut out = b.alloc(t * hv * dv).unwrap();
         b.delta_net(&p, &qkv, &a, &bb, &al, &dt, &mut state, &mut out);
         b.finish().unwrap();
@@ -572,7 +560,7 @@ fn delta_net_calls<B: Backend>(b: &B, s: &DeltaShape, calls: &[usize]) -> Vec<Ve
 
 pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     for (t, e, k, renorm) in [(4usize, 70usize, 8usize, 1u32), (3, 16, 8, 0), (2, 300, 2, 1)] {
-        let logits = patterned(t * e, 100 + e as u64, -3.0, 3.0);
+        let logits = rand_vec(t * e, 100 + e as u64, -3.0, 3.0);
         let p = RouteParams {
             tokens: t as u32,
             experts: e as u32,
@@ -644,7 +632,7 @@ fn non_finite_rows(e: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
         f32::from_bits(0x7f80_0001), // signalling
         f32::from_bits(0xffff_ffff),
     ];
-    let base = patterned(e, seed, -3.0, 3.0);
+    let base = rand_vec(e, seed, -3.0, 3.0);
     let with = |every: usize, f: &dyn Fn(usize) -> f32| -> Vec<f32> {
         base.iter()
             .enumerate()
@@ -777,9 +765,9 @@ pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         up.row_offset = inter;
         let mut down = matrix(format, sd, e * d, inter, 111);
         (down.experts, down.rows, down.expert_stride) = (e, d, d);
-        let x = patterned(t * d, 112, -1.0, 1.0);
+        let x = rand_vec(t * d, 112, -1.0, 1.0);
         let ids = [5u32, 0, 2, 2, 1, 4];
-        let w = patterned(t * k, 113, 0.0, 1.0);
+        let w = rand_vec(t * k, 113, 0.0, 1.0);
         for gemv in GemvRows::ALL {
             dev.variants.gemv = gemv;
             both!(dev, tolx * TOL, format!("moe_experts {format:?} I={inter} D={d} {gemv:?}"), b => {
@@ -896,11 +884,11 @@ pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
         up.row_offset = inter;
         let mut down = matrix(format, sd, e * d, inter, 121);
         (down.experts, down.rows, down.expert_stride) = (e, d, d);
-        let x = patterned(t * d, 122, -1.0, 1.0);
+        let x = rand_vec(t * d, 122, -1.0, 1.0);
         let ids = uneven_ids(t, k, e);
         let n = tokens_per_expert(&ids, e);
         assert!(n[0] == t && n[e - 1] == 0 && n[e - 2] == 0, "{n:?}");
-        let w = patterned(t * k, 123, 0.0, 1.0);
+        let w = rand_vec(t * k, 123, 0.0, 1.0);
         let what = format!("moe_experts sorted {format:?} E={e} T={t} K={k} per expert {n:?}");
         let go = |b: &Metal<X>| {
             let (g, u, dn) = (
@@ -1011,7 +999,7 @@ pub fn weights_at_an_offset_match_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
         if let Some(g) = m.groups.as_mut() {
             (g.scales, g.biases) = (shift(&g.scales), shift(&g.biases));
         }
-        let x = patterned(3 * cols, 141, -1.0, 1.0);
+        let x = rand_vec(3 * cols, 141, -1.0, 1.0);
         both!(dev, tolx * TOL, format!("matmul {format:?} at offset {offset}"), b => vec![run_matmul(b, &m, 1, 0, &x), run_matmul(b, &m, 3, 0, &x)]);
     }
 }
@@ -1044,7 +1032,7 @@ fn quantized(out: &mut Vec<Tensor>, name: &str, shape: &[usize], bits: usize, st
     let (cols, group) = (shape[shape.len() - 1], 32);
     let lead: usize = shape[..shape.len() - 1].iter().product();
     let words = lead * cols * bits / 32;
-    let codes: Vec<u8> = patterned(words, seed, 0.0, 1.0)
+    let codes: Vec<u8> = rand_vec(words, seed, 0.0, 1.0)
         .iter()
         .enumerate()
         .flat_map(|(i, v)| ((v * 4294967295.0) as u32 ^ (i as u32).wrapping_mul(2654435761)).to_le_bytes())
@@ -1052,13 +1040,13 @@ fn quantized(out: &mut Vec<Tensor>, name: &str, shape: &[usize], bits: usize, st
     // Uniform codes in [0, 2^bits): std (2^bits) / sqrt(12), mean (2^bits - 1) / 2.
     let levels = (1u32 << bits) as f32;
     let ng = lead * cols / group;
-    let scales: Vec<f32> = patterned(ng, seed + 1, 0.7, 1.3)
+    let scales: Vec<f32> = rand_vec(ng, seed + 1, 0.7, 1.3)
         .iter()
         .map(|f| f * std * 12f32.sqrt() / levels)
         .collect();
     let biases: Vec<f32> = scales
         .iter()
-        .zip(patterned(ng, seed + 2, -0.2, 0.2))
+        .zip(rand_vec(ng, seed + 2, -0.2, 0.2))
         .map(|(s, n)| -s * (levels - 1.0) / 2.0 + n * std)
         .collect();
     let mut wshape = shape.to_vec();
@@ -1070,9 +1058,14 @@ fn quantized(out: &mut Vec<Tensor>, name: &str, shape: &[usize], bits: usize, st
         format!("{name}.scales"),
         "BF16",
         gshape.clone(),
-        to_bytes(&scales, DType::BF16),
+        float_bytes(&scales, DType::BF16),
     ));
-    out.push((format!("{name}.biases"), "BF16", gshape, to_bytes(&biases, DType::BF16)));
+    out.push((
+        format!("{name}.biases"),
+        "BF16",
+        gshape,
+        float_bytes(&biases, DType::BF16),
+    ));
 }
 
 fn f32_tensor(out: &mut Vec<Tensor>, name: &str, shape: &[usize], lo: f32, hi: f32, seed: u64) {
@@ -1081,7 +1074,7 @@ fn f32_tensor(out: &mut Vec<Tensor>, name: &str, shape: &[usize], lo: f32, hi: f
         name.to_string(),
         "F32",
         shape.to_vec(),
-        to_bytes(&patterned(n, seed, lo, hi), DType::F32),
+        float_bytes(&rand_vec(n, seed, lo, hi), DType::F32),
     ));
 }
 
