@@ -6,7 +6,10 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::error::{Error, Result};
+use crate::{
+    backend::params::MAX_CONV_TAPS,
+    error::{Error, Result},
+};
 
 /// Token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -346,6 +349,12 @@ impl ModelConfig {
                 self.partial_rotary_factor, self.head_dim
             ));
         }
+        if self.linear_conv_kernel_dim > MAX_CONV_TAPS {
+            return bad(format!(
+                "`linear_conv_kernel_dim` {} is more than the {MAX_CONV_TAPS} taps the conv kernels support",
+                self.linear_conv_kernel_dim
+            ));
+        }
         if self.rms_norm_eps >= 1.0 {
             return bad(format!(
                 "`rms_norm_eps` {} is not a small positive number",
@@ -401,6 +410,17 @@ mod tests {
         assert_eq!(c.layer_types[3], LayerKind::Attention);
         assert_eq!(c.rotary_dim(), 64);
         assert_eq!(c.conv_dim(), 8192);
+    }
+
+    #[test]
+    fn conv_wider_than_the_kernels_is_a_config_error() {
+        let mut v = base();
+        v["text_config"]["linear_conv_kernel_dim"] = json!(MAX_CONV_TAPS + 1);
+        let e = ModelConfig::from_json(v).unwrap_err().to_string();
+        assert!(e.contains("linear_conv_kernel_dim"), "{e}");
+        let mut v = base();
+        v["text_config"]["linear_conv_kernel_dim"] = json!(MAX_CONV_TAPS);
+        assert!(ModelConfig::from_json(v).is_ok());
     }
 
     #[test]

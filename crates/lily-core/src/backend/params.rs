@@ -57,6 +57,11 @@ pub struct KvStoreParams {
     pub width: u32,
 }
 
+/// The most conv taps the model may ask for (`linear_conv_kernel_dim`, checked when the config
+/// is read): kernels keep the window on the stack or in registers. A backend with a smaller
+/// window reports the shape as unsupported.
+pub const MAX_CONV_TAPS: usize = 16;
+
 /// Causal depthwise conv over T tokens with `taps - 1` rows of history, then SiLU.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -786,15 +786,14 @@ pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
 /// the block's weights transposed to [taps][block] first so the inner loops vectorize.
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
     const CONV_BLOCK: usize = 256;
-    const MAX_TAPS: usize = 16;
     let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
-    assert!((1..=MAX_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
+    assert!((1..=MAX_CONV_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
     let hist = taps - 1;
     let (o, st) = (Out(out.as_mut_ptr()), Out(state.as_mut_ptr()));
     (0..c_n.div_ceil(CONV_BLOCK)).into_par_iter().for_each(|blk| {
         let c0 = blk * CONV_BLOCK;
         let n = CONV_BLOCK.min(c_n - c0);
-        let mut wt = [[0f32; CONV_BLOCK]; MAX_TAPS];
+        let mut wt = [[0f32; CONV_BLOCK]; MAX_CONV_TAPS];
         for (i, wc) in w[c0 * taps..(c0 + n) * taps].chunks_exact(taps).enumerate() {
             for j in 0..taps {
                 wt[j][i] = wc[j];
