@@ -275,12 +275,14 @@ pub fn row_dot(isa: Isa, m: &Matrix, stored: usize, x: XRow, sb: &mut [f32]) -> 
             scalars_f32(sd, scales, s);
             scalars_f32(sd, biases, b);
             let bias_term = dot_portable(b, x.gsum);
-            match x.q4 {
-                Some(q) if bits == 4 => {
+            match (bits, x.q4) {
+                (4, Some(q)) => {
                     int8::lane_scales(s, q.dx, group, &mut cl[..k / 8]);
                     bias_term + int8::dot(q.dot, data, q.xq, cl)
                 }
-                _ => bias_term + q8_dot(isa, data, s, x.x, group),
+                (8, _) => bias_term + q8_dot(isa, data, s, x.x, group),
+                // `prepare` gives every 4-bit matrix with a row kernel its integer planes.
+                _ => unreachable!("{bits}-bit row without a prepared x"),
             }
         }
         Format::BF16 => dense_dot(isa, DType::BF16, data, &x.x[..k]),
