@@ -111,6 +111,10 @@ impl<B: Backend> Runner<B> {
     }
 
     fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        B::run(|| self.prefill_here(tokens, all_logits))
+    }
+
+    fn prefill_here(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check(tokens)?;
         let vocab = self.model.vocab();
         let mut out = vec![0f32; if all_logits { tokens.len() * vocab } else { vocab }];
@@ -150,6 +154,10 @@ impl<B: Backend> Runner<B> {
     }
 
     fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
+        B::run(|| self.decode_here(token, out))
+    }
+
+    fn decode_here(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
         self.check(&[token])?;
         self.b.begin()?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;

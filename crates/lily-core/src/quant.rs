@@ -96,6 +96,25 @@ impl Matrix {
                 .map_or(0, |g| 2 * self.groups_per_row() * g.dtype.size())
     }
 
+    /// The packed bytes of stored rows `first..first + n`, and their scales / biases byte slices
+    /// (rows are contiguous in each).
+    #[inline]
+    pub fn rows_parts(&self, first: usize, n: usize) -> (&[u8], &[u8], &[u8]) {
+        let rb = self.row_bytes();
+        let data = &self.data.as_slice()[first * rb..(first + n) * rb];
+        match &self.groups {
+            Some(g) => {
+                let gb = self.groups_per_row() * g.dtype.size();
+                (
+                    data,
+                    &g.scales.as_slice()[first * gb..(first + n) * gb],
+                    &g.biases.as_slice()[first * gb..(first + n) * gb],
+                )
+            }
+            None => (data, &[], &[]),
+        }
+    }
+
     /// The packed bytes of one stored row, and its scales / biases byte slices.
     #[inline]
     pub fn row_parts(&self, stored: usize) -> (&[u8], &[u8], &[u8]) {

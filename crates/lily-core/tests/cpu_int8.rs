@@ -4,10 +4,14 @@
 
 mod common;
 
-use common::rand_vec;
-use lily_core::backend::cpu::{
-    int8::{self, Dot, PLANES},
-    simd::Isa,
+use common::{float_bytes, rand_vec};
+use lily_core::{
+    backend::cpu::{
+        int8::{self, Dot, Planes, Rows, CHUNK_GROUPS, PLANES},
+        simd::Isa,
+    },
+    quant::read_scalar,
+    safetensors::DType,
 };
 
 /// Random packed 4-bit codes.
@@ -146,5 +150,88 @@ fn the_pick_fits_the_shape_and_the_isa() {
             all.iter().any(|d| format!("{d:?}") == want),
             "{want} not available: {all:?}"
         );
+    }
+}
+
+#[test]
+fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
+    let n = 5;
+    for dot in Dot::all_available() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            // Groups of MLX (fused on x86) and a larger one (the lane-by-lane twin path); rows of
+            // fewer groups than a chunk (512), whole chunks (2048), and a partial last chunk.
+            for group in [32, 64, 128, 256] {
+                for cols in [512, 1536, 2048, 4096 + 512] {
+                    if cols % group != 0 || cols % (2 * dot.block()) != 0 {
+                        continue;
+                    }
+                    let what = format!("{dot:?} {dtype:?} group {group} cols {cols}");
+                    let g_n = cols / group;
+                    let g_pad = g_n.next_multiple_of(CHUNK_GROUPS);
+                    let x = activations(cols, cols as u64 + group as u64);
+                    let (mut dx, mut xq) = (vec![0f32; g_pad], vec![0i8; PLANES * cols]);
+                    int8::quantize(Isa::get(), dot, &x, group, &mut dx[..g_n], &mut xq);
+                    let mut gsum = vec![0f32; g_pad];
+                    for (g, xg) in x.chunks_exact(group).enumerate() {
+                        gsum[g] = xg.iter().sum();
+                    }
+                    let w = codes(n * cols / 2, 11 + cols as u64);
+                    let scales = float_bytes(&rand_vec(n * g_n, 5, 0.001, 0.02), dtype);
+                    let biases = float_bytes(&rand_vec(n * g_n, 6, -0.1, 0.1), dtype);
+                    let rows = Rows {
+                        w: &w,
+                        scales: &scales,
+                        biases: &biases,
+                        dtype,
+                        cols,
+                        group,
+                    };
+                    let planes = Planes {
+                        dot,
+                        dx: &dx,
+                        gsum: &gsum,
+                        xq: &xq,
+                    };
+                    let (mut got, mut twin) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+                    int8::rows(&rows, &planes, &mut got);
+                    int8::rows_portable(&rows, &planes, &mut twin);
+                    for r in 0..n {
+                        // The exact affine product in f64, and the scale of its terms.
+                        let (mut exact, mut mag) = (0f64, 0f64);
+                        for j in 0..cols {
+                            let byte = w[r * cols / 2 + j / 2];
+                            let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                            let s = read_scalar(dtype, &scales, r * g_n + j / group) as f64;
+                            let b = read_scalar(dtype, &biases, r * g_n + j / group) as f64;
+                            exact += (s * q + b) * x[j] as f64;
+                            mag += (s * q + b.abs()) * x[j].abs() as f64;
+                        }
+                        for (v, name) in [(got[r], "kernel"), (twin[r], "twin")] {
+                            assert!(
+                                (v as f64 - exact).abs() <= 2e-6 * mag,
+                                "{what} row {r}: {name} {v} vs exact {exact} (scale {mag})"
+                            );
+                        }
+                        assert!(
+                            (got[r] - twin[r]).abs() as f64 <= 1e-6 * mag,
+                            "{what} row {r}: {} vs twin {}",
+                            got[r],
+                            twin[r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_rows_cover_the_mlx_shapes_on_x86() {
+    for dot in Dot::all_available() {
+        let x86 = !matches!(dot, Dot::Portable | Dot::NeonSdot);
+        for group in [32, 64, 128] {
+            assert_eq!(dot.fused_rows(group, DType::BF16), x86, "{dot:?} group {group}");
+        }
+        assert!(!dot.fused_rows(256, DType::BF16));
     }
 }

@@ -31,6 +31,12 @@ pub trait Backend: Send + Sized + 'static {
         256
     }
 
+    /// Run one forward call's host work `f` (encoding, waits) where the backend's kernels start
+    /// fastest. Default: on the calling thread.
+    fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     // ---- memory ----
     /// A zeroed buffer of `len` f32 values.
     fn alloc(&self, len: usize) -> Result<Self::Buf>;

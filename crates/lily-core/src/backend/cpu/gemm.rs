@@ -131,19 +131,11 @@ multiversion! {
     pub(crate) fn gemv_rows(m: &Matrix, e: usize, r0: usize, xr: XRow, sb: &mut [f32], out: &mut [f32]) = gemv_rows_body;
 }
 
-/// out[i] = row r0 + i . x; compiled per ISA so the per-row scale conversion and bias term
-/// vectorize too (they are ~1/8 of the work of a 4-bit row).
+/// out[i] = row r0 + i . x; compiled per ISA so the per-row scale conversion and bias term of
+/// 8-bit rows vectorize too.
 #[inline(always)]
 fn gemv_rows_body(isa: Isa, m: &Matrix, e: usize, r0: usize, xr: XRow, sb: &mut [f32], out: &mut [f32]) {
-    for (i, v) in out.iter_mut().enumerate() {
-        *v = simd::row_dot(isa, m, m.stored_row(e, r0 + i), xr, sb);
-    }
-}
-
-/// Dot of row `r` of expert `e` with an already prepared x (inside a task).
-#[inline]
-pub fn row_dot(isa: Isa, m: &Matrix, e: usize, r: usize, x: XRow, sb: &mut [f32]) -> f32 {
-    simd::row_dot(isa, m, m.stored_row(e, r), x, sb)
+    simd::rows_dot(isa, m, m.stored_row(e, r0), xr, sb, out)
 }
 
 /// Dequantize rows `rows` of expert `e` into `tile` ([rows.len(), cols], f32).

@@ -29,6 +29,7 @@
 //! Result: sum_L cl[L] acc[L] / 128^2, one convert and one FMA per lane and block.
 
 use super::simd::{multiversion, Isa};
+use crate::{quant::read_scalar, safetensors::DType};
 
 /// int8 planes per activation element.
 pub const PLANES: usize = 3;
@@ -142,35 +143,48 @@ multiversion! {
     fn quantize_isa(b: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) = quantize_body;
 }
 
-/// Steps per group first; then per block, half (even or odd elements) and run of elements that
-/// share a group, one vectorizable loop with a fixed step (strided f32 loads, contiguous stores).
+/// Steps per group first; then per block and half (even or odd elements): the half's elements
+/// gathered into a residual array, and per run of elements sharing a group and per plane, one
+/// vectorizable loop over contiguous values (round, store, subtract).
 #[inline(always)]
 fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) {
     for (d, xg) in dx.iter_mut().zip(x.chunks_exact(group)) {
-        *d = xg.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+        // 8 lanes (groups are multiples of 8), so the loop vectorizes.
+        let mut m = [0f32; 8];
+        for c in xg.chunks_exact(8) {
+            for (mi, v) in m.iter_mut().zip(c) {
+                *mi = mi.max(v.abs());
+            }
+        }
+        *d = m.iter().fold(0f32, |a, &v| a.max(v)) / 127.0;
     }
     let run = b.min(group / 2);
+    let mut r = [0f32; 64];
     for (blk, (xb, ob)) in x
         .chunks_exact(2 * b)
         .zip(xq.chunks_exact_mut(2 * b * PLANES))
         .enumerate()
     {
         for h in 0..2 {
+            for (ri, pair) in r[..b].iter_mut().zip(xb.chunks_exact(2)) {
+                *ri = pair[h];
+            }
             for i0 in (0..b).step_by(run) {
                 let step = dx[(blk * 2 * b + 2 * i0) / group];
                 let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-                for i in i0..i0 + run {
-                    let (mut r, mut stepp, mut invp) = (xb[2 * i + h], step, inv);
-                    for p in 0..PLANES {
+                let (mut stepp, mut invp) = (step, inv);
+                for p in 0..PLANES {
+                    let o = &mut ob[p * 2 * b + h * b + i0..][..run];
+                    for (oi, ri) in o.iter_mut().zip(r[i0..i0 + run].iter_mut()) {
                         // f32::max / min drop a NaN (clamp would keep it), so q is finite and in range.
                         #[allow(clippy::manual_clamp)]
-                        let q = (r * invp).round_ties_even().max(-127.0).min(127.0);
+                        let q = (*ri * invp).round_ties_even().max(-127.0).min(127.0);
                         // SAFETY: q is a finite integer in [-127, 127].
-                        ob[p * 2 * b + h * b + i] = unsafe { q.to_int_unchecked::<i32>() } as i8;
-                        r -= q * stepp;
-                        stepp /= (1 << SHIFT) as f32;
-                        invp *= (1 << SHIFT) as f32;
+                        *oi = unsafe { q.to_int_unchecked::<i32>() } as i8;
+                        *ri -= q * stepp;
                     }
+                    stepp /= (1 << SHIFT) as f32;
+                    invp *= (1 << SHIFT) as f32;
                 }
             }
         }
@@ -196,6 +210,116 @@ pub fn lane_scales(s: &[f32], dx: &[f32], group: usize, cl: &mut [f32]) {
                 c.fill(s * d);
             }
         }
+    }
+}
+
+/// Groups per chunk of [`rows`]: the step and group-sum arrays of x are padded with zeros to a
+/// multiple of this.
+pub const CHUNK_GROUPS: usize = 16;
+
+/// Consecutive rows of a 4-bit affine matrix as stored: `w` [rows, cols / 2] packed codes,
+/// `scales` / `biases` [rows, cols / group] of `dtype`.
+#[derive(Clone, Copy)]
+pub struct Rows<'a> {
+    pub w: &'a [u8],
+    pub scales: &'a [u8],
+    pub biases: &'a [u8],
+    pub dtype: DType,
+    pub cols: usize,
+    pub group: usize,
+}
+
+/// x prepared once for every row: the planes in `dot`'s block order, plane-0 steps per group
+/// and exact f32 group sums (both zero-padded to a multiple of [`CHUNK_GROUPS`]).
+#[derive(Clone, Copy)]
+pub struct Planes<'a> {
+    pub dot: Dot,
+    pub dx: &'a [f32],
+    pub gsum: &'a [f32],
+    pub xq: &'a [i8],
+}
+
+impl Dot {
+    /// Whether [`rows`] has a fused kernel for this dot, group size and scale type (else it
+    /// runs [`rows_portable`]): the x86 kernels, MLX's group sizes, float scales.
+    pub fn fused_rows(self, group: usize, dtype: DType) -> bool {
+        let x86 = !matches!(self, Dot::Portable | Dot::NeonSdot);
+        x86 && matches!(group, 32 | 64 | 128) && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
+    }
+}
+
+/// out[r] = sum_g s_g (w_g . x_g) + b_g sum(x_g) for every row r of `m` (4-bit codes, x as
+/// `x`'s planes). The decode GEMV's inner loop.
+pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
+    let n = out.len();
+    let (g_n, sz) = (m.cols / m.group, m.dtype.size());
+    let b = x.dot.block();
+    assert!(
+        m.group % 8 == 0 && m.cols % m.group == 0 && m.cols % (2 * b) == 0,
+        "int8 rows: bad shape"
+    );
+    assert!(
+        m.w.len() >= n * m.cols / 2
+            && m.scales.len() >= n * g_n * sz
+            && m.biases.len() >= n * g_n * sz
+            && x.dx.len() >= g_n.next_multiple_of(CHUNK_GROUPS)
+            && x.gsum.len() >= g_n.next_multiple_of(CHUNK_GROUPS)
+            && x.xq.len() >= PLANES * m.cols,
+        "int8 rows: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if x.dot.fused_rows(m.group, m.dtype) && x.dot.available() {
+        // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
+        // the group size and dtype are the ones the kernels handle (`fused_rows`).
+        unsafe {
+            match x.dot {
+                Dot::Vnni512 => x86::rows_vnni512(m, x, out),
+                Dot::Maddubs512 => x86::rows_maddubs512(m, x, out),
+                Dot::Vnni256 => x86::rows_vnni256(m, x, out),
+                Dot::AvxVnni256 => x86::rows_avxvnni256(m, x, out),
+                Dot::Maddubs256 => x86::rows_maddubs256(m, x, out),
+                _ => unreachable!("fused_rows"),
+            }
+        }
+        return;
+    }
+    rows_portable(m, x, out)
+}
+
+/// The twin of the fused kernels, and the path of the other dots: per row and chunk of
+/// [`CHUNK_GROUPS`] groups, scales to f32, lane scales, [`dot`], and the bias term (stack
+/// scratch only: the decode loop allocates nothing).
+pub fn rows_portable(m: &Rows, x: &Planes, out: &mut [f32]) {
+    let (g_n, sz) = (m.cols / m.group, m.dtype.size());
+    let mut s = [0f32; CHUNK_GROUPS];
+    let mut cl = [0f32; CHUNK_GROUPS * 128 / 8];
+    for (r, o) in out.iter_mut().enumerate() {
+        let (sc, bi) = (&m.scales[r * g_n * sz..], &m.biases[r * g_n * sz..]);
+        let w = &m.w[r * m.cols / 2..][..m.cols / 2];
+        let mut tot = 0f32;
+        for g0 in (0..g_n).step_by(CHUNK_GROUPS) {
+            let ng = CHUNK_GROUPS.min(g_n - g0);
+            for (i, si) in s[..ng].iter_mut().enumerate() {
+                *si = read_scalar(m.dtype, sc, g0 + i);
+                tot += read_scalar(m.dtype, bi, g0 + i) * x.gsum[g0 + i];
+            }
+            let (e0, len) = (g0 * m.group, ng * m.group);
+            if len / 8 <= cl.len() {
+                lane_scales(&s[..ng], &x.dx[g0..], m.group, &mut cl[..len / 8]);
+                tot += dot(x.dot, &w[e0 / 2..][..len / 2], &x.xq[e0 * PLANES..], &cl[..len / 8]);
+            } else {
+                // Groups over 128 elements: lane scales lane by lane, in pieces of `cl`.
+                for p0 in (e0..e0 + len).step_by(cl.len() * 8) {
+                    let pl = (e0 + len - p0).min(cl.len() * 8);
+                    for (l, c) in cl[..pl / 8].iter_mut().enumerate() {
+                        let g = (p0 + 8 * l) / m.group;
+                        *c = read_scalar(m.dtype, sc, g) * x.dx[g];
+                    }
+                    tot += dot(x.dot, &w[p0 / 2..][..pl / 2], &x.xq[p0 * PLANES..], &cl[..pl / 8]);
+                }
+            }
+        }
+        *o = tot;
     }
 }
 
@@ -266,7 +390,8 @@ mod x86 {
     //! iteration into two sets of totals keep the FMA chains from limiting the loop.
     use std::arch::x86_64::*;
 
-    use super::{PLANES, SHIFT, UNIT};
+    use super::{Planes, Rows, PLANES, SHIFT, UNIT};
+    use crate::safetensors::DType;
 
     /// Weight bytes ahead of the current block to prefetch. A core streams rows faster than the
     /// hardware prefetcher alone keeps cache-line misses in flight; rows of a matrix are
@@ -410,6 +535,290 @@ mod x86 {
             );
         };
     }
+
+    /// The vector operations of [`rows_kernel`] for one register width, under the same names.
+    macro_rules! width {
+        ($m:ident, $feat:literal, b = $b:literal, lanes = $lanes:literal, $vi:ty, $vf:ty, $half:ty,
+         load = $load:ident, loadh = $loadh:ident, loadf = $loadf:ident, set1 = $set1:ident, set1f = $set1f:ident,
+         and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
+         cvt = $cvt:ident, fma = $fma:ident, mul = $mul:ident, hsum = $hsum:path, perm = $perm:expr,
+         widen16 = $widen16:ident, cvtph = $cvtph:ident, cast = $cast:ident, part = $part:ident) => {
+            mod $m {
+                use std::arch::x86_64::*;
+
+                use crate::safetensors::DType;
+
+                pub type I = $vi;
+                pub type F = $vf;
+                /// Weight bytes per block, i32 lanes per register, groups per chunk (f32 lanes).
+                pub const B: usize = $b;
+                pub const LANES: usize = $lanes;
+                pub const CG: usize = $lanes;
+
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub unsafe fn load(p: *const i8) -> I {
+                    unsafe { $load(p as *const I) }
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub unsafe fn loadf(p: *const f32) -> F {
+                    unsafe { $loadf(p) }
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn nibbles(v: I) -> (I, I) {
+                    let m = $set1(15);
+                    ($and(v, m), $and($srli::<4>(v), m))
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn shift(v: I) -> I {
+                    $slli32::<{ super::SHIFT as _ }>(v)
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn add(a: I, b: I) -> I {
+                    $addi(a, b)
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn zero() -> I {
+                    $zero()
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn zerof() -> F {
+                    $zerof()
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn set1f(v: f32) -> F {
+                    $set1f(v)
+                }
+                /// t + cvt(acc) * s
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn fma_i(acc: I, s: F, t: F) -> F {
+                    $fma($cvt(acc), s, t)
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn fma(a: F, b: F, t: F) -> F {
+                    $fma(a, b, t)
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn mul(a: F, b: F) -> F {
+                    $mul(a, b)
+                }
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn hsum(v: F) -> f32 {
+                    $hsum(v)
+                }
+                /// Lane i of the result is `table[idx[i]]`.
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub unsafe fn perm(idx: *const i32, table: F) -> F {
+                    unsafe { ($perm)($load(idx as *const I), table) }
+                }
+                pub(super) use super::$part as groups_part;
+
+                /// `CG` scales (or biases) of type `dt` at `p` as f32.
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub unsafe fn groups(dt: DType, p: *const u8) -> F {
+                    unsafe {
+                        match dt {
+                            DType::BF16 => $cast($slli32::<16>($widen16($loadh(p as *const $half)))),
+                            DType::F16 => $cvtph($loadh(p as *const $half)),
+                            _ => $loadf(p as *const f32),
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    /// The first `n` < 16 groups at `p` (a row of fewer than 16 groups): masked loads, zeros
+    /// past `n`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn groups_part512(dt: DType, p: *const u8, n: usize) -> __m512 {
+        let k = (1u32 << n) as u16 - 1;
+        unsafe {
+            match dt {
+                DType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_maskz_loadu_epi16(k, p as *const i16),
+                ))),
+                DType::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p as *const i16)),
+                _ => _mm512_maskz_loadu_ps(k, p as *const f32),
+            }
+        }
+    }
+
+    /// The first `n` < 8 groups at `p`: a zero-padded copy (AVX2 has no 16-bit masked load).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn groups_part256(dt: DType, p: *const u8, n: usize) -> __m256 {
+        let mut pad = [0u8; 32];
+        unsafe {
+            std::ptr::copy_nonoverlapping(p, pad.as_mut_ptr(), n * dt.size());
+            w256::groups(dt, pad.as_ptr())
+        }
+    }
+
+    width!(
+        w512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        b = 64,
+        lanes = 16,
+        __m512i,
+        __m512,
+        __m256i,
+        load = _mm512_loadu_si512,
+        loadh = _mm256_loadu_si256,
+        loadf = _mm512_loadu_ps,
+        set1 = _mm512_set1_epi8,
+        set1f = _mm512_set1_ps,
+        and = _mm512_and_si512,
+        srli = _mm512_srli_epi16,
+        slli32 = _mm512_slli_epi32,
+        addi = _mm512_add_epi32,
+        zero = _mm512_setzero_si512,
+        zerof = _mm512_setzero_ps,
+        cvt = _mm512_cvtepi32_ps,
+        fma = _mm512_fmadd_ps,
+        mul = _mm512_mul_ps,
+        hsum = _mm512_reduce_add_ps,
+        perm = |i, t| _mm512_permutexvar_ps(i, t),
+        widen16 = _mm512_cvtepu16_epi32,
+        cvtph = _mm512_cvtph_ps,
+        cast = _mm512_castsi512_ps,
+        part = groups_part512
+    );
+    width!(
+        w256,
+        "avx2,fma,f16c",
+        b = 32,
+        lanes = 8,
+        __m256i,
+        __m256,
+        __m128i,
+        load = _mm256_loadu_si256,
+        loadh = _mm_loadu_si128,
+        loadf = _mm256_loadu_ps,
+        set1 = _mm256_set1_epi8,
+        set1f = _mm256_set1_ps,
+        and = _mm256_and_si256,
+        srli = _mm256_srli_epi16,
+        slli32 = _mm256_slli_epi32,
+        addi = _mm256_add_epi32,
+        zero = _mm256_setzero_si256,
+        zerof = _mm256_setzero_ps,
+        cvt = _mm256_cvtepi32_ps,
+        fma = _mm256_fmadd_ps,
+        mul = _mm256_mul_ps,
+        hsum = super::hsum256,
+        perm = |i, t| _mm256_permutevar8x32_ps(t, i),
+        widen16 = _mm256_cvtepu16_epi32,
+        cvtph = _mm256_cvtph_ps,
+        cast = _mm256_castsi256_ps,
+        part = groups_part256
+    );
+
+    /// [`super::rows`] for one width and byte dot. Per row: for each chunk of `CG` groups, the
+    /// scales times x's steps (one register: the chunk's lane-scale table) and one FMA of the
+    /// biases with x's group sums; per block of B weight bytes, the planes' byte dots, and
+    /// t += cvt(acc) * table[lane's group] (a permute by a per-call index table). One
+    /// horizontal sum per row.
+    macro_rules! rows_kernel {
+        ($name:ident, $feat:literal, $w:ident, $dot2:ident) => {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name(m: &Rows, x: &Planes, out: &mut [f32]) {
+                use $w::*;
+                unsafe {
+                    let (g_n, sz) = (m.cols / m.group, m.dtype.size());
+                    let (row_w, row_s) = (m.cols / 2, g_n * sz);
+                    // Lane L of block j of a chunk covers elements 2Bj + 8L: its group in the chunk.
+                    let mut idx = [[0i32; LANES]; 16];
+                    for (j, v) in idx.iter_mut().enumerate().take(CG * m.group / (2 * B)) {
+                        for (l, e) in v.iter_mut().enumerate() {
+                            *e = ((2 * B * j + 8 * l) / m.group) as i32;
+                        }
+                    }
+                    let unit = set1f(1.0 / UNIT);
+                    // Scales and biases are prefetched about as far ahead as the weights.
+                    let ahead = (PREFETCH / row_w).max(1) * row_s;
+                    let xq = x.xq.as_ptr();
+                    for (r, o) in out.iter_mut().enumerate() {
+                        let w = m.w.as_ptr().add(r * row_w);
+                        let (sc, bi) = (m.scales.as_ptr().add(r * row_s), m.biases.as_ptr().add(r * row_s));
+                        for l in (0..row_s).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(sc.wrapping_add(ahead + l) as *const i8);
+                            _mm_prefetch::<_MM_HINT_T0>(bi.wrapping_add(ahead + l) as *const i8);
+                        }
+                        let (mut t, mut blk) = (zerof(), 0);
+                        for g0 in (0..g_n).step_by(CG) {
+                            let ng = CG.min(g_n - g0);
+                            let (s, b) = if ng == CG {
+                                (groups(m.dtype, sc.add(g0 * sz)), groups(m.dtype, bi.add(g0 * sz)))
+                            } else {
+                                (
+                                    groups_part(m.dtype, sc.add(g0 * sz), ng),
+                                    groups_part(m.dtype, bi.add(g0 * sz), ng),
+                                )
+                            };
+                            let table = mul(mul(s, loadf(x.dx.as_ptr().add(g0))), unit);
+                            t = fma(b, loadf(x.gsum.as_ptr().add(g0)), t);
+                            for j in 0..ng * m.group / (2 * B) {
+                                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(blk * B + PREFETCH) as *const i8);
+                                let (lo, hi) = nibbles(load(w.add(blk * B) as *const i8));
+                                let xb = xq.add(blk * 2 * B * PLANES);
+                                // The planes' dots side by side (short dependency chains), then
+                                // ((a0 << 7) + a1) << 7 + a2.
+                                let a: [I; PLANES] = std::array::from_fn(|p| {
+                                    $dot2(
+                                        zero(),
+                                        lo,
+                                        load(xb.add(p * 2 * B)),
+                                        hi,
+                                        load(xb.add(p * 2 * B + B)),
+                                    )
+                                });
+                                let acc = a[1..].iter().fold(a[0], |acc, &ap| add(shift(acc), ap));
+                                t = fma_i(acc, perm(idx[j].as_ptr(), table), t);
+                                blk += 1;
+                            }
+                        }
+                        *o = hsum(t);
+                    }
+                }
+            }
+        };
+    }
+
+    rows_kernel!(
+        rows_vnni512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni",
+        w512,
+        vnni512_2
+    );
+    rows_kernel!(
+        rows_maddubs512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        w512,
+        maddubs512_2
+    );
+    rows_kernel!(
+        rows_vnni256,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        w256,
+        vnni256_2
+    );
+    rows_kernel!(rows_avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2);
+    rows_kernel!(rows_maddubs256, "avx2,fma,f16c", w256, maddubs256_2);
 
     kernel512!(vnni512, "avx512f,avx512bw,avx512vnni", vnni512_2);
     kernel512!(maddubs512, "avx512f,avx512bw", maddubs512_2);

@@ -17,7 +17,7 @@
 
 use std::sync::OnceLock;
 
-use super::int8::{self, Dot};
+use super::int8::{self, Dot, Planes};
 use crate::{
     quant::{read_scalar, Format, Matrix},
     safetensors::DType,
@@ -118,7 +118,16 @@ impl Isa {
 #[inline]
 pub fn group_sums(x: &[f32], group: usize, out: &mut [f32]) {
     for (o, xg) in out.iter_mut().zip(x.chunks_exact(group)) {
-        *o = xg.iter().sum();
+        // 8 lane sums (groups are multiples of 8 here), so the loop vectorizes.
+        let mut acc = [0f32; 8];
+        let c = xg.chunks_exact(8);
+        let rest: f32 = c.remainder().iter().sum();
+        for v in c {
+            for (a, b) in acc.iter_mut().zip(v) {
+                *a += b;
+            }
+        }
+        *o = acc.iter().sum::<f32>() + rest;
     }
 }
 
@@ -182,21 +191,14 @@ pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// One prepared activation row for [`row_dot`]: x itself, per-group sums of x (the affine bias
-/// term; empty for dense matrices) and, for 4-bit rows, x as integer planes ([`int8`]).
+/// One prepared activation row for [`row_dot`] / [`rows_dot`]: x itself, per-group sums of x (the
+/// affine bias term; empty for dense matrices) and, for 4-bit rows, x as integer planes
+/// ([`int8`]).
 #[derive(Clone, Copy)]
 pub struct XRow<'a> {
     pub x: &'a [f32],
     pub gsum: &'a [f32],
-    pub q4: Option<Q4x<'a>>,
-}
-
-/// x prepared for [`int8::dot`]: the kernel, plane-0 steps per group, the int8 planes.
-#[derive(Clone, Copy)]
-pub struct Q4x<'a> {
-    pub dot: Dot,
-    pub dx: &'a [f32],
-    pub xq: &'a [i8],
+    pub q4: Option<Planes<'a>>,
 }
 
 /// The int8 kernel for 4-bit rows of `m` (None for other formats).
@@ -207,28 +209,34 @@ fn q4_dot_kind(isa: Isa, m: &Matrix) -> Option<Dot> {
     }
 }
 
-/// Scratch floats [`prepare`] needs for a matrix with `cols` inputs: group sums, then for 4-bit
-/// rows the plane steps and the planes (`PLANES * cols` bytes).
-pub fn prep_len(m: &Matrix) -> usize {
-    2 * m.groups_per_row() + (int8::PLANES * m.cols).div_ceil(4)
+/// Group sums and plane steps are padded to whole chunks of [`int8::rows`].
+fn padded_groups(m: &Matrix) -> usize {
+    m.groups_per_row().next_multiple_of(int8::CHUNK_GROUPS)
 }
 
-/// Per-row scratch floats [`row_dot`] needs: the row's scales and biases as f32, and the 4-bit
-/// lane scales (`cols / 8`).
+/// Scratch floats [`prepare`] needs for a matrix with `cols` inputs: group sums and plane steps
+/// (padded), then for 4-bit rows the planes (`PLANES * cols` bytes).
+pub fn prep_len(m: &Matrix) -> usize {
+    2 * padded_groups(m) + (int8::PLANES * m.cols).div_ceil(4)
+}
+
+/// Per-row scratch floats [`row_dot`] needs: the row's scales and biases as f32.
 pub fn row_scratch_len(m: &Matrix) -> usize {
-    2 * m.groups_per_row() + m.cols.div_ceil(8)
+    2 * m.groups_per_row()
 }
 
 /// Fill `buf` (at least [`prep_len`]) with what [`row_dot`] needs for `m` and x.
 pub fn prepare(isa: Isa, m: &Matrix, x: &[f32], buf: &mut [f32]) {
-    let g_n = m.groups_per_row();
-    let (gsum, rest) = buf.split_at_mut(g_n);
-    let (dx, planes) = rest.split_at_mut(g_n);
+    let (g_n, g_pad) = (m.groups_per_row(), padded_groups(m));
+    let (gsum, rest) = buf.split_at_mut(g_pad);
+    let (dx, planes) = rest.split_at_mut(g_pad);
     if let Format::Affine { group, .. } = m.format {
         if has_row_kernel(m) {
-            group_sums(&x[..m.cols], group, gsum);
+            group_sums(&x[..m.cols], group, &mut gsum[..g_n]);
+            gsum[g_n..].fill(0.0);
             if let Some(dot) = q4_dot_kind(isa, m) {
-                int8::quantize(isa, dot, &x[..m.cols], group, dx, as_i8(planes));
+                int8::quantize(isa, dot, &x[..m.cols], group, &mut dx[..g_n], as_i8(planes));
+                dx[g_n..].fill(0.0);
             }
         }
     }
@@ -242,20 +250,46 @@ fn as_i8(v: &mut [f32]) -> &mut [i8] {
 
 /// The view of x and a buffer filled by [`prepare`] (with the same `isa`).
 pub fn view<'a>(isa: Isa, m: &Matrix, x: &'a [f32], buf: &'a [f32]) -> XRow<'a> {
-    let g_n = m.groups_per_row();
+    let g_pad = padded_groups(m);
+    let gsum = &buf[..g_pad];
     let q4 = q4_dot_kind(isa, m).map(|dot| {
-        let planes = &buf[2 * g_n..];
-        Q4x {
+        let planes = &buf[2 * g_pad..];
+        Planes {
             dot,
-            dx: &buf[g_n..2 * g_n],
+            dx: &buf[g_pad..2 * g_pad],
+            gsum,
             // SAFETY: as in `as_i8`.
             xq: unsafe { std::slice::from_raw_parts(planes.as_ptr() as *const i8, planes.len() * 4) },
         }
     });
-    XRow {
-        x,
-        gsum: &buf[..g_n],
-        q4,
+    XRow { x, gsum, q4 }
+}
+
+/// out[i] = stored row `first + i` of `m` times the prepared x. `sb` is scratch of
+/// [`row_scratch_len`] floats. `m` must have a row kernel ([`has_row_kernel`]). 4-bit rows run
+/// [`int8::rows`] on the whole run (every per-row step in registers); the others, [`row_dot`].
+#[inline(always)]
+pub fn rows_dot(isa: Isa, m: &Matrix, first: usize, x: XRow, sb: &mut [f32], out: &mut [f32]) {
+    match (m.format, x.q4) {
+        (Format::Affine { bits: 4, group }, Some(planes)) => {
+            let (w, scales, biases) = m.rows_parts(first, out.len());
+            let rows = int8::Rows {
+                w,
+                scales,
+                biases,
+                dtype: m.groups.as_ref().map_or(DType::BF16, |g| g.dtype),
+                cols: m.cols,
+                group,
+            };
+            int8::rows(&rows, &planes, out)
+        }
+        // `prepare` gives every 4-bit matrix with a row kernel its integer planes.
+        (Format::Affine { bits: 4, .. }, None) => unreachable!("4-bit rows without a prepared x"),
+        _ => {
+            for (i, v) in out.iter_mut().enumerate() {
+                *v = row_dot(isa, m, first + i, x, sb);
+            }
+        }
     }
 }
 
@@ -267,24 +301,20 @@ pub fn row_dot(isa: Isa, m: &Matrix, stored: usize, x: XRow, sb: &mut [f32]) -> 
     let (data, scales, biases) = m.row_parts(stored);
     let k = m.cols;
     match m.format {
-        Format::Affine { bits, group } => {
+        Format::Affine { bits: 4, .. } => {
+            let mut out = [0f32];
+            rows_dot(isa, m, stored, x, sb, &mut out);
+            out[0]
+        }
+        Format::Affine { bits: 8, group } => {
             let g_n = k / group;
             let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
-            let (s, rest) = sb.split_at_mut(g_n);
-            let (b, cl) = rest.split_at_mut(g_n);
+            let (s, b) = sb.split_at_mut(g_n);
             scalars_f32(sd, scales, s);
-            scalars_f32(sd, biases, b);
-            let bias_term = dot_portable(b, x.gsum);
-            match (bits, x.q4) {
-                (4, Some(q)) => {
-                    int8::lane_scales(s, q.dx, group, &mut cl[..k / 8]);
-                    bias_term + int8::dot(q.dot, data, q.xq, cl)
-                }
-                (8, _) => bias_term + q8_dot(isa, data, s, x.x, group),
-                // `prepare` gives every 4-bit matrix with a row kernel its integer planes.
-                _ => unreachable!("{bits}-bit row without a prepared x"),
-            }
+            scalars_f32(sd, biases, &mut b[..g_n]);
+            dot_portable(&b[..g_n], &x.gsum[..g_n]) + q8_dot(isa, data, s, x.x, group)
         }
+        Format::Affine { bits, .. } => unreachable!("no row kernel for {bits}-bit rows"),
         Format::BF16 => dense_dot(isa, DType::BF16, data, &x.x[..k]),
         Format::F16 => dense_dot(isa, DType::F16, data, &x.x[..k]),
         Format::F32 => dense_dot(isa, DType::F32, data, &x.x[..k]),
