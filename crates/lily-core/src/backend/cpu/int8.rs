@@ -339,16 +339,6 @@ pub fn dot(dot: Dot, w: &[u8], xq: &[i8], cl: &[f32]) -> f32 {
     // by `available` when `dot` was picked.
     unsafe {
         match dot {
-            #[cfg(target_arch = "x86_64")]
-            Dot::Vnni512 => x86::vnni512(w, xq, cl, blocks),
-            #[cfg(target_arch = "x86_64")]
-            Dot::Maddubs512 => x86::maddubs512(w, xq, cl, blocks),
-            #[cfg(target_arch = "x86_64")]
-            Dot::Vnni256 => x86::vnni256(w, xq, cl, blocks),
-            #[cfg(target_arch = "x86_64")]
-            Dot::AvxVnni256 => x86::avxvnni256(w, xq, cl, blocks),
-            #[cfg(target_arch = "x86_64")]
-            Dot::Maddubs256 => x86::maddubs256(w, xq, cl, blocks),
             #[cfg(target_arch = "aarch64")]
             Dot::NeonSdot => neon::sdot16(w, xq, cl, blocks),
             _ => dot_portable(
@@ -384,10 +374,8 @@ pub fn dot_portable(w: &[u8], xq: &[i8], cl: &[f32], b: usize) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    //! One kernel per instruction choice, generated from one body: per block, load B weight
-    //! bytes, split nibbles (`& 15`, `>> 4 & 15`), per plane two byte dots into fresh i32 lanes,
-    //! convert, and FMA with the lane scales into that plane's f32 total. Two blocks per
-    //! iteration into two sets of totals keep the FMA chains from limiting the loop.
+    //! The fused [`super::rows`] kernels, one per instruction choice, generated from one body
+    //! (`rows_kernel!`) over the vector operations of each width (`width!`).
     use std::arch::x86_64::*;
 
     use super::{Planes, Rows, PLANES, SHIFT, UNIT};
@@ -399,52 +387,6 @@ mod x86 {
     /// Measured on 2 quiet Xeon cores, a 9 MB matrix from DRAM: none 9.4 GB/s, 2 KiB 14.3,
     /// 4 KiB 13.8, 8 KiB 13.2 (read bandwidth 24 GB/s).
     const PREFETCH: usize = 2048;
-
-    macro_rules! kernel {
-        ($name:ident, $feat:literal, $b:literal, $vi:ty, $vf:ty,
-         load = $load:ident, loadf = $loadf:ident, set1 = $set1:ident, and = $and:ident, srli = $srli:ident,
-         slli32 = $slli32:ident, shift = $sh:expr, zero = $zero:ident, zerof = $zerof:ident, cvt = $cvt:ident, fma = $fma:ident,
-         add = $add:ident, hsum = $hsum:path, dot2 = $dot2:ident) => {
-            #[target_feature(enable = $feat)]
-            pub unsafe fn $name(w: *const u8, xq: *const i8, cl: *const f32, blocks: usize) -> f32 {
-                #[target_feature(enable = $feat)]
-                #[inline]
-                unsafe fn block(w: *const u8, xq: *const i8, cl: *const f32, i: usize, t: $vf) -> $vf {
-                    unsafe {
-                        let m = $set1(15);
-                        _mm_prefetch::<_MM_HINT_T0>(w.add(i * $b + PREFETCH) as *const i8);
-                        let v = $load(w.add(i * $b) as *const $vi);
-                        let lo = $and(v, m);
-                        let hi = $and($srli::<4>(v), m);
-                        let x = xq.add(i * 2 * $b * PLANES);
-                        let mut acc = $zero();
-                        for p in 0..PLANES {
-                            if p > 0 {
-                                acc = $slli32::<{ $sh }>(acc);
-                            }
-                            let xe = $load(x.add(p * 2 * $b) as *const $vi);
-                            let xo = $load(x.add(p * 2 * $b + $b) as *const $vi);
-                            acc = $dot2(acc, lo, xe, hi, xo);
-                        }
-                        $fma($cvt(acc), $loadf(cl.add(i * $b / 4)), t)
-                    }
-                }
-                unsafe {
-                    let (mut t0, mut t1) = ($zerof(), $zerof());
-                    let mut i = 0;
-                    while i + 2 <= blocks {
-                        t0 = block(w, xq, cl, i, t0);
-                        t1 = block(w, xq, cl, i + 1, t1);
-                        i += 2;
-                    }
-                    if i < blocks {
-                        t0 = block(w, xq, cl, i, t0);
-                    }
-                    $hsum($add(t0, t1)) / UNIT
-                }
-            }
-        };
-    }
 
     // The pair of byte dots acc + lo.xe + hi.xo, per instruction choice.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
@@ -482,58 +424,6 @@ mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
-
-    // The intrinsics of each vector width, once; then one line per instruction choice.
-    macro_rules! kernel512 {
-        ($name:ident, $feat:literal, $dot2:ident) => {
-            kernel!(
-                $name,
-                $feat,
-                64,
-                __m512i,
-                __m512,
-                load = _mm512_loadu_si512,
-                loadf = _mm512_loadu_ps,
-                set1 = _mm512_set1_epi8,
-                and = _mm512_and_si512,
-                srli = _mm512_srli_epi16,
-                slli32 = _mm512_slli_epi32,
-                shift = SHIFT as u32,
-                zero = _mm512_setzero_si512,
-                zerof = _mm512_setzero_ps,
-                cvt = _mm512_cvtepi32_ps,
-                fma = _mm512_fmadd_ps,
-                add = _mm512_add_ps,
-                hsum = _mm512_reduce_add_ps,
-                dot2 = $dot2
-            );
-        };
-    }
-    macro_rules! kernel256 {
-        ($name:ident, $feat:literal, $dot2:ident) => {
-            kernel!(
-                $name,
-                $feat,
-                32,
-                __m256i,
-                __m256,
-                load = _mm256_loadu_si256,
-                loadf = _mm256_loadu_ps,
-                set1 = _mm256_set1_epi8,
-                and = _mm256_and_si256,
-                srli = _mm256_srli_epi16,
-                slli32 = _mm256_slli_epi32,
-                shift = SHIFT,
-                zero = _mm256_setzero_si256,
-                zerof = _mm256_setzero_ps,
-                cvt = _mm256_cvtepi32_ps,
-                fma = _mm256_fmadd_ps,
-                add = _mm256_add_ps,
-                hsum = hsum256,
-                dot2 = $dot2
-            );
-        };
     }
 
     /// The vector operations of [`rows_kernel`] for one register width, under the same names.
@@ -819,12 +709,6 @@ mod x86 {
     );
     rows_kernel!(rows_avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2);
     rows_kernel!(rows_maddubs256, "avx2,fma,f16c", w256, maddubs256_2);
-
-    kernel512!(vnni512, "avx512f,avx512bw,avx512vnni", vnni512_2);
-    kernel512!(maddubs512, "avx512f,avx512bw", maddubs512_2);
-    kernel256!(vnni256, "avx2,fma,avx512f,avx512vl,avx512vnni", vnni256_2);
-    kernel256!(avxvnni256, "avx2,fma,avxvnni", avxvnni256_2);
-    kernel256!(maddubs256, "avx2,fma", maddubs256_2);
 }
 
 #[cfg(target_arch = "aarch64")]
