@@ -1,7 +1,8 @@
 //! GEMV / GEMM throughput of the CPU kernels at the real Qwen3.6-35B-A3B shapes (architecture.md
 //! §13), 4-bit group-64 with bf16 scales as in the MLX checkpoints, next to this machine's
 //! measured read bandwidth and f32 FMA peak. A plain binary (`harness = false`) so it needs no
-//! extra dependency: `cargo bench -p lily-core --bench gemv [-- --isa avx2|portable] [--quick]`.
+//! extra dependency: `cargo bench -p lily-core --bench gemv [-- --isa avx2|portable] [--quick] [--only TEXT]`
+//! (`--only`: just the cases whose name contains TEXT).
 //! Each figure is the median of several runs (the machine may be shared).
 
 use std::time::Instant;
@@ -206,6 +207,12 @@ fn main() {
 fn bench() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let run = |name: &str| only.as_deref().is_none_or(|o| name.contains(o));
     let isa = match args
         .iter()
         .position(|a| a == "--isa")
@@ -236,7 +243,7 @@ fn bench() {
     ];
     println!("\nGEMV (decode, 1 token)                      GB/s   of read BW");
     for (name, e, n, k, f) in &cases {
-        if quick && *n > 100_000 {
+        if quick && *n > 100_000 || !run(name) {
             continue;
         }
         // Enough copies (as experts) to span 1 GiB, used in turn: this machine's L3 is large
@@ -260,6 +267,9 @@ fn bench() {
         ("in-cache 2048->512 q4 (compute bound)", q4),
         ("in-cache 2048->512 q8 (compute bound)", q8),
     ] {
+        if !run(name) {
+            continue;
+        }
         let m = matrix(1, 512, 2048, f);
         let x: Vec<f32> = (0..2048).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut out = vec![0f32; 512];
@@ -269,7 +279,7 @@ fn bench() {
     }
 
     // MoE decode: 8 of 256 experts, gate + up [512, 2048] and down [2048, 512], as the kernel runs.
-    {
+    if run("MoE 8 experts 2048->512x2->2048 q4") {
         use lily_core::backend::{cpu::kernels, params::MoeParams};
         let (e_n, inter, d) = (256, 512, 2048);
         let (g, u, dn) = (
@@ -303,6 +313,9 @@ fn bench() {
         ("in_proj_qkv 2048->8192 q4", 8192, 2048, 256),
         ("out_proj 4096->2048 q4", 2048, 4096, 256),
     ] {
+        if !run(name) {
+            continue;
+        }
         let m = matrix(1, n, k, q4);
         let x: Vec<f32> = (0..t * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut out = vec![0f32; t * n];
@@ -313,7 +326,7 @@ fn bench() {
 
     // MoE prefill: 1024 tokens (the CPU's prefill chunk), each to 8 of 256 experts (~32 tokens per
     // expert), gate + up [512, 2048] and down [2048, 512] per expert.
-    {
+    if run("MoE top-8 of 256, 2048->512x2->2048 q4") {
         use lily_core::backend::{cpu::kernels, params::MoeParams};
         let (e_n, inter, d, t) = (256, 512, 2048, if quick { 256 } else { 1024 });
         let (g, u, dn) = (
