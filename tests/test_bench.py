@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
 from lily import bench, synth
 
+REAL_CONFIG = Path(os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6")) / "config.json"
 
-def header_only_checkpoint(folder: Path, **kw) -> Path:
+
+def header_only_checkpoint(folder: Path, config=None, **kw) -> Path:
     """The full-size checkpoint's files with headers only (sparse: no disk used for the data)."""
-    cfg = synth.apply_overrides(synth.load_config(None), **kw)
+    cfg = synth.apply_overrides(synth.load_config(config), **kw)
     tensors, q = synth.plan(cfg)
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(synth._mlx_config(cfg, q, None)))
@@ -30,6 +34,87 @@ def test_bytes_per_token_of_the_real_checkpoint(tmp_path):
     assert bench.bytes_per_decoded_token(bm, 4096, 63) == bm["weights"] + bm["state"] + 20 * 1024 * 4128
 
 
+def matmul_elements(heads: dict, quant: dict, prefix: str) -> int:
+    """Weight-matrix elements of the tensors under ``prefix``, counted from the safetensors headers alone:
+    MLX-quantized uint32 weights hold rows * scales columns * group size elements; conv1d is depthwise, not a
+    matrix; 1-D tensors (norms, A_log, dt_bias) are no matrices."""
+    n = 0
+    for name, (dtype, shape, _) in heads.items():
+        if not name.startswith(prefix) or not name.endswith(".weight") or len(shape) < 2 or ".conv1d." in name:
+            continue
+        module = name[: -len(".weight")]
+        if module + ".scales" in heads:
+            assert dtype == "U32", name
+            gs = (quant.get(module) or {}).get("group_size", quant["group_size"])
+            n += math.prod(heads[module + ".scales"][1]) * gs
+        else:
+            n += math.prod(shape)
+    return n
+
+
+def test_prefill_flops_match_the_checkpoint_tensors(tmp_path):
+    """Matmul FLOPs of the formula (from config.json dims) against 2 x the weight elements of one layer of each
+    kind, one MoE block with top-k of its experts and the lm_head, counted from a full-size checkpoint's headers."""
+    cfg = json.loads(REAL_CONFIG.read_text())
+    folder = header_only_checkpoint(tmp_path / "full", config=str(REAL_CONFIG))
+    heads = bench.read_headers(folder)
+    ckpt_cfg = json.loads((folder / "config.json").read_text())
+    quant = ckpt_cfg["quantization"]
+    assert quant["language_model.model.layers.0.mlp.gate"]["bits"] == 8  # the per-module override path is used
+    t = cfg["text_config"]
+    kinds = t["layer_types"]
+    lin, full = kinds.index("linear_attention"), kinds.index("full_attention")
+    pre = "language_model.model.layers."
+    lin_el = matmul_elements(heads, quant, f"{pre}{lin}.linear_attn.")
+    full_el = matmul_elements(heads, quant, f"{pre}{full}.self_attn.")
+    E, k = t["num_experts"], t["num_experts_per_tok"]
+    experts = matmul_elements(heads, quant, f"{pre}{lin}.mlp.switch_mlp.")
+    assert experts % E == 0
+    moe_el = matmul_elements(heads, quant, f"{pre}{lin}.mlp.") - experts + k * (experts // E)
+    assert matmul_elements(heads, quant, f"{pre}{full}.mlp.") == matmul_elements(heads, quant, f"{pre}{lin}.mlp.")
+    head_el = matmul_elements(heads, quant, "language_model.lm_head.")
+    for prompt in (1, 256, 4096):
+        f = bench.prefill_flops_per_token(cfg, prompt)
+        assert f["matmul_linear_layer"] == 2 * lin_el == 2 * 33_685_504  # architecture.md §10: projections
+        assert f["matmul_full_attention_layer"] == 2 * full_el == 2 * (27_263_488 - 512)  # less q/k norms
+        assert f["matmul_moe_layer"] == 2 * moe_el
+        assert f["matmul_lm_head"] == 2 * head_el / prompt
+        assert (f["linear_layers"], f["full_attention_layers"]) == (kinds.count("linear_attention"), 10)
+        total = 30 * 2 * lin_el + 10 * 2 * full_el + 40 * 2 * moe_el + 2 * head_el / prompt
+        assert f["matmul"] == pytest.approx(total, rel=1e-12)
+        assert f["attention"] == pytest.approx(10 * 4 * 16 * 256 * (prompt + 1) / 2)
+        assert f["delta_net"] == 30 * 7 * 32 * 128 * 128
+        assert f["conv"] == 30 * 2 * 4 * 8192
+        assert f["total"] == pytest.approx(f["matmul"] + f["attention"] + f["delta_net"] + f["conv"])
+    # §10 "active per token" 2,946,431,616 params, less those that are no matrices (norms, conv, A_log, dt_bias,
+    # the embedding row): at prompt 1 every matrix is used once per token
+    not_matrices = 10 * 2 * 256 + 30 * (8192 * 4 + 32 + 32 + 128) + 40 * 2 * 2048 + 2048 + 2048
+    assert bench.prefill_flops_per_token(cfg, 1)["matmul"] == 2 * (2_946_431_616 - not_matrices)
+
+
+def test_prefill_flops_follow_the_config():
+    """The layer-kind rule without layer_types, no shared expert, no output gate."""
+    cfg = json.loads(REAL_CONFIG.read_text())
+    t = cfg["text_config"]
+    del t["layer_types"]
+    t["num_hidden_layers"], t["full_attention_interval"] = 6, 3
+    base = bench.prefill_flops_per_token(cfg, 64)
+    assert (base["linear_layers"], base["full_attention_layers"]) == (4, 2)
+    t["shared_expert_intermediate_size"] = 0
+    t["attn_output_gate"] = False
+    f = bench.prefill_flops_per_token(cfg, 64)
+    assert base["matmul_moe_layer"] - f["matmul_moe_layer"] == 2 * (3 * 2048 * 512 + 2048)
+    assert base["matmul_full_attention_layer"] - f["matmul_full_attention_layer"] == 2 * 2048 * 16 * 256
+
+
+def test_peak_flops_is_measured():
+    for method in ("numpy", "mlx"):
+        pk = bench.measure_peak_flops(method, repeats=2, n=256)
+        assert math.isfinite(pk["peak_gflops"]) and pk["peak_gflops"] > 0.01, pk
+        assert pk["peak_method"].startswith(f"{method} f32 matmul 256^2")
+    assert f"{bench.usable_cpus()} cpus" in bench.measure_peak_flops("numpy", repeats=1, n=64)["peak_method"]
+
+
 def test_lengths_and_fit():
     assert bench.parse_lengths("256, 1K,4k") == [256, 1024, 4096]
     with pytest.raises(bench.BenchError):
@@ -46,6 +131,7 @@ def test_bandwidth_is_measured():
 
 
 def check_records(data, lengths, compare=False):
+    cfg = json.loads((Path(data["meta"]["model"]) / "config.json").read_text())
     recs = data["records"]
     assert [r["prompt_tokens"] for r in recs] == lengths
     for r in recs:
@@ -54,9 +140,27 @@ def check_records(data, lengths, compare=False):
                   "peak_memory_bytes"):
             assert r[k] > 0, k
         assert len(r["decode_tok_s_rounds"]) == 2 and "decode_drift" in r
+        for d in [r] + ([r["mlx_lm"]] if compare else []):
+            assert d["prefill_flops_per_token"] == bench.prefill_flops_per_token(cfg, r["prompt_tokens"])["total"]
+            assert d["prefill_gflops"] == pytest.approx(d["prefill_tok_s"] * d["prefill_flops_per_token"] / 1e9)
+            assert d["peak_gflops"] == data["meta"]["peak_gflops"] > 0
+            assert 0 < d["prefill_peak_fraction"] < 1.5
+            assert d["prefill_peak_fraction"] == pytest.approx(d["prefill_gflops"] / d["peak_gflops"])
         if compare:
             assert r["mlx_lm"]["decode_tok_s"] > 0 and r["decode_ratio"] > 0
     assert data["meta"]["machine"]["cpu_count"] >= 1
+    assert data["meta"]["peak_method"].startswith("numpy f32 matmul")
+
+
+def check_table(out: str):
+    lines = out.splitlines()
+    head = next(line for line in lines if "prefill tok/s" in line).split("  ")
+    cols = [c.strip() for c in head if c.strip()]
+    assert cols[cols.index("prefill tok/s") + 1] == "of peak"
+    assert cols.index("of read BW") < cols.index("of copy BW")
+    foot = next(line for line in lines if "memory bandwidth" in line)
+    assert foot.index("GB/s read") < foot.index("GB/s copy") < foot.index("f32 matmul peak")
+    assert "GFLOP/s (numpy f32 matmul 2048^2," in foot
 
 
 def test_bench_protocol_with_mlx_lm(tiny_synth, tmp_path, capsys):
@@ -65,7 +169,8 @@ def test_bench_protocol_with_mlx_lm(tiny_synth, tmp_path, capsys):
                      "--decode-steps", "4", "--json", str(js), "--bandwidth-mib", "64", "--same-process"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "prefill tok/s" in out and "memory bandwidth" in out
+    assert "prefill tok/s" in out and "memory bandwidth" in out and "of peak" in out
+    check_table(out)
     check_records(json.loads(js.read_text()), [32, 64])
 
 
@@ -78,12 +183,13 @@ def test_plot(tiny_synth, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_lily_compare_mlx_lm(tiny_synth, tmp_path):
+def test_bench_lily_compare_mlx_lm(tiny_synth, tmp_path, capsys):
     js = tmp_path / "b.json"
     rc = bench.main([str(tiny_synth), "--backend", "cpu", "--lengths", "32,128", "--decode-steps", "8",
                      "--json", str(js), "--compare", "mlx-lm", "--mlx-dtype", "float32", "--bandwidth-mib", "64",
                      "-q"])
     assert rc == 0
+    check_table(capsys.readouterr().out)
     data = json.loads(js.read_text())
     check_records(data, [32, 128], compare=True)
     assert data["meta"]["backend"] and data["meta"]["engine"] == "lily"

@@ -11,6 +11,11 @@ experts, of which top-k of E, plus one embedding row; DeltaNet state read + writ
 context of the decode window), the effective bandwidth that implies, and the machine's memory bandwidth
 measured in the same run (multi-threaded numpy copy; an MLX GPU copy for the Metal backend).
 
+Next to prefill: the FLOPs one prompt token costs (from config.json's dims: every weight matrix the token passes
+through, top-k of the routed experts, the lm_head once per prompt; causal attention at the mean context; the
+DeltaNet recurrence and its conv), the GFLOP/s that implies, and the fraction of the machine's f32 matmul peak,
+measured in the same run (numpy matmul; an MLX matmul for the Metal backend).
+
 ``--compare mlx-lm`` runs MLX-LM's own generation path (``mlx_lm.generate.generate_step``) on the same
 checkpoint in a separate process with the same protocol and prints the ratio per length.
 """
@@ -90,6 +95,15 @@ def read_headers(model: Path) -> dict:
     return out
 
 
+def layer_kinds(t: dict) -> list[str]:
+    """Layer kinds ("full_attention" / "linear_attention") of the text config: ``layer_types`` if present, else
+    every ``full_attention_interval``-th layer is full attention."""
+    L = int(t["num_hidden_layers"])
+    interval = int(t.get("full_attention_interval", 4))
+    kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
+    return list((t.get("layer_types") or kinds)[:L])
+
+
 def decode_bytes_model(model: Path, cfg: dict | None = None) -> dict:
     """Bytes touched per decoded token: {"weights", "state", "kv_per_context_token", ...}."""
     cfg = cfg or read_config(model)
@@ -98,10 +112,7 @@ def decode_bytes_model(model: Path, cfg: dict | None = None) -> dict:
     E, k = int(t["num_experts"]), int(t["num_experts_per_tok"])
     V = int(t["vocab_size"])
     L = int(t["num_hidden_layers"])
-    interval = int(t.get("full_attention_interval", 4))
-    lt = t.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                  for i in range(L)]
-    lt = lt[:L]
+    lt = layer_kinds(t)
     n_full = sum(1 for x in lt if x == "full_attention")
     n_lin = L - n_full
     w_all = w_dense = w_expert = w_embed = 0
@@ -130,6 +141,66 @@ def decode_bytes_model(model: Path, cfg: dict | None = None) -> dict:
 def bytes_per_decoded_token(bm: dict, prompt: int, steps: int) -> float:
     ctx = prompt + (steps + 1) / 2.0  # mean context length seen by the decode window
     return bm["weights"] + bm["state"] + bm["kv_per_context_token"] * ctx
+
+
+def prefill_flops_per_token(cfg: dict, prompt: int) -> dict:
+    """FLOPs one prompt token costs in a prefill of ``prompt`` tokens from an empty cache (architecture.md
+    §5-§8, §13), from the config's dims. A multiply-add is 2 FLOPs. Not counted: norms, RoPE, activations,
+    softmaxes, the router's top-k (O(hidden) per token, well under 1 %).
+
+    - ``matmul``: every weight matrix a token passes through: per DeltaNet layer in_proj_qkv/z/b/a and out_proj;
+      per full-attention layer q_proj (query + output gate), k_proj, v_proj, o_proj; per layer the router, top-k
+      routed experts (gate, up, down), the shared expert and its gate; the lm_head once per prompt (prefill
+      returns the last token's logits), i.e. hidden * vocab * 2 / prompt per token.
+    - ``attention``: causal scores q.k and weighted values p.v of the full-attention layers at the mean
+      context (prompt + 1) / 2.
+    - ``delta_net``: the recurrence of the DeltaNet layers, counted in its recurrent (step) form: per value head
+      decay (Dk*Dv), read S^T k (2*Dk*Dv), rank-1 write (2*Dk*Dv), output read S^T q (2*Dk*Dv) = 7*Dk*Dv.
+      A chunked prefill does other arithmetic (matmuls over chunks of tokens) for the same result.
+    - ``conv``: the DeltaNet depthwise causal conv1d (kernel taps per channel of in_proj_qkv's output).
+    The ``matmul_*`` entries are the per-layer terms (``matmul_lm_head`` per token at this prompt length)."""
+    t = text_config(cfg)
+    prompt = max(1, int(prompt))
+    D, V = int(t["hidden_size"]), int(t["vocab_size"])
+    lt = layer_kinds(t)
+    n_full = sum(1 for x in lt if x == "full_attention")
+    n_lin = len(lt) - n_full
+    # Gated DeltaNet (§6): Hk q/k heads of Dk, Hv value heads of Dv
+    Hk, Hv = int(t["linear_num_key_heads"]), int(t["linear_num_value_heads"])
+    Dk, Dv = int(t["linear_key_head_dim"]), int(t["linear_value_head_dim"])
+    C = 2 * Hk * Dk + Hv * Dv  # in_proj_qkv out = conv channels
+    lin = 2 * (D * C + D * Hv * Dv + 2 * D * Hv + Hv * Dv * D)  # qkv, z, b + a, out_proj
+    conv = 2 * int(t.get("linear_conv_kernel_dim", 4)) * C
+    rec = 7 * Hv * Dk * Dv
+    # gated full attention (§5): q_proj carries the query and its output gate
+    H, Hkv = int(t["num_attention_heads"]), int(t["num_key_value_heads"])
+    hd = int(t.get("head_dim") or D // H)
+    q_out = H * hd * (2 if t.get("attn_output_gate", True) else 1)
+    full = 2 * (D * q_out + 2 * D * Hkv * hd + H * hd * D)  # q, k + v, o_proj
+    ctx = (prompt + 1) / 2.0  # token i of the prompt attends to i + 1 positions
+    attn = 4 * H * hd * ctx  # q.k and p.v, 2 FLOPs per multiply-add each
+    # MoE (§7), every layer
+    E, k, Im = int(t["num_experts"]), int(t["num_experts_per_tok"]), int(t["moe_intermediate_size"])
+    Is = int(t.get("shared_expert_intermediate_size") or 0)
+    moe = 2 * (D * E + k * 3 * D * Im)  # router; gate + up + down of top-k experts
+    if Is:
+        moe += 2 * (3 * D * Is + D)  # shared expert gate + up + down; shared_expert_gate [hidden -> 1]
+    head = 2 * D * V / prompt
+    matmul = n_lin * lin + n_full * full + len(lt) * moe + head
+    out = {
+        "matmul": matmul,
+        "attention": n_full * attn,
+        "delta_net": n_lin * rec,
+        "conv": n_lin * conv,
+        "matmul_linear_layer": lin,
+        "matmul_full_attention_layer": full,
+        "matmul_moe_layer": moe,
+        "matmul_lm_head": head,
+        "linear_layers": n_lin,
+        "full_attention_layers": n_full,
+    }
+    out["total"] = out["matmul"] + out["attention"] + out["delta_net"] + out["conv"]
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,6 +311,37 @@ def measure_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5, method: str =
         t_copy, t_read = best_of(copy), best_of(read)
     return {"memory_bandwidth_gbps": 2 * n * 8 / t_copy / 1e9, "read_bandwidth_gbps": n * 8 / t_read / 1e9,
             "bandwidth_method": f"numpy copy / byte max {size_bytes >> 20} MiB, {threads} threads"}
+
+
+def measure_peak_flops(method: str = "numpy", repeats: int = 5, n: int = 2048) -> dict:
+    """The machine's f32 matmul rate in GFLOP/s (2 n^3 FLOPs per n x n product), best of ``repeats`` after a
+    warm-up: numpy's BLAS with its own threads, or (method "mlx") an MLX matmul on its default device."""
+    if method == "mlx":
+        import mlx.core as mx
+
+        a = mx.random.normal((n, n), dtype=mx.float32)
+        b = mx.random.normal((n, n), dtype=mx.float32)
+        mx.eval(a, b)
+        mx.eval(a @ b)  # warm-up (kernel build, allocation)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval(a @ b)
+            best = min(best, time.perf_counter() - t0)
+        where = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    else:
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        c = np.empty((n, n), dtype=np.float32)
+        np.matmul(a, b, out=c)  # warm-up (BLAS threads)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.matmul(a, b, out=c)
+            best = min(best, time.perf_counter() - t0)
+        where = f"{usable_cpus()} cpus"
+    return {"peak_gflops": 2 * n**3 / best / 1e9, "peak_method": f"{method} f32 matmul {n}^2, {where}"}
 
 
 def peak_rss_bytes() -> int:
@@ -452,7 +554,17 @@ def _drift(xs):
     return (max(xs) - min(xs)) / m if m else 0.0
 
 
-def summarize(raw: dict, lengths: list[int], bm: dict, bw: dict, steps: int, engines: list[str]) -> list[dict]:
+def summarize(
+    raw: dict,
+    lengths: list[int],
+    bm: dict,
+    bw: dict,
+    steps: int,
+    engines: list[str],
+    flops: dict | None = None,
+    peak: dict | None = None,
+) -> list[dict]:
+    """One record per length; ``flops`` = {length: prefill FLOPs per token}, ``peak`` = measure_peak_flops()."""
     records = []
     for length in lengths:
         rec: dict = {"prompt_tokens": length}
@@ -476,6 +588,12 @@ def summarize(raw: dict, lengths: list[int], bm: dict, bw: dict, steps: int, eng
             d["decode_bandwidth_fraction"] = d["decode_effective_gbps"] / bw["memory_bandwidth_gbps"]
             d["read_bandwidth_gbps"] = bw["read_bandwidth_gbps"]
             d["decode_read_bandwidth_fraction"] = d["decode_effective_gbps"] / bw["read_bandwidth_gbps"]
+            if flops and length in flops:
+                d["prefill_flops_per_token"] = flops[length]
+                d["prefill_gflops"] = d["prefill_tok_s"] * flops[length] / 1e9
+                if peak:
+                    d["peak_gflops"] = peak["peak_gflops"]
+                    d["prefill_peak_fraction"] = d["prefill_gflops"] / peak["peak_gflops"]
             if eng == engines[0]:
                 rec.update(d)
                 rec["engine"] = eng
@@ -495,18 +613,19 @@ def _fmt(x, spec=",.1f"):
 
 def format_table(records: list[dict], meta: dict) -> str:
     cmp_key = "mlx_lm" if any("mlx_lm" in r for r in records) else None
-    head = ["prompt", "prefill tok/s", "decode tok/s", "drift", "MB/token", "eff GB/s", "of copy BW", "of read BW",
-            "peak mem"]
+    head = ["prompt", "prefill tok/s", "of peak", "decode tok/s", "drift", "MB/token", "eff GB/s", "of read BW",
+            "of copy BW", "peak mem"]
     if cmp_key:
         head += ["mlx-lm prefill", "mlx-lm decode", "prefill x", "decode x"]
     rows = [head]
     for r in records:
         drift = max(r.get("prefill_drift", 0.0), r.get("decode_drift", 0.0))
-        row = [str(r["prompt_tokens"]), _fmt(r.get("prefill_tok_s")), _fmt(r.get("decode_tok_s"), ",.2f"),
-               f"{drift * 100:.1f}%" + ("" if r.get("drift_ok", True) else " !"),
+        row = [str(r["prompt_tokens"]), _fmt(r.get("prefill_tok_s")),
+               _fmt(100 * r.get("prefill_peak_fraction", float("nan")), ".0f") + "%",
+               _fmt(r.get("decode_tok_s"), ",.2f"), f"{drift * 100:.1f}%" + ("" if r.get("drift_ok", True) else " !"),
                _fmt(r.get("decode_bytes_per_token", 0) / 1e6, ",.0f"), _fmt(r.get("decode_effective_gbps"), ".2f"),
-               _fmt(100 * r.get("decode_bandwidth_fraction", float("nan")), ".0f") + "%",
                _fmt(100 * r.get("decode_read_bandwidth_fraction", float("nan")), ".0f") + "%",
+               _fmt(100 * r.get("decode_bandwidth_fraction", float("nan")), ".0f") + "%",
                _fmt((r.get("peak_memory_bytes") or float("nan")) / 1e9, ".2f") + " GB"]
         if "error" in r:
             row[1] = "error"
@@ -520,8 +639,9 @@ def format_table(records: list[dict], meta: dict) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     m = meta
     foot = (f"engine {m['engine']} backend {m.get('backend')}; {m['machine']['cpu']} ({m['machine']['cpu_count']} "
-            f"cores); memory bandwidth {m['memory_bandwidth_gbps']:.1f} GB/s copy, "
-            f"{m.get('read_bandwidth_gbps', float('nan')):.1f} GB/s read ({m['bandwidth_method']}); "
+            f"cores); memory bandwidth {m.get('read_bandwidth_gbps', float('nan')):.1f} GB/s read (a decode step is "
+            f"a read stream), {m['memory_bandwidth_gbps']:.1f} GB/s copy (read + write), by {m['bandwidth_method']}; "
+            f"f32 matmul peak {m.get('peak_gflops', float('nan')):,.0f} GFLOP/s ({m.get('peak_method')}); "
             f"{m['decode_steps']} decode steps; drift = max spread of the {m['rounds']} rounds"
             + (" (! = 3 % or more)" if any(not r.get("drift_ok", True) for r in records) else ""))
     return "\n".join(lines) + "\n" + foot
@@ -577,9 +697,11 @@ def bench(args) -> int:
     if method == "auto":
         method = "mlx" if args.backend == "metal" else "numpy"
     bw = measure_bandwidth(int(args.bandwidth_mib) << 20, method=method)
+    peak = measure_peak_flops(method)
     if not args.quiet:
-        print(f"lily bench: memory bandwidth {bw['memory_bandwidth_gbps']:.1f} GB/s copy, "
-              f"{bw['read_bandwidth_gbps']:.1f} GB/s read ({bw['bandwidth_method']})", file=sys.stderr)
+        print(f"lily bench: memory bandwidth {bw['read_bandwidth_gbps']:.1f} GB/s read, "
+              f"{bw['memory_bandwidth_gbps']:.1f} GB/s copy ({bw['bandwidth_method']}); f32 matmul peak "
+              f"{peak['peak_gflops']:,.0f} GFLOP/s ({peak['peak_method']})", file=sys.stderr)
 
     from lily.synth import Progress
 
@@ -609,7 +731,8 @@ def bench(args) -> int:
                         backend_seen = r["backend"]
                 prog.update(1, note=f"round {rnd + 1} {eng} {','.join(map(str, group))[:30]}")
     prog.close()
-    records = summarize(raw, keep, bm, bw, steps, engines)
+    flops = {x: prefill_flops_per_token(cfg, x)["total"] for x in keep}
+    records = summarize(raw, keep, bm, bw, steps, engines, flops, peak)
     meta = {"model": str(model.resolve()), "engine": args.engine, "backend": backend_seen or args.backend,
             "machine": machine_info(), "decode_steps": steps, "warmup_steps": args.warmup_steps,
             "rounds": args.rounds, "fresh_process_per_measurement": per_proc,
@@ -617,7 +740,7 @@ def bench(args) -> int:
             "bytes_model": bm, "config": {k: t.get(k) for k in ("num_hidden_layers", "hidden_size", "num_experts",
                                                                  "num_experts_per_tok", "vocab_size")},
             "quantization": {k: v for k, v in (cfg.get("quantization") or {}).items() if not isinstance(v, dict)},
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **bw}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **bw, **peak}
     print(format_table(records, meta))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
