@@ -31,14 +31,14 @@ fn activations(cols: usize, seed: u64) -> Vec<f32> {
     x
 }
 
-/// Element i of x rebuilt from the planes of `dot`'s layout: d_g (q0 + q1 / 128 + q2 / 128^2).
+/// Element i of x rebuilt from the planes of `dot`'s layout: d_g (q0 + q1 / 256 + q2 / 256^2).
 fn rebuilt(dot: Dot, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
     let b = dot.block();
     let (blk, k) = (i / (2 * b), i % (2 * b));
     let pos = blk * 2 * b * PLANES + (k % 2) * b + k / 2;
     let mut v = 0f64;
     for p in 0..PLANES {
-        v += xq[pos + p * 2 * b] as f64 / 128f64.powi(p as i32);
+        v += xq[pos + p * 2 * b] as f64 / 256f64.powi(p as i32);
     }
     (v * dx[i / group] as f64) as f32
 }
@@ -55,7 +55,7 @@ fn planes_rebuild_x_within_their_bound() {
                 let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
                 assert!((dx[g] - amax / 127.0).abs() <= 1e-7 * amax, "{dot:?} step of group {g}");
                 // Half a step of the last plane, plus f32 rounding of the rebuilt value.
-                let bound = amax / (127.0 * 2.0 * 128f32.powi(PLANES as i32 - 1)) + 2e-7 * amax;
+                let bound = amax / (127.0 * 2.0 * 256f32.powi(PLANES as i32 - 1)) + 1.2e-7 * amax;
                 for (j, &v) in xg.iter().enumerate() {
                     let i = g * group + j;
                     let err = (rebuilt(dot, &xq, &dx, group, i) - v).abs();
@@ -233,5 +233,34 @@ fn fused_rows_cover_the_mlx_shapes_on_x86() {
             assert_eq!(dot.fused_rows(group, DType::BF16), x86, "{dot:?} group {group}");
         }
         assert!(!dot.fused_rows(256, DType::BF16));
+    }
+}
+
+#[test]
+fn half_step_residuals_carry_into_the_plane_before() {
+    // d = 1 (the group's max is 127); values whose residuals sit exactly half a step up, at
+    // plane 0 (k + 1/2) and at plane 1 (k + 127.5/256: plane 1 rounds to 128 and must carry).
+    let specials = [
+        3.5,
+        -2.5,
+        0.5,
+        7.0 + 127.5 / 256.0,
+        -(7.0 + 127.5 / 256.0),
+        10.0 + 0.5 / 256.0,
+    ];
+    for dot in Dot::all_available() {
+        let b = dot.block();
+        let cols = 2 * b.max(64);
+        let mut x = vec![0f32; cols];
+        x[0] = 127.0;
+        x[1..1 + specials.len()].copy_from_slice(&specials);
+        let (mut dx, mut xq) = (vec![0f32; cols / 64], vec![0i8; PLANES * cols]);
+        int8::quantize(Isa::get(), dot, &x, 64, &mut dx, &mut xq);
+        assert_eq!(dx[0], 1.0);
+        for (i, &v) in x.iter().enumerate().take(64) {
+            // Every value here is exact in three planes of 256x steps.
+            assert_eq!(rebuilt(dot, &xq, &dx, 64, i), v, "{dot:?} element {i}");
+        }
+        assert!(xq.contains(&-128), "{dot:?}: no carry taken");
     }
 }

@@ -7,13 +7,14 @@
 //! instruction per 64 (or 32, 16) weights, with the affine group form applied once per lane.
 //!
 //! Precision: x is not rounded to int8 (that would be a bf16-class error). Each group of x is
-//! written as [`PLANES`] int8 planes in fixed point, x ~= d_g (q0 + q1 / 128 + q2 / 128^2), with
-//! d_g = max|x_g| / 127: plane 0 is round(x / d_g), each next plane rounds what is left at 128x
-//! finer steps (a residual is within half a step, so |q1|, |q2| <= 64). The error per element is
-//! at most max|x_g| / (127 * 2 * 128^2) ~= 2.4e-7 max|x_g|: f32-class, so the engine's numbers
-//! stay within the fp32 tolerances of the tests (two planes measured 3e-2 max |dlogit| between
-//! decode and prefill on a tiny model: an expert choice flipped). The bias term of the affine
-//! form, b_g sum_{j in g} x_j, uses the exact f32 group sums.
+//! written as [`PLANES`] int8 planes in fixed point, x ~= d_g (q0 + q1 / 256 + q2 / 256^2), with
+//! d_g = max|x_g| / 127: plane 0 is round(x / d_g), each next plane rounds what is left at 256x
+//! finer steps (a residual is within half a step, so |q1|, |q2| <= 128; a +128 carries into the
+//! plane before as -128, the same value, so every plane fits i8). The error per element is at
+//! most max|x_g| / (127 * 2 * 256^2) ~= 6e-8 max|x_g|, below f32 rounding of x itself, so the
+//! engine's numbers stay within the fp32 tolerances of the tests (two planes measured 3e-2 max
+//! |dlogit| between decode and prefill on a tiny model: an expert choice flipped). The bias term
+//! of the affine form, b_g sum_{j in g} x_j, uses the exact f32 group sums.
 //!
 //! Layouts:
 //! - weights: the packed row as stored (byte j: element 2j in the low nibble, 2j+1 high);
@@ -24,9 +25,9 @@
 //!   elements 8L..8L+7 whatever B is; `cl` [cols / 8] holds s_g d_g per lane (the row's scale
 //!   times x's step; groups are multiples of 8 elements).
 //!
-//! Per lane the planes combine in i32 by shifts: acc = ((a0 << 7) + a1) << 7 + a2, where a_p sums
-//! the lane's 8 code x q_p products (|acc| <= 8 * 15 * (127 * 2^14 + 64 * 2^7 + 64) < 2^31).
-//! Result: sum_L cl[L] acc[L] / 128^2, one convert and one FMA per lane and block.
+//! Per lane the planes combine in i32 by shifts: acc = ((a0 << 8) + a1) << 8 + a2, where a_p sums
+//! the lane's 8 code x q_p products (|acc| <= 8 * 15 * 128 * (2^16 + 2^8 + 1) < 2^31).
+//! Result: sum_L cl[L] acc[L] / 256^2, one convert and one FMA per lane and block.
 
 use super::simd::{multiversion, Isa};
 use crate::{quant::read_scalar, safetensors::DType};
@@ -34,8 +35,8 @@ use crate::{quant::read_scalar, safetensors::DType};
 /// int8 planes per activation element.
 pub const PLANES: usize = 3;
 /// log2 of the step ratio between consecutive planes.
-const SHIFT: i32 = 7;
-/// 128^(PLANES - 1): the weight of plane 0 in the combined lane sum.
+const SHIFT: i32 = 8;
+/// 256^(PLANES - 1): the weight of plane 0 in the combined lane sum.
 const UNIT: f32 = (1u32 << (SHIFT as u32 * (PLANES as u32 - 1))) as f32;
 
 /// The byte dot-product instruction a kernel uses; each has its block width B.
@@ -160,6 +161,7 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
     }
     let run = b.min(group / 2);
     let mut r = [0f32; 64];
+    let mut q = [[0f32; 64]; PLANES];
     for (blk, (xb, ob)) in x
         .chunks_exact(2 * b)
         .zip(xq.chunks_exact_mut(2 * b * PLANES))
@@ -173,18 +175,39 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
                 let step = dx[(blk * 2 * b + 2 * i0) / group];
                 let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
                 let (mut stepp, mut invp) = (step, inv);
-                for p in 0..PLANES {
-                    let o = &mut ob[p * 2 * b + h * b + i0..][..run];
-                    for (oi, ri) in o.iter_mut().zip(r[i0..i0 + run].iter_mut()) {
+                for (p, qp) in q.iter_mut().enumerate() {
+                    let lim = if p == 0 { 127.0 } else { 128.0 };
+                    for (qi, ri) in qp[i0..i0 + run].iter_mut().zip(r[i0..i0 + run].iter_mut()) {
                         // f32::max / min drop a NaN (clamp would keep it), so q is finite and in range.
                         #[allow(clippy::manual_clamp)]
-                        let q = (*ri * invp).round_ties_even().max(-127.0).min(127.0);
-                        // SAFETY: q is a finite integer in [-127, 127].
-                        *oi = unsafe { q.to_int_unchecked::<i32>() } as i8;
-                        *ri -= q * stepp;
+                        let v = (*ri * invp).round_ties_even().max(-lim).min(lim);
+                        *qi = v;
+                        *ri -= v * stepp;
                     }
                     stepp /= (1 << SHIFT) as f32;
                     invp *= (1 << SHIFT) as f32;
+                }
+                // A plane at +128 (its residual was exactly half a step up) becomes -128 and
+                // carries one into the plane before: the same value, in i8 range. Plane 0 cannot
+                // carry past 127 (x <= 127 d_g leaves no positive residual there).
+                for p in (1..PLANES).rev() {
+                    let (before, this) = q.split_at_mut(p);
+                    for (a, b) in before[p - 1][i0..i0 + run]
+                        .iter_mut()
+                        .zip(this[0][i0..i0 + run].iter_mut())
+                    {
+                        let c = if *b >= 128.0 { 1.0 } else { 0.0 };
+                        *b -= 256.0 * c;
+                        *a += c;
+                    }
+                }
+                for (p, qp) in q.iter().enumerate() {
+                    let o = &mut ob[p * 2 * b + h * b + i0..][..run];
+                    for (oi, &v) in o.iter_mut().zip(&qp[i0..i0 + run]) {
+                        // SAFETY: v is a finite integer in [-128, 127] (f32 rounding could only
+                        // push plane 0 to 128; min keeps it in range).
+                        *oi = unsafe { v.min(127.0).to_int_unchecked::<i32>() } as i8;
+                    }
                 }
             }
         }
@@ -667,7 +690,7 @@ mod x86 {
                                 let (lo, hi) = nibbles(load(w.add(blk * B) as *const i8));
                                 let xb = xq.add(blk * 2 * B * PLANES);
                                 // The planes' dots side by side (short dependency chains), then
-                                // ((a0 << 7) + a1) << 7 + a2.
+                                // ((a0 << 8) + a1) << 8 + a2.
                                 let a: [I; PLANES] = std::array::from_fn(|p| {
                                     $dot2(
                                         zero(),
