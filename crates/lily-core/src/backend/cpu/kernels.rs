@@ -325,7 +325,8 @@ multiversion! {
 }
 
 /// One token of value head j: decay, read, delta, write, read out. S is [Dk, Dv], swept twice
-/// (decay + prediction, then rank-1 write + output), both passes over contiguous rows.
+/// over contiguous rows: a read-only pass for the prediction alpha S^T k, then one pass that
+/// writes S = alpha S + k delta^T and reads out S^T q (S is written once per token).
 #[inline(always)]
 fn delta_step_body(
     isa: Isa,
@@ -351,17 +352,16 @@ fn delta_step_body(
     let alpha = g.exp();
     pred.fill(0.0);
     for d in 0..dk {
-        let row = &mut s[d * dv..][..dv];
         let kd = k[d];
-        row.iter_mut().zip(pred.iter_mut()).for_each(|(x, pc)| {
-            *x *= alpha;
-            *pc += *x * kd;
-        });
+        s[d * dv..][..dv]
+            .iter()
+            .zip(pred.iter_mut())
+            .for_each(|(x, pc)| *pc += x * kd);
     }
     delta
         .iter_mut()
         .zip(v.iter().zip(pred.iter()))
-        .for_each(|(dc, (vc, pc))| *dc = beta * (vc - pc));
+        .for_each(|(dc, (vc, pc))| *dc = beta * (vc - alpha * pc));
     outv.fill(0.0);
     for d in 0..dk {
         let row = &mut s[d * dv..][..dv];
@@ -370,7 +370,7 @@ fn delta_step_body(
             .zip(delta.iter())
             .zip(outv.iter_mut())
             .for_each(|((x, dc), oc)| {
-                *x += kd * dc;
+                *x = alpha * *x + kd * dc;
                 *oc += *x * qd;
             });
     }
