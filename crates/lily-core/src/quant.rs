@@ -118,19 +118,13 @@ impl Matrix {
     /// The packed bytes of one stored row, and its scales / biases byte slices.
     #[inline]
     pub fn row_parts(&self, stored: usize) -> (&[u8], &[u8], &[u8]) {
-        let rb = self.row_bytes();
-        let data = &self.data.as_slice()[stored * rb..(stored + 1) * rb];
-        match &self.groups {
-            Some(g) => {
-                let gb = self.groups_per_row() * g.dtype.size();
-                (
-                    data,
-                    &g.scales.as_slice()[stored * gb..(stored + 1) * gb],
-                    &g.biases.as_slice()[stored * gb..(stored + 1) * gb],
-                )
-            }
-            None => (data, &[], &[]),
-        }
+        self.rows_parts(stored, 1)
+    }
+
+    /// The dtype of the affine scales and biases (BF16 where the matrix has none).
+    #[inline]
+    pub fn scale_dtype(&self) -> DType {
+        self.groups.as_ref().map_or(DType::BF16, |g| g.dtype)
     }
 
     /// Reference dequantization of row `r` of expert `e` into `out[..cols]`, element by element.
@@ -141,7 +135,7 @@ impl Matrix {
             Format::F16 => (0..self.cols).for_each(|j| out[j] = read_scalar(DType::F16, data, j)),
             Format::BF16 => (0..self.cols).for_each(|j| out[j] = read_scalar(DType::BF16, data, j)),
             Format::Affine { bits, group } => {
-                let sd = self.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+                let sd = self.scale_dtype();
                 let mask = (1u32 << bits) - 1;
                 for j in 0..self.cols {
                     let bit = j * bits as usize;

@@ -1,7 +1,7 @@
 //! Matrix products with in-kernel dequantization, and the per-thread scratch they use.
 //!
 //! - [`gemv`] (decode, one activation row): each weight row is dotted straight from its packed
-//!   bytes ([`simd::row_dot`]), so every weight byte is read once; rows are split into a few
+//!   bytes ([`simd::rows_dot`]), so every weight byte is read once; rows are split into a few
 //!   contiguous ranges per pool thread so both cores stream memory.
 //! - [`gemm_rows`] (prefill, many activation rows): a block of [`TILE_ROWS`] weight rows is
 //!   dequantized once into an f32 tile (per-thread scratch), then multiplied against the

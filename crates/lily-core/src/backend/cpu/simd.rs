@@ -277,7 +277,7 @@ pub fn rows_dot(isa: Isa, m: &Matrix, first: usize, x: XRow, sb: &mut [f32], out
                 w,
                 scales,
                 biases,
-                dtype: m.groups.as_ref().map_or(DType::BF16, |g| g.dtype),
+                dtype: m.scale_dtype(),
                 cols: m.cols,
                 group,
             };
@@ -293,28 +293,24 @@ pub fn rows_dot(isa: Isa, m: &Matrix, first: usize, x: XRow, sb: &mut [f32], out
     }
 }
 
-/// Row `stored` of `m` times the prepared x, f32 accumulation. `sb` is scratch of
-/// [`row_scratch_len`] floats. `m` must have a row kernel ([`has_row_kernel`]).
+/// Row `stored` of `m` times the prepared x, f32 accumulation, for 8-bit and dense rows (4-bit
+/// rows go through [`rows_dot`]). `sb` is scratch of [`row_scratch_len`] floats.
 /// Always inlined, so callers compiled per ISA vectorize the scale conversion too.
 #[inline(always)]
 pub fn row_dot(isa: Isa, m: &Matrix, stored: usize, x: XRow, sb: &mut [f32]) -> f32 {
     let (data, scales, biases) = m.row_parts(stored);
     let k = m.cols;
     match m.format {
-        Format::Affine { bits: 4, .. } => {
-            let mut out = [0f32];
-            rows_dot(isa, m, stored, x, sb, &mut out);
-            out[0]
-        }
         Format::Affine { bits: 8, group } => {
             let g_n = k / group;
-            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+            let sd = m.scale_dtype();
             let (s, b) = sb.split_at_mut(g_n);
             scalars_f32(sd, scales, s);
             scalars_f32(sd, biases, &mut b[..g_n]);
             dot_portable(&b[..g_n], &x.gsum[..g_n]) + q8_dot(isa, data, s, x.x, group)
         }
-        Format::Affine { bits, .. } => unreachable!("no row kernel for {bits}-bit rows"),
+        // 4-bit rows run through `rows_dot` (a run of rows per call); others have no row kernel.
+        Format::Affine { bits, .. } => unreachable!("no single-row kernel for {bits}-bit rows"),
         Format::BF16 => dense_dot(isa, DType::BF16, data, &x.x[..k]),
         Format::F16 => dense_dot(isa, DType::F16, data, &x.x[..k]),
         Format::F32 => dense_dot(isa, DType::F32, data, &x.x[..k]),
@@ -458,7 +454,7 @@ pub(crate) fn dequant_row_generic(m: &Matrix, stored: usize, out: &mut [f32]) {
         Format::F16 => (0..cols).for_each(|j| out[j] = read_scalar(DType::F16, data, j)),
         Format::F32 => (0..cols).for_each(|j| out[j] = read_scalar(DType::F32, data, j)),
         Format::Affine { bits, group } if (bits == 4 || bits == 8) && cols % group == 0 && group % 8 == 0 => {
-            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+            let sd = m.scale_dtype();
             let gb = group * bits as usize / 8;
             for g in 0..cols / group {
                 let (s, b) = (read_scalar(sd, scales, g), read_scalar(sd, biases, g));
@@ -478,7 +474,7 @@ pub(crate) fn dequant_row_generic(m: &Matrix, stored: usize, out: &mut [f32]) {
         }
         Format::Affine { bits, group } => {
             // Any other width (2-bit) or group: element by element, as `Matrix::dequant_row`.
-            let sd = m.groups.as_ref().map_or(DType::BF16, |g| g.dtype);
+            let sd = m.scale_dtype();
             let mask = (1u32 << bits) - 1;
             for j in 0..cols {
                 let bit = j * bits as usize;

@@ -160,7 +160,7 @@ fn weight_format(m: &Matrix) -> Result<Weight> {
         Format::F16 => dense("f16")?,
         Format::BF16 => dense("bf16")?,
         Format::Affine { bits, group } => {
-            let sd = scale(m.groups.as_ref().map_or(DType::BF16, |g| g.dtype))?;
+            let sd = scale(m.scale_dtype())?;
             if group % 8 != 0 || m.cols % group != 0 || (m.cols * bits as usize) % 32 != 0 {
                 return Err(Error::weight(
                     &m.name,
