@@ -31,6 +31,11 @@ fn activations(cols: usize, seed: u64) -> Vec<f32> {
     x
 }
 
+/// The lane scales of [`int8::dot`]: s_g d_g for each 8-element lane of a row.
+fn lane_scales(s: &[f32], dx: &[f32], group: usize) -> Vec<f32> {
+    s.iter().zip(dx).flat_map(|(s, d)| vec![s * d; group / 8]).collect()
+}
+
 /// Element i of x rebuilt from the planes of `dot`'s layout: d_g (q0 + q1 / 256 + q2 / 256^2).
 fn rebuilt(dot: Dot, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
     let b = dot.block();
@@ -79,8 +84,7 @@ fn zero_and_tiny_groups_quantize_without_nan() {
     assert_eq!(dx[0], 0.0);
     assert!(dx.iter().all(|d| d.is_finite()));
     let w = codes(128, 3);
-    let mut cl = vec![0f32; 32];
-    int8::lane_scales(&[1.0; 4], &dx, 64, &mut cl);
+    let cl = lane_scales(&[1.0; 4], &dx, 64);
     let y = int8::dot(dot, &w, &xq, &cl);
     assert!(y.is_finite() && y.abs() < 1e-25, "{y}");
 }
@@ -100,8 +104,7 @@ fn every_dot_kernel_matches_the_portable_twin() {
                 int8::quantize(Isa::get(), dot, &x, group, &mut dx, &mut xq);
                 let w = codes(cols / 2, 7 + cols as u64);
                 let s = rand_vec(cols / group, 9, 0.001, 0.02);
-                let mut cl = vec![0f32; cols / 8];
-                int8::lane_scales(&s, &dx, group, &mut cl);
+                let cl = lane_scales(&s, &dx, group);
                 let got = int8::dot(dot, &w, &xq, &cl);
                 let want = int8::dot_portable(&w, &xq, &cl, b);
                 // Same integer lane sums; only the f32 order of the lane totals differs.

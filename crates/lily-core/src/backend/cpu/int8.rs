@@ -214,28 +214,6 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
     }
 }
 
-/// Fill `cl[..cols / 8]` with s_g d_g per 8-element lane.
-#[inline(always)]
-pub fn lane_scales(s: &[f32], dx: &[f32], group: usize, cl: &mut [f32]) {
-    // Fixed-width stores for the usual group sizes (a broadcast store each).
-    fn fill<const N: usize>(s: &[f32], dx: &[f32], cl: &mut [f32]) {
-        for (c, (s, d)) in cl.chunks_exact_mut(N).zip(s.iter().zip(dx)) {
-            let c: &mut [f32; N] = c.try_into().expect("chunk of N");
-            *c = [s * d; N];
-        }
-    }
-    match group / 8 {
-        4 => fill::<4>(s, dx, cl),
-        8 => fill::<8>(s, dx, cl),
-        16 => fill::<16>(s, dx, cl),
-        per => {
-            for (c, (s, d)) in cl.chunks_exact_mut(per).zip(s.iter().zip(dx)) {
-                c.fill(s * d);
-            }
-        }
-    }
-}
-
 /// Groups per chunk of [`rows`]: the step and group-sum arrays of x are padded with zeros to a
 /// multiple of this.
 pub const CHUNK_GROUPS: usize = 16;
@@ -309,38 +287,28 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
     rows_portable(m, x, out)
 }
 
-/// The twin of the fused kernels, and the path of the other dots: per row and chunk of
-/// [`CHUNK_GROUPS`] groups, scales to f32, lane scales, [`dot`], and the bias term (stack
-/// scratch only: the decode loop allocates nothing).
+/// The twin of the fused kernels, and the path of the other dots: per row and piece of up to
+/// 2048 elements, the lane scales s_g d_g (one conversion per group in the piece), [`dot`], and
+/// the bias term (stack scratch only: the decode loop allocates nothing). Any group size.
 pub fn rows_portable(m: &Rows, x: &Planes, out: &mut [f32]) {
     let (g_n, sz) = (m.cols / m.group, m.dtype.size());
-    let mut s = [0f32; CHUNK_GROUPS];
-    let mut cl = [0f32; CHUNK_GROUPS * 128 / 8];
+    let mut cl = [0f32; 256];
+    let piece = cl.len() * 8;
     for (r, o) in out.iter_mut().enumerate() {
         let (sc, bi) = (&m.scales[r * g_n * sz..], &m.biases[r * g_n * sz..]);
         let w = &m.w[r * m.cols / 2..][..m.cols / 2];
-        let mut tot = 0f32;
-        for g0 in (0..g_n).step_by(CHUNK_GROUPS) {
-            let ng = CHUNK_GROUPS.min(g_n - g0);
-            for (i, si) in s[..ng].iter_mut().enumerate() {
-                *si = read_scalar(m.dtype, sc, g0 + i);
-                tot += read_scalar(m.dtype, bi, g0 + i) * x.gsum[g0 + i];
+        let mut tot: f32 = (0..g_n).map(|g| read_scalar(m.dtype, bi, g) * x.gsum[g]).sum();
+        for p0 in (0..m.cols).step_by(piece) {
+            let pl = piece.min(m.cols - p0);
+            // The groups overlapping this piece, each filling its lanes (8 elements per lane).
+            let mut e = p0;
+            while e < p0 + pl {
+                let g = e / m.group;
+                let end = ((g + 1) * m.group).min(p0 + pl);
+                cl[(e - p0) / 8..(end - p0) / 8].fill(read_scalar(m.dtype, sc, g) * x.dx[g]);
+                e = end;
             }
-            let (e0, len) = (g0 * m.group, ng * m.group);
-            if len / 8 <= cl.len() {
-                lane_scales(&s[..ng], &x.dx[g0..], m.group, &mut cl[..len / 8]);
-                tot += dot(x.dot, &w[e0 / 2..][..len / 2], &x.xq[e0 * PLANES..], &cl[..len / 8]);
-            } else {
-                // Groups over 128 elements: lane scales lane by lane, in pieces of `cl`.
-                for p0 in (e0..e0 + len).step_by(cl.len() * 8) {
-                    let pl = (e0 + len - p0).min(cl.len() * 8);
-                    for (l, c) in cl[..pl / 8].iter_mut().enumerate() {
-                        let g = (p0 + 8 * l) / m.group;
-                        *c = read_scalar(m.dtype, sc, g) * x.dx[g];
-                    }
-                    tot += dot(x.dot, &w[p0 / 2..][..pl / 2], &x.xq[p0 * PLANES..], &cl[..pl / 8]);
-                }
-            }
+            tot += dot(x.dot, &w[p0 / 2..][..pl / 2], &x.xq[p0 * PLANES..], &cl[..pl / 8]);
         }
         *o = tot;
     }
@@ -657,7 +625,7 @@ mod x86 {
             pub unsafe fn $name(m: &Rows, x: &Planes, out: &mut [f32]) {
                 use $w::*;
 
-                /// Rows r0..r0 + R into `out`.
+                /// Rows `rows` of the run into `out[rows[i]]`.
                 #[target_feature(enable = $feat)]
                 #[inline]
                 unsafe fn run<const R: usize>(
