@@ -32,12 +32,12 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 LILY_EXPECT_DOTS="$(grep -q avx512_vnni /proc/cpuinfo && echo Vnni512,Maddubs512,Maddubs256)" \
     cargo test -p lily-core --release --locked
 
-step "rust: CPU kernels on arm64 (qemu): every NEON path against its twin"
+step "rust: CPU kernels and pool on arm64 (qemu): every NEON path against its twin"
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
 LILY_EXPECT_DOTS=NeonSdot \
     cargo test -p lily-core --release --locked --target aarch64-unknown-linux-gnu \
-    --test cpu_int8 --test cpu_simd --test cpu_kernels
+    --test cpu_int8 --test cpu_simd --test cpu_kernels --test cpu_pool
 
 step "python: ruff, stub check"
 python3 -m ruff check python tests

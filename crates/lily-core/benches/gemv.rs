@@ -8,11 +8,10 @@
 use std::time::Instant;
 
 use lily_core::{
-    backend::cpu::{gemm, simd::Isa},
+    backend::cpu::{gemm, pool, simd::Isa},
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
 };
-use rayon::prelude::*;
 
 fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
@@ -83,11 +82,14 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 /// compute-bound on one core; GB/s, median).
 fn read_bandwidth(reps: usize) -> f64 {
     let buf: Vec<u8> = (0..1usize << 30).map(|i| i as u8).collect();
-    let threads = rayon::current_num_threads();
+    let threads = pool::threads();
     let chunk = buf.len().div_ceil(threads);
+    let mut maxes = vec![0u8; threads];
     let s = time(reps, || {
-        let m = buf.par_chunks(chunk).map(byte_max).max();
-        std::hint::black_box(m);
+        pool::for_chunks(&mut maxes, 1, |t, m| {
+            m[0] = byte_max(&buf[t * chunk..((t + 1) * chunk).min(buf.len())])
+        });
+        std::hint::black_box(&maxes);
     });
     buf.len() as f64 / s / 1e9
 }
@@ -121,19 +123,16 @@ fn byte_max_body(c: &[u8]) -> u8 {
 fn copy_bandwidth(reps: usize) -> f64 {
     let src = vec![1f64; (1 << 29) / 8];
     let mut dst = vec![0f64; src.len()];
-    let threads = rayon::current_num_threads();
-    let chunk = src.len().div_ceil(threads);
+    let chunk = src.len().div_ceil(pool::threads());
     let s = time(reps, || {
-        dst.par_chunks_mut(chunk)
-            .zip(src.par_chunks(chunk))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+        pool::for_chunks(&mut dst, chunk, |c, d| d.copy_from_slice(&src[c * chunk..][..d.len()]));
     });
     (2 * src.len() * 8) as f64 / s / 1e9
 }
 
 /// f32 FMA peak: independent register-resident FMA chains on every pool thread (GFLOP/s).
 fn peak_gflops(isa: Isa, reps: usize) -> f64 {
-    let threads = rayon::current_num_threads();
+    let threads = pool::threads();
     let iters = 2_000_000;
     let lanes = match isa {
         Isa::Avx512 => 16,
@@ -141,7 +140,7 @@ fn peak_gflops(isa: Isa, reps: usize) -> f64 {
         Isa::Portable => 4,
     };
     let s = time(reps, || {
-        (0..threads).into_par_iter().for_each(|_| {
+        pool::for_each(threads, |_| {
             std::hint::black_box(fma_chains(isa, std::hint::black_box(iters)));
         })
     });
@@ -199,9 +198,9 @@ fn fma_chains(isa: Isa, iters: usize) -> f32 {
 }
 
 fn main() {
-    // On a pool thread, as the engine runs its kernels (`Backend::run`): each parallel loop then
-    // forks from inside the pool instead of waking it from outside.
-    rayon::scope(|_| bench());
+    // One pool session, as the engine runs its kernels (`Backend::run`): the workers wait for
+    // each parallel loop spinning instead of asleep.
+    pool::run(bench);
 }
 
 fn bench() {
@@ -225,7 +224,7 @@ fn bench() {
     };
     assert!(isa.available(), "{isa:?} is not available on this CPU");
     let reps = if quick { 5 } else { 11 };
-    println!("isa {isa:?}, {} pool threads", rayon::current_num_threads());
+    println!("isa {isa:?}, {} pool threads", pool::threads());
     let bw = read_bandwidth(reps);
     let cbw = copy_bandwidth(reps);
     let peak = peak_gflops(isa, reps);

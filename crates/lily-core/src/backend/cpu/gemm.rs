@@ -13,9 +13,10 @@
 
 use std::cell::RefCell;
 
-use rayon::prelude::*;
-
-use super::simd::{self, multiversion, Isa, XRow};
+use super::{
+    pool,
+    simd::{self, multiversion, Isa, XRow},
+};
 use crate::quant::Matrix;
 
 thread_local! {
@@ -88,7 +89,7 @@ pub const TILE_ROWS: usize = 16;
 /// Rows per decode task: about four tasks per pool thread, so a core slowed by another process
 /// can hand work over, while each task still streams at least ~64 KiB.
 fn gemv_chunk(rows: usize, row_bytes: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::threads();
     let min_rows = (64 << 10) / row_bytes.max(1) + 1;
     rows.div_ceil(4 * threads).max(min_rows)
 }
@@ -100,7 +101,7 @@ pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
     if !simd::has_row_kernel(m) {
         // Formats without a fused kernel (2-bit): dequantize each row, then dot.
         let chunk = gemv_chunk(out.len(), m.bytes_per_row());
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+        pool::for_chunks(out, chunk, |c, o| {
             with_task(m.cols, |row| {
                 for (i, v) in o.iter_mut().enumerate() {
                     simd::dequant_row(isa, m, m.stored_row(e, c * chunk + i), row);
@@ -122,7 +123,7 @@ pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
         if chunk >= out.len() {
             run(0, out); // one task: skip the pool round trip
         } else {
-            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| run(c, o));
+            pool::for_chunks(out, chunk, run);
         }
     })
 }
@@ -188,7 +189,7 @@ pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut 
     let o = Out(out.as_mut_ptr());
     if simd::has_tile32x6(isa) && tokens >= 6 {
         const R: usize = simd::TILE_T_ROWS;
-        (0..n.div_ceil(R)).into_par_iter().for_each(|b| {
+        pool::for_each(n.div_ceil(R), |b| {
             let rows = b * R..((b + 1) * R).min(n);
             let rn = rows.len();
             with_task(R * k + k, |scr| {
@@ -217,7 +218,7 @@ pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut 
         });
         return;
     }
-    (0..n.div_ceil(TILE_ROWS)).into_par_iter().for_each(|b| {
+    pool::for_each(n.div_ceil(TILE_ROWS), |b| {
         let rows = b * TILE_ROWS..((b + 1) * TILE_ROWS).min(n);
         let rn = rows.len();
         with_task(rn * k, |tile| {

@@ -1,5 +1,5 @@
 //! Production CPU kernels: the same math as `reference.rs` with SIMD (runtime-dispatched, see
-//! `simd.rs`), the persistent rayon pool (one thread per core, created once) and in-kernel
+//! `simd.rs`), the persistent thread pool (`pool.rs`, one thread per core, created once) and in-kernel
 //! dequantization: weights are read from their packed bytes, never materialised as a matrix.
 //! Accumulation is f32 everywhere.
 //!
@@ -9,10 +9,9 @@
 //! form. Scratch comes from per-thread buffers that grow once (`gemm::with_task`/`with_caller`),
 //! so a decode step allocates nothing.
 
-use rayon::prelude::*;
-
 use super::{
     gemm::{self, with_caller, with_caller_ids, with_task, Out},
+    pool,
     reference::{self, sigmoid, silu, softplus},
     simd::{self, multiversion, Isa},
 };
@@ -35,10 +34,9 @@ pub fn embed(tokens: usize, table: &Matrix, ids: &[u32], out: &mut [f32]) {
         simd::dequant_row(isa, table, table.stored_row(0, ids[0] as usize), &mut out[..d]);
         return;
     }
-    out[..tokens * d]
-        .par_chunks_mut(d)
-        .zip(&ids[..tokens])
-        .for_each(|(o, &id)| simd::dequant_row(isa, table, table.stored_row(0, id as usize), o));
+    pool::for_chunks(&mut out[..tokens * d], d, |t, o| {
+        simd::dequant_row(isa, table, table.stored_row(0, ids[t] as usize), o)
+    });
 }
 
 fn norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -55,10 +53,7 @@ pub fn rms_norm(p: &RmsNormParams, x: &[f32], w: &[f32], out: &mut [f32]) {
     if p.rows == 1 {
         return norm_row(isa, &x[..d], w, p.eps, &mut out[..d]);
     }
-    out[..n]
-        .par_chunks_mut(d)
-        .zip(x[..n].par_chunks(d))
-        .for_each(|(o, xr)| norm_row(isa, xr, w, p.eps, o));
+    pool::for_chunks(&mut out[..n], d, |r, o| norm_row(isa, &x[r * d..][..d], w, p.eps, o));
 }
 
 /// RMSNorm times silu(z), rows of [rows, dim] (rows = tokens x value heads).
@@ -76,10 +71,7 @@ pub fn rms_norm_gated(p: &RmsNormParams, x: &[f32], z: &[f32], w: &[f32], out: &
         }
         return;
     }
-    out[..n]
-        .par_chunks_mut(d)
-        .zip(x[..n].par_chunks(d).zip(z[..n].par_chunks(d)))
-        .for_each(|(o, (xr, zr))| row(o, xr, zr));
+    pool::for_chunks(&mut out[..n], d, |r, o| row(o, &x[r * d..][..d], &z[r * d..][..d]));
 }
 
 /// out [T, N] = x[x_row0.., K] W^T: GEMV (decode) or tiled GEMM (prefill), see `gemm.rs`.
@@ -117,8 +109,11 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32]
         return;
     }
     let group = h_n / kv_n;
-    // Prefill: ~64 query rows per task so each key block in cache serves many rows.
-    let bq = if t_n == 1 { 1 } else { (64 / group.max(1)).max(1) };
+    if t_n == 1 {
+        return attention_decode(isa, p, qg, k_cache, v_cache, out);
+    }
+    // ~64 query rows per task so each key block in cache serves many rows.
+    let bq = (64 / group.max(1)).max(1);
     let tasks = t_n.div_ceil(bq) * kv_n;
     let o = Out(out.as_mut_ptr());
     let run = |task: usize| {
@@ -132,7 +127,7 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32]
     if tasks == 1 {
         run(0)
     } else {
-        (0..tasks).into_par_iter().for_each(run);
+        pool::for_each(tasks, run);
     }
 }
 
@@ -232,6 +227,203 @@ fn attend_block_body(
     }
 }
 
+/// Keys per decode-attention task (at most).
+const DECODE_SPLIT: usize = 256;
+
+/// Decode attention (one token): the keys of each KV head are split into runs of at most
+/// DECODE_SPLIT (a few per thread; a KV head alone would give 2 tasks for any number of cores),
+/// each task computes its run's softmax partial for the `group` query heads of its KV head
+/// (max m, sum l, unnormalized output), and one task per query head merges the partials:
+/// out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, times the sigmoid gate.
+/// Layout as `attention`; partials [kv_n, splits, group, hd + 2] in caller scratch.
+fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], out: &mut [f32]) {
+    let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
+    let (group, len) = (h_n / kv_n, p.pos0 as usize + 1);
+    let want = (4 * pool::threads()).div_ceil(kv_n);
+    let per = len.div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1));
+    let splits = len.div_ceil(per);
+    let part = group * (hd + 2);
+    let rows8 = group.next_multiple_of(8);
+    let o = Out(out.as_mut_ptr());
+    with_caller(kv_n * splits * part, |parts| {
+        let po = Out(parts.as_mut_ptr());
+        pool::for_each(kv_n * splits, |task| {
+            let (kvh, sp) = (task / splits, task % splits);
+            let keys = (sp * per, ((sp + 1) * per).min(len));
+            with_task(rows8 * SPLIT_BLOCK, |sc| {
+                // SAFETY: partial `task` is written by this task alone.
+                let dst = unsafe { po.slice(task * part, part) };
+                attend_split(isa, p, qg, kc, vc, kvh, keys, sc, dst)
+            });
+        });
+        let parts: &[f32] = parts;
+        pool::for_each(h_n, |h| {
+            let (kvh, r) = (h / group, h % group);
+            let part_of = |sp: usize| &parts[(kvh * splits + sp) * part..][..part];
+            let m = (0..splits).fold(f32::NEG_INFINITY, |m, sp| m.max(part_of(sp)[group * hd + r]));
+            // SAFETY: head h's output row is written by this task alone.
+            let y = unsafe { o.slice(h * hd, hd) };
+            y.fill(0.0);
+            let mut l = 0f32;
+            for sp in 0..splits {
+                let pt = part_of(sp);
+                let w = (pt[group * hd + r] - m).exp();
+                l += w * pt[group * (hd + 1) + r];
+                y.iter_mut().zip(&pt[r * hd..][..hd]).for_each(|(a, v)| *a += w * v);
+            }
+            let gate = &qg[h * 2 * hd + hd..][..hd];
+            y.iter_mut().zip(gate).for_each(|(a, g)| *a *= sigmoid(*g) / l);
+        });
+    });
+}
+
+multiversion! {
+    fn attend_split(
+        p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], kvh: usize, keys: (usize, usize),
+        sc: &mut [f32], dst: &mut [f32]
+    ) = attend_split_body;
+}
+
+/// Keys per block of a decode-attention partial: the block's scores [rows8, SPLIT_BLOCK] and V
+/// rows (64 KiB at hd 256) stay in L1/L2 between the score and P.V passes.
+const SPLIT_BLOCK: usize = 64;
+
+/// One decode-attention partial: keys k0..k1 of KV head kvh against its `group` query heads,
+/// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores by 4 x 4 register tiles
+/// into sc [rows8, SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are
+/// prefetched; then each row's running max / sum rescale its accumulator and acc [group, hd] +=
+/// P V by register tiles of R rows x W dims ([`pv_rows`]), each V row loaded once per tile for all
+/// R rows. dst = acc | m [group] | l [group] (sc needs rows8 * SPLIT_BLOCK floats).
+#[inline(always)]
+fn attend_split_body(
+    isa: Isa,
+    p: &AttentionParams,
+    qg: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    kvh: usize,
+    (k0, k1): (usize, usize),
+    sc: &mut [f32],
+    dst: &mut [f32],
+) {
+    let (kv_n, hd) = (p.kv_heads as usize, p.head_dim as usize);
+    let group = p.heads as usize / kv_n;
+    let rows8 = group.next_multiple_of(8);
+    let q_of = |i: usize| &qg[(kvh * group + i) * 2 * hd..][..hd];
+    let krow = |s: usize| &kc[(s * kv_n + kvh) * hd..][..hd];
+    let vrow = |s: usize| &vc[(s * kv_n + kvh) * hd..][..hd];
+    let (acc, ml) = dst.split_at_mut(group * hd);
+    let (mx, l) = ml.split_at_mut(group);
+    acc.fill(0.0);
+    mx.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let mut corr = [1f32; 8];
+    let mut kb = k0;
+    while kb < k1 {
+        let kn = (k1 - kb).min(SPLIT_BLOCK);
+        for s in kb..kb + kn {
+            simd::prefetch(vrow(s));
+        }
+        let mut i0 = 0;
+        while i0 < group {
+            let rn = (group - i0).min(4);
+            let qs = [0, 1, 2, 3].map(|a| q_of(i0 + a.min(rn - 1)));
+            let mut s0 = 0;
+            while s0 < kn {
+                let sn = (kn - s0).min(4);
+                let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
+                let d = simd::dot4x4(isa, qs, ks, hd);
+                for a in 0..rn {
+                    for b in 0..sn {
+                        sc[(i0 + a) * kn + s0 + b] = d[a][b] * p.scale;
+                    }
+                }
+                s0 += 4;
+            }
+            i0 += 4;
+        }
+        sc[group * kn..rows8 * kn].fill(0.0);
+        for i0 in (0..group).step_by(8) {
+            for (r, c) in corr.iter_mut().enumerate() {
+                let i = i0 + r;
+                if i >= group {
+                    *c = 1.0;
+                    continue;
+                }
+                let sr = &mut sc[i * kn..][..kn];
+                let m = sr.iter().fold(mx[i], |m, &x| m.max(x));
+                let mut sum = 0f32;
+                for x in sr.iter_mut() {
+                    *x = (*x - m).exp();
+                    sum += *x;
+                }
+                *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
+                (mx[i], l[i]) = (m, l[i] * *c + sum);
+            }
+            let acc = &mut acc[i0 * hd..];
+            let sc = &sc[i0 * kn..];
+            let v = |s: usize| vrow(kb + s);
+            if isa == Isa::Avx512 {
+                pv_rows::<8, 32, true>(sc, kn, (group - i0).min(8), hd, &corr, v, acc);
+            } else if isa == Isa::Avx2 || cfg!(target_arch = "aarch64") {
+                pv_rows::<4, 16, true>(sc, kn, (group - i0).min(8), hd, &corr, v, acc);
+            } else {
+                pv_rows::<4, 16, false>(sc, kn, (group - i0).min(8), hd, &corr, v, acc);
+            }
+        }
+        kb += kn;
+    }
+}
+
+/// acc [rows, hd] = corr * acc + P [rows, kn] . V [kn, hd] for up to 8 rows, in tiles of R rows x
+/// W dims whose accumulators stay in registers while every key's W values are loaded once for
+/// the R rows. P has 8 rows (zero past `rows`); a dims tail shorter than W goes through a
+/// zero-padded copy. FMA: fused multiply-add (only where the ISA has it; a libm call otherwise).
+#[inline(always)]
+fn pv_rows<'v, const R: usize, const W: usize, const FMA: bool>(
+    p: &[f32],
+    kn: usize,
+    rows: usize,
+    hd: usize,
+    corr: &[f32; 8],
+    v: impl Fn(usize) -> &'v [f32],
+    acc: &mut [f32],
+) {
+    for i0 in (0..rows).step_by(R) {
+        for j0 in (0..hd).step_by(W) {
+            let jn = (hd - j0).min(W);
+            let mut a = [[0f32; W]; R];
+            for (r, ar) in a.iter_mut().enumerate().take(rows - i0) {
+                ar[..jn].copy_from_slice(&acc[(i0 + r) * hd + j0..][..jn]);
+                ar.iter_mut().for_each(|x| *x *= corr[i0 + r]);
+            }
+            for s in 0..kn {
+                let mut pad = [0f32; W];
+                let vs: &[f32; W] = match v(s)[j0..].first_chunk::<W>() {
+                    Some(c) => c,
+                    None => {
+                        pad[..jn].copy_from_slice(&v(s)[j0..][..jn]);
+                        &pad
+                    }
+                };
+                for (r, ar) in a.iter_mut().enumerate() {
+                    let w = p[(i0 + r) * kn + s];
+                    for t in 0..W {
+                        ar[t] = if FMA {
+                            w.mul_add(vs[t], ar[t])
+                        } else {
+                            ar[t] + w * vs[t]
+                        };
+                    }
+                }
+            }
+            for (r, ar) in a.iter().enumerate().take(rows - i0) {
+                acc[(i0 + r) * hd + j0..][..jn].copy_from_slice(&ar[..jn]);
+            }
+        }
+    }
+}
+
 /// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
 const CHUNK: usize = 64;
 
@@ -262,23 +454,20 @@ pub fn delta_net(
     let o = Out(out.as_mut_ptr());
     let n = t_n.min(CHUNK);
     let scratch = n * (3 * dk + 2 * dv + 2 + n) + 3 * dv + 2 * dk;
-    state[..hv * dk * dv]
-        .par_chunks_mut(dk * dv)
-        .enumerate()
-        .for_each(|(j, s)| {
-            with_task(scratch, |scr| {
-                let mut t0 = 0;
-                while t0 < t_n {
-                    let n = (t_n - t0).min(CHUNK);
-                    if n == 1 {
-                        delta_step(isa, p, qkv, a, b, a_log, dt_bias, t0, j, s, scr, o);
-                    } else {
-                        delta_chunk(isa, p, qkv, a, b, a_log, dt_bias, t0, n, j, s, scr, o);
-                    }
-                    t0 += n;
+    pool::for_chunks(&mut state[..hv * dk * dv], dk * dv, |j, s| {
+        with_task(scratch, |scr| {
+            let mut t0 = 0;
+            while t0 < t_n {
+                let n = (t_n - t0).min(CHUNK);
+                if n == 1 {
+                    delta_step(isa, p, qkv, a, b, a_log, dt_bias, t0, j, s, scr, o);
+                } else {
+                    delta_chunk(isa, p, qkv, a, b, a_log, dt_bias, t0, n, j, s, scr, o);
                 }
-            })
-        });
+                t0 += n;
+            }
+        })
+    });
 }
 
 /// Inputs of value head j at token t: writes l2-normed q (times Dk^-1/2) and k into `q`, `k`;
@@ -593,10 +782,7 @@ pub fn moe_experts_with(
     if t_n == 1 {
         combine(0, &mut out[..d]);
     } else {
-        out[..t_n * d]
-            .par_chunks_mut(d)
-            .enumerate()
-            .for_each(|(t, o)| combine(t, o));
+        pool::for_chunks(&mut out[..t_n * d], d, combine);
     }
 }
 
@@ -619,7 +805,7 @@ fn moe_decode(
         simd::prepare(isa, gate, &x[..d], buf);
         let xr = simd::view(isa, gate, &x[..d], buf);
         let blocks = inter.div_ceil(MOE_DECODE_ROWS);
-        (0..k_n * blocks).into_par_iter().for_each(|task| {
+        pool::for_each(k_n * blocks, |task| {
             let (slot, blk) = (task / blocks, task % blocks);
             let e = ids[slot] as usize;
             let rows = blk * MOE_DECODE_ROWS..((blk + 1) * MOE_DECODE_ROWS).min(inter);
@@ -645,7 +831,7 @@ fn moe_decode(
         let buf: &[f32] = buf;
         let rows_per = 4 * MOE_DECODE_ROWS;
         let blocks = d.div_ceil(rows_per);
-        (0..k_n * blocks).into_par_iter().for_each(|task| {
+        pool::for_each(k_n * blocks, |task| {
             let (slot, blk) = (task / blocks, task % blocks);
             let e = ids[slot] as usize;
             let xr = simd::view(isa, down, &act[slot * inter..][..inter], &buf[slot * pl..][..pl]);
@@ -712,7 +898,7 @@ fn moe_grouped(
         };
 
         let blocks = inter.div_ceil(gemm::TILE_ROWS);
-        (0..ng * blocks).into_par_iter().for_each(|task| {
+        pool::for_each(ng * blocks, |task| {
             let (g, blk) = (task / blocks, task % blocks);
             let (e, members) = group(g);
             let rows = blk * gemm::TILE_ROWS..((blk + 1) * gemm::TILE_ROWS).min(inter);
@@ -732,7 +918,7 @@ fn moe_grouped(
         });
         let act: &[f32] = act;
         let blocks = d.div_ceil(gemm::TILE_ROWS);
-        (0..ng * blocks).into_par_iter().for_each(|task| {
+        pool::for_each(ng * blocks, |task| {
             let (g, blk) = (task / blocks, task % blocks);
             let (e, members) = group(g);
             let rows = blk * gemm::TILE_ROWS..((blk + 1) * gemm::TILE_ROWS).min(d);
@@ -751,31 +937,22 @@ fn moe_grouped(
 
 pub fn add(p: &RowsParams, x: &mut [f32], y: &[f32]) {
     let n = (p.tokens * p.dim) as usize;
-    x[..n]
-        .par_chunks_mut(4096)
-        .zip(y[..n].par_chunks(4096))
-        .for_each(|(a, b)| {
-            a.iter_mut().zip(b).for_each(|(u, v)| *u += v);
-        });
+    pool::for_chunks(&mut x[..n], 4096, |c, a| {
+        a.iter_mut().zip(&y[c * 4096..]).for_each(|(u, v)| *u += v)
+    });
 }
 
 pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f32], k: &mut [f32]) {
     let (hd, rot) = (p.head_dim as usize, p.rotary_dim as usize);
     let t_n = p.tokens as usize;
-    qg[..t_n * p.heads as usize * 2 * hd]
-        .par_chunks_mut(2 * hd)
-        .enumerate()
-        .for_each(|(i, head)| {
-            let pos = p.pos0 as usize + i / p.heads as usize;
-            reference::norm_rope_head(&mut head[..hd], q_norm, p.eps, rot, p.theta, pos);
-        });
-    k[..t_n * p.kv_heads as usize * hd]
-        .par_chunks_mut(hd)
-        .enumerate()
-        .for_each(|(i, head)| {
-            let pos = p.pos0 as usize + i / p.kv_heads as usize;
-            reference::norm_rope_head(head, k_norm, p.eps, rot, p.theta, pos);
-        });
+    pool::for_chunks(&mut qg[..t_n * p.heads as usize * 2 * hd], 2 * hd, |i, head| {
+        let pos = p.pos0 as usize + i / p.heads as usize;
+        reference::norm_rope_head(&mut head[..hd], q_norm, p.eps, rot, p.theta, pos);
+    });
+    pool::for_chunks(&mut k[..t_n * p.kv_heads as usize * hd], hd, |i, head| {
+        let pos = p.pos0 as usize + i / p.kv_heads as usize;
+        reference::norm_rope_head(head, k_norm, p.eps, rot, p.theta, pos);
+    });
 }
 
 pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
@@ -793,7 +970,7 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
     assert!((1..=MAX_CONV_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
     let hist = taps - 1;
     let (o, st) = (Out(out.as_mut_ptr()), Out(state.as_mut_ptr()));
-    (0..c_n.div_ceil(CONV_BLOCK)).into_par_iter().for_each(|blk| {
+    pool::for_each(c_n.div_ceil(CONV_BLOCK), |blk| {
         let c0 = blk * CONV_BLOCK;
         let n = CONV_BLOCK.min(c_n - c0);
         let mut wt = [[0f32; CONV_BLOCK]; MAX_CONV_TAPS];
@@ -846,60 +1023,54 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
 pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut [f32]) {
     let (e_n, k_n) = (p.experts as usize, p.top_k as usize);
     let t_n = p.tokens as usize;
-    ids[..t_n * k_n]
-        .par_chunks_mut(k_n)
-        .zip(weights[..t_n * k_n].par_chunks_mut(k_n))
-        .enumerate()
-        .for_each(|(t, (id, wt))| {
-            let l = &logits[t * e_n..][..e_n];
-            let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let z: f32 = l.iter().map(|x| (x - m).exp()).sum();
-            // Insertion top-k over the logits (same order as the probabilities); ties keep the lower id.
-            let mut n = 0;
-            for (e, &x) in l.iter().enumerate() {
-                if n == k_n && x <= l[id[k_n - 1] as usize] {
-                    continue;
-                }
-                let mut pos = n.min(k_n - 1);
-                if n < k_n {
-                    n += 1;
-                }
-                while pos > 0 && l[id[pos - 1] as usize] < x {
-                    id[pos] = id[pos - 1];
-                    pos -= 1;
-                }
-                id[pos] = e as u32;
+    let wts = Out(weights[..t_n * k_n].as_mut_ptr());
+    pool::for_chunks(&mut ids[..t_n * k_n], k_n, |t, id| {
+        // SAFETY: token t's weights are written by this task only.
+        let wt = unsafe { wts.slice(t * k_n, k_n) };
+        let l = &logits[t * e_n..][..e_n];
+        let m = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let z: f32 = l.iter().map(|x| (x - m).exp()).sum();
+        // Insertion top-k over the logits (same order as the probabilities); ties keep the lower id.
+        let mut n = 0;
+        for (e, &x) in l.iter().enumerate() {
+            if n == k_n && x <= l[id[k_n - 1] as usize] {
+                continue;
             }
-            let mut sum = 0f32;
-            for k in 0..k_n {
-                wt[k] = (l[id[k] as usize] - m).exp() / z;
-                sum += wt[k];
+            let mut pos = n.min(k_n - 1);
+            if n < k_n {
+                n += 1;
             }
-            if p.renorm != 0 {
-                wt.iter_mut().for_each(|w| *w /= sum);
+            while pos > 0 && l[id[pos - 1] as usize] < x {
+                id[pos] = id[pos - 1];
+                pos -= 1;
             }
-        });
+            id[pos] = e as u32;
+        }
+        let mut sum = 0f32;
+        for k in 0..k_n {
+            wt[k] = (l[id[k] as usize] - m).exp() / z;
+            sum += wt[k];
+        }
+        if p.renorm != 0 {
+            wt.iter_mut().for_each(|w| *w /= sum);
+        }
+    });
 }
 
 pub fn swiglu(p: &RowsParams, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = (p.tokens * p.dim) as usize;
-    out[..n]
-        .par_chunks_mut(4096)
-        .zip(gate[..n].par_chunks(4096).zip(up[..n].par_chunks(4096)))
-        .for_each(|(o, (g, u))| {
-            for i in 0..o.len() {
-                o[i] = silu(g[i]) * u[i];
-            }
-        });
+    pool::for_chunks(&mut out[..n], 4096, |c, o| {
+        let (g, u) = (&gate[c * 4096..], &up[c * 4096..]);
+        for i in 0..o.len() {
+            o[i] = silu(g[i]) * u[i];
+        }
+    });
 }
 
 pub fn sigmoid_gate_add(p: &RowsParams, y: &[f32], gate: &[f32], out: &mut [f32]) {
     let d = p.dim as usize;
-    out[..p.tokens as usize * d]
-        .par_chunks_mut(d)
-        .enumerate()
-        .for_each(|(t, o)| {
-            let s = sigmoid(gate[t]);
-            o.iter_mut().zip(&y[t * d..][..d]).for_each(|(a, b)| *a += s * b);
-        });
+    pool::for_chunks(&mut out[..p.tokens as usize * d], d, |t, o| {
+        let s = sigmoid(gate[t]);
+        o.iter_mut().zip(&y[t * d..][..d]).for_each(|(a, b)| *a += s * b);
+    });
 }

@@ -1,4 +1,4 @@
-//! The CPU backend: host memory, immediate execution on the rayon pool.
+//! The CPU backend: host memory, immediate execution on the CPU thread pool (`pool.rs`).
 //! `Cpu::new()` runs the production kernels (`kernels.rs`); `Cpu::reference()` runs the plain-loop
 //! twins (`reference.rs`) that every kernel is tested against, through the same interface, so a
 //! whole forward pass can be compared too.
@@ -6,6 +6,7 @@
 pub mod gemm;
 pub mod int8;
 pub mod kernels;
+pub mod pool;
 pub mod reference;
 pub mod simd;
 
@@ -185,13 +186,10 @@ impl Backend for Cpu {
     fn prefill_chunk(&self) -> usize {
         1024
     }
-    /// On a thread of the rayon pool: each kernel's parallel loop then forks from a pool thread
-    /// whose peers are still spinning from the previous kernel. Called from outside the pool,
-    /// every loop would instead queue its work and put the caller to sleep: a thread wake-up per
-    /// kernel, measured at 10-70 us each (hundreds per decode step).
+    /// One pool session: the workers busy-wait between the call's kernels instead of sleeping
+    /// (a wake-up per kernel, ~40 us each on virtual cores, hundreds per decode step).
     fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-        // `scope` runs its body on a pool thread (the caller waits).
-        rayon::scope(|_| f())
+        pool::run(f)
     }
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
         zeroed(len)
