@@ -338,3 +338,26 @@ fn decode_kernels_do_not_allocate_once_warm() {
     // at least one per step (20 per round).
     assert_eq!(n, 0, "{n} allocations in 20 warm decode steps");
 }
+
+#[test]
+fn vector_exp_matches_libm() {
+    // Every 1/1024 from -87 to 88, against f64 exp: relative error within 3 ulp.
+    let mut worst = 0f64;
+    for i in -87 * 1024..=88 * 1024 {
+        let x = i as f32 / 1024.0;
+        let (got, want) = (simd::exp(x) as f64, (x as f64).exp());
+        worst = worst.max(((got - want) / want).abs());
+    }
+    assert!(worst < 3.0 * f32::EPSILON as f64, "exp: worst relative error {worst:e}");
+    // Outside the clamp: tiny / huge but finite; NaN stays NaN.
+    assert!(simd::exp(f32::NEG_INFINITY) < 1e-37 && simd::exp(-1e4) >= 0.0);
+    assert!(simd::exp(100.0).is_finite() && simd::exp(100.0) > 1e38);
+    assert!(simd::exp(f32::NAN).is_nan());
+    for i in -2000..=2000 {
+        let x = i as f32 / 50.0;
+        let (s, r) = (simd::silu(x), reference::silu(x));
+        assert!((s - r).abs() <= 1e-6 * r.abs().max(1.0), "silu({x}): {s} vs {r}");
+        let (s, r) = (simd::sigmoid(x), reference::sigmoid(x));
+        assert!((s - r).abs() <= 1e-6, "sigmoid({x}): {s} vs {r}");
+    }
+}

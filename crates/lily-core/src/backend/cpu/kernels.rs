@@ -12,7 +12,7 @@
 use super::{
     gemm::{self, with_caller, with_caller_ids, with_task, Out},
     pool,
-    reference::{self, sigmoid, silu, softplus},
+    reference::{self, sigmoid, softplus},
     simd::{self, multiversion, Isa},
 };
 use crate::{backend::params::*, quant::Matrix};
@@ -62,7 +62,7 @@ pub fn rms_norm_gated(p: &RmsNormParams, x: &[f32], z: &[f32], w: &[f32], out: &
     let n = p.rows as usize * d;
     let row = |o: &mut [f32], xr: &[f32], zr: &[f32]| {
         norm_row(isa, xr, w, p.eps, o);
-        o.iter_mut().zip(zr).for_each(|(v, zz)| *v *= silu(*zz));
+        o.iter_mut().zip(zr).for_each(|(v, zz)| *v *= simd::silu(*zz));
     };
     if n <= 1 << 14 {
         // Decode (32 heads x 128): cheaper than a pool round trip.
@@ -201,7 +201,7 @@ fn attend_block_body(
             let corr = (mx[i] - m_new).exp(); // 0 on the first block (mx = -inf)
             let mut sum = 0f32;
             for x in sr.iter_mut() {
-                *x = (*x - m_new).exp();
+                *x = simd::exp(*x - m_new);
                 sum += *x;
             }
             l[i] = l[i] * corr + sum;
@@ -222,7 +222,7 @@ fn attend_block_body(
         let inv = 1.0 / l[i];
         for j in 0..hd {
             // SAFETY: row (token, head) belongs to this task alone.
-            unsafe { o.set(hrow * hd + j, acc[i * hd + j] * inv * sigmoid(gate[j])) };
+            unsafe { o.set(hrow * hd + j, acc[i * hd + j] * inv * simd::sigmoid(gate[j])) };
         }
     }
 }
@@ -272,7 +272,7 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &
                 y.iter_mut().zip(&pt[r * hd..][..hd]).for_each(|(a, v)| *a += w * v);
             }
             let gate = &qg[h * 2 * hd + hd..][..hd];
-            y.iter_mut().zip(gate).for_each(|(a, g)| *a *= sigmoid(*g) / l);
+            y.iter_mut().zip(gate).for_each(|(a, g)| *a *= simd::sigmoid(*g) / l);
         });
     });
 }
@@ -354,7 +354,7 @@ fn attend_split_body(
                 let m = sr.iter().fold(mx[i], |m, &x| m.max(x));
                 let mut sum = 0f32;
                 for x in sr.iter_mut() {
-                    *x = (*x - m).exp();
+                    *x = simd::exp(*x - m);
                     sum += *x;
                 }
                 *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
@@ -541,6 +541,9 @@ fn delta_step_body(
     let alpha = g.exp();
     pred.fill(0.0);
     for d in 0..dk {
+        if d + 32 < dk {
+            simd::prefetch(&s[(d + 32) * dv..][..dv]);
+        }
         let kd = k[d];
         s[d * dv..][..dv]
             .iter()
@@ -817,7 +820,7 @@ fn moe_decode(
                 gemm::gemv_rows(isa, up, e, rows.start, xr, sb, u);
                 for i in 0..rn {
                     // SAFETY: (slot, row) is written by this task only.
-                    unsafe { act_o.set(slot * inter + rows.start + i, silu(g[i]) * u[i]) };
+                    unsafe { act_o.set(slot * inter + rows.start + i, simd::silu(g[i]) * u[i]) };
                 }
             });
         });
@@ -912,7 +915,12 @@ fn moe_grouped(
                 gemm::tile_products(isa, gt, rn, d, members.len(), xrow, |m, i, v| gv[m * rn + i] = v);
                 gemm::tile_products(isa, ut, rn, d, members.len(), xrow, |m, i, u| {
                     // SAFETY: (pair, row) of this expert's row block is written by this task only.
-                    unsafe { act_o.set(members[m] as usize * inter + rows.start + i, silu(gv[m * rn + i]) * u) };
+                    unsafe {
+                        act_o.set(
+                            members[m] as usize * inter + rows.start + i,
+                            simd::silu(gv[m * rn + i]) * u,
+                        )
+                    };
                 });
             });
         });
@@ -963,7 +971,9 @@ pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
 /// [C, taps]). Threads: blocks of CONV_BLOCK channels. Within a block the loops run token-outer,
 /// channel-inner, so every read and write is a contiguous run of the block's channels (a
 /// channel-outer loop walks x's columns at a stride of C floats, one cache miss per value), with
-/// the block's weights transposed to [taps][block] first so the inner loops vectorize.
+/// the block's weights transposed to [taps][block] (task scratch) first so the inner loops
+/// vectorize. One token (decode) reads the weights in place: the transpose would cost as much as
+/// the conv.
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
     const CONV_BLOCK: usize = 256;
     let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
@@ -971,52 +981,62 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
     let hist = taps - 1;
     let (o, st) = (Out(out.as_mut_ptr()), Out(state.as_mut_ptr()));
     pool::for_each(c_n.div_ceil(CONV_BLOCK), |blk| {
-        let c0 = blk * CONV_BLOCK;
-        let n = CONV_BLOCK.min(c_n - c0);
-        let mut wt = [[0f32; CONV_BLOCK]; MAX_CONV_TAPS];
-        for (i, wc) in w[c0 * taps..(c0 + n) * taps].chunks_exact(taps).enumerate() {
-            for j in 0..taps {
-                wt[j][i] = wc[j];
-            }
-        }
-        // SAFETY: this task alone reads and writes channels c0..c0 + n of the state and out.
-        let state_row = |i: usize| unsafe { &*st.slice(i * c_n + c0, n) };
-        // Row i of [state; x], this block's channels.
-        let row = |i: usize| {
-            if i < hist {
-                state_row(i)
-            } else {
-                &x[(i - hist) * c_n + c0..][..n]
-            }
-        };
-        let mut acc = [0f32; CONV_BLOCK];
-        for t in 0..t_n {
-            let acc = &mut acc[..n];
-            acc.fill(0.0);
-            for (j, wj) in wt[..taps].iter().enumerate() {
-                for ((a, &wv), &v) in acc.iter_mut().zip(&wj[..n]).zip(row(t + j)) {
-                    *a += wv * v;
+        with_task((taps + 1) * CONV_BLOCK, |scr| {
+            let c0 = blk * CONV_BLOCK;
+            let n = CONV_BLOCK.min(c_n - c0);
+            let wb = &w[c0 * taps..(c0 + n) * taps];
+            let (wt, acc) = scr.split_at_mut(taps * CONV_BLOCK);
+            if t_n > 1 {
+                for (i, wc) in wb.chunks_exact(taps).enumerate() {
+                    for j in 0..taps {
+                        wt[j * CONV_BLOCK + i] = wc[j];
+                    }
                 }
             }
-            // SAFETY: as above.
-            let ot = unsafe { o.slice(t * c_n + c0, n) };
-            for (y, &a) in ot.iter_mut().zip(acc.iter()) {
-                *y = silu(a);
-            }
-        }
-        // New state: the last `hist` rows of [state; x]. Rows still coming from the old state
-        // (T < hist) move up, so go in increasing order (a row only reads from a later one).
-        for i in 0..hist {
-            let src = t_n + i;
-            if src < hist {
-                // SAFETY: as above; src > i, distinct rows.
-                let (from, to) = unsafe { (st.slice(src * c_n + c0, n), st.slice(i * c_n + c0, n)) };
-                to.copy_from_slice(from);
-            } else {
+            // SAFETY: this task alone reads and writes channels c0..c0 + n of the state and out.
+            let state_row = |i: usize| unsafe { &*st.slice(i * c_n + c0, n) };
+            // Row i of [state; x], this block's channels.
+            let row = |i: usize| {
+                if i < hist {
+                    state_row(i)
+                } else {
+                    &x[(i - hist) * c_n + c0..][..n]
+                }
+            };
+            for t in 0..t_n {
+                let acc = &mut acc[..n];
+                if t_n == 1 {
+                    for (i, (a, wc)) in acc.iter_mut().zip(wb.chunks_exact(taps)).enumerate() {
+                        *a = (0..taps).map(|j| wc[j] * row(j)[i]).sum();
+                    }
+                } else {
+                    acc.fill(0.0);
+                    for (j, wj) in wt.chunks_exact(CONV_BLOCK).enumerate() {
+                        for ((a, &wv), &v) in acc.iter_mut().zip(&wj[..n]).zip(row(t + j)) {
+                            *a += wv * v;
+                        }
+                    }
+                }
                 // SAFETY: as above.
-                unsafe { st.slice(i * c_n + c0, n) }.copy_from_slice(&x[(src - hist) * c_n + c0..][..n]);
+                let ot = unsafe { o.slice(t * c_n + c0, n) };
+                for (y, &a) in ot.iter_mut().zip(acc.iter()) {
+                    *y = simd::silu(a);
+                }
             }
-        }
+            // New state: the last `hist` rows of [state; x]. Rows still coming from the old state
+            // (T < hist) move up, so go in increasing order (a row only reads from a later one).
+            for i in 0..hist {
+                let src = t_n + i;
+                if src < hist {
+                    // SAFETY: as above; src > i, distinct rows.
+                    let (from, to) = unsafe { (st.slice(src * c_n + c0, n), st.slice(i * c_n + c0, n)) };
+                    to.copy_from_slice(from);
+                } else {
+                    // SAFETY: as above.
+                    unsafe { st.slice(i * c_n + c0, n) }.copy_from_slice(&x[(src - hist) * c_n + c0..][..n]);
+                }
+            }
+        })
     });
 }
 
@@ -1062,7 +1082,7 @@ pub fn swiglu(p: &RowsParams, gate: &[f32], up: &[f32], out: &mut [f32]) {
     pool::for_chunks(&mut out[..n], 4096, |c, o| {
         let (g, u) = (&gate[c * 4096..], &up[c * 4096..]);
         for i in 0..o.len() {
-            o[i] = silu(g[i]) * u[i];
+            o[i] = simd::silu(g[i]) * u[i];
         }
     });
 }

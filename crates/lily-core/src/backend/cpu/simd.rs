@@ -392,6 +392,41 @@ pub fn dense_dot_portable(dtype: DType, data: &[u8], x: &[f32]) -> f32 {
 // ------------------------------------------------------------------------------------------------
 // GEMM tile and dequantization
 
+/// e^x to ~2 ulp in straight-line f32 arithmetic, so loops over it vectorize (a libm `expf` call
+/// per element does not): e^x = 2^n e^r with n = round(x / ln 2) by the 1.5 * 2^23 trick, r =
+/// x - n ln 2 in two parts, e^r by Cephes' degree-6 minimax polynomial, 2^n built in the exponent
+/// bits. x is clamped to [-87, 88] (results from ~1e-38 to ~1.7e38; e^-inf gives ~1e-38, not 0:
+/// callers multiply it into sums that dwarf it); NaN stays NaN.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const SHIFTER: f32 = 12_582_912.0; // 1.5 * 2^23
+    let x = x.clamp(-87.0, 88.0);
+    let t = x * std::f32::consts::LOG2_E + SHIFTER;
+    let n = t - SHIFTER;
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let mut p = 1.987_569_2e-4f32;
+    p = p * r + 1.398_2e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    // t's low mantissa bits hold 2^22 + n: shifted into the exponent field, the 2^22 falls off.
+    y * f32::from_bits((t.to_bits() << 23).wrapping_add(127 << 23))
+}
+
+/// x sigma(x) with the vectorizable [`exp`].
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + exp(-x))
+}
+
+/// 1 / (1 + e^-x) with the vectorizable [`exp`].
+#[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
 /// Asks for every cache line of `data` ahead of its use (x86_64; a hint, never faults). Used
 /// where the hardware prefetcher sees no stream, e.g. rows a few KiB apart read once each.
 #[inline(always)]
