@@ -321,9 +321,6 @@ fn attend_split_body(
     let mut kb = k0;
     while kb < k1 {
         let kn = (k1 - kb).min(SPLIT_BLOCK);
-        for s in kb..kb + kn {
-            simd::prefetch(vrow(s));
-        }
         let mut i0 = 0;
         while i0 < group {
             let rn = (group - i0).min(4);
@@ -331,6 +328,10 @@ fn attend_split_body(
             let mut s0 = 0;
             while s0 < kn {
                 let sn = (kn - s0).min(4);
+                if i0 == 0 {
+                    // V rows of these keys, for the P.V pass (interleaved with the K stream).
+                    (kb + s0..kb + s0 + sn).for_each(|s| simd::prefetch(vrow(s)));
+                }
                 let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
                 let d = simd::dot4x4(isa, qs, ks, hd);
                 for a in 0..rn {
@@ -352,23 +353,33 @@ fn attend_split_body(
                 }
                 let sr = &mut sc[i * kn..][..kn];
                 let m = sr.iter().fold(mx[i], |m, &x| m.max(x));
-                let mut sum = 0f32;
-                for x in sr.iter_mut() {
-                    *x = simd::exp(*x - m);
-                    sum += *x;
-                }
+                sr.iter_mut().for_each(|x| *x = simd::exp(*x - m));
                 *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
-                (mx[i], l[i]) = (m, l[i] * *c + sum);
+                (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
             }
             let acc = &mut acc[i0 * hd..];
             let sc = &sc[i0 * kn..];
             let v = |s: usize| vrow(kb + s);
-            if isa == Isa::Avx512 {
-                pv_rows::<8, 32, true>(sc, kn, (group - i0).min(8), hd, &corr, v, acc);
+            let rows = (group - i0).min(8);
+            if isa == Isa::Avx512 && hd % 32 == 0 {
+                let vb = &vc[(kb * kv_n + kvh) * hd..];
+                for j0 in (0..hd).step_by(32) {
+                    let mut a = [[0f32; 32]; 8];
+                    for (r, ar) in a.iter_mut().enumerate().take(rows) {
+                        let src = &acc[r * hd + j0..][..32];
+                        ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
+                    }
+                    simd::pv8x32(isa, sc, kn, &vb[j0..], kv_n * hd, &mut a);
+                    for (r, ar) in a.iter().enumerate().take(rows) {
+                        acc[r * hd + j0..][..32].copy_from_slice(ar);
+                    }
+                }
+            } else if isa == Isa::Avx512 {
+                pv_rows::<8, 32, true>(sc, kn, rows, hd, &corr, v, acc);
             } else if isa == Isa::Avx2 || cfg!(target_arch = "aarch64") {
-                pv_rows::<4, 16, true>(sc, kn, (group - i0).min(8), hd, &corr, v, acc);
+                pv_rows::<4, 16, true>(sc, kn, rows, hd, &corr, v, acc);
             } else {
-                pv_rows::<4, 16, false>(sc, kn, (group - i0).min(8), hd, &corr, v, acc);
+                pv_rows::<4, 16, false>(sc, kn, rows, hd, &corr, v, acc);
             }
         }
         kb += kn;

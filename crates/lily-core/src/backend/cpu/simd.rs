@@ -415,6 +415,18 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits((t.to_bits() << 23).wrapping_add(127 << 23))
 }
 
+/// The sum of `x` in 16 interleaved partial sums (a single running sum is a chain of dependent
+/// adds that cannot vectorize).
+#[inline(always)]
+pub fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        acc.iter_mut().zip(c).for_each(|(a, v)| *a += v);
+    }
+    chunks.remainder().iter().sum::<f32>() + acc.iter().sum::<f32>()
+}
+
 /// x sigma(x) with the vectorizable [`exp`].
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
@@ -441,6 +453,31 @@ pub fn prefetch(data: &[f32]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
+}
+
+/// acc[r][..] += sum over s < kn of p[r * kn + s] * v[s * stride..][..32], for 8 rows r: the
+/// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` floats apart). AVX-512
+/// only: returns false (acc untouched) on other ISAs.
+pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mut [[f32; 32]; 8]) -> bool {
+    if isa != Isa::Avx512 || kn == 0 {
+        return kn == 0;
+    }
+    assert!(
+        p.len() >= 8 * kn && v.len() >= (kn - 1) * stride + 32,
+        "pv8x32: short input"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512 available; the reads stay inside p and v (checked above).
+    unsafe {
+        x86::pv8x32_avx512(
+            std::array::from_fn(|r| p.as_ptr().add(r * kn)),
+            v.as_ptr(),
+            stride,
+            kn,
+            acc,
+        )
+    };
+    true
 }
 
 /// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
@@ -818,12 +855,71 @@ mod x86 {
                 j += 16;
             }
             let mut o = [[0f32; 4]; 4];
-            for i in 0..4 {
-                for t in 0..4 {
-                    o[i][t] = _mm512_reduce_add_ps(acc[i][t]);
+            _mm512_storeu_ps(o.as_mut_ptr() as *mut f32, hsum16(acc));
+            o
+        }
+    }
+
+    /// The 16 horizontal sums of acc[i][t] in one vector, element 4 i + t: a transpose-and-add
+    /// tree (45 shuffles and adds, where 16 separate reductions take ~130).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn hsum16(acc: [[__m512; 4]; 4]) -> __m512 {
+        let v: [__m512; 16] = std::array::from_fn(|n| acc[n / 4][n % 4]);
+        // Pairs: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3].
+        let p: [__m512; 8] = std::array::from_fn(|n| {
+            _mm512_add_ps(
+                _mm512_unpacklo_ps(v[2 * n], v[2 * n + 1]),
+                _mm512_unpackhi_ps(v[2 * n], v[2 * n + 1]),
+            )
+        });
+        // Quads: per lane [a, b, c, d] (each that lane's sum).
+        let q: [__m512; 4] = std::array::from_fn(|n| {
+            let (x, y) = (_mm512_castps_pd(p[2 * n]), _mm512_castps_pd(p[2 * n + 1]));
+            _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+            )
+        });
+        // Lanes: [q0 L0+L1, q0 L2+L3, q1 L0+L1, q1 L2+L3], then across the two halves.
+        let h: [__m512; 2] = std::array::from_fn(|n| {
+            let (x, y) = (q[2 * n], q[2 * n + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        });
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(h[0], h[1]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(h[0], h[1]),
+        )
+    }
+
+    /// Decode attention P.V tile: acc[r] += sum_s p[r][s] v[s][0..32] for 8 query rows, with V rows
+    /// `stride` floats apart. 16 zmm accumulators; per key 2 V loads and 8 broadcasts feed 16 FMAs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn pv8x32_avx512(p: [*const f32; 8], v: *const f32, stride: usize, kn: usize, acc: &mut [[f32; 32]; 8]) {
+        unsafe {
+            let mut a: [[__m512; 2]; 8] = std::array::from_fn(|r| {
+                [
+                    _mm512_loadu_ps(acc[r].as_ptr()),
+                    _mm512_loadu_ps(acc[r].as_ptr().add(16)),
+                ]
+            });
+            for s in 0..kn {
+                let (v0, v1) = (
+                    _mm512_loadu_ps(v.add(s * stride)),
+                    _mm512_loadu_ps(v.add(s * stride + 16)),
+                );
+                for r in 0..8 {
+                    let b = _mm512_set1_ps(*p[r].add(s));
+                    a[r][0] = _mm512_fmadd_ps(v0, b, a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(v1, b, a[r][1]);
                 }
             }
-            o
+            for r in 0..8 {
+                _mm512_storeu_ps(acc[r].as_mut_ptr(), a[r][0]);
+                _mm512_storeu_ps(acc[r].as_mut_ptr().add(16), a[r][1]);
+            }
         }
     }
 
