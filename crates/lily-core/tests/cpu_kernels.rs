@@ -174,8 +174,12 @@ fn rope_rotates_only_the_rotary_dims() {
 }
 
 fn delta_net_case(t: usize, seed: u64) {
+    delta_net_heads_case(t, seed, 2, 4);
+}
+
+fn delta_net_heads_case(t: usize, seed: u64, hk: usize, hv: usize) {
     let (fast, refr) = both();
-    let (hk, hv, dk, dv) = (2usize, 4usize, 128usize, 128usize);
+    let (dk, dv) = (128usize, 128usize);
     let width = 2 * hk * dk + hv * dv;
     let qkv = rand_vec(t * width, seed, -1.0, 1.0);
     let a = rand_vec(t * hv, seed + 1, -3.0, 3.0);
@@ -204,6 +208,9 @@ fn delta_net_chunked_matches_step_recurrence() {
     delta_net_case(2, 2);
     delta_net_case(64, 3); // one full chunk
     delta_net_case(150, 4); // 64 + 64 + 22
+                            // Decode runs several heads per task (here 3 on two threads, the last run shorter).
+    delta_net_heads_case(1, 5, 4, 20);
+    delta_net_heads_case(3, 6, 4, 20);
 }
 
 #[test]
