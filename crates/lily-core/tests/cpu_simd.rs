@@ -232,6 +232,46 @@ fn gemv_tiles_split_rows_exactly() {
     }
 }
 
+#[test]
+fn gemv_many_matches_one_gemv_each() {
+    let _g = serial();
+    // A layer's projections of one x: 4-bit of several heights (two sharing a prepared x), an
+    // 8-bit router, a one-row gate, bf16, 4-bit group 32 (its own prepared x); and a 2-bit
+    // matrix, which sends the call to the per-matrix path.
+    let (q4, q8) = (
+        Format::Affine { bits: 4, group: 64 },
+        Format::Affine { bits: 8, group: 64 },
+    );
+    let x = rand_vec(256, 3, -1.0, 1.0);
+    let sets: [&[(usize, Format)]; 2] = [
+        &[
+            (700, q4),
+            (33, q8),
+            (64, q4),
+            (1, q8),
+            (9, Format::BF16),
+            (50, Format::Affine { bits: 4, group: 32 }),
+        ],
+        &[(40, q4), (17, Format::Affine { bits: 2, group: 64 })],
+    ];
+    for (k, set) in sets.iter().enumerate() {
+        let ms: Vec<Matrix> = set
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, f))| matrix(1, rows, 256, f, DType::BF16, 10 * k as u64 + i as u64))
+            .collect();
+        let refs: Vec<&Matrix> = ms.iter().collect();
+        let mut outs: Vec<Vec<f32>> = ms.iter().map(|m| vec![f32::NAN; m.rows]).collect();
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        gemm::gemv_many(Isa::get(), &refs, &x, &mut slices);
+        for (m, got) in ms.iter().zip(&outs) {
+            let mut want = vec![0f32; m.rows];
+            gemm::gemv(Isa::get(), m, 0, &x, &mut want);
+            assert_eq!(got, &want, "gemv_many set {k}, {} rows {:?}", m.rows, m.format);
+        }
+    }
+}
+
 struct DecodeBufs {
     w: Matrix,
     gate: Matrix,

@@ -67,6 +67,13 @@ pub trait Backend: Send + Sized + 'static {
     fn add(&self, p: &RowsParams, x: &mut Self::Buf, y: &Self::Buf);
     /// out [T, N] = x[x_row0.., K] W^T with W [N, K] (in-kernel dequantization).
     fn matmul(&self, p: &MatmulParams, w: &Self::Matrix, x: &Self::Buf, out: &mut Self::Buf);
+    /// outs[i] = x W_i^T for several matrices reading the same x (a layer's input projections).
+    /// A backend may run them as one launch; by default, one `matmul` each.
+    fn matmuls(&self, p: &MatmulParams, x: &Self::Buf, ws: &[&Self::Matrix], outs: &mut [&mut Self::Buf]) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(p, w, x, out);
+        }
+    }
     /// q/k RMSNorm + partial RoPE in place: qg [T, H, 2*hd] (q is the first hd of each head), k [T, Hkv, hd].
     fn qk_norm_rope(
         &self,

@@ -59,9 +59,12 @@ impl<B: Backend> Attention<B> {
             tokens: t as u32,
             x_row0: 0,
         };
-        b.matmul(&mm, &self.q_proj, &s.h, &mut s.proj);
-        b.matmul(&mm, &self.k_proj, &s.h, &mut s.k);
-        b.matmul(&mm, &self.v_proj, &s.h, &mut s.v);
+        b.matmuls(
+            &mm,
+            &s.h,
+            &[&self.q_proj, &self.k_proj, &self.v_proj],
+            &mut [&mut s.proj, &mut s.k, &mut s.v],
+        );
         let rope = RopeParams {
             tokens: t as u32,
             pos0: pos0 as u32,

@@ -61,10 +61,12 @@ impl<B: Backend> DeltaNet<B> {
             tokens: t as u32,
             x_row0: 0,
         };
-        b.matmul(&mm, &self.in_proj_qkv, &s.h, &mut s.proj);
-        b.matmul(&mm, &self.in_proj_z, &s.h, &mut s.z);
-        b.matmul(&mm, &self.in_proj_b, &s.h, &mut s.b);
-        b.matmul(&mm, &self.in_proj_a, &s.h, &mut s.a);
+        b.matmuls(
+            &mm,
+            &s.h,
+            &[&self.in_proj_qkv, &self.in_proj_z, &self.in_proj_b, &self.in_proj_a],
+            &mut [&mut s.proj, &mut s.z, &mut s.b, &mut s.a],
+        );
         let conv_dim = 2 * self.dims.key_heads * self.dims.key_dim + self.dims.value_heads * self.dims.value_dim;
         let conv = ConvParams {
             tokens: t as u32,

@@ -55,7 +55,18 @@ impl<B: Backend> Moe<B> {
             tokens: t as u32,
             x_row0: 0,
         };
-        b.matmul(&mm, &self.gate, &s.h, &mut s.router);
+        // Every projection of s.h at once: the router, the shared expert's gate / up and its gate.
+        b.matmuls(
+            &mm,
+            &s.h,
+            &[
+                &self.gate,
+                &self.shared_gate_proj,
+                &self.shared_up_proj,
+                &self.shared_expert_gate,
+            ],
+            &mut [&mut s.router, &mut s.shared_g, &mut s.shared_u, &mut s.shared_gate],
+        );
         let route = RouteParams {
             tokens: t as u32,
             experts: self.experts as u32,
@@ -78,8 +89,6 @@ impl<B: Backend> Moe<B> {
             &mut s.moe_tmp,
             &mut s.mix,
         );
-        b.matmul(&mm, &self.shared_gate_proj, &s.h, &mut s.shared_g);
-        b.matmul(&mm, &self.shared_up_proj, &s.h, &mut s.shared_u);
         b.swiglu(
             &RowsParams {
                 tokens: t as u32,
@@ -90,7 +99,6 @@ impl<B: Backend> Moe<B> {
             &mut s.shared_act,
         );
         b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
-        b.matmul(&mm, &self.shared_expert_gate, &s.h, &mut s.shared_gate);
         b.sigmoid_gate_add(
             &RowsParams {
                 tokens: t as u32,

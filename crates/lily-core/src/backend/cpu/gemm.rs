@@ -128,6 +128,55 @@ pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
     })
 }
 
+/// Most matrices [`gemv_many`] takes in one call.
+pub const MANY: usize = 8;
+
+/// outs[i] = W_i . x for up to [`MANY`] matrices sharing x (decode): x prepared once per
+/// distinct format and width, and every matrix's row ranges are the tasks of one pool loop
+/// (one fork-join and one tail instead of one per matrix; a layer's small projections cost
+/// ~15 us each on their own). outs[i] holds W_i's rows.
+pub fn gemv_many(isa: Isa, ms: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
+    let n = ms.len();
+    assert!(n <= MANY && outs.len() == n, "gemv_many: {n} matrices");
+    if ms.iter().any(|m| !simd::has_row_kernel(m)) {
+        for (m, out) in ms.iter().zip(outs.iter_mut()) {
+            gemv(isa, m, 0, x, out);
+        }
+        return;
+    }
+    // Matrix i reads the x prepared at off[i]: its own, or an earlier one of the same format.
+    let (mut off, mut total) = ([0usize; MANY], 0);
+    let mut own = [false; MANY];
+    for i in 0..n {
+        match (0..i).find(|&j| ms[j].format == ms[i].format && ms[j].cols == ms[i].cols) {
+            Some(j) => off[i] = off[j],
+            None => (off[i], own[i], total) = (total, true, total + simd::prep_len(ms[i])),
+        }
+    }
+    let (mut chunk, mut start) = ([0usize; MANY], [0usize; MANY + 1]);
+    let mut out_p = [Out(std::ptr::null_mut()); MANY];
+    for i in 0..n {
+        assert!(outs[i].len() >= ms[i].rows, "gemv_many: output {i} too short");
+        chunk[i] = gemv_chunk(ms[i].rows, ms[i].bytes_per_row());
+        start[i + 1] = start[i] + ms[i].rows.div_ceil(chunk[i]);
+        out_p[i] = Out(outs[i].as_mut_ptr());
+    }
+    with_caller(total, |buf| {
+        for i in (0..n).filter(|&i| own[i]) {
+            simd::prepare(isa, ms[i], x, &mut buf[off[i]..][..simd::prep_len(ms[i])]);
+        }
+        let buf: &[f32] = buf;
+        pool::for_each(start[n], |t| {
+            let i = (0..n).rfind(|&i| start[i] <= t).unwrap_or(0);
+            let (m, r0) = (ms[i], (t - start[i]) * chunk[i]);
+            let xr = simd::view(isa, m, x, &buf[off[i]..][..simd::prep_len(m)]);
+            // SAFETY: rows r0.. of output i belong to this task alone.
+            let o = unsafe { out_p[i].slice(r0, chunk[i].min(m.rows - r0)) };
+            with_task(simd::row_scratch_len(m), |sb| gemv_rows(isa, m, 0, r0, xr, sb, o));
+        });
+    })
+}
+
 multiversion! {
     pub(crate) fn gemv_rows(m: &Matrix, e: usize, r0: usize, xr: XRow, sb: &mut [f32], out: &mut [f32]) = gemv_rows_body;
 }
