@@ -242,8 +242,9 @@ fn delta_net_decode_steps_match_reference() {
 #[test]
 fn delta_net_conv_matches_reference() {
     let (fast, refr) = both();
-    // 300 channels: a partial channel block; T below, at and above the history length.
-    for (c, taps) in [(300, 4), (300, 2), (40, 5)] {
+    // 300 channels: one partial channel block; 2500: two full blocks and a partial one. T below,
+    // at and above the history length.
+    for (c, taps) in [(300, 4), (300, 2), (40, 5), (2500, 4)] {
         let w = rand_vec(c * taps, 1, -1.0, 1.0);
         for &t in &[1usize, 2, 3, 5, 70] {
             let x = rand_vec(t * c, 2 + t as u64, -2.0, 2.0);

@@ -998,7 +998,7 @@ pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
 /// vectorize. One token (decode) reads the weights in place: the transpose would cost as much as
 /// the conv.
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
-    const CONV_BLOCK: usize = 256;
+    const CONV_BLOCK: usize = 1024;
     let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
     assert!((1..=MAX_CONV_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
     let hist = taps - 1;
@@ -1029,8 +1029,12 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
             for t in 0..t_n {
                 let acc = &mut acc[..n];
                 if t_n == 1 {
-                    for (i, (a, wc)) in acc.iter_mut().zip(wb.chunks_exact(taps)).enumerate() {
-                        *a = (0..taps).map(|j| wc[j] * row(j)[i]).sum();
+                    acc.fill(0.0);
+                    for j in 0..taps {
+                        let r = row(j);
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a += wb[i * taps + j] * r[i];
+                        }
                     }
                 } else {
                     acc.fill(0.0);
