@@ -263,7 +263,7 @@ fn gemv_many_matches_one_gemv_each() {
         let refs: Vec<&Matrix> = ms.iter().collect();
         let mut outs: Vec<Vec<f32>> = ms.iter().map(|m| vec![f32::NAN; m.rows]).collect();
         let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-        gemm::gemv_many(Isa::get(), &refs, &x, &mut slices);
+        gemm::gemv_many(Isa::get(), &refs, 0, &x, &mut slices);
         for (m, got) in ms.iter().zip(&outs) {
             let mut want = vec![0f32; m.rows];
             gemm::gemv(Isa::get(), m, 0, &x, &mut want);

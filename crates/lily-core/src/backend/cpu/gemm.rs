@@ -94,7 +94,7 @@ fn gemv_chunk(rows: usize, row_bytes: usize) -> usize {
     rows.div_ceil(4 * threads).max(min_rows)
 }
 
-/// out[r] = row r of expert e . x for r in 0..out.len() (decode GEMV).
+/// out[r] = row r of expert e . x for every row of `m` (decode GEMV).
 /// Layout: `m` rows packed as stored; x [cols]; out [rows]. Threads: contiguous row ranges.
 /// Accumulation: f32 per row, affine groups in the form sum_g s_g (q . x)_g + b_g sum_g x.
 pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
@@ -111,36 +111,22 @@ pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
         });
         return;
     }
-    with_caller(simd::prep_len(m), |buf| {
-        simd::prepare(isa, m, x, buf);
-        let xr = simd::view(isa, m, x, buf);
-        let chunk = gemv_chunk(out.len(), m.bytes_per_row());
-        let run = |c: usize, o: &mut [f32]| {
-            with_task(simd::row_scratch_len(m), |sb| {
-                gemv_rows(isa, m, e, c * chunk, xr, sb, o)
-            })
-        };
-        if chunk >= out.len() {
-            run(0, out); // one task: skip the pool round trip
-        } else {
-            pool::for_chunks(out, chunk, run);
-        }
-    })
+    gemv_many(isa, &[m], e, x, &mut [out])
 }
 
 /// Most matrices [`gemv_many`] takes in one call.
 pub const MANY: usize = 8;
 
-/// outs[i] = W_i . x for up to [`MANY`] matrices sharing x (decode): x prepared once per
+/// outs[i] = expert e of W_i . x for up to [`MANY`] matrices sharing x (decode): x prepared once per
 /// distinct format and width, and every matrix's row ranges are the tasks of one pool loop
 /// (one fork-join and one tail instead of one per matrix; a layer's small projections cost
 /// ~15 us each on their own). outs[i] holds W_i's rows.
-pub fn gemv_many(isa: Isa, ms: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
+pub fn gemv_many(isa: Isa, ms: &[&Matrix], e: usize, x: &[f32], outs: &mut [&mut [f32]]) {
     let n = ms.len();
     assert!(n <= MANY && outs.len() == n, "gemv_many: {n} matrices");
     if ms.iter().any(|m| !simd::has_row_kernel(m)) {
         for (m, out) in ms.iter().zip(outs.iter_mut()) {
-            gemv(isa, m, 0, x, out);
+            gemv(isa, m, e, x, out);
         }
         return;
     }
@@ -172,7 +158,7 @@ pub fn gemv_many(isa: Isa, ms: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
             let xr = simd::view(isa, m, x, &buf[off[i]..][..simd::prep_len(m)]);
             // SAFETY: rows r0.. of output i belong to this task alone.
             let o = unsafe { out_p[i].slice(r0, chunk[i].min(m.rows - r0)) };
-            with_task(simd::row_scratch_len(m), |sb| gemv_rows(isa, m, 0, r0, xr, sb, o));
+            with_task(simd::row_scratch_len(m), |sb| gemv_rows(isa, m, e, r0, xr, sb, o));
         });
     })
 }

@@ -272,10 +272,10 @@ impl Backend for Cpu {
             let name = format!("{} + {rest}", profile::layerless(&ws[0].name));
             let bytes = ws.iter().map(|w| (w.rows * w.bytes_per_row()) as u64).sum();
             return profile::timed(&format!("matmuls {name}"), bytes, || {
-                gemm::gemv_many(simd::Isa::get(), ws, x, outs)
+                gemm::gemv_many(simd::Isa::get(), ws, 0, x, outs)
             });
         }
-        gemm::gemv_many(simd::Isa::get(), ws, x, outs)
+        gemm::gemv_many(simd::Isa::get(), ws, 0, x, outs)
     }
     fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
         dispatch!(self, qk_norm_rope(p, q_norm, k_norm, qg, k))
