@@ -28,6 +28,15 @@ fn every_task_runs_once_in_and_out_of_a_session() {
 }
 
 #[test]
+fn more_tasks_than_one_loop_counts() {
+    // 2^20 + 3 tasks: the loop word counts 20 bits, so this runs as two loops.
+    let n = (1 << 20) + 3;
+    let hits: Vec<std::sync::atomic::AtomicU8> = (0..n).map(|_| Default::default()).collect();
+    pool::for_each(n, |i| _ = hits[i].fetch_add(1, SeqCst));
+    assert!(hits.iter().all(|h| h.load(SeqCst) == 1));
+}
+
+#[test]
 fn chunks_cover_the_slice() {
     let mut v = vec![0usize; 1001];
     pool::for_chunks(&mut v, 64, |c, s| {

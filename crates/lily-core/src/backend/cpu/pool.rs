@@ -1,7 +1,7 @@
 //! The CPU thread pool: one thread per core (the caller plus `threads() - 1` workers, created
 //! once), running the parallel loops of the kernels as numbered tasks.
 //!
-//! Why not a general work-stealing pool: a decode step is ~80 parallel loops of 10-400 us with
+//! Why not a general work-stealing pool: a decode step is ~60 parallel loops of 5-500 us with
 //! short serial stretches between them (norms, routing, x quantization). A worker that goes to
 //! sleep in such a gap (rayon's do after ~10 us idle) costs a futex wake-up at the next loop,
 //! measured at ~40 us on this machine's virtual cores: the caller then runs most of a small GEMV
@@ -9,7 +9,7 @@
 //! ([`run`], a *session*) and a short grace period after it, and sleep on a condition variable
 //! otherwise, so an idle engine costs no CPU.
 //!
-//! A loop ([`for_each`]) is published as one atomic word, `epoch:16 | n:24 | next:24`: every
+//! A loop ([`for_each`]) is published as one atomic word, `epoch:24 | n:20 | next:20`: every
 //! thread claims task `next` by compare-and-swap (so a task number is never handed out for a
 //! stale loop), runs it, and counts it done; the caller takes tasks too, then waits until all `n`
 //! are done. Nothing is allocated per loop or per session.
@@ -31,7 +31,7 @@ use std::{
 const GRACE: Duration = Duration::from_millis(5);
 /// Spins between clock reads / `yield_now` calls while waiting.
 const SPINS: u32 = 256;
-const FIELD: u32 = 24;
+const FIELD: u32 = 20;
 const MASK: u64 = (1 << FIELD) - 1;
 
 type Task = dyn Fn(usize) + Sync;
@@ -143,13 +143,19 @@ pub fn for_each(n: usize, task: impl Fn(usize) + Sync) {
     if !DRIVING.get() {
         return run(|| for_each(n, task));
     }
-    assert!(n as u64 <= MASK, "pool::for_each: {n} tasks");
-    let body: &(dyn Fn(usize) + Sync + '_) = &task;
+    // More tasks than the word counts (no kernel gets near): consecutive loops.
+    for base in (0..n).step_by(MASK as usize) {
+        publish(p, (n - base).min(MASK as usize), &|i| task(base + i));
+    }
+}
+
+/// Runs one loop of n <= MASK tasks from the session's driver; see [`for_each`].
+fn publish(p: &Pool, n: usize, body: &(dyn Fn(usize) + Sync + '_)) {
     // SAFETY: every task of the previous loop is done (we waited), so no worker reads `task`;
     // the lifetime is erased, but this function returns only after all n tasks are done.
     unsafe { *p.task.get() = std::mem::transmute::<&(dyn Fn(usize) + Sync + '_), *const Task>(body) };
     p.done.store(0, Relaxed);
-    let epoch = (p.word.load(Relaxed) >> (2 * FIELD)).wrapping_add(1) & 0xffff;
+    let epoch = (p.word.load(Relaxed) >> (2 * FIELD)).wrapping_add(1) & ((1 << (64 - 2 * FIELD)) - 1);
     p.word.store(epoch << (2 * FIELD) | (n as u64) << FIELD, Release);
     work(p);
     let mut spins = 0u32;
