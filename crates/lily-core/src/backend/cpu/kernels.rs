@@ -292,8 +292,9 @@ const SPLIT_BLOCK: usize = 64;
 /// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores by 4 x 4 register tiles
 /// into sc [rows8, SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are
 /// prefetched; then each row's running max / sum rescale its accumulator and acc [group, hd] +=
-/// P V by register tiles of R rows x W dims ([`pv_rows`]), each V row loaded once per tile for all
-/// R rows. dst = acc | m [group] | l [group] (sc needs rows8 * SPLIT_BLOCK floats).
+/// P V by register tiles (8 rows x 32 dims on AVX-512, [`simd::pv8x32`]; else [`pv_rows`]), each
+/// V row loaded once per tile for all its rows. dst = acc | m [group] | l [group] (sc needs
+/// rows8 * SPLIT_BLOCK floats).
 #[inline(always)]
 fn attend_split_body(
     isa: Isa,
@@ -374,9 +375,7 @@ fn attend_split_body(
                         acc[r * hd + j0..][..32].copy_from_slice(ar);
                     }
                 }
-            } else if isa == Isa::Avx512 {
-                pv_rows::<8, 32, true>(sc, kn, rows, hd, &corr, v, acc);
-            } else if isa == Isa::Avx2 || cfg!(target_arch = "aarch64") {
+            } else if isa != Isa::Portable || cfg!(target_arch = "aarch64") {
                 pv_rows::<4, 16, true>(sc, kn, rows, hd, &corr, v, acc);
             } else {
                 pv_rows::<4, 16, false>(sc, kn, rows, hd, &corr, v, acc);
