@@ -477,6 +477,8 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mu
             acc,
         )
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = acc; // Isa::Avx512 exists only on x86_64
     true
 }
 
