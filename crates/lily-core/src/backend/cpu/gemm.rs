@@ -87,11 +87,13 @@ impl Out {
 pub const TILE_ROWS: usize = 16;
 
 /// Rows per decode task: about four tasks per pool thread, so a core slowed by another process
-/// can hand work over, while each task still streams at least ~64 KiB.
+/// can hand work over, while each task still streams at least ~64 KiB; and at most ~2 MiB, so
+/// the last task of a big matrix (the lm_head: 270 MB) leaves the other cores idle briefly.
 fn gemv_chunk(rows: usize, row_bytes: usize) -> usize {
     let threads = pool::threads();
     let min_rows = (64 << 10) / row_bytes.max(1) + 1;
-    rows.div_ceil(4 * threads).max(min_rows)
+    let max_rows = ((2 << 20) / row_bytes.max(1)).max(min_rows);
+    rows.div_ceil(4 * threads).clamp(min_rows, max_rows)
 }
 
 /// out[r] = row r of expert e . x for every row of `m` (decode GEMV).
