@@ -307,6 +307,40 @@ fn bench() {
         );
     }
 
+    // Decode attention over a 4K f32 KV cache (16 query / 2 KV heads of 256, the real shape):
+    // GB/s of K and V read. Eight caches in rotation (134 MB) so each call reads from DRAM.
+    let name = "decode attention 16q/2kv x 256, 4K context";
+    if run(name) {
+        use lily_core::backend::{cpu::kernels, params::AttentionParams};
+        let (h, kv, hd, len) = (16usize, 2usize, 256usize, 4096usize);
+        let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..8)
+            .map(|c| {
+                let f = |i: usize, m: usize| ((i * m + c) % 97) as f32 / 97.0 - 0.5;
+                (
+                    (0..len * kv * hd).map(|i| f(i, 53)).collect(),
+                    (0..len * kv * hd).map(|i| f(i, 29)).collect(),
+                )
+            })
+            .collect();
+        let qg: Vec<f32> = (0..h * 2 * hd).map(|i| (i % 101) as f32 / 101.0 - 0.5).collect();
+        let p = AttentionParams {
+            tokens: 1,
+            pos0: (len - 1) as u32,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            scale: 1.0 / 16.0,
+        };
+        let mut out = vec![0f32; h * hd];
+        let mut c = 0;
+        let s = time(reps * 4, || {
+            c = (c + 1) % caches.len();
+            kernels::attention_with(isa, &p, &qg, &caches[c].0, &caches[c].1, &mut out);
+        });
+        let gbs = (2 * len * kv * hd * 4) as f64 / s / 1e9;
+        println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
+    }
+
     println!("\nGEMM (prefill)                      tokens  GFLOP/s  of peak");
     for (name, n, k, t) in [
         ("in_proj_qkv 2048->8192 q4", 8192, 2048, 256),
