@@ -249,7 +249,7 @@ impl Backend for Cpu {
     }
     /// One token: one pool loop over every matrix's rows (`gemm::gemv_many`).
     fn matmuls(&self, p: &MatmulParams, x: &Vec<f32>, ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
-        if self.reference || p.tokens != 1 || ws.len() > gemm::MANY {
+        if self.reference || p.tokens != 1 || ws.is_empty() || ws.len() > gemm::MANY {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(p, w, x, out);
             }
