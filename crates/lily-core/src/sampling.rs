@@ -12,7 +12,10 @@
 
 use std::collections::HashMap;
 
-use crate::error::{Error, Result};
+use crate::{
+    backend::cpu::simd,
+    error::{Error, Result},
+};
 
 /// Entries per block in the block-skipping scans.
 const BLOCK: usize = 128;
@@ -852,30 +855,12 @@ pub fn log_softmax_at(row: &[f32], i: usize) -> f32 {
     ((x - max) as f64 - z.ln()) as f32
 }
 
-/// exp(x) for x <= 0 to about 2 ulp, branch-free so that loops over it vectorise; NaN and anything
-/// below -87 give about 1.6e-38, which is what a masked logit needs.
+/// exp(x) for x <= 0 to about 2 ulp, branch-free so that loops over it vectorise ([`simd::exp`]
+/// on x clamped to [-87, 0]); NaN and anything below -87 give about 1.6e-38, which is what a
+/// masked logit needs (`x > -87` is false for NaN, so NaN takes the floor like -inf does).
 #[inline(always)]
 fn fast_exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer held in the low bits
-                                     // `x > -87` is false for NaN, so NaN takes the floor like -inf does.
-    let x = if x > -87.0 { x.min(0.0) } else { -87.0 };
-    let t = x * LOG2E + ROUND;
-    let n = t - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    // Minimax polynomial for exp on [-ln2/2, ln2/2] (Cephes expf).
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
-    // The low bits of `t` hold n (two's complement, -126..=0): 2^n is (n + 127) << 23.
-    let scale = f32::from_bits(t.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
-    e * scale
+    simd::exp(if x > -87.0 { x.min(0.0) } else { -87.0 })
 }
 
 #[cfg(test)]

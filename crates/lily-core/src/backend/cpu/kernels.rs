@@ -131,6 +131,43 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32]
     }
 }
 
+/// Attention scores sc[i * stride + s - keys.start] = q_i . k_s * scale for query rows i < nr and
+/// keys s in `keys`, by 4 x 4 register tiles (a partial tile repeats its last row / key and drops
+/// the duplicates); `first_pass(s)` runs once per key, as the first row tile reaches it.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn scores<'a>(
+    isa: Isa,
+    nr: usize,
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    q_of: impl Fn(usize) -> &'a [f32],
+    krow: impl Fn(usize) -> &'a [f32],
+    sc: &mut [f32],
+    stride: usize,
+    mut first_pass: impl FnMut(usize),
+) {
+    let (kb, kn) = (keys.start, keys.len());
+    for i0 in (0..nr).step_by(4) {
+        let rn = (nr - i0).min(4);
+        let qs = [0, 1, 2, 3].map(|a| q_of(i0 + a.min(rn - 1)));
+        for s0 in (0..kn).step_by(4) {
+            let sn = (kn - s0).min(4);
+            if i0 == 0 {
+                (kb + s0..kb + s0 + sn).for_each(&mut first_pass);
+            }
+            let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
+            let hd = ks[0].len();
+            let d = simd::dot4x4(isa, qs, ks, hd);
+            for a in 0..rn {
+                for b in 0..sn {
+                    sc[(i0 + a) * stride + s0 + b] = d[a][b] * scale;
+                }
+            }
+        }
+    }
+}
+
 multiversion! {
     fn attend_block(
         p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], t0: usize, t1: usize, kvh: usize,
@@ -171,25 +208,7 @@ fn attend_block_body(
     let mut kb = 0;
     while kb < kmax {
         let kn = (kmax - kb).min(KEY_BLOCK);
-        // Scores [nr, kn] = Q K^T * scale, 4 query rows x 4 keys per register tile.
-        let mut i0 = 0;
-        while i0 < nr {
-            let rn = (nr - i0).min(4);
-            let qs = [0, 1, 2, 3].map(|a| q_of(i0 + a.min(rn - 1)));
-            let mut s0 = 0;
-            while s0 < kn {
-                let sn = (kn - s0).min(4);
-                let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
-                let d = simd::dot4x4(isa, qs, ks, hd);
-                for a in 0..rn {
-                    for b in 0..sn {
-                        sc[(i0 + a) * KEY_BLOCK + s0 + b] = d[a][b] * p.scale;
-                    }
-                }
-                s0 += 4;
-            }
-            i0 += 4;
-        }
+        scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, KEY_BLOCK, |_| {});
         // Online softmax per row over its visible keys of this block.
         for i in 0..nr {
             let vis = visible(i).saturating_sub(kb).min(kn);
@@ -322,28 +341,10 @@ fn attend_split_body(
     let mut kb = k0;
     while kb < k1 {
         let kn = (k1 - kb).min(SPLIT_BLOCK);
-        let mut i0 = 0;
-        while i0 < group {
-            let rn = (group - i0).min(4);
-            let qs = [0, 1, 2, 3].map(|a| q_of(i0 + a.min(rn - 1)));
-            let mut s0 = 0;
-            while s0 < kn {
-                let sn = (kn - s0).min(4);
-                if i0 == 0 {
-                    // V rows of these keys, for the P.V pass (interleaved with the K stream).
-                    (kb + s0..kb + s0 + sn).for_each(|s| simd::prefetch(vrow(s)));
-                }
-                let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
-                let d = simd::dot4x4(isa, qs, ks, hd);
-                for a in 0..rn {
-                    for b in 0..sn {
-                        sc[(i0 + a) * kn + s0 + b] = d[a][b] * p.scale;
-                    }
-                }
-                s0 += 4;
-            }
-            i0 += 4;
-        }
+        // V rows of the keys scored, for the P.V pass (interleaved with the K stream).
+        scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, |s| {
+            simd::prefetch(vrow(s))
+        });
         sc[group * kn..rows8 * kn].fill(0.0);
         for i0 in (0..group).step_by(8) {
             for (r, c) in corr.iter_mut().enumerate() {
