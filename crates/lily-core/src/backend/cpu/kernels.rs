@@ -30,10 +30,6 @@ pub fn dequant_row(m: &Matrix, stored: usize, out: &mut [f32]) {
 /// out[t, :] = dequant(table row ids[t]). Threads: one task per token row.
 pub fn embed(tokens: usize, table: &Matrix, ids: &[u32], out: &mut [f32]) {
     let (isa, d) = (Isa::get(), table.cols);
-    if tokens == 1 {
-        simd::dequant_row(isa, table, table.stored_row(0, ids[0] as usize), &mut out[..d]);
-        return;
-    }
     pool::for_chunks(&mut out[..tokens * d], d, |t, o| {
         simd::dequant_row(isa, table, table.stored_row(0, ids[t] as usize), o)
     });
@@ -50,9 +46,6 @@ fn norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm(p: &RmsNormParams, x: &[f32], w: &[f32], out: &mut [f32]) {
     let (isa, d) = (Isa::get(), p.dim as usize);
     let n = p.rows as usize * d;
-    if p.rows == 1 {
-        return norm_row(isa, &x[..d], w, p.eps, &mut out[..d]);
-    }
     pool::for_chunks(&mut out[..n], d, |r, o| norm_row(isa, &x[r * d..][..d], w, p.eps, o));
 }
 
@@ -124,11 +117,7 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32]
             attend_block(isa, p, qg, k_cache, v_cache, t0, t1, kvh, scr, o)
         });
     };
-    if tasks == 1 {
-        run(0)
-    } else {
-        pool::for_each(tasks, run);
-    }
+    pool::for_each(tasks, run);
 }
 
 /// Attention scores sc[i * stride + s - keys.start] = q_i . k_s * scale for query rows i < nr and
@@ -805,11 +794,7 @@ pub fn moe_experts_with(
                 .for_each(|(a, y)| *a += w * y);
         }
     };
-    if t_n == 1 {
-        combine(0, &mut out[..d]);
-    } else {
-        pool::for_chunks(&mut out[..t_n * d], d, combine);
-    }
+    pool::for_chunks(&mut out[..t_n * d], d, combine);
 }
 
 /// One token: every slot's expert by GEMV from the packed rows.

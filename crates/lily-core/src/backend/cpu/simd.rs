@@ -118,16 +118,7 @@ impl Isa {
 #[inline]
 pub fn group_sums(x: &[f32], group: usize, out: &mut [f32]) {
     for (o, xg) in out.iter_mut().zip(x.chunks_exact(group)) {
-        // 8 lane sums (groups are multiples of 8 here), so the loop vectorizes.
-        let mut acc = [0f32; 8];
-        let c = xg.chunks_exact(8);
-        let rest: f32 = c.remainder().iter().sum();
-        for v in c {
-            for (a, b) in acc.iter_mut().zip(v) {
-                *a += b;
-            }
-        }
-        *o = acc.iter().sum::<f32>() + rest;
+        *o = sum(xg);
     }
 }
 
@@ -457,10 +448,11 @@ pub fn prefetch(data: &[f32]) {
 
 /// acc[r][..] += sum over s < kn of p[r * kn + s] * v[s * stride..][..32], for 8 rows r: the
 /// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` floats apart). AVX-512
-/// only: returns false (acc untouched) on other ISAs.
-pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mut [[f32; 32]; 8]) -> bool {
-    if isa != Isa::Avx512 || kn == 0 {
-        return kn == 0;
+/// only (the caller picks it for that ISA).
+pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mut [[f32; 32]; 8]) {
+    assert!(isa == Isa::Avx512, "pv8x32: AVX-512 only");
+    if kn == 0 {
+        return;
     }
     assert!(
         p.len() >= 8 * kn && v.len() >= (kn - 1) * stride + 32,
@@ -479,7 +471,6 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mu
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = acc; // Isa::Avx512 exists only on x86_64
-    true
 }
 
 /// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
