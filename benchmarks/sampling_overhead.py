@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from lily.generate import Model
+from lily.model import Model
 from lily.sampling import Sampler
 from lily.tokenizer import Tokenizer
 

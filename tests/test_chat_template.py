@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lily.generate import Model
+from lily.model import Model
 from lily.template import ChatTemplate, TemplateError
 from lily.tokenizer import Tokenizer
 

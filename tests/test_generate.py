@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import lily
 import numpy as np
 import pytest
-from lily.generate import Model
+from lily.model import Model
+from lily.reasoning import split_reasoning
 from lily.template import ChatTemplate
 from lily.tokenizer import Tokenizer
-from lily.tools import parse_tool_calls, split_reasoning
+from lily.tools import parse_tool_calls
 
 QWEN = Path(os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6"))
 VOCAB = 248_320
@@ -262,6 +264,28 @@ def test_chat_parses_tool_calls_and_round_trips(tok):
     text = model.apply_chat_template([*messages, rendered_call, history[-1]], tools=TOOLS)
     assert CALL in text
     model.chat(history, tools=TOOLS, temperature=0)  # does not raise
+
+
+def test_results_keep_their_data_when_serialized(tok):
+    """pickle keeps everything; ``json.dumps`` of the plain value (text, chat message) drops the extras, so
+    ``to_dict`` / ``from_dict`` carry them through JSON."""
+    model, _ = make(tok, "Need weather.\n</think>\n\nLet me check.\n\n" + CALL)
+    msg = model.chat([{"role": "user", "content": "Weather?"}], tools=TOOLS, temperature=0, logprobs=True)
+    model, _ = make(tok, "Hello there")
+    out = model.generate("Say hi", temperature=0, logprobs=True)
+    assert out.logprobs and msg.tool_calls and msg.stats.generated_tokens > 0
+    for value in (out, msg):
+        via_json = type(value).from_dict(json.loads(json.dumps(value.to_dict())))
+        for copy in (pickle.loads(pickle.dumps(value)), via_json):
+            assert type(copy) is type(value) and copy == value
+            assert copy.finish_reason == value.finish_reason == "stop"
+            assert copy.stats == value.stats and str(copy.stats) == str(value.stats)
+    for copy in (pickle.loads(pickle.dumps(out)), lily.Completion.from_dict(json.loads(json.dumps(out.to_dict())))):
+        assert (copy.text, copy.tokens, copy.logprobs) == (out.text, out.tokens, out.logprobs)
+    assert json.loads(json.dumps(out)) == out.text  # a str to json
+    assert json.loads(json.dumps(msg)) == dict(msg)  # the chat message, ready for the next turn
+    msg["name"] = "weather-bot"  # keys the caller adds survive too
+    assert pickle.loads(pickle.dumps(msg))["name"] == lily.AssistantMessage.from_dict(msg.to_dict())["name"]
 
 
 def test_parse_tool_calls_well_formed_and_malformed():

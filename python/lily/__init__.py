@@ -8,11 +8,14 @@ this package owns tokenization, the chat template, sampling, streaming and the C
 """
 
 from lily._lily import ContextFullError, DeviceError, Engine, LilyError, ModelLoadError
-from lily.generate import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats, Model, load
+from lily.loading import load
+from lily.model import Model
+from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
+from lily.reasoning import split_reasoning
 from lily.sampling import Sampler
 from lily.template import ChatTemplate, TemplateError
 from lily.tokenizer import StreamingDetokenizer, Tokenizer
-from lily.tools import parse_tool_calls, split_reasoning
+from lily.tools import parse_tool_calls
 
 __all__ = [
     "AssistantMessage",

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lily.generate import BACKENDS
+from lily.loading import BACKENDS
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 RESULT_TAG = "LILY_BENCH_RESULT "

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
-from lily.generate import BACKENDS
+from lily.loading import BACKENDS
 
 __all__ = ["main"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lily.generate import BACKENDS
+from lily.loading import BACKENDS
 
 REAL_VOCAB = 248077  # rows >= this are padding in the Qwen3.6 vocabulary
 

@@ -27,7 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from lily._lily import ContextFullError, LilyError
-from lily.generate import BACKENDS, Model
+from lily.loading import BACKENDS
+from lily.model import Model
 
 __all__ = ["ApiError", "LilyServer", "main", "make_server"]
 
@@ -409,7 +410,7 @@ def make_server(model: Model, host: str = "127.0.0.1", port: int = 8000, *, mode
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lily.generate import load
+    from lily.loading import load
 
     ap = argparse.ArgumentParser(prog="lily serve", description="OpenAI-compatible HTTP server")
     ap.add_argument("model", help="checkpoint folder or Hugging Face repo id")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import codecs
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import tokenizers
 import tokenizers.decoders
@@ -158,9 +157,3 @@ class StreamingDetokenizer:
     def text(self) -> str:
         return "".join(self._parts)
 
-
-def load_tokenizer(folder: Path, eos_ids: Iterable[int] = ()) -> Tokenizer:
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json in the checkpoint folder")
-    return Tokenizer.from_file(path, eos_ids=eos_ids)

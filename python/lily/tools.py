@@ -1,4 +1,5 @@
-"""Parsing Qwen3.6 output: the thinking part, and XML tool calls into OpenAI-style dicts.
+"""Tool calls: Qwen3.6's XML calls parsed into OpenAI-style dicts, and OpenAI-style calls made ready for the
+chat template.
 
 Qwen3.6 calls tools in this format (the chat template shows it to the model)::
 
@@ -25,28 +26,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["parse_tool_calls", "split_reasoning"]
+__all__ = ["parse_tool_calls", "tool_call_arguments_as_mappings"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FUNCTION = re.compile(r"\A\s*<function=([^>\n]+)>(.*)</function>\s*\Z", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
-def split_reasoning(text: str, *, thinking: bool = True) -> tuple[str | None, str]:
-    """Split generated text into ``(reasoning, content)``.
-
-    With thinking on, the prompt ends inside ``<think>``, so everything before ``</think>`` is
-    reasoning; output cut off before ``</think>`` is all reasoning. With thinking off the text is
-    content (a stray ``</think>`` still splits). Whitespace around both parts is stripped, as the
-    chat template strips it when the turn is rendered back.
-    """
-    if "</think>" in text:
-        reasoning, _, content = text.partition("</think>")
-        reasoning = reasoning.split("<think>")[-1]
-        return reasoning.strip(), content.strip()
-    if thinking:
-        return text.split("<think>")[-1].strip(), ""
-    return None, text.strip()
 
 
 def _param_types(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -156,3 +140,29 @@ def parse_tool_calls(
     if not calls:
         return text, []
     return "".join(kept).strip(), calls
+
+
+def tool_call_arguments_as_mappings(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the ``arguments`` of OpenAI-style tool calls, a JSON string, parsed into the mapping
+    the chat template wants (arguments that are not valid JSON stay as they are)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for call in calls:
+                if isinstance(call, Mapping):
+                    call = dict(call)
+                    fn = call.get("function")
+                    if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+                        fn = dict(fn)
+                        try:
+                            fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                        except json.JSONDecodeError:
+                            pass
+                        call["function"] = fn
+                fixed.append(call)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out

@@ -1,0 +1,69 @@
+"""``lily.load``: a checkpoint folder or Hugging Face repo id in, a ready ``Model`` out."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from lily._lily import Engine
+from lily.checkpoint import load_tokenizer, read_json
+from lily.hub import resolve_model, warm_page_cache
+from lily.model import Model
+from lily.template import ChatTemplate
+
+__all__ = ["BACKENDS", "load"]
+
+BACKENDS = ("auto", "cpu", "metal", "cuda", "cpu-reference", "metal-sim")
+
+
+def load(
+    model: str | os.PathLike[str],
+    *,
+    backend: str = "auto",
+    max_seq: int | None = None,
+    prefill_chunk: int | None = None,
+    revision: str | None = None,
+    progress: bool = True,
+) -> Model:
+    """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
+
+    ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim"); ``max_seq`` caps
+    the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
+    backend's; smaller saves memory). Raises ``ModelLoadError`` with what to do when the model cannot
+    be found or read.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    folder = resolve_model(model, revision=revision, progress=progress)
+    generation_config = read_json(folder / "generation_config.json")
+    tokenizer = load_tokenizer(folder, generation_config)
+    template = ChatTemplate.from_dir(folder)
+    warm_page_cache(folder, progress=progress)
+    engine = _open_engine(folder, backend, max_seq, prefill_chunk, progress)
+    return Model(engine, tokenizer, template, generation_config, folder)
+
+
+def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk: int | None,
+                 progress: bool) -> Engine:
+    """The engine, with a per-layer progress bar on stderr for large (>= 1 GiB) checkpoints."""
+    if not progress or sum(f.stat().st_size for f in folder.glob("*.safetensors")) < 1 << 30:
+        return Engine(str(folder), backend=backend, max_seq=max_seq, prefill_chunk=prefill_chunk)
+    bar = None
+
+    def report(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # pragma: no cover - tqdm comes with huggingface_hub
+                return
+            bar = tqdm(total=total, unit="layer", desc="Loading layers", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+
+    try:
+        return Engine(str(folder), backend=backend, max_seq=max_seq, prefill_chunk=prefill_chunk,
+                      progress=report)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,223 @@
+"""``Model``: an engine plus everything around it (tokenizer, chat template, generation defaults), with
+``generate`` / ``stream`` for text prompts and ``chat`` for conversations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lily._lily import Engine, ModelLoadError
+from lily.generate import chat_chunks, token_stream
+from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
+from lily.prefix import PrefixReuse
+from lily.sampling import Sampler, SamplingDefaults
+from lily.template import ChatTemplate
+from lily.tokenizer import Tokenizer
+from lily.tools import tool_call_arguments_as_mappings
+
+__all__ = ["DEFAULT_MAX_TOKENS", "Model"]
+
+#: default ``max_tokens`` when none is given
+DEFAULT_MAX_TOKENS = 4096
+
+_SAMPLING_KEYS = frozenset(
+    [
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "seed",
+    ]
+)
+
+
+class Model:
+    """An engine plus everything around it: tokenizer, chat template and generation defaults.
+
+    Made by ``lily.load``. One sequence at a time; a new prompt that shares a prefix with an earlier
+    one (the next turn of a chat) only prefills what is new (``lily.prefix.PrefixReuse``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None = None,
+        generation_config: Mapping[str, Any] | None = None,
+        path: Path | None = None,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.generation_config = dict(generation_config or {})
+        self.defaults = SamplingDefaults.from_generation_config(self.generation_config)
+        self.path = path
+        self.prefix = PrefixReuse(engine, tokenizer.token_to_id("<|im_start|>"))
+
+    def __repr__(self) -> str:
+        return f"Model(path={str(self.path)!r}, backend={getattr(self.engine, 'backend', '?')!r})"
+
+    @property
+    def config(self) -> dict:
+        return self.engine.config
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids
+
+    # ---- prompts
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """The checkpoint's chat template applied to ``messages``, as ``transformers`` renders it
+        (``enable_thinking``, ``preserve_thinking``, ... go in ``template_kwargs``). Returns the text,
+        or its token ids with ``tokenize=True``."""
+        if self.chat_template is None:
+            raise ModelLoadError(f"{self.path}: the checkpoint has no chat template")
+        text = self.chat_template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        return self.tokenizer.encode(text) if tokenize else text
+
+    def sampler(self, **settings: Any) -> Sampler:
+        """A ``Sampler`` with the checkpoint's defaults, overridden by ``settings``; padding ids are masked."""
+        unknown = set(settings) - _SAMPLING_KEYS
+        if unknown:
+            raise TypeError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+        d = self.defaults
+        base: dict[str, Any] = {
+            "temperature": d.temperature if d.do_sample else 0.0,
+            "top_k": d.top_k,
+            "top_p": d.top_p,
+            "min_p": d.min_p,
+            "repetition_penalty": d.repetition_penalty,
+        }
+        base.update({k: v for k, v in settings.items() if v is not None})
+        return Sampler(**base, vocab_limit=len(self.tokenizer))
+
+    def reset(self) -> None:
+        """Empty the engine's sequence and forget the saved prefixes."""
+        self.prefix.reset()
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        return ids
+
+    # ---- generation
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: bool = False,
+        sampler: Sampler | None = None,
+        **sampling: Any,
+    ) -> Iterator[Chunk]:
+        """Generate from ``prompt`` (text, used as is, or token ids), one ``Chunk`` per token.
+
+        Stops on the checkpoint's eos ids (``finish_reason="stop"``), on any of ``stop`` (the text
+        ends before it), or after ``max_tokens`` or when the context is full (``"length"``).
+        Sampling options (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+        ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``) default to the
+        checkpoint's ``generation_config.json``; or pass a ready ``sampler``.
+        """
+        if sampler is None:
+            sampler = self.sampler(**sampling)
+        elif sampling:
+            raise TypeError("pass either sampler= or sampling options, not both")
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        ids = self._prompt_ids(prompt)
+        return token_stream(self.prefix, self.tokenizer, ids, sampler, max_tokens, stops, logprobs)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: bool = False,
+        sampler: Sampler | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        """``stream`` collected: the generated text (a ``str``) with ``.tokens``, ``.logprobs``,
+        ``.finish_reason`` and ``.stats``."""
+        parts: list[str] = []
+        tokens: list[int] = []
+        lps: list[float] = []
+        finish, stats = None, GenerationStats()
+        for chunk in self.stream(
+            prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling
+        ):
+            parts.append(chunk.text)
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+                if chunk.logprob is not None:
+                    lps.append(chunk.logprob)
+            if chunk.finish_reason is not None:
+                finish, stats = chunk.finish_reason, chunk.stats or stats
+        return Completion("".join(parts), tokens, lps if logprobs else None, finish, stats)
+
+    # ---- chat
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None = None,
+        enable_thinking: bool = True,
+        stream: bool = False,
+        *,
+        max_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: bool = False,
+        sampler: Sampler | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        **sampling: Any,
+    ) -> AssistantMessage | Iterator[ChatChunk]:
+        """Answer a conversation (OpenAI-style message dicts) with an ``AssistantMessage``: ``content``,
+        ``reasoning_content`` (the thinking, separated) and ``tool_calls`` (OpenAI format, parsed
+        from Qwen's XML calls; malformed calls stay in ``content``). With ``stream=True``, an
+        iterator of ``ChatChunk``s whose last one holds the message. Assistant messages from earlier
+        turns (including ``tool_calls`` with JSON-string arguments) can be passed back as they are.
+        """
+        prompt = self.apply_chat_template(
+            tool_call_arguments_as_mappings(messages),
+            tools=tools,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+            **dict(template_kwargs or {}),
+        )
+        assert isinstance(prompt, str)
+        thinking = prompt.rstrip().endswith("<think>")
+        chunks = self.stream(
+            prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling
+        )
+        gen = chat_chunks(chunks, thinking, tools)
+        if stream:
+            return gen
+        for chunk in gen:
+            if chunk.message is not None:
+                return chunk.message
+        raise RuntimeError("generation ended without a final chunk")  # pragma: no cover
