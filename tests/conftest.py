@@ -66,7 +66,8 @@ def _digest(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-_FIXTURES_SRC = (HERE / "fixtures.py").read_text()
+# the test checkpoints' tokenizers come from lily.tokenizer_files
+_FIXTURES_SRC = (HERE / "fixtures.py").read_text() + (HERE.parent / "python/lily/tokenizer_files.py").read_text()
 _ORACLE_SRC = (HERE / "oracle.py").read_text()
 
 

@@ -22,8 +22,8 @@ num_layers=None, rope_theta=None, shards=1, max_position_embeddings=8192) -> Pat
     * ``vocab_size``: rows of ``embed_tokens``/``lm_head`` (defaults: 512 tiny, 1024 real_heads; with
       ``real_tokenizer=True`` 248320 like the real model). Rows past the tokenizer are padding, as in the
       real model.
-    * ``real_tokenizer``: copy the real Qwen3.6 tokenizer files from ``/work/shared/data/qwen3.6``
-      (override with ``$LILY_QWEN_TOKENIZER_DIR``) instead of building a byte-level toy tokenizer;
+    * ``real_tokenizer``: write the real Qwen3.6 tokenizer files (shipped with lily) instead of lily's
+      byte-level tokenizer (``lily.tokenizer_files``; both come with Qwen3.6's chat template);
       special-token ids in the config are then the real ones (``<|endoftext|>`` 248044,
       ``<|im_end|>`` 248046).
     * ``num_layers``: override the layer count (layer i is full attention iff (i+1) % 4 == 0).
@@ -44,15 +44,18 @@ bit patterns) used here and by the error tests to corrupt files on purpose.
 
 from __future__ import annotations
 
+import atexit
 import json
-import os
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
+from lily.synth import DEFAULT_PRESET
+from lily.synth import PRESETS as PRESETS_SYNTH
+from lily.tokenizer_files import qwen_generation_config, write_byte_tokenizer, write_qwen_tokenizer
 
-REAL_TOKENIZER_DIR = Path(os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6"))
 REAL_VOCAB_SIZE = 248320
 
 PRESETS = {
@@ -91,20 +94,6 @@ PRESETS = {
         vocab_size=1024,
     ),
 }
-
-# Special tokens of the toy tokenizer, placed right after the 256 byte tokens (ids 256...).
-TOY_SPECIAL_TOKENS = [
-    ("<|endoftext|>", True),
-    ("<|im_start|>", True),
-    ("<|im_end|>", True),
-    ("<tool_call>", False),
-    ("</tool_call>", False),
-    ("<tool_response>", False),
-    ("</tool_response>", False),
-    ("<think>", False),
-    ("</think>", False),
-]
-
 
 # --------------------------------------------------------------------------------------------------
 # safetensors I/O (BF16 handled as raw uint16 bit patterns, no ml_dtypes / torch needed)
@@ -386,91 +375,21 @@ def write_weights(folder: Path, tensors: dict, shards: int = 1) -> None:
 # tokenizer
 
 
-def _write_toy_tokenizer(folder: Path) -> dict:
-    """A byte-level BPE tokenizer (256 byte tokens, no merges) with Qwen's pre-tokenizer and ChatML specials.
-
-    Returns ``{token: id}`` of the special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    # Order the 256 byte symbols by the byte they stand for, like GPT-2's table.
-    table = _bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)}
-    assert set(vocab) == set(byte_chars)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=False))
-    tok.normalizer = normalizers.NFC()
-    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    from tokenizers import AddedToken
-
-    specials = {}
-    for content, special in TOY_SPECIAL_TOKENS:
-        at = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
-        if special:
-            tok.add_special_tokens([at])
-        else:
-            tok.add_tokens([at])
-        specials[content] = tok.token_to_id(content)
-    tok.save(str(folder / "tokenizer.json"))
-
-    template = (REAL_TOKENIZER_DIR / "chat_template.jinja")
-    chat_template = template.read_text() if template.exists() else _FALLBACK_CHAT_TEMPLATE
-    (folder / "chat_template.jinja").write_text(chat_template)
-    added = {
-        str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": s}
-        for (c, s), i in zip(TOY_SPECIAL_TOKENS, (specials[c] for c, _ in TOY_SPECIAL_TOKENS))
-    }
-    tcfg = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": None,
-        "chat_template": chat_template,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 262144,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
-    return specials
+_QWEN_DIR: list[Path] = []
 
 
-_FALLBACK_CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
-    "{%- endif %}"
-)
-
-
-def _bytes_to_unicode() -> dict:
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-def _copy_real_tokenizer(folder: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        src = REAL_TOKENIZER_DIR / name
-        if not src.exists():
-            raise FileNotFoundError(f"real tokenizer file {src} not found (set LILY_QWEN_TOKENIZER_DIR)")
-        shutil.copyfile(src, folder / name)
+def qwen_tokenizer_dir() -> Path:
+    """A folder with the Qwen3.6 tokenizer files shipped with lily (``tokenizer.json``, ``tokenizer_config.json``,
+    ``chat_template.jinja``, ``generation_config.json``) and the published ``config.json`` (transformers picks
+    the tokenizer class by the model type), written once per test process."""
+    if not _QWEN_DIR:
+        folder = Path(tempfile.mkdtemp(prefix="lily-qwen3.6-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        write_qwen_tokenizer(folder)
+        (folder / "generation_config.json").write_text(json.dumps(qwen_generation_config()))
+        (folder / "config.json").write_text(json.dumps(PRESETS_SYNTH[DEFAULT_PRESET]))
+        _QWEN_DIR.append(folder)
+    return _QWEN_DIR[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,15 +411,15 @@ def write_hf_checkpoint(path, preset: str = "tiny", seed: int = 0, vocab_size: i
             vocab_size = REAL_VOCAB_SIZE
         if vocab_size < 248077:
             raise ValueError(f"vocab_size {vocab_size} is smaller than the real tokenizer (248077 ids)")
-        _copy_real_tokenizer(folder)
+        write_qwen_tokenizer(folder)
         bos, eos_gen, pad = 248044, [248046, 248044], 248044
     else:
-        specials = _write_toy_tokenizer(folder)
+        specials = write_byte_tokenizer(folder)
         n_tok = max(specials.values()) + 1
         if vocab_size is None:
             vocab_size = max(PRESETS[preset]["vocab_size"], n_tok) if preset in PRESETS else None
         if vocab_size is not None and vocab_size < n_tok:
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the toy tokenizer ({n_tok} ids)")
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the byte-level tokenizer ({n_tok} ids)")
         bos = specials["<|endoftext|>"]
         eos_gen, pad = [specials["<|im_end|>"], bos], bos
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
+import fixtures
 import pytest
 from lily.model import Model
 from lily.template import ChatTemplate, TemplateError
 from lily.tokenizer import Tokenizer
 
-QWEN = Path(os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6"))
-pytestmark = pytest.mark.skipif(not (QWEN / "chat_template.jinja").is_file(), reason="Qwen3.6 data not found")
+QWEN = fixtures.qwen_tokenizer_dir()
 
 WEATHER = {
     "type": "function",
@@ -128,12 +128,21 @@ def model() -> Model:
 
 @pytest.fixture(scope="module")
 def hf():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(QWEN))
 
 
+GOLDEN = json.loads((Path(__file__).parent / "data" / "qwen3.6-chat-examples.json").read_text(encoding="utf-8"))
+
+
 def _examples():
-    return json.loads((QWEN / "chat-examples.json").read_text(encoding="utf-8"))["examples"]
+    return GOLDEN["examples"]
+
+
+def test_shipped_files_are_the_ones_the_goldens_were_made_with():
+    for name, key in (("chat_template.jinja", "chat_template_sha256"), ("tokenizer.json", "tokenizer_json_sha256")):
+        assert hashlib.sha256((QWEN / name).read_bytes()).hexdigest() == GOLDEN[key], name
 
 
 @pytest.mark.parametrize("example", _examples(), ids=lambda e: e["name"])

@@ -7,10 +7,9 @@ real vocabulary size); the last ones run ``lily.load`` -> ``chat`` on a tiny ran
 from __future__ import annotations
 
 import json
-import os
 import pickle
-from pathlib import Path
 
+import fixtures
 import lily
 import numpy as np
 import pytest
@@ -20,11 +19,10 @@ from lily.template import ChatTemplate
 from lily.tokenizer import Tokenizer
 from lily.tools import parse_tool_calls
 
-QWEN = Path(os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6"))
+QWEN = fixtures.qwen_tokenizer_dir()
 VOCAB = 248_320
 IM_END, ENDOFTEXT = 248_046, 248_044
-GEN_CONFIG = json.loads((QWEN / "generation_config.json").read_text()) if QWEN.is_dir() else {}
-pytestmark = pytest.mark.skipif(not (QWEN / "tokenizer.json").is_file(), reason="real Qwen3.6 tokenizer not found")
+GEN_CONFIG = json.loads((QWEN / "generation_config.json").read_text())
 
 
 class FakeEngine:

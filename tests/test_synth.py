@@ -161,3 +161,39 @@ def test_cli_errors(tmp_path, capsys):
     assert "Traceback" not in err and err.count("lily synth: error:") == 6
     assert synth.main([str(tmp_path / "a"), "--dry-run"]) == 0
     assert "19,508,789,376 bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("vocab", [512, 248320])
+def test_a_synthetic_checkpoint_works_with_every_command(tmp_path, vocab):
+    """With the small vocabulary, lily's byte-level tokenizer; with the real one, the Qwen3.6 tokenizer shipped
+    in the package: both with Qwen3.6's chat template, so generate, chat and the server's chat endpoint work
+    (the tokenizer never reads a folder outside the package)."""
+    import subprocess
+    import sys
+
+    import lily
+    from conftest import TINY_SYNTH
+    from lily.tokenizer_files import QWEN_VOCAB, qwen_chat_template
+    from test_server import post, serve
+
+    out = tmp_path / "s"
+    info = synth.synthesize(out, None, layers=4, sets=[*TINY_SYNTH, f"vocab_size={vocab}"], progress=False)
+    assert info["tokenizer"] == ("Qwen3.6 (shipped with lily)" if vocab >= QWEN_VOCAB else "byte-level")
+    assert (out / "chat_template.jinja").read_text() == qwen_chat_template()
+    model = lily.load(out, backend="cpu")
+    assert len(model.tokenizer) == (QWEN_VOCAB if vocab >= QWEN_VOCAB else 265) <= vocab
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert model.eos_ids == set(eos) and model.tokenizer.id_to_token(eos[0]) == "<|im_end|>"
+    reply = model.chat([{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
+    assert reply.stats.generated_tokens >= 1 and reply.finish_reason in ("stop", "length")
+    for cmd in (["generate", str(out), "Hi"], ["chat", str(out)]):
+        r = subprocess.run([sys.executable, "-m", "lily", *cmd, "--backend", "cpu", "--max-tokens", "3"],
+                           input="Hi\n", capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "error" not in r.stderr and "tok/s" in r.stderr, r.stderr
+    server, base = serve(model)
+    try:
+        status, body, _ = post(f"{base}/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    finally:
+        server.shutdown()
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["role"] == "assistant", body

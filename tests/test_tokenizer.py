@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
-from pathlib import Path
 
+import fixtures
 import pytest
 from lily.tokenizer import Tokenizer
 
-QWEN = Path(os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6"))
-pytestmark = pytest.mark.skipif(not (QWEN / "tokenizer.json").is_file(), reason="real Qwen3.6 tokenizer not found")
+QWEN = fixtures.qwen_tokenizer_dir()
 
 TEXTS = [
     "Hello, world! It's a test; we'll see.",
@@ -35,7 +33,8 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(QWEN))
 
 

@@ -33,6 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.tokenizer import Tokenizer
+from lily.tokenizer_files import (
+    QWEN_VOCAB,
+    copy_tokenizer,
+    qwen_generation_config,
+    write_byte_tokenizer,
+    write_qwen_tokenizer,
+)
+
 # The published config.json of Qwen/Qwen3.6-35B-A3B (docs/spec architecture.md §1).
 _LAYER_TYPES_40 = (["linear_attention"] * 3 + ["full_attention"]) * 10
 PRESETS: dict[str, dict] = {
@@ -110,13 +119,6 @@ PRESETS: dict[str, dict] = {
     }
 }
 DEFAULT_PRESET = "qwen3.6-35b-a3b"
-GENERATION_CONFIG = {"bos_token_id": 248044, "do_sample": True, "eos_token_id": [248046, 248044],
-                     "pad_token_id": 248044, "temperature": 1.0, "top_k": 20, "top_p": 0.95}
-# Where the real Qwen3.6 tokenizer files may be found (first hit wins), after --tokenizer.
-TOKENIZER_DIRS = [os.environ.get("LILY_QWEN_TOKENIZER_DIR", ""), "/work/shared/data/qwen3.6"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-REAL_TOKENIZER_VOCAB = 248077  # ids 0..248076 are real tokens
-
 DTYPE_SIZE = {"U32": 4, "BF16": 2, "F32": 4}
 SHARD_BYTES = 5 << 30  # mlx_lm.utils.make_shards: 5 GiB
 CHUNK_BYTES = 32 << 20
@@ -576,49 +578,33 @@ def write_tensors(out: Path, tensors: list[Tensor], *, seed: int, shard_bytes: i
     return weight_map
 
 
-def _find_tokenizer_dir(explicit) -> Path | None:
-    cands = [explicit] if explicit else [d for d in TOKENIZER_DIRS if d]
-    for d in cands:
-        p = Path(d)
-        if all((p / f).is_file() for f in TOKENIZER_FILES[:2]):
-            return p
-    if explicit:
-        raise SynthError(f"--tokenizer {explicit}: no tokenizer.json + tokenizer_config.json there")
-    return None
-
-
-def _bytes_to_unicode() -> dict:
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-def write_byte_tokenizer(folder: Path) -> dict:
-    """A byte-level tokenizer (ids 0..255 = bytes, then <|endoftext|>, <|im_start|>, <|im_end|>)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    table = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    specials = {}
-    for c in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-        tok.add_special_tokens([AddedToken(c, special=True, normalized=False)])
-        specials[c] = tok.token_to_id(c)
-    tok.save(str(folder / "tokenizer.json"))
-    tcfg = {"add_bos_token": False, "add_prefix_space": False, "bos_token": None, "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 262144,
-            "clean_up_tokenization_spaces": False, "tokenizer_class": "Qwen2Tokenizer",
-            "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                                              "single_word": False, "special": True} for c, i in specials.items()}}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
-    return specials
+def _write_tokenizer(out: Path, source, vocab_size: int) -> tuple[dict, str]:
+    """Tokenizer files for a checkpoint of ``vocab_size`` rows: copied from ``source`` when given, else the
+    real Qwen3.6 tokenizer when the vocabulary holds it, else a byte-level one. Returns the generation config
+    and which tokenizer it is."""
+    if source is not None:
+        src = Path(source)
+        if not (src / "tokenizer.json").is_file():
+            raise SynthError(f"--tokenizer {source}: no tokenizer.json there")
+        try:
+            n_ids = len(Tokenizer.from_file(src / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            raise SynthError(f"--tokenizer {source}: cannot read tokenizer.json ({e})") from None
+        if n_ids > vocab_size:
+            raise SynthError(f"--tokenizer {source} has {n_ids} ids, more than the config's vocab_size {vocab_size}")
+        gen = copy_tokenizer(src, out) or (qwen_generation_config() if n_ids == QWEN_VOCAB else {})
+        return gen, f"copied from {src}"
+    if vocab_size >= QWEN_VOCAB:
+        write_qwen_tokenizer(out)
+        return qwen_generation_config(), "Qwen3.6 (shipped with lily)"
+    ids = write_byte_tokenizer(out)
+    eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
+    if vocab_size <= max(ids.values()):
+        raise SynthError(f"vocab_size {vocab_size} is too small for the byte-level tokenizer (needs > "
+                         f"{max(ids.values())})")
+    gen = {"bos_token_id": eot, "do_sample": True, "eos_token_id": [im_end, eot], "pad_token_id": eot,
+           "temperature": 1.0, "top_k": 20, "top_p": 0.95}
+    return gen, "byte-level"
 
 
 def _mlx_config(cfg: dict, qblock: dict, gen: dict | None) -> dict:
@@ -674,27 +660,9 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
 
     # tokenizer + generation config
     D = Dims.of(cfg)
-    tok_dir = _find_tokenizer_dir(tokenizer)
-    if tok_dir is not None and D.V >= REAL_TOKENIZER_VOCAB:
-        for f in TOKENIZER_FILES:
-            if (tok_dir / f).is_file():
-                shutil.copyfile(tok_dir / f, out / f)
-        gen = json.loads((tok_dir / "generation_config.json").read_text()) \
-            if (tok_dir / "generation_config.json").is_file() else dict(GENERATION_CONFIG)
-        tok_kind = f"copied from {tok_dir}"
-    else:
-        specials = write_byte_tokenizer(out)
-        eot, im_end = specials["<|endoftext|>"], specials["<|im_end|>"]
-        if D.V <= im_end:
-            raise SynthError(f"vocab_size {D.V} is too small for the byte-level tokenizer (needs > {im_end})")
-        gen = {"bos_token_id": eot, "do_sample": True, "eos_token_id": [im_end, eot], "pad_token_id": eot,
-               "temperature": 1.0, "top_k": 20, "top_p": 0.95}
-        if D.V >= REAL_TOKENIZER_VOCAB:
-            print("lily synth: real Qwen3.6 tokenizer not found (pass --tokenizer DIR); wrote a byte-level one",
-                  file=sys.stderr)
-        else:  # keep the special ids inside the small vocabulary
-            cfg["text_config"].update(bos_token_id=eot, eos_token_id=eot)
-        tok_kind = "byte-level"
+    gen, tok_kind = _write_tokenizer(out, tokenizer, D.V)
+    if tok_kind == "byte-level":  # keep the special ids inside the small vocabulary
+        cfg["text_config"].update(bos_token_id=gen["bos_token_id"], eos_token_id=gen["bos_token_id"])
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
     if fmt == "mlx":
@@ -747,9 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bits", type=int, default=4, help="quantization bits (mlx format; default 4)")
     ap.add_argument("--group-size", type=int, default=64, help="quantization group size (mlx format; default 64)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=None,
-                    help="folder with the real tokenizer.json/tokenizer_config.json to copy (default: "
-                         "$LILY_QWEN_TOKENIZER_DIR or /work/shared/data/qwen3.6; else a byte-level tokenizer)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="copy the tokenizer files of this folder (default: the Qwen3.6 tokenizer shipped with "
+                         "lily when vocab_size holds it, else a byte-level tokenizer with the same chat template)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a text_config field (JSON value), e.g. --set num_experts=16; repeatable")
     ap.add_argument("--shard-size", default="5G", help="maximum shard size (default 5G, like mlx_lm)")

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import tokenizers
 import tokenizers.decoders
 
-__all__ = ["StreamingDetokenizer", "Tokenizer"]
+__all__ = ["BYTE_TO_UNICODE", "StreamingDetokenizer", "Tokenizer"]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -31,8 +31,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+#: byte -> the character that stands for it in a byte-level BPE vocabulary (GPT-2's table)
+BYTE_TO_UNICODE = _bytes_to_unicode()
 # character of the byte-level alphabet -> the latin-1 character of its byte, for str.translate
-_BYTE_LEVEL_TO_LATIN1 = {ord(c): b for b, c in _bytes_to_unicode().items()}
+_BYTE_LEVEL_TO_LATIN1 = {ord(c): b for b, c in BYTE_TO_UNICODE.items()}
 
 
 class Tokenizer:
