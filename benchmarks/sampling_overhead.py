@@ -6,7 +6,7 @@ rows (8 MB) stay cache-resident, as the row the engine has just written is; cycl
 rows instead would time DRAM reads that a real generation loop does not make. Also times the native
 sampler alone. The budget is 0.5 ms per token.
 
-    python benchmarks/sampling_overhead.py [--tokens 2000] [--tokenizer /path/to/qwen3.6]
+    python benchmarks/sampling_overhead.py [--tokens 2000] [--tokenizer CHECKPOINT_DIR]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import numpy as np
 from lily.model import Model
 from lily.sampling import Sampler
 from lily.tokenizer import Tokenizer
+from lily.tokenizer_files import write_qwen_tokenizer
 
 VOCAB = 248_320
 TOKENIZER_LEN = 248_077
@@ -109,10 +111,14 @@ def bench_sampler(rows, settings: dict, iters: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000, help="tokens generated per run")
-    ap.add_argument("--tokenizer", default=os.environ.get("LILY_QWEN_TOKENIZER_DIR", "/work/shared/data/qwen3.6"))
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="folder with a tokenizer.json (default: the Qwen3.6 tokenizer shipped with lily)")
     args = ap.parse_args()
-    folder = Path(args.tokenizer)
-    tok = Tokenizer.from_file(folder / "tokenizer.json", eos_ids=[])  # no eos: every run goes to max_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.tokenizer) if args.tokenizer else Path(tmp)
+        if not args.tokenizer:
+            write_qwen_tokenizer(folder)
+        tok = Tokenizer.from_file(folder / "tokenizer.json", eos_ids=[])  # no eos: every run goes to max_tokens
     tok.detokenizer()
     rows = lm_like_rows(8)
     gen_config = {"do_sample": True, "temperature": 1.0, "top_k": 20, "top_p": 0.95}
