@@ -68,7 +68,7 @@ def _digest(*parts) -> str:
 
 # the test checkpoints' tokenizers come from lily.tokenizer_files
 _FIXTURES_SRC = (HERE / "fixtures.py").read_text() + (HERE.parent / "python/lily/tokenizer_files.py").read_text()
-_ORACLE_SRC = (HERE / "oracle.py").read_text()
+_ORACLE_SRC = (HERE / "oracle.py").read_text() + (HERE.parent / "python/lily/mlx_reference.py").read_text()
 
 
 def require_mlx():

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from fixtures import read_checkpoint_tensors
+from lily.mlx_reference import load_mlx_model, model_classes, upcast_to_float32
 
 
 def _mx():
@@ -32,38 +33,9 @@ def _mx():
     return mx
 
 
-def _fp32_classes(config):
-    """mlx-lm's model classes, with ``sanitize`` upcasting every floating tensor to fp32 first."""
-    mx = _mx()
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config=config)
-
-    class Fp32Model(model_class):
-        def sanitize(self, weights):
-            weights = {k: (v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
-                       for k, v in weights.items()}
-            return super().sanitize(weights)
-
-    return Fp32Model, args_class
-
-
-def _upcast_all(model) -> None:
-    mx = _mx()
-    from mlx.utils import tree_map
-
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
-    mx.eval(model.parameters())
-
-
 def load_fp32_model(folder):
     """mlx-lm model for ``folder`` with every floating parameter in fp32 (quantized codes untouched)."""
-    from mlx_lm.utils import load_model
-
-    model, config = load_model(Path(folder), lazy=False, strict=True, get_model_classes=_fp32_classes)
-    _upcast_all(model)
-    return model, config
+    return load_mlx_model(folder, "float32")
 
 
 def _run(model, tokens) -> np.ndarray:
@@ -174,12 +146,12 @@ def mlx_logits_dequantized(folder, tokens) -> np.ndarray:
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("quantization", None)
     cfg.pop("quantization_config", None)
-    model_class, args_class = _fp32_classes(cfg)
+    model_class, args_class = model_classes(cfg, float32=True)
     model = model_class(args_class.from_dict(cfg))
     weights = {k: mx.array(v) for k, v in dequantized_weights(folder).items()}
     weights = model.sanitize(weights)
     model.load_weights(list(weights.items()), strict=True)
-    _upcast_all(model)
+    upcast_to_float32(model)
     return _run(model, tokens)
 
 

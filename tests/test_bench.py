@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from lily import bench, synth
+from lily.bench import accounting, machine, protocol
+from lily.command import CommandError
 
 REAL_CONFIG = synth.PRESETS[synth.DEFAULT_PRESET]  # the published config.json of Qwen3.6-35B-A3B
 
@@ -26,12 +28,12 @@ def header_only_checkpoint(folder: Path, config=None, **kw) -> Path:
 
 
 def test_bytes_per_token_of_the_real_checkpoint(tmp_path):
-    bm = bench.decode_bytes_model(header_only_checkpoint(tmp_path / "full"))
+    bm = accounting.decode_bytes_model(header_only_checkpoint(tmp_path / "full"))
     assert bm["weights"] == 1_669_563_648  # architecture.md §10.1
     assert bm["weights_total"] == 19_508_789_376
     assert bm["kv_per_context_token"] == 20 * 1024  # 20 KiB per token of context
     assert bm["state"] == 30 * (2 * 32 * 128 * 128 * 4 + 2 * 3 * 8192 * 2)
-    assert bench.bytes_per_decoded_token(bm, 4096, 63) == bm["weights"] + bm["state"] + 20 * 1024 * 4128
+    assert accounting.bytes_per_decoded_token(bm, 4096, 63) == bm["weights"] + bm["state"] + 20 * 1024 * 4128
 
 
 def matmul_elements(heads: dict, quant: dict, prefix: str) -> int:
@@ -57,7 +59,7 @@ def test_prefill_flops_match_the_checkpoint_tensors(tmp_path):
     kind, one MoE block with top-k of its experts and the lm_head, counted from a full-size checkpoint's headers."""
     cfg = copy.deepcopy(REAL_CONFIG)
     folder = header_only_checkpoint(tmp_path / "full", config=REAL_CONFIG)
-    heads = bench.read_headers(folder)
+    heads = accounting.read_headers(folder)
     ckpt_cfg = json.loads((folder / "config.json").read_text())
     quant = ckpt_cfg["quantization"]
     assert quant["language_model.model.layers.0.mlp.gate"]["bits"] == 8  # the per-module override path is used
@@ -74,7 +76,7 @@ def test_prefill_flops_match_the_checkpoint_tensors(tmp_path):
     assert matmul_elements(heads, quant, f"{pre}{full}.mlp.") == matmul_elements(heads, quant, f"{pre}{lin}.mlp.")
     head_el = matmul_elements(heads, quant, "language_model.lm_head.")
     for prompt in (1, 256, 4096):
-        f = bench.prefill_flops_per_token(cfg, prompt)
+        f = accounting.prefill_flops_per_token(cfg, prompt)
         assert f["matmul_linear_layer"] == 2 * lin_el == 2 * 33_685_504  # architecture.md §10: projections
         assert f["matmul_full_attention_layer"] == 2 * full_el == 2 * (27_263_488 - 512)  # less q/k norms
         assert f["matmul_moe_layer"] == 2 * moe_el
@@ -89,7 +91,7 @@ def test_prefill_flops_match_the_checkpoint_tensors(tmp_path):
     # §10 "active per token" 2,946,431,616 params, less those that are no matrices (norms, conv, A_log, dt_bias,
     # the embedding row): at prompt 1 every matrix is used once per token
     not_matrices = 10 * 2 * 256 + 30 * (8192 * 4 + 32 + 32 + 128) + 40 * 2 * 2048 + 2048 + 2048
-    assert bench.prefill_flops_per_token(cfg, 1)["matmul"] == 2 * (2_946_431_616 - not_matrices)
+    assert accounting.prefill_flops_per_token(cfg, 1)["matmul"] == 2 * (2_946_431_616 - not_matrices)
 
 
 def test_prefill_flops_follow_the_config():
@@ -98,35 +100,35 @@ def test_prefill_flops_follow_the_config():
     t = cfg["text_config"]
     del t["layer_types"]
     t["num_hidden_layers"], t["full_attention_interval"] = 6, 3
-    base = bench.prefill_flops_per_token(cfg, 64)
+    base = accounting.prefill_flops_per_token(cfg, 64)
     assert (base["linear_layers"], base["full_attention_layers"]) == (4, 2)
     t["shared_expert_intermediate_size"] = 0
     t["attn_output_gate"] = False
-    f = bench.prefill_flops_per_token(cfg, 64)
+    f = accounting.prefill_flops_per_token(cfg, 64)
     assert base["matmul_moe_layer"] - f["matmul_moe_layer"] == 2 * (3 * 2048 * 512 + 2048)
     assert base["matmul_full_attention_layer"] - f["matmul_full_attention_layer"] == 2 * 2048 * 16 * 256
 
 
 def test_peak_flops_is_measured():
     for method in ("numpy", "mlx"):
-        pk = bench.measure_peak_flops(method, repeats=2, n=256)
+        pk = machine.measure_peak_flops(method, repeats=2, n=256)
         assert math.isfinite(pk["peak_gflops"]) and pk["peak_gflops"] > 0.01, pk
         assert pk["peak_method"].startswith(f"{method} f32 matmul 256^2")
-    assert f"{bench.usable_cpus()} cpus" in bench.measure_peak_flops("numpy", repeats=1, n=64)["peak_method"]
+    assert f"{machine.usable_cpus()} cpus" in machine.measure_peak_flops("numpy", repeats=1, n=64)["peak_method"]
 
 
 def test_lengths_and_fit():
-    assert bench.parse_lengths("256, 1K,4k") == [256, 1024, 4096]
-    with pytest.raises(bench.BenchError):
-        bench.parse_lengths("12x")
+    assert protocol.parse_lengths("256, 1K,4k") == [256, 1024, 4096]
+    with pytest.raises(CommandError):
+        protocol.parse_lengths("12x")
     bm = {"kv_per_context_token": 20480}
-    assert bench.fits(256, 64, 512, bm, 0, 0) is None
-    assert "max_seq" in bench.fits(512, 64, 512, bm, 0, 0)
-    assert "GB" in bench.fits(131072, 64, None, bm, 2 << 30, 1 << 30)
+    assert protocol.fits(256, 64, 512, bm, 0, 0) is None
+    assert "max_seq" in protocol.fits(512, 64, 512, bm, 0, 0)
+    assert "GB" in protocol.fits(131072, 64, None, bm, 2 << 30, 1 << 30)
 
 
 def test_bandwidth_is_measured():
-    bw = bench.measure_bandwidth(64 << 20, repeats=2)
+    bw = machine.measure_bandwidth(64 << 20, repeats=2)
     assert bw["memory_bandwidth_gbps"] > 0.1 and bw["read_bandwidth_gbps"] > 0.1
 
 
@@ -141,7 +143,7 @@ def check_records(data, lengths, compare=False):
             assert r[k] > 0, k
         assert len(r["decode_tok_s_rounds"]) == 2 and "decode_drift" in r
         for d in [r] + ([r["mlx_lm"]] if compare else []):
-            assert d["prefill_flops_per_token"] == bench.prefill_flops_per_token(cfg, r["prompt_tokens"])["total"]
+            assert d["prefill_flops_per_token"] == accounting.prefill_flops_per_token(cfg, r["prompt_tokens"])["total"]
             assert d["prefill_gflops"] == pytest.approx(d["prefill_tok_s"] * d["prefill_flops_per_token"] / 1e9)
             assert d["peak_gflops"] == data["meta"]["peak_gflops"] > 0
             assert 0 < d["prefill_peak_fraction"] < 1.5

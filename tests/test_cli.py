@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -27,14 +28,22 @@ def run(*args, stdin="", timeout=300):
         (["generate", "some-model", "hi", "--logit-bias", "x"], "TOKEN_ID=BIAS"),
         (["generate", "some-model", "hi", "--no-such-flag"], "unrecognized arguments"),
         (["generate"], "required"),
+        (["synth", "/", "-q"], "exists and is not empty"),
+        (["synth", "/nonexistent/out", "--bits", "7"], "--bits must be one of"),
+        (["bench", "/nonexistent/model"], "not a folder"),
+        (["bench", "/nonexistent/model", "--lengths"], "expected one argument"),
+        (["eval", "/nonexistent/model"], "not a checkpoint folder"),
+        (["serve", "/nonexistent/model"], "no such folder"),
+        (["serve", "x", "--port", "http"], "invalid int value"),
     ],
 )
 def test_bad_input_is_one_line(args, needle):
+    """Every subcommand reports bad input the same way (lily.command): one line naming the command."""
     r = run(*args)
     assert r.returncode in (1, 2)
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lily: error:") and needle in lines[0], r.stderr
+    assert len(lines) == 1 and re.match(rf"lily( {args[0]})?: error:", lines[0]) and needle in lines[0], r.stderr
 
 
 def test_help_lists_commands():

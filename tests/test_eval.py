@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from lily import eval as leval
+from lily.command import CommandError
 
 
 def test_metrics():
@@ -24,7 +25,7 @@ def test_metrics():
     assert m["top1_agreement"] == 0.0 and m["kl_mean"] > 1.0 and m["perplexity_delta_pct"] < 0
     m = leval.compare(a, c, np.zeros(5, dtype=int), vocab_limit=1)  # only row 0: identical after softmax
     assert m["kl_max"] == 0.0
-    with pytest.raises(leval.EvalError):
+    with pytest.raises(CommandError):
         leval.compare(a, a[:, :10], None)
 
 

@@ -169,14 +169,14 @@ def test_oracle_hf_reference_is_fp32(ckpts, oracle_cache):
     from pathlib import Path
 
     import mlx.core as mx
-    import oracle
+    from lily.mlx_reference import upcast_to_float32
     from mlx_lm.utils import load_model
 
     name = "tiny-s0"
     toks = tokens_for(ckpts, name)
     ref = oracle_cache.logits(name, toks)
     model, _ = load_model(Path(ckpts.path(name)))  # sanitize in bf16, then run in fp32
-    oracle._upcast_all(model)
+    upcast_to_float32(model)
     naive = np.array(model(mx.array(toks.astype(np.int32))[None]).astype(mx.float32)[0])
     d = np.abs(naive - ref).max()
     assert 1e-3 < d < 2.0, f"bf16-sanitized vs fp32-sanitized max|Δ|={d:.3e} (expected ~0.1-0.5)"

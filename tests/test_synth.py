@@ -24,7 +24,7 @@ def headers(folder) -> dict:
 
 def mlx_forward(folder, tokens, dtype="float32") -> np.ndarray:
     import mlx.core as mx
-    from lily.bench import load_mlx_model
+    from lily.mlx_reference import load_mlx_model
 
     model, _ = load_mlx_model(Path(folder), dtype)
     out = model(mx.array(np.asarray(tokens, np.int32))[None]).astype(mx.float32)

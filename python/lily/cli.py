@@ -3,7 +3,8 @@
     lily generate MODEL "prompt"      stream an answer (chat template applied; --raw to skip it)
     lily chat MODEL                   interactive chat: /reset clears the history, /exit quits
 
-Errors (a missing model, a bad flag value) print one line, ``lily: error: ...``, and exit 1 or 2.
+Errors (a missing model, a bad flag value) print one line, ``lily generate: error: ...``, and exit 1 or 2
+(``lily.command``).
 """
 
 from __future__ import annotations
@@ -12,21 +13,16 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
-from lily.loading import BACKENDS
+from lily import command
+from lily.command import ArgParser
+from lily.loading import BACKENDS, load
 
 __all__ = ["main"]
 
 _DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval", "serve": "lily.server"}
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error instead of usage + error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"lily: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -70,9 +66,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto", help="dim the thinking text")
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="lily", description="Fast local inference for Qwen3.6-35B-A3B.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+def _parser() -> ArgParser:
+    p = ArgParser(prog="lily", description="Fast local inference for Qwen3.6-35B-A3B.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgParser)
     g = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
     _add_common(g)
     g.add_argument("prompt", help="the prompt ('-' reads standard input)")
@@ -229,12 +225,6 @@ def _cmd_chat(model, args) -> int:
     return 0
 
 
-def _error(message: str, code: int = 1) -> int:
-    first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
-    print(f"lily: error: {first}", file=sys.stderr)
-    return code
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DISPATCH:
@@ -245,21 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    try:
-        import lily
+    return command.run(f"lily {args.command}", lambda: _run(args))
 
-        try:
-            model = lily.load(args.model, backend=args.backend, max_seq=args.max_seq)
-            if args.command == "generate":
-                return _cmd_generate(model, args)
-            return _cmd_chat(model, args)
-        except (lily.LilyError, ValueError, TypeError, OSError) as e:
-            return _error(f"{e}")
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
+
+def _run(args: argparse.Namespace) -> int:
+    model = load(args.model, backend=args.backend, max_seq=args.max_seq)
+    if args.command == "generate":
+        return _cmd_generate(model, args)
+    return _cmd_chat(model, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from lily import command
+from lily.bench.machine import package_version
+from lily.command import ArgParser, CommandError
 from lily.loading import BACKENDS
 
 REAL_VOCAB = 248077  # rows >= this are padding in the Qwen3.6 vocabulary
-
-
-class EvalError(Exception):
-    pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,10 +60,10 @@ def lily_logits(model: str, tokens: list[int], mode: str, backend: str = "auto",
 def mlx_logits(model: str, tokens: list[int], mode: str, dtype: str = "auto") -> tuple[np.ndarray, str]:
     import mlx.core as mx
 
-    from lily.bench import load_mlx_model
+    from lily.mlx_reference import default_dtype, load_mlx_model
 
     if dtype == "auto":
-        dtype = "native" if mx.default_device() == mx.gpu else "float32"
+        dtype = default_dtype()
     m, _ = load_mlx_model(Path(model), dtype)
     toks = np.asarray(tokens, dtype=np.int32)
     if mode == "prefill":
@@ -111,10 +110,10 @@ def compute_logits(spec: dict, timeout=None) -> tuple[np.ndarray, dict]:
             proc = subprocess.run([sys.executable, "-m", "lily.eval", "--worker", str(Path(td) / "spec.json")],
                                   capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
-            raise EvalError(f"{spec['engine']} timed out after {timeout} s") from None
+            raise CommandError(f"{spec['engine']} timed out after {timeout} s") from None
         if proc.returncode != 0 or not Path(spec["out"]).exists():
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise EvalError(f"{spec['engine']} failed (exit {proc.returncode}): {tail}")
+            raise CommandError(f"{spec['engine']} failed (exit {proc.returncode}): {tail}")
         z = np.load(spec["out"])
         return z["logits"], json.loads(str(z["meta"]))
 
@@ -132,14 +131,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def compare(ref: np.ndarray, cand: np.ndarray, targets: np.ndarray | None, vocab_limit: int | None = None) -> dict:
     """Metrics of ``cand`` against ``ref`` ([N, V] logits); ``targets[i]`` is the token after position i."""
     if ref.shape != cand.shape:
-        raise EvalError(f"logit shapes differ: reference {ref.shape}, lily {cand.shape}")
+        raise CommandError(f"logit shapes differ: reference {ref.shape}, lily {cand.shape}")
     V = ref.shape[1] if not vocab_limit else min(vocab_limit, ref.shape[1])
     kls, top1, maxd, nll_r, nll_c, meand = [], 0, 0.0, [], [], 0.0
     for i in range(ref.shape[0]):
         r, c = ref[i, :V], cand[i, :V]
         if not (np.isfinite(r).all() and np.isfinite(c).all()):
             who = "reference" if not np.isfinite(r).all() else "lily"
-            raise EvalError(f"non-finite logits at position {i} ({who})")
+            raise CommandError(f"non-finite logits at position {i} ({who})")
         lr, lc = _log_softmax(r), _log_softmax(c)
         kls.append(float(np.sum(np.exp(lr) * (lr - lc))))
         top1 += int(np.argmax(r) == np.argmax(c))
@@ -172,18 +171,18 @@ def make_tokens(model: Path, n_positions: int, text: str | None, seed: int) -> t
     if text is not None:
         tj = model / "tokenizer.json"
         if not tj.is_file():
-            raise EvalError(f"--text needs a tokenizer: {tj} not found")
+            raise CommandError(f"--text needs a tokenizer: {tj} not found")
         from tokenizers import Tokenizer
 
         try:
             data = Path(text).read_text(encoding="utf-8")
         except OSError as e:
-            raise EvalError(f"--text {text}: {e.strerror}") from None
+            raise CommandError(f"--text {text}: {e.strerror}") from None
         ids = Tokenizer.from_file(str(tj)).encode(data, add_special_tokens=False).ids
         if len(ids) < 2:
-            raise EvalError(f"--text {text}: fewer than 2 tokens")
+            raise CommandError(f"--text {text}: fewer than 2 tokens")
         if max(ids) >= V:
-            raise EvalError(f"the tokenizer produced id {max(ids)} >= vocab_size {V}")
+            raise CommandError(f"the tokenizer produced id {max(ids)} >= vocab_size {V}")
         if len(ids) < n_positions + 1:
             print(f"lily eval: {text} has {len(ids)} tokens; comparing {len(ids) - 1} positions", file=sys.stderr)
         return ids[: n_positions + 1], f"text {Path(text).name}"
@@ -204,8 +203,6 @@ def format_report(m: dict, meta: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lily.synth import ArgParser
-
     ap = ArgParser(prog="lily eval", description="Teacher-forced logit comparison against MLX-LM.")
     ap.add_argument("model", help="checkpoint folder")
     ap.add_argument("--reference", default="mlx-lm", help="mlx-lm (run it now) or a .npz of saved reference logits")
@@ -233,9 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> int:
     model = Path(args.model)
     if not (model / "config.json").is_file():
-        raise EvalError(f"{model}: not a checkpoint folder (no config.json)")
+        raise CommandError(f"{model}: not a checkpoint folder (no config.json)")
     if args.positions < 1:
-        raise EvalError("--positions must be >= 1")
+        raise CommandError("--positions must be >= 1")
     V = _vocab_of(model)
     ref_meta: dict
     if args.reference == "mlx-lm":
@@ -244,26 +241,27 @@ def run(args) -> int:
                 "mode": args.mode, "mlx_dtype": args.mlx_dtype}
         print(f"lily eval: reference: MLX-LM on {len(tokens) - 1} positions ...", file=sys.stderr)
         ref, ref_meta = compute_logits(spec, args.timeout)
-        ref_desc = f"mlx-lm {_ver('mlx-lm')} ({ref_meta.get('dtype')}, {args.mode}, {ref_meta['seconds']:.1f} s)"
+        ref_desc = (f"mlx-lm {package_version('mlx-lm') or '?'} ({ref_meta.get('dtype')}, {args.mode}, "
+                    f"{ref_meta['seconds']:.1f} s)")
         if args.save_reference:
             np.savez(args.save_reference, logits=ref, tokens=np.asarray(tokens, np.int32),
                      meta=np.array(json.dumps(dict(ref_meta, model=str(model), tokens_desc=tok_desc))))
     else:
         p = Path(args.reference)
         if not p.is_file():
-            raise EvalError(f"--reference {args.reference}: neither 'mlx-lm' nor an existing .npz file")
+            raise CommandError(f"--reference {args.reference}: neither 'mlx-lm' nor an existing .npz file")
         try:
             z = np.load(p)
             ref, tokens = z["logits"], z["tokens"].tolist()
             ref_meta = json.loads(str(z["meta"])) if "meta" in z else {}
         except (OSError, ValueError, KeyError) as e:
-            raise EvalError(f"--reference {p}: not a reference .npz with logits and tokens ({e})") from None
+            raise CommandError(f"--reference {p}: not a reference .npz with logits and tokens ({e})") from None
         if ref.ndim != 2 or ref.shape[0] != len(tokens) - 1:
-            raise EvalError(f"--reference {p}: logits {ref.shape} do not match {len(tokens)} tokens")
+            raise CommandError(f"--reference {p}: logits {ref.shape} do not match {len(tokens)} tokens")
         tok_desc = ref_meta.get("tokens_desc", "tokens from the .npz")
         ref_desc = f"{p} ({ref_meta.get('engine', '?')} {ref_meta.get('dtype', '')})"
     if ref.shape[1] != V:
-        raise EvalError(f"reference has {ref.shape[1]} logits per position, the checkpoint's vocab_size is {V}")
+        raise CommandError(f"reference has {ref.shape[1]} logits per position, the checkpoint's vocab_size is {V}")
     print(f"lily eval: {args.engine} on {len(tokens) - 1} positions ...", file=sys.stderr)
     spec = {"engine": args.engine, "model": str(model), "tokens": tokens[:-1], "tokens_full": tokens,
             "mode": args.mode, "backend": args.backend, "max_seq": args.max_seq, "mlx_dtype": args.mlx_dtype}
@@ -286,26 +284,13 @@ def run(args) -> int:
     return 0
 
 
-def _ver(pkg):
-    from lily.bench import _version
-
-    return _version(pkg) or "?"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         run_worker(json.loads(Path(argv[1]).read_text()))
         return 0
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except EvalError as e:
-        print(f"lily eval: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lily eval: interrupted", file=sys.stderr)
-        return 130
+    return command.run("lily eval", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ status; the server never binds beyond the address it is given (default 127.0.0.1
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -26,7 +25,9 @@ from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lily import command
 from lily._lily import ContextFullError, LilyError
+from lily.command import ArgParser
 from lily.loading import BACKENDS
 from lily.model import Model
 
@@ -412,7 +413,7 @@ def make_server(model: Model, host: str = "127.0.0.1", port: int = 8000, *, mode
 def main(argv: list[str] | None = None) -> int:
     from lily.loading import load
 
-    ap = argparse.ArgumentParser(prog="lily serve", description="OpenAI-compatible HTTP server")
+    ap = ArgParser(prog="lily serve", description="OpenAI-compatible HTTP server")
     ap.add_argument("model", help="checkpoint folder or Hugging Face repo id")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
@@ -421,22 +422,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-id", default=None, help="name reported by /v1/models (default: the folder name)")
     ap.add_argument("--verbose", action="store_true", help="log every request")
     args = ap.parse_args(argv)
-    try:
+
+    def serve() -> int:
         model = load(args.model, backend=args.backend, max_seq=args.max_seq)
         server = make_server(model, args.host, args.port, model_id=args.model_id, verbose=args.verbose)
-    except (LilyError, ValueError, OSError) as e:
-        print(f"lily: error: {e}", file=sys.stderr)
-        return 1
-    host, port = server.server_address[:2]
-    print(f"lily: serving {server.api.model_id} on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+        host, port = server.server_address[:2]
+        print(f"lily serve: serving {server.api.model_id} on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        return 0
 
+    return command.run("lily serve", serve)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lily import command
+from lily.command import ArgParser, CommandError
 from lily.tokenizer import Tokenizer
 from lily.tokenizer_files import (
     QWEN_VOCAB,
@@ -127,17 +129,6 @@ OUT_PROJ_DAMP = 0.25
 NORM_STD = 0.1
 
 
-class SynthError(Exception):
-    """A user-facing error (bad option, config or target folder)."""
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block) for bad command-line input."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 # --------------------------------------------------------------------------------------------------
 # configuration
 
@@ -155,11 +146,11 @@ def load_config(config) -> dict:
         if p.is_dir():
             p = p / "config.json"
         if not p.is_file():
-            raise SynthError(f"config {config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
+            raise CommandError(f"config {config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
         try:
             cfg = json.loads(p.read_text())
         except (OSError, ValueError) as e:
-            raise SynthError(f"cannot read {p}: {e}") from None
+            raise CommandError(f"cannot read {p}: {e}") from None
     if "text_config" not in cfg:  # a bare qwen3_5_moe_text config: wrap it like the released file
         text = cfg
         cfg = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
@@ -181,15 +172,15 @@ def apply_overrides(cfg: dict, layers: int | None = None, sets: list[str] | None
     text = cfg["text_config"]
     for item in sets or []:
         if "=" not in item:
-            raise SynthError(f"--set expects KEY=VALUE, got {item!r}")
+            raise CommandError(f"--set expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         text[k.strip()] = _parse_value(v.strip())
     n_full = int(text.get("num_hidden_layers", 0))
     if layers is not None:
         if layers < 1:
-            raise SynthError(f"--layers must be >= 1, got {layers}")
+            raise CommandError(f"--layers must be >= 1, got {layers}")
         if n_full and layers > n_full:
-            raise SynthError(f"--layers {layers} exceeds the config's num_hidden_layers {n_full}")
+            raise CommandError(f"--layers {layers} exceeds the config's num_hidden_layers {n_full}")
         text["num_hidden_layers"] = layers
     n = int(text["num_hidden_layers"])
     interval = int(text.get("full_attention_interval", 4))
@@ -234,7 +225,7 @@ class Dims:
                         Is=int(t["shared_expert_intermediate_size"]), layer_types=tuple(t["layer_types"]),
                         tie=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))))
         except KeyError as e:
-            raise SynthError(f"config.json text_config lacks {e.args[0]!r}") from None
+            raise CommandError(f"config.json text_config lacks {e.args[0]!r}") from None
 
     def is_linear(self, i: int) -> bool:
         return self.layer_types[i] == "linear_attention"
@@ -328,11 +319,11 @@ def plan(cfg: dict, fmt: str = "mlx", bits: int = 4, group_size: int = 64) -> tu
     """The tensors of the checkpoint (in write order) and the quantization block (mlx) or {} (hf)."""
     D = Dims.of(cfg)
     if fmt not in ("mlx", "hf"):
-        raise SynthError(f"unknown format {fmt!r} (mlx or hf)")
+        raise CommandError(f"unknown format {fmt!r} (mlx or hf)")
     if bits not in (2, 3, 4, 5, 6, 8):
-        raise SynthError(f"--bits must be one of 2, 3, 4, 5, 6, 8, got {bits}")
+        raise CommandError(f"--bits must be one of 2, 3, 4, 5, 6, 8, got {bits}")
     if group_size not in (32, 64, 128):
-        raise SynthError(f"--group-size must be 32, 64 or 128, got {group_size}")
+        raise CommandError(f"--group-size must be 32, 64 or 128, got {group_size}")
     tensors: list[Tensor] = []
     quant: dict = {}
 
@@ -585,13 +576,13 @@ def _write_tokenizer(out: Path, source, vocab_size: int) -> tuple[dict, str]:
     if source is not None:
         src = Path(source)
         if not (src / "tokenizer.json").is_file():
-            raise SynthError(f"--tokenizer {source}: no tokenizer.json there")
+            raise CommandError(f"--tokenizer {source}: no tokenizer.json there")
         try:
             n_ids = len(Tokenizer.from_file(src / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
-            raise SynthError(f"--tokenizer {source}: cannot read tokenizer.json ({e})") from None
+            raise CommandError(f"--tokenizer {source}: cannot read tokenizer.json ({e})") from None
         if n_ids > vocab_size:
-            raise SynthError(f"--tokenizer {source} has {n_ids} ids, more than the config's vocab_size {vocab_size}")
+            raise CommandError(f"--tokenizer {source} has {n_ids} ids, more than the config's vocab_size {vocab_size}")
         gen = copy_tokenizer(src, out) or (qwen_generation_config() if n_ids == QWEN_VOCAB else {})
         return gen, f"copied from {src}"
     if vocab_size >= QWEN_VOCAB:
@@ -600,7 +591,7 @@ def _write_tokenizer(out: Path, source, vocab_size: int) -> tuple[dict, str]:
     ids = write_byte_tokenizer(out)
     eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
     if vocab_size <= max(ids.values()):
-        raise SynthError(f"vocab_size {vocab_size} is too small for the byte-level tokenizer (needs > "
+        raise CommandError(f"vocab_size {vocab_size} is too small for the byte-level tokenizer (needs > "
                          f"{max(ids.values())})")
     gen = {"bos_token_id": eot, "do_sample": True, "eos_token_id": [im_end, eot], "pad_token_id": eot,
            "temperature": 1.0, "top_k": 20, "top_p": 0.95}
@@ -632,7 +623,7 @@ def _parse_size(s) -> int:
             return int(float(t[:-1]) * mult[t[-1]])
         return int(float(t))
     except ValueError:
-        raise SynthError(f"bad size {s!r} (e.g. 5G, 512M)") from None
+        raise CommandError(f"bad size {s!r} (e.g. 5G, 512M)") from None
 
 
 def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "mlx", bits: int = 4,
@@ -647,16 +638,16 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
-            raise SynthError(f"{out} exists and is not empty (use --force to overwrite a checkpoint folder)")
+            raise CommandError(f"{out} exists and is not empty (use --force to overwrite a checkpoint folder)")
         if not out.is_dir() or not (out / "config.json").exists():
-            raise SynthError(f"--force: {out} does not look like a checkpoint folder (no config.json); not touched")
+            raise CommandError(f"--force: {out} does not look like a checkpoint folder (no config.json); not touched")
         for p in out.iterdir():
             if p.is_file() and (p.suffix in (".safetensors", ".json", ".jinja") or p.name == "README.md"):
                 p.unlink()
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if free < total + (64 << 20):
-        raise SynthError(f"not enough disk space in {out}: need {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+        raise CommandError(f"not enough disk space in {out}: need {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 
     # tokenizer + generation config
     D = Dims.of(cfg)
@@ -729,33 +720,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.dry_run:
-            cfg = apply_overrides(load_config(args.config), args.layers, args.sets)
-            tensors, _ = plan(cfg, args.fmt, args.bits, args.group_size)
-            total = sum(t.nbytes for t in tensors)
-            print(f"{len(tensors)} tensors, {total:,} bytes ({total / 1e9:.2f} GB), "
-                  f"{cfg['text_config']['num_hidden_layers']} layers")
-            return 0
-        info = synthesize(args.out, args.config, layers=args.layers, fmt=args.fmt, bits=args.bits,
-                          group_size=args.group_size, seed=args.seed, tokenizer=args.tokenizer,
-                          shard_bytes=_parse_size(args.shard_size), sets=args.sets, force=args.force,
-                          progress=not args.quiet)
-    except SynthError as e:
-        print(f"lily synth: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"lily synth: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("lily synth: interrupted", file=sys.stderr)
-        return 130
+    return command.run("lily synth", lambda: _synth(args))
+
+
+def _synth(args) -> int:
+    if args.dry_run:
+        cfg = apply_overrides(load_config(args.config), args.layers, args.sets)
+        tensors, _ = plan(cfg, args.fmt, args.bits, args.group_size)
+        total = sum(t.nbytes for t in tensors)
+        print(f"{len(tensors)} tensors, {total:,} bytes ({total / 1e9:.2f} GB), "
+              f"{cfg['text_config']['num_hidden_layers']} layers")
+        return 0
+    info = synthesize(args.out, args.config, layers=args.layers, fmt=args.fmt, bits=args.bits,
+                      group_size=args.group_size, seed=args.seed, tokenizer=args.tokenizer,
+                      shard_bytes=_parse_size(args.shard_size), sets=args.sets, force=args.force,
+                      progress=not args.quiet)
     gb = info["bytes"] / 1e9
     print(f"wrote {info['path']}: {info['tensors']} tensors, {info['parameters']:,} parameters, {gb:.2f} GB in "
           f"{info['shards']} shard(s), {info['seconds']:.1f} s ({gb / max(info['seconds'], 1e-9):.2f} GB/s); "
           f"tokenizer {info['tokenizer']}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

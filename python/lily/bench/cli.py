@@ -1,0 +1,64 @@
+"""``lily bench``'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lily import command
+from lily.bench.protocol import run_bench
+from lily.bench.workers import run_worker
+from lily.command import ArgParser, CommandError
+from lily.loading import BACKENDS
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = ArgParser(prog="lily bench", description="Prefill / decode speed of a checkpoint, batch 1.")
+    ap.add_argument("model", help="checkpoint folder (MLX 4-bit or HF bf16)")
+    ap.add_argument("--lengths", default=None,
+                    help="comma-separated prompt lengths, K suffix allowed (default 256,512,...,128K, cut to "
+                         "what fits max_seq and memory)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS)
+    ap.add_argument("--max-seq", type=int, default=None, help="engine max_seq (default: the config's)")
+    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed after the first token (64)")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up run (2)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating order (2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
+    ap.add_argument("--plot", nargs="?", const="bench.png", default=None, metavar="PNG",
+                    help="write a PNG of tok/s against context length (default bench.png; needs matplotlib)")
+    ap.add_argument("--compare", choices=("mlx-lm",), default=None,
+                    help="also run MLX-LM's own generation path on the same checkpoint and print the ratio")
+    ap.add_argument("--mlx-dtype", choices=("native", "float32"), default="native",
+                    help="MLX-LM run as saved (native) or with every float tensor upcast to fp32")
+    ap.add_argument("--engine", choices=("lily", "mlx-lm"), default="lily", help=argparse.SUPPRESS)
+    ap.add_argument("--same-process", action="store_true",
+                    help="one process per round instead of a fresh process per measurement")
+    ap.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer size of the bandwidth test (1024)")
+    ap.add_argument("--bandwidth-method", choices=("auto", "numpy", "mlx"), default="auto")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per worker process")
+    ap.add_argument("-q", "--quiet", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        run_worker(json.loads(argv[1]))
+        return 0
+    args = build_parser().parse_args(argv)
+    return command.run("lily bench", lambda: _bench(args))
+
+
+def _bench(args) -> int:
+    if args.decode_steps < 1 or args.rounds < 1 or args.warmup_steps < 0:
+        raise CommandError("--decode-steps and --rounds must be >= 1, --warmup-steps >= 0")
+    if args.compare and args.compare == args.engine:
+        raise CommandError("--compare names the engine being measured")
+    if not Path(args.model).is_dir():
+        raise CommandError(f"{args.model}: not a folder")
+    return run_bench(args)

@@ -1,0 +1,119 @@
+"""What runs inside a benchmark's worker process: one engine (Lily or MLX-LM) loaded once, then each prompt
+length timed after a warm-up at the same shape; one ``RESULT_TAG`` line of JSON per length on stdout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import numpy as np
+
+from lily.bench.machine import peak_rss_bytes
+from lily.command import CommandError
+from lily.mlx_reference import load_mlx_model
+
+__all__ = ["RESULT_TAG", "LilyRunner", "MlxLmRunner", "make_prompt", "run_worker"]
+
+RESULT_TAG = "LILY_BENCH_RESULT "
+
+
+class LilyRunner:
+    name = "lily"
+
+    def __init__(self, model, backend="auto", max_seq=None):
+        import lily
+
+        kw = {"backend": backend}
+        if max_seq:
+            kw["max_seq"] = int(max_seq)
+        self.eng = lily.Engine(str(model), **kw)
+        self.backend = str(getattr(self.eng, "backend", backend))
+        self.max_seq = getattr(self.eng, "max_seq", max_seq)
+
+    def run(self, prompt: np.ndarray, steps: int) -> tuple[float, float]:
+        eng = self.eng
+        eng.reset()
+        t0 = time.perf_counter()
+        logits = eng.prefill(prompt.tolist())
+        tok = int(np.argmax(logits))
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            tok = int(np.argmax(eng.decode(tok)))
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    def peak_memory(self) -> int:
+        return peak_rss_bytes()
+
+
+class MlxLmRunner:
+    name = "mlx-lm"
+
+    def __init__(self, model, dtype="native"):
+        import mlx.core as mx
+
+        self.mx = mx
+        self.model, _ = load_mlx_model(model, dtype)
+        self.backend = f"mlx {mx.default_device()}" + (" fp32" if dtype == "float32" else "")
+        self.max_seq = None
+
+    def run(self, prompt: np.ndarray, steps: int) -> tuple[float, float]:
+        mx = self.mx
+        from mlx_lm.generate import generate_step
+
+        try:
+            from mlx_lm.generate import generation_stream, wired_limit
+
+            ctx = wired_limit(self.model, [generation_stream])
+        except ImportError:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            t0 = time.perf_counter()
+            t1 = None
+            n = 0
+            gen = generate_step(mx.array(prompt.astype(np.int32)), self.model, max_tokens=steps + 1)
+            for _tok, _ in gen:
+                n += 1
+                if t1 is None:
+                    t1 = time.perf_counter()
+                if n == steps + 1:
+                    break
+            t2 = time.perf_counter()
+        mx.clear_cache()
+        return t1 - t0, t2 - t1
+
+    def peak_memory(self) -> int:
+        try:
+            return max(peak_rss_bytes(), int(self.mx.get_peak_memory()))
+        except AttributeError:
+            return peak_rss_bytes()
+
+
+def make_prompt(length: int, vocab: int, seed: int) -> np.ndarray:
+    hi = min(vocab, 248044)  # stay below the special tokens of the real tokenizer
+    return np.random.default_rng(seed).integers(0, hi, size=length, dtype=np.int64)
+
+
+def run_worker(spec: dict, emit=print) -> None:
+    """Load one engine and measure spec["lengths"] in order; emits one JSON record per length."""
+    t0 = time.perf_counter()
+    if spec["engine"] == "lily":
+        runner = LilyRunner(spec["model"], spec.get("backend", "auto"), spec.get("max_seq"))
+    elif spec["engine"] == "mlx-lm":
+        runner = MlxLmRunner(spec["model"], spec.get("mlx_dtype", "native"))
+    else:
+        raise CommandError(f"unknown engine {spec['engine']!r}")
+    load_s = time.perf_counter() - t0
+    vocab = int(spec["vocab"])
+    steps = int(spec["decode_steps"])
+    for length in spec["lengths"]:
+        warm = make_prompt(length, vocab, spec["seed"] + 1000 + length)
+        runner.run(warm, int(spec.get("warmup_steps", 2)))
+        prompt = make_prompt(length, vocab, spec["seed"] + length)
+        pre_s, dec_s = runner.run(prompt, steps)
+        emit(RESULT_TAG + json.dumps({
+            "engine": runner.name, "backend": runner.backend, "prompt_tokens": length, "decode_steps": steps,
+            "prefill_s": pre_s, "decode_s": dec_s, "prefill_tok_s": length / pre_s,
+            "decode_tok_s": steps / dec_s if dec_s > 0 else float("nan"),
+            "peak_memory_bytes": runner.peak_memory(), "load_s": load_s, "max_seq": runner.max_seq}), flush=True)

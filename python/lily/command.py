@@ -1,0 +1,57 @@
+"""What every ``lily`` subcommand shares: its argument parser and the one error path.
+
+A command reports a problem as one line on stderr, ``lily CMD: error: MESSAGE``, and exits with 2 for bad
+input (an option value, a file or folder that does not fit: ``CommandError`` and argparse's errors) or 1 when
+the work itself failed (a ``LilyError`` from the engine, an ``OSError``, a value the library refused);
+Ctrl-C exits with 130. No traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from lily._lily import LilyError
+
+__all__ = ["ArgParser", "CommandError", "run"]
+
+
+class CommandError(Exception):
+    """What was asked for cannot be done; the message says why, and what to do where that helps."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def run(prog: str, body: Callable[[], int | None]) -> int:
+    """``body()``'s exit status, or the one-line report of what it raised."""
+    try:
+        return body() or 0
+    except CommandError as e:
+        return _report(prog, e, e.code)
+    except BrokenPipeError:  # the reader went away (`lily generate ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one when Python flushes
+        return 0
+    except (LilyError, ValueError, TypeError, OSError) as e:
+        return _report(prog, e, 1)
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _report(prog: str, error: BaseException, code: int) -> int:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    print(f"{prog}: error: {first}", file=sys.stderr)
+    return code
