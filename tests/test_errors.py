@@ -8,6 +8,7 @@ was: the next valid call gives the same logits as on a fresh engine.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -67,6 +68,26 @@ def test_missing_folder(lily, tmp_path):
     with pytest.raises(lily.ModelLoadError) as ei:
         _load(lily, tmp_path / "does-not-exist")
     assert "does-not-exist" in str(ei.value)
+
+
+def test_offline_repo_id_is_one_clear_error(tmp_path):
+    """A repo id that is not cached, with the Hub unreachable: the ModelLoadError says what to do, with no
+    chained huggingface_hub / httpx traceback in front of it."""
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-c", "import lily; lily.load('some-org/some-model')"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("lily.ModelLoadError: some-org/some-model: not in the Hugging Face cache"), r.stderr
+    assert "hf download some-org/some-model" in last and str(tmp_path / "hf") in last
+    assert "During handling" not in r.stderr and "direct cause" not in r.stderr, r.stderr
+    assert r.stderr.count("Traceback") == 1 and len(r.stderr.splitlines()) < 15, r.stderr
+    cli = subprocess.run([sys.executable, "-m", "lily", "generate", "some-org/some-model", "hi"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    assert cli.stderr.startswith("lily generate: error: some-org/some-model: not in the Hugging Face cache")
 
 
 def test_missing_config(lily, ckpt_copy):

@@ -43,26 +43,27 @@ def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None,
         raise ModelLoadError(
             f"{name}: no such folder; to download it from the Hugging Face Hub, install huggingface_hub "
             "(pip install huggingface_hub)"
-        ) from e
+        ) from None
     if not progress:
         huggingface_hub.utils.disable_progress_bars()
     try:
         return Path(huggingface_hub.snapshot_download(name, revision=revision, allow_patterns=ALLOW_PATTERNS))
-    except hf_errors.RepositoryNotFoundError as e:
+    # The messages say what to do; the chained httpx / huggingface_hub tracebacks would only bury them.
+    except hf_errors.RepositoryNotFoundError:
         raise ModelLoadError(
             f"{name}: no such repository on the Hugging Face Hub (or it is private or gated: run `hf auth login`)"
-        ) from e
-    except hf_errors.RevisionNotFoundError as e:
-        raise ModelLoadError(f"{name}: revision {revision!r} not found on the Hugging Face Hub") from e
-    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
+        ) from None
+    except hf_errors.RevisionNotFoundError:
+        raise ModelLoadError(f"{name}: revision {revision!r} not found on the Hugging Face Hub") from None
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled):
         raise ModelLoadError(
             f"{name}: not in the Hugging Face cache ({_cache_dir()}) and the Hub cannot be reached. "
             f"On a machine with network, run `hf download {name}` (it fills that cache; set HF_HOME or "
             "HF_HUB_CACHE to use another one), or pass the path of a local checkpoint folder."
-        ) from e
+        ) from None
     except (OSError, huggingface_hub.errors.HfHubHTTPError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{name}: download failed: {first_line}") from e
+        raise ModelLoadError(f"{name}: download failed: {first_line}") from None
 
 
 def warm_page_cache(folder: Path, *, progress: bool = True, min_bytes: int = 1 << 30) -> None:
