@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -40,7 +43,7 @@ def test_mlx_against_itself_and_saved_reference(tiny_synth, tmp_path, capsys):
     assert z["logits"].shape == (40, 1024) and z["tokens"].shape == (41,)
     # the saved reference against MLX-LM's bf16 path: close, not equal
     assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--reference", str(ref), "--mlx-dtype", "native",
-                       "--json", str(js), "--min-top1", "0.5"]) == 0
+                       "--json", str(js), "--min-top1", "50"]) == 0
     m = json.loads(js.read_text())["metrics"]
     assert 0 < m["max_abs_logit_diff"] < 3 and m["kl_mean"] < 0.1
     assert "top-1 agreement" in capsys.readouterr().out
@@ -60,7 +63,7 @@ def test_text(tiny_synth, tmp_path):
 def test_lily_matches_mlx_lm(tiny_synth, tmp_path, mode):
     js = tmp_path / "e.json"
     rc = leval.main([str(tiny_synth), "--backend", "cpu", "--positions", "64", "--mode", mode, "--json", str(js),
-                     "--min-top1", "0.9"])
+                     "--min-top1", "90"])
     m = json.loads(js.read_text())["metrics"]
     assert rc == 0, m
     assert m["kl_mean"] < 2e-3, m
@@ -75,3 +78,30 @@ def test_cli_errors(tiny_synth, tmp_path, capsys):
     assert leval.main([str(tiny_synth), "--text", str(tmp_path / "none.txt"), "--engine", "mlx-lm"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("lily eval: error:") == 4
+
+
+@pytest.mark.parametrize("value", ["100.5", "-1", "nan", "x"])
+def test_min_top1_is_a_percentage(tiny_synth, value):
+    r = subprocess.run([sys.executable, "-m", "lily", "eval", str(tiny_synth), "--min-top1", value],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("lily eval: error: argument --min-top1:") and value in r.stderr
+
+
+def test_min_top1_fails_below_the_percentage(tiny_synth, tmp_path, capsys):
+    """Saved bf16 logits against MLX-LM's fp32 run agree on most, not all, positions: a threshold just above the
+    agreement fails and names both in percent."""
+    ref = tmp_path / "ref.npz"
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--positions", "64", "--mlx-dtype", "native",
+                       "--save-reference", str(ref)]) == 0
+    js = tmp_path / "e.json"
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--reference", str(ref), "--mlx-dtype", "float32",
+                       "--json", str(js)]) == 0
+    agreement = math.floor(100 * 100 * json.loads(js.read_text())["metrics"]["top1_agreement"]) / 100
+    assert agreement < 99.99
+    capsys.readouterr()
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--reference", str(ref), "--mlx-dtype", "float32",
+                       "--min-top1", f"{agreement:.2f}"]) == 0
+    assert leval.main([str(tiny_synth), "--engine", "mlx-lm", "--reference", str(ref), "--mlx-dtype", "float32",
+                       "--min-top1", f"{agreement + 0.01:.2f}"]) == 1
+    assert f"% < {agreement + 0.01:.2f} %" in capsys.readouterr().err

@@ -202,6 +202,23 @@ def format_report(m: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
+def _percent(text: str) -> float:
+    value = _non_negative(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage from 0 to 100, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgParser(prog="lily eval", description="Teacher-forced logit comparison against MLX-LM.")
     ap.add_argument("model", help="checkpoint folder")
@@ -220,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab-limit", type=int, default=None,
                     help="compare only the first N vocabulary rows (default: 248077 for the real vocabulary)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the metrics as JSON")
-    ap.add_argument("--min-top1", type=float, default=None, help="exit 1 if top-1 agreement is below this (0-1)")
-    ap.add_argument("--max-kl", type=float, default=None, help="exit 1 if the mean KL is above this")
+    ap.add_argument("--min-top1", type=_percent, default=None, metavar="PERCENT",
+                    help="exit 1 if the top-1 agreement is below this percentage (0-100, as printed)")
+    ap.add_argument("--max-kl", type=_non_negative, default=None, help="exit 1 if the mean KL is above this")
     ap.add_argument("--engine", choices=("lily", "mlx-lm"), default="lily", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=None, help="seconds per engine process")
     return ap
@@ -274,8 +292,8 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "metrics": metrics}, indent=2) + "\n")
     bad = []
-    if args.min_top1 is not None and metrics["top1_agreement"] < args.min_top1:
-        bad.append(f"top-1 agreement {metrics['top1_agreement']:.4f} < {args.min_top1}")
+    if args.min_top1 is not None and 100 * metrics["top1_agreement"] < args.min_top1:
+        bad.append(f"top-1 agreement {100 * metrics['top1_agreement']:.3f} % < {args.min_top1:g} %")
     if args.max_kl is not None and metrics["kl_mean"] > args.max_kl:
         bad.append(f"mean KL {metrics['kl_mean']:.3e} > {args.max_kl}")
     if bad:

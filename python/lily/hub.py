@@ -39,7 +39,7 @@ def resolve_model(model: str | os.PathLike[str], *, revision: str | None = None,
     try:
         import huggingface_hub
         from huggingface_hub import errors as hf_errors
-    except ImportError as e:
+    except ImportError:
         raise ModelLoadError(
             f"{name}: no such folder; to download it from the Hugging Face Hub, install huggingface_hub "
             "(pip install huggingface_hub)"
