@@ -187,13 +187,36 @@ def test_plot(tiny_synth, tmp_path):
 def test_bench_lily_compare_mlx_lm(tiny_synth, tmp_path, capsys):
     js = tmp_path / "b.json"
     rc = bench.main([str(tiny_synth), "--backend", "cpu", "--lengths", "32,128", "--decode-steps", "8",
-                     "--json", str(js), "--compare", "mlx-lm", "--mlx-dtype", "float32", "--bandwidth-mib", "64",
-                     "-q"])
+                     "--json", str(js), "--compare", "mlx-lm", "--bandwidth-mib", "64"])
     assert rc == 0
-    check_table(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    check_table(out)
     data = json.loads(js.read_text())
     check_records(data, [32, 128], compare=True)
     assert data["meta"]["backend"] and data["meta"]["engine"] == "lily"
+    # on a CPU, MLX-LM runs in fp32 unless told otherwise (its bf16 path is ~8x slower), without a warning
+    assert data["meta"]["mlx_dtype"] == "float32" and data["records"][0]["mlx_lm"]["backend"].endswith("fp32")
+    assert "warning" not in err and "lily bench: 8/8 runs, " in err and " left" in err
+
+
+def test_mlx_bf16_on_a_cpu_is_warned_about(capsys):
+    assert protocol._mlx_dtype("native") == "native"
+    assert "about 8x slower than with --mlx-dtype float32" in capsys.readouterr().err
+    assert protocol._mlx_dtype("float32") == "float32" and capsys.readouterr().err == ""
+
+
+def test_time_left_is_unknown_until_every_engine_ran(capsys):
+    """One fast Lily run must not turn into an estimate for a slow MLX-LM run (the 8 s estimate of a 19 min
+    benchmark); after both engines ran once, the estimate scales each engine's own rate."""
+    runs = [("lily", [256]), ("mlx-lm", [256]), ("lily", [512]), ("mlx-lm", [512])]
+    status = protocol.Status(runs, steps=64, warmup=2, enabled=False)
+    assert status.left("lily", 0.0).startswith("time left: unknown")
+    status.finished("lily", [256], 8.0)
+    assert status.left("mlx-lm", 30.0).startswith("time left: unknown")
+    status.finished("mlx-lm", [256], 1000.0)
+    scale = status.work([512]) / status.work([256])
+    want = (8.0 + 1000.0) * scale - 100.0
+    assert status.left("lily", 100.0) == f"about {protocol._duration(want)} left" and want > 15 * 60
 
 
 def test_cli_errors(tmp_path, capsys):

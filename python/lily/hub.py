@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 from lily._lily import ModelLoadError
+from lily.progress import progress_bar
 
 __all__ = ["resolve_model"]
 
@@ -80,13 +80,9 @@ def warm_page_cache(folder: Path, *, progress: bool = True, min_bytes: int = 1 <
         ram = 0
     if ram and total > 0.8 * ram:
         return
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with huggingface_hub
-        return
     chunk = 64 << 20
     buf = bytearray(chunk)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Reading weights", file=sys.stderr) as bar:
+    with progress_bar(total, desc="Reading weights", unit="B", unit_scale=True, leave=False) as bar:
         for f in files:
             with open(f, "rb", buffering=0) as fh:
                 while True:

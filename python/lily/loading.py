@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from lily._lily import Engine
 from lily.checkpoint import load_tokenizer, read_json
 from lily.hub import resolve_model, warm_page_cache
 from lily.model import Model
+from lily.progress import progress_bar
 from lily.template import ChatTemplate
 
 __all__ = ["BACKENDS", "load"]
@@ -54,11 +54,7 @@ def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk:
     def report(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:  # pragma: no cover - tqdm comes with huggingface_hub
-                return
-            bar = tqdm(total=total, unit="layer", desc="Loading layers", file=sys.stderr, leave=False)
+            bar = progress_bar(total, desc="Loading layers", unit="layer", leave=False)
         bar.update(done - bar.n)
 
     try:

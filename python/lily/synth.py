@@ -35,6 +35,7 @@ import numpy as np
 
 from lily import command
 from lily.command import ArgParser, CommandError
+from lily.progress import progress_bar
 from lily.tokenizer import Tokenizer
 from lily.tokenizer_files import (
     QWEN_VOCAB,
@@ -459,53 +460,6 @@ def _chunks(t: Tensor):
 # writing
 
 
-class Progress:
-    """A one-line text progress bar on stderr (plain lines when stderr is not a terminal)."""
-
-    def __init__(self, total: float, label: str = "", unit: str = "", enabled: bool = True, scale: float = 1.0,
-                 stream=None):
-        self.total, self.label, self.unit, self.scale = max(total, 1e-9), label, unit, scale
-        self.done = 0.0
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-        self._last_pct = -1
-
-    def update(self, n: float = 1.0, note: str = "", force: bool = False) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        frac = min(self.done / self.total, 1.0)
-        pct = int(frac * 100)
-        if self.tty:
-            if not force and now - self._last < 0.2 and frac < 1.0:
-                return
-        elif not force and pct // 10 == self._last_pct // 10 and frac < 1.0:
-            return
-        self._last, self._last_pct = now, pct
-        el = now - self.t0
-        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
-        eta = el / frac - el if frac > 0 else float("nan")
-        extra = ""
-        if self.unit:
-            rate = self.done / self.scale / el if el > 0 else 0.0
-            extra = f" {self.done / self.scale:.2f}/{self.total / self.scale:.2f} {self.unit} {rate:.2f} {self.unit}/s"
-        msg = f"{self.label} [{bar}] {pct:3d}%{extra} {el:5.0f}s ETA {eta:4.0f}s {note}"
-        if self.tty:
-            self.stream.write("\r" + msg[:160].ljust(100))
-        else:
-            self.stream.write(msg + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _header_bytes(tensors: list[Tensor], metadata: dict) -> bytes:
     header: dict = {"__metadata__": metadata}
     off = 0
@@ -530,7 +484,8 @@ def make_shards(tensors: list[Tensor], max_bytes: int) -> list[list[Tensor]]:
 
 
 def write_tensors(out: Path, tensors: list[Tensor], *, seed: int, shard_bytes: int, metadata: dict,
-                  progress: Progress | None, workers: int) -> dict:
+                  progress, workers: int) -> dict:
+    """Write the shards; ``progress`` (a tqdm bar or None) advances by the bytes written."""
     shards = make_shards(tensors, shard_bytes)
     n = len(shards)
     fmt = "model-{:05d}-of-{:05d}.safetensors" if n > 1 else "model.safetensors"
@@ -664,10 +619,9 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
         metadata = {"format": "pt"}
     (out / "config.json").write_text(json.dumps(out_cfg, indent=4) + "\n")
 
-    prog = Progress(total, label=f"synth {out.name}", unit="GB", scale=1e9, enabled=progress)
-    weight_map = write_tensors(out, tensors, seed=seed, shard_bytes=shard_bytes, metadata=metadata,
-                               progress=prog, workers=workers or max(1, min(4, os.cpu_count() or 1)))
-    prog.close()
+    with progress_bar(total, desc=f"synth {out.name}", unit="B", unit_scale=True, disable=not progress) as bar:
+        weight_map = write_tensors(out, tensors, seed=seed, shard_bytes=shard_bytes, metadata=metadata,
+                                   progress=bar, workers=workers or max(1, min(4, os.cpu_count() or 1)))
     n_params = sum(int(np.prod(t.shape)) * (32 // _bits_of(t, qblock) if t.dtype == "U32" else 1)
                    for t in tensors if not t.name.endswith((".scales", ".biases")))
     index = {"metadata": {"total_size": total, "total_parameters": n_params},

@@ -15,8 +15,9 @@ from lily.bench.machine import available_memory_bytes, machine_info, measure_ban
 from lily.bench.report import format_table, summarize, write_plot
 from lily.bench.workers import RESULT_TAG
 from lily.command import CommandError
+from lily.progress import progress_bar
 
-__all__ = ["DEFAULT_LENGTHS", "fits", "parse_lengths", "run_bench", "run_subprocess"]
+__all__ = ["DEFAULT_LENGTHS", "Status", "fits", "parse_lengths", "run_bench", "run_subprocess"]
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
@@ -48,19 +49,85 @@ def _worker_cmd(spec: dict) -> list[str]:
     return [sys.executable, "-m", "lily.bench", "--worker", json.dumps(spec)]
 
 
-def run_subprocess(spec: dict, timeout: float | None = None) -> list[dict]:
+def run_subprocess(spec: dict, timeout: float | None = None, tick=None) -> list[dict]:
+    """Run one worker process for ``spec``; its records. ``tick(seconds)`` is called about once a second while
+    it runs."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])  # the folder lily is imported from
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        proc = subprocess.run(_worker_cmd(spec), capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise CommandError(f"{spec['engine']} worker timed out after {timeout:.0f} s") from None
-    recs = [json.loads(line[len(RESULT_TAG):]) for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    t0 = time.perf_counter()
+    with subprocess.Popen(_worker_cmd(spec), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                elapsed = time.perf_counter() - t0
+                if timeout is not None and elapsed > timeout:
+                    proc.kill()
+                    proc.communicate()
+                    raise CommandError(f"{spec['engine']} worker timed out after {timeout:.0f} s") from None
+                if tick is not None:
+                    tick(elapsed)
+    recs = [json.loads(line[len(RESULT_TAG):]) for line in out.splitlines() if line.startswith(RESULT_TAG)]
     if proc.returncode != 0 or len(recs) != len(spec["lengths"]):
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        tail = (err.strip().splitlines() or ["(no output)"])[-1]
         raise CommandError(f"{spec['engine']} worker failed (exit {proc.returncode}): {tail}")
     return recs
+
+
+class Status:
+    """The progress line of a benchmark: runs done, the running one and how long it has run, and the time left.
+
+    The estimate is honest about what it knows: nothing until every engine has finished a run (MLX-LM can be
+    a hundred times slower than Lily); then, per engine, its seconds per unit of work so far times its work
+    left, where a run's work is the tokens it prefills and decodes (warm-up included) plus its process start.
+    """
+
+    START_WORK = 2048  # a process start and model load, in tokens: a rough weight, refined by nothing
+
+    def __init__(self, runs: list[tuple[str, list[int]]], steps: int, warmup: int, enabled: bool):
+        self.steps, self.warmup = steps, warmup
+        self.work_left: dict[str, float] = {}
+        for engine, lengths in runs:
+            self.work_left[engine] = self.work_left.get(engine, 0.0) + self.work(lengths)
+        self.seconds = dict.fromkeys(self.work_left, 0.0)
+        self.work_done = dict.fromkeys(self.work_left, 0.0)
+        self.bar = progress_bar(len(runs), desc="lily bench", unit="run", disable=not enabled,
+                                bar_format="{desc}: {n}/{total} runs, {elapsed}{postfix}")
+
+    def work(self, lengths: list[int]) -> float:
+        return self.START_WORK + sum(2 * n + 4 * (self.steps + self.warmup) for n in lengths)
+
+    def left(self, running: str, elapsed: float) -> str:
+        if not all(self.work_done.values()):
+            return "time left: unknown until each engine has finished a run"
+        total = sum(self.seconds[e] / self.work_done[e] * self.work_left[e] for e in self.work_left) - elapsed
+        return f"about {_duration(max(total, 0.0))} left"
+
+    def running(self, engine: str, lengths: list[int], elapsed: float) -> None:
+        what = ",".join(map(str, lengths))
+        self.bar.set_postfix_str(f"{engine} {what[:30]} for {_duration(elapsed)}; {self.left(engine, elapsed)}")
+
+    def finished(self, engine: str, lengths: list[int], seconds: float) -> None:
+        work = self.work(lengths)
+        self.seconds[engine] += seconds
+        self.work_done[engine] += work
+        self.work_left[engine] -= work
+        self.bar.set_postfix_str(self.left(engine, 0.0), refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def fits(length: int, steps: int, max_seq: int | None, bm: dict, avail: int, weights_total: int) -> str | None:
@@ -70,6 +137,21 @@ def fits(length: int, steps: int, max_seq: int | None, bm: dict, avail: int, wei
     if avail and need > avail:
         return f"needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available"
     return None
+
+
+def _mlx_dtype(choice: str) -> str:
+    """MLX-LM's precision: "auto" is fp32 on a CPU, where its bf16 quantized matmul decodes at a fraction of a
+    token per second at the real widths, and as saved on a GPU; an explicit bf16 CPU run is warned about."""
+    from lily.mlx_reference import default_dtype
+
+    best = default_dtype()
+    if choice == "auto":
+        return best
+    if choice == "native" and best == "float32":
+        print("lily bench: warning: MLX-LM runs on the CPU here; as saved (bf16) its quantized matmul is about 8x "
+              "slower than with --mlx-dtype float32 (the default): one prompt length can take many minutes",
+              file=sys.stderr)
+    return choice
 
 
 def run_bench(args) -> int:
@@ -92,6 +174,7 @@ def run_bench(args) -> int:
     if not keep:
         raise CommandError("no prompt length fits (see above); pass --lengths or --max-seq")
     engines = [args.engine] + ([args.compare] if args.compare else [])
+    mlx_dtype = _mlx_dtype(args.mlx_dtype) if "mlx-lm" in engines else None
     method = args.bandwidth_method
     if method == "auto":
         method = "mlx" if args.backend == "metal" else "numpy"
@@ -102,40 +185,38 @@ def run_bench(args) -> int:
               f"{bw['memory_bandwidth_gbps']:.1f} GB/s copy ({bw['bandwidth_method']}); f32 matmul peak "
               f"{peak['peak_gflops']:,.0f} GFLOP/s ({peak['peak_method']})", file=sys.stderr)
 
-    from lily.synth import Progress
-
     per_proc = not args.same_process
-    n_jobs = len(engines) * args.rounds * (len(keep) if per_proc else 1)
-    prog = Progress(n_jobs, label="bench", enabled=not args.quiet)
-    prog.update(0, force=True)
-    raw: dict = {}
-    backend_seen = None
+    runs = []
     for rnd in range(args.rounds):
         order = keep if rnd % 2 == 0 else keep[::-1]
         engs = engines if rnd % 2 == 0 else engines[::-1]
-        groups = [[x] for x in order] if per_proc else [order]
-        for group in groups:
-            for eng in engs:
-                spec = {"engine": eng, "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
-                        "lengths": group, "decode_steps": steps, "warmup_steps": args.warmup_steps,
-                        "seed": args.seed, "vocab": vocab, "mlx_dtype": args.mlx_dtype}
-                try:
-                    recs = run_subprocess(spec, args.timeout)
-                except CommandError as e:
-                    print(f"\nlily bench: {e}", file=sys.stderr)
-                    recs = [{"prompt_tokens": x, "error": str(e)} for x in group]
-                for r in recs:
-                    raw.setdefault((eng, r["prompt_tokens"]), []).append(r)
-                    if eng == args.engine and "backend" in r:
-                        backend_seen = r["backend"]
-                prog.update(1, note=f"round {rnd + 1} {eng} {','.join(map(str, group))[:30]}")
-    prog.close()
+        runs += [(eng, group) for group in ([[x] for x in order] if per_proc else [order]) for eng in engs]
+    status = Status(runs, steps, args.warmup_steps, enabled=not args.quiet)
+    raw: dict = {}
+    backend_seen = None
+    for eng, group in runs:
+        spec = {"engine": eng, "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
+                "lengths": group, "decode_steps": steps, "warmup_steps": args.warmup_steps,
+                "seed": args.seed, "vocab": vocab, "mlx_dtype": mlx_dtype}
+        t0 = time.perf_counter()
+        status.running(eng, group, 0.0)
+        try:
+            recs = run_subprocess(spec, args.timeout, tick=lambda s, e=eng, g=group: status.running(e, g, s))
+        except CommandError as e:
+            status.bar.write(f"lily bench: {e}", file=sys.stderr)
+            recs = [{"prompt_tokens": x, "error": str(e)} for x in group]
+        for r in recs:
+            raw.setdefault((eng, r["prompt_tokens"]), []).append(r)
+            if eng == args.engine and "backend" in r:
+                backend_seen = r["backend"]
+        status.finished(eng, group, time.perf_counter() - t0)
+    status.close()
     flops = {x: prefill_flops_per_token(cfg, x)["total"] for x in keep}
     records = summarize(raw, keep, bm, bw, steps, engines, flops, peak)
     meta = {"model": str(model.resolve()), "engine": args.engine, "backend": backend_seen or args.backend,
             "machine": machine_info(), "decode_steps": steps, "warmup_steps": args.warmup_steps,
             "rounds": args.rounds, "fresh_process_per_measurement": per_proc,
-            "compare": args.compare, "mlx_dtype": args.mlx_dtype if args.compare or args.engine == "mlx-lm" else None,
+            "compare": args.compare, "mlx_dtype": mlx_dtype,
             "bytes_model": bm, "config": {k: t.get(k) for k in ("num_hidden_layers", "hidden_size", "num_experts",
                                                                  "num_experts_per_tok", "vocab_size")},
             "quantization": {k: v for k, v in (cfg.get("quantization") or {}).items() if not isinstance(v, dict)},
