@@ -387,3 +387,15 @@ def test_next_chat_turn_reuses_the_prefix_and_matches_a_fresh_run(tiny_real):
     fresh = model.chat(turn2, max_tokens=6, temperature=0)
     assert fresh.stats.cached_prompt_tokens == 0
     assert fresh.content == second.content and fresh.reasoning_content == second.reasoning_content
+
+
+def test_verbose_streams_like_mlx_lm(tok, capsys):
+    model, _ = make(tok, "Hello there")
+    out = model.generate("Say hi", temperature=0, verbose=True)
+    printed = capsys.readouterr().out
+    s = out.stats
+    assert printed == (f"==========\nHello there\n==========\nPrompt: {s.prompt_tokens} tokens, {s.prompt_tps:.3f} "
+                       f"tokens-per-sec\nGeneration: {s.generated_tokens} tokens, {s.decode_tps:.3f} tokens-per-sec\n")
+    model, _ = make(tok, "Hmm.\n</think>\n\nHi!")
+    msg = model.chat([{"role": "user", "content": "Hi"}], temperature=0, verbose=True)
+    assert msg.content == "Hi!" and "Hmm.\n</think>\n\nHi!\n==========\nPrompt:" in capsys.readouterr().out

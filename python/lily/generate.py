@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from lily._lily import ContextFullError
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, GenerationStats
@@ -20,7 +20,7 @@ from lily.stop import StopStrings
 from lily.tokenizer import Tokenizer
 from lily.tools import parse_tool_calls
 
-__all__ = ["chat_chunks", "token_stream"]
+__all__ = ["chat_chunks", "echo", "token_stream"]
 
 
 def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], sampler: Sampler, max_tokens: int,
@@ -87,3 +87,18 @@ def chat_chunks(chunks: Iterator[Chunk], thinking: bool,
         content_text, calls = parse_tool_calls(content_text, tools)
         message = AssistantMessage(content_text, reasoning_text, calls, chunk.finish_reason, chunk.stats)
         yield ChatChunk(reasoning + r_tail, content + c_tail, chunk.token, chunk.logprob, chunk.finish_reason, message)
+
+
+def echo(chunks: Iterator[Chunk], out: TextIO) -> Iterator[Chunk]:
+    """``chunks`` passed through, their text printed to ``out`` as it streams and the timing after it, the way
+    ``mlx_lm.generate(..., verbose=True)`` prints them (in a terminal and in a notebook cell alike)."""
+    print("=" * 10, file=out, flush=True)
+    for chunk in chunks:
+        out.write(chunk.text)
+        out.flush()
+        if chunk.stats is not None:
+            s = chunk.stats
+            print("\n" + "=" * 10, file=out)
+            print(f"Prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.3f} tokens-per-sec", file=out)
+            print(f"Generation: {s.generated_tokens} tokens, {s.decode_tps:.3f} tokens-per-sec", file=out, flush=True)
+        yield chunk

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lily._lily import Engine, ModelLoadError
-from lily.generate import chat_chunks, token_stream
+from lily.generate import chat_chunks, echo, token_stream
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
 from lily.prefix import PrefixReuse
 from lily.sampling import Sampler, SamplingDefaults
@@ -160,17 +161,18 @@ class Model:
         stop: str | Sequence[str] | None = None,
         logprobs: bool = False,
         sampler: Sampler | None = None,
+        verbose: bool = False,
         **sampling: Any,
     ) -> Completion:
         """``stream`` collected: the generated text (a ``str``) with ``.tokens``, ``.logprobs``,
-        ``.finish_reason`` and ``.stats``."""
+        ``.finish_reason`` and ``.stats``. ``verbose=True`` prints the text as it streams, then the
+        speeds, as ``mlx_lm.generate(..., verbose=True)`` does."""
         parts: list[str] = []
         tokens: list[int] = []
         lps: list[float] = []
         finish, stats = None, GenerationStats()
-        for chunk in self.stream(
-            prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling
-        ):
+        chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
+        for chunk in echo(chunks, sys.stdout) if verbose else chunks:
             parts.append(chunk.text)
             if chunk.token is not None:
                 tokens.append(chunk.token)
@@ -194,6 +196,7 @@ class Model:
         logprobs: bool = False,
         sampler: Sampler | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        verbose: bool = False,
         **sampling: Any,
     ) -> AssistantMessage | Iterator[ChatChunk]:
         """Answer a conversation (OpenAI-style message dicts) with an ``AssistantMessage``: ``content``,
@@ -201,6 +204,7 @@ class Model:
         from Qwen's XML calls; malformed calls stay in ``content``). With ``stream=True``, an
         iterator of ``ChatChunk``s whose last one holds the message. Assistant messages from earlier
         turns (including ``tool_calls`` with JSON-string arguments) can be passed back as they are.
+        ``verbose=True`` prints the generated text as it streams, then the speeds (as ``generate``).
         """
         prompt = self.apply_chat_template(
             tool_call_arguments_as_mappings(messages),
@@ -211,10 +215,8 @@ class Model:
         )
         assert isinstance(prompt, str)
         thinking = prompt.rstrip().endswith("<think>")
-        chunks = self.stream(
-            prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling
-        )
-        gen = chat_chunks(chunks, thinking, tools)
+        chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
+        gen = chat_chunks(echo(chunks, sys.stdout) if verbose else chunks, thinking, tools)
         if stream:
             return gen
         for chunk in gen:
