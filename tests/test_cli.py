@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
 import types
 
-import lily
+import fixtures
 import pytest
 from lily import cli
 
@@ -65,13 +66,8 @@ def test_dispatch_passes_argv(monkeypatch, name):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    fixtures = pytest.importorskip("fixtures")
     folder = tmp_path_factory.mktemp("cli") / "ckpt"
     fixtures.write_hf_checkpoint(folder, preset="tiny", seed=0, real_tokenizer=True)
-    try:
-        lily.Engine(str(folder), backend="cpu", max_seq=64)
-    except lily.LilyError as e:  # pragma: no cover
-        pytest.skip(f"engine cannot load the tiny checkpoint: {e}")
     return folder
 
 
@@ -94,3 +90,101 @@ def test_chat_session(tiny_model_dir):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("ttft") == 2 and "[conversation cleared]" in r.stderr
     assert "\x1b[2m" not in r.stdout  # not a terminal: no colour codes
+
+
+def printed(show_thinking: bool, chunks, finish="stop", max_tokens=None) -> tuple[str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    printer = cli._Printer(out, color=False, show_thinking=show_thinking, err=err)
+    for reasoning, content in chunks:
+        printer.chunk(reasoning, content)
+    printer.finish(finish, max_tokens)
+    return out.getvalue(), err.getvalue()
+
+
+REPLY = [("Hmm,", ""), (" hi", ""), ("", ""), ("", "Hello"), ("", "!")]
+
+
+def test_thinking_is_labelled():
+    assert printed(True, REPLY) == ("thinking:\nHmm, hi\n\nHello!\n", "")
+
+
+def test_hidden_thinking_is_one_line():
+    out, err = printed(False, REPLY)
+    assert out == "Hello!\n" and re.fullmatch(r"thinking: 3 tokens, \d+\.\d s \(hidden\)\n", err), err
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_a_reply_that_is_all_thinking_says_so(show):
+    out, err = printed(show, REPLY[:2], finish="length", max_tokens=2)
+    assert out == ("thinking:\nHmm, hi\n\n\n" if show else "")
+    assert err.endswith("[no answer: it reached --max-tokens 2 while thinking; raise --max-tokens, or --no-think]\n")
+    _, err = printed(show, REPLY[:2], finish="stop")
+    assert err.endswith("[no answer: the model ended its turn while thinking]\n")
+
+
+def spawn_chat(folder, *flags):
+    import pexpect
+
+    return pexpect.spawn(sys.executable, ["-m", "lily", "chat", str(folder), "--backend", "cpu", "--temperature", "0",
+                                          *flags], encoding="utf-8", timeout=120, dimensions=(40, 200))
+
+
+def test_chat_in_a_terminal(tiny_model_dir):
+    """Under a pseudo-terminal: the banner says how to cap a reply, the (random) model thinks for the whole
+    reply, --hide-think shows that as one line plus a note instead of nothing, Ctrl-D leaves on a new line."""
+    child = spawn_chat(tiny_model_dir, "--hide-think", "--max-tokens", "6")
+    child.expect_exact("after 6 tokens (--max-tokens N caps it; --no-think skips the thinking).")
+    child.expect_exact("> ")
+    child.sendline("Hi")
+    child.expect(r"thinking: 6 tokens, [0-9.]+ s \(hidden\)")
+    child.expect_exact("[no answer: it reached --max-tokens 6 while thinking; raise --max-tokens, or --no-think]")
+    child.expect(r"tok/s .*finish: length\]")
+    child.expect_exact("> ")
+    child.sendeof()
+    child.expect(pexpect_eof())
+    assert child.before == "\r\n"  # Ctrl-D's newline, nothing else
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_chat_shows_labelled_thinking_in_a_terminal(tiny_model_dir):
+    child = spawn_chat(tiny_model_dir, "--max-tokens", "4")
+    child.expect_exact("> ")
+    child.sendline("Hi")
+    child.expect_exact("\x1b[2mthinking:\x1b[0m\r\n\x1b[2m")  # dimmed header, then the dimmed thinking
+    child.expect_exact("[no answer: it reached --max-tokens 4 while thinking")
+    child.sendline("/exit")
+    child.expect(pexpect_eof())
+    child.close()
+    assert child.exitstatus == 0
+
+
+def pexpect_eof():
+    import pexpect
+
+    return pexpect.EOF
+
+
+def test_the_load_bar_clears_itself(tmp_path):
+    """The bar of lily.load's weight read leaves an empty line behind (tqdm leave=False)."""
+    import pexpect
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 4096)
+    code = f"from pathlib import Path; from lily.hub import warm_page_cache; " \
+           f"warm_page_cache(Path({str(tmp_path)!r}), min_bytes=0); print('done')"
+    child = pexpect.spawn(sys.executable, ["-c", code], encoding="utf-8", timeout=60)
+    child.expect(pexpect.EOF)
+    raw = child.before
+    assert "Reading weights" in raw
+    assert [line.strip() for line in terminal_lines(raw) if line.strip()] == ["done"], raw
+
+
+def terminal_lines(raw: str) -> list[str]:
+    """What a terminal shows for ``raw``: each \\r returns to the line's start and overwrites from there."""
+    lines = []
+    for line in raw.replace("\r\n", "\n").split("\n"):
+        shown: list[str] = []
+        for part in line.split("\r"):
+            shown[: len(part)] = part
+        lines.append("".join(shown))
+    return lines

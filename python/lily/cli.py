@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from lily import command
 from lily.command import ArgParser
 from lily.loading import BACKENDS, load
+from lily.model import DEFAULT_MAX_TOKENS
 
 __all__ = ["main"]
 
@@ -47,7 +49,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hugging Face repo id (e.g. mlx-community/Qwen3.6-35B-A3B-4bit)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend")
     p.add_argument("--max-seq", type=_positive_int, default=None, help="context length (default: the engine's)")
-    p.add_argument("--max-tokens", type=_positive_int, default=None, help="tokens to generate at most (default 4096)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help=f"tokens to generate at most per reply (default {DEFAULT_MAX_TOKENS})")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
     s.add_argument("--temperature", "--temp", type=float, default=None, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=None, help="0 = off")
@@ -60,10 +63,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")
-    p.add_argument("--hide-think", action="store_true", help="think, but do not print the thinking")
+    p.add_argument("--hide-think", action="store_true",
+                   help="think, but show only a one-line count of the thinking (on stderr)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-stats", action="store_true", help="do not print the timing line")
-    p.add_argument("--color", choices=["auto", "always", "never"], default="auto", help="dim the thinking text")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="dim the thinking (auto: when standard output is a terminal)")
 
 
 def _parser() -> ArgParser:
@@ -97,38 +102,68 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Printer:
-    """Writes thinking (dimmed, or hidden) and answer text as it streams."""
+    """Writes a reply as it streams: the thinking under a "thinking:" header (dimmed in colour), or, with
+    --hide-think, a one-line count of it on stderr (updated in place on a terminal); then the answer. A reply
+    that ends before any answer says so."""
 
-    def __init__(self, out: TextIO, color: bool, show_thinking: bool):
+    def __init__(self, out: TextIO, color: bool, show_thinking: bool, err: TextIO | None = None):
         self.out, self.color, self.show_thinking = out, color, show_thinking
+        self.err = err or sys.stderr
+        self.live = self.err.isatty()
         self.in_thinking = False
+        self.thinking_tokens = 0
+        self.thought = self.answered = False
+        self.t0 = time.perf_counter()
 
-    def reasoning(self, text: str) -> None:
-        if not text or not self.show_thinking:
-            return
+    def _dim(self, text: str) -> str:
+        return f"{DIM}{text}{RESET}" if self.color else text
+
+    def chunk(self, reasoning: str, content: str) -> None:
+        """One token's share of the reply."""
+        if reasoning or (self.in_thinking and not content):
+            self._thinking(reasoning)
+        if content:
+            self._end_thinking()
+            self.answered = True
+            self.out.write(content)
+            self.out.flush()
+
+    def _thinking(self, text: str) -> None:
         if not self.in_thinking:
-            self.in_thinking = True
-            if self.color:
-                self.out.write(DIM)
-        self.out.write(text)
-        self.out.flush()
-
-    def content(self, text: str) -> None:
-        if not text:
-            return
-        self._end_thinking()
-        self.out.write(text)
-        self.out.flush()
+            self.in_thinking = self.thought = True
+            self.t0 = time.perf_counter()
+            if self.show_thinking:
+                self.out.write(self._dim("thinking:") + "\n" + (DIM if self.color else ""))
+        self.thinking_tokens += 1
+        if self.show_thinking:
+            self.out.write(text)
+            self.out.flush()
+        elif self.live:
+            self.err.write(f"\r{self._dim(f'thinking: {self.thinking_tokens} tokens...')}")
+            self.err.flush()
 
     def _end_thinking(self) -> None:
-        if self.in_thinking:
-            self.in_thinking = False
+        if not self.in_thinking:
+            return
+        self.in_thinking = False
+        if self.show_thinking:
             self.out.write((RESET if self.color else "") + "\n\n")
+        else:
+            seconds = time.perf_counter() - self.t0
+            line = f"thinking: {self.thinking_tokens} tokens, {seconds:.1f} s (hidden)"
+            self.err.write(("\r\x1b[K" if self.live else "") + self._dim(line) + "\n")
+            self.err.flush()
 
-    def finish(self) -> None:
+    def finish(self, finish_reason: str | None = None, max_tokens: int | None = None) -> None:
         self._end_thinking()
-        self.out.write("\n")
+        if self.answered or self.show_thinking:
+            self.out.write("\n")
         self.out.flush()
+        if self.thought and not self.answered:
+            why = (f"it reached --max-tokens {max_tokens} while thinking; raise --max-tokens, or --no-think"
+                   if finish_reason == "length" else "the model ended its turn while thinking")
+            self.err.write(f"[no answer: {why}]\n")
+            self.err.flush()
 
 
 def _use_color(choice: str, stream: TextIO) -> bool:
@@ -151,11 +186,10 @@ def _run_chat_turn(model, messages, args, printer: _Printer):
         stop=args.stop,
         **_sampling(args),
     ):
-        printer.reasoning(chunk.reasoning)
-        printer.content(chunk.content)
+        printer.chunk(chunk.reasoning, chunk.content)
         if chunk.message is not None:
             message = chunk.message
-    printer.finish()
+    printer.finish(message.finish_reason if message is not None else None, args.max_tokens or DEFAULT_MAX_TOKENS)
     if message is not None and message.tool_calls:
         for call in message.tool_calls:
             printer.out.write(f"[tool call] {call['function']['name']}({call['function']['arguments']})\n")
@@ -169,7 +203,7 @@ def _cmd_generate(model, args) -> int:
     if args.raw:
         last = None
         for chunk in model.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, **_sampling(args)):
-            printer.content(chunk.text)
+            printer.chunk("", chunk.text)
             last = chunk
         printer.finish()
         stats, finish = (last.stats, last.finish_reason) if last is not None else (None, None)
@@ -191,11 +225,15 @@ def _cmd_chat(model, args) -> int:
     messages: list[dict] = list(system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("lily chat: /reset clears the conversation, /exit quits.", file=sys.stderr)
+        cap = args.max_tokens or DEFAULT_MAX_TOKENS
+        print(f"lily chat: /reset clears the conversation, /exit or Ctrl-D quits. A reply ends with the model's turn "
+              f"or after {cap} tokens (--max-tokens N caps it; --no-think skips the thinking).", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")
         except EOFError:
+            if interactive:
+                print()  # the shell prompt starts on a line of its own
             break
         text = line.strip()
         if not text:
