@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import fixtures
 import pytest
@@ -188,3 +189,11 @@ def terminal_lines(raw: str) -> list[str]:
             shown[: len(part)] = part
         lines.append("".join(shown))
     return lines
+
+
+def test_cli_docs_are_current():
+    """docs/cli.md lists every argument of every command, as the parsers define them."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "cli_docs.py"), "--check"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

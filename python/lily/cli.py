@@ -56,10 +56,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top-k", type=int, default=None, help="0 = off")
     s.add_argument("--top-p", type=float, default=None, help="1 = off")
     s.add_argument("--min-p", type=float, default=None, help="0 = off")
-    s.add_argument("--repetition-penalty", type=float, default=None)
-    s.add_argument("--presence-penalty", type=float, default=None)
-    s.add_argument("--frequency-penalty", type=float, default=None)
-    s.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID=BIAS")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 makes tokens of the prompt and the reply less likely (1 = off)")
+    s.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtracted from the logit of every token already generated (0 = off)")
+    s.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtracted once per earlier occurrence of a generated token (0 = off)")
+    s.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS to the logit of token ID")
     s.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")

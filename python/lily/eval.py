@@ -225,12 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reference", default="mlx-lm", help="mlx-lm (run it now) or a .npz of saved reference logits")
     ap.add_argument("--positions", type=int, default=192, help="number of next-token positions (192)")
     ap.add_argument("--text", default=None, metavar="FILE", help="tokenize this text instead of random ids")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random ids")
     ap.add_argument("--mode", choices=("prefill", "decode", "mixed"), default="prefill",
                     help="how the sequence goes through both engines: one prefill with all logits (default), "
                          "token-by-token decode, or prefill of the first half then decode")
-    ap.add_argument("--backend", default="auto", choices=BACKENDS)
-    ap.add_argument("--max-seq", type=int, default=None)
+    ap.add_argument("--backend", default="auto", choices=BACKENDS, help="Lily's compute backend")
+    ap.add_argument("--max-seq", type=int, default=None, help="Lily's context length (default: the engine's)")
     ap.add_argument("--mlx-dtype", choices=("auto", "native", "float32"), default="auto",
                     help="MLX-LM precision: auto = fp32 on the CPU, as saved on a GPU")
     ap.add_argument("--save-reference", default=None, metavar="NPZ", help="save the reference logits and tokens")

@@ -410,18 +410,22 @@ def make_server(model: Model, host: str = "127.0.0.1", port: int = 8000, *, mode
     return _HTTPServer((host, port), LilyServer(model, name), verbose)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from lily.loading import load
-
+def build_parser() -> ArgParser:
     ap = ArgParser(prog="lily serve", description="OpenAI-compatible HTTP server")
     ap.add_argument("model", help="checkpoint folder or Hugging Face repo id")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--backend", choices=BACKENDS, default="auto")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    ap.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend")
     ap.add_argument("--max-seq", type=int, default=None, help="context length (default: the engine's)")
     ap.add_argument("--model-id", default=None, help="name reported by /v1/models (default: the folder name)")
     ap.add_argument("--verbose", action="store_true", help="log every request")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lily.loading import load
+
+    args = build_parser().parse_args(argv)
 
     def serve() -> int:
         model = load(args.model, backend=args.backend, max_seq=args.max_seq)
@@ -437,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return command.run("lily serve", serve)
+
 
 if __name__ == "__main__":
     sys.exit(main())

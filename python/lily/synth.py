@@ -659,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mlx: what mlx_lm.convert writes (affine-quantized, default); hf: released bf16 layout")
     ap.add_argument("--bits", type=int, default=4, help="quantization bits (mlx format; default 4)")
     ap.add_argument("--group-size", type=int, default=64, help="quantization group size (mlx format; default 64)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed, same bytes)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="copy the tokenizer files of this folder (default: the Qwen3.6 tokenizer shipped with "
                          "lily when vocab_size holds it, else a byte-level tokenizer with the same chat template)")

@@ -22,12 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default=None,
                     help="comma-separated prompt lengths, K suffix allowed (default 256,512,...,128K, cut to "
                          "what fits max_seq and memory)")
-    ap.add_argument("--backend", default="auto", choices=BACKENDS)
+    ap.add_argument("--backend", default="auto", choices=BACKENDS, help="Lily's compute backend")
     ap.add_argument("--max-seq", type=int, default=None, help="engine max_seq (default: the config's)")
     ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed after the first token (64)")
     ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up run (2)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating order (2)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt ids")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
     ap.add_argument("--plot", nargs="?", const="bench.png", default=None, metavar="PNG",
                     help="write a PNG of tok/s against context length (default bench.png; needs matplotlib)")
@@ -40,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--same-process", action="store_true",
                     help="one process per round instead of a fresh process per measurement")
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer size of the bandwidth test (1024)")
-    ap.add_argument("--bandwidth-method", choices=("auto", "numpy", "mlx"), default="auto")
+    ap.add_argument("--bandwidth-method", choices=("auto", "numpy", "mlx"), default="auto",
+                    help="how the memory bandwidth is measured (auto: MLX on the GPU for --backend metal, else numpy)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per worker process")
-    ap.add_argument("-q", "--quiet", action="store_true")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     return ap
 
 
