@@ -12,11 +12,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from lily._lily import LilyError
 
-__all__ = ["ArgParser", "CommandError", "run"]
+__all__ = ["ArgParser", "CommandError", "run", "worker_env"]
 
 
 class CommandError(Exception):
@@ -48,6 +49,15 @@ def run(prog: str, body: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process (``python -m lily.bench --worker ...``): this one's, with the folder
+    lily is imported from first on ``PYTHONPATH``, so the worker runs the same lily."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def _report(prog: str, error: BaseException, code: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -101,14 +100,11 @@ def run_worker(spec: dict) -> None:
 def compute_logits(spec: dict, timeout=None) -> tuple[np.ndarray, dict]:
     with tempfile.TemporaryDirectory(prefix="lily-eval-") as td:
         spec = dict(spec, out=str(Path(td) / "logits.npz"))
-        env = dict(os.environ)
-        src = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(Path(td) / "spec.json", "w") as f:
             json.dump(spec, f)
         try:
             proc = subprocess.run([sys.executable, "-m", "lily.eval", "--worker", str(Path(td) / "spec.json")],
-                                  capture_output=True, text=True, timeout=timeout, env=env)
+                                  capture_output=True, text=True, timeout=timeout, env=command.worker_env())
         except subprocess.TimeoutExpired:
             raise CommandError(f"{spec['engine']} timed out after {timeout} s") from None
         if proc.returncode != 0 or not Path(spec["out"]).exists():

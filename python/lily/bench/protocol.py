@@ -4,7 +4,6 @@ worker process (``lily.bench.workers``), the records gathered for the report."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from lily.bench.accounting import decode_bytes_model, prefill_flops_per_token, r
 from lily.bench.machine import available_memory_bytes, machine_info, measure_bandwidth, measure_peak_flops
 from lily.bench.report import format_table, summarize, write_plot
 from lily.bench.workers import RESULT_TAG
-from lily.command import CommandError
+from lily.command import CommandError, worker_env
 from lily.progress import progress_bar
 
 __all__ = ["DEFAULT_LENGTHS", "Status", "fits", "parse_lengths", "run_bench", "run_subprocess"]
@@ -52,12 +51,9 @@ def _worker_cmd(spec: dict) -> list[str]:
 def run_subprocess(spec: dict, timeout: float | None = None, tick=None) -> list[dict]:
     """Run one worker process for ``spec``; its records. ``tick(seconds)`` is called about once a second while
     it runs."""
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])  # the folder lily is imported from
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
     with subprocess.Popen(_worker_cmd(spec), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as proc:
+                          env=worker_env()) as proc:
         while True:
             try:
                 out, err = proc.communicate(timeout=1.0)
