@@ -11,6 +11,7 @@ import fixtures
 import numpy as np
 import oracle
 import pytest
+from lily.tokenizer_files import write_byte_tokenizer
 
 VARIANTS = {
     "odd": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=64,
@@ -28,7 +29,7 @@ VARIANTS = {
 
 def write_variant(folder, over: dict):
     folder.mkdir(parents=True)
-    specials = fixtures._write_toy_tokenizer(folder)
+    specials = write_byte_tokenizer(folder)
     cfg = fixtures.make_config("tiny", vocab_size=max(300, max(specials.values()) + 1))
     text = cfg["text_config"]
     over = dict(over)
