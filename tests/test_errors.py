@@ -206,6 +206,140 @@ def test_missing_tensor(lily, ckpt_copy, name):
     assert short in str(ei.value), f"message does not name {short}: {ei.value}"
 
 
+def test_overlapping_tensors_are_refused(lily, ckpt_copy):
+    """A tensor whose bytes lie inside another's (a norm pointing into the embedding) loads as garbage
+    unless refused: the format forbids overlaps and requires the ranges to tile the data."""
+    f = ckpt_copy / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    name = "model.language_model.norm.weight"
+    emb = header["model.language_model.embed_tokens.weight"]["data_offsets"]
+    size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+    header[name]["data_offsets"] = [emb[0], emb[0] + size]
+    h = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n :])
+    with pytest.raises(lily.ModelLoadError, match="overlap"):
+        _load(lily, ckpt_copy)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this OS")
+def test_fifo_shard_does_not_hang(ckpt_copy):
+    """Opening a FIFO blocks until a writer comes: the loader must refuse it without opening it.
+    Run in a child process so a regression fails the test instead of hanging the suite."""
+    import os
+    import subprocess
+
+    f = ckpt_copy / "model.safetensors"
+    f.unlink()
+    os.mkfifo(f)
+    code = f"import lily; lily.Engine({str(ckpt_copy)!r}, backend='cpu', max_seq=8)"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Engine() blocked on a FIFO shard")
+    assert r.returncode != 0 and "ModelLoadError" in r.stderr and "not a regular file" in r.stderr, r.stderr
+
+
+def _conv_taps_1(folder, prefix_from=None, prefix_to=None):
+    """Make the checkpoint's conv1d weights [C, 1, 1] (one tap), optionally renaming the tensor prefix."""
+    f = folder / "model.safetensors"
+    tensors, meta = fixtures.read_safetensors(f)
+    out = {}
+    for name, (dt, arr) in tensors.items():
+        if name.endswith("linear_attn.conv1d.weight"):
+            arr = arr[..., -1:]
+        if prefix_from and name.startswith(prefix_from):
+            name = prefix_to + name[len(prefix_from) :]
+        out[name] = (dt, arr)
+    fixtures.write_safetensors(f, out, meta)
+    _edit_config(folder, lambda cfg: cfg["text_config"].__setitem__("linear_conv_kernel_dim", 1))
+
+
+def test_norm_convention_from_other_marks_when_conv_is_ambiguous(lily, ckpt_copy):
+    """With one conv tap, HF [C, 1, 1] and MLX [C, 1, 1] look the same; the HF prefix and fused experts
+    still say Hugging Face, so the checkpoint loads."""
+    _conv_taps_1(ckpt_copy)
+    _load(lily, ckpt_copy).prefill([1, 2, 3])
+
+
+def test_norm_convention_with_conflicting_marks_is_refused(lily, ckpt_copy):
+    """MLX's prefix with Hugging Face's fused experts and an ambiguous conv: adding 1 to the norms or not
+    would be a guess, so loading fails and names the marks."""
+    _conv_taps_1(ckpt_copy, "model.language_model.", "language_model.model.")
+    with pytest.raises(lily.ModelLoadError, match="1 \\+ w") as ei:
+        _load(lily, ckpt_copy)
+    assert "language_model.model." in str(ei.value) and "gate_up_proj" in str(ei.value)
+
+
+@pytest.mark.parametrize("theta", [1e-40, 0.5, 1e39])
+def test_rope_theta_that_cannot_work(lily, ckpt_copy, theta):
+    _edit_config(ckpt_copy, lambda cfg: cfg["text_config"]["rope_parameters"].__setitem__("rope_theta", theta))
+    with pytest.raises(lily.ModelLoadError, match="rope_theta"):
+        _load(lily, ckpt_copy)
+
+
+def test_config_dims_that_overflow(lily, ckpt_copy):
+    _edit_config(ckpt_copy, lambda cfg: cfg["text_config"].__setitem__("vocab_size", 4_000_000_000))
+    with pytest.raises(lily.ModelLoadError, match="2\\^32"):
+        _load(lily, ckpt_copy)
+
+
+def test_checkpoint_rewritten_in_place_after_load(lily, ckpt_copy):
+    """A shard truncated and rewritten under a loaded engine would kill the process with SIGBUS on the
+    next read of its map; the engine notices the change first and raises."""
+    eng = _load(lily, ckpt_copy)
+    eng.prefill([1, 2, 3])
+    f = ckpt_copy / "model.safetensors"
+    data = f.read_bytes()
+    with open(f, "r+b") as fh:  # same file, new contents of the same length
+        fh.write(data[:8])
+        fh.flush()
+    import os
+
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(lily.ModelLoadError, match="modified on disk"):
+        eng.decode(4)
+
+
+def test_extreme_values_never_reach_a_panic(lily, tiny_hf):
+    """Every public call with extreme values raises a Python exception of a documented kind; none is a
+    Rust panic (pyo3's PanicException, a BaseException) and the engine stays usable."""
+    eng = _load(lily, tiny_hf)
+    vocab = eng.vocab_size
+    calls = [
+        lambda: eng.prefill([2**32 - 1]),
+        lambda: eng.prefill([2**40]),
+        lambda: eng.prefill([-1]),
+        lambda: eng.prefill([vocab]),
+        lambda: eng.prefill([]),
+        lambda: eng.prefill([1] * (MAX_SEQ + 1)),
+        lambda: eng.prefill("not tokens"),
+        lambda: eng.prefill([1.5]),
+        lambda: eng.decode(2**32),
+        lambda: eng.decode(-(2**63)),
+        lambda: eng.decode(vocab),
+        lambda: eng.restore(None),
+        lambda: lily.Engine(str(tiny_hf), backend="cpu", max_seq=2**64),
+        lambda: lily.Engine(str(tiny_hf), backend="cpu", max_seq=-1),
+        lambda: lily.Engine(str(tiny_hf), backend="cpu", max_seq=8, prefill_chunk=2**64),
+        lambda: lily.Engine(str(tiny_hf), backend="cpu", max_seq=8, prefill_chunk=-(2**40)),
+        lambda: lily.Engine(str(tiny_hf), backend="\x00" * 10_000),
+        lambda: lily.Engine("\x00"),
+    ]
+    for i, call in enumerate(calls):
+        try:
+            call()
+        except Exception:
+            pass  # a typed error: what the API promises
+        except BaseException as e:  # PanicException derives from BaseException
+            pytest.fail(f"call {i} raised {type(e).__name__}: {e}")
+    assert eng.position == 0
+    eng.prefill([1, 2, 3])
+    assert eng.position == 3
+
+
 def test_wrong_tensor_dtype(lily, ckpt_copy):
     name = "model.language_model.layers.0.input_layernorm.weight"
     _rewrite(ckpt_copy, lambda t: t.__setitem__(name, ("I32", t[name][1].astype(np.int32))))
@@ -376,12 +510,12 @@ def test_default_max_seq(lily, tiny_hf):
 def test_invalid_max_seq(lily, tiny_hf):
     with pytest.raises(ValueError):
         _load(lily, tiny_hf, max_seq=0)
-
-
-def test_max_seq_beyond_memory_is_a_device_error(lily, tiny_hf):
-    # The KV cache of 10^12 positions cannot be allocated: a typed error, not an aborted process.
-    with pytest.raises(lily.DeviceError, match="cannot allocate"):
-        lily.Engine(str(tiny_hf), backend="cpu", max_seq=10**12)
+    # Positions reach the kernels as 32-bit integers: a larger max_seq is refused up front.
+    with pytest.raises(ValueError, match="max_seq"):
+        lily.Engine(str(tiny_hf), backend="cpu", max_seq=2**32)
+    # Past what Python's int converts to a size: a Python error, never a Rust panic.
+    with pytest.raises((OverflowError, ValueError, TypeError)):
+        lily.Engine(str(tiny_hf), backend="cpu", max_seq=2**70)
 
 
 def test_prefill_chunk(lily, tiny_hf):

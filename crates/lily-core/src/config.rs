@@ -107,6 +107,12 @@ fn f64_field(obj: &Map<String, Value>, name: &str) -> Result<f64> {
     }
 }
 
+fn token_id(n: &serde_json::Number, name: &str) -> Result<u32> {
+    n.as_u64()
+        .and_then(|x| u32::try_from(x).ok())
+        .ok_or_else(|| Error::Config(format!("`{name}` must hold token ids (integers >= 0), found {n}")))
+}
+
 fn bool_or(obj: &Map<String, Value>, name: &str, default: bool) -> Result<bool> {
     match obj.get(name) {
         None | Some(Value::Null) => Ok(default),
@@ -242,11 +248,17 @@ impl ModelConfig {
                 )));
             }
         }
+        // The kernels compute theta^(-2j / rotary_dim) in f32: a base at or below 1 (frequencies that
+        // grow with j, or all equal) or one that is not a finite f32 would run to NaN angles.
         let rope_theta = match rope_field("rope_theta") {
             Some(v) => v
                 .as_f64()
-                .filter(|x| *x > 0.0)
-                .ok_or_else(|| Error::Config(format!("`rope_theta` must be a positive number, found {v}")))?,
+                .filter(|x| *x > 1.0 && (*x as f32).is_finite())
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "`rope_theta` must be a number above 1 that fits in f32 (Qwen3.6: 1e7), found {v}"
+                    ))
+                })?,
             None => {
                 return Err(Error::Config(
                     "missing field `rope_theta` (in `rope_parameters` or the text config)".into(),
@@ -279,9 +291,22 @@ impl ModelConfig {
         }
 
         let eos_token_ids = match text.get("eos_token_id").or_else(|| top.get("eos_token_id")) {
-            Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
-            _ => Vec::new(),
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Number(n)) => vec![token_id(n, "eos_token_id")?],
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::Number(n) => token_id(n, "eos_token_id"),
+                    _ => Err(Error::Config(format!(
+                        "`eos_token_id` entries must be token ids, found {v}"
+                    ))),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "`eos_token_id` must be a token id or a list of them, found {v}"
+                )))
+            }
         };
         let quantization = match top.get("quantization").or_else(|| top.get("quantization_config")) {
             Some(q) => Some(parse_quantization(q)?),
@@ -355,11 +380,85 @@ impl ModelConfig {
                 self.linear_conv_kernel_dim
             ));
         }
-        if self.rms_norm_eps >= 1.0 {
+        // f64_field accepts any positive number; as f32 it must still be above 0 (1e-50 rounds to
+        // 0, and a zero row would then normalise to NaN).
+        if !(self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
             return bad(format!(
-                "`rms_norm_eps` {} is not a small positive number",
+                "`rms_norm_eps` {} is not a small positive number (as f32)",
                 self.rms_norm_eps
             ));
+        }
+        if let Some(&id) = self.eos_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return bad(format!(
+                "`eos_token_id` {id} is not a token of the {}-entry vocabulary",
+                self.vocab_size
+            ));
+        }
+        self.check_sizes()
+    }
+
+    /// Every tensor and state size derived from the config, in checked arithmetic: a product that
+    /// overflows, or a tensor past the 2^32 - 1 elements the kernels index with 32-bit offsets, is
+    /// a config error here instead of a wrapped size later.
+    fn check_sizes(&self) -> Result<()> {
+        let (d, v) = (self.hidden_size, self.vocab_size);
+        let (h, kv, hd) = (self.num_attention_heads, self.num_key_value_heads, self.head_dim);
+        let (hk, hv) = (self.linear_num_key_heads, self.linear_num_value_heads);
+        let (dk, dv) = (self.linear_key_head_dim, self.linear_value_head_dim);
+        let (e, i, is) = (
+            self.num_experts,
+            self.moe_intermediate_size,
+            self.shared_expert_intermediate_size,
+        );
+        let taps = self.linear_conv_kernel_dim;
+        let key_dim = hk.checked_mul(dk);
+        let value_dim = hv.checked_mul(dv);
+        let conv_dim = key_dim
+            .and_then(|k| k.checked_mul(2))
+            .and_then(|k| value_dim.and_then(|v| k.checked_add(v)));
+        let sizes: [(&str, &[Option<usize>]); 12] = [
+            ("embed_tokens / lm_head [vocab_size, hidden_size]", &[Some(v), Some(d)]),
+            (
+                "q_proj [2 * heads * head_dim, hidden_size]",
+                &[Some(2), Some(h), Some(hd), Some(d)],
+            ),
+            (
+                "k_proj / v_proj [kv_heads * head_dim, hidden_size]",
+                &[Some(kv), Some(hd), Some(d)],
+            ),
+            ("o_proj [hidden_size, heads * head_dim]", &[Some(d), Some(h), Some(hd)]),
+            ("in_proj_qkv [conv channels, hidden_size]", &[conv_dim, Some(d)]),
+            (
+                "in_proj_z / out_proj [value heads * value dim, hidden_size]",
+                &[value_dim, Some(d)],
+            ),
+            (
+                "DeltaNet state [value heads, key dim, value dim]",
+                &[Some(hv), Some(dk), Some(dv)],
+            ),
+            ("conv state [taps, conv channels]", &[Some(taps), conv_dim]),
+            (
+                "experts gate_up [experts, 2 * moe_intermediate_size, hidden_size]",
+                &[Some(e), Some(2), Some(i), Some(d)],
+            ),
+            (
+                "experts down [experts, hidden_size, moe_intermediate_size]",
+                &[Some(e), Some(d), Some(i)],
+            ),
+            (
+                "shared expert [shared_expert_intermediate_size, hidden_size]",
+                &[Some(is), Some(d)],
+            ),
+            ("router [experts, hidden_size]", &[Some(e), Some(d)]),
+        ];
+        for (what, dims) in sizes {
+            let n = dims.iter().try_fold(1usize, |a, x| x.and_then(|x| a.checked_mul(x)));
+            if !n.is_some_and(|n| n <= u32::MAX as usize) {
+                return Err(Error::Config(format!(
+                    "{what}: the config's dimensions make a tensor of more than 2^32 - 1 elements ({})",
+                    n.map_or("overflow".to_string(), |n| n.to_string())
+                )));
+            }
         }
         Ok(())
     }
@@ -438,6 +537,48 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("num_experts"));
+    }
+
+    fn error_of(edit: impl FnOnce(&mut Value)) -> String {
+        let mut v = base();
+        edit(&mut v["text_config"]);
+        match ModelConfig::from_json(v) {
+            Ok(_) => panic!("config accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn values_that_parse_but_cannot_be_right_are_refused() {
+        // A RoPE base at or below 1, or past f32, would run to NaN angles.
+        for theta in [json!(1e-40), json!(0.5), json!(1.0), json!(1e39)] {
+            let e = error_of(|t| t["rope_parameters"]["rope_theta"] = theta.clone());
+            assert!(e.contains("rope_theta"), "{e}");
+        }
+        // An eps that is 0 as f32.
+        let e = error_of(|t| t["rms_norm_eps"] = json!(1e-50));
+        assert!(e.contains("rms_norm_eps"), "{e}");
+        // eos ids outside the vocabulary, or not ids at all.
+        let e = error_of(|t| t["eos_token_id"] = json!([248044, 248320]));
+        assert!(e.contains("eos_token_id") && e.contains("248320"), "{e}");
+        let e = error_of(|t| t["eos_token_id"] = json!(["<|im_end|>"]));
+        assert!(e.contains("eos_token_id"), "{e}");
+        let e = error_of(|t| t["eos_token_id"] = json!(-1));
+        assert!(e.contains("eos_token_id"), "{e}");
+    }
+
+    #[test]
+    fn sizes_are_checked_arithmetic() {
+        // Each field is a valid u32, their products are not: a config error, not a wrapped size.
+        for (field, value) in [
+            ("vocab_size", json!(4_000_000_000u64)),
+            ("hidden_size", json!(3_000_000_000u64)),
+            ("num_experts", json!(4_000_000_000u64)),
+            ("linear_value_head_dim", json!(4_000_000_000u64)),
+        ] {
+            let e = error_of(|t| t[field] = value);
+            assert!(e.contains("2^32"), "{field}: {e}");
+        }
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::{
         state::{LayerState, Scratch, State},
         Model,
     },
+    safetensors::FileWatch,
     weights::Loader,
 };
 
@@ -42,6 +43,8 @@ pub struct Runner<B: Backend> {
     cached: Vec<u32>,
     /// Tells snapshots of this engine from those of another.
     id: u64,
+    /// The checkpoint files whose maps the weights may still read.
+    files: FileWatch,
 }
 
 /// The sequence state at one position: DeltaNet conv + recurrent states and the token prefix.
@@ -74,6 +77,7 @@ impl<B: Backend> Runner<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let loader = Loader::open(dir, cfg)?;
+        let files = loader.watch();
         let model = Model::load(&b, &loader, cfg, progress)?;
         let state = State::new(&b, cfg, max_seq)?;
         // Tokens per forward call during prefill: bounds scratch memory whatever the prompt length.
@@ -89,6 +93,7 @@ impl<B: Backend> Runner<B> {
             max_seq,
             cached: Vec::new(),
             id,
+            files,
         })
     }
 
@@ -100,6 +105,7 @@ impl<B: Backend> Runner<B> {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidToken { token: bad, vocab });
         }
+        self.files.check()?;
         if self.pos + tokens.len() > self.max_seq {
             return Err(Error::ContextFull {
                 used: self.pos,
@@ -302,6 +308,14 @@ impl Engine {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let max_seq = match max_seq {
             Some(0) => return Err(Error::InvalidArgument("max_seq must be at least 1".into())),
+            // Positions reach the kernels as u32.
+            Some(n) if n > u32::MAX as usize => {
+                return Err(Error::InvalidArgument(format!(
+                    "max_seq {n} is more than the {} positions the kernels address (the model is trained for {})",
+                    u32::MAX,
+                    cfg.max_position_embeddings
+                )))
+            }
             Some(n) => n,
             None => cfg.max_position_embeddings,
         };

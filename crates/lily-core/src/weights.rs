@@ -2,7 +2,8 @@
 //! - tensor prefixes: Hugging Face `model.language_model.*` + `lm_head.*`, MLX
 //!   `language_model.model.*` + `language_model.lm_head.*`, or a bare text model `model.*`;
 //! - zero-centred RMSNorm weights: HF stores w (the model uses 1 + w), MLX stores 1 + w already;
-//!   told apart by the conv1d shape, HF [C, 1, K] vs MLX [C, K, 1] (mlx-lm's own test);
+//!   told apart by the conv1d shape, HF [C, 1, K] vs MLX [C, K, 1] (mlx-lm's own test), and by
+//!   the other marks of a conversion where that shape is ambiguous ([`detect_layout`]);
 //! - experts: HF fused `experts.gate_up_proj` [E, 2I, D] (gate rows first) + `experts.down_proj`,
 //!   MLX split `switch_mlp.{gate,up,down}_proj`;
 //! - MLX affine quantization: `X.weight` (u32) + `X.scales` + `X.biases`, bits and group size
@@ -13,16 +14,65 @@
 use std::path::Path;
 
 use crate::{
-    config::ModelConfig,
+    config::{LayerKind, ModelConfig},
     error::{Error, Result},
     quant::{float_format, shape_error, Format, Groups, Matrix},
-    safetensors::{DType, SafeTensors},
+    safetensors::{DType, FileWatch, SafeTensors},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     HuggingFace,
     Mlx,
+}
+
+/// Whether the zero-centred norms hold w (Hugging Face) or 1 + w (MLX). mlx-lm's own test is the
+/// conv1d shape, HF [C, 1, K] vs MLX [C, K, 1], decisive when K > 1. With K = 1 (both [C, 1, 1]) or
+/// no DeltaNet layer the shape says nothing, and the other marks of a conversion must agree: the
+/// tensor prefix (MLX `language_model.model.`, HF `model.language_model.`), the experts (MLX split
+/// `switch_mlp`, HF fused `experts.gate_up_proj`) and quantization (only MLX files are quantized).
+/// Guessing wrong adds 1 to every norm weight or forgets to, so no evidence, or evidence that
+/// disagrees, is an error rather than a default.
+fn detect_layout(st: &SafeTensors, prefix: &str, cfg: &ModelConfig) -> Result<Layout> {
+    let delta_net = cfg.layer_types.iter().position(|k| *k == LayerKind::DeltaNet);
+    if let Some(t) = delta_net.and_then(|i| st.get(&format!("{prefix}layers.{i}.linear_attn.conv1d.weight"))) {
+        match t.shape.as_slice() {
+            [_, 1, k] if *k > 1 => return Ok(Layout::HuggingFace),
+            [_, k, 1] if *k > 1 => return Ok(Layout::Mlx),
+            _ => {} // [C, 1, 1], or a wrong shape that `conv` reports
+        }
+    }
+    let mut marks: Vec<(Layout, &str)> = Vec::new();
+    match prefix {
+        "model.language_model." => marks.push((Layout::HuggingFace, "tensor prefix `model.language_model.`")),
+        "language_model.model." => marks.push((Layout::Mlx, "tensor prefix `language_model.model.`")),
+        _ => {}
+    }
+    if st.contains(&format!("{prefix}layers.0.mlp.switch_mlp.gate_proj.weight")) {
+        marks.push((Layout::Mlx, "split experts `mlp.switch_mlp.*`"));
+    }
+    if st.contains(&format!("{prefix}layers.0.mlp.experts.gate_up_proj")) {
+        marks.push((Layout::HuggingFace, "fused experts `mlp.experts.gate_up_proj`"));
+    }
+    if st.contains(&format!("{prefix}embed_tokens.scales")) {
+        marks.push((Layout::Mlx, "quantized tensors"));
+    }
+    let says = |l: Layout| marks.iter().filter(|m| m.0 == l).map(|m| m.1).collect::<Vec<_>>();
+    match (says(Layout::HuggingFace).as_slice(), says(Layout::Mlx).as_slice()) {
+        ([_, ..], []) => Ok(Layout::HuggingFace),
+        ([], [_, ..]) => Ok(Layout::Mlx),
+        ([], []) => Err(Error::Config(
+            "cannot tell whether this checkpoint's RMSNorm weights hold w (Hugging Face) or 1 + w (MLX): \
+             its conv1d shape, tensor prefix and expert layout carry no mark of either"
+                .into(),
+        )),
+        (hf, mlx) => Err(Error::Config(format!(
+            "the checkpoint mixes Hugging Face marks ({}) with MLX marks ({}): cannot tell whether its \
+             RMSNorm weights hold w or 1 + w",
+            hf.join(", "),
+            mlx.join(", ")
+        ))),
+    }
 }
 
 pub struct Loader<'a> {
@@ -56,19 +106,7 @@ impl<'a> Loader<'a> {
                 .ok_or_else(|| Error::weight("lm_head.weight", "missing (and tie_word_embeddings is false)"))?
                 .to_string()
         };
-        // HF conv1d [C, 1, K], MLX [C, K, 1]; without DeltaNet layers fall back on the prefix.
-        let conv = cfg
-            .layer_types
-            .iter()
-            .position(|k| *k == crate::config::LayerKind::DeltaNet)
-            .and_then(|i| st.get(&format!("{prefix}layers.{i}.linear_attn.conv1d.weight")));
-        let layout = match conv.map(|t| t.shape.as_slice()) {
-            Some([_, 1, k]) if *k > 1 => Layout::HuggingFace,
-            Some([_, _, 1]) => Layout::Mlx,
-            Some(_) => Layout::HuggingFace, // shape error reported by `conv`
-            None if prefix == "language_model.model." => Layout::Mlx,
-            None => Layout::HuggingFace,
-        };
+        let layout = detect_layout(&st, &prefix, cfg)?;
         Ok(Loader {
             st,
             cfg,
@@ -76,6 +114,11 @@ impl<'a> Loader<'a> {
             lm_head,
             layout,
         })
+    }
+
+    /// The files behind the mapped weights (to check that they are unchanged before use).
+    pub fn watch(&self) -> FileWatch {
+        self.st.watch()
     }
 
     fn full(&self, name: &str) -> String {

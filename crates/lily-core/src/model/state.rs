@@ -33,14 +33,17 @@ pub struct State<B: Backend> {
 impl<B: Backend> State<B> {
     pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
         let kv_width = cfg.num_key_value_heads * cfg.head_dim;
+        let kv_len = max_seq.checked_mul(kv_width).ok_or_else(|| {
+            crate::error::Error::InvalidArgument(format!("max_seq {max_seq} x KV row width {kv_width} overflows"))
+        })?;
         let layers = cfg
             .layer_types
             .iter()
             .map(|kind| {
                 Ok(match kind {
                     LayerKind::Attention => LayerState::Attention(KvCache {
-                        k: b.alloc(max_seq * kv_width)?,
-                        v: b.alloc(max_seq * kv_width)?,
+                        k: b.alloc(kv_len)?,
+                        v: b.alloc(kv_len)?,
                     }),
                     LayerKind::DeltaNet => {
                         let conv_len = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
