@@ -453,7 +453,7 @@ impl ModelConfig {
         ];
         for (what, dims) in sizes {
             let n = dims.iter().try_fold(1usize, |a, x| x.and_then(|x| a.checked_mul(x)));
-            if !n.is_some_and(|n| n <= u32::MAX as usize) {
+            if n.is_none_or(|n| n > u32::MAX as usize) {
                 return Err(Error::Config(format!(
                     "{what}: the config's dimensions make a tensor of more than 2^32 - 1 elements ({})",
                     n.map_or("overflow".to_string(), |n| n.to_string())

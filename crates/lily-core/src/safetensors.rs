@@ -229,7 +229,7 @@ pub fn parse_header(header: &[u8], data_len: usize) -> std::result::Result<Vec<E
     }
     // The ranges must tile the data region: no overlap (one tensor read through another's bytes),
     // no gap, nothing left after the last.
-    entries.sort_by(|a, b| (a.begin, a.end).cmp(&(b.begin, b.end)));
+    entries.sort_by_key(|e| (e.begin, e.end));
     let mut at = 0usize;
     for e in &entries {
         if e.begin != at {
@@ -262,16 +262,18 @@ pub fn parse_header(header: &[u8], data_len: usize) -> std::result::Result<Vec<E
 fn open_regular(path: &Path) -> Result<File> {
     let meta = match std::fs::metadata(path) {
         Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(match std::fs::read_link(path) {
-            Ok(target) => Error::file(
-                path,
-                format!(
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(match std::fs::read_link(path) {
+                Ok(target) => Error::file(
+                    path,
+                    format!(
                     "is a dangling symbolic link (to {}): the file it points to is missing (an interrupted download?)",
                     target.display()
                 ),
-            ),
-            Err(_) => Error::file(path, "not found"),
-        }),
+                ),
+                Err(_) => Error::file(path, "not found"),
+            })
+        }
         Err(e) => return Err(Error::file(path, e)),
     };
     if !meta.is_file() {
