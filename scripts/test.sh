@@ -39,6 +39,9 @@ LILY_EXPECT_DOTS=NeonSdot \
     cargo test -p lily-core --release --locked --target aarch64-unknown-linux-gnu \
     --test cpu_int8 --test cpu_simd --test cpu_kernels --test cpu_pool
 
+step "fuzz: safetensors header, config.json, matrix descriptors (20 s each; scripts/fuzz.sh N for longer)"
+bash scripts/fuzz.sh
+
 step "python: ruff, stub check"
 python3 -m ruff check python tests
 python3 -m mypy.stubtest lily._lily --allowlist tests/stubtest-allowlist.txt

@@ -14,10 +14,10 @@
 use std::path::Path;
 
 use crate::{
-    config::{LayerKind, ModelConfig},
+    config::{LayerKind, ModelConfig, Quantization},
     error::{Error, Result},
     quant::{float_format, shape_error, Format, Groups, Matrix},
-    safetensors::{DType, FileWatch, SafeTensors},
+    safetensors::{DType, FileWatch, SafeTensors, TensorView},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,102 +141,12 @@ impl<'a> Loader<'a> {
 
     /// A full module path `base` (without `.weight`) holding `[lead.., rows, cols]`.
     fn matrix_at(&self, base: &str, lead: &[usize], rows: usize, cols: usize) -> Result<Matrix> {
-        let wname = format!("{base}.weight");
-        let w = self.st.require(&wname)?;
-        let experts: usize = lead.iter().product();
-        let expected: Vec<usize> = lead.iter().copied().chain([rows, cols]).collect();
-        let sname = format!("{base}.scales");
-        let Some(scales) = self.st.get(&sname) else {
-            let format = float_format(&wname, w.dtype, &w.dtype_name)?;
-            if w.shape != expected {
-                return Err(shape_error(&wname, &expected, &w.shape));
-            }
-            return Ok(Matrix {
-                name: wname,
-                format,
-                experts: experts.max(1),
-                rows,
-                cols,
-                expert_stride: rows,
-                row_offset: 0,
-                data: w.bytes.clone(),
-                groups: None,
-            });
+        let w = self.st.require(&format!("{base}.weight"))?;
+        let groups = match self.st.get(&format!("{base}.scales")) {
+            Some(scales) => Some((scales, self.st.require(&format!("{base}.biases"))?)),
+            None => None,
         };
-        let biases = self.st.require(&format!("{base}.biases"))?;
-        let q = self.cfg.quantization.as_ref().ok_or_else(|| {
-            Error::weight(
-                &wname,
-                "is quantized (has .scales) but config.json has no `quantization` block",
-            )
-        })?;
-        let spec = q.spec_for(base);
-        let group = spec.group_size;
-        if w.dtype != DType::U32 {
-            return Err(Error::weight(
-                &wname,
-                format!("quantized weight must be U32, found {}", w.dtype_name),
-            ));
-        }
-        if !matches!(scales.dtype, DType::F32 | DType::F16 | DType::BF16) || scales.dtype != biases.dtype {
-            return Err(Error::weight(
-                &sname,
-                format!(
-                    "scales {} / biases {} must be one float dtype",
-                    scales.dtype_name, biases.dtype_name
-                ),
-            ));
-        }
-        if cols % group != 0 {
-            return Err(Error::weight(
-                &wname,
-                format!("input dim {cols} is not a multiple of group size {group}"),
-            ));
-        }
-        let groups_shape: Vec<usize> = lead.iter().copied().chain([rows, cols / group]).collect();
-        if scales.shape != groups_shape {
-            return Err(Error::weight(
-                &sname,
-                format!(
-                    "expected shape {groups_shape:?} (group size {group} from config), found {:?}",
-                    scales.shape
-                ),
-            ));
-        }
-        if biases.shape != groups_shape {
-            return Err(shape_error(&format!("{base}.biases"), &groups_shape, &biases.shape));
-        }
-        let packed = w.shape.last().copied().unwrap_or(0);
-        let bits = packed * 32 / cols;
-        let packed_shape: Vec<usize> = lead
-            .iter()
-            .copied()
-            .chain([rows, cols * spec.bits as usize / 32])
-            .collect();
-        if bits != spec.bits as usize || w.shape != packed_shape {
-            return Err(Error::weight(
-                &wname,
-                format!(
-                    "expected packed shape {packed_shape:?} ({} bits from config, logical [{rows}, {cols}]), found {:?}",
-                    spec.bits, w.shape
-                ),
-            ));
-        }
-        Ok(Matrix {
-            name: wname,
-            format: Format::Affine { bits: spec.bits, group },
-            experts: experts.max(1),
-            rows,
-            cols,
-            expert_stride: rows,
-            row_offset: 0,
-            data: w.bytes.clone(),
-            groups: Some(Groups {
-                dtype: scales.dtype,
-                scales: scales.bytes.clone(),
-                biases: biases.bytes.clone(),
-            }),
-        })
+        matrix(base, w, groups, self.cfg.quantization.as_ref(), lead, rows, cols)
     }
 
     /// A float vector of `len` values.
@@ -329,4 +239,119 @@ impl<'a> Loader<'a> {
         };
         Ok((half(0), half(inter), down))
     }
+}
+
+/// The weight `base.weight` of logical shape `[lead.., rows, cols]`: dense (F32 / F16 / BF16), or
+/// MLX affine-quantized when `groups` holds its `.scales` and `.biases`, with bits and group size
+/// from the config's `quantization` block. Every shape and dtype is checked against the others, so
+/// a `Matrix` that comes back can be read in full (every row of every expert) within its bytes.
+pub fn matrix(
+    base: &str,
+    w: &TensorView,
+    groups: Option<(&TensorView, &TensorView)>,
+    quantization: Option<&Quantization>,
+    lead: &[usize],
+    rows: usize,
+    cols: usize,
+) -> Result<Matrix> {
+    let wname = format!("{base}.weight");
+    let experts = lead
+        .iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| Error::weight(&wname, "expert count overflows"))?;
+    let expected: Vec<usize> = lead.iter().copied().chain([rows, cols]).collect();
+    let sname = format!("{base}.scales");
+    let Some((scales, biases)) = groups else {
+        let format = float_format(&wname, w.dtype, &w.dtype_name)?;
+        if w.shape != expected {
+            return Err(shape_error(&wname, &expected, &w.shape));
+        }
+        return Ok(Matrix {
+            name: wname,
+            format,
+            experts: experts.max(1),
+            rows,
+            cols,
+            expert_stride: rows,
+            row_offset: 0,
+            data: w.bytes.clone(),
+            groups: None,
+        });
+    };
+    let q = quantization.ok_or_else(|| {
+        Error::weight(
+            &wname,
+            "is quantized (has .scales) but config.json has no `quantization` block",
+        )
+    })?;
+    let spec = q.spec_for(base);
+    let group = spec.group_size;
+    if w.dtype != DType::U32 {
+        return Err(Error::weight(
+            &wname,
+            format!("quantized weight must be U32, found {}", w.dtype_name),
+        ));
+    }
+    if !matches!(scales.dtype, DType::F32 | DType::F16 | DType::BF16) || scales.dtype != biases.dtype {
+        return Err(Error::weight(
+            &sname,
+            format!(
+                "scales {} / biases {} must be one float dtype",
+                scales.dtype_name, biases.dtype_name
+            ),
+        ));
+    }
+    if cols == 0 || cols % group != 0 || (cols * spec.bits as usize) % 32 != 0 {
+        return Err(Error::weight(
+            &wname,
+            format!(
+                "input dim {cols} must be a positive multiple of group size {group} that packs into 32-bit words at {} bits",
+                spec.bits
+            ),
+        ));
+    }
+    let groups_shape: Vec<usize> = lead.iter().copied().chain([rows, cols / group]).collect();
+    if scales.shape != groups_shape {
+        return Err(Error::weight(
+            &sname,
+            format!(
+                "expected shape {groups_shape:?} (group size {group} from config), found {:?}",
+                scales.shape
+            ),
+        ));
+    }
+    if biases.shape != groups_shape {
+        return Err(shape_error(&format!("{base}.biases"), &groups_shape, &biases.shape));
+    }
+    let packed = w.shape.last().copied().unwrap_or(0);
+    let bits = packed * 32 / cols;
+    let packed_shape: Vec<usize> = lead
+        .iter()
+        .copied()
+        .chain([rows, cols * spec.bits as usize / 32])
+        .collect();
+    if bits != spec.bits as usize || w.shape != packed_shape {
+        return Err(Error::weight(
+            &wname,
+            format!(
+                "expected packed shape {packed_shape:?} ({} bits from config, logical [{rows}, {cols}]), found {:?}",
+                spec.bits, w.shape
+            ),
+        ));
+    }
+    Ok(Matrix {
+        name: wname,
+        format: Format::Affine { bits: spec.bits, group },
+        experts: experts.max(1),
+        rows,
+        cols,
+        expert_stride: rows,
+        row_offset: 0,
+        data: w.bytes.clone(),
+        groups: Some(Groups {
+            dtype: scales.dtype,
+            scales: scales.bytes.clone(),
+            biases: biases.bytes.clone(),
+        }),
+    })
 }
