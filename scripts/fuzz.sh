@@ -19,7 +19,7 @@ cargo fuzz build -s none -a -O >/dev/null
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 for t in safetensors_header config matrix; do
-    mkdir -p "$scratch/$t"
+    mkdir -p "$scratch/$t" "corpus/$t"
     echo "== fuzz $t for ${secs}s"
     if ! cargo fuzz run "$t" -s none -a -O "$scratch/$t" "corpus/$t" -- \
         -max_total_time="$secs" -rss_limit_mb=2048 -print_final_stats=1 >"$scratch/$t.log" 2>&1; then
