@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use lily_core::{
-    backend::cpu::{gemm, pool, simd::Isa},
+    backend::cpu::{gemm, isa::Isa, pool},
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
 };

@@ -8,7 +8,7 @@ use common::{float_bytes, rand_vec};
 use lily_core::{
     backend::cpu::{
         int8::{self, Dot, Planes, Rows, CHUNK_GROUPS, PLANES},
-        simd::Isa,
+        isa::Isa,
     },
     quant::read_scalar,
     safetensors::DType,

@@ -15,7 +15,7 @@ mod common;
 use common::{assert_close, matrix, rand_vec};
 use lily_core::{
     backend::{
-        cpu::{gemm, kernels, reference, simd, simd::Isa, Cpu},
+        cpu::{gemm, isa::Isa, kernels, reference, simd, Cpu},
         params::*,
         Backend,
     },

@@ -29,7 +29,7 @@
 //! the lane's 8 code x q_p products (|acc| <= 8 * 15 * 128 * (2^16 + 2^8 + 1) < 2^31).
 //! Result: sum_L cl[L] acc[L] / 256^2, one convert and one FMA per lane and block.
 
-use super::simd::{multiversion, Isa};
+use super::isa::{multiversion, Isa};
 use crate::{quant::read_scalar, safetensors::DType};
 
 /// int8 planes per activation element.

@@ -10,10 +10,12 @@
 //! so a decode step allocates nothing.
 
 use super::{
-    gemm::{self, with_caller, with_caller_ids, with_task, Out},
+    gemm,
+    isa::{multiversion, Isa},
     pool,
     reference::{self, sigmoid, softplus},
-    simd::{self, multiversion, Isa},
+    scratch::{with_caller, with_caller_ids, with_task, Out},
+    simd,
 };
 use crate::{backend::params::*, quant::Matrix};
 

@@ -5,9 +5,11 @@
 
 pub mod gemm;
 pub mod int8;
+pub mod isa;
 pub mod kernels;
 pub mod pool;
 pub mod reference;
+pub mod scratch;
 pub mod simd;
 
 use super::{params::*, Backend};
@@ -78,86 +80,7 @@ macro_rules! call {
     };
 }
 
-mod profile {
-    //! `LILY_CPU_PROFILE=1`: wall time per kernel (per weight matrix for matmuls), printed to
-    //! stderr when the backend is dropped. A developer's tool: off, it costs one branch per call;
-    //! on, it allocates.
-    use std::{collections::HashMap, sync::Mutex, time::Instant};
-
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    /// Whether the forward pass in progress is a decode step (one token).
-    static DECODE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-    /// Note the token count of the forward pass that starts now.
-    pub fn phase(tokens: usize) {
-        DECODE.store(tokens == 1, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// Per phase and kernel: calls, seconds, weight bytes read.
-    type Table = HashMap<String, (u64, f64, u64)>;
-    static TABLE: Mutex<Option<Table>> = Mutex::new(None);
-
-    pub fn on() -> bool {
-        *ON.get_or_init(|| std::env::var("LILY_CPU_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
-    }
-
-    /// Run `f`, adding its wall time (and `bytes` of weights read) under `name` and the phase.
-    #[inline]
-    pub fn timed<R>(name: &str, bytes: u64, f: impl FnOnce() -> R) -> R {
-        if !on() {
-            return f();
-        }
-        let t = Instant::now();
-        let r = f();
-        let dt = t.elapsed().as_secs_f64();
-        let mut g = TABLE.lock().unwrap_or_else(|e| e.into_inner());
-        let decode = DECODE.load(std::sync::atomic::Ordering::Relaxed);
-        let phase = if decode { "decode" } else { "prefill" };
-        // Weight bytes per second only means something for decode (prefill reuses each weight).
-        let bytes = if decode { bytes } else { 0 };
-        let e = g
-            .get_or_insert_with(HashMap::new)
-            .entry(format!("{phase:7} {name}"))
-            .or_default();
-        *e = (e.0 + 1, e.1 + dt, e.2 + bytes);
-        r
-    }
-
-    /// `name` with its layer number replaced by `*`, so every layer's matrix shares one row.
-    pub fn layerless(name: &str) -> String {
-        match name.find("layers.") {
-            Some(i) => {
-                let rest = &name[i + 7..];
-                let digits = rest.chars().take_while(char::is_ascii_digit).count();
-                format!("{}layers.*{}", &name[..i], &rest[digits..])
-            }
-            None => name.to_string(),
-        }
-    }
-
-    /// Print and clear the table, slowest first.
-    pub fn report() {
-        let Some(t) = TABLE.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-            return;
-        };
-        let mut rows: Vec<_> = t.into_iter().collect();
-        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-        let total: f64 = rows.iter().map(|r| r.1 .1).sum();
-        eprintln!("lily cpu profile: {total:.3} s in kernels");
-        eprintln!("{:>9} {:>7} {:>10} {:>7}  kernel", "ms", "%", "calls", "GB/s");
-        for (name, (calls, secs, bytes)) in rows {
-            let gbs = if bytes > 0 {
-                format!("{:.1}", bytes as f64 / secs / 1e9)
-            } else {
-                "-".into()
-            };
-            eprintln!(
-                "{:9.1} {:6.1}% {calls:10} {gbs:>7}  {name}",
-                1e3 * secs,
-                100.0 * secs / total
-            );
-        }
-    }
-}
+mod profile;
 
 impl Drop for Cpu {
     fn drop(&mut self) {
@@ -272,10 +195,10 @@ impl Backend for Cpu {
             let name = format!("{} + {rest}", profile::layerless(&ws[0].name));
             let bytes = ws.iter().map(|w| (w.rows * w.bytes_per_row()) as u64).sum();
             return profile::timed(&format!("matmuls {name}"), bytes, || {
-                gemm::gemv_many(simd::Isa::get(), ws, 0, x, outs)
+                gemm::gemv_many(isa::Isa::get(), ws, 0, x, outs)
             });
         }
-        gemm::gemv_many(simd::Isa::get(), ws, 0, x, outs)
+        gemm::gemv_many(isa::Isa::get(), ws, 0, x, outs)
     }
     fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
         dispatch!(self, qk_norm_rope(p, q_norm, k_norm, qg, k))

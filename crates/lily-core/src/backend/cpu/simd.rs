@@ -1,6 +1,5 @@
-//! SIMD primitives of the CPU backend with runtime dispatch: an [`Isa`] is chosen once per process
-//! (the best the CPU supports, or `LILY_CPU_ISA=portable|avx2|avx512` to force a lower one), and
-//! every primitive takes it as an argument so tests can run each path against the portable one.
+//! SIMD primitives of the CPU backend with runtime dispatch: every primitive takes the [`Isa`]
+//! to run (`isa.rs`: chosen once per process), so tests can run each path against the portable one.
 //!
 //! Primitives (all f32 accumulation):
 //! - dot products of an activation with one weight row in every format, dequantizing in
@@ -15,104 +14,14 @@
 //! On arm64 the 4-bit dot uses `sdot` (hand-written); the other paths are fixed-width lane loops
 //! that LLVM vectorizes to NEON (a baseline feature there).
 
-use std::sync::OnceLock;
-
-use super::int8::{self, Dot, Planes};
+use super::{
+    int8::{self, Dot, Planes},
+    isa::Isa,
+};
 use crate::{
     quant::{read_scalar, Format, Matrix},
     safetensors::DType,
 };
-
-/// Define `$name(isa, args..)` that runs the `#[inline(always)]` body `$body(isa, args..)`
-/// compiled for the ISA's vector width, so plain lane loops in the body auto-vectorize to AVX2 /
-/// AVX-512 (the crate itself is built for baseline x86_64).
-macro_rules! multiversion {
-    ($vis:vis fn $name:ident($($arg:ident : $ty:ty),*) = $body:ident;) => {
-        $vis fn $name(isa: Isa, $($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-                unsafe fn v512(isa: Isa, $($arg: $ty),*) {
-                    $body(isa, $($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma,f16c")]
-                unsafe fn v256(isa: Isa, $($arg: $ty),*) {
-                    $body(isa, $($arg),*)
-                }
-                match isa {
-                    // SAFETY: an Isa value other than Portable is only produced when available.
-                    Isa::Avx512 => return unsafe { v512(isa, $($arg),*) },
-                    Isa::Avx2 => return unsafe { v256(isa, $($arg),*) },
-                    Isa::Portable => {}
-                }
-            }
-            $body(isa, $($arg),*)
-        }
-    };
-}
-
-pub(crate) use multiversion;
-
-/// Instruction sets with their own kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    /// Plain Rust lane loops (auto-vectorized for the build's baseline target).
-    Portable,
-    /// x86_64 AVX2 + FMA + F16C (8 f32 lanes).
-    Avx2,
-    /// x86_64 AVX-512 F/BW/VL (16 f32 lanes).
-    Avx512,
-}
-
-impl Isa {
-    /// Whether this CPU can run the kernels of `self`.
-    pub fn available(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-            }
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                Isa::Avx2.available()
-                    && is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-
-    /// Every ISA this CPU can run, best last (the tests run each).
-    pub fn all_available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx512]
-            .into_iter()
-            .filter(|i| i.available())
-            .collect()
-    }
-
-    /// The ISA the production kernels use: the best available, capped by `LILY_CPU_ISA`.
-    /// Decided once; an unknown or unavailable request falls back to the best available.
-    pub fn get() -> Isa {
-        static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(|| {
-            let best = *Isa::all_available().last().unwrap_or(&Isa::Portable);
-            let want = match std::env::var("LILY_CPU_ISA").as_deref() {
-                Ok("portable") => Isa::Portable,
-                Ok("avx2") => Isa::Avx2,
-                Ok("avx512") => Isa::Avx512,
-                _ => best,
-            };
-            if want.available() {
-                want
-            } else {
-                best
-            }
-        })
-    }
-}
 
 /// Per-group sums of x (the bias term of the affine group form).
 #[inline]

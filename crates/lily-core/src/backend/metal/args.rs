@@ -1,88 +1,7 @@
-//! Metal-only kernel arguments, `#[repr(C)]` and mirrored by `shaders/metal/params.h` (the op
-//! parameter structs themselves come from `backend/params.rs` and are bound as they are), and
-//! their bytes as a dispatch binds them ([`bytes_of`]: inline, no allocation).
+//! The bytes of a parameter struct (`backend/params.rs`) as a dispatch binds them ([`bytes_of`]:
+//! inline, no allocation).
 
-use crate::backend::params::{
-    AttentionParams, ConvParams, DeltaNetParams, KvStoreParams, MatmulParams, MoeParams, RmsNormParams, RopeParams,
-    RouteParams, RowsParams,
-};
-
-/// A weight matrix `[experts?, rows, cols]` as the kernels see it: logical row `r` of expert `e`
-/// is stored row `e * expert_stride + row_offset + r`; `group` is the quantization group (0: dense).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MatrixDesc {
-    pub rows: u32,
-    pub cols: u32,
-    pub expert_stride: u32,
-    pub row_offset: u32,
-    pub group: u32,
-    pub pad: [u32; 3],
-}
-
-/// Split ("flash-decoding") layout of attention: `splits` pieces of `split_rows` cache rows.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AttentionSplit {
-    pub splits: u32,
-    pub split_rows: u32,
-}
-
-/// `embed`: T rows.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct EmbedParams {
-    pub tokens: u32,
-}
-
-/// The expert-sorted prefill path of `moe_experts`: `experts` E, the T tokens cut into
-/// `token_blocks` sort blocks of `sort_tokens` tokens, at most `max_blocks` expert row blocks.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct MoeSortDesc {
-    pub experts: u32,
-    pub token_blocks: u32,
-    pub sort_tokens: u32,
-    pub max_blocks: u32,
-}
-
-const _: () = assert!(size_of::<MatrixDesc>() == 32);
-const _: () = assert!(size_of::<MoeSortDesc>() == 16);
-const _: () = assert!(size_of::<AttentionSplit>() == 8);
-const _: () = assert!(size_of::<EmbedParams>() == 4);
-
-/// A parameter struct the kernels take by value (`setBytes`): `#[repr(C)]`, plain `u32` / `f32`
-/// fields, so no padding and no pointers, and at most [`ParamBytes::MAX`] bytes.
-///
-/// # Safety
-/// Implement only for such structs: [`bytes_of`] reads every byte of the value.
-pub unsafe trait Param: Copy {}
-
-macro_rules! params {
-    ($($t:ty),* $(,)?) => {
-        $(
-            // SAFETY: repr(C) structs of u32 / f32 fields only (params.h mirrors them).
-            unsafe impl Param for $t {}
-        )*
-    };
-}
-
-params!(
-    RmsNormParams,
-    MatmulParams,
-    RopeParams,
-    AttentionParams,
-    KvStoreParams,
-    ConvParams,
-    DeltaNetParams,
-    RouteParams,
-    MoeParams,
-    RowsParams,
-    MatrixDesc,
-    AttentionSplit,
-    EmbedParams,
-    MoeSortDesc,
-);
+use crate::backend::params::Param;
 
 /// The bytes of one parameter struct, held inline (no allocation): what a dispatch binds with
 /// `setBytes`. 4-byte aligned, so a kernel (or the simulator) can read the struct in place.
@@ -137,6 +56,7 @@ pub fn bytes_of<T: Param>(v: &T) -> ParamBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::params::{EmbedParams, MatrixDesc};
 
     #[test]
     fn param_bytes_hold_the_struct() {

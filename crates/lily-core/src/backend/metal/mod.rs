@@ -23,75 +23,29 @@
 //! with a counting allocator over warm decode steps and prefill chunks.
 
 pub mod args;
+pub mod buffers;
 #[cfg(target_os = "macos")]
 pub mod device;
 pub mod executor;
 pub mod kernels;
 #[cfg(unix)]
 pub mod sim;
+pub(crate) mod stream;
 
 use std::sync::{Mutex, OnceLock};
 
 use args::bytes_of;
-pub use args::{AttentionSplit, EmbedParams, MatrixDesc, MoeSortDesc};
+pub use buffers::{MetalBuf, MetalMatrix};
 pub use executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel};
 use kernels::Fixed as F;
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
+use stream::{Scratch, Stream};
 
 use super::{params::*, Backend};
 use crate::{
     error::{Error, Result},
-    quant::{Format, Matrix},
-    safetensors::DType,
+    quant::Matrix,
 };
-
-/// A device buffer of `len` 4-byte elements (f32 values or u32 ids).
-pub struct MetalBuf<X: Executor> {
-    buf: X::Buffer,
-    len: usize,
-}
-
-impl<X: Executor> MetalBuf<X> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    fn arg(&self) -> Arg<'_, X::Buffer> {
-        Arg::Buf(&self.buf, 0, self.len * 4)
-    }
-}
-
-/// A weight matrix on the device: packed data, scales and biases as (buffer, offset, bytes).
-pub struct MetalMatrix<X: Executor> {
-    data: (X::Buffer, usize, usize),
-    groups: Option<[(X::Buffer, usize, usize); 2]>,
-    desc: MatrixDesc,
-    /// Experts stacked in the matrix (1 for a plain matrix).
-    experts: u32,
-    /// The weight format (its host-name suffix: `q4_bf16`, `bf16`, ...).
-    weight: Weight,
-}
-
-struct Stream<X: Executor> {
-    enc: Option<X::Encoder>,
-    error: Option<Error>,
-    /// Attention split partials: [H, splits, 2 + hd] for the most splits of the largest KV
-    /// cache seen (grown once per cache size, not per step).
-    scratch: Option<MetalBuf<X>>,
-    /// u32 routing scratch of the expert-sorted MoE prefill, grown on demand (to the largest
-    /// chunk seen; see `moe_experts_sorted`).
-    moe_scratch: Option<MetalBuf<X>>,
-    /// f32 intra-chunk matrices of the chunked DeltaNet prefill, grown on demand (to the largest
-    /// chunk seen; see `delta_net_chunked`).
-    delta_scratch: Option<MetalBuf<X>>,
-    /// The label of the next command stream opened (set by `embed`, which starts a forward
-    /// pass); `Commands` when none.
-    next_label: Option<StreamLabel>,
-    /// One-token forward passes encoded so far (the N of "lily step N").
-    steps: u64,
-}
 
 /// A pipeline, built on first use; the error message if it cannot be.
 type LazyPipeline<P> = OnceLock<std::result::Result<P, String>>;
@@ -147,42 +101,6 @@ fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
 }
 
-fn weight_format(m: &Matrix) -> Result<Weight> {
-    let scale = |d: DType| match d {
-        DType::BF16 => Ok("bf16"),
-        DType::F16 => Ok("f16"),
-        DType::F32 => Ok("f32"),
-        _ => Err(Error::weight(&m.name, "scales must be BF16, F16 or F32")),
-    };
-    let dense = |s: &str| Weight::from_suffix(s).ok_or_else(|| Error::weight(&m.name, "no Metal kernel"));
-    Ok(match m.format {
-        Format::F32 => dense("f32")?,
-        Format::F16 => dense("f16")?,
-        Format::BF16 => dense("bf16")?,
-        Format::Affine { bits, group } => {
-            let sd = scale(m.scale_dtype())?;
-            if group % 8 != 0 || m.cols % group != 0 || (m.cols * bits as usize) % 32 != 0 {
-                return Err(Error::weight(
-                    &m.name,
-                    format!(
-                        "the Metal kernels need cols ({}) a multiple of the group ({group}), itself a multiple of 8",
-                        m.cols
-                    ),
-                ));
-            }
-            match Weight::from_suffix(&format!("q{bits}_{sd}")) {
-                Some(w) => w,
-                None => {
-                    return Err(Error::weight(
-                        &m.name,
-                        format!("{bits}-bit weights have no Metal kernel (2, 4 and 8 do)"),
-                    ))
-                }
-            }
-        }
-    })
-}
-
 impl<X: Executor> Metal<X> {
     /// Build the pipelines of every kernel this device dispatches (the common kernels and the
     /// variants of its GPU family) up front, so a missing kernel fails here.
@@ -211,15 +129,7 @@ impl<X: Executor> Metal<X> {
             kernels,
             family,
             variants,
-            stream: Mutex::new(Stream {
-                enc: None,
-                error: None,
-                scratch: None,
-                moe_scratch: None,
-                delta_scratch: None,
-                next_label: None,
-                steps: 0,
-            }),
+            stream: Mutex::new(Stream::new()),
             dummy,
             split_rows,
             moe_gemm_tokens,
@@ -272,118 +182,6 @@ impl<X: Executor> Metal<X> {
         }
         Ok(())
     }
-
-    /// Label the next command stream as a forward pass over `tokens` tokens ("lily step N" for
-    /// one token, "lily prefill chunk" for more), if no stream is open yet.
-    fn label_forward(&self, tokens: usize) {
-        let mut s = self.lock();
-        if s.enc.is_none() && s.error.is_none() {
-            s.next_label = Some(if tokens == 1 {
-                s.steps += 1;
-                StreamLabel::Step(s.steps)
-            } else {
-                StreamLabel::PrefillChunk
-            });
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Stream<X>> {
-        self.stream.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Remember the first encoding error; `finish` returns it.
-    fn fail(&self, msg: String) {
-        let mut s = self.lock();
-        if s.error.is_none() {
-            s.error = Some(Error::Device(msg));
-        }
-    }
-
-    /// Encode one dispatch of kernel `k` into the open command stream (opened here if none is).
-    /// Allocates nothing: the name and pipeline come from the table, the bindings and their
-    /// parameter bytes live on the caller's stack.
-    fn encode(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid) {
-        self.encode_tg(k, args, grid, &[])
-    }
-
-    /// `encode` for a kernel with `[[threadgroup(i)]]` arguments of `tg_mem[i]` bytes.
-    fn encode_tg(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
-        let (name, p) = match self.pipeline(k.into()) {
-            Ok(p) => p,
-            Err(e) => {
-                let mut s = self.lock();
-                s.error.get_or_insert(e);
-                return;
-            }
-        };
-        let mut s = self.lock();
-        if s.error.is_some() {
-            return;
-        }
-        if s.enc.is_none() {
-            let label = s.next_label.take().unwrap_or(StreamLabel::Commands);
-            match self.x.encoder(label) {
-                Ok(e) => s.enc = Some(e),
-                Err(e) => {
-                    s.error = Some(e);
-                    return;
-                }
-            }
-        }
-        if let Some(enc) = s.enc.as_mut() {
-            self.x.dispatch(enc, name, p, args, grid, tg_mem);
-        }
-    }
-
-    /// Commit what is encoded and wait for it.
-    fn flush(&self) -> Result<()> {
-        let (enc, err) = {
-            let mut s = self.lock();
-            s.next_label = None;
-            (s.enc.take(), s.error.take())
-        };
-        if let Some(e) = err {
-            return Err(e);
-        }
-        match enc {
-            Some(enc) => self.x.commit_wait(enc),
-            None => Ok(()),
-        }
-    }
-
-    fn weights<'a>(&'a self, m: &'a MetalMatrix<X>) -> [Arg<'a, X::Buffer>; 3] {
-        let (b, o, l) = &m.data;
-        match &m.groups {
-            Some([s, bi]) => [
-                Arg::Buf(b, *o, *l),
-                Arg::Buf(&s.0, s.1, s.2),
-                Arg::Buf(&bi.0, bi.1, bi.2),
-            ],
-            None => [
-                Arg::Buf(b, *o, *l),
-                Arg::Buf(&self.dummy, 0, 16),
-                Arg::Buf(&self.dummy, 0, 16),
-            ],
-        }
-    }
-
-    fn new_buf(&self, len: usize) -> Result<MetalBuf<X>> {
-        Ok(MetalBuf {
-            buf: self.x.new_buffer(len * 4)?,
-            len,
-        })
-    }
-
-    /// Check `bufs` hold at least the given element counts; record an error otherwise.
-    fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
-        for &(what, have, need) in checks {
-            if have < need {
-                self.fail(format!("{op}: {what} has {have} elements, needs {need}"));
-                return false;
-            }
-        }
-        true
-    }
 }
 
 fn rows_grid(dim: usize, tokens: usize) -> Grid {
@@ -413,53 +211,17 @@ impl<X: Executor> Backend for Metal<X> {
         self.new_buf(len)
     }
     fn upload(&self, data: &[f32]) -> Result<MetalBuf<X>> {
-        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(MetalBuf {
-            buf: self.x.new_buffer_with(&bytes)?,
-            len: data.len(),
-        })
+        self.upload_f32(data)
     }
     fn upload_matrix(&self, m: &Matrix) -> Result<MetalMatrix<X>> {
-        let weight = weight_format(m)?;
-        let too_big =
-            |v: usize| u32::try_from(v).map_err(|_| Error::weight(&m.name, "too large for 32-bit kernel indices"));
-        let stored_rows = m.data.len() / m.row_bytes().max(1);
-        too_big(stored_rows.saturating_mul(m.cols))?;
-        let (b, off) = self.x.weight_buffer(&m.data)?;
-        let groups = match &m.groups {
-            Some(g) => {
-                let (s, so) = self.x.weight_buffer(&g.scales)?;
-                let (bi, bo) = self.x.weight_buffer(&g.biases)?;
-                Some([(s, so, g.scales.len()), (bi, bo, g.biases.len())])
-            }
-            None => None,
-        };
-        let group = match m.format {
-            Format::Affine { group, .. } => group,
-            _ => 0,
-        };
-        let desc = MatrixDesc {
-            rows: too_big(m.rows)?,
-            cols: too_big(m.cols)?,
-            expert_stride: too_big(m.expert_stride)?,
-            row_offset: too_big(m.row_offset)?,
-            group: group as u32,
-            pad: [0; 3],
-        };
-        Ok(MetalMatrix {
-            data: (b, off, m.data.len()),
-            groups,
-            desc,
-            experts: too_big(m.experts.max(1))?,
-            weight,
-        })
+        self.matrix(m)
     }
     fn write_ids(&self, dst: &mut MetalBuf<X>, data: &[u32]) -> Result<()> {
-        if data.len() > dst.len {
+        if data.len() > dst.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} ids into a buffer of {}",
                 data.len(),
-                dst.len
+                dst.len()
             )));
         }
         self.flush()?;
@@ -468,11 +230,11 @@ impl<X: Executor> Backend for Metal<X> {
         Ok(())
     }
     fn read(&self, src: &MetalBuf<X>, offset: usize, out: &mut [f32]) -> Result<()> {
-        if offset + out.len() > src.len {
+        if offset + out.len() > src.len() {
             return Err(Error::InvalidArgument(format!(
                 "read of {} values at {offset} from a buffer of {}",
                 out.len(),
-                src.len
+                src.len()
             )));
         }
         self.flush()?;
@@ -489,14 +251,15 @@ impl<X: Executor> Backend for Metal<X> {
     fn fill_zero(&self, buf: &mut MetalBuf<X>) -> Result<()> {
         self.flush()?;
         // SAFETY: the buffer holds len * 4 bytes; no GPU work is pending after flush.
-        unsafe { std::ptr::write_bytes(self.x.contents(&buf.buf), 0, buf.len * 4) };
+        unsafe { std::ptr::write_bytes(self.x.contents(&buf.buf), 0, buf.len() * 4) };
         Ok(())
     }
     fn copy(&self, src: &MetalBuf<X>, dst: &mut MetalBuf<X>, len: usize) -> Result<()> {
-        if len > src.len || len > dst.len {
+        if len > src.len() || len > dst.len() {
             return Err(Error::InvalidArgument(format!(
                 "copy of {len} values between buffers of {} and {}",
-                src.len, dst.len
+                src.len(),
+                dst.len()
             )));
         }
         self.flush()?;
@@ -513,7 +276,7 @@ impl<X: Executor> Backend for Metal<X> {
 
     fn embed(&self, tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>) {
         let d = table.desc.cols as usize;
-        if !self.fits("embed", &[("ids", ids.len, tokens), ("out", out.len, tokens * d)]) {
+        if !self.fits("embed", &[("ids", ids.len(), tokens), ("out", out.len(), tokens * d)]) {
             return;
         }
         self.label_forward(tokens);
@@ -538,7 +301,7 @@ impl<X: Executor> Backend for Metal<X> {
         let n = (p.rows * p.dim) as usize;
         if !self.fits(
             "rms_norm",
-            &[("x", x.len, n), ("w", w.len, p.dim as usize), ("out", out.len, n)],
+            &[("x", x.len(), n), ("w", w.len(), p.dim as usize), ("out", out.len(), n)],
         ) {
             return;
         }
@@ -565,10 +328,10 @@ impl<X: Executor> Backend for Metal<X> {
         if !self.fits(
             "rms_norm_gated",
             &[
-                ("x", x.len, n),
-                ("z", z.len, n),
-                ("w", w.len, p.dim as usize),
-                ("out", out.len, n),
+                ("x", x.len(), n),
+                ("z", z.len(), n),
+                ("w", w.len(), p.dim as usize),
+                ("out", out.len(), n),
             ],
         ) {
             return;
@@ -586,7 +349,7 @@ impl<X: Executor> Backend for Metal<X> {
 
     fn add(&self, p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>) {
         let n = (p.tokens * p.dim) as usize;
-        if !self.fits("add", &[("x", x.len, n), ("y", y.len, n)]) {
+        if !self.fits("add", &[("x", x.len(), n), ("y", y.len(), n)]) {
             return;
         }
         self.encode(
@@ -600,7 +363,7 @@ impl<X: Executor> Backend for Metal<X> {
         let (n, k, t) = (w.desc.rows as usize, w.desc.cols as usize, p.tokens as usize);
         if !self.fits(
             "matmul",
-            &[("x", x.len, (p.x_row0 as usize + t) * k), ("out", out.len, t * n)],
+            &[("x", x.len(), (p.x_row0 as usize + t) * k), ("out", out.len(), t * n)],
         ) {
             return;
         }
@@ -657,10 +420,10 @@ impl<X: Executor> Backend for Metal<X> {
             ));
         }
         let checks = [
-            ("q_norm", q_norm.len, hd),
-            ("k_norm", k_norm.len, hd),
-            ("qg", qg.len, t * p.heads as usize * 2 * hd),
-            ("k", k.len, t * p.kv_heads as usize * hd),
+            ("q_norm", q_norm.len(), hd),
+            ("k_norm", k_norm.len(), hd),
+            ("qg", qg.len(), t * p.heads as usize * 2 * hd),
+            ("k", k.len(), t * p.kv_heads as usize * hd),
         ];
         if !self.fits("qk_norm_rope", &checks) {
             return;
@@ -680,7 +443,7 @@ impl<X: Executor> Backend for Metal<X> {
         let (t, w) = (p.tokens as usize, p.width as usize);
         if !self.fits(
             "kv_store",
-            &[("x", x.len, t * w), ("cache", cache.len, (p.pos0 as usize + t) * w)],
+            &[("x", x.len(), t * w), ("cache", cache.len(), (p.pos0 as usize + t) * w)],
         ) {
             return;
         }
@@ -712,10 +475,10 @@ impl<X: Executor> Backend for Metal<X> {
         }
         let len = p.pos0 as usize + t;
         let checks = [
-            ("qg", qg.len, t * h * 2 * hd),
-            ("k_cache", k_cache.len, len * kv * hd),
-            ("v_cache", v_cache.len, len * kv * hd),
-            ("out", out.len, t * h * hd),
+            ("qg", qg.len(), t * h * 2 * hd),
+            ("k_cache", k_cache.len(), len * kv * hd),
+            ("v_cache", v_cache.len(), len * kv * hd),
+            ("out", out.len(), t * h * hd),
         ];
         if !self.fits("attention", &checks) {
             return;
@@ -743,9 +506,9 @@ impl<X: Executor> Backend for Metal<X> {
         // Sized for the most splits this cache can need (its capacity in rows), not for this
         // step's: grown once, the first time a step splits, so later steps allocate nothing
         // as the context grows.
-        let cache_rows = (k_cache.len / (kv * hd).max(1)).max(len);
+        let cache_rows = (k_cache.len() / (kv * hd).max(1)).max(len);
         let need = t * h * cache_rows.div_ceil(split_rows) * (hd + 2);
-        let Some(part) = self.grown_scratch(need, |s| &mut s.scratch) else {
+        let Some(part) = self.scratch(Scratch::AttentionSplit, need) else {
             return;
         };
         let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), part.arg()];
@@ -774,10 +537,10 @@ impl<X: Executor> Backend for Metal<X> {
             return self.fail(format!("delta_net_conv: {taps} taps unsupported (1..=9)"));
         }
         let checks = [
-            ("w", w.len, c * taps),
-            ("state", state.len, (taps - 1) * c),
-            ("x", x.len, t * c),
-            ("out", out.len, t * c),
+            ("w", w.len(), c * taps),
+            ("state", state.len(), (taps - 1) * c),
+            ("x", x.len(), t * c),
+            ("out", out.len(), t * c),
         ];
         if !self.fits("delta_net_conv", &checks) {
             return;
@@ -817,13 +580,13 @@ impl<X: Executor> Backend for Metal<X> {
             ));
         }
         let checks = [
-            ("qkv", qkv.len, t * (2 * hk * dk + hv * dv)),
-            ("a", a.len, t * hv),
-            ("b", b.len, t * hv),
-            ("a_log", a_log.len, hv),
-            ("dt_bias", dt_bias.len, hv),
-            ("state", state.len, hv * dk * dv),
-            ("out", out.len, t * hv * dv),
+            ("qkv", qkv.len(), t * (2 * hk * dk + hv * dv)),
+            ("a", a.len(), t * hv),
+            ("b", b.len(), t * hv),
+            ("a_log", a_log.len(), hv),
+            ("dt_bias", dt_bias.len(), hv),
+            ("state", state.len(), hv * dk * dv),
+            ("out", out.len(), t * hv * dv),
         ];
         if !self.fits("delta_net", &checks) {
             return;
@@ -861,9 +624,9 @@ impl<X: Executor> Backend for Metal<X> {
         if !self.fits(
             "moe_route",
             &[
-                ("logits", logits.len, t * e),
-                ("ids", ids.len, t * k),
-                ("weights", weights.len, t * k),
+                ("logits", logits.len(), t * e),
+                ("ids", ids.len(), t * k),
+                ("weights", weights.len(), t * k),
             ],
         ) {
             return;
@@ -902,11 +665,11 @@ impl<X: Executor> Backend for Metal<X> {
             ));
         }
         let checks = [
-            ("x", x.len, t * d),
-            ("ids", ids.len, t * k),
-            ("weights", weights.len, t * k),
-            ("tmp", tmp.len, t * k * (i + d)),
-            ("out", out.len, t * d),
+            ("x", x.len(), t * d),
+            ("ids", ids.len(), t * k),
+            ("weights", weights.len(), t * k),
+            ("tmp", tmp.len(), t * k * (i + d)),
+            ("out", out.len(), t * d),
         ];
         if !self.fits("moe_experts", &checks) {
             return;
@@ -915,8 +678,8 @@ impl<X: Executor> Backend for Metal<X> {
             return self.moe_experts_sorted(p, x, ids, weights, gate, up, down, tmp, out);
         }
         // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
-        let act_bytes = t * k * i * 4;
-        let act = Arg::Buf(&tmp.buf, 0, act_bytes);
+        let (act, y) = ((0, t * k * i), (t * k * i, t * k * d));
+        let part = |r: (usize, usize)| tmp.part(r.0, r.1);
         let pb = || Arg::Bytes(bytes_of(p));
         let [gw, gs, gb] = self.weights(gate);
         let [uw, us, ub] = self.weights(up);
@@ -932,7 +695,7 @@ impl<X: Executor> Backend for Metal<X> {
             ub,
             x.arg(),
             ids.arg(),
-            act,
+            part(act),
         ];
         let tk = (t * k) as u32;
         let v = self.variants;
@@ -946,9 +709,16 @@ impl<X: Executor> Backend for Metal<X> {
             },
         );
         let [dw, ds, db] = self.weights(down);
-        let act = Arg::Buf(&tmp.buf, 0, act_bytes);
-        let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
-        let args = [pb(), Arg::Bytes(bytes_of(&down.desc)), dw, ds, db, ids.arg(), act, y];
+        let args = [
+            pb(),
+            Arg::Bytes(bytes_of(&down.desc)),
+            dw,
+            ds,
+            db,
+            ids.arg(),
+            part(act),
+            part(y),
+        ];
         self.encode(
             v.gemv_kernel(GemvOp::MoeDown, down.weight),
             &args,
@@ -961,8 +731,7 @@ impl<X: Executor> Backend for Metal<X> {
             tokens: p.tokens,
             dim: d as u32,
         };
-        let y = Arg::Buf(&tmp.buf, act_bytes, t * k * d * 4);
-        let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), y, out.arg()];
+        let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), part(y), out.arg()];
         self.encode(F::MoeCombine, &args, rows_grid(d, t));
     }
 
@@ -970,7 +739,7 @@ impl<X: Executor> Backend for Metal<X> {
         let n = (p.tokens * p.dim) as usize;
         if !self.fits(
             "swiglu",
-            &[("gate", gate.len, n), ("up", up.len, n), ("out", out.len, n)],
+            &[("gate", gate.len(), n), ("up", up.len(), n), ("out", out.len(), n)],
         ) {
             return;
         }
@@ -986,9 +755,9 @@ impl<X: Executor> Backend for Metal<X> {
         if !self.fits(
             "sigmoid_gate_add",
             &[
-                ("y", y.len, n),
-                ("gate", gate.len, p.tokens as usize),
-                ("out", out.len, n),
+                ("y", y.len(), n),
+                ("gate", gate.len(), p.tokens as usize),
+                ("out", out.len(), n),
             ],
         ) {
             return;
@@ -1046,7 +815,7 @@ impl<X: Executor> Metal<X> {
             ));
             return None;
         }
-        if !self.fits("moe_experts", &[("ids", ids.len, pairs)]) {
+        if !self.fits("moe_experts", &[("ids", ids.len(), pairs)]) {
             return None;
         }
         let sd = MoeSortDesc {
@@ -1069,8 +838,8 @@ impl<X: Executor> Metal<X> {
             pos: next(pairs),
             max_blocks,
         };
-        let sc = self.moe_scratch(at)?;
-        let region = |r: (usize, usize)| Arg::Buf(&sc.buf, r.0 * 4, r.1 * 4);
+        let sc = self.scratch(Scratch::MoeSort, at)?;
+        let region = |r: (usize, usize)| sc.part(r.0, r.1);
         let pb = || Arg::Bytes(bytes_of(p));
         let sb = || Arg::Bytes(bytes_of(&sd));
         let sort_grid = Grid::Threads {
@@ -1111,35 +880,6 @@ impl<X: Executor> Metal<X> {
         })
     }
 
-    /// The u32 routing scratch of the sorted MoE path, at least `need` elements (grown, never
-    /// shrunk; one buffer for every layer: the command stream runs the layers in order).
-    fn moe_scratch(&self, need: usize) -> Option<MetalBuf<X>> {
-        self.grown_scratch(need, |s| &mut s.moe_scratch)
-    }
-
-    /// The scratch buffer `slot` picks out of the stream, at least `need` elements (grown, never
-    /// shrunk); a handle to it, or `None` with the allocation error recorded.
-    fn grown_scratch(
-        &self,
-        need: usize,
-        slot: impl Fn(&mut Stream<X>) -> &mut Option<MetalBuf<X>>,
-    ) -> Option<MetalBuf<X>> {
-        let mut s = self.lock();
-        if slot(&mut s).as_ref().is_none_or(|b| b.len < need) {
-            match self.x.new_buffer(need * 4) {
-                Ok(buf) => *slot(&mut s) = Some(MetalBuf { buf, len: need }),
-                Err(e) => {
-                    s.error.get_or_insert(e);
-                    return None;
-                }
-            }
-        }
-        slot(&mut s).as_ref().map(|b| MetalBuf {
-            buf: b.buf.clone(),
-            len: b.len,
-        })
-    }
-
     /// `moe_experts` for prefill: route-sorted expert GEMMs, with no CPU round-trip. The pairs
     /// p = t*K + k are counted per expert (`moe_histogram`), scanned into per-expert row offsets
     /// and a map of 32-row blocks (`moe_scan`), scattered into expert-sorted order
@@ -1167,7 +907,7 @@ impl<X: Executor> Metal<X> {
         let Some((sc, l)) = self.encode_moe_sort(p, ids, gate.experts as usize) else {
             return;
         };
-        let region = |r: (usize, usize)| Arg::Buf(&sc.buf, r.0 * 4, r.1 * 4);
+        let region = |r: (usize, usize)| sc.part(r.0, r.1);
         let (count, blocks, order, pos) = (
             || region(l.count),
             || region(l.blocks),
@@ -1177,9 +917,8 @@ impl<X: Executor> Metal<X> {
         let max_blocks = l.max_blocks;
         let pb = || Arg::Bytes(bytes_of(p));
         // tmp = [act [T*K, I] | y [T*K, D]], both in sorted row order.
-        let act_bytes = pairs * i * 4;
-        let act = || Arg::Buf(&tmp.buf, 0, act_bytes);
-        let y = || Arg::Buf(&tmp.buf, act_bytes, pairs * d * 4);
+        let act = || tmp.part(0, pairs * i);
+        let y = || tmp.part(pairs * i, pairs * d);
         let v = self.variants;
         let tn = v.gemm.rows();
         let (x_tile, w_tile) = (MOE_TILE * MOE_TILE * 4, tn * MOE_TILE * 4);
@@ -1280,10 +1019,10 @@ impl<X: Executor> Metal<X> {
         );
         let chunks = t.div_ceil(DN_CHUNK);
         let need = hv * chunks * delta_net_block(dk, dv);
-        let Some(sc) = self.grown_scratch(need, |s| &mut s.delta_scratch) else {
+        let Some(sc) = self.scratch(Scratch::DeltaNetChunk, need) else {
             return;
         };
-        let scratch = || Arg::Buf(&sc.buf, 0, need * 4);
+        let scratch = || sc.part(0, need);
         let pb = || Arg::Bytes(bytes_of(p));
         let args = [pb(), qkv.arg(), a.arg(), b.arg(), a_log.arg(), dt_bias.arg(), scratch()];
         let tile = DN_CHUNK * DN_CHUNK * 4;

@@ -1,0 +1,153 @@
+//! The command stream of the Metal backend: one open command buffer that every op encoder
+//! appends to (opened by the first dispatch, committed by `finish` or before a CPU read), the
+//! first encoding error (kept and returned by `finish`, so an op with a shape its kernel does not
+//! support never panics), the stream's label, and the scratch buffers the op encoders grow.
+
+use super::{buffers::MetalBuf, Arg, Executor, Grid, Kernel, Metal, StreamLabel};
+use crate::error::{Error, Result};
+
+/// Scratch buffers of the op encoders, one per use, grown to the largest need seen and never
+/// shrunk (one buffer serves every layer: the stream runs the layers in order).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Scratch {
+    /// f32 split ("flash-decoding") partials of single-token attention (ops/attention/metal.rs).
+    AttentionSplit,
+    /// u32 routing of the expert-sorted MoE prefill (ops/moe/metal.rs).
+    MoeSort,
+    /// f32 intra-chunk matrices of the chunked DeltaNet prefill (ops/delta_net/metal.rs).
+    DeltaNetChunk,
+}
+
+impl Scratch {
+    const COUNT: usize = 3;
+}
+
+pub(super) struct Stream<X: Executor> {
+    enc: Option<X::Encoder>,
+    error: Option<Error>,
+    scratch: [Option<MetalBuf<X>>; Scratch::COUNT],
+    /// The label of the next command stream opened (set by `embed`, which starts a forward
+    /// pass); `Commands` when none.
+    next_label: Option<StreamLabel>,
+    /// One-token forward passes encoded so far (the N of "lily step N").
+    steps: u64,
+}
+
+impl<X: Executor> Stream<X> {
+    pub(super) fn new() -> Self {
+        Stream {
+            enc: None,
+            error: None,
+            scratch: [const { None }; Scratch::COUNT],
+            next_label: None,
+            steps: 0,
+        }
+    }
+}
+
+impl<X: Executor> Metal<X> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Stream<X>> {
+        self.stream.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Label the next command stream as a forward pass over `tokens` tokens ("lily step N" for
+    /// one token, "lily prefill chunk" for more), if no stream is open yet.
+    pub(crate) fn label_forward(&self, tokens: usize) {
+        let mut s = self.lock();
+        if s.enc.is_none() && s.error.is_none() {
+            s.next_label = Some(if tokens == 1 {
+                s.steps += 1;
+                StreamLabel::Step(s.steps)
+            } else {
+                StreamLabel::PrefillChunk
+            });
+        }
+    }
+
+    /// Remember the first encoding error; `finish` returns it.
+    pub(crate) fn fail(&self, msg: String) {
+        let mut s = self.lock();
+        if s.error.is_none() {
+            s.error = Some(Error::Device(msg));
+        }
+    }
+
+    /// Check `bufs` hold at least the given element counts; record an error otherwise.
+    pub(crate) fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
+        for &(what, have, need) in checks {
+            if have < need {
+                self.fail(format!("{op}: {what} has {have} elements, needs {need}"));
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Encode one dispatch of kernel `k` into the open command stream (opened here if none is).
+    /// Allocates nothing: the name and pipeline come from the table, the bindings and their
+    /// parameter bytes live on the caller's stack.
+    pub(crate) fn encode(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid) {
+        self.encode_tg(k, args, grid, &[])
+    }
+
+    /// `encode` for a kernel with `[[threadgroup(i)]]` arguments of `tg_mem[i]` bytes.
+    pub(crate) fn encode_tg(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
+        let (name, p) = match self.pipeline(k.into()) {
+            Ok(p) => p,
+            Err(e) => {
+                let mut s = self.lock();
+                s.error.get_or_insert(e);
+                return;
+            }
+        };
+        let mut s = self.lock();
+        if s.error.is_some() {
+            return;
+        }
+        if s.enc.is_none() {
+            let label = s.next_label.take().unwrap_or(StreamLabel::Commands);
+            match self.x.encoder(label) {
+                Ok(e) => s.enc = Some(e),
+                Err(e) => {
+                    s.error = Some(e);
+                    return;
+                }
+            }
+        }
+        if let Some(enc) = s.enc.as_mut() {
+            self.x.dispatch(enc, name, p, args, grid, tg_mem);
+        }
+    }
+
+    /// Commit what is encoded and wait for it.
+    pub(crate) fn flush(&self) -> Result<()> {
+        let (enc, err) = {
+            let mut s = self.lock();
+            s.next_label = None;
+            (s.enc.take(), s.error.take())
+        };
+        if let Some(e) = err {
+            return Err(e);
+        }
+        match enc {
+            Some(enc) => self.x.commit_wait(enc),
+            None => Ok(()),
+        }
+    }
+
+    /// Scratch buffer `which`, at least `need` elements (grown, never shrunk); a handle to it, or
+    /// `None` with the allocation error recorded.
+    pub(crate) fn scratch(&self, which: Scratch, need: usize) -> Option<MetalBuf<X>> {
+        let (mut s, i) = (self.lock(), which as usize);
+        if s.scratch[i].as_ref().is_none_or(|b| b.len() < need) {
+            match self.new_buf(need) {
+                Ok(buf) => s.scratch[i] = Some(buf),
+                Err(e) => {
+                    s.error.get_or_insert(e);
+                    return None;
+                }
+            }
+        }
+        s.scratch[i].as_ref().map(MetalBuf::handle)
+    }
+}
