@@ -1,5 +1,5 @@
-// Elementwise ops over [T, dim] f32 rows. Grid: dispatchThreads (dim, T), one thread per element
-// (threadgroups of 256 along dim). No reductions.
+// Elementwise ops over [T, dim] f32 rows (host: ops/elementwise/metal.rs). Grid: dispatchThreads
+// (dim, T), one thread per element, threadgroups of 64 along dim. No reductions.
 //   add:              x += y                                  bindings 0 RowsParams, 1 x (in/out), 2 y
 //   swiglu:           out = silu(gate) * up                   0 RowsParams, 1 gate, 2 up, 3 out
 //   sigmoid_gate_add: out[t, :] += sigmoid(gate[t]) * y[t, :] 0 RowsParams, 1 y, 2 gate [T], 3 out

@@ -14,6 +14,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod model;
+pub mod ops;
 pub mod quant;
 pub mod safetensors;
 pub mod sampling;

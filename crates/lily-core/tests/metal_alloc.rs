@@ -18,6 +18,7 @@ use std::{
     },
 };
 
+mod common;
 mod metal_common;
 
 use lily_core::{

@@ -6,6 +6,7 @@
 
 #![cfg(target_os = "macos")]
 
+mod common;
 #[macro_use]
 mod metal_common;
 
@@ -14,22 +15,13 @@ use lily_core::{
     safetensors::Bytes,
 };
 
-fn device() -> Option<Metal<Device>> {
-    match Metal::device() {
-        Ok(m) => Some(m),
-        Err(e) if std::env::var("LILY_REQUIRE_METAL").is_ok_and(|v| v == "1") => panic!("{e}"),
-        Err(e) => {
-            eprintln!("SKIPPED: no usable Metal device: {e}");
-            None
-        }
-    }
-}
+use metal_common::device;
 
 // Fast math and the GPU's reduction order: 20x the simulator's tolerances (4e-4 relative).
 all_metal_tests!(device, 20.0);
 // A tiny checkpoint end to end with the kernel variants of each GPU family (all run on any
 // Apple7+ GPU).
-metal_tests!(device, 20.0; forward_per_family_matches_cpu);
+metal_common_tests!(device, 20.0; forward_per_family_matches_cpu);
 
 /// A checkpoint tensor at a 4-byte-aligned offset inside its mapping is wrapped in place: the
 /// buffer plus the returned binding offset address the mapped bytes themselves.

@@ -9,6 +9,7 @@
 
 #![cfg(unix)]
 
+mod common;
 #[macro_use]
 mod metal_common;
 
@@ -17,16 +18,7 @@ use lily_core::backend::{
     metal::{sim::Sim, GemmTile, GemvRows, GpuFamily, Metal, StreamLabel, Variants},
 };
 
-fn sim() -> Option<Metal<Sim>> {
-    match Metal::sim() {
-        Ok(m) => Some(m),
-        Err(e) if std::env::var("LILY_REQUIRE_METAL_SIM").is_ok_and(|v| v == "1") => panic!("{e}"),
-        Err(e) => {
-            eprintln!("SKIPPED: Metal simulator unavailable: {e}");
-            None
-        }
-    }
-}
+use metal_common::sim;
 
 all_metal_tests!(sim, 1.0);
 

@@ -1,20 +1,14 @@
-//! The Metal kernel tests, shared by the simulator (`tests/metal_sim.rs`) and the real device
-//! (`tests/metal_device.rs`, macOS): each kernel against its plain-loop twin `Cpu::reference()`,
-//! on shapes with partial tiles and groups, every GPU-family kernel variant (`Metal::variants`)
-//! included; and a tiny checkpoint end to end (`TinyCheckpoint`, written here in the MLX
-//! layout) against the reference backend. Each test is a function of the Metal backend under
-//! test and a tolerance factor (1 for the simulator; the device's fast math and reduction order
-//! get a little more room); `metal_tests!` turns the list into `#[test]`s.
+//! What the Metal tests share: the simulated and the real device (`sim`, `device`), the
+//! `metal_tests!` macro that runs a file's Metal cases on both, data helpers (buffers read back,
+//! matrices in every weight format, `both!`: the reference and Metal on one body), and a tiny
+//! checkpoint end to end (`TinyCheckpoint`, written here in the MLX layout). A test crate that
+//! uses it declares `mod common;` too.
 
-#![allow(dead_code)] // each test binary uses the subset its device supports
+#![allow(dead_code, unused_macros)] // each test binary uses the subset it needs
 
 use std::path::{Path, PathBuf};
 
-// The CPU tests' deterministic data and float encoding.
-#[path = "../common/mod.rs"]
-mod common;
-
-use common::{float_bytes, rand_vec};
+use crate::common::{float_bytes, rand_vec};
 
 use lily_core::{
     backend::{
@@ -33,10 +27,70 @@ use lily_core::{
     weights::Loader,
 };
 
+/// The simulated Metal device (tools/metal-sim: the real `.metal` sources compiled by clang-19,
+/// bounds-checked). `None` (with a message) where clang-19 is absent, unless
+/// LILY_REQUIRE_METAL_SIM=1 (CI), where that fails the test.
+#[cfg(unix)]
+pub fn sim() -> Option<Metal<lily_core::backend::metal::sim::Sim>> {
+    match Metal::sim() {
+        Ok(m) => Some(m),
+        Err(e) if std::env::var("LILY_REQUIRE_METAL_SIM").is_ok_and(|v| v == "1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("SKIPPED: Metal simulator unavailable: {e}");
+            None
+        }
+    }
+}
+
+/// The real Metal device (Apple silicon). `None` (with a message) on a machine without a usable
+/// one (a VM, a hosted CI runner without GPU access, a pre-M1 GPU), unless LILY_REQUIRE_METAL=1.
+#[cfg(target_os = "macos")]
+pub fn device() -> Option<Metal<lily_core::backend::metal::device::Device>> {
+    match Metal::device() {
+        Ok(m) => Some(m),
+        Err(e) if std::env::var("LILY_REQUIRE_METAL").is_ok_and(|v| v == "1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("SKIPPED: no usable Metal device: {e}");
+            None
+        }
+    }
+}
+
+/// `#[test]`s for the Metal cases of a test file, each a `fn(&mut Metal<X>, tolx: f32)` that
+/// checks the backend against the reference with its tolerances times `tolx`: module `metal_sim`
+/// runs them on the simulator (tolx 1), module `metal_device` (macOS) on the device (tolx 20:
+/// fast math and the GPU's reduction order).
+macro_rules! metal_tests {
+    ($($name:ident),* $(,)?) => {
+        #[cfg(unix)]
+        mod metal_sim {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(mut m) = crate::metal_common::sim() {
+                        super::$name(&mut m, 1.0);
+                    }
+                }
+            )*
+        }
+        #[cfg(target_os = "macos")]
+        mod metal_device {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(mut m) = crate::metal_common::device() {
+                        super::$name(&mut m, 20.0);
+                    }
+                }
+            )*
+        }
+    };
+}
+
 /// One `#[test]` per name, each running `metal_common::<name>` on the backend `$dev()` returns
 /// (`None`: skipped, the constructor has said why) with tolerance factor `$tolx`.
 #[macro_export]
-macro_rules! metal_tests {
+macro_rules! metal_common_tests {
     ($dev:expr, $tolx:expr; $($name:ident),* $(,)?) => {
         $(
             #[test]
@@ -49,14 +103,13 @@ macro_rules! metal_tests {
     };
 }
 
-/// Every shared test, for `metal_tests!`.
+/// Every shared test, for `metal_common_tests!`.
 #[macro_export]
 macro_rules! all_metal_tests {
     ($dev:expr, $tolx:expr) => {
-        $crate::metal_tests!($dev, $tolx;
+        $crate::metal_common_tests!($dev, $tolx;
             rms_norm_matches_cpu,
             rms_norm_gated_matches_cpu,
-            elementwise_matches_cpu,
             matmul_matches_cpu,
             weights_at_an_offset_match_cpu,
             embed_matches_cpu,
@@ -78,7 +131,7 @@ macro_rules! all_metal_tests {
 }
 
 /// Reads ids back, for either backend.
-trait ReadIds: Backend {
+pub trait ReadIds: Backend {
     fn ids(&self, b: &Self::Ids) -> Vec<u32>;
 }
 impl ReadIds for Cpu {
@@ -94,14 +147,14 @@ impl<X: Executor> ReadIds for Metal<X> {
     }
 }
 
-fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
+pub fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
     b.read(buf, 0, &mut v).unwrap();
     v
 }
 
 /// max |a - b| <= tol * max(1, max |b|), and no NaN.
-fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+pub fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
     let (mut worst, mut at) = (0f32, 0);
@@ -126,7 +179,7 @@ fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 macro_rules! both {
     ($dev:expr, $tol:expr, $what:expr, $b:ident => $body:expr) => {{
         let want: Vec<Vec<f32>> = {
-            let $b = &Cpu::reference();
+            let $b = &lily_core::backend::cpu::Cpu::reference();
             $body
         };
         let got: Vec<Vec<f32>> = {
@@ -134,16 +187,17 @@ macro_rules! both {
             $body
         };
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_close(g, w, $tol, &format!("{} output {i}", $what));
+            $crate::metal_common::assert_near(g, w, $tol, &format!("{} output {i}", $what));
         }
     }};
 }
 
-const TOL: f32 = 2e-5;
+/// The tolerance of most Metal kernels against the reference (relative, at tolx 1).
+pub const TOL: f32 = 2e-5;
 
-/// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine),
-/// seen as `[experts, rows, cols]` with the given stride and offset.
-fn matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) -> Matrix {
+/// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine), one
+/// expert; tests make views of it (`[experts, rows, cols]`, stride and offset).
+pub fn stored_matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) -> Matrix {
     let (data, groups) = match format {
         Format::F32 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F32), None),
         Format::F16 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F16), None),
@@ -184,7 +238,7 @@ fn matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) 
     }
 }
 
-fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
+pub fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
     let mut buf = b.alloc_ids(ids.len()).unwrap();
     b.write_ids(&mut buf, ids).unwrap();
     buf
@@ -229,27 +283,6 @@ pub fn rms_norm_gated_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     });
 }
 
-pub fn elementwise_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // add, swiglu, sigmoid_gate_add on a dim that leaves a partial threadgroup.
-    let (t, d) = (3, 70);
-    let x = rand_vec(t * d, 6, -1.0, 1.0);
-    let y = rand_vec(t * d, 7, -1.0, 1.0);
-    let g = rand_vec(t, 8, -2.0, 2.0);
-    let p = RowsParams {
-        tokens: t as u32,
-        dim: d as u32,
-    };
-    both!(dev, tolx * TOL, "add/swiglu/sigmoid_gate_add", b => {
-        let (mut xb, yb, gb) = (b.upload(&x).unwrap(), b.upload(&y).unwrap(), b.upload(&g).unwrap());
-        let mut s = b.alloc(t * d).unwrap();
-        b.swiglu(&p, &xb, &yb, &mut s);
-        b.add(&p, &mut xb, &yb);
-        b.sigmoid_gate_add(&p, &yb, &gb, &mut xb);
-        b.finish().unwrap();
-        vec![read_all(b, &s, t * d), read_all(b, &xb, t * d)]
-    });
-}
-
 fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
     let w = b.upload_matrix(m).unwrap();
     let xb = b.upload(x).unwrap();
@@ -282,7 +315,7 @@ pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         }
     }
     for (i, (format, sd, cols)) in cases.into_iter().enumerate() {
-        let mut m = matrix(format, sd, 41, cols, 10 + i as u64);
+        let mut m = stored_matrix(format, sd, 41, cols, 10 + i as u64);
         m.rows = 37; // a view: rows 3..40 of the stored 41 (partial tile of 4 rows)
         m.row_offset = 3;
         // 1: GEMV (37 rows: a partial group of rows for both r2 and r4); 5: the 8-token GEMM;
@@ -301,7 +334,7 @@ pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             for v in variants {
                 dev.variants = v;
                 let got = run_matmul(&*dev, &m, tokens, x_row0, &x);
-                assert_close(
+                assert_near(
                     &got,
                     &want,
                     tolx * TOL,
@@ -318,7 +351,7 @@ pub fn embed_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         (Format::BF16, DType::F32, 72),
         (Format::Affine { bits: 4, group: 64 }, DType::BF16, 128),
     ] {
-        let m = matrix(format, sd, 50, d, 30);
+        let m = stored_matrix(format, sd, 50, d, 30);
         let ids = [7u32, 0, 49, 7, 13];
         both!(dev, tolx * TOL, format!("embed {format:?}"), b => {
             let table = b.upload_matrix(&m).unwrap();
@@ -425,7 +458,7 @@ pub fn attention_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         let got = run_attention(&*dev, h, kv, hd, pos0, t, steps);
         dev.split_rows = saved;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_close(g, w, tolx * TOL, &format!("attention H={h} Hkv={kv} hd={hd} call {i}"));
+            assert_near(g, w, tolx * TOL, &format!("attention H={h} Hkv={kv} hd={hd} call {i}"));
         }
     }
 }
@@ -501,7 +534,7 @@ pub fn delta_net_chunked_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32)
         let got = delta_net_calls(&*dev, &shape, calls);
         let what = format!("delta_net chunked Hk={hk} Hv={hv} Dk={dk} Dv={dv} T={calls:?}");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_close(g, w, tolx * 1e-4, &format!("{what} output {i}"));
+            assert_near(g, w, tolx * 1e-4, &format!("{what} output {i}"));
             let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
             worst = worst.max(g.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale);
         }
@@ -573,7 +606,7 @@ pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         m.moe_route(&p, &lb, &mut ib, &mut wb);
         m.finish().unwrap();
         assert_eq!(m.ids(&ib), ci, "moe_route ids E={e} K={k}");
-        assert_close(
+        assert_near(
             &read_all(m, &wb, t * k),
             &cw,
             tolx * TOL,
@@ -727,11 +760,11 @@ pub fn moe_route_non_finite_is_safe<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
                 }
                 let (want_ids, want_w) = route_rule(l, k, renorm != 0);
                 assert_eq!(ids, &want_ids[..], "{at}: ids");
-                assert_close(w, &want_w, tolx * TOL, &format!("{at}: weights"));
+                assert_near(w, &want_w, tolx * TOL, &format!("{at}: weights"));
                 let defined = l.iter().all(|x| !x.is_nan() && *x != f32::INFINITY) && l.iter().any(|x| x.is_finite());
                 if defined {
                     assert_eq!(ids, ref_ids, "{at}: ids against the reference");
-                    assert_close(w, ref_w, tolx * TOL, &format!("{at}: weights against the reference"));
+                    assert_near(w, ref_w, tolx * TOL, &format!("{at}: weights against the reference"));
                 }
             }
         }
@@ -750,12 +783,12 @@ pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         (Format::Affine { bits: 8, group: 8 }, DType::F16, 48, 40),
     ] {
         let (e, t, k) = (6usize, 3usize, 2usize);
-        let fused = matrix(format, sd, e * 2 * inter, d, 110);
+        let fused = stored_matrix(format, sd, e * 2 * inter, d, 110);
         let mut gate = fused.clone();
         (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
         let mut up = gate.clone();
         up.row_offset = inter;
-        let mut down = matrix(format, sd, e * d, inter, 111);
+        let mut down = stored_matrix(format, sd, e * d, inter, 111);
         (down.experts, down.rows, down.expert_stride) = (e, d, d);
         let x = rand_vec(t * d, 112, -1.0, 1.0);
         let ids = [5u32, 0, 2, 2, 1, 4];
@@ -869,12 +902,12 @@ pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
         (Format::Affine { bits: 8, group: 16 }, DType::F16, 80, 48, 9, 70, 3),
     ];
     for (format, sd, d, inter, e, t, k) in cases {
-        let fused = matrix(format, sd, e * 2 * inter, d, 120);
+        let fused = stored_matrix(format, sd, e * 2 * inter, d, 120);
         let mut gate = fused.clone();
         (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
         let mut up = gate.clone();
         up.row_offset = inter;
-        let mut down = matrix(format, sd, e * d, inter, 121);
+        let mut down = stored_matrix(format, sd, e * d, inter, 121);
         (down.experts, down.rows, down.expert_stride) = (e, d, d);
         let x = rand_vec(t * d, 122, -1.0, 1.0);
         let ids = uneven_ids(t, k, e);
@@ -925,8 +958,8 @@ pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
             let what = format!("{what} {gemm:?}");
             let sorted = go(dev);
             let again = go(dev);
-            assert_close(&sorted, &want, tolx * TOL, &what);
-            assert_close(
+            assert_near(&sorted, &want, tolx * TOL, &what);
+            assert_near(
                 &sorted,
                 &per_token,
                 tolx * TOL,
@@ -980,7 +1013,7 @@ pub fn weights_at_an_offset_match_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32
         (Format::Affine { bits: 4, group: 64 }, 4100usize),
         (Format::BF16, 20002),
     ] {
-        let mut m = matrix(format, DType::BF16, rows, cols, 140);
+        let mut m = stored_matrix(format, DType::BF16, rows, cols, 140);
         let shift = |b: &Bytes| {
             let mut v = vec![0xa5u8; offset];
             v.extend_from_slice(b.as_slice());
@@ -1303,7 +1336,7 @@ pub fn assert_logits_close(got: &[Vec<f32>], want: &[Vec<f32>], tolx: f32, what:
     assert_eq!(got.len(), want.len(), "{what}: positions");
     let mut worst = 0f32;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_close(g, w, tolx * 1e-4, &format!("{what} position {i}"));
+        assert_near(g, w, tolx * 1e-4, &format!("{what} position {i}"));
         let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
         worst = worst.max(g.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale);
     }

@@ -12,22 +12,15 @@
 use super::{
     gemm,
     isa::{multiversion, Isa},
-    pool,
-    reference::{self, sigmoid, softplus},
+    pool, reference,
     scratch::{with_caller, with_caller_ids, with_task, Out},
     simd,
 };
-use crate::{backend::params::*, quant::Matrix};
-
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    simd::dot(Isa::get(), a, b)
-}
-
-/// Dequantize one stored row into `out[..cols]`.
-pub fn dequant_row(m: &Matrix, stored: usize, out: &mut [f32]) {
-    simd::dequant_row(Isa::get(), m, stored, out)
-}
+use crate::{
+    backend::params::*,
+    ops::{sigmoid, softplus},
+    quant::Matrix,
+};
 
 /// out[t, :] = dequant(table row ids[t]). Threads: one task per token row.
 pub fn embed(tokens: usize, table: &Matrix, ids: &[u32], out: &mut [f32]) {
@@ -953,13 +946,6 @@ fn moe_grouped(
     });
 }
 
-pub fn add(p: &RowsParams, x: &mut [f32], y: &[f32]) {
-    let n = (p.tokens * p.dim) as usize;
-    pool::for_chunks(&mut x[..n], 4096, |c, a| {
-        a.iter_mut().zip(&y[c * 4096..]).for_each(|(u, v)| *u += v)
-    });
-}
-
 pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f32], k: &mut [f32]) {
     let (hd, rot) = (p.head_dim as usize, p.rotary_dim as usize);
     let t_n = p.tokens as usize;
@@ -1088,23 +1074,5 @@ pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut
         if p.renorm != 0 {
             wt.iter_mut().for_each(|w| *w /= sum);
         }
-    });
-}
-
-pub fn swiglu(p: &RowsParams, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    let n = (p.tokens * p.dim) as usize;
-    pool::for_chunks(&mut out[..n], 4096, |c, o| {
-        let (g, u) = (&gate[c * 4096..], &up[c * 4096..]);
-        for i in 0..o.len() {
-            o[i] = simd::silu(g[i]) * u[i];
-        }
-    });
-}
-
-pub fn sigmoid_gate_add(p: &RowsParams, y: &[f32], gate: &[f32], out: &mut [f32]) {
-    let d = p.dim as usize;
-    pool::for_chunks(&mut out[..p.tokens as usize * d], d, |t, o| {
-        let s = sigmoid(gate[t]);
-        o.iter_mut().zip(&y[t * d..][..d]).for_each(|(a, b)| *a += s * b);
     });
 }

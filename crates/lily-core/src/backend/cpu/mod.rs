@@ -15,6 +15,7 @@ pub mod simd;
 use super::{params::*, Backend};
 use crate::{
     error::{Error, Result},
+    ops,
     quant::Matrix,
 };
 
@@ -67,14 +68,20 @@ fn zeroed<T: Zero>(len: usize) -> Result<Vec<T>> {
     }
 }
 
-/// Call the reference or the production version of a kernel with the same arguments (timed
-/// under `LILY_CPU_PROFILE`).
+/// Call the reference twin or the production CPU kernel of an op (`ops/<family>/{reference,
+/// cpu}.rs`) with the same arguments (timed under `LILY_CPU_PROFILE`).
 macro_rules! dispatch {
+    ($self:ident, $family:ident::$op:ident($($arg:expr),*)) => {
+        profile::timed(stringify!($op), 0, || call!($self, $family::$op($($arg),*)))
+    };
     ($self:ident, $op:ident($($arg:expr),*)) => {
         profile::timed(stringify!($op), 0, || call!($self, $op($($arg),*)))
     };
 }
 macro_rules! call {
+    ($self:ident, $family:ident::$op:ident($($arg:expr),*)) => {
+        if $self.reference { ops::$family::reference::$op($($arg),*) } else { ops::$family::cpu::$op($($arg),*) }
+    };
     ($self:ident, $op:ident($($arg:expr),*)) => {
         if $self.reference { reference::$op($($arg),*) } else { kernels::$op($($arg),*) }
     };
@@ -160,7 +167,7 @@ impl Backend for Cpu {
         dispatch!(self, rms_norm_gated(p, x, z, w, out))
     }
     fn add(&self, p: &RowsParams, x: &mut Vec<f32>, y: &Vec<f32>) {
-        dispatch!(self, add(p, x, y))
+        dispatch!(self, elementwise::add(p, x, y))
     }
     fn matmul(&self, p: &MatmulParams, w: &Matrix, x: &Vec<f32>, out: &mut Vec<f32>) {
         if profile::on() {
@@ -256,9 +263,9 @@ impl Backend for Cpu {
         }
     }
     fn swiglu(&self, p: &RowsParams, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) {
-        dispatch!(self, swiglu(p, gate, up, out))
+        dispatch!(self, elementwise::swiglu(p, gate, up, out))
     }
     fn sigmoid_gate_add(&self, p: &RowsParams, y: &Vec<f32>, gate: &Vec<f32>, out: &mut Vec<f32>) {
-        dispatch!(self, sigmoid_gate_add(p, y, gate, out))
+        dispatch!(self, elementwise::sigmoid_gate_add(p, y, gate, out))
     }
 }

@@ -2,24 +2,11 @@
 //! Every other kernel (the fast CPU ones, Metal, CUDA) is tested against these.
 //! Each function's shapes are those of the matching `Backend` method.
 
-use crate::{backend::params::*, quant::Matrix};
-
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// log(1 + e^x), linear above 20 like torch.
-pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
+use crate::{
+    backend::params::*,
+    ops::{sigmoid, silu, softplus},
+    quant::Matrix,
+};
 
 pub fn embed(tokens: usize, table: &Matrix, ids: &[u32], out: &mut [f32]) {
     let d = table.cols;
@@ -44,12 +31,6 @@ pub fn rms_norm_gated(p: &RmsNormParams, x: &[f32], z: &[f32], w: &[f32], out: &
     rms_norm(p, x, w, out);
     for i in 0..(p.rows * p.dim) as usize {
         out[i] *= silu(z[i]);
-    }
-}
-
-pub fn add(p: &RowsParams, x: &mut [f32], y: &[f32]) {
-    for i in 0..(p.tokens * p.dim) as usize {
-        x[i] += y[i];
     }
 }
 
@@ -284,22 +265,6 @@ pub fn moe_experts(
                 let y: f32 = row[..inter].iter().zip(&act).map(|(a, b)| a * b).sum();
                 o[r] += weights[t * k_n + k] * y;
             }
-        }
-    }
-}
-
-pub fn swiglu(p: &RowsParams, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for i in 0..(p.tokens * p.dim) as usize {
-        out[i] = silu(gate[i]) * up[i];
-    }
-}
-
-pub fn sigmoid_gate_add(p: &RowsParams, y: &[f32], gate: &[f32], out: &mut [f32]) {
-    let d = p.dim as usize;
-    for t in 0..p.tokens as usize {
-        let s = sigmoid(gate[t]);
-        for j in 0..d {
-            out[t * d + j] += s * y[t * d + j];
         }
     }
 }

@@ -44,6 +44,7 @@ use stream::{Scratch, Stream};
 use super::{params::*, Backend};
 use crate::{
     error::{Error, Result},
+    ops::*,
     quant::Matrix,
 };
 
@@ -97,7 +98,8 @@ impl Metal<device::Device> {
     }
 }
 
-fn ceil_div(a: usize, b: usize) -> u32 {
+/// `a / b` rounded up, as a grid dimension.
+pub(crate) fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
 }
 
@@ -184,14 +186,17 @@ impl<X: Executor> Metal<X> {
     }
 }
 
-fn rows_grid(dim: usize, tokens: usize) -> Grid {
+/// One thread per element of [tokens, dim]: threadgroups of 64 along dim.
+pub(crate) fn rows_grid(dim: usize, tokens: usize) -> Grid {
     Grid::Threads {
         threads: [dim as u32, tokens as u32, 1],
         size: [64, 1, 1],
     }
 }
 
-fn norm_threads(dim: usize) -> u32 {
+/// Threads of a threadgroup that reduces one row of `dim` values: dim rounded up to whole
+/// simdgroups, 32 to 256.
+pub(crate) fn norm_threads(dim: usize) -> u32 {
     (dim.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
@@ -348,15 +353,7 @@ impl<X: Executor> Backend for Metal<X> {
     }
 
     fn add(&self, p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>) {
-        let n = (p.tokens * p.dim) as usize;
-        if !self.fits("add", &[("x", x.len(), n), ("y", y.len(), n)]) {
-            return;
-        }
-        self.encode(
-            F::Add,
-            &[Arg::Bytes(bytes_of(p)), x.arg(), y.arg()],
-            rows_grid(p.dim as usize, p.tokens as usize),
-        );
+        elementwise::metal::add(self, p, x, y)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
@@ -736,34 +733,11 @@ impl<X: Executor> Backend for Metal<X> {
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        let n = (p.tokens * p.dim) as usize;
-        if !self.fits(
-            "swiglu",
-            &[("gate", gate.len(), n), ("up", up.len(), n), ("out", out.len(), n)],
-        ) {
-            return;
-        }
-        self.encode(
-            F::Swiglu,
-            &[Arg::Bytes(bytes_of(p)), gate.arg(), up.arg(), out.arg()],
-            rows_grid(p.dim as usize, p.tokens as usize),
-        );
+        elementwise::metal::swiglu(self, p, gate, up, out)
     }
 
     fn sigmoid_gate_add(&self, p: &RowsParams, y: &MetalBuf<X>, gate: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        let n = (p.tokens * p.dim) as usize;
-        if !self.fits(
-            "sigmoid_gate_add",
-            &[
-                ("y", y.len(), n),
-                ("gate", gate.len(), p.tokens as usize),
-                ("out", out.len(), n),
-            ],
-        ) {
-            return;
-        }
-        let args = [Arg::Bytes(bytes_of(p)), y.arg(), gate.arg(), out.arg()];
-        self.encode(F::SigmoidGateAdd, &args, rows_grid(p.dim as usize, p.tokens as usize));
+        elementwise::metal::sigmoid_gate_add(self, p, y, gate, out)
     }
 }
 

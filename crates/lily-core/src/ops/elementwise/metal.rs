@@ -1,0 +1,50 @@
+//! The elementwise ops on Metal (`shaders/metal/elementwise.metal`): one thread per element,
+//! [`rows_grid`] (dim, T).
+
+use crate::backend::{
+    metal::{args::bytes_of, rows_grid, Arg, Executor, Fixed, Metal, MetalBuf},
+    params::RowsParams,
+};
+
+pub fn add<X: Executor>(m: &Metal<X>, p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>) {
+    let n = (p.tokens * p.dim) as usize;
+    if !m.fits("add", &[("x", x.len(), n), ("y", y.len(), n)]) {
+        return;
+    }
+    let args = [Arg::Bytes(bytes_of(p)), x.arg(), y.arg()];
+    m.encode(Fixed::Add, &args, rows_grid(p.dim as usize, p.tokens as usize));
+}
+
+pub fn swiglu<X: Executor>(m: &Metal<X>, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+    let n = (p.tokens * p.dim) as usize;
+    let checks = [("gate", gate.len(), n), ("up", up.len(), n), ("out", out.len(), n)];
+    if !m.fits("swiglu", &checks) {
+        return;
+    }
+    let args = [Arg::Bytes(bytes_of(p)), gate.arg(), up.arg(), out.arg()];
+    m.encode(Fixed::Swiglu, &args, rows_grid(p.dim as usize, p.tokens as usize));
+}
+
+pub fn sigmoid_gate_add<X: Executor>(
+    m: &Metal<X>,
+    p: &RowsParams,
+    y: &MetalBuf<X>,
+    gate: &MetalBuf<X>,
+    out: &mut MetalBuf<X>,
+) {
+    let n = (p.tokens * p.dim) as usize;
+    let checks = [
+        ("y", y.len(), n),
+        ("gate", gate.len(), p.tokens as usize),
+        ("out", out.len(), n),
+    ];
+    if !m.fits("sigmoid_gate_add", &checks) {
+        return;
+    }
+    let args = [Arg::Bytes(bytes_of(p)), y.arg(), gate.arg(), out.arg()];
+    m.encode(
+        Fixed::SigmoidGateAdd,
+        &args,
+        rows_grid(p.dim as usize, p.tokens as usize),
+    );
+}

@@ -1,0 +1,39 @@
+//! The ops, by family: one folder per family holds everything about its ops.
+//!
+//! ```text
+//! ops/<family>/mod.rs        what the ops compute, the layouts and shapes (parameter structs:
+//!                            backend/params.rs, shared with shaders/params.h)
+//! ops/<family>/reference.rs  the reference twin: plain loops, f32 accumulation, obviously correct;
+//!                            every kernel is tested against it (Cpu::reference() runs it)
+//! ops/<family>/cpu.rs        the production CPU kernels (SIMD, thread pool, in-kernel dequant)
+//! ops/<family>/metal.rs      the Metal encoders: which kernel, bindings, grid, scratch
+//! shaders/metal/<family>.metal  the Metal kernels
+//! tests/ops_<family>.rs      reference, CPU and Metal (simulator; device on macOS) against each other
+//! ```
+//!
+//! The `Backend` impls (`backend/cpu/mod.rs`, `backend/metal/mod.rs`) are one line per op into
+//! these files; the plumbing they share (CPU pool, ISA choice, SIMD primitives; Metal command
+//! stream, buffers, kernel table, executors) stays in `backend/`. Families: [`embed`],
+//! [`norm`] (rms_norm, rms_norm_gated), [`matmul`], [`attention`] (qk_norm_rope, kv_store,
+//! attention), [`delta_net`] (delta_net_conv, delta_net), [`moe`] (moe_route, moe_experts),
+//! [`elementwise`] (add, swiglu, sigmoid_gate_add).
+
+pub mod elementwise;
+
+/// x sigmoid(x).
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// log(1 + e^x), linear above 20 like torch.
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}

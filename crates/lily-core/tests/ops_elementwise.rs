@@ -1,0 +1,66 @@
+//! The elementwise family (add, swiglu, sigmoid_gate_add): the CPU kernels and the Metal kernels
+//! (simulator; the device on macOS) against the reference twins.
+
+mod common;
+#[macro_use]
+mod metal_common;
+
+use common::{assert_close, rand_vec};
+use lily_core::backend::{
+    cpu::Cpu,
+    metal::{Executor, Metal},
+    params::RowsParams,
+    Backend,
+};
+use metal_common::{read_all, TOL};
+
+mod cpu {
+    use super::*;
+
+    #[test]
+    fn elementwise_matches_reference() {
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        let (rows, dim) = (7, 96);
+        let x = rand_vec(rows * dim, 1, -3.0, 3.0);
+        let z = rand_vec(rows * dim, 2, -3.0, 3.0);
+        let rp = RowsParams {
+            tokens: rows as u32,
+            dim: dim as u32,
+        };
+        let (mut a, mut b) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
+        fast.swiglu(&rp, &x, &z, &mut a);
+        refr.swiglu(&rp, &x, &z, &mut b);
+        assert_close(&a, &b, 1e-6, "swiglu");
+        let gate = rand_vec(rows, 9, -2.0, 2.0);
+        let (mut a, mut b) = (x.clone(), x.clone());
+        fast.sigmoid_gate_add(&rp, &z, &gate, &mut a);
+        refr.sigmoid_gate_add(&rp, &z, &gate, &mut b);
+        assert_close(&a, &b, 1e-6, "sigmoid_gate_add");
+        fast.add(&rp, &mut a, &z);
+        refr.add(&rp, &mut b, &z);
+        assert_close(&a, &b, 1e-6, "add");
+    }
+}
+
+metal_tests!(elementwise_matches_reference);
+
+fn elementwise_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // add, swiglu, sigmoid_gate_add on a dim that leaves a partial threadgroup.
+    let (t, d) = (3, 70);
+    let x = rand_vec(t * d, 6, -1.0, 1.0);
+    let y = rand_vec(t * d, 7, -1.0, 1.0);
+    let g = rand_vec(t, 8, -2.0, 2.0);
+    let p = RowsParams {
+        tokens: t as u32,
+        dim: d as u32,
+    };
+    both!(dev, tolx * TOL, "add/swiglu/sigmoid_gate_add", b => {
+        let (mut xb, yb, gb) = (b.upload(&x).unwrap(), b.upload(&y).unwrap(), b.upload(&g).unwrap());
+        let mut s = b.alloc(t * d).unwrap();
+        b.swiglu(&p, &xb, &yb, &mut s);
+        b.add(&p, &mut xb, &yb);
+        b.sigmoid_gate_add(&p, &yb, &gb, &mut xb);
+        b.finish().unwrap();
+        vec![read_all(b, &s, t * d), read_all(b, &xb, t * d)]
+    });
+}
