@@ -295,7 +295,7 @@ struct DecodeBufs {
 
 /// The kernels of one decode step at small shapes of the real layout, on preallocated buffers.
 fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
-    kernels::rms_norm(
+    lily_core::ops::norm::cpu::rms_norm(
         &RmsNormParams {
             rows: 1,
             dim: 128,

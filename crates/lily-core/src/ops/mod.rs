@@ -19,6 +19,8 @@
 //! [`elementwise`] (add, swiglu, sigmoid_gate_add).
 
 pub mod elementwise;
+pub mod embed;
+pub mod norm;
 
 /// x sigmoid(x).
 pub fn silu(x: f32) -> f32 {

@@ -108,11 +108,8 @@ macro_rules! metal_common_tests {
 macro_rules! all_metal_tests {
     ($dev:expr, $tolx:expr) => {
         $crate::metal_common_tests!($dev, $tolx;
-            rms_norm_matches_cpu,
-            rms_norm_gated_matches_cpu,
             matmul_matches_cpu,
             weights_at_an_offset_match_cpu,
-            embed_matches_cpu,
             qk_norm_rope_matches_cpu,
             kv_store_matches_cpu,
             attention_matches_cpu,
@@ -244,45 +241,6 @@ pub fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
     buf
 }
 
-pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
-        let x = rand_vec(rows * dim, 1, -2.0, 2.0);
-        let w = rand_vec(dim, 2, 0.5, 1.5);
-        let p = RmsNormParams {
-            rows: rows as u32,
-            dim: dim as u32,
-            eps: 1e-6,
-        };
-        both!(dev, tolx * TOL, format!("rms_norm {rows}x{dim}"), b => {
-            let (xb, wb) = (b.upload(&x).unwrap(), b.upload(&w).unwrap());
-            let mut out = b.alloc(rows * dim).unwrap();
-            b.begin().unwrap();
-            b.rms_norm(&p, &xb, &wb, &mut out);
-            b.finish().unwrap();
-            vec![read_all(b, &out, rows * dim)]
-        });
-    }
-}
-
-pub fn rms_norm_gated_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let (rows, dim) = (5, 48);
-    let x = rand_vec(rows * dim, 3, -2.0, 2.0);
-    let z = rand_vec(rows * dim, 4, -3.0, 3.0);
-    let w = rand_vec(dim, 5, 0.5, 1.5);
-    let p = RmsNormParams {
-        rows: rows as u32,
-        dim: dim as u32,
-        eps: 1e-6,
-    };
-    both!(dev, tolx * TOL, "rms_norm_gated", b => {
-        let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
-        let mut out = b.alloc(rows * dim).unwrap();
-        b.rms_norm_gated(&p, &xb, &zb, &wb, &mut out);
-        b.finish().unwrap();
-        vec![read_all(b, &out, rows * dim)]
-    });
-}
-
 fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
     let w = b.upload_matrix(m).unwrap();
     let xb = b.upload(x).unwrap();
@@ -344,24 +302,6 @@ pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         }
     }
     dev.variants = saved;
-}
-
-pub fn embed_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    for (format, sd, d) in [
-        (Format::BF16, DType::F32, 72),
-        (Format::Affine { bits: 4, group: 64 }, DType::BF16, 128),
-    ] {
-        let m = stored_matrix(format, sd, 50, d, 30);
-        let ids = [7u32, 0, 49, 7, 13];
-        both!(dev, tolx * TOL, format!("embed {format:?}"), b => {
-            let table = b.upload_matrix(&m).unwrap();
-            let ib = ids_buf(b, &ids);
-            let mut out = b.alloc(ids.len() * d).unwrap();
-            b.embed(ids.len(), &table, &ib, &mut out);
-            b.finish().unwrap();
-            vec![read_all(b, &out, ids.len() * d)]
-        });
-    }
 }
 
 pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {

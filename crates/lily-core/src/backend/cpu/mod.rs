@@ -158,13 +158,13 @@ impl Backend for Cpu {
 
     fn embed(&self, tokens: usize, table: &Matrix, ids: &Vec<u32>, out: &mut Vec<f32>) {
         profile::phase(tokens); // a forward pass starts with its embedding
-        dispatch!(self, embed(tokens, table, ids, out))
+        dispatch!(self, embed::embed(tokens, table, ids, out))
     }
     fn rms_norm(&self, p: &RmsNormParams, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>) {
-        dispatch!(self, rms_norm(p, x, w, out))
+        dispatch!(self, norm::rms_norm(p, x, w, out))
     }
     fn rms_norm_gated(&self, p: &RmsNormParams, x: &Vec<f32>, z: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>) {
-        dispatch!(self, rms_norm_gated(p, x, z, w, out))
+        dispatch!(self, norm::rms_norm_gated(p, x, z, w, out))
     }
     fn add(&self, p: &RowsParams, x: &mut Vec<f32>, y: &Vec<f32>) {
         dispatch!(self, elementwise::add(p, x, y))

@@ -8,32 +8,6 @@ use crate::{
     quant::Matrix,
 };
 
-pub fn embed(tokens: usize, table: &Matrix, ids: &[u32], out: &mut [f32]) {
-    let d = table.cols;
-    for t in 0..tokens {
-        table.dequant_row(0, ids[t] as usize, &mut out[t * d..(t + 1) * d]);
-    }
-}
-
-pub fn rms_norm(p: &RmsNormParams, x: &[f32], w: &[f32], out: &mut [f32]) {
-    let d = p.dim as usize;
-    for r in 0..p.rows as usize {
-        let row = &x[r * d..(r + 1) * d];
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let inv = 1.0 / (ms + p.eps).sqrt();
-        for j in 0..d {
-            out[r * d + j] = row[j] * inv * w[j];
-        }
-    }
-}
-
-pub fn rms_norm_gated(p: &RmsNormParams, x: &[f32], z: &[f32], w: &[f32], out: &mut [f32]) {
-    rms_norm(p, x, w, out);
-    for i in 0..(p.rows * p.dim) as usize {
-        out[i] *= silu(z[i]);
-    }
-}
-
 pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     let mut row = vec![0f32; k];

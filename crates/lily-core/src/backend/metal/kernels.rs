@@ -21,7 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     shader!("embed.metal"),
     shader!("matmul.metal"),
     shader!("moe.metal"),
-    shader!("rms_norm.metal"),
+    shader!("norm.metal"),
     shader!("rope.metal"),
 ];
 

@@ -280,45 +280,11 @@ impl<X: Executor> Backend for Metal<X> {
     }
 
     fn embed(&self, tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        let d = table.desc.cols as usize;
-        if !self.fits("embed", &[("ids", ids.len(), tokens), ("out", out.len(), tokens * d)]) {
-            return;
-        }
-        self.label_forward(tokens);
-        let [w, s, b] = self.weights(table);
-        let args = [
-            Arg::Bytes(bytes_of(&EmbedParams { tokens: tokens as u32 })),
-            Arg::Bytes(bytes_of(&table.desc)),
-            w,
-            s,
-            b,
-            ids.arg(),
-            out.arg(),
-        ];
-        self.encode(
-            Kernel::per_weight(WeightOp::Embed, table.weight),
-            &args,
-            rows_grid(d, tokens),
-        );
+        embed::metal::embed(self, tokens, table, ids, out)
     }
 
     fn rms_norm(&self, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        let n = (p.rows * p.dim) as usize;
-        if !self.fits(
-            "rms_norm",
-            &[("x", x.len(), n), ("w", w.len(), p.dim as usize), ("out", out.len(), n)],
-        ) {
-            return;
-        }
-        let grid = Grid::Groups {
-            count: [p.rows, 1, 1],
-            size: [norm_threads(p.dim as usize), 1, 1],
-        };
-        self.encode(
-            F::RmsNorm,
-            &[Arg::Bytes(bytes_of(p)), x.arg(), w.arg(), out.arg()],
-            grid,
-        );
+        norm::metal::rms_norm(self, p, x, w, out)
     }
 
     fn rms_norm_gated(
@@ -329,27 +295,7 @@ impl<X: Executor> Backend for Metal<X> {
         w: &MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        let n = (p.rows * p.dim) as usize;
-        if !self.fits(
-            "rms_norm_gated",
-            &[
-                ("x", x.len(), n),
-                ("z", z.len(), n),
-                ("w", w.len(), p.dim as usize),
-                ("out", out.len(), n),
-            ],
-        ) {
-            return;
-        }
-        let grid = Grid::Groups {
-            count: [p.rows, 1, 1],
-            size: [norm_threads(p.dim as usize), 1, 1],
-        };
-        self.encode(
-            F::RmsNormGated,
-            &[Arg::Bytes(bytes_of(p)), x.arg(), z.arg(), w.arg(), out.arg()],
-            grid,
-        );
+        norm::metal::rms_norm_gated(self, p, x, z, w, out)
     }
 
     fn add(&self, p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>) {

@@ -1,8 +1,10 @@
+// The norms (host: ops/norm/metal.rs).
 // rms_norm / rms_norm_gated: out = x / sqrt(mean(x^2) + eps) * w (* silu(z) for the gated form)
 // per row. x, z, out [rows, dim] f32, w [dim] f32.
 // Bindings: 0 RmsNormParams, 1 x, 2 w, 3 out (gated: 1 x, 2 z, 3 w, 4 out).
-// Grid: one threadgroup per row, 256 threads striding over dim; sum of squares reduced by
-// simd_sum then across simdgroups through threadgroup memory. Accumulation: f32.
+// Grid: one threadgroup per row of dim rounded up to whole simdgroups, 32 to 256 threads
+// (norm_threads), striding over dim; sum of squares reduced by simd_sum then across
+// simdgroups through threadgroup memory. Accumulation: f32.
 #include "common.h"
 
 kernel void rms_norm_f32(constant RmsNormParams& p [[buffer(0)]], device const float* x [[buffer(1)]],

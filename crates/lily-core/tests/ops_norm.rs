@@ -1,0 +1,81 @@
+//! The norm family (rms_norm, rms_norm_gated): the CPU kernels and the Metal kernels
+//! (simulator; the device on macOS) against the reference twins.
+
+mod common;
+#[macro_use]
+mod metal_common;
+
+use common::{assert_close, rand_vec};
+use lily_core::backend::{
+    cpu::Cpu,
+    metal::{Executor, Metal},
+    params::RmsNormParams,
+    Backend,
+};
+use metal_common::{read_all, TOL};
+
+mod cpu {
+    use super::*;
+
+    #[test]
+    fn norms_match_reference() {
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        let (rows, dim) = (7, 96);
+        let x = rand_vec(rows * dim, 1, -3.0, 3.0);
+        let z = rand_vec(rows * dim, 2, -3.0, 3.0);
+        let w = rand_vec(dim, 3, 0.5, 1.5);
+        let p = RmsNormParams {
+            rows: rows as u32,
+            dim: dim as u32,
+            eps: 1e-6,
+        };
+        let (mut a, mut b) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
+        fast.rms_norm(&p, &x, &w, &mut a);
+        refr.rms_norm(&p, &x, &w, &mut b);
+        assert_close(&a, &b, 1e-6, "rms_norm");
+        fast.rms_norm_gated(&p, &x, &z, &w, &mut a);
+        refr.rms_norm_gated(&p, &x, &z, &w, &mut b);
+        assert_close(&a, &b, 1e-6, "rms_norm_gated");
+    }
+}
+
+metal_tests!(rms_norm_matches_reference, rms_norm_gated_matches_reference);
+
+fn rms_norm_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
+        let x = rand_vec(rows * dim, 1, -2.0, 2.0);
+        let w = rand_vec(dim, 2, 0.5, 1.5);
+        let p = RmsNormParams {
+            rows: rows as u32,
+            dim: dim as u32,
+            eps: 1e-6,
+        };
+        both!(dev, tolx * TOL, format!("rms_norm {rows}x{dim}"), b => {
+            let (xb, wb) = (b.upload(&x).unwrap(), b.upload(&w).unwrap());
+            let mut out = b.alloc(rows * dim).unwrap();
+            b.begin().unwrap();
+            b.rms_norm(&p, &xb, &wb, &mut out);
+            b.finish().unwrap();
+            vec![read_all(b, &out, rows * dim)]
+        });
+    }
+}
+
+fn rms_norm_gated_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let (rows, dim) = (5, 48);
+    let x = rand_vec(rows * dim, 3, -2.0, 2.0);
+    let z = rand_vec(rows * dim, 4, -3.0, 3.0);
+    let w = rand_vec(dim, 5, 0.5, 1.5);
+    let p = RmsNormParams {
+        rows: rows as u32,
+        dim: dim as u32,
+        eps: 1e-6,
+    };
+    both!(dev, tolx * TOL, "rms_norm_gated", b => {
+        let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
+        let mut out = b.alloc(rows * dim).unwrap();
+        b.rms_norm_gated(&p, &xb, &zb, &wb, &mut out);
+        b.finish().unwrap();
+        vec![read_all(b, &out, rows * dim)]
+    });
+}
