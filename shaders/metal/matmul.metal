@@ -3,7 +3,7 @@
 // result (accumulation: f32 throughout), chosen by the host on T: matmul_gemv (T = 1, decode),
 // matmul_gemm (T = 2..8), matmul_mma (T > 8, prefill). The GEMV and the simdgroup-matrix GEMM
 // come in GPU-family variants (host-name suffix `_r2` / `_r4`, `_n32` / `_n64`; the table that
-// picks them is backend/metal/kernels.rs `Variants::for_family`).
+// picks them is backend/metal/kernels.rs `Variants::for_family`). Host: ops/matmul/metal.rs.
 // Bindings (all three): 0 MatmulParams, 1 MatrixDesc (N = rows, K = cols), 2 w, 3 scales,
 // 4 biases (a dummy buffer for dense weights), 5 x [*, K] f32, 6 out [T, N] f32.
 #include "common.h"

@@ -8,7 +8,8 @@
 use std::time::Instant;
 
 use lily_core::{
-    backend::cpu::{gemm, isa::Isa, pool},
+    backend::cpu::{isa::Isa, pool},
+    ops::matmul::cpu as gemm,
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
 };

@@ -15,10 +15,11 @@ mod common;
 use common::{assert_close, matrix, rand_vec};
 use lily_core::{
     backend::{
-        cpu::{gemm, isa::Isa, kernels, reference, simd, Cpu},
+        cpu::{isa::Isa, kernels, reference, simd, Cpu},
         params::*,
         Backend,
     },
+    ops::matmul::cpu as gemm,
     quant::{Format, Matrix},
     safetensors::DType,
 };
@@ -109,8 +110,8 @@ fn matmul_every_isa_and_format_matches_reference() {
                     x_row0: row0 as u32,
                 };
                 let (mut a, mut b) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
-                kernels::matmul_with(isa, &p, &w, &x, &mut a);
-                reference::matmul(&p, &w, &x, &mut b);
+                gemm::matmul_with(isa, &p, &w, &x, &mut a);
+                lily_core::ops::matmul::reference::matmul(&p, &w, &x, &mut b);
                 assert_close(
                     &a,
                     &b,
@@ -228,7 +229,7 @@ fn gemv_tiles_split_rows_exactly() {
         let x = rand_vec(128, 9, -1.0, 1.0);
         let (mut a, mut b) = (vec![f32::NAN; n], vec![f32::NAN; n]);
         gemm::gemv(Isa::get(), &m, 0, &x, &mut a);
-        reference::matmul(&MatmulParams { tokens: 1, x_row0: 0 }, &m, &x, &mut b);
+        lily_core::ops::matmul::reference::matmul(&MatmulParams { tokens: 1, x_row0: 0 }, &m, &x, &mut b);
         assert_close(&a, &b, 2e-5, &format!("gemv n={n}"));
     }
 }
@@ -305,7 +306,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
         &s.norm_w,
         &mut s.out,
     );
-    kernels::matmul_with(isa, &MatmulParams { tokens: 1, x_row0: 0 }, &s.w, &s.x, &mut s.y);
+    gemm::matmul_with(isa, &MatmulParams { tokens: 1, x_row0: 0 }, &s.w, &s.x, &mut s.y);
     let ap = AttentionParams {
         tokens: 1,
         pos0: 40,

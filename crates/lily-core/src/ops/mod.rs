@@ -20,6 +20,7 @@
 
 pub mod elementwise;
 pub mod embed;
+pub mod matmul;
 pub mod norm;
 
 /// x sigmoid(x).

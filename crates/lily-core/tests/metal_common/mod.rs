@@ -108,8 +108,6 @@ macro_rules! metal_common_tests {
 macro_rules! all_metal_tests {
     ($dev:expr, $tolx:expr) => {
         $crate::metal_common_tests!($dev, $tolx;
-            matmul_matches_cpu,
-            weights_at_an_offset_match_cpu,
             qk_norm_rope_matches_cpu,
             kv_store_matches_cpu,
             attention_matches_cpu,
@@ -239,69 +237,6 @@ pub fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
     let mut buf = b.alloc_ids(ids.len()).unwrap();
     b.write_ids(&mut buf, ids).unwrap();
     buf
-}
-
-fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
-    let w = b.upload_matrix(m).unwrap();
-    let xb = b.upload(x).unwrap();
-    let mut out = b.alloc(tokens * m.rows).unwrap();
-    b.matmul(
-        &MatmulParams {
-            tokens: tokens as u32,
-            x_row0: x_row0 as u32,
-        },
-        &w,
-        &xb,
-        &mut out,
-    );
-    b.finish().unwrap();
-    read_all(b, &out, tokens * m.rows)
-}
-
-/// Every kernel path of `matmul` and every GPU-family variant of the GEMV (T = 1) and of the
-/// simdgroup-matrix GEMM (T > 8) against the reference.
-pub fn matmul_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let saved = dev.variants;
-    let mut cases = vec![
-        (Format::F32, DType::F32, 70),
-        (Format::F16, DType::F32, 70),
-        (Format::BF16, DType::F32, 70),
-    ];
-    for bits in [2, 4, 8] {
-        for (sd, group) in [(DType::BF16, 64), (DType::F16, 32), (DType::F32, 128)] {
-            cases.push((Format::Affine { bits, group }, sd, 256));
-        }
-    }
-    for (i, (format, sd, cols)) in cases.into_iter().enumerate() {
-        let mut m = stored_matrix(format, sd, 41, cols, 10 + i as u64);
-        m.rows = 37; // a view: rows 3..40 of the stored 41 (partial tile of 4 rows)
-        m.row_offset = 3;
-        // 1: GEMV (37 rows: a partial group of rows for both r2 and r4); 5: the 8-token GEMM;
-        // 11 and 41: the simdgroup-matrix GEMM on partial tiles (41 tokens = two token tiles,
-        // 37 rows = a partial row tile of 32 or 64, cols 70 = a partial K step with a tail past
-        // the last 8 columns).
-        for (tokens, x_row0) in [(1, 2), (5, 0), (11, 1), (41, 2)] {
-            let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
-            let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
-            // The variants of the path this T takes (the other choice changes nothing).
-            let variants: Vec<Variants> = match tokens {
-                1 => GemvRows::ALL.map(|gemv| Variants { gemv, ..saved }).to_vec(),
-                2..=8 => vec![saved],
-                _ => GemmTile::ALL.map(|gemm| Variants { gemm, ..saved }).to_vec(),
-            };
-            for v in variants {
-                dev.variants = v;
-                let got = run_matmul(&*dev, &m, tokens, x_row0, &x);
-                assert_near(
-                    &got,
-                    &want,
-                    tolx * TOL,
-                    &format!("matmul {format:?} scales {sd:?} T={tokens} {v:?}"),
-                );
-            }
-        }
-    }
-    dev.variants = saved;
 }
 
 pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
@@ -942,31 +877,6 @@ pub fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Metal<X>
     let err = m.finish().unwrap_err().to_string();
     assert!(err.contains("head_dim"), "{err}");
     m.finish().unwrap(); // the error is reported once; the stream is usable again
-}
-
-/// Weights that sit inside a larger mapping, as checkpoint tensors do: a 4-byte-aligned offset
-/// (wrapped in place by the device, the offset bound with the buffer) and a 2-byte-aligned one
-/// (copied once). Both must give the reference result.
-pub fn weights_at_an_offset_match_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let (rows, cols) = (37usize, 256usize);
-    for (format, offset) in [
-        (Format::Affine { bits: 4, group: 64 }, 4100usize),
-        (Format::BF16, 20002),
-    ] {
-        let mut m = stored_matrix(format, DType::BF16, rows, cols, 140);
-        let shift = |b: &Bytes| {
-            let mut v = vec![0xa5u8; offset];
-            v.extend_from_slice(b.as_slice());
-            v.extend_from_slice(&[0x5a; 100]);
-            Bytes::from_slice(&v).slice(offset, b.len())
-        };
-        m.data = shift(&m.data);
-        if let Some(g) = m.groups.as_mut() {
-            (g.scales, g.biases) = (shift(&g.scales), shift(&g.biases));
-        }
-        let x = rand_vec(3 * cols, 141, -1.0, 1.0);
-        both!(dev, tolx * TOL, format!("matmul {format:?} at offset {offset}"), b => vec![run_matmul(b, &m, 1, 0, &x), run_matmul(b, &m, 3, 0, &x)]);
-    }
 }
 
 // ---- End to end: a tiny checkpoint through the whole model ------------------------------------

@@ -10,7 +10,6 @@
 //! so a decode step allocates nothing.
 
 use super::{
-    gemm,
     isa::{multiversion, Isa},
     pool, reference,
     scratch::{with_caller, with_caller_ids, with_task, Out},
@@ -18,18 +17,9 @@ use super::{
 };
 use crate::{
     backend::params::*,
-    ops::{sigmoid, softplus},
+    ops::{matmul::cpu as gemm, sigmoid, softplus},
     quant::Matrix,
 };
-
-/// out [T, N] = x[x_row0.., K] W^T: GEMV (decode) or tiled GEMM (prefill), see `gemm.rs`.
-pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
-    matmul_with(Isa::get(), p, w, x, out)
-}
-
-pub fn matmul_with(isa: Isa, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
-    gemm::matmul(isa, p.tokens as usize, p.x_row0 as usize, w, x, out)
-}
 
 /// Keys per attention block: scores of a block are [rows, KEY_BLOCK] in the task's scratch.
 const KEY_BLOCK: usize = 32;

@@ -3,7 +3,6 @@
 //! twins (`reference.rs`) that every kernel is tested against, through the same interface, so a
 //! whole forward pass can be compared too.
 
-pub mod gemm;
 pub mod int8;
 pub mod isa;
 pub mod kernels;
@@ -170,42 +169,16 @@ impl Backend for Cpu {
         dispatch!(self, elementwise::add(p, x, y))
     }
     fn matmul(&self, p: &MatmulParams, w: &Matrix, x: &Vec<f32>, out: &mut Vec<f32>) {
-        if profile::on() {
-            let name = format!("matmul {} [{} x {}]", profile::layerless(&w.name), w.rows, w.cols);
-            let bytes = (w.rows * w.bytes_per_row()) as u64;
-            return profile::timed(&name, bytes, || call!(self, matmul(p, w, x, out)));
-        }
-        dispatch!(self, matmul(p, w, x, out))
+        profile::timed_matrices(&[w], || call!(self, matmul::matmul(p, w, x, out)))
     }
-    /// One token: one pool loop over every matrix's rows (`gemm::gemv_many`).
     fn matmuls(&self, p: &MatmulParams, x: &Vec<f32>, ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
-        if self.reference || p.tokens != 1 || ws.is_empty() || ws.len() > gemm::MANY {
+        if self.reference || !ops::matmul::cpu::fuses(p, ws) {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(p, w, x, out);
             }
             return;
         }
-        let x = &x[p.x_row0 as usize * ws[0].cols..];
-        let mut slices: [&mut [f32]; gemm::MANY] = Default::default();
-        for ((s, out), w) in slices.iter_mut().zip(outs.iter_mut()).zip(ws) {
-            *s = &mut out[..w.rows];
-        }
-        let outs = &mut slices[..ws.len()];
-        if profile::on() {
-            // "layers.*.linear_attn.in_proj_qkv.weight + in_proj_z + ...": the first name whole,
-            // then each other's last part before ".weight".
-            let short = |w: &&Matrix| {
-                let n = w.name.trim_end_matches(".weight");
-                n[n.rfind('.').map_or(0, |i| i + 1)..].to_string()
-            };
-            let rest = ws[1..].iter().map(short).collect::<Vec<_>>().join(" + ");
-            let name = format!("{} + {rest}", profile::layerless(&ws[0].name));
-            let bytes = ws.iter().map(|w| (w.rows * w.bytes_per_row()) as u64).sum();
-            return profile::timed(&format!("matmuls {name}"), bytes, || {
-                gemm::gemv_many(isa::Isa::get(), ws, 0, x, outs)
-            });
-        }
-        gemm::gemv_many(isa::Isa::get(), ws, 0, x, outs)
+        profile::timed_matrices(ws, || ops::matmul::cpu::matmuls(p, x, ws, outs))
     }
     fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
         dispatch!(self, qk_norm_rope(p, q_norm, k_norm, qg, k))

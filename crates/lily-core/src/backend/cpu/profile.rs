@@ -3,6 +3,8 @@
 //! on, it allocates.
 use std::{collections::HashMap, sync::Mutex, time::Instant};
 
+use crate::quant::Matrix;
+
 static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// Whether the forward pass in progress is a decode step (one token).
 static DECODE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -41,8 +43,32 @@ pub fn timed<R>(name: &str, bytes: u64, f: impl FnOnce() -> R) -> R {
     r
 }
 
+/// Run `f`, the product of x with the weight matrices `ws` (one decode GEMV pass over all of
+/// them), timed under their names with the bytes they hold: "matmul layers.*.mlp.gate.weight [256
+/// x 2048]" for one, "matmuls layers.*.linear_attn.in_proj_qkv.weight + in_proj_z + ..." for
+/// several (the first name whole, then each other's last part before ".weight").
+#[inline]
+pub fn timed_matrices<R>(ws: &[&Matrix], f: impl FnOnce() -> R) -> R {
+    if !on() {
+        return f();
+    }
+    let name = match ws {
+        [w] => format!("matmul {} [{} x {}]", layerless(&w.name), w.rows, w.cols),
+        _ => {
+            let short = |w: &&Matrix| {
+                let n = w.name.trim_end_matches(".weight");
+                n[n.rfind('.').map_or(0, |i| i + 1)..].to_string()
+            };
+            let rest = ws[1..].iter().map(short).collect::<Vec<_>>().join(" + ");
+            format!("matmuls {} + {rest}", layerless(&ws[0].name))
+        }
+    };
+    let bytes = ws.iter().map(|w| (w.rows * w.bytes_per_row()) as u64).sum();
+    timed(&name, bytes, f)
+}
+
 /// `name` with its layer number replaced by `*`, so every layer's matrix shares one row.
-pub fn layerless(name: &str) -> String {
+fn layerless(name: &str) -> String {
     match name.find("layers.") {
         Some(i) => {
             let rest = &name[i + 7..];

@@ -8,18 +8,6 @@ use crate::{
     quant::Matrix,
 };
 
-pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
-    let (n, k) = (w.rows, w.cols);
-    let mut row = vec![0f32; k];
-    for r in 0..n {
-        w.dequant_row(0, r, &mut row);
-        for t in 0..p.tokens as usize {
-            let xt = &x[(p.x_row0 as usize + t) * k..][..k];
-            out[t * n + r] = row.iter().zip(xt).map(|(a, b)| a * b).sum();
-        }
-    }
-}
-
 /// RMSNorm of one head vector, then rotate-half RoPE on its first `rot` dims at position `pos`.
 pub fn norm_rope_head(v: &mut [f32], w: &[f32], eps: f32, rot: usize, theta: f32, pos: usize) {
     let hd = v.len();

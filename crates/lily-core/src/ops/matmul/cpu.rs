@@ -1,19 +1,26 @@
-//! Matrix products with in-kernel dequantization.
+//! `matmul` / `matmuls` on the CPU: matrix products with in-kernel dequantization.
 //!
 //! - [`gemv`] (decode, one activation row): each weight row is dotted straight from its packed
 //!   bytes ([`simd::rows_dot`]), so every weight byte is read once; rows are split into a few
-//!   contiguous ranges per pool thread so both cores stream memory.
-//! - [`gemm_rows`] (prefill, many activation rows): a block of [`TILE_ROWS`] weight rows is
+//!   contiguous ranges per pool thread so both cores stream memory. [`gemv_many`]: several
+//!   matrices reading the same x as one pool loop (`matmuls`).
+//! - [`gemm`] (prefill, many activation rows): a block of [`TILE_ROWS`] weight rows is
 //!   dequantized once into an f32 tile (per-thread scratch), then multiplied against the
 //!   activation rows 4 x 4 at a time ([`simd::dot4x4`]); row blocks are the parallel tasks.
+//!   The MoE experts and the chunked DeltaNet reuse its tile sweep ([`tile_products`]).
 
-use super::{
-    isa::{multiversion, Isa},
-    pool,
-    scratch::{with_caller, with_task, Out},
-    simd::{self, XRow},
+use crate::{
+    backend::{
+        cpu::{
+            isa::{multiversion, Isa},
+            pool,
+            scratch::{with_caller, with_task, Out},
+            simd::{self, XRow},
+        },
+        params::MatmulParams,
+    },
+    quant::Matrix,
 };
-use crate::quant::Matrix;
 
 /// Weight rows per prefill tile: 16 rows x 2048 inputs = 128 KiB of f32, resident in L2 while
 /// every activation row passes over it.
@@ -209,8 +216,14 @@ pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut 
     });
 }
 
-/// `out [T, N] = x[x_row0.., K] W^T`: GEMV for one token, tiled GEMM for more.
-pub fn matmul(isa: Isa, tokens: usize, x_row0: usize, w: &Matrix, x: &[f32], out: &mut [f32]) {
+/// out [T, N] = x[x_row0.., K] W^T: GEMV for one token, tiled GEMM for more.
+pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
+    matmul_with(Isa::get(), p, w, x, out)
+}
+
+/// [`matmul`] on the ISA `isa`.
+pub fn matmul_with(isa: Isa, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
+    let (tokens, x_row0) = (p.tokens as usize, p.x_row0 as usize);
     let (n, k) = (w.rows, w.cols);
     assert!(
         out.len() >= tokens * n && x.len() >= (x_row0 + tokens) * k,
@@ -222,4 +235,21 @@ pub fn matmul(isa: Isa, tokens: usize, x_row0: usize, w: &Matrix, x: &[f32], out
     } else if tokens > 1 {
         gemm(isa, w, 0, x, tokens, out);
     }
+}
+
+/// Whether [`matmuls`] takes these matrices as one pool loop: one token, 1 ..= [`MANY`] matrices.
+pub fn fuses(p: &MatmulParams, ws: &[&Matrix]) -> bool {
+    p.tokens == 1 && (1..=MANY).contains(&ws.len())
+}
+
+/// outs[i] = x W_i^T for matrices reading the same x (a layer's input projections) where
+/// [`fuses`] says so: one pool loop over every matrix's rows ([`gemv_many`]).
+pub fn matmuls(p: &MatmulParams, x: &[f32], ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
+    assert!(fuses(p, ws), "matmuls: {} matrices of {} tokens", ws.len(), p.tokens);
+    let x = &x[p.x_row0 as usize * ws[0].cols..];
+    let mut slices: [&mut [f32]; MANY] = Default::default();
+    for ((s, out), w) in slices.iter_mut().zip(outs.iter_mut()).zip(ws) {
+        *s = &mut out[..w.rows];
+    }
+    gemv_many(Isa::get(), ws, 0, x, &mut slices[..ws.len()])
 }

@@ -1,0 +1,177 @@
+//! The matmul family: the CPU kernels (GEMV, tiled GEMM, every weight format) and the Metal
+//! kernels (every path and GPU-family variant; simulator, the device on macOS) against the
+//! reference twin; weight-row dequantization and fused-matrix views.
+
+mod common;
+#[macro_use]
+mod metal_common;
+
+use common::{assert_close, matrix, rand_vec};
+use lily_core::{
+    backend::{
+        cpu::{isa::Isa, Cpu},
+        metal::{Executor, GemmTile, GemvRows, Metal, Variants},
+        params::MatmulParams,
+        Backend,
+    },
+    quant::{Format, Matrix},
+    safetensors::{Bytes, DType},
+};
+use metal_common::{assert_near, read_all, stored_matrix, TOL};
+
+mod cpu {
+    use super::*;
+
+    const FORMATS: [Format; 7] = [
+        Format::F32,
+        Format::F16,
+        Format::BF16,
+        Format::Affine { bits: 4, group: 64 },
+        Format::Affine { bits: 4, group: 128 },
+        Format::Affine { bits: 8, group: 32 },
+        Format::Affine { bits: 2, group: 64 },
+    ];
+
+    #[test]
+    fn matmul_matches_reference() {
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        for (fi, &format) in FORMATS.iter().enumerate() {
+            for &(n, k, t, row0) in &[(37, 128, 1, 0), (70, 256, 5, 2), (16, 384, 19, 0)] {
+                let w = matrix(1, n, k, format, DType::BF16, 11 + fi as u64);
+                let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
+                let p = MatmulParams {
+                    tokens: t as u32,
+                    x_row0: row0 as u32,
+                };
+                let (mut a, mut b) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
+                fast.matmul(&p, &w, &x, &mut a);
+                refr.matmul(&p, &w, &x, &mut b);
+                assert_close(&a, &b, 1e-5, &format!("matmul {format:?} n={n} k={k} t={t}"));
+            }
+        }
+    }
+
+    #[test]
+    fn dequant_matches_reference() {
+        for (fi, &format) in FORMATS.iter().enumerate() {
+            let m = matrix(2, 9, 256, format, DType::BF16, 3 + fi as u64);
+            let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+            for (e, r) in [(0, 0), (1, 8), (1, 3)] {
+                lily_core::backend::cpu::simd::dequant_row(Isa::get(), &m, m.stored_row(e, r), &mut a);
+                m.dequant_row(e, r, &mut b);
+                assert_eq!(a, b, "{format:?} e={e} r={r}");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_gate_up_views_select_the_right_rows() {
+        // HF stores gate_up [E, 2I, D]; the gate view is rows 0..I of each expert, up rows I..2I.
+        let (e, i, d) = (3, 4, 64);
+        let full = matrix(e, 2 * i, d, Format::BF16, DType::BF16, 5);
+        let view = |off| Matrix {
+            rows: i,
+            expert_stride: 2 * i,
+            row_offset: off,
+            ..full.clone()
+        };
+        let (gate, up) = (view(0), view(i));
+        let (mut a, mut b) = (vec![0f32; d], vec![0f32; d]);
+        gate.dequant_row(2, 1, &mut a);
+        full.dequant_row(2, 1, &mut b);
+        assert_eq!(a, b);
+        up.dequant_row(2, 1, &mut a);
+        full.dequant_row(2, i + 1, &mut b);
+        assert_eq!(a, b);
+    }
+}
+
+metal_tests!(matmul_matches_reference, weights_at_an_offset_match_reference);
+
+fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
+    let w = b.upload_matrix(m).unwrap();
+    let xb = b.upload(x).unwrap();
+    let mut out = b.alloc(tokens * m.rows).unwrap();
+    b.matmul(
+        &MatmulParams {
+            tokens: tokens as u32,
+            x_row0: x_row0 as u32,
+        },
+        &w,
+        &xb,
+        &mut out,
+    );
+    b.finish().unwrap();
+    read_all(b, &out, tokens * m.rows)
+}
+
+/// Every kernel path of `matmul` and every GPU-family variant of the GEMV (T = 1) and of the
+/// simdgroup-matrix GEMM (T > 8) against the reference.
+fn matmul_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved = dev.variants;
+    let mut cases = vec![
+        (Format::F32, DType::F32, 70),
+        (Format::F16, DType::F32, 70),
+        (Format::BF16, DType::F32, 70),
+    ];
+    for bits in [2, 4, 8] {
+        for (sd, group) in [(DType::BF16, 64), (DType::F16, 32), (DType::F32, 128)] {
+            cases.push((Format::Affine { bits, group }, sd, 256));
+        }
+    }
+    for (i, (format, sd, cols)) in cases.into_iter().enumerate() {
+        let mut m = stored_matrix(format, sd, 41, cols, 10 + i as u64);
+        m.rows = 37; // a view: rows 3..40 of the stored 41 (partial tile of 4 rows)
+        m.row_offset = 3;
+        // 1: GEMV (37 rows: a partial group of rows for both r2 and r4); 5: the 8-token GEMM;
+        // 11 and 41: the simdgroup-matrix GEMM on partial tiles (41 tokens = two token tiles,
+        // 37 rows = a partial row tile of 32 or 64, cols 70 = a partial K step with a tail past
+        // the last 8 columns).
+        for (tokens, x_row0) in [(1, 2), (5, 0), (11, 1), (41, 2)] {
+            let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
+            let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
+            // The variants of the path this T takes (the other choice changes nothing).
+            let variants: Vec<Variants> = match tokens {
+                1 => GemvRows::ALL.map(|gemv| Variants { gemv, ..saved }).to_vec(),
+                2..=8 => vec![saved],
+                _ => GemmTile::ALL.map(|gemm| Variants { gemm, ..saved }).to_vec(),
+            };
+            for v in variants {
+                dev.variants = v;
+                let got = run_matmul(&*dev, &m, tokens, x_row0, &x);
+                assert_near(
+                    &got,
+                    &want,
+                    tolx * TOL,
+                    &format!("matmul {format:?} scales {sd:?} T={tokens} {v:?}"),
+                );
+            }
+        }
+    }
+    dev.variants = saved;
+}
+
+/// Weights that sit inside a larger mapping, as checkpoint tensors do: a 4-byte-aligned offset
+/// (wrapped in place by the device, the offset bound with the buffer) and a 2-byte-aligned one
+/// (copied once). Both must give the reference result.
+fn weights_at_an_offset_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let (rows, cols) = (37usize, 256usize);
+    for (format, offset) in [
+        (Format::Affine { bits: 4, group: 64 }, 4100usize),
+        (Format::BF16, 20002),
+    ] {
+        let mut m = stored_matrix(format, DType::BF16, rows, cols, 140);
+        let shift = |b: &Bytes| {
+            let mut v = vec![0xa5u8; offset];
+            v.extend_from_slice(b.as_slice());
+            v.extend_from_slice(&[0x5a; 100]);
+            Bytes::from_slice(&v).slice(offset, b.len())
+        };
+        m.data = shift(&m.data);
+        if let Some(g) = m.groups.as_mut() {
+            (g.scales, g.biases) = (shift(&g.scales), shift(&g.biases));
+        }
+        let x = rand_vec(3 * cols, 141, -1.0, 1.0);
+        both!(dev, tolx * TOL, format!("matmul {format:?} at offset {offset}"), b => vec![run_matmul(b, &m, 1, 0, &x), run_matmul(b, &m, 3, 0, &x)]);
+    }
+}
