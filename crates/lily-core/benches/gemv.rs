@@ -312,7 +312,7 @@ fn bench() {
     // GB/s of K and V read. Eight caches in rotation (134 MB) so each call reads from DRAM.
     let name = "decode attention 16q/2kv x 256, 4K context";
     if run(name) {
-        use lily_core::backend::{cpu::kernels, params::AttentionParams};
+        use lily_core::{backend::params::AttentionParams, ops::attention::cpu as kernels};
         let (h, kv, hd, len) = (16usize, 2usize, 256usize, 4096usize);
         let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..8)
             .map(|c| {

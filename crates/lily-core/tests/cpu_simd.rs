@@ -207,8 +207,8 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
                 scale: 0.4,
             };
             let (mut a, mut b) = (vec![f32::NAN; t * h * hd], vec![f32::NAN; t * h * hd]);
-            kernels::attention_with(isa, &p, &qg, &kc, &vc, &mut a);
-            reference::attention(&p, &qg, &kc, &vc, &mut b);
+            lily_core::ops::attention::cpu::attention_with(isa, &p, &qg, &kc, &vc, &mut a);
+            lily_core::ops::attention::reference::attention(&p, &qg, &kc, &vc, &mut b);
             assert_close(
                 &a,
                 &b,
@@ -315,7 +315,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
         head_dim: 64,
         scale: 0.125,
     };
-    kernels::attention_with(isa, &ap, &s.qg, &s.kc, &s.vc, &mut s.att);
+    lily_core::ops::attention::cpu::attention_with(isa, &ap, &s.qg, &s.kc, &s.vc, &mut s.att);
     let (ids, wt) = ([1u32, 5, 7, 2], [0.4f32, 0.3, 0.2, 0.1]);
     let mp = MoeParams { tokens: 1, top_k: 4 };
     kernels::moe_experts_with(

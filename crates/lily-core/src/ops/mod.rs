@@ -18,6 +18,7 @@
 //! attention), [`delta_net`] (delta_net_conv, delta_net), [`moe`] (moe_route, moe_experts),
 //! [`elementwise`] (add, swiglu, sigmoid_gate_add).
 
+pub mod attention;
 pub mod elementwise;
 pub mod embed;
 pub mod matmul;

@@ -181,13 +181,13 @@ impl Backend for Cpu {
         profile::timed_matrices(ws, || ops::matmul::cpu::matmuls(p, x, ws, outs))
     }
     fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
-        dispatch!(self, qk_norm_rope(p, q_norm, k_norm, qg, k))
+        dispatch!(self, attention::qk_norm_rope(p, q_norm, k_norm, qg, k))
     }
     fn kv_store(&self, p: &KvStoreParams, x: &Vec<f32>, cache: &mut Vec<f32>) {
-        dispatch!(self, kv_store(p, x, cache))
+        dispatch!(self, attention::kv_store(p, x, cache))
     }
     fn attention(&self, p: &AttentionParams, qg: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, out: &mut Vec<f32>) {
-        dispatch!(self, attention(p, qg, k, v, out))
+        dispatch!(self, attention::attention(p, qg, k, v, out))
     }
     fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {
         dispatch!(self, delta_net_conv(p, w, state, x, out))

@@ -22,7 +22,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     shader!("matmul.metal"),
     shader!("moe.metal"),
     shader!("norm.metal"),
-    shader!("rope.metal"),
 ];
 
 /// Host-name suffixes of the weight formats (`FOR_EACH_WEIGHT` in common.h).

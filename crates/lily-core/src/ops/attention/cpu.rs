@@ -1,0 +1,378 @@
+//! The attention ops on the CPU: tiled causal attention with online softmax (prefill) and
+//! split decode attention; `qk_norm_rope` runs the reference's per-head loop on the pool.
+
+use super::reference::norm_rope_head;
+use crate::backend::{
+    cpu::{
+        isa::{multiversion, Isa},
+        pool,
+        scratch::{with_caller, with_task, Out},
+        simd,
+    },
+    params::{AttentionParams, KvStoreParams, RopeParams},
+};
+
+/// Keys per attention block: scores of a block are [rows, KEY_BLOCK] in the task's scratch.
+const KEY_BLOCK: usize = 32;
+
+/// Causal GQA attention with the sigmoid output gate, tiled with online softmax.
+///
+/// Layout: qg [T, H, 2hd] (q | gate per head), caches [max_seq, Hkv, hd], out [T, H, hd].
+/// Thread mapping: one task per (block of query tokens, KV head). The task's query rows are the
+/// `group` query heads sharing that KV head for each of its tokens (GQA packing: each K/V row is
+/// loaded once per task and used by all of them). Decode: one token, so the tasks are the KV
+/// heads. Keys stream in blocks of KEY_BLOCK: scores by 4 x 4 register tiles, then a running max /
+/// sum per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
+pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+    attention_with(Isa::get(), p, qg, k_cache, v_cache, out)
+}
+
+pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+    let (h_n, kv_n, hd, t_n) = (
+        p.heads as usize,
+        p.kv_heads as usize,
+        p.head_dim as usize,
+        p.tokens as usize,
+    );
+    if t_n == 0 || kv_n == 0 {
+        return;
+    }
+    let group = h_n / kv_n;
+    if t_n == 1 {
+        return attention_decode(isa, p, qg, k_cache, v_cache, out);
+    }
+    // ~64 query rows per task so each key block in cache serves many rows.
+    let bq = (64 / group.max(1)).max(1);
+    let tasks = t_n.div_ceil(bq) * kv_n;
+    let o = Out(out.as_mut_ptr());
+    let run = |task: usize| {
+        let (qb, kvh) = (task / kv_n, task % kv_n);
+        let (t0, t1) = (qb * bq, ((qb + 1) * bq).min(t_n));
+        let rows = (t1 - t0) * group;
+        with_task(rows * (hd + 2 + KEY_BLOCK), |scr| {
+            attend_block(isa, p, qg, k_cache, v_cache, t0, t1, kvh, scr, o)
+        });
+    };
+    pool::for_each(tasks, run);
+}
+
+/// Attention scores sc[i * stride + s - keys.start] = q_i . k_s * scale for query rows i < nr and
+/// keys s in `keys`, by 4 x 4 register tiles (a partial tile repeats its last row / key and drops
+/// the duplicates); `first_pass(s)` runs once per key, as the first row tile reaches it.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn scores<'a>(
+    isa: Isa,
+    nr: usize,
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    q_of: impl Fn(usize) -> &'a [f32],
+    krow: impl Fn(usize) -> &'a [f32],
+    sc: &mut [f32],
+    stride: usize,
+    mut first_pass: impl FnMut(usize),
+) {
+    let (kb, kn) = (keys.start, keys.len());
+    for i0 in (0..nr).step_by(4) {
+        let rn = (nr - i0).min(4);
+        let qs = [0, 1, 2, 3].map(|a| q_of(i0 + a.min(rn - 1)));
+        for s0 in (0..kn).step_by(4) {
+            let sn = (kn - s0).min(4);
+            if i0 == 0 {
+                (kb + s0..kb + s0 + sn).for_each(&mut first_pass);
+            }
+            let ks = [0, 1, 2, 3].map(|b| krow(kb + s0 + b.min(sn - 1)));
+            let hd = ks[0].len();
+            let d = simd::dot4x4(isa, qs, ks, hd);
+            for a in 0..rn {
+                for b in 0..sn {
+                    sc[(i0 + a) * stride + s0 + b] = d[a][b] * scale;
+                }
+            }
+        }
+    }
+}
+
+multiversion! {
+    fn attend_block(
+        p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], t0: usize, t1: usize, kvh: usize,
+        scr: &mut [f32], o: Out
+    ) = attend_block_body;
+}
+
+#[inline(always)]
+fn attend_block_body(
+    isa: Isa,
+    p: &AttentionParams,
+    qg: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    t0: usize,
+    t1: usize,
+    kvh: usize,
+    scr: &mut [f32],
+    o: Out,
+) {
+    let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
+    let group = h_n / kv_n;
+    let pos0 = p.pos0 as usize;
+    let nr = (t1 - t0) * group;
+    // Row i: token t0 + i / group, query head kvh * group + i % group.
+    let head = |i: usize| (t0 + i / group) * h_n + kvh * group + i % group;
+    let q_of = |i: usize| &qg[head(i) * 2 * hd..][..hd];
+    let visible = |i: usize| pos0 + t0 + i / group + 1; // keys 0..visible (causal)
+    let krow = |s: usize| &kc[(s * kv_n + kvh) * hd..][..hd];
+    let vrow = |s: usize| &vc[(s * kv_n + kvh) * hd..][..hd];
+    let (acc, rest) = scr.split_at_mut(nr * hd);
+    let (mx, rest) = rest.split_at_mut(nr);
+    let (l, sc) = rest.split_at_mut(nr);
+    acc.fill(0.0);
+    mx.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let kmax = pos0 + t1;
+    let mut kb = 0;
+    while kb < kmax {
+        let kn = (kmax - kb).min(KEY_BLOCK);
+        scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, KEY_BLOCK, |_| {});
+        // Online softmax per row over its visible keys of this block.
+        for i in 0..nr {
+            let vis = visible(i).saturating_sub(kb).min(kn);
+            if vis == 0 {
+                continue;
+            }
+            let sr = &mut sc[i * KEY_BLOCK..][..vis];
+            let m_new = sr.iter().fold(mx[i], |m, &x| m.max(x));
+            let corr = (mx[i] - m_new).exp(); // 0 on the first block (mx = -inf)
+            let mut sum = 0f32;
+            for x in sr.iter_mut() {
+                *x = simd::exp(*x - m_new);
+                sum += *x;
+            }
+            l[i] = l[i] * corr + sum;
+            mx[i] = m_new;
+            let a = &mut acc[i * hd..][..hd];
+            if corr != 1.0 {
+                a.iter_mut().for_each(|v| *v *= corr);
+            }
+            for (s, &pw) in sr.iter().enumerate() {
+                a.iter_mut().zip(vrow(kb + s)).for_each(|(v, x)| *v += pw * x);
+            }
+        }
+        kb += kn;
+    }
+    for i in 0..nr {
+        let hrow = head(i);
+        let gate = &qg[hrow * 2 * hd + hd..][..hd];
+        let inv = 1.0 / l[i];
+        for j in 0..hd {
+            // SAFETY: row (token, head) belongs to this task alone.
+            unsafe { o.set(hrow * hd + j, acc[i * hd + j] * inv * simd::sigmoid(gate[j])) };
+        }
+    }
+}
+
+/// Keys per decode-attention task (at most).
+const DECODE_SPLIT: usize = 256;
+
+/// Decode attention (one token): the keys of each KV head are split into runs of at most
+/// DECODE_SPLIT (a few per thread; a KV head alone would give 2 tasks for any number of cores),
+/// each task computes its run's softmax partial for the `group` query heads of its KV head
+/// (max m, sum l, unnormalized output), and one task per query head merges the partials:
+/// out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, times the sigmoid gate.
+/// Layout as `attention`; partials [kv_n, splits, group, hd + 2] in caller scratch.
+fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], out: &mut [f32]) {
+    let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
+    let (group, len) = (h_n / kv_n, p.pos0 as usize + 1);
+    let want = (4 * pool::threads()).div_ceil(kv_n);
+    let per = len.div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1));
+    let splits = len.div_ceil(per);
+    let part = group * (hd + 2);
+    let rows8 = group.next_multiple_of(8);
+    let o = Out(out.as_mut_ptr());
+    with_caller(kv_n * splits * part, |parts| {
+        let po = Out(parts.as_mut_ptr());
+        pool::for_each(kv_n * splits, |task| {
+            let (kvh, sp) = (task / splits, task % splits);
+            let keys = (sp * per, ((sp + 1) * per).min(len));
+            with_task(rows8 * SPLIT_BLOCK, |sc| {
+                // SAFETY: partial `task` is written by this task alone.
+                let dst = unsafe { po.slice(task * part, part) };
+                attend_split(isa, p, qg, kc, vc, kvh, keys, sc, dst)
+            });
+        });
+        let parts: &[f32] = parts;
+        pool::for_each(h_n, |h| {
+            let (kvh, r) = (h / group, h % group);
+            let part_of = |sp: usize| &parts[(kvh * splits + sp) * part..][..part];
+            let m = (0..splits).fold(f32::NEG_INFINITY, |m, sp| m.max(part_of(sp)[group * hd + r]));
+            // SAFETY: head h's output row is written by this task alone.
+            let y = unsafe { o.slice(h * hd, hd) };
+            y.fill(0.0);
+            let mut l = 0f32;
+            for sp in 0..splits {
+                let pt = part_of(sp);
+                let w = (pt[group * hd + r] - m).exp();
+                l += w * pt[group * (hd + 1) + r];
+                y.iter_mut().zip(&pt[r * hd..][..hd]).for_each(|(a, v)| *a += w * v);
+            }
+            let gate = &qg[h * 2 * hd + hd..][..hd];
+            y.iter_mut().zip(gate).for_each(|(a, g)| *a *= simd::sigmoid(*g) / l);
+        });
+    });
+}
+
+multiversion! {
+    fn attend_split(
+        p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], kvh: usize, keys: (usize, usize),
+        sc: &mut [f32], dst: &mut [f32]
+    ) = attend_split_body;
+}
+
+/// Keys per block of a decode-attention partial: the block's scores [rows8, SPLIT_BLOCK] and V
+/// rows (64 KiB at hd 256) stay in L1/L2 between the score and P.V passes.
+const SPLIT_BLOCK: usize = 64;
+
+/// One decode-attention partial: keys k0..k1 of KV head kvh against its `group` query heads,
+/// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores by 4 x 4 register tiles
+/// into sc [rows8, SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are
+/// prefetched; then each row's running max / sum rescale its accumulator and acc [group, hd] +=
+/// P V by register tiles (8 rows x 32 dims on AVX-512, [`simd::pv8x32`]; else [`pv_rows`]), each
+/// V row loaded once per tile for all its rows. dst = acc | m [group] | l [group] (sc needs
+/// rows8 * SPLIT_BLOCK floats).
+#[inline(always)]
+fn attend_split_body(
+    isa: Isa,
+    p: &AttentionParams,
+    qg: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    kvh: usize,
+    (k0, k1): (usize, usize),
+    sc: &mut [f32],
+    dst: &mut [f32],
+) {
+    let (kv_n, hd) = (p.kv_heads as usize, p.head_dim as usize);
+    let group = p.heads as usize / kv_n;
+    let rows8 = group.next_multiple_of(8);
+    let q_of = |i: usize| &qg[(kvh * group + i) * 2 * hd..][..hd];
+    let krow = |s: usize| &kc[(s * kv_n + kvh) * hd..][..hd];
+    let vrow = |s: usize| &vc[(s * kv_n + kvh) * hd..][..hd];
+    let (acc, ml) = dst.split_at_mut(group * hd);
+    let (mx, l) = ml.split_at_mut(group);
+    acc.fill(0.0);
+    mx.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    let mut corr = [1f32; 8];
+    let mut kb = k0;
+    while kb < k1 {
+        let kn = (k1 - kb).min(SPLIT_BLOCK);
+        // V rows of the keys scored, for the P.V pass (interleaved with the K stream).
+        scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, |s| {
+            simd::prefetch(vrow(s))
+        });
+        sc[group * kn..rows8 * kn].fill(0.0);
+        for i0 in (0..group).step_by(8) {
+            for (r, c) in corr.iter_mut().enumerate() {
+                let i = i0 + r;
+                if i >= group {
+                    *c = 1.0;
+                    continue;
+                }
+                let sr = &mut sc[i * kn..][..kn];
+                let m = sr.iter().fold(mx[i], |m, &x| m.max(x));
+                sr.iter_mut().for_each(|x| *x = simd::exp(*x - m));
+                *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
+                (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
+            }
+            let acc = &mut acc[i0 * hd..];
+            let sc = &sc[i0 * kn..];
+            let v = |s: usize| vrow(kb + s);
+            let rows = (group - i0).min(8);
+            if isa == Isa::Avx512 && hd % 32 == 0 {
+                let vb = &vc[(kb * kv_n + kvh) * hd..];
+                for j0 in (0..hd).step_by(32) {
+                    let mut a = [[0f32; 32]; 8];
+                    for (r, ar) in a.iter_mut().enumerate().take(rows) {
+                        let src = &acc[r * hd + j0..][..32];
+                        ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
+                    }
+                    simd::pv8x32(isa, sc, kn, &vb[j0..], kv_n * hd, &mut a);
+                    for (r, ar) in a.iter().enumerate().take(rows) {
+                        acc[r * hd + j0..][..32].copy_from_slice(ar);
+                    }
+                }
+            } else if isa != Isa::Portable || cfg!(target_arch = "aarch64") {
+                pv_rows::<4, 16, true>(sc, kn, rows, hd, &corr, v, acc);
+            } else {
+                pv_rows::<4, 16, false>(sc, kn, rows, hd, &corr, v, acc);
+            }
+        }
+        kb += kn;
+    }
+}
+
+/// acc [rows, hd] = corr * acc + P [rows, kn] . V [kn, hd] for up to 8 rows, in tiles of R rows x
+/// W dims whose accumulators stay in registers while every key's W values are loaded once for
+/// the R rows. P has 8 rows (zero past `rows`); a dims tail shorter than W goes through a
+/// zero-padded copy. FMA: fused multiply-add (only where the ISA has it; a libm call otherwise).
+#[inline(always)]
+fn pv_rows<'v, const R: usize, const W: usize, const FMA: bool>(
+    p: &[f32],
+    kn: usize,
+    rows: usize,
+    hd: usize,
+    corr: &[f32; 8],
+    v: impl Fn(usize) -> &'v [f32],
+    acc: &mut [f32],
+) {
+    for i0 in (0..rows).step_by(R) {
+        for j0 in (0..hd).step_by(W) {
+            let jn = (hd - j0).min(W);
+            let mut a = [[0f32; W]; R];
+            for (r, ar) in a.iter_mut().enumerate().take(rows - i0) {
+                ar[..jn].copy_from_slice(&acc[(i0 + r) * hd + j0..][..jn]);
+                ar.iter_mut().for_each(|x| *x *= corr[i0 + r]);
+            }
+            for s in 0..kn {
+                let mut pad = [0f32; W];
+                let vs: &[f32; W] = match v(s)[j0..].first_chunk::<W>() {
+                    Some(c) => c,
+                    None => {
+                        pad[..jn].copy_from_slice(&v(s)[j0..][..jn]);
+                        &pad
+                    }
+                };
+                for (r, ar) in a.iter_mut().enumerate() {
+                    let w = p[(i0 + r) * kn + s];
+                    for t in 0..W {
+                        ar[t] = if FMA {
+                            w.mul_add(vs[t], ar[t])
+                        } else {
+                            ar[t] + w * vs[t]
+                        };
+                    }
+                }
+            }
+            for (r, ar) in a.iter().enumerate().take(rows - i0) {
+                acc[(i0 + r) * hd + j0..][..jn].copy_from_slice(&ar[..jn]);
+            }
+        }
+    }
+}
+
+pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f32], k: &mut [f32]) {
+    let (hd, rot) = (p.head_dim as usize, p.rotary_dim as usize);
+    let t_n = p.tokens as usize;
+    pool::for_chunks(&mut qg[..t_n * p.heads as usize * 2 * hd], 2 * hd, |i, head| {
+        let pos = p.pos0 as usize + i / p.heads as usize;
+        norm_rope_head(&mut head[..hd], q_norm, p.eps, rot, p.theta, pos);
+    });
+    pool::for_chunks(&mut k[..t_n * p.kv_heads as usize * hd], hd, |i, head| {
+        let pos = p.pos0 as usize + i / p.kv_heads as usize;
+        norm_rope_head(head, k_norm, p.eps, rot, p.theta, pos);
+    });
+}
+
+pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
+    super::reference::kv_store(p, x, cache)
+}

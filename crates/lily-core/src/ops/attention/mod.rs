@@ -1,0 +1,14 @@
+//! Gated full attention's ops, in the order the layer runs them (architecture.md section 5):
+//! - `qk_norm_rope` (`RopeParams`): per-head RMSNorm of q and k (weight 1 + w folded at load),
+//!   then rotate-half RoPE on dims 0..rotary_dim at positions pos0..pos0+T, in place: q inside
+//!   qg [T, H, 2 hd] (each head's first hd values; the second hd are its output gate), k
+//!   [T, Hkv, hd];
+//! - `kv_store` (`KvStoreParams`): cache[pos0 + t, :] = x[t, :], x [T, width], a cache of
+//!   [max_seq, width] f32 rows (width = Hkv hd), one for K and one for V per attention layer;
+//! - `attention` (`AttentionParams`): out [T, H hd] = softmax(q K^T scale, causal) V times
+//!   sigmoid(gate), token t seeing cache rows 0..=pos0 + t; GQA: query head h reads KV head
+//!   h / (H / Hkv).
+
+pub mod cpu;
+pub mod metal;
+pub mod reference;
