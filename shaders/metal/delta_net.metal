@@ -1,4 +1,5 @@
-// Gated DeltaNet (GDN): the causal depthwise conv and the delta-rule recurrence.
+// Gated DeltaNet (GDN): the causal depthwise conv and the delta-rule recurrence (host:
+// ops/delta_net/metal.rs).
 #include "common.h"
 
 // delta_net_conv: out [T, C] = silu(sum_j w[c, j] * row(t + j)) over the rows of [state; x],
@@ -110,7 +111,7 @@ kernel void delta_net_f32(constant DeltaNetParams& p [[buffer(0)]], device const
 // Dkp = Dk and Dvp = Dv rounded up to 32 (padding columns hold zeros):
 //   -W [32, Dkp] | Qg = diag(e^gam) Q [32, Dkp] | Kd = diag(e^(gam_n - gam)) K [32, Dkp] |
 //   U [32, Dvp] | M [32, 32] | e^gam_n, 3 floats of padding
-// block = 32 (3 Dkp + Dvp + 32) + 4 (the host sizes it with the same formula: Metal::delta_net).
+// block = 32 (3 Dkp + Dvp + 32) + 4 (the host sizes it with the same formula: delta_net_block).
 constant constexpr uint DN_CHUNK = 32;
 constant constexpr uint DN_COLS = 16;  // value columns per threadgroup of delta_net_chunk_f32
 

@@ -331,7 +331,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
     let (a, rest) = s.gates.split_at(4);
     let (b, rest) = rest.split_at(4);
     let (alog, dtb) = rest.split_at(4);
-    kernels::delta_net(&dp, &s.qkv, a, b, alog, dtb, &mut s.state, &mut s.core);
+    lily_core::ops::delta_net::cpu::delta_net(&dp, &s.qkv, a, b, alog, dtb, &mut s.state, &mut s.core);
 }
 
 #[test]

@@ -22,17 +22,6 @@ use metal_common::sim;
 
 all_metal_tests!(sim, 1.0);
 
-/// The chunked DeltaNet prefill again with the threads of each threadgroup run in reverse order
-/// (both of its kernels hand data between threads through threadgroup memory): a missing
-/// barrier changes the result.
-#[test]
-fn delta_net_chunked_reversed_matches_cpu() {
-    if let Some(mut m) = sim() {
-        m.executor().set_reverse(Some(true));
-        metal_common::delta_net_chunked_matches_cpu(&mut m, 1.0);
-    }
-}
-
 fn sim_family(f: GpuFamily) -> Option<Metal<Sim>> {
     // Skips (or fails under LILY_REQUIRE_METAL_SIM=1) like sim() when clang-19 is missing.
     sim()?;

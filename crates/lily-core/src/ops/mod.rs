@@ -19,6 +19,7 @@
 //! [`elementwise`] (add, swiglu, sigmoid_gate_add).
 
 pub mod attention;
+pub mod delta_net;
 pub mod elementwise;
 pub mod embed;
 pub mod matmul;

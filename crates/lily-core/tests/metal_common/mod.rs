@@ -108,9 +108,6 @@ macro_rules! metal_common_tests {
 macro_rules! all_metal_tests {
     ($dev:expr, $tolx:expr) => {
         $crate::metal_common_tests!($dev, $tolx;
-            delta_net_conv_matches_cpu,
-            delta_net_matches_cpu,
-            delta_net_chunked_matches_cpu,
             moe_route_matches_cpu,
             moe_route_non_finite_is_safe,
             moe_experts_matches_cpu,
@@ -233,126 +230,6 @@ pub fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
     let mut buf = b.alloc_ids(ids.len()).unwrap();
     b.write_ids(&mut buf, ids).unwrap();
     buf
-}
-
-pub fn delta_net_conv_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let (c, taps) = (70, 4);
-    let w = rand_vec(c * taps, 70, -1.0, 1.0);
-    both!(dev, tolx * TOL, "delta_net_conv", b => {
-        let wb = b.upload(&w).unwrap();
-        let mut state = b.alloc((taps - 1) * c).unwrap();
-        let mut outs = Vec::new();
-        for (i, t) in [5usize, 1, 2, 1].into_iter().enumerate() {
-            let x = b.upload(&rand_vec(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
-            let mut out = b.alloc(t * c).unwrap();
-            b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);
-            b.finish().unwrap();
-            outs.push(read_all(b, &out, t * c));
-        }
-        outs.push(read_all(b, &state, (taps - 1) * c));
-        outs
-    });
-}
-
-pub fn delta_net_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // Tiny heads (Dk = 16 < 32 lanes) over a 7-token prefill and 24 decode steps, then the real
-    // head dims (Dk = Dv = 128, 2 value heads per key head): errors compound over steps. Below
-    // the chunk threshold, so the step kernel throughout.
-    let steps: Vec<usize> = std::iter::once(7).chain(std::iter::repeat_n(1, 24)).collect();
-    for (hk, hv, dk, dv, calls) in [
-        (2usize, 4usize, 16usize, 16usize, &steps[..]),
-        (2, 4, 128, 128, &steps[..4]),
-    ] {
-        let shape = DeltaShape {
-            hk,
-            hv,
-            dk,
-            dv,
-            seed: 80,
-        };
-        both!(dev, tolx * 1e-4, format!("delta_net Dk={dk}"), b => delta_net_calls(b, &shape, calls));
-    }
-}
-
-/// The chunked DeltaNet prefill (`delta_net_chunk_prep` + `delta_net_chunk`, 32-token chunks)
-/// against the step recurrence of the reference, from a nonzero state, over calls that carry
-/// the state: T spanning several chunks with a partial last one (70, 40, 45, 33), exactly one
-/// chunk (32), T < C (5, 3: the chunk threshold is lowered to 2 so these take the chunked path
-/// too) and decode steps in between (the step kernel continuing the chunked path's state).
-/// Shapes: 2 and 1 value heads per key head, Dk != Dv, Dv not a multiple of the 16-column state
-/// block (40, 24), Dk not a multiple of 32 (48, padded), the real head dims (128) and Dk = 256.
-/// Tolerance 1e-4 relative (the chunked form reassociates the sums); the largest error seen is
-/// printed.
-pub fn delta_net_chunked_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // (Hk, Hv, Dk, Dv, tokens of each call)
-    let cases: [(usize, usize, usize, usize, &[usize]); 4] = [
-        (1, 2, 16, 40, &[70, 5, 1, 32, 33]),
-        (2, 2, 48, 16, &[40, 3]),
-        (2, 4, 128, 128, &[45, 1]),
-        (1, 1, 256, 24, &[33]),
-    ];
-    let saved = dev.delta_net_chunk_tokens;
-    dev.delta_net_chunk_tokens = 2;
-    let mut worst = 0f32;
-    for (ci, (hk, hv, dk, dv, calls)) in cases.into_iter().enumerate() {
-        let shape = DeltaShape {
-            hk,
-            hv,
-            dk,
-            dv,
-            seed: 400 + 50 * ci as u64,
-        };
-        let want = delta_net_calls(&Cpu::reference(), &shape, calls);
-        let got = delta_net_calls(&*dev, &shape, calls);
-        let what = format!("delta_net chunked Hk={hk} Hv={hv} Dk={dk} Dv={dv} T={calls:?}");
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_near(g, w, tolx * 1e-4, &format!("{what} output {i}"));
-            let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
-            worst = worst.max(g.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale);
-        }
-    }
-    dev.delta_net_chunk_tokens = saved;
-    eprintln!("delta_net chunked: max |Δ| / max(1, max |reference|) = {worst:.2e}");
-}
-
-/// A DeltaNet layer's shape and the seed of its random inputs.
-struct DeltaShape {
-    hk: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
-    seed: u64,
-}
-
-/// `delta_net` over successive calls of `calls[i]` tokens from a random nonzero state: each
-/// call's output, then the final state.
-fn delta_net_calls<B: Backend>(b: &B, s: &DeltaShape, calls: &[usize]) -> Vec<Vec<f32>> {
-    let (hk, hv, dk, dv, seed) = (s.hk, s.hv, s.dk, s.dv, s.seed);
-    let width = 2 * hk * dk + hv * dv;
-    // a_log in [-3, 0.7]: per-token decay from about 0.99 (memory across chunks) to e^-6.
-    let al = b.upload(&rand_vec(hv, seed, -3.0, 0.7)).unwrap();
-    let dt = b.upload(&rand_vec(hv, seed + 1, -1.0, 1.0)).unwrap();
-    let mut state = b.upload(&rand_vec(hv * dk * dv, seed + 2, -1.0, 1.0)).unwrap();
-    let mut outs = Vec::new();
-    for (i, &t) in calls.iter().enumerate() {
-        let p = DeltaNetParams {
-            tokens: t as u32,
-            key_heads: hk as u32,
-            value_heads: hv as u32,
-            key_dim: dk as u32,
-            value_dim: dv as u32,
-        };
-        let k = seed + 10 * (i as u64 + 1);
-        let qkv = b.upload(&rand_vec(t * width, k, -1.0, 1.0)).unwrap();
-        let a = b.upload(&rand_vec(t * hv, k + 1, -2.0, 2.0)).unwrap();
-        let bb = b.upload(&rand_vec(t * hv, k + 2, -2.0, 2.0)).unwrap();
-        let mut out = b.alloc(t * hv * dv).unwrap();
-        b.delta_net(&p, &qkv, &a, &bb, &al, &dt, &mut state, &mut out);
-        b.finish().unwrap();
-        outs.push(read_all(b, &out, t * hv * dv));
-    }
-    outs.push(read_all(b, &state, hv * dk * dv));
-    outs
 }
 
 pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Metal<X>, tolx: f32) {

@@ -190,7 +190,7 @@ impl Backend for Cpu {
         dispatch!(self, attention::attention(p, qg, k, v, out))
     }
     fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {
-        dispatch!(self, delta_net_conv(p, w, state, x, out))
+        dispatch!(self, delta_net::delta_net_conv(p, w, state, x, out))
     }
     fn delta_net(
         &self,
@@ -203,7 +203,7 @@ impl Backend for Cpu {
         state: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) {
-        dispatch!(self, delta_net(p, qkv, a, b, a_log, dt_bias, state, out))
+        dispatch!(self, delta_net::delta_net(p, qkv, a, b, a_log, dt_bias, state, out))
     }
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         dispatch!(self, moe_route(p, logits, ids, weights))

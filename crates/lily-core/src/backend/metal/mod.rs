@@ -125,7 +125,7 @@ impl<X: Executor> Metal<X> {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
-            .unwrap_or(DN_CHUNK as u32);
+            .unwrap_or(delta_net::metal::DN_CHUNK as u32);
         let m = Metal {
             x,
             kernels,
@@ -340,28 +340,7 @@ impl<X: Executor> Backend for Metal<X> {
         x: &MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        let (t, c, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
-        if !(1..=9).contains(&taps) {
-            return self.fail(format!("delta_net_conv: {taps} taps unsupported (1..=9)"));
-        }
-        let checks = [
-            ("w", w.len(), c * taps),
-            ("state", state.len(), (taps - 1) * c),
-            ("x", x.len(), t * c),
-            ("out", out.len(), t * c),
-        ];
-        if !self.fits("delta_net_conv", &checks) {
-            return;
-        }
-        let grid = Grid::Threads {
-            threads: [c as u32, 1, 1],
-            size: [64, 1, 1],
-        };
-        self.encode(
-            F::DeltaNetConv,
-            &[Arg::Bytes(bytes_of(p)), w.arg(), state.arg(), x.arg(), out.arg()],
-            grid,
-        );
+        delta_net::metal::delta_net_conv(self, p, w, state, x, out)
     }
 
     fn delta_net(
@@ -375,51 +354,7 @@ impl<X: Executor> Backend for Metal<X> {
         state: &mut MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        let (t, hk, hv, dk, dv) = (
-            p.tokens as usize,
-            p.key_heads as usize,
-            p.value_heads as usize,
-            p.key_dim as usize,
-            p.value_dim as usize,
-        );
-        if hk == 0 || hv % hk != 0 || dk > 256 {
-            return self.fail(format!(
-                "delta_net: {hv} value heads on {hk} key heads of dim {dk} unsupported (Dk <= 256)"
-            ));
-        }
-        let checks = [
-            ("qkv", qkv.len(), t * (2 * hk * dk + hv * dv)),
-            ("a", a.len(), t * hv),
-            ("b", b.len(), t * hv),
-            ("a_log", a_log.len(), hv),
-            ("dt_bias", dt_bias.len(), hv),
-            ("state", state.len(), hv * dk * dv),
-            ("out", out.len(), t * hv * dv),
-        ];
-        if !self.fits("delta_net", &checks) {
-            return;
-        }
-        if t > 0 && t >= self.delta_net_chunk_tokens as usize {
-            return self.delta_net_chunked(p, qkv, a, b, a_log, dt_bias, state, out);
-        }
-        let args = [
-            Arg::Bytes(bytes_of(p)),
-            qkv.arg(),
-            a.arg(),
-            b.arg(),
-            a_log.arg(),
-            dt_bias.arg(),
-            state.arg(),
-            out.arg(),
-        ];
-        self.encode(
-            F::DeltaNet,
-            &args,
-            Grid::Groups {
-                count: [ceil_div(dv, 4), hv as u32, 1],
-                size: [128, 1, 1],
-            },
-        );
+        delta_net::metal::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
     }
 
     fn moe_route(&self, p: &RouteParams, logits: &MetalBuf<X>, ids: &mut MetalBuf<X>, weights: &mut MetalBuf<X>) {
@@ -763,73 +698,5 @@ impl<X: Executor> Metal<X> {
         };
         let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), pos(), y(), out.arg()];
         self.encode(F::MoeCombineSorted, &args, rows_grid(d, t));
-    }
-}
-
-/// Tokens per chunk of the chunked DeltaNet prefill (`DN_CHUNK` in delta_net.metal).
-const DN_CHUNK: usize = 32;
-/// Value columns per threadgroup of `delta_net_chunk_f32` (`DN_COLS`).
-const DN_COLS: usize = 16;
-
-/// f32 elements of the chunked-DeltaNet scratch block of one (value head, chunk), as
-/// `dn_layout` in delta_net.metal: -W, Qg, Kd [32, Dkp], U [32, Dvp], M [32, 32], the chunk
-/// decay and 3 floats of padding (Dkp, Dvp: Dk, Dv rounded up to 32).
-fn delta_net_block(dk: usize, dv: usize) -> usize {
-    DN_CHUNK * (3 * dk.next_multiple_of(32) + dv.next_multiple_of(32) + DN_CHUNK) + 4
-}
-
-impl<X: Executor> Metal<X> {
-    /// `delta_net` for prefill: the chunked form (architecture.md 6.1) in chunks of 32 tokens.
-    /// `delta_net_chunk_prep` builds every chunk's intra-chunk matrices at once (threadgroups
-    /// over chunks x value heads) into the DeltaNet scratch, then `delta_net_chunk` carries the
-    /// state through the chunks in order (threadgroups over 16-column blocks of the state x
-    /// value heads). The caller has checked the shapes and buffer sizes.
-    #[allow(clippy::too_many_arguments)]
-    fn delta_net_chunked(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &MetalBuf<X>,
-        a: &MetalBuf<X>,
-        b: &MetalBuf<X>,
-        a_log: &MetalBuf<X>,
-        dt_bias: &MetalBuf<X>,
-        state: &mut MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        let (t, hv, dk, dv) = (
-            p.tokens as usize,
-            p.value_heads as usize,
-            p.key_dim as usize,
-            p.value_dim as usize,
-        );
-        let chunks = t.div_ceil(DN_CHUNK);
-        let need = hv * chunks * delta_net_block(dk, dv);
-        let Some(sc) = self.scratch(Scratch::DeltaNetChunk, need) else {
-            return;
-        };
-        let scratch = || sc.part(0, need);
-        let pb = || Arg::Bytes(bytes_of(p));
-        let args = [pb(), qkv.arg(), a.arg(), b.arg(), a_log.arg(), dt_bias.arg(), scratch()];
-        let tile = DN_CHUNK * DN_CHUNK * 4;
-        self.encode_tg(
-            F::DeltaNetChunkPrep,
-            &args,
-            Grid::Groups {
-                count: [chunks as u32, hv as u32, 1],
-                size: [128, 1, 1],
-            },
-            &[4 * DN_CHUNK * 4, 2 * tile, 2 * tile],
-        );
-        let state_block = dk.next_multiple_of(32) * DN_COLS * 4;
-        let cols = DN_CHUNK * DN_COLS * 4;
-        self.encode_tg(
-            F::DeltaNetChunk,
-            &[pb(), scratch(), state.arg(), out.arg()],
-            Grid::Groups {
-                count: [ceil_div(dv, DN_COLS), hv as u32, 1],
-                size: [128, 1, 1],
-            },
-            &[state_block, cols, cols],
-        );
     }
 }

@@ -1,0 +1,400 @@
+//! The DeltaNet ops on the CPU: the conv by channel blocks, the recurrence one value head per
+//! task (step form for one token, chunked form for more).
+
+use crate::{
+    backend::{
+        cpu::{
+            isa::{multiversion, Isa},
+            pool,
+            scratch::{with_task, Out},
+            simd,
+        },
+        params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
+    },
+    ops::{matmul::cpu as gemm, sigmoid, softplus},
+};
+
+/// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
+pub const CHUNK: usize = 64;
+
+/// Gated DeltaNet over T tokens (architecture.md §6).
+///
+/// Layout: qkv [T, 2 Hk Dk + Hv Dv], a/b [T, Hv], state [Hv, Dk, Dv] f32 (rows contiguous in the
+/// value index), out [T, Hv, Dv]. Thread mapping: one task per value head (its state is private
+/// to the task). One token runs the step recurrence; more run the chunked form (§6.1) in chunks
+/// of CHUNK tokens, whose products are blocked matrix loops over the task's scratch.
+/// Accumulation: f32; only exponentials of non-positive numbers.
+pub fn delta_net(
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) {
+    let isa = Isa::get();
+    let (hv, dk, dv, t_n) = (
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+        p.tokens as usize,
+    );
+    let o = Out(out.as_mut_ptr());
+    let n = t_n.min(CHUNK);
+    let scratch = n * (3 * dk + 2 * dv + 2 + n) + 3 * dv + 2 * dk;
+    // Decode: runs of heads per task (~4 tasks per thread), so a thread's state reads are long
+    // forward streams: 164 vs 179 us per layer on this VM with one head per task.
+    let heads = if t_n == 1 {
+        hv.div_ceil(4 * pool::threads()).max(1)
+    } else {
+        1
+    };
+    pool::for_chunks(&mut state[..hv * dk * dv], heads * dk * dv, |c, run| {
+        with_task(scratch, |scr| {
+            for (i, s) in run.chunks_exact_mut(dk * dv).enumerate() {
+                let j = c * heads + i;
+                let mut t0 = 0;
+                while t0 < t_n {
+                    let n = (t_n - t0).min(CHUNK);
+                    if n == 1 {
+                        delta_step(isa, p, qkv, a, b, a_log, dt_bias, t0, j, s, scr, o);
+                    } else {
+                        delta_chunk(isa, p, qkv, a, b, a_log, dt_bias, t0, n, j, s, scr, o);
+                    }
+                    t0 += n;
+                }
+            }
+        })
+    });
+}
+
+/// Inputs of value head j at token t: writes l2-normed q (times Dk^-1/2) and k into `q`, `k`;
+/// returns (v, beta, g) with v borrowed from qkv.
+#[inline(always)]
+fn delta_inputs<'a>(
+    isa: Isa,
+    p: &DeltaNetParams,
+    qkv: &'a [f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    t: usize,
+    j: usize,
+    q: &mut [f32],
+    k: &mut [f32],
+) -> (&'a [f32], f32, f32) {
+    let (hk, hv, dk, dv) = (
+        p.key_heads as usize,
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+    );
+    let width = 2 * hk * dk + hv * dv;
+    let row = &qkv[t * width..][..width];
+    let kh = j / (hv / hk).max(1); // value head j reads q/k head j / (Hv/Hk)
+    let (qs, ks) = (&row[kh * dk..][..dk], &row[hk * dk + kh * dk..][..dk]);
+    let scale = 1.0 / (dk as f32).sqrt();
+    let qi = scale / (simd::dot(isa, qs, qs) + 1e-6).sqrt();
+    let ki = 1.0 / (simd::dot(isa, ks, ks) + 1e-6).sqrt();
+    q.iter_mut().zip(qs).for_each(|(o, x)| *o = x * qi);
+    k.iter_mut().zip(ks).for_each(|(o, x)| *o = x * ki);
+    let beta = sigmoid(b[t * hv + j]);
+    let g = -a_log[j].exp() * softplus(a[t * hv + j] + dt_bias[j]);
+    (&row[2 * hk * dk + j * dv..][..dv], beta, g)
+}
+
+multiversion! {
+    fn delta_step(
+        p: &DeltaNetParams, qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32],
+        t: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
+    ) = delta_step_body;
+}
+
+/// One token of value head j: decay, read, delta, write, read out. S is [Dk, Dv], swept twice
+/// over contiguous rows: a read-only pass for the prediction alpha S^T k, then one pass that
+/// writes S = alpha S + k delta^T and reads out S^T q (S is written once per token).
+#[inline(always)]
+fn delta_step_body(
+    isa: Isa,
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    t: usize,
+    j: usize,
+    s: &mut [f32],
+    scr: &mut [f32],
+    o: Out,
+) {
+    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+    let (q, rest) = scr.split_at_mut(dk);
+    let (k, rest) = rest.split_at_mut(dk);
+    let (pred, rest) = rest.split_at_mut(dv);
+    let (delta, rest) = rest.split_at_mut(dv);
+    let outv = &mut rest[..dv];
+    let (v, beta, g) = delta_inputs(isa, p, qkv, a, b, a_log, dt_bias, t, j, q, k);
+    let alpha = g.exp();
+    pred.fill(0.0);
+    for d in 0..dk {
+        // 32 rows (16 KiB) ahead: the state is cold, the step streams ~440 MB of weights
+        // between two uses of a layer's state.
+        if d + 32 < dk {
+            simd::prefetch(&s[(d + 32) * dv..][..dv]);
+        }
+        let kd = k[d];
+        s[d * dv..][..dv]
+            .iter()
+            .zip(pred.iter_mut())
+            .for_each(|(x, pc)| *pc += x * kd);
+    }
+    delta
+        .iter_mut()
+        .zip(v.iter().zip(pred.iter()))
+        .for_each(|(dc, (vc, pc))| *dc = beta * (vc - alpha * pc));
+    outv.fill(0.0);
+    for d in 0..dk {
+        let row = &mut s[d * dv..][..dv];
+        let (kd, qd) = (k[d], q[d]);
+        row.iter_mut()
+            .zip(delta.iter())
+            .zip(outv.iter_mut())
+            .for_each(|((x, dc), oc)| {
+                *x = alpha * *x + kd * dc;
+                *oc += *x * qd;
+            });
+    }
+    for c in 0..dv {
+        // SAFETY: value head j's outputs belong to this task.
+        unsafe { o.set((t * hv + j) * dv + c, outv[c]) };
+    }
+}
+
+multiversion! {
+    fn delta_chunk(
+        p: &DeltaNetParams, qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32],
+        t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
+    ) = delta_chunk_body;
+}
+
+/// The chunked form (architecture.md §6.1) for tokens t0..t0+n of value head j, as blocked
+/// matrix products over [n, Dk] / [n, Dv] panels and the [Dk, Dv] state.
+#[inline(always)]
+fn delta_chunk_body(
+    isa: Isa,
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    t0: usize,
+    n: usize,
+    j: usize,
+    s: &mut [f32],
+    scr: &mut [f32],
+    o: Out,
+) {
+    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+    let (q, rest) = scr.split_at_mut(n * dk);
+    let (k, rest) = rest.split_at_mut(n * dk);
+    let (w, rest) = rest.split_at_mut(n * dk);
+    let (u, rest) = rest.split_at_mut(n * dv);
+    let (v, rest) = rest.split_at_mut(n * dv);
+    let (beta, rest) = rest.split_at_mut(n);
+    let (gam, rest) = rest.split_at_mut(n); // cumulative log-decay
+    let (amat, rest) = rest.split_at_mut(n * n);
+    let oi = &mut rest[..dv];
+    let mut acc = 0f32;
+    for i in 0..n {
+        let (vi, bi, gi) = delta_inputs(
+            isa,
+            p,
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            t0 + i,
+            j,
+            &mut q[i * dk..][..dk],
+            &mut k[i * dk..][..dk],
+        );
+        v[i * dv..][..dv].copy_from_slice(vi);
+        beta[i] = bi;
+        acc += gi;
+        gam[i] = acc;
+    }
+    let (q, k): (&[f32], &[f32]) = (q, k);
+    // A[i, j'] = beta_i (k_i . k_j') exp(gam_i - gam_j') for j' < i (K K^T by 4 x 4 tiles).
+    amat.fill(0.0);
+    gemm::tile_products(
+        isa,
+        k,
+        n,
+        dk,
+        n,
+        |jj| &k[jj * dk..][..dk],
+        |jj, i, kk| {
+            if jj < i {
+                amat[i * n + jj] = beta[i] * kk * (gam[i] - gam[jj]).exp();
+            }
+        },
+    );
+    // Solve (I + A) U = beta V and (I + A) W = beta exp(gam) K by forward substitution.
+    for i in 0..n {
+        let eg = gam[i].exp();
+        let (done_u, cur_u) = u.split_at_mut(i * dv);
+        let (done_w, cur_w) = w.split_at_mut(i * dk);
+        let (ui, wi) = (&mut cur_u[..dv], &mut cur_w[..dk]);
+        ui.iter_mut()
+            .zip(&v[i * dv..][..dv])
+            .for_each(|(x, vv)| *x = beta[i] * vv);
+        wi.iter_mut()
+            .zip(&k[i * dk..][..dk])
+            .for_each(|(x, kv)| *x = beta[i] * eg * kv);
+        for jj in 0..i {
+            let aij = amat[i * n + jj];
+            if aij != 0.0 {
+                ui.iter_mut()
+                    .zip(&done_u[jj * dv..][..dv])
+                    .for_each(|(x, y)| *x -= aij * y);
+                wi.iter_mut()
+                    .zip(&done_w[jj * dk..][..dk])
+                    .for_each(|(x, y)| *x -= aij * y);
+            }
+        }
+    }
+    // V' = U - W S  ([n, Dv]).
+    for i in 0..n {
+        let ui = &mut u[i * dv..][..dv];
+        for d in 0..dk {
+            let wd = w[i * dk + d];
+            ui.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x -= wd * sv);
+        }
+    }
+    // O_i = exp(gam_i) q_i S + sum_{j' <= i} (q_i . k_j') exp(gam_i - gam_j') V'_j'.
+    // (q_i . k_j') for all pairs by 4 x 4 tiles into amat (A is no longer needed).
+    gemm::tile_products(
+        isa,
+        q,
+        n,
+        dk,
+        n,
+        |jj| &k[jj * dk..][..dk],
+        |jj, i, qk| {
+            amat[i * n + jj] = if jj <= i { qk * (gam[i] - gam[jj]).exp() } else { 0.0 };
+        },
+    );
+    for i in 0..n {
+        oi.fill(0.0);
+        let eg = gam[i].exp();
+        for d in 0..dk {
+            let qd = q[i * dk + d] * eg;
+            oi.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x += qd * sv);
+        }
+        for jj in 0..=i {
+            let c = amat[i * n + jj];
+            oi.iter_mut().zip(&u[jj * dv..][..dv]).for_each(|(x, vv)| *x += c * vv);
+        }
+        for c in 0..dv {
+            // SAFETY: value head j's outputs belong to this task.
+            unsafe { o.set(((t0 + i) * hv + j) * dv + c, oi[c]) };
+        }
+    }
+    // S <- exp(gam_n) S + sum_j' exp(gam_n - gam_j') k_j' (x) V'_j'.
+    let gn = gam[n - 1];
+    let en = gn.exp();
+    s.iter_mut().for_each(|x| *x *= en);
+    for jj in 0..n {
+        let f = (gn - gam[jj]).exp();
+        for d in 0..dk {
+            let kd = k[jj * dk + d] * f;
+            s[d * dv..][..dv]
+                .iter_mut()
+                .zip(&u[jj * dv..][..dv])
+                .for_each(|(x, vv)| *x += kd * vv);
+        }
+    }
+}
+
+/// Causal depthwise conv + SiLU over the rows of [state; x] (x [T, C], state [taps - 1, C], w
+/// [C, taps]). Threads: blocks of CONV_BLOCK channels. Within a block the loops run token-outer,
+/// channel-inner, so every read and write is a contiguous run of the block's channels (a
+/// channel-outer loop walks x's columns at a stride of C floats, one cache miss per value), with
+/// the block's weights transposed to [taps][block] (task scratch) first so the inner loops
+/// vectorize. One token (decode) reads the weights in place: the transpose would cost as much as
+/// the conv.
+pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
+    const CONV_BLOCK: usize = 1024;
+    let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
+    assert!((1..=MAX_CONV_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
+    let hist = taps - 1;
+    let (o, st) = (Out(out.as_mut_ptr()), Out(state.as_mut_ptr()));
+    pool::for_each(c_n.div_ceil(CONV_BLOCK), |blk| {
+        with_task((taps + 1) * CONV_BLOCK, |scr| {
+            let c0 = blk * CONV_BLOCK;
+            let n = CONV_BLOCK.min(c_n - c0);
+            let wb = &w[c0 * taps..(c0 + n) * taps];
+            let (wt, acc) = scr.split_at_mut(taps * CONV_BLOCK);
+            if t_n > 1 {
+                for (i, wc) in wb.chunks_exact(taps).enumerate() {
+                    for j in 0..taps {
+                        wt[j * CONV_BLOCK + i] = wc[j];
+                    }
+                }
+            }
+            // SAFETY: this task alone reads and writes channels c0..c0 + n of the state and out.
+            let state_row = |i: usize| unsafe { &*st.slice(i * c_n + c0, n) };
+            // Row i of [state; x], this block's channels.
+            let row = |i: usize| {
+                if i < hist {
+                    state_row(i)
+                } else {
+                    &x[(i - hist) * c_n + c0..][..n]
+                }
+            };
+            for t in 0..t_n {
+                let acc = &mut acc[..n];
+                if t_n == 1 {
+                    acc.fill(0.0);
+                    for j in 0..taps {
+                        let r = row(j);
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            *a += wb[i * taps + j] * r[i];
+                        }
+                    }
+                } else {
+                    acc.fill(0.0);
+                    for (j, wj) in wt.chunks_exact(CONV_BLOCK).enumerate() {
+                        for ((a, &wv), &v) in acc.iter_mut().zip(&wj[..n]).zip(row(t + j)) {
+                            *a += wv * v;
+                        }
+                    }
+                }
+                // SAFETY: as above.
+                let ot = unsafe { o.slice(t * c_n + c0, n) };
+                for (y, &a) in ot.iter_mut().zip(acc.iter()) {
+                    *y = simd::silu(a);
+                }
+            }
+            // New state: the last `hist` rows of [state; x]. Rows still coming from the old state
+            // (T < hist) move up, so go in increasing order (a row only reads from a later one).
+            for i in 0..hist {
+                let src = t_n + i;
+                if src < hist {
+                    // SAFETY: as above; src > i, distinct rows.
+                    let (from, to) = unsafe { (st.slice(src * c_n + c0, n), st.slice(i * c_n + c0, n)) };
+                    to.copy_from_slice(from);
+                } else {
+                    // SAFETY: as above.
+                    unsafe { st.slice(i * c_n + c0, n) }.copy_from_slice(&x[(src - hist) * c_n + c0..][..n]);
+                }
+            }
+        })
+    });
+}

@@ -1,0 +1,350 @@
+//! The DeltaNet family (delta_net_conv; delta_net: step recurrence and chunked form): the CPU
+//! kernels and the Metal kernels (simulator; the device on macOS) against the reference twins,
+//! the chunked twin against the step recurrence, over many steps and calls that carry state.
+
+mod common;
+#[macro_use]
+mod metal_common;
+
+use common::{assert_close, rand_vec};
+use lily_core::{
+    backend::{
+        cpu::Cpu,
+        metal::{Executor, Metal},
+        params::{ConvParams, DeltaNetParams},
+        Backend,
+    },
+    ops::delta_net::{cpu::CHUNK, metal::DN_CHUNK as DELTA_NET_CHUNK, reference},
+};
+use metal_common::{assert_near, read_all, TOL};
+
+mod cpu {
+    use super::*;
+
+    fn delta_net_case(t: usize, seed: u64) {
+        delta_net_heads_case(t, seed, 2, 4);
+    }
+
+    fn delta_net_heads_case(t: usize, seed: u64, hk: usize, hv: usize) {
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        let (dk, dv) = (128usize, 128usize);
+        let width = 2 * hk * dk + hv * dv;
+        let qkv = rand_vec(t * width, seed, -1.0, 1.0);
+        let a = rand_vec(t * hv, seed + 1, -3.0, 3.0);
+        let b = rand_vec(t * hv, seed + 2, -3.0, 3.0);
+        let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
+        let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
+        let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
+        let p = DeltaNetParams {
+            tokens: t as u32,
+            key_heads: hk as u32,
+            value_heads: hv as u32,
+            key_dim: dk as u32,
+            value_dim: dv as u32,
+        };
+        let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
+        let n = t * hv * dv;
+        let (mut oa, mut ob, mut oc) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
+        refr.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sb, &mut ob);
+        assert_close(&oa, &ob, 2e-5, &format!("delta_net out t={t}"));
+        assert_close(&sa, &sb, 2e-5, &format!("delta_net state t={t}"));
+        // The chunked kernel (t > 1) against its own twin, the chunked form in plain loops.
+        reference::delta_net_chunked(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sc, &mut oc, CHUNK);
+        assert_close(&oa, &oc, 5e-6, &format!("delta_net out t={t} vs the chunked reference"));
+        assert_close(
+            &sa,
+            &sc,
+            5e-6,
+            &format!("delta_net state t={t} vs the chunked reference"),
+        );
+    }
+
+    #[test]
+    fn delta_net_chunked_matches_step_recurrence() {
+        delta_net_case(1, 1); // decode step
+        delta_net_case(2, 2);
+        delta_net_case(64, 3); // one full chunk
+        delta_net_case(150, 4); // 64 + 64 + 22
+                                // Decode runs several heads per task (here 3 on two threads, the last run shorter).
+        delta_net_heads_case(1, 5, 4, 20);
+        delta_net_heads_case(3, 6, 4, 20);
+    }
+
+    #[test]
+    fn delta_net_decode_steps_match_reference() {
+        // Many single steps: state errors compound over tokens.
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        let (hk, hv, dk, dv) = (1usize, 2usize, 128usize, 128usize);
+        let width = 2 * hk * dk + hv * dv;
+        let p = DeltaNetParams {
+            tokens: 1,
+            key_heads: hk as u32,
+            value_heads: hv as u32,
+            key_dim: dk as u32,
+            value_dim: dv as u32,
+        };
+        let (a_log, dt_bias) = (rand_vec(hv, 1, -4.0, 0.5), rand_vec(hv, 2, -1.0, 1.0));
+        let (mut sa, mut sb) = (vec![0f32; hv * dk * dv], vec![0f32; hv * dk * dv]);
+        let (mut oa, mut ob) = (vec![0f32; hv * dv], vec![0f32; hv * dv]);
+        for step in 0..64 {
+            let qkv = rand_vec(width, 100 + step, -1.0, 1.0);
+            let (a, b) = (rand_vec(hv, 200 + step, -2.0, 2.0), rand_vec(hv, 300 + step, -2.0, 2.0));
+            fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
+            refr.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sb, &mut ob);
+            assert_close(&oa, &ob, 1e-5, &format!("step {step}"));
+        }
+        assert_close(&sa, &sb, 1e-5, "state after 64 steps");
+    }
+
+    #[test]
+    fn delta_net_conv_matches_reference() {
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        // 300 channels: one partial channel block; 2500: two full blocks and a partial one. T below,
+        // at and above the history length.
+        for (c, taps) in [(300, 4), (300, 2), (40, 5), (2500, 4)] {
+            let w = rand_vec(c * taps, 1, -1.0, 1.0);
+            for &t in &[1usize, 2, 3, 5, 70] {
+                let x = rand_vec(t * c, 2 + t as u64, -2.0, 2.0);
+                let st0 = rand_vec((taps - 1) * c, 9, -2.0, 2.0);
+                let (mut sa, mut sb) = (st0.clone(), st0);
+                let (mut a, mut b) = (vec![0f32; t * c], vec![0f32; t * c]);
+                let p = ConvParams {
+                    tokens: t as u32,
+                    channels: c as u32,
+                    taps: taps as u32,
+                };
+                fast.delta_net_conv(&p, &w, &mut sa, &x, &mut a);
+                refr.delta_net_conv(&p, &w, &mut sb, &x, &mut b);
+                assert_close(&a, &b, 1e-6, &format!("conv out c={c} taps={taps} t={t}"));
+                assert_close(&sa, &sb, 0.0, &format!("conv state c={c} taps={taps} t={t}"));
+            }
+        }
+    }
+
+    /// The chunked twin against the step recurrence (architecture.md 6.1: the same result up to f32
+    /// rounding) for chunks of 1 (the step form again), 7 (partial chunks everywhere), 32 (Metal's)
+    /// and 64 (the CPU's), from a nonzero state, Hv = 2 Hk, Dk != Dv.
+    #[test]
+    fn delta_net_chunked_reference_matches_step_recurrence() {
+        let (hk, hv, dk, dv) = (1usize, 2usize, 24usize, 40usize);
+        let width = 2 * hk * dk + hv * dv;
+        for (t, seed) in [(1usize, 11u64), (5, 12), (70, 13), (150, 14)] {
+            let qkv = rand_vec(t * width, seed, -1.0, 1.0);
+            let (a, b) = (
+                rand_vec(t * hv, seed + 1, -3.0, 3.0),
+                rand_vec(t * hv, seed + 2, -3.0, 3.0),
+            );
+            let (a_log, dt_bias) = (rand_vec(hv, seed + 3, -3.0, 0.7), rand_vec(hv, seed + 4, -1.0, 1.0));
+            let s0 = rand_vec(hv * dk * dv, seed + 5, -0.5, 0.5);
+            let p = DeltaNetParams {
+                tokens: t as u32,
+                key_heads: hk as u32,
+                value_heads: hv as u32,
+                key_dim: dk as u32,
+                value_dim: dv as u32,
+            };
+            let (mut s_step, mut o_step) = (s0.clone(), vec![0f32; t * hv * dv]);
+            reference::delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut s_step, &mut o_step);
+            for chunk in [1, 7, 32, 64] {
+                let (mut s, mut o) = (s0.clone(), vec![0f32; t * hv * dv]);
+                reference::delta_net_chunked(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut s, &mut o, chunk);
+                assert_close(&o, &o_step, 2e-5, &format!("out t={t} chunk={chunk}"));
+                assert_close(&s, &s_step, 2e-5, &format!("state t={t} chunk={chunk}"));
+            }
+        }
+    }
+}
+
+metal_tests!(
+    delta_net_conv_matches_reference,
+    delta_net_matches_reference,
+    delta_net_chunked_matches_reference,
+);
+
+/// The chunked DeltaNet prefill again with the threads of each threadgroup run in reverse order
+/// (both of its kernels hand data between threads through threadgroup memory): a missing
+/// barrier changes the result.
+#[cfg(unix)]
+mod metal_sim_reversed {
+    #[test]
+    fn delta_net_chunked_matches_reference() {
+        if let Some(mut m) = crate::metal_common::sim() {
+            m.executor().set_reverse(Some(true));
+            super::delta_net_chunked_matches_reference(&mut m, 1.0);
+        }
+    }
+}
+
+fn delta_net_conv_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let (c, taps) = (70, 4);
+    let w = rand_vec(c * taps, 70, -1.0, 1.0);
+    both!(dev, tolx * TOL, "delta_net_conv", b => {
+        let wb = b.upload(&w).unwrap();
+        let mut state = b.alloc((taps - 1) * c).unwrap();
+        let mut outs = Vec::new();
+        for (i, t) in [5usize, 1, 2, 1].into_iter().enumerate() {
+            let x = b.upload(&rand_vec(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
+            let mut out = b.alloc(t * c).unwrap();
+            b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);
+            b.finish().unwrap();
+            outs.push(read_all(b, &out, t * c));
+        }
+        outs.push(read_all(b, &state, (taps - 1) * c));
+        outs
+    });
+}
+
+fn delta_net_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // Tiny heads (Dk = 16 < 32 lanes) over a 7-token prefill and 24 decode steps, then the real
+    // head dims (Dk = Dv = 128, 2 value heads per key head): errors compound over steps. Below
+    // the chunk threshold, so the step kernel throughout.
+    let steps: Vec<usize> = std::iter::once(7).chain(std::iter::repeat_n(1, 24)).collect();
+    for (hk, hv, dk, dv, calls) in [
+        (2usize, 4usize, 16usize, 16usize, &steps[..]),
+        (2, 4, 128, 128, &steps[..4]),
+    ] {
+        let shape = DeltaShape {
+            hk,
+            hv,
+            dk,
+            dv,
+            seed: 80,
+        };
+        both!(dev, tolx * 1e-4, format!("delta_net Dk={dk}"), b => delta_net_calls(b, &shape, calls));
+    }
+}
+
+/// The chunked DeltaNet prefill (`delta_net_chunk_prep` + `delta_net_chunk`, 32-token chunks)
+/// against the step recurrence of the reference and against the chunked twin in 32-token chunks
+/// (`reference::delta_net_chunked`), from a nonzero state, over calls that carry
+/// the state: T spanning several chunks with a partial last one (70, 40, 45, 33), exactly one
+/// chunk (32), T < C (5, 3: the chunk threshold is lowered to 2 so these take the chunked path
+/// too) and decode steps in between (the step kernel continuing the chunked path's state).
+/// Shapes: 2 and 1 value heads per key head, Dk != Dv, Dv not a multiple of the 16-column state
+/// block (40, 24), Dk not a multiple of 32 (48, padded), the real head dims (128) and Dk = 256.
+/// Tolerance 1e-4 relative (the chunked form reassociates the sums); the largest error seen is
+/// printed.
+fn delta_net_chunked_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    // (Hk, Hv, Dk, Dv, tokens of each call)
+    let cases: [(usize, usize, usize, usize, &[usize]); 4] = [
+        (1, 2, 16, 40, &[70, 5, 1, 32, 33]),
+        (2, 2, 48, 16, &[40, 3]),
+        (2, 4, 128, 128, &[45, 1]),
+        (1, 1, 256, 24, &[33]),
+    ];
+    let saved = dev.delta_net_chunk_tokens;
+    dev.delta_net_chunk_tokens = 2;
+    let mut worst = 0f32;
+    for (ci, (hk, hv, dk, dv, calls)) in cases.into_iter().enumerate() {
+        let shape = DeltaShape {
+            hk,
+            hv,
+            dk,
+            dv,
+            seed: 400 + 50 * ci as u64,
+        };
+        let want = delta_net_calls(&Cpu::reference(), &shape, calls);
+        let twin = delta_net_calls_chunked(&shape, calls, DELTA_NET_CHUNK);
+        let got = delta_net_calls(&*dev, &shape, calls);
+        let what = format!("delta_net chunked Hk={hk} Hv={hv} Dk={dk} Dv={dv} T={calls:?}");
+        for (i, ((g, w), c)) in got.iter().zip(&want).zip(&twin).enumerate() {
+            assert_near(g, w, tolx * 1e-4, &format!("{what} output {i}"));
+            assert_near(
+                g,
+                c,
+                tolx * 1e-4,
+                &format!("{what} output {i} vs the chunked reference"),
+            );
+            let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
+            worst = worst.max(g.iter().zip(w).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale);
+        }
+    }
+    dev.delta_net_chunk_tokens = saved;
+    eprintln!("delta_net chunked: max |Δ| / max(1, max |reference|) = {worst:.2e}");
+}
+
+/// A DeltaNet layer's shape and the seed of its random inputs.
+struct DeltaShape {
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+    seed: u64,
+}
+
+/// One `delta_net` call's params, qkv, a and b.
+type DeltaCall = (DeltaNetParams, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// The inputs of successive `delta_net` calls of `calls[i]` tokens from a random nonzero state.
+struct DeltaCalls {
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    state: Vec<f32>,
+    calls: Vec<DeltaCall>,
+}
+
+fn delta_inputs(s: &DeltaShape, calls: &[usize]) -> DeltaCalls {
+    let (hk, hv, dk, dv, seed) = (s.hk, s.hv, s.dk, s.dv, s.seed);
+    let width = 2 * hk * dk + hv * dv;
+    let calls = calls
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let p = DeltaNetParams {
+                tokens: t as u32,
+                key_heads: hk as u32,
+                value_heads: hv as u32,
+                key_dim: dk as u32,
+                value_dim: dv as u32,
+            };
+            let k = seed + 10 * (i as u64 + 1);
+            let qkv = rand_vec(t * width, k, -1.0, 1.0);
+            (
+                p,
+                qkv,
+                rand_vec(t * hv, k + 1, -2.0, 2.0),
+                rand_vec(t * hv, k + 2, -2.0, 2.0),
+            )
+        })
+        .collect();
+    DeltaCalls {
+        // a_log in [-3, 0.7]: per-token decay from about 0.99 (memory across chunks) to e^-6.
+        a_log: rand_vec(hv, seed, -3.0, 0.7),
+        dt_bias: rand_vec(hv, seed + 1, -1.0, 1.0),
+        state: rand_vec(hv * dk * dv, seed + 2, -1.0, 1.0),
+        calls,
+    }
+}
+
+/// `delta_net` on backend `b` over the calls of `delta_inputs`: each call's output, then the
+/// final state.
+fn delta_net_calls<B: Backend>(b: &B, s: &DeltaShape, calls: &[usize]) -> Vec<Vec<f32>> {
+    let c = delta_inputs(s, calls);
+    let (al, dt) = (b.upload(&c.a_log).unwrap(), b.upload(&c.dt_bias).unwrap());
+    let mut state = b.upload(&c.state).unwrap();
+    let mut outs = Vec::new();
+    for (p, qkv, a, bb) in &c.calls {
+        let n = p.tokens as usize * s.hv * s.dv;
+        let (qkv, a, bb) = (b.upload(qkv).unwrap(), b.upload(a).unwrap(), b.upload(bb).unwrap());
+        let mut out = b.alloc(n).unwrap();
+        b.delta_net(p, &qkv, &a, &bb, &al, &dt, &mut state, &mut out);
+        b.finish().unwrap();
+        outs.push(read_all(b, &out, n));
+    }
+    outs.push(read_all(b, &state, c.state.len()));
+    outs
+}
+
+/// [`delta_net_calls`] through the chunked reference twin in chunks of `chunk` tokens.
+fn delta_net_calls_chunked(s: &DeltaShape, calls: &[usize], chunk: usize) -> Vec<Vec<f32>> {
+    let mut c = delta_inputs(s, calls);
+    let mut outs = Vec::new();
+    for (p, qkv, a, b) in &c.calls {
+        let mut out = vec![0f32; p.tokens as usize * s.hv * s.dv];
+        reference::delta_net_chunked(p, qkv, a, b, &c.a_log, &c.dt_bias, &mut c.state, &mut out, chunk);
+        outs.push(out);
+    }
+    outs.push(c.state);
+    outs
+}
