@@ -1,4 +1,5 @@
-// embed: out [T, D] = dequant(table row ids[t]) for a table [V, D] in any weight format.
+// embed: out [T, D] = dequant(table row ids[t]) for a table [V, D] in any weight format (host:
+// ops/embed/metal.rs).
 // Bindings: 0 EmbedParams, 1 MatrixDesc (V = rows, D = cols), 2 w, 3 scales, 4 biases,
 // 5 ids [T] u32, 6 out [T, D] f32. Grid: dispatchThreads (D, T); one thread per element.
 #include "common.h"

@@ -1,4 +1,5 @@
 // Mixture of experts: routing on the GPU and the routed experts (only the selected ones are read).
+// Host: ops/moe/metal.rs.
 #include "common.h"
 
 constant constexpr uint ROUTE_E_MAX = 1024;

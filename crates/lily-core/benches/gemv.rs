@@ -280,7 +280,7 @@ fn bench() {
 
     // MoE decode: 8 of 256 experts, gate + up [512, 2048] and down [2048, 512], as the kernel runs.
     if run("MoE 8 experts 2048->512x2->2048 q4") {
-        use lily_core::backend::{cpu::kernels, params::MoeParams};
+        use lily_core::{backend::params::MoeParams, ops::moe::cpu as kernels};
         let (e_n, inter, d) = (256, 512, 2048);
         let (g, u, dn) = (
             matrix(e_n, inter, d, q4),
@@ -361,7 +361,7 @@ fn bench() {
     // MoE prefill: 1024 tokens (the CPU's prefill chunk), each to 8 of 256 experts (~32 tokens per
     // expert), gate + up [512, 2048] and down [2048, 512] per expert.
     if run("MoE top-8 of 256, 2048->512x2->2048 q4") {
-        use lily_core::backend::{cpu::kernels, params::MoeParams};
+        use lily_core::{backend::params::MoeParams, ops::moe::cpu as kernels};
         let (e_n, inter, d, t) = (256, 512, 2048, if quick { 256 } else { 1024 });
         let (g, u, dn) = (
             matrix(e_n, inter, d, q4),

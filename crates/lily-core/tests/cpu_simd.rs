@@ -15,11 +15,11 @@ mod common;
 use common::{assert_close, matrix, rand_vec};
 use lily_core::{
     backend::{
-        cpu::{isa::Isa, kernels, reference, simd, Cpu},
+        cpu::{isa::Isa, simd, Cpu},
         params::*,
         Backend,
     },
-    ops::matmul::cpu as gemm,
+    ops::{attention, delta_net, matmul, moe, norm, sigmoid, silu},
     quant::{Format, Matrix},
     safetensors::DType,
 };
@@ -110,8 +110,8 @@ fn matmul_every_isa_and_format_matches_reference() {
                     x_row0: row0 as u32,
                 };
                 let (mut a, mut b) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
-                gemm::matmul_with(isa, &p, &w, &x, &mut a);
-                lily_core::ops::matmul::reference::matmul(&p, &w, &x, &mut b);
+                matmul::cpu::matmul_with(isa, &p, &w, &x, &mut a);
+                matmul::reference::matmul(&p, &w, &x, &mut b);
                 assert_close(
                     &a,
                     &b,
@@ -156,8 +156,8 @@ fn moe_case(isa: Isa, t: usize, format: Format) {
     };
     let mut tmp = vec![0f32; t * k_n * (i_n + d)];
     let (mut a, mut b) = (vec![f32::NAN; t * d], vec![f32::NAN; t * d]);
-    kernels::moe_experts_with(isa, &p, &x, &ids, &w, &gate, &up, &down, &mut tmp, &mut a);
-    reference::moe_experts(&p, &x, &ids, &w, &gate, &up, &down, &mut b);
+    moe::cpu::moe_experts_with(isa, &p, &x, &ids, &w, &gate, &up, &down, &mut tmp, &mut a);
+    moe::reference::moe_experts(&p, &x, &ids, &w, &gate, &up, &down, &mut b);
     assert_close(&a, &b, 2e-5, &format!("{isa:?} moe {format:?} t={t}"));
 }
 
@@ -207,8 +207,8 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
                 scale: 0.4,
             };
             let (mut a, mut b) = (vec![f32::NAN; t * h * hd], vec![f32::NAN; t * h * hd]);
-            lily_core::ops::attention::cpu::attention_with(isa, &p, &qg, &kc, &vc, &mut a);
-            lily_core::ops::attention::reference::attention(&p, &qg, &kc, &vc, &mut b);
+            attention::cpu::attention_with(isa, &p, &qg, &kc, &vc, &mut a);
+            attention::reference::attention(&p, &qg, &kc, &vc, &mut b);
             assert_close(
                 &a,
                 &b,
@@ -228,8 +228,8 @@ fn gemv_tiles_split_rows_exactly() {
         let m = matrix(1, n, 128, format, DType::BF16, n as u64);
         let x = rand_vec(128, 9, -1.0, 1.0);
         let (mut a, mut b) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        gemm::gemv(Isa::get(), &m, 0, &x, &mut a);
-        lily_core::ops::matmul::reference::matmul(&MatmulParams { tokens: 1, x_row0: 0 }, &m, &x, &mut b);
+        matmul::cpu::gemv(Isa::get(), &m, 0, &x, &mut a);
+        matmul::reference::matmul(&MatmulParams { tokens: 1, x_row0: 0 }, &m, &x, &mut b);
         assert_close(&a, &b, 2e-5, &format!("gemv n={n}"));
     }
 }
@@ -265,10 +265,10 @@ fn gemv_many_matches_one_gemv_each() {
         let refs: Vec<&Matrix> = ms.iter().collect();
         let mut outs: Vec<Vec<f32>> = ms.iter().map(|m| vec![f32::NAN; m.rows]).collect();
         let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-        gemm::gemv_many(Isa::get(), &refs, 0, &x, &mut slices);
+        matmul::cpu::gemv_many(Isa::get(), &refs, 0, &x, &mut slices);
         for (m, got) in ms.iter().zip(&outs) {
             let mut want = vec![0f32; m.rows];
-            gemm::gemv(Isa::get(), m, 0, &x, &mut want);
+            matmul::cpu::gemv(Isa::get(), m, 0, &x, &mut want);
             assert_eq!(got, &want, "gemv_many set {k}, {} rows {:?}", m.rows, m.format);
         }
     }
@@ -296,7 +296,7 @@ struct DecodeBufs {
 
 /// The kernels of one decode step at small shapes of the real layout, on preallocated buffers.
 fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
-    lily_core::ops::norm::cpu::rms_norm(
+    norm::cpu::rms_norm(
         &RmsNormParams {
             rows: 1,
             dim: 128,
@@ -306,7 +306,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
         &s.norm_w,
         &mut s.out,
     );
-    gemm::matmul_with(isa, &MatmulParams { tokens: 1, x_row0: 0 }, &s.w, &s.x, &mut s.y);
+    matmul::cpu::matmul_with(isa, &MatmulParams { tokens: 1, x_row0: 0 }, &s.w, &s.x, &mut s.y);
     let ap = AttentionParams {
         tokens: 1,
         pos0: 40,
@@ -315,10 +315,10 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
         head_dim: 64,
         scale: 0.125,
     };
-    lily_core::ops::attention::cpu::attention_with(isa, &ap, &s.qg, &s.kc, &s.vc, &mut s.att);
+    attention::cpu::attention_with(isa, &ap, &s.qg, &s.kc, &s.vc, &mut s.att);
     let (ids, wt) = ([1u32, 5, 7, 2], [0.4f32, 0.3, 0.2, 0.1]);
     let mp = MoeParams { tokens: 1, top_k: 4 };
-    kernels::moe_experts_with(
+    moe::cpu::moe_experts_with(
         isa, &mp, &s.x, &ids, &wt, &s.gate, &s.up, &s.down, &mut s.tmp, &mut s.out,
     );
     let dp = DeltaNetParams {
@@ -331,7 +331,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
     let (a, rest) = s.gates.split_at(4);
     let (b, rest) = rest.split_at(4);
     let (alog, dtb) = rest.split_at(4);
-    lily_core::ops::delta_net::cpu::delta_net(&dp, &s.qkv, a, b, alog, dtb, &mut s.state, &mut s.core);
+    delta_net::cpu::delta_net(&dp, &s.qkv, a, b, alog, dtb, &mut s.state, &mut s.core);
 }
 
 #[test]
@@ -397,9 +397,9 @@ fn vector_exp_matches_libm() {
     assert!(simd::exp(f32::NAN).is_nan());
     for i in -2000..=2000 {
         let x = i as f32 / 50.0;
-        let (s, r) = (simd::silu(x), lily_core::ops::silu(x));
+        let (s, r) = (simd::silu(x), silu(x));
         assert!((s - r).abs() <= 1e-6 * r.abs().max(1.0), "silu({x}): {s} vs {r}");
-        let (s, r) = (simd::sigmoid(x), lily_core::ops::sigmoid(x));
+        let (s, r) = (simd::sigmoid(x), sigmoid(x));
         assert!((s - r).abs() <= 1e-6, "sigmoid({x}): {s} vs {r}");
     }
 }

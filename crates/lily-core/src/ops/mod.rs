@@ -23,6 +23,7 @@ pub mod delta_net;
 pub mod elementwise;
 pub mod embed;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 
 /// x sigmoid(x).

@@ -1,13 +1,17 @@
 //! The CPU backend: host memory, immediate execution on the CPU thread pool (`pool.rs`).
-//! `Cpu::new()` runs the production kernels (`kernels.rs`); `Cpu::reference()` runs the plain-loop
-//! twins (`reference.rs`) that every kernel is tested against, through the same interface, so a
-//! whole forward pass can be compared too.
+//! `Cpu::new()` runs the production kernels (`ops/<family>/cpu.rs`); `Cpu::reference()` runs the
+//! plain-loop twins (`ops/<family>/reference.rs`) that every kernel is tested against, through
+//! the same interface, so a whole forward pass can be compared too.
+//!
+//! The plumbing the kernels share lives here: the pool, the ISA choice (`isa.rs`), the SIMD
+//! primitives (`simd.rs`, with the integer 4-bit dot of `int8.rs`), per-thread scratch
+//! (`scratch.rs`) and the profiler (`profile.rs`). Imports run one way: int8 <- simd <- the op
+//! kernels <- this file.
 
 pub mod int8;
 pub mod isa;
-pub mod kernels;
 pub mod pool;
-pub mod reference;
+mod profile;
 pub mod scratch;
 pub mod simd;
 
@@ -73,20 +77,12 @@ macro_rules! dispatch {
     ($self:ident, $family:ident::$op:ident($($arg:expr),*)) => {
         profile::timed(stringify!($op), 0, || call!($self, $family::$op($($arg),*)))
     };
-    ($self:ident, $op:ident($($arg:expr),*)) => {
-        profile::timed(stringify!($op), 0, || call!($self, $op($($arg),*)))
-    };
 }
 macro_rules! call {
     ($self:ident, $family:ident::$op:ident($($arg:expr),*)) => {
         if $self.reference { ops::$family::reference::$op($($arg),*) } else { ops::$family::cpu::$op($($arg),*) }
     };
-    ($self:ident, $op:ident($($arg:expr),*)) => {
-        if $self.reference { reference::$op($($arg),*) } else { kernels::$op($($arg),*) }
-    };
 }
-
-mod profile;
 
 impl Drop for Cpu {
     fn drop(&mut self) {
@@ -206,7 +202,7 @@ impl Backend for Cpu {
         dispatch!(self, delta_net::delta_net(p, qkv, a, b, a_log, dt_bias, state, out))
     }
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
-        dispatch!(self, moe_route(p, logits, ids, weights))
+        dispatch!(self, moe::moe_route(p, logits, ids, weights))
     }
     fn moe_experts(
         &self,
@@ -220,20 +216,18 @@ impl Backend for Cpu {
         tmp: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) {
-        let run = || {
+        // Weight bytes read (the profiler counts them for decode): the K experts' rows.
+        let per_expert = [gate, up, down]
+            .map(|m| m.rows * m.bytes_per_row())
+            .iter()
+            .sum::<usize>();
+        profile::timed("moe_experts", (p.top_k as usize * per_expert) as u64, || {
             if self.reference {
-                reference::moe_experts(p, x, ids, weights, gate, up, down, out)
+                ops::moe::reference::moe_experts(p, x, ids, weights, gate, up, down, out)
             } else {
-                kernels::moe_experts(p, x, ids, weights, gate, up, down, tmp, out)
+                ops::moe::cpu::moe_experts(p, x, ids, weights, gate, up, down, tmp, out)
             }
-        };
-        if p.tokens == 1 {
-            let per_expert =
-                gate.rows * gate.bytes_per_row() + up.rows * up.bytes_per_row() + down.rows * down.bytes_per_row();
-            profile::timed("moe_experts", (p.top_k as usize * per_expert) as u64, run)
-        } else {
-            profile::timed("moe_experts", 0, run)
-        }
+        })
     }
     fn swiglu(&self, p: &RowsParams, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) {
         dispatch!(self, elementwise::swiglu(p, gate, up, out))

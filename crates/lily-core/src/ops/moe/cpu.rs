@@ -1,21 +1,19 @@
-//! Production CPU kernels: the same math as `reference.rs` with SIMD (runtime-dispatched, see
-//! `simd.rs`), the persistent thread pool (`pool.rs`, one thread per core, created once) and in-kernel
-//! dequantization: weights are read from their packed bytes, never materialised as a matrix.
-//! Accumulation is f32 everywhere.
-//!
-//! Decode (one token) streams weights through GEMV kernels that split rows over the threads;
-//! prefill runs tiled GEMM (a dequantized tile of rows against every token), MoE experts with the
-//! tokens grouped by expert, tiled causal attention with online softmax, and the chunked DeltaNet
-//! form. Scratch comes from per-thread buffers that grow once (`gemm::with_task`/`with_caller`),
-//! so a decode step allocates nothing.
+//! The MoE ops on the CPU: routing one token per task; the routed experts by GEMV from the packed
+//! rows (decode) or grouped by expert into dequantized-tile GEMMs (prefill).
 
-use super::{
-    isa::Isa,
-    pool,
-    scratch::{with_caller, with_caller_ids, with_task, Out},
-    simd,
+use crate::{
+    backend::{
+        cpu::{
+            isa::Isa,
+            pool,
+            scratch::{with_caller, with_caller_ids, with_task, Out},
+            simd,
+        },
+        params::{MoeParams, RouteParams},
+    },
+    ops::matmul::cpu as gemm,
+    quant::Matrix,
 };
-use crate::{backend::params::*, ops::matmul::cpu as gemm, quant::Matrix};
 
 /// Weight rows per decode MoE task: 256 rows of gate and of up (2 x 144 KiB at 4-bit, D = 2048;
 /// down tasks take 4x the rows). Long enough runs that the row kernel's four streams get past
@@ -145,6 +143,42 @@ fn moe_decode(
     });
 }
 
+/// The (token, slot) pairs p of `ids` grouped by expert, a stable counting sort (the CPU's form of
+/// `reference::moe_sort`, one block per expert): `order[..pairs]` gets the pairs in expert
+/// order, `groups[3 g..3 g + 3]` = (expert, first sorted row, rows) of each expert that has
+/// pairs, in expert order; returns the number of groups. `starts` is scratch of E + 1 values;
+/// an id past the last expert counts as the last one (routing never gives one).
+pub fn group_by_expert(
+    ids: &[u32],
+    experts: usize,
+    starts: &mut [u32],
+    order: &mut [u32],
+    groups: &mut [u32],
+) -> usize {
+    let e_n = experts;
+    starts[..e_n + 1].fill(0);
+    for &e in ids {
+        starts[(e as usize).min(e_n - 1) + 1] += 1;
+    }
+    for e in 0..e_n {
+        starts[e + 1] += starts[e];
+    }
+    let mut ng = 0;
+    for e in 0..e_n {
+        if starts[e + 1] > starts[e] {
+            groups[3 * ng..3 * ng + 3].copy_from_slice(&[e as u32, starts[e], starts[e + 1] - starts[e]]);
+            ng += 1;
+        }
+    }
+    // Scatter pair indices into expert order (starts[e] advances to the end of group e).
+    for (pi, &e) in ids.iter().enumerate() {
+        let e = (e as usize).min(e_n - 1);
+        order[starts[e] as usize] = pi as u32;
+        starts[e] += 1;
+    }
+    ng
+}
+
 /// Many tokens: pairs grouped by expert, tiled GEMM per expert.
 fn moe_grouped(
     isa: Isa,
@@ -160,37 +194,16 @@ fn moe_grouped(
 ) {
     let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
-    // ids scratch: counts/starts [E + 1] | order [pairs] | groups [(expert, start, end)].
+    // ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first, rows)].
     let groups_max = e_n.min(pairs);
     with_caller_ids(e_n + 1 + pairs + 3 * groups_max, |buf| {
         let (starts, rest) = buf.split_at_mut(e_n + 1);
         let (order, glist) = rest.split_at_mut(pairs);
-        starts.fill(0);
-        for &e in &ids[..pairs] {
-            starts[(e as usize).min(e_n - 1) + 1] += 1;
-        }
-        for e in 0..e_n {
-            starts[e + 1] += starts[e];
-        }
-        let mut ng = 0;
-        for e in 0..e_n {
-            if starts[e + 1] > starts[e] {
-                glist[3 * ng..3 * ng + 3].copy_from_slice(&[e as u32, starts[e], starts[e + 1]]);
-                ng += 1;
-            }
-        }
-        // Scatter pair indices into expert order (starts[e] advances to the end of group e).
-        for (pi, &e) in ids[..pairs].iter().enumerate() {
-            let e = (e as usize).min(e_n - 1);
-            order[starts[e] as usize] = pi as u32;
-            starts[e] += 1;
-        }
+        let ng = group_by_expert(&ids[..pairs], e_n, starts, order, glist);
         let (order, glist): (&[u32], &[u32]) = (order, &glist[..3 * ng]);
         let group = |g: usize| {
-            (
-                glist[3 * g] as usize,
-                &order[glist[3 * g + 1] as usize..glist[3 * g + 2] as usize],
-            )
+            let first = glist[3 * g + 1] as usize;
+            (glist[3 * g] as usize, &order[first..first + glist[3 * g + 2] as usize])
         };
 
         let blocks = inter.div_ceil(gemm::TILE_ROWS);

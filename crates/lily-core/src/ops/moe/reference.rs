@@ -1,8 +1,11 @@
-//! Reference kernels: plain loops, f32 accumulation, written to be obviously correct.
-//! Every other kernel (the fast CPU ones, Metal, CUDA) is tested against these.
-//! Each function's shapes are those of the matching `Backend` method.
+//! The reference twins of the MoE ops (shapes: `ops/moe/mod.rs`).
 
-use crate::{backend::params::*, ops::silu, quant::Matrix};
+use super::MoeSorted;
+use crate::{
+    backend::params::{MoeParams, RouteParams},
+    ops::silu,
+    quant::Matrix,
+};
 
 /// Softmax over all E logits, top K by probability (ties: lower id first), optional renormalisation.
 pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut [f32]) {
@@ -59,4 +62,27 @@ pub fn moe_experts(
             }
         }
     }
+}
+
+/// The (token, slot) pairs of ids [T, K] stably sorted by expert (pairs of one expert in
+/// increasing p = t K + k), and the map of blocks of at most `block_rows` sorted rows, each within
+/// one expert, in order; experts with no pair have no block.
+pub fn moe_sort(ids: &[u32], experts: usize, block_rows: usize) -> MoeSorted {
+    assert!(block_rows > 0, "moe_sort: blocks of 0 rows");
+    let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+    order.sort_by_key(|&p| ids[p as usize]); // stable
+    let mut pos = vec![0u32; ids.len()];
+    for (row, &p) in order.iter().enumerate() {
+        pos[p as usize] = row as u32;
+    }
+    let mut blocks = Vec::new();
+    let mut row0 = 0;
+    for e in 0..experts {
+        let n = ids.iter().filter(|&&i| i as usize == e).count();
+        for j in (0..n).step_by(block_rows) {
+            blocks.push([e as u32, (row0 + j) as u32, (n - j).min(block_rows) as u32]);
+        }
+        row0 += n;
+    }
+    MoeSorted { blocks, order, pos }
 }

@@ -1,0 +1,342 @@
+//! The MoE ops on Metal (`shaders/metal/moe.metal`): routing, the per-token expert GEMVs
+//! (decode) and the expert-sorted prefill (routing sorted on the GPU, then expert GEMMs).
+
+use super::MoeSorted;
+use crate::{
+    backend::{
+        metal::{
+            args::bytes_of, ceil_div, rows_grid, stream::Scratch, Arg, Executor, Fixed, GemmOp, GemvOp, Grid, Metal,
+            MetalBuf, MetalMatrix,
+        },
+        params::{MoeParams, MoeSortDesc, RouteParams, RowsParams},
+        Backend,
+    },
+    error::{Error, Result},
+};
+
+pub fn moe_route<X: Executor>(
+    m: &Metal<X>,
+    p: &RouteParams,
+    logits: &MetalBuf<X>,
+    ids: &mut MetalBuf<X>,
+    weights: &mut MetalBuf<X>,
+) {
+    let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
+    if e > 1024 || k > 64 || k > e {
+        return m.fail(format!(
+            "moe_route: top {k} of {e} experts unsupported (E <= 1024, K <= 64)"
+        ));
+    }
+    if !m.fits(
+        "moe_route",
+        &[
+            ("logits", logits.len(), t * e),
+            ("ids", ids.len(), t * k),
+            ("weights", weights.len(), t * k),
+        ],
+    ) {
+        return;
+    }
+    let grid = Grid::Groups {
+        count: [t as u32, 1, 1],
+        size: [256, 1, 1],
+    };
+    m.encode(
+        Fixed::MoeRoute,
+        &[Arg::Bytes(bytes_of(p)), logits.arg(), ids.arg(), weights.arg()],
+        grid,
+    );
+}
+
+pub fn moe_experts<X: Executor>(
+    m: &Metal<X>,
+    p: &MoeParams,
+    x: &MetalBuf<X>,
+    ids: &MetalBuf<X>,
+    weights: &MetalBuf<X>,
+    gate: &MetalMatrix<X>,
+    up: &MetalMatrix<X>,
+    down: &MetalMatrix<X>,
+    tmp: &mut MetalBuf<X>,
+    out: &mut MetalBuf<X>,
+) {
+    let (t, k) = (p.tokens as usize, p.top_k as usize);
+    let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
+    if gate.weight != up.weight || gate.weight != down.weight {
+        return m.fail(format!(
+            "moe_experts: gate/up/down formats differ ({}, {}, {})",
+            gate.weight.suffix(),
+            up.weight.suffix(),
+            down.weight.suffix()
+        ));
+    }
+    let checks = [
+        ("x", x.len(), t * d),
+        ("ids", ids.len(), t * k),
+        ("weights", weights.len(), t * k),
+        ("tmp", tmp.len(), t * k * (i + d)),
+        ("out", out.len(), t * d),
+    ];
+    if !m.fits("moe_experts", &checks) {
+        return;
+    }
+    if t > m.moe_gemm_tokens as usize && gate.experts <= 1024 {
+        return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
+    }
+    // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
+    let (act, y) = ((0, t * k * i), (t * k * i, t * k * d));
+    let part = |r: (usize, usize)| tmp.part(r.0, r.1);
+    let pb = || Arg::Bytes(bytes_of(p));
+    let [gw, gs, gb] = m.weights(gate);
+    let [uw, us, ub] = m.weights(up);
+    let args = [
+        pb(),
+        Arg::Bytes(bytes_of(&gate.desc)),
+        Arg::Bytes(bytes_of(&up.desc)),
+        gw,
+        gs,
+        gb,
+        uw,
+        us,
+        ub,
+        x.arg(),
+        ids.arg(),
+        part(act),
+    ];
+    let tk = (t * k) as u32;
+    let v = m.variants;
+    let rows_per_group = 4 * v.gemv.rows();
+    m.encode(
+        v.gemv_kernel(GemvOp::MoeGateUp, gate.weight),
+        &args,
+        Grid::Groups {
+            count: [ceil_div(i, rows_per_group), tk, 1],
+            size: [128, 1, 1],
+        },
+    );
+    let [dw, ds, db] = m.weights(down);
+    let args = [
+        pb(),
+        Arg::Bytes(bytes_of(&down.desc)),
+        dw,
+        ds,
+        db,
+        ids.arg(),
+        part(act),
+        part(y),
+    ];
+    m.encode(
+        v.gemv_kernel(GemvOp::MoeDown, down.weight),
+        &args,
+        Grid::Groups {
+            count: [ceil_div(d, rows_per_group), tk, 1],
+            size: [128, 1, 1],
+        },
+    );
+    let rows = RowsParams {
+        tokens: p.tokens,
+        dim: d as u32,
+    };
+    let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), part(y), out.arg()];
+    m.encode(Fixed::MoeCombine, &args, rows_grid(d, t));
+}
+
+/// Rows (token pairs) of one expert block of the sorted MoE path and the K step of its GEMMs
+/// (`MOE_TILE` in moe.metal; the weight-row side of the tiles is the `GemmTile` variant).
+pub const MOE_TILE: usize = 32;
+/// Tokens per sort block of `moe_histogram` / `moe_scatter`.
+const MOE_SORT_TOKENS: usize = 32;
+
+/// Where the regions of the sorted-MoE routing scratch lie: (first element, elements) in u32.
+#[derive(Clone, Copy, Debug)]
+struct MoeSortLayout {
+    count: (usize, usize),
+    blocks: (usize, usize),
+    hist: (usize, usize),
+    order: (usize, usize),
+    pos: (usize, usize),
+    max_blocks: usize,
+}
+
+/// Encode the routing of the sorted MoE path for ids [T, K] over `experts` experts:
+/// `moe_histogram` (pairs per expert per sort block), `moe_scan` (sorted row offsets and the
+/// block map) and `moe_scatter` (order / pos). The scratch buffer and its layout.
+fn encode_moe_sort<X: Executor>(
+    m: &Metal<X>,
+    p: &MoeParams,
+    ids: &MetalBuf<X>,
+    experts: usize,
+) -> Option<(MetalBuf<X>, MoeSortLayout)> {
+    let (t, k, e) = (p.tokens as usize, p.top_k as usize, experts);
+    let pairs = t * k;
+    let token_blocks = t.div_ceil(MOE_SORT_TOKENS);
+    let max_blocks = pairs.div_ceil(MOE_TILE) + e.min(pairs);
+    if e == 0 || e > 1024 {
+        m.fail(format!(
+            "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
+        ));
+        return None;
+    }
+    if !m.fits("moe_experts", &[("ids", ids.len(), pairs)]) {
+        return None;
+    }
+    let sd = MoeSortDesc {
+        experts: e as u32,
+        token_blocks: token_blocks as u32,
+        sort_tokens: MOE_SORT_TOKENS as u32,
+        max_blocks: max_blocks as u32,
+    };
+    // count [4] | blocks [max_blocks, 4] | hist [token_blocks, E] | order [T*K] | pos [T*K]
+    let mut at = 0;
+    let mut next = |n: usize| {
+        at += n;
+        (at - n, n)
+    };
+    let l = MoeSortLayout {
+        count: next(4),
+        blocks: next(4 * max_blocks),
+        hist: next(token_blocks * e),
+        order: next(pairs),
+        pos: next(pairs),
+        max_blocks,
+    };
+    let sc = m.scratch(Scratch::MoeSort, at)?;
+    let region = |r: (usize, usize)| sc.part(r.0, r.1);
+    let pb = || Arg::Bytes(bytes_of(p));
+    let sb = || Arg::Bytes(bytes_of(&sd));
+    let sort_grid = Grid::Threads {
+        threads: [e as u32, token_blocks as u32, 1],
+        size: [64, 1, 1],
+    };
+    m.encode(Fixed::MoeHistogram, &[pb(), sb(), ids.arg(), region(l.hist)], sort_grid);
+    let scan = Grid::Groups {
+        count: [1, 1, 1],
+        size: [(e.div_ceil(32) * 32) as u32, 1, 1],
+    };
+    let args = [pb(), sb(), region(l.hist), region(l.count), region(l.blocks)];
+    m.encode(Fixed::MoeScan, &args, scan);
+    let args = [pb(), sb(), ids.arg(), region(l.hist), region(l.order), region(l.pos)];
+    m.encode(Fixed::MoeScatter, &args, sort_grid);
+    Some((sc, l))
+}
+
+/// Run the routing of the sorted MoE path alone and read it back (tests: the kernels
+/// `moe_histogram`, `moe_scan` and `moe_scatter` against a plain counting sort).
+pub fn moe_sort<X: Executor>(m: &Metal<X>, p: &MoeParams, ids: &MetalBuf<X>, experts: usize) -> Result<MoeSorted> {
+    let enc = encode_moe_sort(m, p, ids, experts);
+    m.flush()?;
+    let Some((sc, l)) = enc else {
+        return Err(Error::Device("moe_sort: nothing encoded".into()));
+    };
+    let get = |r: (usize, usize)| -> Result<Vec<u32>> {
+        let mut v = vec![0f32; r.1];
+        m.read(&sc, r.0, &mut v)?;
+        Ok(v.iter().map(|x| x.to_bits()).collect())
+    };
+    let n = get(l.count)?[0] as usize;
+    let blocks = get(l.blocks)?.chunks(4).take(n).map(|b| [b[0], b[1], b[2]]).collect();
+    Ok(MoeSorted {
+        blocks,
+        order: get(l.order)?,
+        pos: get(l.pos)?,
+    })
+}
+
+/// `moe_experts` for prefill: route-sorted expert GEMMs, with no CPU round-trip. The pairs
+/// p = t*K + k are counted per expert (`moe_histogram`), scanned into per-expert row offsets
+/// and a map of 32-row blocks (`moe_scan`), scattered into expert-sorted order
+/// (`moe_scatter`); each block then runs gate/up + SwiGLU (`moe_gemm_gate_up`, into
+/// act [T*K, I] of `tmp`) and down (`moe_gemm_down`, into y [T*K, D] of `tmp`) with the
+/// weights dequantized tile by tile, and `moe_combine_sorted` sums the K rows of each token
+/// in slot order. The block grids are sized for the worst case (`max_blocks`); the
+/// threadgroups past the block count return at once.
+fn moe_experts_sorted<X: Executor>(
+    m: &Metal<X>,
+    p: &MoeParams,
+    x: &MetalBuf<X>,
+    ids: &MetalBuf<X>,
+    weights: &MetalBuf<X>,
+    gate: &MetalMatrix<X>,
+    up: &MetalMatrix<X>,
+    down: &MetalMatrix<X>,
+    tmp: &mut MetalBuf<X>,
+    out: &mut MetalBuf<X>,
+) {
+    let (t, k) = (p.tokens as usize, p.top_k as usize);
+    let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
+    let pairs = t * k;
+    let Some((sc, l)) = encode_moe_sort(m, p, ids, gate.experts as usize) else {
+        return;
+    };
+    let region = |r: (usize, usize)| sc.part(r.0, r.1);
+    let (count, blocks, order, pos) = (
+        || region(l.count),
+        || region(l.blocks),
+        || region(l.order),
+        || region(l.pos),
+    );
+    let max_blocks = l.max_blocks;
+    let pb = || Arg::Bytes(bytes_of(p));
+    // tmp = [act [T*K, I] | y [T*K, D]], both in sorted row order.
+    let act = || tmp.part(0, pairs * i);
+    let y = || tmp.part(pairs * i, pairs * d);
+    let v = m.variants;
+    let tn = v.gemm.rows();
+    let (x_tile, w_tile) = (MOE_TILE * MOE_TILE * 4, tn * MOE_TILE * 4);
+    let [gw, gs, gb] = m.weights(gate);
+    let [uw, us, ub] = m.weights(up);
+    let args = [
+        pb(),
+        Arg::Bytes(bytes_of(&gate.desc)),
+        Arg::Bytes(bytes_of(&up.desc)),
+        gw,
+        gs,
+        gb,
+        uw,
+        us,
+        ub,
+        x.arg(),
+        count(),
+        blocks(),
+        order(),
+        act(),
+    ];
+    let grid = Grid::Groups {
+        count: [ceil_div(i, tn), max_blocks as u32, 1],
+        size: [128, 1, 1],
+    };
+    m.encode_tg(
+        v.gemm_kernel(GemmOp::MoeGemmGateUp, gate.weight),
+        &args,
+        grid,
+        &[x_tile, w_tile, w_tile],
+    );
+    let [dw, ds, db] = m.weights(down);
+    let args = [
+        pb(),
+        Arg::Bytes(bytes_of(&down.desc)),
+        dw,
+        ds,
+        db,
+        count(),
+        blocks(),
+        act(),
+        y(),
+    ];
+    let grid = Grid::Groups {
+        count: [ceil_div(d, tn), max_blocks as u32, 1],
+        size: [128, 1, 1],
+    };
+    m.encode_tg(
+        v.gemm_kernel(GemmOp::MoeGemmDown, down.weight),
+        &args,
+        grid,
+        &[x_tile, w_tile],
+    );
+    let rows = RowsParams {
+        tokens: p.tokens,
+        dim: d as u32,
+    };
+    let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), pos(), y(), out.arg()];
+    m.encode(Fixed::MoeCombineSorted, &args, rows_grid(d, t));
+}

@@ -1,0 +1,473 @@
+//! The MoE family (moe_route; moe_experts: per-token and expert-sorted paths; the sort of
+//! (token, slot) pairs by expert): the CPU kernels and the Metal kernels (simulator; the device
+//! on macOS) against the reference twins, and the router's rule on non-finite logits.
+
+mod common;
+#[macro_use]
+mod metal_common;
+
+use common::{assert_close, matrix, rand_vec};
+use lily_core::{
+    backend::{
+        cpu::Cpu,
+        metal::{Executor, GemmTile, GemvRows, Metal},
+        params::{MoeParams, RouteParams},
+        Backend,
+    },
+    ops::moe::{cpu as moe_cpu, metal as moe_metal, metal::MOE_TILE, reference},
+    quant::Format,
+    safetensors::DType,
+};
+use metal_common::{assert_near, ids_buf, read_all, stored_matrix, ReadIds, TOL};
+
+mod cpu {
+    use super::*;
+
+    #[test]
+    fn moe_matches_reference() {
+        let (fast, refr) = (Cpu::new(), Cpu::reference());
+        let (e, k, d, i) = (16usize, 8usize, 128usize, 64usize);
+        for &t in &[1usize, 6] {
+            let logits = rand_vec(t * e, 1 + t as u64, -3.0, 3.0);
+            let rp = RouteParams {
+                tokens: t as u32,
+                experts: e as u32,
+                top_k: k as u32,
+                renorm: 1,
+            };
+            let (mut ia, mut ib) = (vec![0u32; t * k], vec![0u32; t * k]);
+            let (mut wa, mut wb) = (vec![0f32; t * k], vec![0f32; t * k]);
+            fast.moe_route(&rp, &logits, &mut ia, &mut wa);
+            refr.moe_route(&rp, &logits, &mut ib, &mut wb);
+            assert_eq!(ia, ib, "moe_route ids");
+            assert_close(&wa, &wb, 1e-6, "moe_route weights");
+            for wt in wa.chunks(k) {
+                assert!(
+                    (wt.iter().sum::<f32>() - 1.0).abs() < 1e-5,
+                    "renormalised weights sum to 1"
+                );
+            }
+            for format in [Format::BF16, Format::Affine { bits: 4, group: 64 }] {
+                let gate = matrix(e, i, d, format, DType::BF16, 21);
+                let up = matrix(e, i, d, format, DType::BF16, 22);
+                let down = matrix(e, d, i, format, DType::BF16, 23);
+                let x = rand_vec(t * d, 24, -1.0, 1.0);
+                let mp = MoeParams {
+                    tokens: t as u32,
+                    top_k: k as u32,
+                };
+                let mut tmp = vec![0f32; t * k * (i + d)];
+                let (mut a, mut b) = (vec![0f32; t * d], vec![0f32; t * d]);
+                fast.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut a);
+                refr.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut b);
+                assert_close(&a, &b, 1e-5, &format!("moe_experts {format:?} t={t}"));
+            }
+        }
+    }
+
+    /// The sort twin on a hand-sorted case: ids [3 tokens, 2 slots] = [2, 0 | 0, 2 | 1, 0] over 4
+    /// experts (expert 3 gets none), blocks of at most 2 rows.
+    #[test]
+    fn moe_sort_reference_by_hand() {
+        let s = reference::moe_sort(&[2, 0, 0, 2, 1, 0], 4, 2);
+        assert_eq!(s.order, [1, 2, 5, 4, 0, 3]);
+        assert_eq!(s.pos, [4, 0, 1, 5, 3, 2]);
+        assert_eq!(s.blocks, [[0, 0, 2], [0, 2, 1], [1, 3, 1], [2, 4, 2]]);
+    }
+
+    /// The CPU prefill's grouping of (token, slot) pairs by expert against the sort twin with one
+    /// block per expert: the same order, one group per expert that has pairs.
+    #[test]
+    fn moe_grouping_matches_reference() {
+        for (t, k, e) in [(41usize, 4usize, 12usize), (9, 2, 6), (100, 8, 70), (1, 8, 16)] {
+            let ids = uneven_ids(t, k, e);
+            let want = reference::moe_sort(&ids, e, usize::MAX);
+            let (mut starts, mut order, mut groups) = (vec![7; e + 1], vec![0; t * k], vec![0; 3 * e]);
+            let n = moe_cpu::group_by_expert(&ids, e, &mut starts, &mut order, &mut groups);
+            assert_eq!(order, want.order, "order T={t} K={k} E={e}");
+            let got: Vec<[u32; 3]> = groups[..3 * n].chunks(3).map(|g| [g[0], g[1], g[2]]).collect();
+            assert_eq!(got, want.blocks, "groups T={t} K={k} E={e}");
+        }
+    }
+}
+
+metal_tests!(
+    moe_route_matches_reference,
+    moe_route_non_finite_is_safe,
+    moe_experts_matches_reference,
+    moe_sort_matches_reference,
+    moe_experts_sorted_matches_reference,
+);
+
+fn moe_route_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (t, e, k, renorm) in [(4usize, 70usize, 8usize, 1u32), (3, 16, 8, 0), (2, 300, 2, 1)] {
+        let logits = rand_vec(t * e, 100 + e as u64, -3.0, 3.0);
+        let p = RouteParams {
+            tokens: t as u32,
+            experts: e as u32,
+            top_k: k as u32,
+            renorm,
+        };
+        let run = |ids: Vec<u32>, w: Vec<f32>| (ids, w);
+        let cpu = Cpu::reference();
+        let (ci, cw) = {
+            let lb = cpu.upload(&logits).unwrap();
+            let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
+            cpu.moe_route(&p, &lb, &mut ib, &mut wb);
+            run(cpu.ids(&ib), read_all(&cpu, &wb, t * k))
+        };
+        let m = &*dev;
+        let lb = m.upload(&logits).unwrap();
+        let (mut ib, mut wb) = (m.alloc_ids(t * k).unwrap(), m.alloc(t * k).unwrap());
+        m.moe_route(&p, &lb, &mut ib, &mut wb);
+        m.finish().unwrap();
+        assert_eq!(m.ids(&ib), ci, "moe_route ids E={e} K={k}");
+        assert_near(
+            &read_all(m, &wb, t * k),
+            &cw,
+            tolx * TOL,
+            &format!("moe_route weights E={e} K={k}"),
+        );
+    }
+}
+
+/// The rule `moe_route` follows on any logits (moe.metal): NaN ranks as -inf; +inf logits share
+/// the probability equally and every finite one gets 0; when every logit is NaN or -inf, every
+/// expert gets 1/E; top K by probability, ties to the lower id. On finite logits (and -inf ones
+/// beside a finite one) it is the reference's softmax and top K. The ids and weights of one row.
+fn route_rule(l: &[f32], k: usize, renorm: bool) -> (Vec<u32>, Vec<f32>) {
+    let s: Vec<f32> = l
+        .iter()
+        .map(|&x| {
+            if x.is_nan() {
+                f32::MIN
+            } else {
+                x.clamp(f32::MIN, f32::MAX)
+            }
+        })
+        .collect();
+    let m = s.iter().copied().fold(f32::MIN, f32::max);
+    let w: Vec<f32> = s
+        .iter()
+        .map(|&x| if x >= m - 110.0 { (x - m).exp() } else { 0.0 })
+        .collect();
+    let z: f32 = w.iter().sum();
+    let p: Vec<f32> = w.iter().map(|v| v / z).collect();
+    let mut order: Vec<usize> = (0..l.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    let ids: Vec<u32> = order[..k].iter().map(|&e| e as u32).collect();
+    let sum: f32 = order[..k].iter().map(|&e| p[e]).sum();
+    let wts = order[..k]
+        .iter()
+        .map(|&e| if renorm { p[e] / sum } else { p[e] })
+        .collect();
+    (ids, wts)
+}
+
+/// Router logits rows of `e` experts with NaN, infinities, ties and extreme values (name, row).
+fn non_finite_rows(e: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
+    let nans = [
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7fc0_1234),
+        f32::from_bits(0x7f80_0001), // signalling
+        f32::from_bits(0xffff_ffff),
+    ];
+    let base = rand_vec(e, seed, -3.0, 3.0);
+    let with = |every: usize, f: &dyn Fn(usize) -> f32| -> Vec<f32> {
+        base.iter()
+            .enumerate()
+            .map(|(i, &x)| if i % every == 1 { f(i) } else { x })
+            .collect()
+    };
+    let mut three_finite = vec![f32::NAN; e];
+    for (j, i) in [e / 2, 1, e - 1].into_iter().enumerate() {
+        three_finite[i] = j as f32;
+    }
+    let mut inf_and_nan: Vec<f32> = (0..e).map(|i| nans[i % nans.len()]).collect();
+    for i in [e - 1, e / 3, 2] {
+        inf_and_nan[i] = f32::INFINITY;
+    }
+    vec![
+        ("finite", base.clone()),
+        ("NaN among finite", with(3, &|i| nans[i % nans.len()])),
+        ("all NaN", (0..e).map(|i| nans[i % nans.len()]).collect()),
+        ("all equal", vec![0.25; e]),
+        (
+            "all zero, some -0",
+            (0..e).map(|i| if i % 2 == 0 { 0.0 } else { -0.0 }).collect(),
+        ),
+        ("one +inf", {
+            let mut r = base.clone();
+            r[e / 2] = f32::INFINITY;
+            r
+        }),
+        ("+inf among NaN", inf_and_nan),
+        ("-inf among finite", with(2, &|_| f32::NEG_INFINITY)),
+        ("all -inf", vec![f32::NEG_INFINITY; e]),
+        ("all +inf", vec![f32::INFINITY; e]),
+        ("NaN, -inf and three finite", {
+            let mut r = three_finite.clone();
+            r.iter_mut().step_by(4).for_each(|x| {
+                if x.is_nan() {
+                    *x = f32::NEG_INFINITY
+                }
+            });
+            r
+        }),
+        (
+            "extremes",
+            with(2, &|i| [f32::MAX, f32::MIN, 1e30, -1e30, f32::MIN_POSITIVE][i % 5]),
+        ),
+        ("huge ties", vec![f32::MAX; e]),
+    ]
+}
+
+/// `moe_route` on router logits with NaN (of several bit patterns), +-inf, all-equal, all-NaN
+/// and extreme values (`non_finite_rows`), K < E and K = E, with and without renormalisation:
+/// every token gets K distinct ids < E (the simulator bounds-checks every access) and finite
+/// weights in [0, 1], as `route_rule` says; where the reference's softmax is defined (no NaN, no
+/// +inf, a finite logit) ids and weights match `Cpu::reference()` too. The reference itself
+/// always returns K distinct ids < E as well (a total-order sort of all E).
+fn moe_route_non_finite_is_safe<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (e, k) in [(70usize, 8usize), (16, 16), (300, 2), (1024, 64), (3, 1)] {
+        let rows = non_finite_rows(e, 200 + e as u64);
+        let t = rows.len();
+        let logits: Vec<f32> = rows.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+        for renorm in [1u32, 0] {
+            let p = RouteParams {
+                tokens: t as u32,
+                experts: e as u32,
+                top_k: k as u32,
+                renorm,
+            };
+            let cpu = Cpu::reference();
+            let (ci, cw) = {
+                let lb = cpu.upload(&logits).unwrap();
+                let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
+                cpu.moe_route(&p, &lb, &mut ib, &mut wb);
+                (cpu.ids(&ib), read_all(&cpu, &wb, t * k))
+            };
+            let m = &*dev;
+            let lb = m.upload(&logits).unwrap();
+            let (mut ib, mut wb) = (m.alloc_ids(t * k).unwrap(), m.alloc(t * k).unwrap());
+            m.moe_route(&p, &lb, &mut ib, &mut wb);
+            m.finish().unwrap();
+            let (gi, gw) = (m.ids(&ib), read_all(m, &wb, t * k));
+            for (row, (what, l)) in rows.iter().enumerate() {
+                let at = format!("moe_route E={e} K={k} renorm={renorm} {what:?}");
+                let (ids, w) = (&gi[row * k..][..k], &gw[row * k..][..k]);
+                let (ref_ids, ref_w) = (&ci[row * k..][..k], &cw[row * k..][..k]);
+                for (name, ids) in [("Metal", ids), ("reference", ref_ids)] {
+                    let mut seen = vec![false; e];
+                    for &i in ids {
+                        assert!((i as usize) < e, "{at}: {name} id {i} out of range: {ids:?}");
+                        assert!(!seen[i as usize], "{at}: {name} id {i} twice: {ids:?}");
+                        seen[i as usize] = true;
+                    }
+                }
+                assert!(
+                    w.iter().all(|x| x.is_finite() && (0.0..=1.0).contains(x)),
+                    "{at}: weights {w:?}"
+                );
+                if renorm != 0 {
+                    let sum: f32 = w.iter().sum();
+                    assert!((sum - 1.0).abs() <= 1e-5, "{at}: weights sum to {sum}");
+                }
+                let (want_ids, want_w) = route_rule(l, k, renorm != 0);
+                assert_eq!(ids, &want_ids[..], "{at}: ids");
+                assert_near(w, &want_w, tolx * TOL, &format!("{at}: weights"));
+                let defined = l.iter().all(|x| !x.is_nan() && *x != f32::INFINITY) && l.iter().any(|x| x.is_finite());
+                if defined {
+                    assert_eq!(ids, ref_ids, "{at}: ids against the reference");
+                    assert_near(w, ref_w, tolx * TOL, &format!("{at}: weights against the reference"));
+                }
+            }
+        }
+    }
+}
+
+/// The per-token (decode) MoE kernels, every GEMV variant (2 and 4 rows per simdgroup).
+/// Shapes: I = 37 and D = 70 leave a simdgroup with fewer rows than the variant's (r2: 37 = 4 x 8
+/// + 5; r4: 37 = 2 x 16 + 5 and 70 = 4 x 16 + 6), I = 40 a partial threadgroup of r4.
+fn moe_experts_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved = dev.variants;
+    // Fused gate_up [E, 2I, D] seen as two views (the HF layout), down [E, D, I].
+    for (format, sd, d, inter) in [
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96),
+        (Format::BF16, DType::F32, 70, 37),
+        (Format::Affine { bits: 8, group: 8 }, DType::F16, 48, 40),
+    ] {
+        let (e, t, k) = (6usize, 3usize, 2usize);
+        let fused = stored_matrix(format, sd, e * 2 * inter, d, 110);
+        let mut gate = fused.clone();
+        (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
+        let mut up = gate.clone();
+        up.row_offset = inter;
+        let mut down = stored_matrix(format, sd, e * d, inter, 111);
+        (down.experts, down.rows, down.expert_stride) = (e, d, d);
+        let x = rand_vec(t * d, 112, -1.0, 1.0);
+        let ids = [5u32, 0, 2, 2, 1, 4];
+        let w = rand_vec(t * k, 113, 0.0, 1.0);
+        for gemv in GemvRows::ALL {
+            dev.variants.gemv = gemv;
+            both!(dev, tolx * TOL, format!("moe_experts {format:?} I={inter} D={d} {gemv:?}"), b => {
+                let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
+                let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
+                let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+                let mut out = b.alloc(t * d).unwrap();
+                b.moe_experts(&MoeParams { tokens: t as u32, top_k: k as u32 }, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+                b.finish().unwrap();
+                vec![read_all(b, &out, t * d)]
+            });
+        }
+    }
+    dev.variants = saved;
+}
+
+/// Top-k ids [T, K] (distinct per token) with uneven counts: expert 0 in every token at a slot
+/// that rotates with t, the others from the first E - 2 experts, so the last two get none.
+fn uneven_ids(t: usize, k: usize, e: usize) -> Vec<u32> {
+    (0..t)
+        .flat_map(|ti| {
+            let mut row = vec![0u32];
+            let mut c = 1 + (ti * 5) % (e - 3);
+            while row.len() < k {
+                if !row.contains(&(c as u32)) {
+                    row.push(c as u32);
+                }
+                c = 1 + (c + ti % 3) % (e - 3);
+            }
+            row.rotate_right(ti % k);
+            row
+        })
+        .collect()
+}
+
+/// moe_histogram -> moe_scan -> moe_scatter (the GPU routing of the sorted MoE path) against a
+/// the reference twin (`reference::moe_sort`, a plain stable sort), exactly: block map, sorted
+/// order and its inverse. Shapes: several
+/// sort blocks of 32 tokens with a partial last one, experts with 0, < 32, exactly 32 and > 64
+/// tokens, E not a multiple of 32 (a partial simdgroup in the scan) and E > 32 (several).
+fn moe_sort_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx; // exact
+    let mut cases: Vec<(usize, usize, usize, Vec<u32>)> = vec![
+        (41, 4, 12, uneven_ids(41, 4, 12)),
+        (9, 2, 6, uneven_ids(9, 2, 6)),
+        (100, 8, 70, uneven_ids(100, 8, 70)),
+    ];
+    // Exactly 32 tokens for expert 3, 65 for expert 1, none for the rest.
+    let (t, k) = (97, 1);
+    cases.push((t, k, 40, (0..t).map(|i| if i < 32 { 3 } else { 1 }).collect()));
+    for (t, k, e, ids) in cases {
+        let want = reference::moe_sort(&ids, e, MOE_TILE);
+        let m = &*dev;
+        let ib = ids_buf(m, &ids);
+        let p = MoeParams {
+            tokens: t as u32,
+            top_k: k as u32,
+        };
+        let got = moe_metal::moe_sort(m, &p, &ib, e).unwrap();
+        assert_eq!(got.blocks, want.blocks, "moe_sort blocks T={t} K={k} E={e}");
+        assert_eq!(got.order, want.order, "moe_sort order T={t} K={k} E={e}");
+        assert_eq!(got.pos, want.pos, "moe_sort pos T={t} K={k} E={e}");
+    }
+}
+
+/// Expert e's tokens of `ids` [T, K].
+fn tokens_per_expert(ids: &[u32], e: usize) -> Vec<usize> {
+    let mut n = vec![0; e];
+    for &i in ids {
+        n[i as usize] += 1;
+    }
+    n
+}
+
+/// The prefill path of `moe_experts` (T above `moe_gemm_tokens`): histogram, scan, scatter and
+/// block map on the GPU, expert GEMMs over 32-row blocks. Shapes: an expert with more than 32
+/// tokens (two blocks, the second partial), experts with a handful of tokens, experts with none
+/// (ids of the last experts never chosen), I and D that leave partial 32-row tiles and partial
+/// K steps (D = 70: a tail past the last 8 columns), 4-bit and dense weights; the sorted path
+/// must also agree with the per-token kernels it replaces, and repeat bit for bit. Every tile
+/// variant (32 and 64 weight rows; I = 96 and D = 70, 80 leave a partial 64-row tile).
+fn moe_experts_sorted_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved_variants = dev.variants;
+    // (format, scales, D, I, E, T, K)
+    let cases = [
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96, 12, 41, 4),
+        (Format::BF16, DType::F32, 70, 36, 6, 9, 2),
+        (Format::Affine { bits: 8, group: 16 }, DType::F16, 80, 48, 9, 70, 3),
+    ];
+    for (format, sd, d, inter, e, t, k) in cases {
+        let fused = stored_matrix(format, sd, e * 2 * inter, d, 120);
+        let mut gate = fused.clone();
+        (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
+        let mut up = gate.clone();
+        up.row_offset = inter;
+        let mut down = stored_matrix(format, sd, e * d, inter, 121);
+        (down.experts, down.rows, down.expert_stride) = (e, d, d);
+        let x = rand_vec(t * d, 122, -1.0, 1.0);
+        let ids = uneven_ids(t, k, e);
+        let n = tokens_per_expert(&ids, e);
+        assert!(n[0] == t && n[e - 1] == 0 && n[e - 2] == 0, "{n:?}");
+        let w = rand_vec(t * k, 123, 0.0, 1.0);
+        let what = format!("moe_experts sorted {format:?} E={e} T={t} K={k} per expert {n:?}");
+        let go = |b: &Metal<X>| {
+            let (g, u, dn) = (
+                b.upload_matrix(&gate).unwrap(),
+                b.upload_matrix(&up).unwrap(),
+                b.upload_matrix(&down).unwrap(),
+            );
+            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
+            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+            let mut out = b.alloc(t * d).unwrap();
+            let p = MoeParams {
+                tokens: t as u32,
+                top_k: k as u32,
+            };
+            b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+            b.finish().unwrap();
+            read_all(b, &out, t * d)
+        };
+        let want = {
+            let b = Cpu::reference();
+            let (g, u, dn) = (
+                b.upload_matrix(&gate).unwrap(),
+                b.upload_matrix(&up).unwrap(),
+                b.upload_matrix(&down).unwrap(),
+            );
+            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(&b, &ids));
+            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+            let mut out = b.alloc(t * d).unwrap();
+            let p = MoeParams {
+                tokens: t as u32,
+                top_k: k as u32,
+            };
+            b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+            read_all(&b, &out, t * d)
+        };
+        let saved = dev.moe_gemm_tokens;
+        dev.moe_gemm_tokens = u32::MAX;
+        let per_token = go(dev);
+        dev.moe_gemm_tokens = 8;
+        for gemm in GemmTile::ALL {
+            dev.variants.gemm = gemm;
+            let what = format!("{what} {gemm:?}");
+            let sorted = go(dev);
+            let again = go(dev);
+            assert_near(&sorted, &want, tolx * TOL, &what);
+            assert_near(
+                &sorted,
+                &per_token,
+                tolx * TOL,
+                &format!("{what} vs the per-token kernels"),
+            );
+            assert!(
+                sorted.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: two runs differ"
+            );
+        }
+        dev.moe_gemm_tokens = saved;
+    }
+    dev.variants = saved_variants;
+}
