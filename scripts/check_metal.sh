@@ -3,8 +3,9 @@
 #  1. type-check every shaders/metal/*.metal in both tools/metal-sim modes (C++20 with address
 #     spaces, and clang's C++ for OpenCL 2021);
 #  2. run every kernel (every GPU-family variant) on the CPU simulator against its reference twin
-#     (bounds-checked), one tiny-model forward pass per GPU family, then again with the threads of
-#     each threadgroup in reverse order for the kernels using threadgroup memory;
+#     (bounds-checked; the metal_sim tests of tests/ops_<family>.rs), one tiny-model forward pass
+#     per GPU family (tests/metal_sim.rs), then again with the threads of each threadgroup in
+#     reverse order for the kernels using threadgroup memory;
 #  3. the host encoding layer: warm decode steps and prefill chunks of a tiny model encoded
 #     through a null executor allocate nothing (tests/metal_alloc.rs, a counting allocator);
 #  4. the tiny-model oracle test end to end through backend="metal-sim" (needs the Python package
@@ -26,13 +27,16 @@ for f in shaders/metal/*.metal; do
 done
 [ "$fail" = 0 ] || exit 1
 
-echo "== kernels vs CPU reference (simulator, bounds-checked)"
+echo "== kernels vs their reference twins (simulator, bounds-checked), the whole backend"
+cargo test -p lily-core --release --test 'ops_*' -- metal_sim
 cargo test -p lily-core --release --test metal_sim
 
 echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse)"
 # (matmul and moe_experts_sorted run every GEMM tile variant; delta_net_chunked also has a
-# reversed twin in the plain run, delta_net_chunked_reversed_matches_cpu.)
-MTL_SCHED=reverse cargo test -p lily-core --release --test metal_sim -- rms_norm qk_norm_rope attention moe_route moe_sort moe_experts_sorted matmul delta_net_chunked
+# reversed twin in the plain run, metal_sim_reversed::delta_net_chunked_matches_reference.)
+MTL_SCHED=reverse cargo test -p lily-core --release --test 'ops_*' -- \
+  metal_sim::rms_norm metal_sim::qk_norm_rope metal_sim::attention metal_sim::moe_route metal_sim::moe_sort \
+  metal_sim::moe_experts_sorted metal_sim::matmul metal_sim::delta_net_chunked
 
 echo "== warm forward passes encode without allocating (counting allocator, null executor)"
 cargo test -p lily-core --release --test metal_alloc
