@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Metal checks that run without a Mac (needs clang-19: apt-get install -y clang-19):
-#  1. type-check every shaders/metal/*.metal in both tools/metal-sim modes (C++20 with address
-#     spaces, and clang's C++ for OpenCL 2021);
+#  1. type-check every shaders/metal/*.metal (with shaders/params.h) in both tools/metal-sim
+#     modes (C++20 with address spaces, and clang's C++ for OpenCL 2021);
 #  2. run every kernel (every GPU-family variant) on the CPU simulator against its reference twin
 #     (bounds-checked; the metal_sim tests of tests/ops_<family>.rs), one tiny-model forward pass
 #     per GPU family (tests/metal_sim.rs), then again with the threads of each threadgroup in
@@ -20,7 +20,7 @@ echo "== type-check shaders/metal (2 modes)"
 fail=0
 for f in shaders/metal/*.metal; do
   for mode in check.sh check_clcpp.sh; do
-    if ! tools/metal-sim/$mode "$f" -Ishaders/metal; then
+    if ! tools/metal-sim/$mode "$f" -Ishaders/metal -Ishaders; then
       echo "FAILED: $mode $f"; fail=1
     fi
   done

@@ -7,7 +7,7 @@
 // of each head) and k [T, Hkv, hd]. inv_freq_j = theta^(-2j/rotary_dim); angles in f32.
 // Bindings: 0 RopeParams, 1 q_norm [hd], 2 k_norm [hd], 3 qg (in/out), 4 k (in/out).
 // Grid: threadgroups (H + Hkv, T): heads 0..H-1 are q heads, then the k heads; hd rounded up to
-// whole simdgroups, 32 to 256 threads (norm_threads), striding over hd (<= 1024); normed values
+// whole simdgroups, 32 to 256 threads (norm_threads), striding over hd (<= ROPE_HEAD_DIM_MAX); normed values
 // staged in threadgroup memory for the rotation.
 kernel void qk_norm_rope_f32(constant RopeParams& p [[buffer(0)]], device const float* q_norm [[buffer(1)]],
                              device const float* k_norm [[buffer(2)]], device float* qg [[buffer(3)]],
@@ -16,7 +16,7 @@ kernel void qk_norm_rope_f32(constant RopeParams& p [[buffer(0)]], device const 
                              uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
                              uint nsg [[simdgroups_per_threadgroup]]) {
   threadgroup float partial[32];
-  threadgroup float v[1024];
+  threadgroup float v[ROPE_HEAD_DIM_MAX];
   const uint hh = tg.x, t = tg.y, hd = p.head_dim;
   const bool is_q = hh < p.heads;
   device float* x = is_q ? qg + ((ulong)t * p.heads + hh) * 2 * hd : k + ((ulong)t * p.kv_heads + (hh - p.heads)) * hd;
@@ -49,8 +49,7 @@ kernel void kv_store_f32(constant KvStoreParams& p [[buffer(0)]], device const f
   cache[(ulong)(p.pos0 + pos.y) * p.width + pos.x] = x[(ulong)pos.y * p.width + pos.x];
 }
 
-constant constexpr uint ATT_TILE = 8;    // cache rows staged per step
-constant constexpr uint ATT_HD_MAX = 256;
+constant constexpr uint ATT_TILE = 8;  // cache rows staged per step
 
 // attention: out [T, H*hd] = softmax(q K^T * scale, causal) V * sigmoid(gate), q/gate from
 // qg [T, H, 2*hd] (q then gate per head), caches [max_seq, Hkv, hd]; token t sees rows 0..pos0+t.
@@ -68,8 +67,8 @@ kernel void attention_f32(constant AttentionParams& p [[buffer(0)]], constant At
                           uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                           uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float ks[ATT_TILE * ATT_HD_MAX];
-  threadgroup float vs[ATT_TILE * ATT_HD_MAX];
+  threadgroup float ks[ATT_TILE * ATTENTION_HEAD_DIM_MAX];
+  threadgroup float vs[ATT_TILE * ATTENTION_HEAD_DIM_MAX];
   const uint kvh = tg.x, t = tg.y, split = tg.z;
   const uint hd = p.head_dim, group = p.heads / p.kv_heads, h = kvh * group + sg;
   const uint kvw = p.kv_heads * hd;
@@ -78,7 +77,7 @@ kernel void attention_f32(constant AttentionParams& p [[buffer(0)]], constant At
   const uint s1 = min(len, s0 + sp.split_rows);
   const uint nd = hd / 32;
   device const float* qh = qg + ((ulong)t * p.heads + h) * 2 * hd;
-  float q[ATT_HD_MAX / 32], o[ATT_HD_MAX / 32];
+  float q[ATTENTION_HEAD_DIM_MAX / 32], o[ATTENTION_HEAD_DIM_MAX / 32];
   for (uint i = 0; i < nd; ++i) {
     q[i] = qh[lane + 32 * i] * p.scale;
     o[i] = 0.0f;

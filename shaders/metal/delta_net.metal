@@ -4,14 +4,15 @@
 
 // delta_net_conv: out [T, C] = silu(sum_j w[c, j] * row(t + j)) over the rows of [state; x],
 // state [taps - 1, C] (oldest first) becomes the last taps - 1 rows; w [C, taps], x [T, C] f32.
-// Bindings: 0 ConvParams, 1 w, 2 state (in/out), 3 x, 4 out. Grid: dispatchThreads (C): one
-// thread per channel walks the T tokens keeping the history in registers (taps <= 8).
+// Bindings: 0 ConvParams, 1 w, 2 state (in/out), 3 x, 4 out. Grid: dispatchThreads (C),
+// threadgroups of 64: one thread per channel walks the T tokens keeping the history in registers
+// (1 <= taps <= MAX_CONV_TAPS, checked when the config is read).
 kernel void delta_net_conv_f32(constant ConvParams& p [[buffer(0)]], device const float* w [[buffer(1)]],
                                device float* state [[buffer(2)]], device const float* x [[buffer(3)]],
                                device float* out [[buffer(4)]], uint c [[thread_position_in_grid]]) {
   if (c >= p.channels) return;
   const uint hist = p.taps - 1, C = p.channels;
-  float h[8];
+  float h[MAX_CONV_TAPS - 1];
   for (uint i = 0; i < hist; ++i) h[i] = state[(ulong)i * C + c];
   for (uint t = 0; t < p.tokens; ++t) {
     const float xt = x[(ulong)t * C + c];
@@ -31,7 +32,8 @@ kernel void delta_net_conv_f32(constant ConvParams& p [[buffer(0)]], device cons
 // qkv [T, 2*Hk*Dk + Hv*Dv] (q | k | v), a/b [T, Hv], a_log/dt_bias [Hv], state [Hv, Dk, Dv] f32
 // (in/out), out [T, Hv, Dv]. Bindings: 0 DeltaNetParams, 1 qkv, 2 a, 3 b, 4 a_log, 5 dt_bias,
 // 6 state, 7 out. Grid: threadgroups (ceil(Dv / 4), Hv), 128 threads: simdgroup s owns value
-// column c = 4 tg.x + s; lane holds S[d, c] for d = lane + 32 i (Dk <= 256) in registers for all
+// column c = 4 tg.x + s; lane holds S[d, c] for d = lane + 32 i (Dk <= DELTA_NET_KEY_DIM_MAX) in
+// registers for all
 // T steps, so the state is read and written once per call. Recurrence and reductions in f32.
 // Used for decode and short prefills; from one chunk of tokens on, the host runs the chunked
 // form instead (delta_net_chunk_prep_f32 + delta_net_chunk_f32 below).
@@ -48,7 +50,7 @@ kernel void delta_net_f32(constant DeltaNetParams& p [[buffer(0)]], device const
   const uint width = 2 * Hk * Dk + Hv * Dv;
   const uint nd = (Dk + 31) / 32;
   device float* S = state + (ulong)j * Dk * Dv;
-  float s[8];
+  float s[DELTA_NET_KEY_DIM_MAX / 32];
   for (uint i = 0; i < nd; ++i) {
     const uint d = lane + 32 * i;
     s[i] = d < Dk ? S[(ulong)d * Dv + c] : 0.0f;
@@ -57,7 +59,7 @@ kernel void delta_net_f32(constant DeltaNetParams& p [[buffer(0)]], device const
   const float decay_rate = -metal::precise::exp(a_log[j]);
   for (uint t = 0; t < p.tokens; ++t) {
     device const float* row = qkv + (ulong)t * width;
-    float q[8], k[8];
+    float q[DELTA_NET_KEY_DIM_MAX / 32], k[DELTA_NET_KEY_DIM_MAX / 32];
     float qq = 0.0f, kk = 0.0f;
     for (uint i = 0; i < nd; ++i) {
       const uint d = lane + 32 * i;
@@ -95,7 +97,7 @@ kernel void delta_net_f32(constant DeltaNetParams& p [[buffer(0)]], device const
 
 // ------------------------------------------------------------------ chunked prefill
 // The chunked (WY / UT-transform) form of the same recurrence (architecture.md 6.1), in chunks of
-// DN_CHUNK = 32 tokens: one token per lane of a simdgroup, [32, 32] intra-chunk matrices of 4 KiB
+// DELTA_NET_CHUNK = 32 tokens: one token per lane of a simdgroup, [32, 32] intra-chunk matrices of 4 KiB
 // (a 64-token chunk would need 16 KiB per matrix and overflow the 32 KiB of threadgroup memory
 // with the staging tiles). Per value head j and chunk (n <= 32 tokens; the rows past n are zero
 // with beta = g = 0, so they are no-ops), with q, k l2-normed (q / sqrt(Dk)), incoming state S:
@@ -112,26 +114,24 @@ kernel void delta_net_f32(constant DeltaNetParams& p [[buffer(0)]], device const
 //   -W [32, Dkp] | Qg = diag(e^gam) Q [32, Dkp] | Kd = diag(e^(gam_n - gam)) K [32, Dkp] |
 //   U [32, Dvp] | M [32, 32] | e^gam_n, 3 floats of padding
 // block = 32 (3 Dkp + Dvp + 32) + 4 (the host sizes it with the same formula: delta_net_block).
-constant constexpr uint DN_CHUNK = 32;
-constant constexpr uint DN_COLS = 16;  // value columns per threadgroup of delta_net_chunk_f32
 
 struct DnLayout {
   uint dkp, dvp, chunks;
   ulong block;
   ulong w() const { return 0; }
-  ulong qg() const { return (ulong)DN_CHUNK * dkp; }
-  ulong kd() const { return 2ul * DN_CHUNK * dkp; }
-  ulong u() const { return 3ul * DN_CHUNK * dkp; }
-  ulong m() const { return u() + (ulong)DN_CHUNK * dvp; }
-  ulong decay() const { return m() + DN_CHUNK * DN_CHUNK; }
+  ulong qg() const { return (ulong)DELTA_NET_CHUNK * dkp; }
+  ulong kd() const { return 2ul * DELTA_NET_CHUNK * dkp; }
+  ulong u() const { return 3ul * DELTA_NET_CHUNK * dkp; }
+  ulong m() const { return u() + (ulong)DELTA_NET_CHUNK * dvp; }
+  ulong decay() const { return m() + DELTA_NET_CHUNK * DELTA_NET_CHUNK; }
 };
 
 inline DnLayout dn_layout(uint tokens, uint key_dim, uint value_dim) {
   DnLayout l;
   l.dkp = (key_dim + 31) / 32 * 32;
   l.dvp = (value_dim + 31) / 32 * 32;
-  l.chunks = (tokens + DN_CHUNK - 1) / DN_CHUNK;
-  l.block = (ulong)DN_CHUNK * (3 * l.dkp + l.dvp + DN_CHUNK) + 4;
+  l.chunks = (tokens + DELTA_NET_CHUNK - 1) / DELTA_NET_CHUNK;
+  l.block = (ulong)DELTA_NET_CHUNK * (3 * l.dkp + l.dvp + DELTA_NET_CHUNK) + 4;
   return l;
 }
 
@@ -158,7 +158,7 @@ kernel void delta_net_chunk_prep_f32(constant DeltaNetParams& p [[buffer(0)]], d
                                      uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                                      uint sg [[simdgroup_index_in_threadgroup]],
                                      uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint C = DN_CHUNK;
+  constexpr uint C = DELTA_NET_CHUNK;
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim;
   const uint ch = tg.x, j = tg.y;
   const uint kh = j / (Hv / Hk);
@@ -342,7 +342,7 @@ kernel void delta_net_chunk_f32(constant DeltaNetParams& p [[buffer(0)]], device
                                 threadgroup float* ob [[threadgroup(2)]], uint2 tg [[threadgroup_position_in_grid]],
                                 uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint C = DN_CHUNK, NC = DN_COLS;
+  constexpr uint C = DELTA_NET_CHUNK, NC = DELTA_NET_COLS;
   const uint Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim;
   const uint c0 = tg.x * NC, j = tg.y;
   const DnLayout L = dn_layout(p.tokens, Dk, Dv);

@@ -83,9 +83,7 @@ TKERNEL void matmul(constant MatmulParams& p [[buffer(0)]], constant MatrixDesc&
 // are stored bounds-checked. Accumulation: f32, in the same order for every TN.
 // Threadgroup memory: argument 0 holds 32 * 32 floats (4 KiB), argument 1 TN * 32 floats (4 or
 // 8 KiB), sized by the host (template kernels cannot declare kernel-scope threadgroup arrays in
-// the C++-for-OpenCL check mode).
-constant constexpr uint MMA_TILE = 32;
-
+// the C++-for-OpenCL check mode). MMA_TILE (params.h) = 32.
 template <typename W, int TN>
 TKERNEL void matmul_mma(constant MatmulParams& p [[buffer(0)]], constant MatrixDesc& m [[buffer(1)]],
                         device const uchar* w [[buffer(2)]], device const uchar* scales [[buffer(3)]],

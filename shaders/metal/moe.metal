@@ -2,8 +2,6 @@
 // Host: ops/moe/metal.rs.
 #include "common.h"
 
-constant constexpr uint ROUTE_E_MAX = 1024;
-
 // Router logit x as a finite value, decided on its bits (Apple's fast math may assume floats are
 // never NaN or infinite, so float compares cannot be trusted to catch them): NaN and -inf become
 // -FLT_MAX (NaN ranks as -inf), +inf becomes FLT_MAX, finite values are unchanged.
@@ -20,7 +18,7 @@ inline float route_exp(float x, float m) { return x >= m - 110.0f ? metal::preci
 // moe_route: per token, p = softmax(logits) over all E experts, top K by p (ties: lower id
 // first), weights p / sum(top K p) when renorm != 0. logits [T, E], ids [T, K] u32, weights [T, K].
 // Bindings: 0 RouteParams, 1 logits, 2 ids, 3 weights. Grid: threadgroups (T), 256 threads
-// striding over E (<= 1024); probabilities in threadgroup memory; K rounds of a threadgroup
+// striding over E (<= MOE_EXPERTS_MAX); probabilities in threadgroup memory; K rounds of a threadgroup
 // argmax (simd_max / simd_min on the id, then across simdgroups by thread 0). f32 throughout.
 // Non-finite logits (route_logit): NaN ranks as -inf; +inf logits share the probability equally
 // (the softmax limit), every finite one gets 0; when every logit is NaN or -inf, every expert
@@ -34,12 +32,12 @@ kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const fl
   threadgroup float partial[32];
   threadgroup uint partial_key[32];
   threadgroup uint partial_id[32];
-  threadgroup uint key[ROUTE_E_MAX];
-  threadgroup float picked_p[64];
-  threadgroup uint picked[64];
-  // The host checks E <= 1024 and K <= min(E, 64); clamped here too, so no index can leave the
+  threadgroup uint key[MOE_EXPERTS_MAX];
+  threadgroup float picked_p[ROUTE_TOP_K_MAX];
+  threadgroup uint picked[ROUTE_TOP_K_MAX];
+  // The host checks E <= MOE_EXPERTS_MAX and K <= min(E, ROUTE_TOP_K_MAX); clamped here too, so no index can leave the
   // threadgroup arrays and every round has an expert left to take.
-  const uint E = min(p.experts, ROUTE_E_MAX), K = min(p.top_k, min(E, 64u));
+  const uint E = min(p.experts, MOE_EXPERTS_MAX), K = min(p.top_k, min(E, ROUTE_TOP_K_MAX));
   device const float* l = logits + (ulong)t * p.experts;
   float m = NEG_BIG;
   for (uint e = tid; e < E; e += ntg) m = max(m, route_logit(l[e]));
@@ -166,7 +164,6 @@ kernel void moe_combine_f32(constant MoeParams& p [[buffer(0)]], constant RowsPa
 // Scratch (u32, owned by the backend): count [4] (count[0] = number of blocks), blocks
 // [max_blocks, 4] (expert, first sorted row, rows <= MOE_TILE, 0), hist [token_blocks, E],
 // order [T*K] (sorted row -> p), pos [T*K] (p -> sorted row).
-constant constexpr uint MOE_TILE = 32;
 
 // Threadgroup exclusive prefix sum of one uint per thread: (sum of v over lower thread indices,
 // total over the threadgroup). Threads per threadgroup a multiple of 32; `partial` holds one
@@ -200,7 +197,8 @@ kernel void moe_histogram_u32(constant MoeParams& p [[buffer(0)]], constant MoeS
   hist[b * s.experts + e] = c;
 }
 
-// moe_scan: one threadgroup, thread e owns expert e (threads: E rounded up to 32, E <= 1024).
+// moe_scan: one threadgroup, thread e owns expert e (threads: E rounded up to 32, E <=
+// MOE_EXPERTS_MAX).
 // In place, hist[b, e] becomes the first sorted row of block b's pairs of expert e (the running
 // count over b plus the exclusive scan of the expert totals); the block map gets ceil(n_e / 32)
 // entries per expert (exclusive scan of the block counts), count[0] the number of blocks.

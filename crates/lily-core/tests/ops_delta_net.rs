@@ -11,10 +11,10 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, Metal},
-        params::{ConvParams, DeltaNetParams},
+        params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, MAX_CONV_TAPS},
         Backend,
     },
-    ops::delta_net::{cpu::CHUNK, metal::DN_CHUNK as DELTA_NET_CHUNK, reference},
+    ops::delta_net::{cpu::CHUNK, reference},
 };
 use metal_common::{assert_near, read_all, TOL};
 
@@ -101,8 +101,8 @@ mod cpu {
     fn delta_net_conv_matches_reference() {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         // 300 channels: one partial channel block; 2500: two full blocks and a partial one. T below,
-        // at and above the history length.
-        for (c, taps) in [(300, 4), (300, 2), (40, 5), (2500, 4)] {
+        // at and above the history length. The most taps a config may ask for (MAX_CONV_TAPS).
+        for (c, taps) in [(300, 4), (300, 2), (40, 5), (2500, 4), (40, MAX_CONV_TAPS)] {
             let w = rand_vec(c * taps, 1, -1.0, 1.0);
             for &t in &[1usize, 2, 3, 5, 70] {
                 let x = rand_vec(t * c, 2 + t as u64, -2.0, 2.0);
@@ -176,23 +176,39 @@ mod metal_sim_reversed {
     }
 }
 
+/// The conv over calls that carry its state, with the real model's 4 taps and with the most a
+/// config may ask for ([`MAX_CONV_TAPS`], checked when the config is read): every kernel handles
+/// that many; one more is an error from `finish`, not a panic or a wrong answer.
 fn delta_net_conv_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let (c, taps) = (70, 4);
-    let w = rand_vec(c * taps, 70, -1.0, 1.0);
-    both!(dev, tolx * TOL, "delta_net_conv", b => {
-        let wb = b.upload(&w).unwrap();
-        let mut state = b.alloc((taps - 1) * c).unwrap();
-        let mut outs = Vec::new();
-        for (i, t) in [5usize, 1, 2, 1].into_iter().enumerate() {
-            let x = b.upload(&rand_vec(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
-            let mut out = b.alloc(t * c).unwrap();
-            b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);
-            b.finish().unwrap();
-            outs.push(read_all(b, &out, t * c));
-        }
-        outs.push(read_all(b, &state, (taps - 1) * c));
-        outs
-    });
+    let c = 70;
+    for taps in [4, MAX_CONV_TAPS] {
+        let w = rand_vec(c * taps, 70, -1.0, 1.0);
+        both!(dev, tolx * TOL, format!("delta_net_conv taps={taps}"), b => {
+            let wb = b.upload(&w).unwrap();
+            let mut state = b.alloc((taps - 1) * c).unwrap();
+            let mut outs = Vec::new();
+            for (i, t) in [5usize, 1, 2, 1, 20].into_iter().enumerate() {
+                let x = b.upload(&rand_vec(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
+                let mut out = b.alloc(t * c).unwrap();
+                b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);
+                b.finish().unwrap();
+                outs.push(read_all(b, &out, t * c));
+            }
+            outs.push(read_all(b, &state, (taps - 1) * c));
+            outs
+        });
+    }
+    let taps = MAX_CONV_TAPS + 1;
+    let (w, x) = (dev.alloc(c * taps).unwrap(), dev.alloc(c).unwrap());
+    let (mut state, mut out) = (dev.alloc((taps - 1) * c).unwrap(), dev.alloc(c).unwrap());
+    let p = ConvParams {
+        tokens: 1,
+        channels: c as u32,
+        taps: taps as u32,
+    };
+    dev.delta_net_conv(&p, &w, &mut state, &x, &mut out);
+    let err = dev.finish().unwrap_err().to_string();
+    assert!(err.contains("taps"), "{err}");
 }
 
 fn delta_net_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {

@@ -11,10 +11,10 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
-        params::{MoeParams, RouteParams},
+        params::{MoeParams, RouteParams, MOE_TILE},
         Backend,
     },
-    ops::moe::{cpu as moe_cpu, metal as moe_metal, metal::MOE_TILE, reference},
+    ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::Format,
     safetensors::DType,
 };

@@ -66,7 +66,9 @@ mod tests {
             expert_stride: 3,
             row_offset: 4,
             group: 5,
-            pad: [6, 7, 8],
+            pad0: 6,
+            pad1: 7,
+            pad2: 8,
         };
         let b = bytes_of(&d);
         assert_eq!(b.as_slice().len(), 32);

@@ -129,7 +129,7 @@ impl<X: Executor> Metal<X> {
             expert_stride: too_big(m.expert_stride)?,
             row_offset: too_big(m.row_offset)?,
             group: group as u32,
-            pad: [0; 3],
+            ..Default::default()
         };
         Ok(MetalMatrix {
             data: (b, off, m.data.len()),

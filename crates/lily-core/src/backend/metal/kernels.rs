@@ -11,9 +11,10 @@ macro_rules! shader {
     };
 }
 
-/// Headers first, then one `.metal` per family of ops.
+/// Headers first (`params.h` is shared with the host and the other GPU backends, so it sits in
+/// `shaders/` itself), then one `.metal` per family of ops.
 pub const SOURCES: &[(&str, &str)] = &[
-    shader!("params.h"),
+    ("params.h", include_str!("../../../../../shaders/params.h")),
     shader!("common.h"),
     shader!("attention.metal"),
     shader!("delta_net.metal"),

@@ -123,7 +123,7 @@ impl<X: Executor> Metal<X> {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
-            .unwrap_or(delta_net::metal::DN_CHUNK as u32);
+            .unwrap_or(DELTA_NET_CHUNK as u32);
         let m = Metal {
             x,
             kernels,
@@ -153,7 +153,7 @@ impl<X: Executor> Metal<X> {
     /// The device, its GPU family and the kernel variants in use, in words.
     pub fn describe(&self) -> String {
         format!(
-            "{}; kernel variants: GEMV {} rows per simdgroup, GEMM tiles of 32 x {}",
+            "{}; kernel variants: GEMV {} rows per simdgroup, GEMM tiles of {MMA_TILE} x {}",
             self.x.describe(),
             self.variants.gemv.rows(),
             self.variants.gemm.rows()

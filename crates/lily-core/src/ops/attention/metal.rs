@@ -2,7 +2,7 @@
 
 use crate::backend::{
     metal::{args::bytes_of, norm_threads, rows_grid, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
-    params::{AttentionParams, AttentionSplit, KvStoreParams, RopeParams},
+    params::{AttentionParams, AttentionSplit, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ROPE_HEAD_DIM_MAX},
 };
 
 pub fn qk_norm_rope<X: Executor>(
@@ -14,9 +14,9 @@ pub fn qk_norm_rope<X: Executor>(
     k: &mut MetalBuf<X>,
 ) {
     let (t, hd) = (p.tokens as usize, p.head_dim as usize);
-    if hd > 1024 || p.rotary_dim as usize > hd || p.rotary_dim % 2 != 0 {
+    if hd > ROPE_HEAD_DIM_MAX || p.rotary_dim as usize > hd || p.rotary_dim % 2 != 0 {
         return m.fail(format!(
-            "qk_norm_rope: head_dim {hd} / rotary_dim {} unsupported (hd <= 1024, even rotary_dim <= hd)",
+            "qk_norm_rope: head_dim {hd} / rotary_dim {} unsupported (hd <= {ROPE_HEAD_DIM_MAX}, even rotary_dim <= hd)",
             p.rotary_dim
         ));
     }
@@ -69,9 +69,9 @@ pub fn attention<X: Executor>(
         p.kv_heads as usize,
         p.head_dim as usize,
     );
-    if kv == 0 || h % kv != 0 || h / kv > 32 || hd % 32 != 0 || hd > 256 {
+    if kv == 0 || h % kv != 0 || h / kv > 32 || hd % 32 != 0 || hd > ATTENTION_HEAD_DIM_MAX {
         return m.fail(format!(
-            "attention: {h} heads on {kv} KV heads of dim {hd} unsupported (at most 32 heads per KV head, head_dim a multiple of 32 up to 256)"
+            "attention: {h} heads on {kv} KV heads of dim {hd} unsupported (at most 32 heads per KV head, head_dim a multiple of 32 up to {ATTENTION_HEAD_DIM_MAX})"
         ));
     }
     let len = p.pos0 as usize + t;

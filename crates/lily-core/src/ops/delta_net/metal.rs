@@ -3,7 +3,7 @@
 
 use crate::backend::{
     metal::{args::bytes_of, ceil_div, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
-    params::{ConvParams, DeltaNetParams},
+    params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_COLS, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
 };
 
 pub fn delta_net_conv<X: Executor>(
@@ -15,8 +15,8 @@ pub fn delta_net_conv<X: Executor>(
     out: &mut MetalBuf<X>,
 ) {
     let (t, c, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
-    if !(1..=9).contains(&taps) {
-        return m.fail(format!("delta_net_conv: {taps} taps unsupported (1..=9)"));
+    if !(1..=MAX_CONV_TAPS).contains(&taps) {
+        return m.fail(format!("delta_net_conv: {taps} taps unsupported (1..={MAX_CONV_TAPS})"));
     }
     let checks = [
         ("w", w.len(), c * taps),
@@ -56,9 +56,9 @@ pub fn delta_net<X: Executor>(
         p.key_dim as usize,
         p.value_dim as usize,
     );
-    if hk == 0 || hv % hk != 0 || dk > 256 {
+    if hk == 0 || hv % hk != 0 || dk > DELTA_NET_KEY_DIM_MAX {
         return m.fail(format!(
-            "delta_net: {hv} value heads on {hk} key heads of dim {dk} unsupported (Dk <= 256)"
+            "delta_net: {hv} value heads on {hk} key heads of dim {dk} unsupported (Dk <= {DELTA_NET_KEY_DIM_MAX})"
         ));
     }
     let checks = [
@@ -96,19 +96,15 @@ pub fn delta_net<X: Executor>(
     );
 }
 
-/// Tokens per chunk of the chunked DeltaNet prefill (`DN_CHUNK` in delta_net.metal).
-pub const DN_CHUNK: usize = 32;
-/// Value columns per threadgroup of `delta_net_chunk_f32` (`DN_COLS`).
-const DN_COLS: usize = 16;
-
 /// f32 elements of the chunked-DeltaNet scratch block of one (value head, chunk), as
 /// `dn_layout` in delta_net.metal: -W, Qg, Kd [32, Dkp], U [32, Dvp], M [32, 32], the chunk
 /// decay and 3 floats of padding (Dkp, Dvp: Dk, Dv rounded up to 32).
 fn delta_net_block(dk: usize, dv: usize) -> usize {
-    DN_CHUNK * (3 * dk.next_multiple_of(32) + dv.next_multiple_of(32) + DN_CHUNK) + 4
+    DELTA_NET_CHUNK * (3 * dk.next_multiple_of(32) + dv.next_multiple_of(32) + DELTA_NET_CHUNK) + 4
 }
 
-/// `delta_net` for prefill: the chunked form (architecture.md 6.1) in chunks of 32 tokens.
+/// `delta_net` for prefill: the chunked form (architecture.md 6.1) in chunks of
+/// [`DELTA_NET_CHUNK`] tokens.
 /// `delta_net_chunk_prep` builds every chunk's intra-chunk matrices at once (threadgroups
 /// over chunks x value heads) into the DeltaNet scratch, then `delta_net_chunk` carries the
 /// state through the chunks in order (threadgroups over 16-column blocks of the state x
@@ -130,7 +126,7 @@ fn delta_net_chunked<X: Executor>(
         p.key_dim as usize,
         p.value_dim as usize,
     );
-    let chunks = t.div_ceil(DN_CHUNK);
+    let chunks = t.div_ceil(DELTA_NET_CHUNK);
     let need = hv * chunks * delta_net_block(dk, dv);
     let Some(sc) = m.scratch(Scratch::DeltaNetChunk, need) else {
         return;
@@ -138,7 +134,7 @@ fn delta_net_chunked<X: Executor>(
     let scratch = || sc.part(0, need);
     let pb = || Arg::Bytes(bytes_of(p));
     let args = [pb(), qkv.arg(), a.arg(), b.arg(), a_log.arg(), dt_bias.arg(), scratch()];
-    let tile = DN_CHUNK * DN_CHUNK * 4;
+    let tile = DELTA_NET_CHUNK * DELTA_NET_CHUNK * 4;
     m.encode_tg(
         Fixed::DeltaNetChunkPrep,
         &args,
@@ -146,15 +142,15 @@ fn delta_net_chunked<X: Executor>(
             count: [chunks as u32, hv as u32, 1],
             size: [128, 1, 1],
         },
-        &[4 * DN_CHUNK * 4, 2 * tile, 2 * tile],
+        &[4 * DELTA_NET_CHUNK * 4, 2 * tile, 2 * tile],
     );
-    let state_block = dk.next_multiple_of(32) * DN_COLS * 4;
-    let cols = DN_CHUNK * DN_COLS * 4;
+    let state_block = dk.next_multiple_of(32) * DELTA_NET_COLS * 4;
+    let cols = DELTA_NET_CHUNK * DELTA_NET_COLS * 4;
     m.encode_tg(
         Fixed::DeltaNetChunk,
         &[pb(), scratch(), state.arg(), out.arg()],
         Grid::Groups {
-            count: [ceil_div(dv, DN_COLS), hv as u32, 1],
+            count: [ceil_div(dv, DELTA_NET_COLS), hv as u32, 1],
             size: [128, 1, 1],
         },
         &[state_block, cols, cols],

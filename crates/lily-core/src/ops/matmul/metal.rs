@@ -5,7 +5,7 @@ use crate::backend::{
     metal::{
         args::bytes_of, ceil_div, Arg, Executor, GemmOp, GemvOp, Grid, Kernel, Metal, MetalBuf, MetalMatrix, WeightOp,
     },
-    params::MatmulParams,
+    params::{MatmulParams, MMA_TILE},
 };
 
 pub fn matmul<X: Executor>(m: &Metal<X>, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
@@ -33,10 +33,10 @@ pub fn matmul<X: Executor>(m: &Metal<X>, p: &MatmulParams, w: &MetalMatrix<X>, x
     if t > 8 {
         let tn = v.gemm.rows();
         let grid = Grid::Groups {
-            count: [ceil_div(n, tn), ceil_div(t, 32), 1],
+            count: [ceil_div(n, tn), ceil_div(t, MMA_TILE), 1],
             size: [128, 1, 1],
         };
-        let tg_mem = [32 * 32 * 4, tn * 32 * 4];
+        let tg_mem = [MMA_TILE * MMA_TILE * 4, tn * MMA_TILE * 4];
         return m.encode_tg(v.gemm_kernel(GemmOp::MatmulMma, w.weight), &args, grid, &tg_mem);
     }
     if t == 1 {

@@ -8,7 +8,7 @@ use crate::{
             args::bytes_of, ceil_div, rows_grid, stream::Scratch, Arg, Executor, Fixed, GemmOp, GemvOp, Grid, Metal,
             MetalBuf, MetalMatrix,
         },
-        params::{MoeParams, MoeSortDesc, RouteParams, RowsParams},
+        params::{MoeParams, MoeSortDesc, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TOP_K_MAX},
         Backend,
     },
     error::{Error, Result},
@@ -22,9 +22,9 @@ pub fn moe_route<X: Executor>(
     weights: &mut MetalBuf<X>,
 ) {
     let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
-    if e > 1024 || k > 64 || k > e {
+    if e > MOE_EXPERTS_MAX || k > ROUTE_TOP_K_MAX || k > e {
         return m.fail(format!(
-            "moe_route: top {k} of {e} experts unsupported (E <= 1024, K <= 64)"
+            "moe_route: top {k} of {e} experts unsupported (E <= {MOE_EXPERTS_MAX}, K <= {ROUTE_TOP_K_MAX})"
         ));
     }
     if !m.fits(
@@ -80,7 +80,7 @@ pub fn moe_experts<X: Executor>(
     if !m.fits("moe_experts", &checks) {
         return;
     }
-    if t > m.moe_gemm_tokens as usize && gate.experts <= 1024 {
+    if t > m.moe_gemm_tokens as usize && gate.experts as usize <= MOE_EXPERTS_MAX {
         return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
     }
     // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
@@ -141,9 +141,6 @@ pub fn moe_experts<X: Executor>(
     m.encode(Fixed::MoeCombine, &args, rows_grid(d, t));
 }
 
-/// Rows (token pairs) of one expert block of the sorted MoE path and the K step of its GEMMs
-/// (`MOE_TILE` in moe.metal; the weight-row side of the tiles is the `GemmTile` variant).
-pub const MOE_TILE: usize = 32;
 /// Tokens per sort block of `moe_histogram` / `moe_scatter`.
 const MOE_SORT_TOKENS: usize = 32;
 
@@ -171,9 +168,9 @@ fn encode_moe_sort<X: Executor>(
     let pairs = t * k;
     let token_blocks = t.div_ceil(MOE_SORT_TOKENS);
     let max_blocks = pairs.div_ceil(MOE_TILE) + e.min(pairs);
-    if e == 0 || e > 1024 {
+    if e == 0 || e > MOE_EXPERTS_MAX {
         m.fail(format!(
-            "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
+            "moe_experts: {e} experts unsupported by the sorted path (1..={MOE_EXPERTS_MAX})"
         ));
         return None;
     }
@@ -244,7 +241,7 @@ pub fn moe_sort<X: Executor>(m: &Metal<X>, p: &MoeParams, ids: &MetalBuf<X>, exp
 
 /// `moe_experts` for prefill: route-sorted expert GEMMs, with no CPU round-trip. The pairs
 /// p = t*K + k are counted per expert (`moe_histogram`), scanned into per-expert row offsets
-/// and a map of 32-row blocks (`moe_scan`), scattered into expert-sorted order
+/// and a map of [`MOE_TILE`]-row blocks (`moe_scan`), scattered into expert-sorted order
 /// (`moe_scatter`); each block then runs gate/up + SwiGLU (`moe_gemm_gate_up`, into
 /// act [T*K, I] of `tmp`) and down (`moe_gemm_down`, into y [T*K, D] of `tmp`) with the
 /// weights dequantized tile by tile, and `moe_combine_sorted` sums the K rows of each token

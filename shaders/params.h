@@ -1,9 +1,22 @@
-// Kernel parameter structs, mirrored by hand from crates/lily-core/src/backend/params.rs
-// (the op params) and backend/metal/args.rs (the Metal-only descriptors). Plain 32-bit fields;
-// both sides assert the sizes. Legend: T tokens, D hidden, H/Hkv attention heads, Hk/Hv DeltaNet
-// key/value heads, Dk/Dv their head dims, E experts, K experts per token, I expert width.
+// What the host and the kernels share: the kernel parameter structs and the limits and layout
+// constants both sides rely on. The Rust host owns them (crates/lily-core/src/backend/params.rs,
+// the same list in the same order, with the reasons); a Rust test reads this file and checks every
+// struct (fields, order, size) and every constant against it. Valid Metal (MSL), C++ (the Metal
+// simulator, tools/metal-sim) and CUDA / NVRTC, so shaders/metal and shaders/cuda include the
+// same file. Plain 32-bit fields. Legend: T tokens, D hidden, H/Hkv attention heads, Hk/Hv
+// DeltaNet key/value heads, Dk/Dv their head dims, E experts, K experts per token, I expert width.
 #pragma once
 
+#if defined(__METAL_VERSION__) || defined(MTL_AS_CONSTANT)
+// Metal, and the simulator's C++ modes (its prelude defines `constant` and `uint`).
+#define LILY_CONST constant constexpr
+#else
+// CUDA / NVRTC, plain C++: a compile-time constant needs no address space.
+typedef unsigned int uint;
+#define LILY_CONST constexpr
+#endif
+
+// ---- op parameters
 struct RmsNormParams { uint rows; uint dim; float eps; };
 struct MatmulParams { uint tokens; uint x_row0; };
 struct RopeParams {
@@ -17,7 +30,7 @@ struct RouteParams { uint tokens; uint experts; uint top_k; uint renorm; };
 struct MoeParams { uint tokens; uint top_k; };
 struct RowsParams { uint tokens; uint dim; };
 
-// Metal-only descriptors (backend/metal/args.rs).
+// ---- descriptors only the GPU kernels take
 // A weight matrix [experts?, rows, cols]: logical row r of expert e is stored row
 // e * expert_stride + row_offset + r; `group` = quantization group size (0 for dense).
 struct MatrixDesc { uint rows; uint cols; uint expert_stride; uint row_offset; uint group; uint pad0; uint pad1; uint pad2; };
@@ -44,3 +57,15 @@ static_assert(sizeof(MatrixDesc) == 32, "MatrixDesc");
 static_assert(sizeof(AttentionSplit) == 8, "AttentionSplit");
 static_assert(sizeof(EmbedParams) == 4, "EmbedParams");
 static_assert(sizeof(MoeSortDesc) == 16, "MoeSortDesc");
+
+// ---- limits and layouts (the reasons: params.rs)
+LILY_CONST uint MAX_CONV_TAPS = 16;            // delta_net_conv: taps - 1 rows of history in registers
+LILY_CONST uint DELTA_NET_KEY_DIM_MAX = 256;   // delta_net: 8 state values per lane
+LILY_CONST uint DELTA_NET_CHUNK = 32;          // tokens per chunk of the chunked prefill
+LILY_CONST uint DELTA_NET_COLS = 16;           // state columns per threadgroup of delta_net_chunk
+LILY_CONST uint ATTENTION_HEAD_DIM_MAX = 256;  // attention: K/V tiles in threadgroup memory
+LILY_CONST uint ROPE_HEAD_DIM_MAX = 1024;      // qk_norm_rope: the normed head in threadgroup memory
+LILY_CONST uint MOE_EXPERTS_MAX = 1024;        // moe_route keys, moe_scan threads
+LILY_CONST uint ROUTE_TOP_K_MAX = 64;          // moe_route picks
+LILY_CONST uint MMA_TILE = 32;                 // matmul_mma: token rows and K step of a tile
+LILY_CONST uint MOE_TILE = 32;                 // expert-sorted MoE: pairs per block, K step
