@@ -18,7 +18,7 @@ use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
 use crate::backend::metal::{sim::Sim, Metal};
 use crate::{
-    backend::{cpu::Cpu, Backend},
+    backend::{cpu::Cpu, Backend, StreamKind},
     config::ModelConfig,
     error::{Error, Result},
     model::{
@@ -127,7 +127,7 @@ impl<B: Backend> Runner<B> {
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.chunk) {
             let t = chunk.len();
-            self.b.begin()?;
+            self.b.begin(StreamKind::Prefill)?;
             self.b.write_ids(&mut self.scratch.ids, chunk)?;
             self.model
                 .forward(&self.b, t, self.pos, &mut self.state, &mut self.scratch);
@@ -165,7 +165,7 @@ impl<B: Backend> Runner<B> {
 
     fn decode_here(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
         self.check(&[token])?;
-        self.b.begin()?;
+        self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
         self.model
             .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
@@ -180,7 +180,7 @@ impl<B: Backend> Runner<B> {
 
     fn snapshot(&self) -> Result<Snapshot> {
         let mut bufs = Vec::new();
-        self.b.begin()?;
+        self.b.begin(StreamKind::Other)?;
         for layer in &self.state.layers {
             if let LayerState::DeltaNet(s) = layer {
                 for (src, len) in [(&s.conv, s.conv_len), (&s.ssm, s.ssm_len)] {
@@ -208,7 +208,7 @@ impl<B: Backend> Runner<B> {
         }
         let bufs = snap.states.downcast_ref::<Vec<B::Buf>>().ok_or_else(stale)?;
         let mut it = bufs.iter();
-        self.b.begin()?;
+        self.b.begin(StreamKind::Other)?;
         for layer in &mut self.state.layers {
             if let LayerState::DeltaNet(s) = layer {
                 for (dst, len) in [(&mut s.conv, s.conv_len), (&mut s.ssm, s.ssm_len)] {

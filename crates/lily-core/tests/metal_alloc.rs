@@ -24,7 +24,7 @@ mod metal_common;
 use lily_core::{
     backend::{
         metal::{Arg, Executor, GpuFamily, Grid, Metal, ParamBytes, StreamLabel, Variants},
-        Backend,
+        Backend, StreamKind,
     },
     config::ModelConfig,
     error::Result,
@@ -244,7 +244,7 @@ fn warm_forward_passes_do_not_allocate() {
         let mut s = Scratch::new(&m, &cfg, 64, 16).unwrap();
         let b = &m;
         let mut prefill = |s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {
-            b.begin().unwrap();
+            b.begin(StreamKind::Prefill).unwrap();
             b.write_ids(&mut s.ids, &prompt).unwrap();
             model.forward(b, prompt.len(), 0, state, s);
             model.logits(b, prompt.len() - 16, 16, s);
@@ -261,7 +261,7 @@ fn warm_forward_passes_do_not_allocate() {
         );
         let mut one = [0f32; 1];
         let mut step = |i: usize, s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {
-            b.begin().unwrap();
+            b.begin(StreamKind::Decode).unwrap();
             b.write_ids(&mut s.ids, &[tok]).unwrap();
             model.forward(b, 1, prompt.len() + i, state, s);
             model.logits(b, 0, 1, s);

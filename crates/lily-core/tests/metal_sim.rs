@@ -14,6 +14,8 @@ mod metal_common;
 use lily_core::backend::{
     cpu::Cpu,
     metal::{sim::Sim, GemmTile, GemvRows, GpuFamily, Metal, StreamLabel, Variants},
+    params::RowsParams,
+    Backend, StreamKind,
 };
 
 use metal_common::sim;
@@ -102,4 +104,28 @@ fn command_streams_are_labelled() {
     );
     let names: Vec<String> = labels.iter().map(|l| l.to_string()).collect();
     assert_eq!(names[3], "lily step 1");
+}
+
+/// A stream's label is what the engine announced at `begin`, not a guess from the token count:
+/// one-token work begun as a prefill chunk is labelled one; a host write inside the work (the
+/// token ids) keeps the label for the stream that follows; `Other` work is plain commands.
+#[test]
+fn streams_are_labelled_as_begun() {
+    let Some(m) = sim() else { return };
+    let p = RowsParams { tokens: 1, dim: 4 };
+    let (mut x, y, mut ids) = (m.alloc(4).unwrap(), m.alloc(4).unwrap(), m.alloc_ids(1).unwrap());
+    m.executor().take_committed_labels();
+    for kind in [StreamKind::Prefill, StreamKind::Decode, StreamKind::Other] {
+        m.begin(kind).unwrap();
+        m.write_ids(&mut ids, &[0]).unwrap();
+        m.add(&p, &mut x, &y);
+        m.finish().unwrap();
+    }
+    m.add(&p, &mut x, &y); // no `begin`: after `finish`, nothing is announced
+    m.finish().unwrap();
+    use StreamLabel::*;
+    assert_eq!(
+        m.executor().take_committed_labels(),
+        [PrefillChunk, Step(1), Commands, Commands]
+    );
 }

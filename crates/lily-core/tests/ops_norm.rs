@@ -10,7 +10,7 @@ use lily_core::backend::{
     cpu::Cpu,
     metal::{Executor, Metal},
     params::RmsNormParams,
-    Backend,
+    Backend, StreamKind,
 };
 use metal_common::{read_all, TOL};
 
@@ -53,7 +53,7 @@ fn rms_norm_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         both!(dev, tolx * TOL, format!("rms_norm {rows}x{dim}"), b => {
             let (xb, wb) = (b.upload(&x).unwrap(), b.upload(&w).unwrap());
             let mut out = b.alloc(rows * dim).unwrap();
-            b.begin().unwrap();
+            b.begin(StreamKind::Other).unwrap();
             b.rms_norm(&p, &xb, &wb, &mut out);
             b.finish().unwrap();
             vec![read_all(b, &out, rows * dim)]

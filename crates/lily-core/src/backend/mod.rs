@@ -14,6 +14,19 @@ pub use params::*;
 
 use crate::{error::Result, quant::Matrix};
 
+/// What the command stream opened by [`Backend::begin`] runs, as the engine states it: a GPU
+/// backend labels the stream with it (GPU captures read "lily step 12" / "lily prefill chunk"),
+/// the CPU profiler files the kernels' times under it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    /// One decode step (a forward pass over one new token and its logits).
+    Decode,
+    /// One prefill chunk (a forward pass over a chunk of the prompt, and logits rows).
+    Prefill,
+    /// Anything else: state copies (snapshot, restore), single kernels in tests.
+    Other,
+}
+
 pub trait Backend: Send + Sized + 'static {
     /// f32 activations, state and scratch.
     type Buf: Send + 'static;
@@ -51,12 +64,12 @@ pub trait Backend: Send + Sized + 'static {
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize) -> Result<()>;
 
     // ---- command stream ----
-    /// Start encoding a forward step.
-    fn begin(&self) -> Result<()>;
+    /// Start encoding the work of `kind` (the next command stream opened runs it).
+    fn begin(&self, kind: StreamKind) -> Result<()>;
     /// Submit what was encoded since `begin` and wait; device errors surface here.
     fn finish(&self) -> Result<()>;
 
-    // ---- kernels ----
+    // ---- kernels (one op family each: ops/<family>/) ----
     /// out[t, :] = dequant(table row ids[t]); out [T, D].
     fn embed(&self, tokens: usize, table: &Self::Matrix, ids: &Self::Ids, out: &mut Self::Buf);
     /// out = x / sqrt(mean(x^2) + eps) * w per row (w already holds 1 + w where the model needs it).

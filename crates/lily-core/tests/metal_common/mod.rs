@@ -14,7 +14,7 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, GpuFamily, Metal, Variants},
-        Backend,
+        Backend, StreamKind,
     },
     config::ModelConfig,
     model::{
@@ -485,7 +485,7 @@ impl TinyCheckpoint {
         let vocab = cfg.vocab_size;
         let (prompt, decode) = Self::tokens();
         let mut outs = Vec::new();
-        b.begin().unwrap();
+        b.begin(StreamKind::Prefill).unwrap();
         b.write_ids(&mut s.ids, &prompt).unwrap();
         model.forward(b, prompt.len(), 0, &mut state, &mut s);
         for row0 in (0..prompt.len()).step_by(16) {
@@ -497,7 +497,7 @@ impl TinyCheckpoint {
             outs.extend(out.chunks(vocab).map(<[f32]>::to_vec));
         }
         for (i, &tok) in decode.iter().enumerate() {
-            b.begin().unwrap();
+            b.begin(StreamKind::Decode).unwrap();
             b.write_ids(&mut s.ids, &[tok]).unwrap();
             model.forward(b, 1, prompt.len() + i, &mut state, &mut s);
             model.logits(b, 0, 1, &mut s);

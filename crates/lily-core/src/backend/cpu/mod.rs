@@ -15,7 +15,7 @@ mod profile;
 pub mod scratch;
 pub mod simd;
 
-use super::{params::*, Backend};
+use super::{params::*, Backend, StreamKind};
 use crate::{
     error::{Error, Result},
     ops,
@@ -144,7 +144,8 @@ impl Backend for Cpu {
         dst[..len].copy_from_slice(&src[..len]);
         Ok(())
     }
-    fn begin(&self) -> Result<()> {
+    fn begin(&self, kind: StreamKind) -> Result<()> {
+        profile::phase(kind);
         Ok(())
     }
     fn finish(&self) -> Result<()> {
@@ -152,7 +153,6 @@ impl Backend for Cpu {
     }
 
     fn embed(&self, tokens: usize, table: &Matrix, ids: &Vec<u32>, out: &mut Vec<f32>) {
-        profile::phase(tokens); // a forward pass starts with its embedding
         dispatch!(self, embed::embed(tokens, table, ids, out))
     }
     fn rms_norm(&self, p: &RmsNormParams, x: &Vec<f32>, w: &Vec<f32>, out: &mut Vec<f32>) {

@@ -1,18 +1,34 @@
 //! `LILY_CPU_PROFILE=1`: wall time per kernel (per weight matrix for matmuls), printed to
 //! stderr when the backend is dropped. A developer's tool: off, it costs one branch per call;
 //! on, it allocates.
-use std::{collections::HashMap, sync::Mutex, time::Instant};
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU8, Ordering},
+        Mutex,
+    },
+    time::Instant,
+};
 
-use crate::quant::Matrix;
+use crate::{backend::StreamKind, quant::Matrix};
 
 static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-/// Whether the forward pass in progress is a decode step (one token).
-static DECODE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// What the work in progress is: a [`StreamKind`] as a number.
+static PHASE: AtomicU8 = AtomicU8::new(StreamKind::Other as u8);
 
-/// Note the token count of the forward pass that starts now.
-pub fn phase(tokens: usize) {
-    DECODE.store(tokens == 1, std::sync::atomic::Ordering::Relaxed);
+/// Note what the work that starts now is (the engine says it at `Backend::begin`).
+pub fn phase(kind: StreamKind) {
+    PHASE.store(kind as u8, Ordering::Relaxed);
 }
+
+fn phase_now() -> StreamKind {
+    match PHASE.load(Ordering::Relaxed) {
+        k if k == StreamKind::Decode as u8 => StreamKind::Decode,
+        k if k == StreamKind::Prefill as u8 => StreamKind::Prefill,
+        _ => StreamKind::Other,
+    }
+}
+
 /// Per phase and kernel: calls, seconds, weight bytes read.
 type Table = HashMap<String, (u64, f64, u64)>;
 static TABLE: Mutex<Option<Table>> = Mutex::new(None);
@@ -31,10 +47,12 @@ pub fn timed<R>(name: &str, bytes: u64, f: impl FnOnce() -> R) -> R {
     let r = f();
     let dt = t.elapsed().as_secs_f64();
     let mut g = TABLE.lock().unwrap_or_else(|e| e.into_inner());
-    let decode = DECODE.load(std::sync::atomic::Ordering::Relaxed);
-    let phase = if decode { "decode" } else { "prefill" };
-    // Weight bytes per second only means something for decode (prefill reuses each weight).
-    let bytes = if decode { bytes } else { 0 };
+    let (phase, bytes) = match phase_now() {
+        StreamKind::Decode => ("decode", bytes),
+        // Weight bytes per second only means something for decode (prefill reuses each weight).
+        StreamKind::Prefill => ("prefill", 0),
+        StreamKind::Other => ("other", 0),
+    };
     let e = g
         .get_or_insert_with(HashMap::new)
         .entry(format!("{phase:7} {name}"))

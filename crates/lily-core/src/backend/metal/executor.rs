@@ -93,8 +93,7 @@ impl std::fmt::Display for GpuFamily {
 
 /// What a command stream runs: the device labels its command buffer and compute encoder with
 /// it, so an Xcode GPU capture reads "lily step 12" / "lily prefill chunk" rather than
-/// "Command Buffer 0x...". Set by the backend from the stream's first dispatch (`embed`
-/// starts every forward pass).
+/// "Command Buffer 0x...". The backend sets it from the engine's `Backend::begin(StreamKind)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamLabel {
     /// A one-token forward pass: decode step `n` of this backend (counted from 1).

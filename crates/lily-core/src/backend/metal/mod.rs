@@ -39,7 +39,7 @@ pub use executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel};
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{params::*, Backend};
+use super::{params::*, Backend, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::*,
@@ -270,11 +270,14 @@ impl<X: Executor> Backend for Metal<X> {
         unsafe { std::ptr::copy_nonoverlapping(self.x.contents(&src.buf), self.x.contents(&dst.buf), len * 4) };
         Ok(())
     }
-    fn begin(&self) -> Result<()> {
+    fn begin(&self, kind: StreamKind) -> Result<()> {
+        self.label_next(kind);
         Ok(())
     }
     fn finish(&self) -> Result<()> {
-        self.flush()
+        let done = self.flush();
+        self.label_next(StreamKind::Other); // what `begin` announced is over
+        done
     }
 
     fn embed(&self, tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>) {

@@ -4,7 +4,10 @@
 //! support never panics), the stream's label, and the scratch buffers the op encoders grow.
 
 use super::{buffers::MetalBuf, Arg, Executor, Grid, Kernel, Metal, StreamLabel};
-use crate::error::{Error, Result};
+use crate::{
+    backend::StreamKind,
+    error::{Error, Result},
+};
 
 /// Scratch buffers of the op encoders, one per use, grown to the largest need seen and never
 /// shrunk (one buffer serves every layer: the stream runs the layers in order).
@@ -26,8 +29,7 @@ pub(super) struct Stream<X: Executor> {
     enc: Option<X::Encoder>,
     error: Option<Error>,
     scratch: [Option<MetalBuf<X>>; Scratch::COUNT],
-    /// The label of the next command stream opened (set by `embed`, which starts a forward
-    /// pass); `Commands` when none.
+    /// The label of the next command stream opened (set by `begin`); `Commands` when none.
     next_label: Option<StreamLabel>,
     /// One-token forward passes encoded so far (the N of "lily step N").
     steps: u64,
@@ -50,17 +52,19 @@ impl<X: Executor> Metal<X> {
         self.stream.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Label the next command stream as a forward pass over `tokens` tokens ("lily step N" for
-    /// one token, "lily prefill chunk" for more), if no stream is open yet.
-    pub(crate) fn label_forward(&self, tokens: usize) {
+    /// Label the next command stream by what it runs ("lily step N" for the Nth decode step,
+    /// "lily prefill chunk"; none for `Other`), if no stream is open yet.
+    pub(super) fn label_next(&self, kind: StreamKind) {
         let mut s = self.lock();
         if s.enc.is_none() && s.error.is_none() {
-            s.next_label = Some(if tokens == 1 {
-                s.steps += 1;
-                StreamLabel::Step(s.steps)
-            } else {
-                StreamLabel::PrefillChunk
-            });
+            s.next_label = match kind {
+                StreamKind::Decode => {
+                    s.steps += 1;
+                    Some(StreamLabel::Step(s.steps))
+                }
+                StreamKind::Prefill => Some(StreamLabel::PrefillChunk),
+                StreamKind::Other => None,
+            };
         }
     }
 
@@ -119,11 +123,11 @@ impl<X: Executor> Metal<X> {
         }
     }
 
-    /// Commit what is encoded and wait for it.
+    /// Commit what is encoded and wait for it (a host read or write inside the work `begin`
+    /// announced: a label not used yet stays for the stream opened next).
     pub(crate) fn flush(&self) -> Result<()> {
         let (enc, err) = {
             let mut s = self.lock();
-            s.next_label = None;
             (s.enc.take(), s.error.take())
         };
         if let Some(e) = err {

@@ -17,7 +17,6 @@ pub fn embed<X: Executor>(
     if !m.fits("embed", &[("ids", ids.len(), tokens), ("out", out.len(), tokens * d)]) {
         return;
     }
-    m.label_forward(tokens);
     let [w, s, b] = m.weights(table);
     let args = [
         Arg::Bytes(bytes_of(&EmbedParams { tokens: tokens as u32 })),
