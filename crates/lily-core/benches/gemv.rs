@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use lily_core::{
     backend::cpu::{isa::Isa, pool},
-    ops::matmul::cpu as gemm,
+    ops::matmul,
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
 };
@@ -256,7 +256,7 @@ fn bench() {
         let mut c = 0;
         let s = time(reps, || {
             c = (c + 1) % copies;
-            gemm::gemv(isa, &m, c, &x, &mut out)
+            matmul::cpu::gemv(isa, &m, c, &x, &mut out)
         });
         let gbs = (m.bytes_per_row() * n) as f64 / s / 1e9;
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
@@ -273,14 +273,14 @@ fn bench() {
         let m = matrix(1, 512, 2048, f);
         let x: Vec<f32> = (0..2048).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut out = vec![0f32; 512];
-        let s = time(reps * 20, || gemm::gemv(isa, &m, 0, &x, &mut out));
+        let s = time(reps * 20, || matmul::cpu::gemv(isa, &m, 0, &x, &mut out));
         let gbs = (m.bytes_per_row() * 512) as f64 / s / 1e9;
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
     }
 
     // MoE decode: 8 of 256 experts, gate + up [512, 2048] and down [2048, 512], as the kernel runs.
     if run("MoE 8 experts 2048->512x2->2048 q4") {
-        use lily_core::{backend::params::MoeParams, ops::moe::cpu as kernels};
+        use lily_core::{backend::params::MoeParams, ops::moe};
         let (e_n, inter, d) = (256, 512, 2048);
         let (g, u, dn) = (
             matrix(e_n, inter, d, q4),
@@ -297,7 +297,7 @@ fn bench() {
             step += 1;
             let ids: Vec<u32> = (0..8).map(|i| (step * 37 + i * 31) % 256).collect();
             let p = MoeParams { tokens: 1, top_k: 8 };
-            kernels::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out);
+            moe::cpu::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out);
         });
         let bytes = 8 * (2 * inter * g.bytes_per_row() + d * dn.bytes_per_row());
         let gbs = bytes as f64 / s / 1e9;
@@ -312,7 +312,7 @@ fn bench() {
     // GB/s of K and V read. Eight caches in rotation (134 MB) so each call reads from DRAM.
     let name = "decode attention 16q/2kv x 256, 4K context";
     if run(name) {
-        use lily_core::{backend::params::AttentionParams, ops::attention::cpu as kernels};
+        use lily_core::{backend::params::AttentionParams, ops::attention};
         let (h, kv, hd, len) = (16usize, 2usize, 256usize, 4096usize);
         let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..8)
             .map(|c| {
@@ -336,7 +336,7 @@ fn bench() {
         let mut c = 0;
         let s = time(reps * 4, || {
             c = (c + 1) % caches.len();
-            kernels::attention_with(isa, &p, &qg, &caches[c].0, &caches[c].1, &mut out);
+            attention::cpu::attention_with(isa, &p, &qg, &caches[c].0, &caches[c].1, &mut out);
         });
         let gbs = (2 * len * kv * hd * 4) as f64 / s / 1e9;
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
@@ -353,7 +353,7 @@ fn bench() {
         let m = matrix(1, n, k, q4);
         let x: Vec<f32> = (0..t * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut out = vec![0f32; t * n];
-        let s = time(reps.min(5), || gemm::gemm(isa, &m, 0, &x, t, &mut out));
+        let s = time(reps.min(5), || matmul::cpu::gemm(isa, &m, 0, &x, t, &mut out));
         let gf = (2 * n * k * t) as f64 / s / 1e9;
         println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
     }
@@ -361,7 +361,7 @@ fn bench() {
     // MoE prefill: 1024 tokens (the CPU's prefill chunk), each to 8 of 256 experts (~32 tokens per
     // expert), gate + up [512, 2048] and down [2048, 512] per expert.
     if run("MoE top-8 of 256, 2048->512x2->2048 q4") {
-        use lily_core::{backend::params::MoeParams, ops::moe::cpu as kernels};
+        use lily_core::{backend::params::MoeParams, ops::moe};
         let (e_n, inter, d, t) = (256, 512, 2048, if quick { 256 } else { 1024 });
         let (g, u, dn) = (
             matrix(e_n, inter, d, q4),
@@ -378,7 +378,7 @@ fn bench() {
             top_k: 8,
         };
         let s = time(reps.min(5), || {
-            kernels::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out)
+            moe::cpu::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out)
         });
         let gf = (t * 8 * 3 * 2 * inter * d) as f64 / s / 1e9;
         println!(

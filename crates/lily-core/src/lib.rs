@@ -6,7 +6,9 @@
 //! - [`config`]: `config.json` with every dimension;
 //! - [`safetensors`], [`weights`], [`quant`]: mmapped checkpoints, load-time quirks, MLX affine quantization;
 //! - [`model`]: the forward pass as math, generic over a [`backend::Backend`];
-//! - [`backend`]: devices, buffers and kernels (CPU now; Metal and CUDA plug in here);
+//! - [`backend`]: the `Backend` interface and each backend's device, buffers and command stream
+//!   (CPU, Metal; CUDA plugs in beside them);
+//! - [`ops`]: the ops by family, each with its reference twin, CPU kernel and Metal encoder;
 //! - [`engine`]: prefill / decode over one sequence.
 
 pub mod backend;

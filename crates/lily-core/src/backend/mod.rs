@@ -1,10 +1,12 @@
-//! The backend interface: buffers, a command stream, and one method per kernel.
+//! The backend interface: buffers, a command stream, and one method per op.
 //!
-//! `model/` issues every operation through [`Backend`]; a backend owns its device, its buffers,
-//! how commands are encoded and its kernels. Method names are the op stems used by the shaders
-//! (`shaders/metal/<family>.metal`), the CPU kernels and the tests. Buffers hold f32 values from
-//! the model's point of view (a device may store activations narrower); outputs are `&mut`.
-//! This file is the only place that knows which backends exist.
+//! `model/` issues every operation through [`Backend`]; a backend owns its device, its buffers
+//! and how commands are encoded (`cpu/`, `metal/`), and runs each op through its family's
+//! kernels (`ops/<family>/{cpu,metal}.rs`). Method names are the op stems used by the shaders
+//! (`shaders/metal/<family>.metal`), the kernels and the tests. Buffers hold f32 values from the
+//! model's point of view (a device may store activations narrower); outputs are `&mut`. This
+//! file is the only place that knows which backends exist; `params.rs` is what the host and the
+//! kernels share.
 
 pub mod cpu;
 pub mod metal;

@@ -334,11 +334,6 @@ pub fn common_kernels() -> impl Iterator<Item = Kernel> {
     Kernel::all().take(WEIGHT_END)
 }
 
-/// The host names of the kernels that have no GPU-family variants.
-pub fn common_kernel_names() -> Vec<String> {
-    common_kernels().map(Kernel::name).collect()
-}
-
 /// Every kernel host name the backend may dispatch: the common kernels and every variant, in
 /// table order (`Kernel::index`).
 pub fn kernel_names() -> Vec<String> {

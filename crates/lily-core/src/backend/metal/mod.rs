@@ -1,7 +1,10 @@
-//! The Metal backend. The encoding logic (which kernel, which bindings, grid and threadgroup
-//! sizes, buffer plan) lives here once, generic over an [`Executor`]: the real device
-//! (`device.rs`, Apple targets) or the simulator ([`sim::Sim`], which runs the same shaders on
-//! the CPU, so the whole command stream is tested on Linux).
+//! The Metal backend, generic over an [`Executor`]: the real device (`device.rs`, Apple targets)
+//! or the simulator ([`sim::Sim`], which runs the same shaders on the CPU, so the whole command
+//! stream is tested on Linux). The encoding of each op (which kernel, which bindings, grid and
+//! threadgroup sizes, scratch) is written once, in its family's `ops/<family>/metal.rs`; this
+//! folder holds what they share: the command stream (`stream.rs`), buffers and weight matrices
+//! (`buffers.rs`), the kernel table and the embedded shaders (`kernels.rs`), parameter bytes
+//! (`args.rs`), the executors, and the `Backend` impl below (one line per op).
 //!
 //! Activations, state and scratch are f32 buffers; weights stay in their checkpoint format
 //! (f32/f16/bf16, MLX affine 2/4/8-bit) and are dequantized inside the kernels. Kernels are
@@ -42,7 +45,7 @@ use stream::Stream;
 use super::{params::*, Backend, StreamKind};
 use crate::{
     error::{Error, Result},
-    ops::*,
+    ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
     quant::Matrix,
 };
 

@@ -11,7 +11,7 @@ use crate::{
         },
         params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
     },
-    ops::{matmul::cpu as gemm, sigmoid, softplus},
+    ops::{matmul::cpu as matmul, sigmoid, softplus},
 };
 
 /// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
@@ -232,7 +232,7 @@ fn delta_chunk_body(
     let (q, k): (&[f32], &[f32]) = (q, k);
     // A[i, j'] = beta_i (k_i . k_j') exp(gam_i - gam_j') for j' < i (K K^T by 4 x 4 tiles).
     amat.fill(0.0);
-    gemm::tile_products(
+    matmul::tile_products(
         isa,
         k,
         n,
@@ -279,7 +279,7 @@ fn delta_chunk_body(
     }
     // O_i = exp(gam_i) q_i S + sum_{j' <= i} (q_i . k_j') exp(gam_i - gam_j') V'_j'.
     // (q_i . k_j') for all pairs by 4 x 4 tiles into amat (A is no longer needed).
-    gemm::tile_products(
+    matmul::tile_products(
         isa,
         q,
         n,

@@ -11,7 +11,7 @@ use crate::{
         },
         params::{MoeParams, RouteParams},
     },
-    ops::matmul::cpu as gemm,
+    ops::matmul::cpu as matmul,
     quant::Matrix,
 };
 
@@ -107,8 +107,8 @@ fn moe_decode(
             with_task(sb_len + 2 * rn, |scr| {
                 let (sb, rest) = scr.split_at_mut(sb_len);
                 let (g, u) = rest.split_at_mut(rn);
-                gemm::gemv_rows(isa, gate, e, rows.start, xr, sb, g);
-                gemm::gemv_rows(isa, up, e, rows.start, xr, sb, u);
+                matmul::gemv_rows(isa, gate, e, rows.start, xr, sb, g);
+                matmul::gemv_rows(isa, up, e, rows.start, xr, sb, u);
                 for i in 0..rn {
                     // SAFETY: (slot, row) is written by this task only.
                     unsafe { act_o.set(slot * inter + rows.start + i, simd::silu(g[i]) * u[i]) };
@@ -133,7 +133,7 @@ fn moe_decode(
             let rn = rows.len();
             with_task(sb_len + rn, |scr| {
                 let (sb, y) = scr.split_at_mut(sb_len);
-                gemm::gemv_rows(isa, down, e, rows.start, xr, sb, y);
+                matmul::gemv_rows(isa, down, e, rows.start, xr, sb, y);
                 for (i, &v) in y.iter().enumerate() {
                     // SAFETY: (slot, row) is written by this task only.
                     unsafe { ys_o.set(slot * d + rows.start + i, v) };
@@ -206,20 +206,20 @@ fn moe_grouped(
             (glist[3 * g] as usize, &order[first..first + glist[3 * g + 2] as usize])
         };
 
-        let blocks = inter.div_ceil(gemm::TILE_ROWS);
+        let blocks = inter.div_ceil(matmul::TILE_ROWS);
         pool::for_each(ng * blocks, |task| {
             let (g, blk) = (task / blocks, task % blocks);
             let (e, members) = group(g);
-            let rows = blk * gemm::TILE_ROWS..((blk + 1) * gemm::TILE_ROWS).min(inter);
+            let rows = blk * matmul::TILE_ROWS..((blk + 1) * matmul::TILE_ROWS).min(inter);
             let rn = rows.len();
             with_task(2 * rn * d + members.len() * rn, |scr| {
                 let (gt, rest) = scr.split_at_mut(rn * d);
                 let (ut, gv) = rest.split_at_mut(rn * d);
-                gemm::dequant_tile(isa, gate, e, rows.clone(), gt);
-                gemm::dequant_tile(isa, up, e, rows.clone(), ut);
+                matmul::dequant_tile(isa, gate, e, rows.clone(), gt);
+                matmul::dequant_tile(isa, up, e, rows.clone(), ut);
                 let xrow = |m: usize| &x[(members[m] as usize / k_n) * d..][..d];
-                gemm::tile_products(isa, gt, rn, d, members.len(), xrow, |m, i, v| gv[m * rn + i] = v);
-                gemm::tile_products(isa, ut, rn, d, members.len(), xrow, |m, i, u| {
+                matmul::tile_products(isa, gt, rn, d, members.len(), xrow, |m, i, v| gv[m * rn + i] = v);
+                matmul::tile_products(isa, ut, rn, d, members.len(), xrow, |m, i, u| {
                     // SAFETY: (pair, row) of this expert's row block is written by this task only.
                     unsafe {
                         act_o.set(
@@ -231,16 +231,16 @@ fn moe_grouped(
             });
         });
         let act: &[f32] = act;
-        let blocks = d.div_ceil(gemm::TILE_ROWS);
+        let blocks = d.div_ceil(matmul::TILE_ROWS);
         pool::for_each(ng * blocks, |task| {
             let (g, blk) = (task / blocks, task % blocks);
             let (e, members) = group(g);
-            let rows = blk * gemm::TILE_ROWS..((blk + 1) * gemm::TILE_ROWS).min(d);
+            let rows = blk * matmul::TILE_ROWS..((blk + 1) * matmul::TILE_ROWS).min(d);
             let rn = rows.len();
             with_task(rn * inter, |tile| {
-                gemm::dequant_tile(isa, down, e, rows.clone(), tile);
+                matmul::dequant_tile(isa, down, e, rows.clone(), tile);
                 let xrow = |m: usize| &act[members[m] as usize * inter..][..inter];
-                gemm::tile_products(isa, tile, rn, inter, members.len(), xrow, |m, i, y| {
+                matmul::tile_products(isa, tile, rn, inter, members.len(), xrow, |m, i, y| {
                     // SAFETY: (pair, row) of this expert's row block is written by this task only.
                     unsafe { ys_o.set(members[m] as usize * d + rows.start + i, y) };
                 });
