@@ -10,10 +10,7 @@
 mod common;
 mod metal_common;
 
-use lily_core::{
-    backend::metal::{device::Device, Executor, Metal},
-    safetensors::Bytes,
-};
+use lily_core::{backend::metal::Executor, safetensors::Bytes};
 
 use metal_common::device;
 
