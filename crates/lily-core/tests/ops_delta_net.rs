@@ -18,6 +18,17 @@ use lily_core::{
 };
 use metal_common::{assert_near, read_all, TOL};
 
+/// The params of a DeltaNet call of `t` tokens, Hk / Hv heads of Dk / Dv.
+fn params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParams {
+    DeltaNetParams {
+        tokens: t as u32,
+        key_heads: hk as u32,
+        value_heads: hv as u32,
+        key_dim: dk as u32,
+        value_dim: dv as u32,
+    }
+}
+
 mod cpu {
     use super::*;
 
@@ -35,13 +46,7 @@ mod cpu {
         let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
         let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
         let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
-        let p = DeltaNetParams {
-            tokens: t as u32,
-            key_heads: hk as u32,
-            value_heads: hv as u32,
-            key_dim: dk as u32,
-            value_dim: dv as u32,
-        };
+        let p = params(t, hk, hv, dk, dv);
         let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
         let n = t * hv * dv;
         let (mut oa, mut ob, mut oc) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
@@ -77,13 +82,7 @@ mod cpu {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         let (hk, hv, dk, dv) = (1usize, 2usize, 128usize, 128usize);
         let width = 2 * hk * dk + hv * dv;
-        let p = DeltaNetParams {
-            tokens: 1,
-            key_heads: hk as u32,
-            value_heads: hv as u32,
-            key_dim: dk as u32,
-            value_dim: dv as u32,
-        };
+        let p = params(1, hk, hv, dk, dv);
         let (a_log, dt_bias) = (rand_vec(hv, 1, -4.0, 0.5), rand_vec(hv, 2, -1.0, 1.0));
         let (mut sa, mut sb) = (vec![0f32; hv * dk * dv], vec![0f32; hv * dk * dv]);
         let (mut oa, mut ob) = (vec![0f32; hv * dv], vec![0f32; hv * dv]);
@@ -137,13 +136,7 @@ mod cpu {
             );
             let (a_log, dt_bias) = (rand_vec(hv, seed + 3, -3.0, 0.7), rand_vec(hv, seed + 4, -1.0, 1.0));
             let s0 = rand_vec(hv * dk * dv, seed + 5, -0.5, 0.5);
-            let p = DeltaNetParams {
-                tokens: t as u32,
-                key_heads: hk as u32,
-                value_heads: hv as u32,
-                key_dim: dk as u32,
-                value_dim: dv as u32,
-            };
+            let p = params(t, hk, hv, dk, dv);
             let (mut s_step, mut o_step) = (s0.clone(), vec![0f32; t * hv * dv]);
             reference::delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut s_step, &mut o_step);
             for chunk in [1, 7, 32, 64] {
@@ -307,13 +300,7 @@ fn delta_inputs(s: &DeltaShape, calls: &[usize]) -> DeltaCalls {
         .iter()
         .enumerate()
         .map(|(i, &t)| {
-            let p = DeltaNetParams {
-                tokens: t as u32,
-                key_heads: hk as u32,
-                value_heads: hv as u32,
-                key_dim: dk as u32,
-                value_dim: dv as u32,
-            };
+            let p = params(t, hk, hv, dk, dv);
             let k = seed + 10 * (i as u64 + 1);
             let qkv = rand_vec(t * width, k, -1.0, 1.0);
             (

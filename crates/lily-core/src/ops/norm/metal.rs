@@ -8,21 +8,11 @@ use crate::backend::{
 
 pub fn rms_norm<X: Executor>(m: &Metal<X>, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
     let n = (p.rows * p.dim) as usize;
-    if !m.fits(
-        "rms_norm",
-        &[("x", x.len(), n), ("w", w.len(), p.dim as usize), ("out", out.len(), n)],
-    ) {
-        return;
+    let checks = [("x", x.len(), n), ("w", w.len(), p.dim as usize), ("out", out.len(), n)];
+    if m.fits("rms_norm", &checks) {
+        let args = [Arg::Bytes(bytes_of(p)), x.arg(), w.arg(), out.arg()];
+        m.encode(Fixed::RmsNorm, &args, rows(p));
     }
-    let grid = Grid::Groups {
-        count: [p.rows, 1, 1],
-        size: [norm_threads(p.dim as usize), 1, 1],
-    };
-    m.encode(
-        Fixed::RmsNorm,
-        &[Arg::Bytes(bytes_of(p)), x.arg(), w.arg(), out.arg()],
-        grid,
-    );
 }
 
 pub fn rms_norm_gated<X: Executor>(
@@ -34,24 +24,22 @@ pub fn rms_norm_gated<X: Executor>(
     out: &mut MetalBuf<X>,
 ) {
     let n = (p.rows * p.dim) as usize;
-    if !m.fits(
-        "rms_norm_gated",
-        &[
-            ("x", x.len(), n),
-            ("z", z.len(), n),
-            ("w", w.len(), p.dim as usize),
-            ("out", out.len(), n),
-        ],
-    ) {
-        return;
+    let checks = [
+        ("x", x.len(), n),
+        ("z", z.len(), n),
+        ("w", w.len(), p.dim as usize),
+        ("out", out.len(), n),
+    ];
+    if m.fits("rms_norm_gated", &checks) {
+        let args = [Arg::Bytes(bytes_of(p)), x.arg(), z.arg(), w.arg(), out.arg()];
+        m.encode(Fixed::RmsNormGated, &args, rows(p));
     }
-    let grid = Grid::Groups {
+}
+
+/// One threadgroup per row.
+fn rows(p: &RmsNormParams) -> Grid {
+    Grid::Groups {
         count: [p.rows, 1, 1],
         size: [norm_threads(p.dim as usize), 1, 1],
-    };
-    m.encode(
-        Fixed::RmsNormGated,
-        &[Arg::Bytes(bytes_of(p)), x.arg(), z.arg(), w.arg(), out.arg()],
-        grid,
-    );
+    }
 }
