@@ -36,6 +36,9 @@ struct RowsParams { uint tokens; uint dim; };
 struct MatrixDesc { uint rows; uint cols; uint expert_stride; uint row_offset; uint group; uint pad0; uint pad1; uint pad2; };
 // Split ("flash-decoding") layout: the causal range of each query is cut into `splits` pieces of
 // `split_rows` cache rows; splits == 1 writes the final output directly.
+// KV row r of a cache lives in segment r >> seg_shift (addresses in a table bound beside it), at
+// row r & ((1 << seg_shift) - 1) of that segment; `segments` entries in the table.
+struct KvLayout { uint seg_shift; uint segments; };
 struct AttentionSplit { uint splits; uint split_rows; };
 // embed: T rows.
 struct EmbedParams { uint tokens; };
@@ -54,6 +57,7 @@ static_assert(sizeof(RouteParams) == 16, "RouteParams");
 static_assert(sizeof(MoeParams) == 8, "MoeParams");
 static_assert(sizeof(RowsParams) == 8, "RowsParams");
 static_assert(sizeof(MatrixDesc) == 32, "MatrixDesc");
+static_assert(sizeof(KvLayout) == 8, "KvLayout");
 static_assert(sizeof(AttentionSplit) == 8, "AttentionSplit");
 static_assert(sizeof(EmbedParams) == 4, "EmbedParams");
 static_assert(sizeof(MoeSortDesc) == 16, "MoeSortDesc");
@@ -63,6 +67,8 @@ LILY_CONST uint MAX_CONV_TAPS = 16;            // delta_net_conv: taps - 1 rows 
 LILY_CONST uint DELTA_NET_KEY_DIM_MAX = 256;   // delta_net: 8 state values per lane
 LILY_CONST uint DELTA_NET_CHUNK = 32;          // tokens per chunk of the chunked prefill
 LILY_CONST uint DELTA_NET_COLS = 16;           // state columns per threadgroup of delta_net_chunk
+LILY_CONST uint KV_SEGMENT_ROWS = 1024;        // KV-cache rows per segment by default (a power of two)
+LILY_CONST uint ATTENTION_TILE = 8;            // attention: cache rows staged per step
 LILY_CONST uint ATTENTION_HEAD_DIM_MAX = 256;  // attention: K/V tiles in threadgroup memory
 LILY_CONST uint ROPE_HEAD_DIM_MAX = 1024;      // qk_norm_rope: the normed head in threadgroup memory
 LILY_CONST uint MOE_EXPERTS_MAX = 1024;        // moe_route keys, moe_scan threads

@@ -37,6 +37,8 @@ HF_CHECKPOINTS = {
     "real-s1-theta1e4": dict(preset="real_heads", seed=1, rope_theta=10000.0),
     "tiny-s2-3shards": dict(preset="tiny", seed=2, shards=3),
     "real-s2-2shards": dict(preset="real_heads", seed=2, shards=2, rope_theta=1000.0),
+    # Long contexts (the 16-bit KV cache past 8K tokens, tests/test_kv_cache.py).
+    "tiny-s3-long": dict(preset="tiny", seed=3, max_position_embeddings=32768),
 }
 # name -> (HF source name, bits, group_size)
 MLX_CHECKPOINTS = {

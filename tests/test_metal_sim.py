@@ -32,8 +32,8 @@ def _need_clang():
         pytest.skip("clang++-19 not found: the Metal simulator tests need it (apt-get install -y clang-19)")
 
 
-def _engine(lily, ckpts, name, backend="metal-sim"):
-    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ)
+def _engine(lily, ckpts, name, backend="metal-sim", kv_dtype="f32"):
+    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ, kv_dtype=kv_dtype)
     assert eng.backend == backend
     return eng
 

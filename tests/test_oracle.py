@@ -188,6 +188,8 @@ def test_oracle_hf_reference_is_fp32(ckpts, oracle_cache):
 
 
 def _engine(lily, ckpts, name, max_seq=MAX_SEQ, **kw):
+    # fp32 oracle tolerances need the fp32 KV cache (the 16-bit caches: tests/test_kv_cache.py).
+    kw.setdefault("kv_dtype", "f32")
     eng = lily.Engine(str(ckpts.path(name)), backend="cpu", max_seq=max_seq, **kw)
     assert eng.backend == "cpu"
     return eng

@@ -29,7 +29,10 @@ class Engine:
     ``path`` is a checkpoint folder (MLX affine-quantized or Hugging Face bf16 safetensors with
     ``config.json``). ``backend`` is ``"auto"`` (the best available), ``"cpu"``, ``"cpu-reference"``
     (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"`` or ``"cuda"``. ``max_seq`` caps the
-    sequence length (default: the config's ``max_position_embeddings``). ``prefill_chunk`` is the
+    sequence length (default: the config's ``max_position_embeddings``, 262,144 for Qwen3.6); the KV
+    cache grows in segments as the sequence does, so a large ``max_seq`` costs no memory until used.
+    ``kv_dtype`` is the element type of the stored keys and values: ``"bf16"`` (default), ``"f16"``
+    or ``"f32"`` (twice the memory; exact fp32 attention, for checking). ``prefill_chunk`` is the
     number of tokens per forward call during prefill (default: the backend's, 1024 on the CPU): larger
     is faster and takes more scratch memory (about 270 KB per token at the real shapes).
     ``progress(done, total)`` is called as layers load. The GIL is released while the model loads and
@@ -44,6 +47,7 @@ class Engine:
         max_seq: int | None = None,
         prefill_chunk: int | None = None,
         progress: Callable[[int, int], object] | None = None,
+        kv_dtype: Literal["bf16", "f16", "f32"] | str = "bf16",
     ) -> Self: ...
     def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> npt.NDArray[np.float32]:
         """Append ``tokens`` to the sequence (a second call continues it).
@@ -69,6 +73,12 @@ class Engine:
     @property
     def position(self) -> int:
         """Tokens in the current sequence."""
+    @property
+    def kv_dtype(self) -> str:
+        """Element type of the stored K/V rows: ``"bf16"``, ``"f16"`` or ``"f32"``."""
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV cache held now (it grows in segments with the sequence; reset keeps one)."""
     @property
     def max_seq(self) -> int:
         """Longest sequence this engine holds."""

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from lily import command
 from lily.command import ArgParser
-from lily.loading import BACKENDS, load
+from lily.loading import BACKENDS, KV_DTYPES, load
 from lily.model import DEFAULT_MAX_TOKENS
 
 __all__ = ["main"]
@@ -49,6 +49,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hugging Face repo id (e.g. mlx-community/Qwen3.6-35B-A3B-4bit)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend")
     p.add_argument("--max-seq", type=_positive_int, default=None, help="context length (default: the engine's)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                   help="element type of the stored keys and values (default bf16; f32 doubles the KV memory)")
     p.add_argument("--max-tokens", type=_positive_int, default=None,
                    help=f"tokens to generate at most per reply (default {DEFAULT_MAX_TOKENS})")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
@@ -281,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    model = load(args.model, backend=args.backend, max_seq=args.max_seq)
+    model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype)
     if args.command == "generate":
         return _cmd_generate(model, args)
     return _cmd_chat(model, args)

@@ -12,9 +12,10 @@ from lily.model import Model
 from lily.progress import progress_bar
 from lily.template import ChatTemplate
 
-__all__ = ["BACKENDS", "load"]
+__all__ = ["BACKENDS", "KV_DTYPES", "load"]
 
 BACKENDS = ("auto", "cpu", "metal", "cuda", "cpu-reference", "metal-sim")
+KV_DTYPES = ("bf16", "f16", "f32")
 
 
 def load(
@@ -23,6 +24,7 @@ def load(
     backend: str = "auto",
     max_seq: int | None = None,
     prefill_chunk: int | None = None,
+    kv_dtype: str = "bf16",
     revision: str | None = None,
     progress: bool = True,
 ) -> Model:
@@ -30,7 +32,8 @@ def load(
 
     ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim"); ``max_seq`` caps
     the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
-    backend's; smaller saves memory). Raises ``ModelLoadError`` with what to do when the model cannot
+    backend's; smaller saves memory); ``kv_dtype`` the element type of the stored keys and values
+    ("bf16", "f16" or "f32"). Raises ``ModelLoadError`` with what to do when the model cannot
     be found or read.
     """
     if backend not in BACKENDS:
@@ -40,15 +43,16 @@ def load(
     tokenizer = load_tokenizer(folder, generation_config)
     template = ChatTemplate.from_dir(folder)
     warm_page_cache(folder, progress=progress)
-    engine = _open_engine(folder, backend, max_seq, prefill_chunk, progress)
+    engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress)
     return Model(engine, tokenizer, template, generation_config, folder)
 
 
-def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk: int | None,
+def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk: int | None, kv_dtype: str,
                  progress: bool) -> Engine:
     """The engine, with a per-layer progress bar on stderr for large (>= 1 GiB) checkpoints."""
+    kw = {"backend": backend, "max_seq": max_seq, "prefill_chunk": prefill_chunk, "kv_dtype": kv_dtype}
     if not progress or sum(f.stat().st_size for f in folder.glob("*.safetensors")) < 1 << 30:
-        return Engine(str(folder), backend=backend, max_seq=max_seq, prefill_chunk=prefill_chunk)
+        return Engine(str(folder), **kw)
     bar = None
 
     def report(done: int, total: int) -> None:
@@ -58,8 +62,7 @@ def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk:
         bar.update(done - bar.n)
 
     try:
-        return Engine(str(folder), backend=backend, max_seq=max_seq, prefill_chunk=prefill_chunk,
-                      progress=report)
+        return Engine(str(folder), **kw, progress=report)
     finally:
         if bar is not None:
             bar.close()

@@ -41,34 +41,78 @@ kernel void qk_norm_rope_f32(constant RopeParams& p [[buffer(0)]], device const 
   }
 }
 
-// kv_store: cache[pos0 + t, :] = x[t, :]; x [T, width], cache [max_seq, width] f32.
-// Bindings: 0 KvStoreParams, 1 x, 2 cache. Grid: dispatchThreads (width, T).
-kernel void kv_store_f32(constant KvStoreParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
-                         device float* cache [[buffer(2)]], uint2 pos [[thread_position_in_grid]]) {
-  if (pos.x >= p.width || pos.y >= p.tokens) return;
-  cache[(ulong)(p.pos0 + pos.y) * p.width + pos.x] = x[(ulong)pos.y * p.width + pos.x];
+// KV-cache element types: the stored type T, how a stored value widens to f32 (exactly) and how
+// an f32 rounds to it (to nearest even). bf16 is handled as its bit pattern (ushort), so no
+// kernel needs MSL's `bfloat` type.
+struct KvF32 {
+  typedef float T;
+  static inline float load(T x) { return x; }
+  static inline T store(float v) { return v; }
+};
+struct KvBf16 {
+  typedef ushort T;
+  static inline float load(T x) { return as_type<float>(uint(x) << 16); }
+  static inline T store(float v) {
+    uint u = as_type<uint>(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ushort((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return ushort(u >> 16);
+  }
+};
+struct KvF16 {
+  typedef half T;
+  static inline float load(T x) { return float(x); }
+  static inline T store(float v) { return T(v); }
+};
+
+// One entry of a cache's segment table: the GPU address of the segment's first row (the host
+// writes MTLBuffer.gpuAddress; Metal 3 argument-buffer pointers). Row r of the cache is row
+// r & (2^seg_shift - 1) of segment r >> seg_shift (KvLayout).
+template <typename K> struct KvSegment {
+  device typename K::T* rows;
+};
+
+template <typename K>
+inline device typename K::T* kv_row(device const KvSegment<K>* table, constant KvLayout& kl, uint row, uint width) {
+  return table[row >> kl.seg_shift].rows + (ulong)(row & ((1u << kl.seg_shift) - 1u)) * width;
 }
 
-constant constexpr uint ATT_TILE = 8;  // cache rows staged per step
+// kv_store: cache row pos0 + t = x[t, :] rounded to the cache type; x [T, width] f32, the cache's
+// segments through its table. Bindings: 0 KvStoreParams, 1 KvLayout, 2 x, 3 table.
+// Grid: dispatchThreads (width, T), one element per thread.
+template <typename K>
+TKERNEL void kv_store(constant KvStoreParams& p [[buffer(0)]], constant KvLayout& kl [[buffer(1)]],
+                      device const float* x [[buffer(2)]], device const KvSegment<K>* cache [[buffer(3)]],
+                      uint2 pos [[thread_position_in_grid]]) {
+  if (pos.x >= p.width || pos.y >= p.tokens) return;
+  kv_row(cache, kl, p.pos0 + pos.y, p.width)[pos.x] = K::store(x[(ulong)pos.y * p.width + pos.x]);
+}
+INSTANTIATE(kv_store_f32, kv_store, KvF32)
+INSTANTIATE(kv_store_bf16, kv_store, KvBf16)
+INSTANTIATE(kv_store_f16, kv_store, KvF16)
+
 
 // attention: out [T, H*hd] = softmax(q K^T * scale, causal) V * sigmoid(gate), q/gate from
-// qg [T, H, 2*hd] (q then gate per head), caches [max_seq, Hkv, hd]; token t sees rows 0..pos0+t.
+// qg [T, H, 2*hd] (q then gate per head), caches of rows [Hkv, hd] of the cache type K read
+// through their segment tables (KvLayout) and widened to f32 as they are staged; token t sees
+// rows 0..pos0+t.
 // GQA packing: one threadgroup per (KV head, token, split) with G = H / Hkv simdgroups, one per
-// query head sharing that KV head; each tile of ATT_TILE K/V rows is loaded once into threadgroup
+// query head sharing that KV head; each tile of ATTENTION_TILE K/V rows is loaded once into threadgroup
 // memory and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256).
 // Online softmax in f32. Split layout (flash-decoding): split z covers cache rows
 // [z * split_rows, (z + 1) * split_rows); with splits > 1, out is a partials buffer
 // [T, H, splits, 2 + hd] = (running max, sum of exp, unnormalised o) for attention_reduce.
-// Bindings: 0 AttentionParams, 1 AttentionSplit, 2 qg, 3 k_cache, 4 v_cache, 5 out.
+// Bindings: 0 AttentionParams, 1 AttentionSplit, 2 KvLayout, 3 qg, 4 k table, 5 v table, 6 out.
 // Grid: threadgroups (Hkv, T, splits), G * 32 threads.
-kernel void attention_f32(constant AttentionParams& p [[buffer(0)]], constant AttentionSplit& sp [[buffer(1)]],
-                          device const float* qg [[buffer(2)]], device const float* k_cache [[buffer(3)]],
-                          device const float* v_cache [[buffer(4)]], device float* out [[buffer(5)]],
-                          uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                          uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
-                          uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float ks[ATT_TILE * ATTENTION_HEAD_DIM_MAX];
-  threadgroup float vs[ATT_TILE * ATTENTION_HEAD_DIM_MAX];
+// Threadgroup memory: 0 and 1, the staged K and V tiles, ATTENTION_TILE * hd floats each.
+template <typename K>
+TKERNEL void attention(constant AttentionParams& p [[buffer(0)]], constant AttentionSplit& sp [[buffer(1)]],
+                       constant KvLayout& kl [[buffer(2)]], device const float* qg [[buffer(3)]],
+                       device const KvSegment<K>* k_cache [[buffer(4)]], device const KvSegment<K>* v_cache [[buffer(5)]],
+                       device float* out [[buffer(6)]], threadgroup float* ks [[threadgroup(0)]],
+                       threadgroup float* vs [[threadgroup(1)]], uint3 tg [[threadgroup_position_in_grid]],
+                       uint tid [[thread_index_in_threadgroup]], uint ntg [[threads_per_threadgroup]],
+                       uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   const uint kvh = tg.x, t = tg.y, split = tg.z;
   const uint hd = p.head_dim, group = p.heads / p.kv_heads, h = kvh * group + sg;
   const uint kvw = p.kv_heads * hd;
@@ -83,12 +127,12 @@ kernel void attention_f32(constant AttentionParams& p [[buffer(0)]], constant At
     o[i] = 0.0f;
   }
   float mx = NEG_BIG, l = 0.0f;
-  for (uint base = s0; base < s1; base += ATT_TILE) {
-    const uint n = min(ATT_TILE, s1 - base);
+  for (uint base = s0; base < s1; base += ATTENTION_TILE) {
+    const uint n = min(ATTENTION_TILE, s1 - base);
     for (uint idx = tid; idx < n * hd; idx += ntg) {
-      const ulong src = (ulong)(base + idx / hd) * kvw + kvh * hd + idx % hd;
-      ks[idx] = k_cache[src];
-      vs[idx] = v_cache[src];
+      const uint row = base + idx / hd, col = kvh * hd + idx % hd;
+      ks[idx] = K::load(kv_row(k_cache, kl, row, kvw)[col]);
+      vs[idx] = K::load(kv_row(v_cache, kl, row, kvw)[col]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint r = 0; r < n; ++r) {
@@ -119,6 +163,10 @@ kernel void attention_f32(constant AttentionParams& p [[buffer(0)]], constant At
     for (uint i = 0; i < nd; ++i) part[2 + lane + 32 * i] = o[i];
   }
 }
+
+INSTANTIATE(attention_f32, attention, KvF32)
+INSTANTIATE(attention_bf16, attention, KvBf16)
+INSTANTIATE(attention_f16, attention, KvF16)
 
 // attention_reduce: combine the split partials [T, H, splits, 2 + hd] into out [T, H*hd] and
 // apply the sigmoid gate from qg. Bindings: 0 AttentionParams, 1 AttentionSplit, 2 partials,

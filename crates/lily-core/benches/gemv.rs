@@ -308,21 +308,34 @@ fn bench() {
         );
     }
 
-    // Decode attention over a 4K f32 KV cache (16 query / 2 KV heads of 256, the real shape):
-    // GB/s of K and V read. Eight caches in rotation (134 MB) so each call reads from DRAM.
-    let name = "decode attention 16q/2kv x 256, 4K context";
+    // Decode attention over a 4K bf16 KV cache (16 query / 2 KV heads of 256, the real shape):
+    // GB/s of K and V read. Eight caches in rotation (67 MB) so each call reads from DRAM.
+    let name = "decode attention 16q/2kv x 256, 4K bf16 context";
     if run(name) {
-        use lily_core::{backend::params::AttentionParams, ops::attention};
+        use lily_core::{
+            backend::{
+                cpu::kv::CpuKv,
+                params::{AttentionParams, KvStoreParams},
+                KvDtype,
+            },
+            ops::attention,
+        };
         let (h, kv, hd, len) = (16usize, 2usize, 256usize, 4096usize);
-        let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..8)
-            .map(|c| {
-                let f = |i: usize, m: usize| ((i * m + c) % 97) as f32 / 97.0 - 0.5;
-                (
-                    (0..len * kv * hd).map(|i| f(i, 53)).collect(),
-                    (0..len * kv * hd).map(|i| f(i, 29)).collect(),
-                )
-            })
-            .collect();
+        let cache = |c: usize, m: usize| {
+            let data: Vec<f32> = (0..len * kv * hd)
+                .map(|i| ((i * m + c) % 97) as f32 / 97.0 - 0.5)
+                .collect();
+            let mut kc = CpuKv::new(kv * hd, KvDtype::BF16, len, 1024).expect("cache");
+            kc.reserve(len).expect("cache rows");
+            let p = KvStoreParams {
+                tokens: len as u32,
+                pos0: 0,
+                width: (kv * hd) as u32,
+            };
+            attention::reference::kv_store(&p, &data, &mut kc);
+            kc
+        };
+        let caches: Vec<(CpuKv, CpuKv)> = (0..8).map(|c| (cache(c, 53), cache(c, 29))).collect();
         let qg: Vec<f32> = (0..h * 2 * hd).map(|i| (i % 101) as f32 / 101.0 - 0.5).collect();
         let p = AttentionParams {
             tokens: 1,
@@ -338,7 +351,7 @@ fn bench() {
             c = (c + 1) % caches.len();
             attention::cpu::attention_with(isa, &p, &qg, &caches[c].0, &caches[c].1, &mut out);
         });
-        let gbs = (2 * len * kv * hd * 4) as f64 / s / 1e9;
+        let gbs = (2 * len * kv * hd * 2) as f64 / s / 1e9;
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
     }
 

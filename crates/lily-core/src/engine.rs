@@ -18,7 +18,7 @@ use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
 use crate::backend::metal::{sim::Sim, Metal};
 use crate::{
-    backend::{cpu::Cpu, Backend, StreamKind},
+    backend::{cpu::Cpu, Backend, KvDtype, StreamKind},
     config::ModelConfig,
     error::{Error, Result},
     model::{
@@ -39,6 +39,7 @@ pub struct Runner<B: Backend> {
     scratch: Scratch<B>,
     pos: usize,
     max_seq: usize,
+    kv_dtype: KvDtype,
     /// The token behind each KV row written so far (may run past `pos` after a restore).
     cached: Vec<u32>,
     /// Tells snapshots of this engine from those of another.
@@ -72,16 +73,18 @@ impl<B: Backend> Runner<B> {
         b: B,
         dir: &Path,
         cfg: &ModelConfig,
+        opts: &Options,
         max_seq: usize,
-        prefill_chunk: Option<usize>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let loader = Loader::open(dir, cfg)?;
         let files = loader.watch();
         let model = Model::load(&b, &loader, cfg, progress)?;
-        let state = State::new(&b, cfg, max_seq)?;
+        let mut state = State::new(&b, cfg, max_seq, opts.kv_dtype)?;
+        // The first KV segment now: allocation failures show at load, and reset keeps it.
+        state.reserve(&b, 1)?;
         // Tokens per forward call during prefill: bounds scratch memory whatever the prompt length.
-        let chunk = prefill_chunk.unwrap_or_else(|| b.prefill_chunk()).min(max_seq);
+        let chunk = opts.prefill_chunk.unwrap_or_else(|| b.prefill_chunk()).min(max_seq);
         let scratch = Scratch::new(&b, cfg, chunk, LOGIT_ROWS)?;
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         Ok(Runner {
@@ -91,6 +94,7 @@ impl<B: Backend> Runner<B> {
             scratch,
             pos: 0,
             max_seq,
+            kv_dtype: opts.kv_dtype,
             cached: Vec::new(),
             id,
             files,
@@ -122,6 +126,9 @@ impl<B: Backend> Runner<B> {
 
     fn prefill_here(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check(tokens)?;
+        // KV rows for the whole prompt before any state changes (an allocation failure leaves
+        // the sequence as it was).
+        self.state.reserve(&self.b, self.pos + tokens.len())?;
         let vocab = self.model.vocab();
         let mut out = vec![0f32; if all_logits { tokens.len() * vocab } else { vocab }];
         let mut done = 0;
@@ -165,6 +172,9 @@ impl<B: Backend> Runner<B> {
 
     fn decode_here(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
         self.check(&[token])?;
+        if self.pos >= self.state.kv_rows(&self.b) {
+            self.state.reserve(&self.b, self.pos + 1)?; // a new segment: once per segment's rows
+        }
         self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
         self.model
@@ -224,6 +234,9 @@ impl<B: Backend> Runner<B> {
 
     fn reset(&mut self) -> Result<()> {
         self.state.reset(&self.b)?;
+        // The KV rows past the retained first segment are gone: so is what they could be reused for.
+        let kept = self.state.kv_rows(&self.b);
+        self.cached.truncate(kept);
         self.pos = 0;
         Ok(())
     }
@@ -287,14 +300,45 @@ macro_rules! each {
     };
 }
 
+/// How to build an engine. `Options::default()`: the best backend, the model's context length,
+/// the backend's prefill chunk, a bf16 KV cache.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub backend: BackendKind,
+    /// Longest sequence (prompt + generated tokens); default the config's
+    /// `max_position_embeddings`. The KV cache grows with the sequence, so a large value costs
+    /// no memory until it is used.
+    pub max_seq: Option<usize>,
+    /// Tokens per forward call during prefill (default: the backend's choice); larger chunks
+    /// prefill faster and take more scratch memory.
+    pub prefill_chunk: Option<usize>,
+    /// Element type of the stored K/V rows (f32 for fp32-exact checks).
+    pub kv_dtype: KvDtype,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            backend: BackendKind::Auto,
+            max_seq: None,
+            prefill_chunk: None,
+            kv_dtype: KvDtype::default(),
+        }
+    }
+}
+
 impl Engine {
     /// Load the checkpoint in `dir`. `max_seq` defaults to the config's `max_position_embeddings`.
     pub fn new(dir: &Path, backend: BackendKind, max_seq: Option<usize>) -> Result<Self> {
-        Self::with_progress(dir, backend, max_seq, None, &mut |_, _| {})
+        let opts = Options {
+            backend,
+            max_seq,
+            ..Options::default()
+        };
+        Self::load(dir, &opts, &mut |_, _| {})
     }
 
-    /// `prefill_chunk`: tokens per forward call during prefill (default: the backend's choice);
-    /// larger chunks prefill faster and take more scratch memory.
+    /// [`Engine::load`] with a bf16 KV cache.
     pub fn with_progress(
         dir: &Path,
         backend: BackendKind,
@@ -302,6 +346,18 @@ impl Engine {
         prefill_chunk: Option<usize>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
+        let opts = Options {
+            backend,
+            max_seq,
+            prefill_chunk,
+            ..Options::default()
+        };
+        Self::load(dir, &opts, progress)
+    }
+
+    /// Load the checkpoint in `dir` as `opts` say; `progress(done, total)` after each layer.
+    pub fn load(dir: &Path, opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let (backend, max_seq, prefill_chunk) = (opts.backend, opts.max_seq, opts.prefill_chunk);
         if !dir.is_dir() {
             return Err(Error::file(dir, "checkpoint folder not found"));
         }
@@ -327,18 +383,18 @@ impl Engine {
                 // Apple silicon: Metal when the device opens; CPU otherwise.
                 #[cfg(all(target_os = "macos", target_arch = "aarch64"))]
                 if let Ok(m) = Metal::device() {
-                    return Ok(Engine::Metal(Runner::new(m, dir, &cfg, max_seq, prefill_chunk, progress)?, cfg));
+                    return Ok(Engine::Metal(Runner::new(m, dir, &cfg, opts, max_seq, progress)?, cfg));
                 }
-                Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, prefill_chunk, progress)?, cfg))
+                Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, opts, max_seq, progress)?, cfg))
             }
-            BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, max_seq, prefill_chunk, progress)?, cfg)),
+            BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, opts, max_seq, progress)?, cfg)),
             BackendKind::CpuReference => Ok(Engine::Cpu(
-                Runner::new(Cpu::reference(), dir, &cfg, max_seq, prefill_chunk, progress)?,
+                Runner::new(Cpu::reference(), dir, &cfg, opts, max_seq, progress)?,
                 cfg,
             )),
             #[cfg(unix)]
             BackendKind::MetalSim => Ok(Engine::MetalSim(
-                Runner::new(Metal::sim()?, dir, &cfg, max_seq, prefill_chunk, progress)?,
+                Runner::new(Metal::sim()?, dir, &cfg, opts, max_seq, progress)?,
                 cfg,
             )),
             #[cfg(not(unix))]
@@ -347,7 +403,7 @@ impl Engine {
             )),
             #[cfg(target_os = "macos")]
             BackendKind::Metal => Ok(Engine::Metal(
-                Runner::new(Metal::device()?, dir, &cfg, max_seq, prefill_chunk, progress)?,
+                Runner::new(Metal::device()?, dir, &cfg, opts, max_seq, progress)?,
                 cfg,
             )),
             #[cfg(not(target_os = "macos"))]
@@ -407,6 +463,16 @@ impl Engine {
     /// Tokens in the current sequence.
     pub fn position(&self) -> usize {
         each!(self, r => r.pos)
+    }
+
+    /// Element type of the stored K/V rows.
+    pub fn kv_dtype(&self) -> KvDtype {
+        each!(self, r => r.kv_dtype)
+    }
+
+    /// Bytes the KV cache holds now (it grows in segments with the sequence).
+    pub fn kv_bytes(&self) -> usize {
+        each!(self, r => r.state.kv_bytes(&r.b))
     }
 
     pub fn max_seq(&self) -> usize {

@@ -12,12 +12,12 @@ use std::{
 
 mod common;
 
-use common::{assert_close, matrix, rand_vec};
+use common::{assert_close, cpu_cache, matrix, rand_vec};
 use lily_core::{
     backend::{
-        cpu::{isa::Isa, simd, Cpu},
+        cpu::{isa::Isa, kv::CpuKv, simd, Cpu},
         params::*,
-        Backend,
+        Backend, KvDtype,
     },
     ops::{attention, delta_net, matmul, moe, norm, sigmoid, silu},
     quant::{Format, Matrix},
@@ -193,11 +193,15 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
         ((6, 1, 80), 1, 700),
         ((6, 1, 80), 1, 5),
     ] {
-        for isa in Isa::all_available() {
+        // f32 and bf16 caches; segments of 64 rows cut key blocks and decode splits.
+        for (isa, (dtype, seg)) in Isa::all_available()
+            .into_iter()
+            .flat_map(|i| [(KvDtype::F32, 1024), (KvDtype::BF16, 64)].map(|d| (i, d)))
+        {
             let len = pos0 + t;
             let qg = rand_vec(t * h * 2 * hd, 1, -1.0, 1.0);
-            let kc = rand_vec(len * kv * hd, 2, -1.0, 1.0);
-            let vc = rand_vec(len * kv * hd, 3, -1.0, 1.0);
+            let kc = cpu_cache(&rand_vec(len * kv * hd, 2, -1.0, 1.0), kv * hd, dtype, seg);
+            let vc = cpu_cache(&rand_vec(len * kv * hd, 3, -1.0, 1.0), kv * hd, dtype, seg);
             let p = AttentionParams {
                 tokens: t as u32,
                 pos0: pos0 as u32,
@@ -213,7 +217,7 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
                 &a,
                 &b,
                 1e-5,
-                &format!("{isa:?} attention ({h}, {kv}, {hd}) t={t} pos0={pos0}"),
+                &format!("{isa:?} attention ({h}, {kv}, {hd}) t={t} pos0={pos0} {dtype:?} seg {seg}"),
             );
         }
     }
@@ -283,8 +287,8 @@ struct DecodeBufs {
     x: Vec<f32>,
     y: Vec<f32>,
     qg: Vec<f32>,
-    kc: Vec<f32>,
-    vc: Vec<f32>,
+    kc: CpuKv,
+    vc: CpuKv,
     att: Vec<f32>,
     tmp: Vec<f32>,
     out: Vec<f32>,
@@ -347,8 +351,8 @@ fn decode_kernels_do_not_allocate_once_warm() {
         x: rand_vec(128, 5, -1.0, 1.0),
         y: vec![0.0; 512],
         qg: rand_vec(8 * 128, 6, -1.0, 1.0),
-        kc: rand_vec(41 * 128, 7, -1.0, 1.0),
-        vc: rand_vec(41 * 128, 8, -1.0, 1.0),
+        kc: cpu_cache(&rand_vec(41 * 128, 7, -1.0, 1.0), 128, KvDtype::BF16, 1024),
+        vc: cpu_cache(&rand_vec(41 * 128, 8, -1.0, 1.0), 128, KvDtype::BF16, 1024),
         att: vec![0.0; 8 * 64],
         tmp: vec![0.0; 4 * (64 + 128)],
         out: vec![0.0; 128],

@@ -24,7 +24,7 @@ mod metal_common;
 use lily_core::{
     backend::{
         metal::{Arg, Executor, GpuFamily, Grid, Metal, ParamBytes, StreamLabel, Variants},
-        Backend, StreamKind,
+        Backend, KvDtype, StreamKind,
     },
     config::ModelConfig,
     error::Result,
@@ -153,6 +153,9 @@ impl Executor for NullExec {
     fn contents(&self, b: &Arc<Mem>) -> *mut u8 {
         b.ptr.as_ptr()
     }
+    fn gpu_address(&self, b: &Arc<Mem>) -> u64 {
+        b.ptr.as_ptr() as u64
+    }
     fn pipeline(&self, name: &str) -> Result<NullPipeline> {
         Ok(NullPipeline { name: name.to_string() })
     }
@@ -240,7 +243,8 @@ fn warm_forward_passes_do_not_allocate() {
         // Decode attention at 40+ cache rows: one pass under 256 rows, split past 16.
         m.split_rows = split_rows;
         let what = format!("{family} variants, split past {split_rows} rows");
-        let mut state = State::new(&m, &cfg, 64).unwrap();
+        let mut state = State::new(&m, &cfg, 64, KvDtype::BF16).unwrap();
+        state.reserve(&m, 64).unwrap();
         let mut s = Scratch::new(&m, &cfg, 64, 16).unwrap();
         let b = &m;
         let mut prefill = |s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {

@@ -1,6 +1,7 @@
 //! The attention family (qk_norm_rope, kv_store, attention): the CPU kernels and the Metal
 //! kernels (simulator; the device on macOS) against the reference twins, and RoPE itself on
-//! hand-computed values.
+//! hand-computed values. The KV caches are tried in every dtype (f32, bf16, f16) and with small
+//! segments, so chunks and decode steps cross segment boundaries.
 
 mod common;
 #[macro_use]
@@ -12,7 +13,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, Metal},
         params::{AttentionParams, KvStoreParams, RopeParams},
-        Backend,
+        Backend, KvDtype,
     },
     ops::attention::reference::norm_rope_head,
 };
@@ -45,21 +46,15 @@ mod cpu {
         refr.qk_norm_rope(&p, &qn, &kn, &mut qb, &mut kb);
         assert_close(&qa, &qb, 1e-6, "qk_norm_rope q");
         assert_close(&ka, &kb, 1e-6, "qk_norm_rope k");
-        // Cache with pos0 earlier rows, then this chunk's keys appended.
-        let max_seq = 32;
-        let mut kc = rand_vec(max_seq * kv * hd, 5, -1.0, 1.0);
-        let mut vc = rand_vec(max_seq * kv * hd, 6, -1.0, 1.0);
-        let v = rand_vec(t * kv * hd, 7, -1.0, 1.0);
+        // Caches with pos0 earlier rows, then this chunk's keys appended; every dtype, segments
+        // of 4 rows (a block of keys ends at each boundary) and of 1024.
+        let width = kv * hd;
+        let v = rand_vec(t * width, 7, -1.0, 1.0);
         let sp = KvStoreParams {
             tokens: t as u32,
             pos0: pos0 as u32,
-            width: (kv * hd) as u32,
+            width: width as u32,
         };
-        let mut kc2 = kc.clone();
-        fast.kv_store(&sp, &ka, &mut kc);
-        refr.kv_store(&sp, &ka, &mut kc2);
-        assert_eq!(kc, kc2);
-        fast.kv_store(&sp, &v, &mut vc);
         let ap = AttentionParams {
             tokens: t as u32,
             pos0: pos0 as u32,
@@ -68,10 +63,146 @@ mod cpu {
             head_dim: hd as u32,
             scale: 1.0 / 16.0,
         };
-        let (mut a, mut b) = (vec![0f32; t * h * hd], vec![0f32; t * h * hd]);
-        fast.attention(&ap, &qa, &kc, &vc, &mut a);
-        refr.attention(&ap, &qa, &kc, &vc, &mut b);
-        assert_close(&a, &b, 1e-5, "attention");
+        for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
+            for seg in [4, 1024] {
+                let what = format!("{dtype:?} KV, segments of {seg}");
+                let mut kc = filled(&fast, width, pos0, 32, dtype, seg, 5);
+                let mut vc = filled(&fast, width, pos0, 32, dtype, seg, 6);
+                let mut kc2 = filled(&fast, width, pos0, 32, dtype, seg, 5);
+                fast.kv_reserve(&mut kc, pos0 + t).unwrap();
+                fast.kv_reserve(&mut kc2, pos0 + t).unwrap();
+                fast.kv_reserve(&mut vc, pos0 + t).unwrap();
+                fast.kv_store(&sp, &ka, &mut kc);
+                refr.kv_store(&sp, &ka, &mut kc2);
+                assert_eq!(
+                    rows(&fast, &kc, pos0 + t),
+                    rows(&fast, &kc2, pos0 + t),
+                    "{what}: kv_store"
+                );
+                fast.kv_store(&sp, &v, &mut vc);
+                let (mut a, mut b) = (vec![0f32; t * h * hd], vec![0f32; t * h * hd]);
+                fast.attention(&ap, &qa, &kc, &vc, &mut a);
+                refr.attention(&ap, &qa, &kc, &vc, &mut b);
+                assert_close(&a, &b, 1e-5, &format!("{what}: attention"));
+                // Decode steps on the same caches, across the next segment boundaries.
+                for step in 0..6 {
+                    let pos = pos0 + t + step;
+                    fast.kv_reserve(&mut kc, pos + 1).unwrap();
+                    fast.kv_reserve(&mut vc, pos + 1).unwrap();
+                    let one = KvStoreParams {
+                        tokens: 1,
+                        pos0: pos as u32,
+                        width: width as u32,
+                    };
+                    fast.kv_store(&one, &rand_vec(width, 80 + step as u64, -1.0, 1.0), &mut kc);
+                    fast.kv_store(&one, &rand_vec(width, 90 + step as u64, -1.0, 1.0), &mut vc);
+                    let q = rand_vec(h * 2 * hd, 100 + step as u64, -2.0, 2.0);
+                    let dp = AttentionParams {
+                        tokens: 1,
+                        pos0: pos as u32,
+                        ..ap
+                    };
+                    let (mut a, mut b) = (vec![0f32; h * hd], vec![0f32; h * hd]);
+                    fast.attention(&dp, &q, &kc, &vc, &mut a);
+                    refr.attention(&dp, &q, &kc, &vc, &mut b);
+                    assert_close(&a, &b, 1e-5, &format!("{what}: decode step {step}"));
+                }
+            }
+        }
+    }
+
+    /// A cache of `rows` rows of `width` random values in [-1, 1] (seed), room for `max` rows.
+    fn filled(
+        b: &Cpu,
+        width: usize,
+        rows: usize,
+        max: usize,
+        dtype: KvDtype,
+        seg: usize,
+        seed: u64,
+    ) -> <Cpu as Backend>::Kv {
+        super::filled_cache(b, width, rows, max, dtype, seg, seed)
+    }
+
+    fn rows(b: &Cpu, kv: &<Cpu as Backend>::Kv, n: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n * kv.width];
+        b.kv_read(kv, 0, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn kv_dtypes_round_to_nearest_even_and_widen_exactly() {
+        let b = Cpu::new();
+        let x = vec![
+            1.0,
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-9),
+            -65504.0,
+            1e-3,
+            f32::NAN,
+            3.0e38,
+            -0.0,
+        ];
+        // bf16 keeps 8 significant bits: 1 + 2^-8 is a tie (rounds to even: 1.0), 1 + 3 * 2^-9
+        // rounds up to 1 + 2^-7; f16's range ends at 65504 (3e38 overflows to infinity).
+        let want_bf16 = [
+            1.0,
+            1.0,
+            1.0 + 2f32.powi(-7),
+            -65536.0,
+            0.0009994507,
+            f32::NAN,
+            3.0040553e38,
+            -0.0,
+        ];
+        let want_f16 = [
+            1.0,
+            1.0 + 2f32.powi(-8),
+            1.0 + 6.0 / 1024.0,
+            -65504.0,
+            0.0010004044,
+            f32::NAN,
+            f32::INFINITY,
+            -0.0,
+        ];
+        for (dtype, want) in [(KvDtype::BF16, want_bf16), (KvDtype::F16, want_f16)] {
+            let mut kv = b.kv_new(x.len(), dtype, 4, 16).unwrap();
+            b.kv_reserve(&mut kv, 1).unwrap();
+            let p = KvStoreParams {
+                tokens: 1,
+                pos0: 0,
+                width: x.len() as u32,
+            };
+            b.kv_store(&p, &x, &mut kv);
+            let got = rows(&b, &kv, 1);
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                    "{dtype:?} [{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn segments_grow_on_demand_and_trim_gives_them_back() {
+        let b = Cpu::new();
+        let mut kv = b.kv_new(512, KvDtype::BF16, 100, 16).unwrap();
+        assert_eq!((b.kv_rows(&kv), b.kv_bytes(&kv)), (0, 0));
+        b.kv_reserve(&mut kv, 17).unwrap();
+        assert_eq!((b.kv_rows(&kv), b.kv_bytes(&kv)), (32, 32 * 512 * 2));
+        b.kv_reserve(&mut kv, 5).unwrap(); // never shrinks
+        assert_eq!(b.kv_rows(&kv), 32);
+        let err = b.kv_reserve(&mut kv, 101).unwrap_err().to_string();
+        assert!(err.contains("101") && err.contains("100"), "{err}");
+        b.kv_trim(&mut kv, 1);
+        assert_eq!(b.kv_rows(&kv), 16);
+        b.kv_trim(&mut kv, 0);
+        assert_eq!(b.kv_rows(&kv), 0);
+        assert!(
+            b.kv_new(8, KvDtype::F32, 4, 12).is_err(),
+            "segments must be a power of two"
+        );
     }
 
     #[test]
@@ -126,25 +257,62 @@ fn qk_norm_rope_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     }
 }
 
-fn kv_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let _ = tolx; // exact
-    let (t, w, max) = (3, 40, 10);
-    let x = rand_vec(t * w, 50, -1.0, 1.0);
-    let p = KvStoreParams {
-        tokens: t as u32,
-        pos0: 6,
-        width: w as u32,
-    };
-    both!(dev, 0.0, "kv_store", b => {
-        let xb = b.upload(&x).unwrap();
-        let mut cache = b.alloc(max * w).unwrap();
-        b.kv_store(&p, &xb, &mut cache);
+/// A cache on `b` of `rows` rows of `width` random values in [-1, 1] (seed), stored through the
+/// backend's own kv_store (so in its dtype), with room for `max` rows in segments of `seg`.
+fn filled_cache<B: Backend>(
+    b: &B,
+    width: usize,
+    rows: usize,
+    max: usize,
+    dtype: KvDtype,
+    seg: usize,
+    seed: u64,
+) -> B::Kv {
+    let mut kv = b.kv_new(width, dtype, max, seg).unwrap();
+    b.kv_reserve(&mut kv, rows.max(1)).unwrap();
+    if rows > 0 {
+        let x = b.upload(&rand_vec(rows * width, seed, -1.0, 1.0)).unwrap();
+        let p = KvStoreParams {
+            tokens: rows as u32,
+            pos0: 0,
+            width: width as u32,
+        };
+        b.kv_store(&p, &x, &mut kv);
         b.finish().unwrap();
-        vec![read_all(b, &cache, max * w)]
-    });
+    }
+    kv
 }
 
-/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps.
+fn kv_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx; // exact: both round to nearest even
+    let (t, w, max) = (5, 40, 24);
+    let x: Vec<f32> = rand_vec(t * w, 50, -3.0, 3.0)
+        .into_iter()
+        .chain([f32::NAN, -0.0, 1e-40])
+        .collect();
+    for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
+        // Rows 6..11 in segments of 4: the chunk spans three segments.
+        let p = KvStoreParams {
+            tokens: t as u32,
+            pos0: 6,
+            width: w as u32,
+        };
+        both!(dev, 0.0, format!("kv_store {dtype:?}"), b => {
+            let xb = b.upload(&x[..t * w]).unwrap();
+            let mut cache = b.kv_new(w, dtype, max, 4).unwrap();
+            b.kv_reserve(&mut cache, 11).unwrap();
+            b.kv_store(&p, &xb, &mut cache);
+            b.finish().unwrap();
+            let mut out = vec![0f32; 5 * w];
+            b.kv_read(&cache, 6, &mut out).unwrap();
+            vec![out]
+        });
+    }
+}
+
+/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps
+/// (each appending a row first), in caches of `dtype` with segments of `seg` rows.
+#[allow(clippy::too_many_arguments)]
 fn run_attention<B: Backend>(
     b: &B,
     h: usize,
@@ -153,13 +321,30 @@ fn run_attention<B: Backend>(
     pos0: usize,
     t: usize,
     decode: usize,
+    dtype: KvDtype,
+    seg: usize,
 ) -> Vec<Vec<f32>> {
     let max = pos0 + t + decode;
-    let kc = b.upload(&rand_vec(max * kv * hd, 60, -1.0, 1.0)).unwrap();
-    let vc = b.upload(&rand_vec(max * kv * hd, 61, -1.0, 1.0)).unwrap();
+    let mut kc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 60);
+    let mut vc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 61);
     let mut outs = Vec::new();
     let mut pos = pos0;
     for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, decode)).enumerate() {
+        if i > 0 {
+            b.kv_reserve(&mut kc, pos + 1).unwrap();
+            b.kv_reserve(&mut vc, pos + 1).unwrap();
+            let p = KvStoreParams {
+                tokens: 1,
+                pos0: pos as u32,
+                width: (kv * hd) as u32,
+            };
+            let (kr, vr) = (
+                b.upload(&rand_vec(kv * hd, 70 + i as u64, -1.0, 1.0)).unwrap(),
+                b.upload(&rand_vec(kv * hd, 80 + i as u64, -1.0, 1.0)).unwrap(),
+            );
+            b.kv_store(&p, &kr, &mut kc);
+            b.kv_store(&p, &vr, &mut vc);
+        }
         let qg = b.upload(&rand_vec(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
         let mut out = b.alloc(n * h * hd).unwrap();
         let p = AttentionParams {
@@ -179,21 +364,27 @@ fn run_attention<B: Backend>(
 }
 
 fn attention_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // (H, Hkv, hd, pos0, T, decode steps): partial tiles of 8 rows; decode past split_rows = 16
-    // takes the split (flash-decoding) path; the last case has the real head shapes (8 per KV head).
-    for (h, kv, hd, pos0, t, steps) in [
-        (4, 2, 32, 0, 13, 0),
-        (8, 2, 64, 3, 5, 2),
-        (4, 1, 32, 30, 1, 3),
-        (16, 2, 256, 20, 3, 1),
+    // (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows): partial tiles of 8 rows; decode
+    // past split_rows = 16 takes the split (flash-decoding) path; segments of 4 and 16 rows put
+    // boundaries inside tiles and splits; the last case has the real head shapes (8 per KV head).
+    for (h, kv, hd, pos0, t, steps, dtype, seg) in [
+        (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
+        (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
+        (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
+        (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
     ] {
-        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps);
+        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
         let saved = dev.split_rows;
         dev.split_rows = 16;
-        let got = run_attention(&*dev, h, kv, hd, pos0, t, steps);
+        let got = run_attention(&*dev, h, kv, hd, pos0, t, steps, dtype, seg);
         dev.split_rows = saved;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_near(g, w, tolx * TOL, &format!("attention H={h} Hkv={kv} hd={hd} call {i}"));
+            assert_near(
+                g,
+                w,
+                tolx * TOL,
+                &format!("attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg} call {i}"),
+            );
         }
     }
 }
@@ -209,7 +400,8 @@ fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Metal<X>, to
         head_dim: 48,
         scale: 1.0,
     };
-    let (qg, kc) = (m.alloc(4 * 96).unwrap(), m.alloc(2 * 48).unwrap());
+    let qg = m.alloc(4 * 96).unwrap();
+    let kc = filled_cache(m, 2 * 48, 1, 4, KvDtype::BF16, 16, 1);
     let mut out = m.alloc(4 * 48).unwrap();
     m.attention(&p, &qg, &kc, &kc, &mut out);
     let err = m.finish().unwrap_err().to_string();

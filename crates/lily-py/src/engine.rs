@@ -7,7 +7,11 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyAny};
 
 use crate::errors::PyLilyError;
-use lily_core::{engine::Snapshot as CoreSnapshot, BackendKind, Engine as CoreEngine};
+use lily_core::{
+    backend::KvDtype,
+    engine::{Options, Snapshot as CoreSnapshot},
+    BackendKind, Engine as CoreEngine,
+};
 
 /// The sequence state at one position (DeltaNet states + token prefix), from `Engine.snapshot`.
 #[pyclass(module = "lily._lily", name = "Snapshot", frozen)]
@@ -62,7 +66,7 @@ fn to_ids(tokens: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, prefill_chunk = None, progress = None))]
+    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, prefill_chunk = None, progress = None, kv_dtype = "bf16"))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -70,8 +74,10 @@ impl Engine {
         max_seq: Option<i64>,
         prefill_chunk: Option<i64>,
         progress: Option<Py<PyAny>>,
+        kv_dtype: &str,
     ) -> PyResult<Self> {
         let kind = BackendKind::parse(backend).map_err(PyLilyError::from)?;
+        let kv_dtype = KvDtype::parse(kv_dtype).map_err(PyLilyError::from)?;
         let max_seq = match max_seq {
             Some(n) if n < 1 => return Err(PyValueError::new_err(format!("max_seq must be at least 1, got {n}"))),
             Some(n) => Some(n as usize),
@@ -97,7 +103,13 @@ impl Engine {
                     });
                 }
             };
-            CoreEngine::with_progress(&path, kind, max_seq, prefill_chunk, &mut report)
+            let opts = Options {
+                backend: kind,
+                max_seq,
+                prefill_chunk,
+                kv_dtype,
+            };
+            CoreEngine::load(&path, &opts, &mut report)
         });
         Ok(Engine {
             inner: inner.map_err(PyLilyError::from)?,
@@ -179,6 +191,18 @@ impl Engine {
     #[getter]
     fn max_seq(&self) -> usize {
         self.inner.max_seq()
+    }
+
+    /// Element type of the stored K/V rows: "bf16", "f16" or "f32".
+    #[getter]
+    fn kv_dtype(&self) -> &'static str {
+        self.inner.kv_dtype().name()
+    }
+
+    /// Bytes of KV cache held now (it grows in segments with the sequence).
+    #[getter]
+    fn kv_bytes(&self) -> usize {
+        self.inner.kv_bytes()
     }
 
     #[getter]

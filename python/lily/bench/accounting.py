@@ -65,8 +65,9 @@ def layer_kinds(t: dict) -> list[str]:
     return list((t.get("layer_types") or kinds)[:L])
 
 
-def decode_bytes_model(model: Path, cfg: dict | None = None) -> dict:
-    """Bytes touched per decoded token: {"weights", "state", "kv_per_context_token", ...}."""
+def decode_bytes_model(model: Path, cfg: dict | None = None, kv_bytes: int = 2) -> dict:
+    """Bytes touched per decoded token: {"weights", "state", "kv_per_context_token", ...}; the KV cache
+    holds ``kv_bytes`` per element (2 for bf16 / f16, 4 for f32)."""
     cfg = cfg or read_config(model)
     t = text_config(cfg)
     heads = read_headers(model)
@@ -94,7 +95,7 @@ def decode_bytes_model(model: Path, cfg: dict | None = None) -> dict:
     K = int(t.get("linear_conv_kernel_dim", 4))
     state = n_lin * (2 * Hv * Dk * Dv * 4 + 2 * (K - 1) * C * 2)  # fp32 recurrent + bf16 conv, read + write
     hd = int(t.get("head_dim") or int(t["hidden_size"]) // int(t["num_attention_heads"]))
-    kv = n_full * 2 * int(t["num_key_value_heads"]) * hd * 2  # bf16 K and V per context token
+    kv = n_full * 2 * int(t["num_key_value_heads"]) * hd * kv_bytes  # K and V per context token
     return {"weights": int(active), "weights_total": int(w_all), "state": int(state),
             "kv_per_context_token": int(kv), "full_attention_layers": n_full, "linear_layers": n_lin}
 

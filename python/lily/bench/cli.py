@@ -11,7 +11,7 @@ from lily import command
 from lily.bench.protocol import run_bench
 from lily.bench.workers import run_worker
 from lily.command import ArgParser, CommandError
-from lily.loading import BACKENDS
+from lily.loading import BACKENDS, KV_DTYPES
 
 __all__ = ["build_parser", "main"]
 
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "what fits max_seq and memory)")
     ap.add_argument("--backend", default="auto", choices=BACKENDS, help="Lily's compute backend")
     ap.add_argument("--max-seq", type=int, default=None, help="engine max_seq (default: the config's)")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                    help="element type of Lily's stored keys and values (default bf16)")
     ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed after the first token (64)")
     ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up run (2)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating order (2)")

@@ -155,7 +155,7 @@ def run_bench(args) -> int:
     cfg = read_config(model)
     t = text_config(cfg)
     vocab = int(t["vocab_size"])
-    bm = decode_bytes_model(model, cfg)
+    bm = decode_bytes_model(model, cfg, kv_bytes=4 if getattr(args, "kv_dtype", "bf16") == "f32" else 2)
     steps = args.decode_steps
     lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
     max_seq = args.max_seq or int(t.get("max_position_embeddings", 0)) or None
@@ -192,6 +192,7 @@ def run_bench(args) -> int:
     backend_seen = None
     for eng, group in runs:
         spec = {"engine": eng, "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
+                "kv_dtype": getattr(args, "kv_dtype", "bf16"),
                 "lengths": group, "decode_steps": steps, "warmup_steps": args.warmup_steps,
                 "seed": args.seed, "vocab": vocab, "mlx_dtype": mlx_dtype}
         t0 = time.perf_counter()

@@ -21,14 +21,15 @@ RESULT_TAG = "LILY_BENCH_RESULT "
 class LilyRunner:
     name = "lily"
 
-    def __init__(self, model, backend="auto", max_seq=None):
+    def __init__(self, model, backend="auto", max_seq=None, kv_dtype="bf16"):
         import lily
 
-        kw = {"backend": backend}
+        kw = {"backend": backend, "kv_dtype": kv_dtype}
         if max_seq:
             kw["max_seq"] = int(max_seq)
         self.eng = lily.Engine(str(model), **kw)
         self.backend = str(getattr(self.eng, "backend", backend))
+        self.kv_dtype = str(getattr(self.eng, "kv_dtype", kv_dtype))
         self.max_seq = getattr(self.eng, "max_seq", max_seq)
 
     def run(self, prompt: np.ndarray, steps: int) -> tuple[float, float]:
@@ -99,7 +100,8 @@ def run_worker(spec: dict, emit=print) -> None:
     """Load one engine and measure spec["lengths"] in order; emits one JSON record per length."""
     t0 = time.perf_counter()
     if spec["engine"] == "lily":
-        runner = LilyRunner(spec["model"], spec.get("backend", "auto"), spec.get("max_seq"))
+        runner = LilyRunner(spec["model"], spec.get("backend", "auto"), spec.get("max_seq"),
+                            spec.get("kv_dtype", "bf16"))
     elif spec["engine"] == "mlx-lm":
         runner = MlxLmRunner(spec["model"], spec.get("mlx_dtype", "native"))
     else:
@@ -116,4 +118,5 @@ def run_worker(spec: dict, emit=print) -> None:
             "engine": runner.name, "backend": runner.backend, "prompt_tokens": length, "decode_steps": steps,
             "prefill_s": pre_s, "decode_s": dec_s, "prefill_tok_s": length / pre_s,
             "decode_tok_s": steps / dec_s if dec_s > 0 else float("nan"),
-            "peak_memory_bytes": runner.peak_memory(), "load_s": load_s, "max_seq": runner.max_seq}), flush=True)
+            "peak_memory_bytes": runner.peak_memory(), "load_s": load_s, "max_seq": runner.max_seq,
+            "kv_dtype": getattr(runner, "kv_dtype", None)}), flush=True)

@@ -29,6 +29,60 @@ pub enum StreamKind {
     Other,
 }
 
+/// Element type of the stored K/V rows of the attention cache. Attention kernels widen them to
+/// f32 and accumulate in f32; `kv_store` rounds the f32 activations to nearest even.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    F32,
+    /// bfloat16: f32's range, 8 significant bits; what MLX-LM keeps for a bf16 model.
+    #[default]
+    BF16,
+    /// IEEE half: 11 significant bits, range to 65504.
+    F16,
+}
+
+impl KvDtype {
+    pub fn parse(name: &str) -> Result<KvDtype> {
+        match name {
+            "f32" | "float32" => Ok(KvDtype::F32),
+            "bf16" | "bfloat16" => Ok(KvDtype::BF16),
+            "f16" | "float16" => Ok(KvDtype::F16),
+            _ => Err(crate::error::Error::InvalidArgument(format!(
+                "unknown kv_dtype {name:?}: expected \"bf16\", \"f16\" or \"f32\""
+            ))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::BF16 => "bf16",
+            KvDtype::F16 => "f16",
+        }
+    }
+    /// Bytes per stored element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::BF16 | KvDtype::F16 => 2,
+        }
+    }
+}
+
+/// Rows per KV-cache segment: the cache grows by whole segments as the sequence does, so an
+/// engine holding a 2K conversation holds 2K rows (rounded up to a segment), not `max_seq`.
+/// [`KV_SEGMENT_ROWS`] unless `LILY_KV_SEGMENT_ROWS` (a power of two, at least 16) says otherwise
+/// (tests use small segments to cross many boundaries cheaply). Read once per process.
+pub fn kv_segment_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("LILY_KV_SEGMENT_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| n.is_power_of_two() && *n >= 16)
+            .unwrap_or(KV_SEGMENT_ROWS)
+    })
+}
+
 pub trait Backend: Send + Sized + 'static {
     /// f32 activations, state and scratch.
     type Buf: Send + 'static;
@@ -36,6 +90,9 @@ pub trait Backend: Send + Sized + 'static {
     type Ids: Send;
     /// A weight matrix resident on the device (quantized weights stay quantized).
     type Matrix: Send + Sync;
+    /// One attention layer's K (or V) cache of one sequence: rows of `width` elements of a
+    /// [`KvDtype`], in segments of [`kv_segment_rows`] rows allocated as the sequence grows.
+    type Kv: Send;
 
     fn name(&self) -> &'static str;
 
@@ -64,6 +121,21 @@ pub trait Backend: Send + Sized + 'static {
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
     /// `dst[..len] = src[..len]` (state snapshots).
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize) -> Result<()>;
+
+    // ---- KV cache memory ----
+    /// An empty cache of rows of `width` elements that may grow to `max_rows` rows, in segments
+    /// of `seg_rows` rows (a power of two; the engine uses [`kv_segment_rows`]).
+    fn kv_new(&self, width: usize, dtype: KvDtype, max_rows: usize, seg_rows: usize) -> Result<Self::Kv>;
+    /// Make room for `rows` rows (whole segments; existing rows never move).
+    fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize) -> Result<()>;
+    /// Free the segments wholly past row `rows` (memory goes back to the system / device).
+    fn kv_trim(&self, kv: &mut Self::Kv, rows: usize);
+    /// Rows there is room for now (segments held x rows per segment).
+    fn kv_rows(&self, kv: &Self::Kv) -> usize;
+    /// Bytes the cache holds now.
+    fn kv_bytes(&self, kv: &Self::Kv) -> usize;
+    /// Rows row0..row0 + out.len() / width of the cache widened to f32 (waits for pending work).
+    fn kv_read(&self, kv: &Self::Kv, row0: usize, out: &mut [f32]) -> Result<()>;
 
     // ---- command stream ----
     /// Start encoding the work of `kind` (the next command stream opened runs it).
@@ -98,15 +170,15 @@ pub trait Backend: Send + Sized + 'static {
         qg: &mut Self::Buf,
         k: &mut Self::Buf,
     );
-    /// cache[pos0 + t, :] = x[t, :]; x [T, width], cache [max_seq, width].
-    fn kv_store(&self, p: &KvStoreParams, x: &Self::Buf, cache: &mut Self::Buf);
+    /// cache[pos0 + t, :] = x[t, :] in the cache's dtype; x [T, width]; rows reserved before.
+    fn kv_store(&self, p: &KvStoreParams, x: &Self::Buf, cache: &mut Self::Kv);
     /// out [T, H*hd] = softmax(q K^T * scale, causal) V, times sigmoid(gate) from qg.
     fn attention(
         &self,
         p: &AttentionParams,
         qg: &Self::Buf,
-        k_cache: &Self::Buf,
-        v_cache: &Self::Buf,
+        k_cache: &Self::Kv,
+        v_cache: &Self::Kv,
         out: &mut Self::Buf,
     );
     /// out [T, C] = silu(causal depthwise conv of [state; x]); state [taps-1, C] becomes the last rows.

@@ -110,7 +110,8 @@ params! {
         pub scale: f32,
     }
 
-    /// KV-cache append: rows pos0..pos0+T of a cache of [max_seq, width].
+    /// KV-cache append: rows pos0..pos0+T of a cache of rows of `width` values (stored in
+    /// segments: [`KvLayout`]).
     pub struct KvStoreParams {
         pub tokens: u32,
         pub pos0: u32,
@@ -169,6 +170,13 @@ params! {
         pub pad2: u32,
     }
 
+    /// How a GPU kernel finds KV row r of a cache: in segment `r >> seg_shift` (a table of
+    /// segment addresses bound beside it), at row `r & ((1 << seg_shift) - 1)` of that segment.
+    pub struct KvLayout {
+        pub seg_shift: u32,
+        pub segments: u32,
+    }
+
     /// Split ("flash-decoding") layout of attention: `splits` pieces of `split_rows` cache rows.
     pub struct AttentionSplit {
         pub splits: u32,
@@ -206,6 +214,14 @@ constants! {
 
     /// Value columns of the state per threadgroup of the Metal `delta_net_chunk` kernel.
     pub const DELTA_NET_COLS: usize = 16;
+
+    /// Rows per KV-cache segment by default (`backend::kv_segment_rows`): 1 MiB of bf16 K (or V)
+    /// per segment per attention layer at Qwen3.6's 2 x 256 row width; a power of two.
+    pub const KV_SEGMENT_ROWS: usize = 1024;
+
+    /// Cache rows the Metal `attention` kernel stages in threadgroup memory per step (its two
+    /// threadgroup arguments hold ATTENTION_TILE x head_dim floats each).
+    pub const ATTENTION_TILE: usize = 8;
 
     /// The longest attention head of the Metal `attention` kernel (its K/V tiles in threadgroup
     /// memory; a lane holds head_dim / 32 values).

@@ -1,15 +1,16 @@
 //! Per-sequence state and the per-call scratch, allocated once when the engine is built.
 
 use crate::{
-    backend::Backend,
+    backend::{kv_segment_rows, Backend, KvDtype},
     config::{LayerKind, ModelConfig},
     error::Result,
 };
 
-/// Attention layer: keys (after q/k-norm and RoPE) and values of every position so far.
+/// Attention layer: keys (after q/k-norm and RoPE) and values of every position so far, grown
+/// in segments as the sequence grows.
 pub struct KvCache<B: Backend> {
-    pub k: B::Buf, // [max_seq, Hkv * hd]
-    pub v: B::Buf, // [max_seq, Hkv * hd]
+    pub k: B::Kv, // rows [Hkv * hd] of the cache dtype
+    pub v: B::Kv, // rows [Hkv * hd] of the cache dtype
 }
 
 /// DeltaNet layer: the conv history and the recurrent state. Not positional: it cannot be
@@ -31,19 +32,18 @@ pub struct State<B: Backend> {
 }
 
 impl<B: Backend> State<B> {
-    pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
+    /// Empty KV caches (no rows yet) of `kv_dtype` that may grow to `max_seq` rows, and zeroed
+    /// DeltaNet states.
+    pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize, kv_dtype: KvDtype) -> Result<Self> {
         let kv_width = cfg.num_key_value_heads * cfg.head_dim;
-        let kv_len = max_seq.checked_mul(kv_width).ok_or_else(|| {
-            crate::error::Error::InvalidArgument(format!("max_seq {max_seq} x KV row width {kv_width} overflows"))
-        })?;
         let layers = cfg
             .layer_types
             .iter()
             .map(|kind| {
                 Ok(match kind {
                     LayerKind::Attention => LayerState::Attention(KvCache {
-                        k: b.alloc(kv_len)?,
-                        v: b.alloc(kv_len)?,
+                        k: b.kv_new(kv_width, kv_dtype, max_seq, kv_segment_rows())?,
+                        v: b.kv_new(kv_width, kv_dtype, max_seq, kv_segment_rows())?,
                     }),
                     LayerKind::DeltaNet => {
                         let conv_len = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
@@ -61,15 +61,57 @@ impl<B: Backend> State<B> {
         Ok(State { layers })
     }
 
-    /// Back to an empty sequence. The KV rows need no clearing: attention reads only rows < position.
-    pub fn reset(&mut self, b: &B) -> Result<()> {
+    /// Room for `rows` KV rows in every attention layer (whole segments, allocated now).
+    pub fn reserve(&mut self, b: &B, rows: usize) -> Result<()> {
         for l in &mut self.layers {
-            if let LayerState::DeltaNet(s) = l {
-                b.fill_zero(&mut s.conv)?;
-                b.fill_zero(&mut s.ssm)?;
+            if let LayerState::Attention(kv) = l {
+                b.kv_reserve(&mut kv.k, rows)?;
+                b.kv_reserve(&mut kv.v, rows)?;
             }
         }
         Ok(())
+    }
+
+    /// Back to an empty sequence: DeltaNet states zeroed; the KV caches keep their first segment
+    /// (the next conversation's first rows) and give the rest back. The KV rows need no clearing:
+    /// attention reads only rows < position.
+    pub fn reset(&mut self, b: &B) -> Result<()> {
+        for l in &mut self.layers {
+            match l {
+                LayerState::DeltaNet(s) => {
+                    b.fill_zero(&mut s.conv)?;
+                    b.fill_zero(&mut s.ssm)?;
+                }
+                LayerState::Attention(kv) => {
+                    b.kv_trim(&mut kv.k, 1);
+                    b.kv_trim(&mut kv.v, 1);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of KV cache held now.
+    pub fn kv_bytes(&self, b: &B) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Attention(kv) => b.kv_bytes(&kv.k) + b.kv_bytes(&kv.v),
+                LayerState::DeltaNet(_) => 0,
+            })
+            .sum()
+    }
+
+    /// KV rows there is room for now (the smallest over the attention layers; all grow together).
+    pub fn kv_rows(&self, b: &B) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Attention(kv) => Some(b.kv_rows(&kv.k).min(b.kv_rows(&kv.v))),
+                LayerState::DeltaNet(_) => None,
+            })
+            .min()
+            .unwrap_or(usize::MAX)
     }
 }
 

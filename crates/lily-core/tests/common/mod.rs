@@ -3,9 +3,25 @@
 #![allow(dead_code)] // each test crate uses its own subset
 
 use lily_core::{
+    backend::{cpu::kv::CpuKv, params::KvStoreParams, KvDtype},
+    ops::attention,
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
 };
+
+/// A CPU KV cache holding `data` (rows of `width`) in `dtype`, in segments of `seg` rows.
+pub fn cpu_cache(data: &[f32], width: usize, dtype: KvDtype, seg: usize) -> CpuKv {
+    let rows = data.len() / width;
+    let mut kv = CpuKv::new(width, dtype, rows.max(1), seg).unwrap();
+    kv.reserve(rows).unwrap();
+    let p = KvStoreParams {
+        tokens: rows as u32,
+        pos0: 0,
+        width: width as u32,
+    };
+    attention::reference::kv_store(&p, data, &mut kv);
+    kv
+}
 
 /// Deterministic pseudo-random values in [lo, hi) (xorshift; no dependency needed).
 pub fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {

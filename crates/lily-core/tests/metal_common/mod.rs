@@ -14,7 +14,7 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, GpuFamily, Metal, Variants},
-        Backend, StreamKind,
+        Backend, KvDtype, StreamKind,
     },
     config::ModelConfig,
     model::{
@@ -480,7 +480,8 @@ impl TinyCheckpoint {
         let cfg = ModelConfig::from_file(&self.dir.join("config.json")).unwrap();
         let loader = Loader::open(&self.dir, &cfg).unwrap();
         let model = Model::load(b, &loader, &cfg, &mut |_, _| {}).unwrap();
-        let mut state = State::new(b, &cfg, 64).unwrap();
+        let mut state = State::new(b, &cfg, 64, KvDtype::F32).unwrap();
+        state.reserve(b, 64).unwrap();
         let mut s = Scratch::new(b, &cfg, 64, 16).unwrap();
         let vocab = cfg.vocab_size;
         let (prompt, decode) = Self::tokens();

@@ -10,17 +10,19 @@
 
 pub mod int8;
 pub mod isa;
+pub mod kv;
 pub mod pool;
 mod profile;
 pub mod scratch;
 pub mod simd;
 
-use super::{params::*, Backend, StreamKind};
+use super::{params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
     ops,
     quant::Matrix,
 };
+use kv::CpuKv;
 
 pub struct Cpu {
     reference: bool,
@@ -45,6 +47,7 @@ impl Default for Cpu {
 trait Zero: Copy {}
 impl Zero for f32 {}
 impl Zero for u32 {}
+impl Zero for u16 {}
 
 /// A zeroed buffer straight from the allocator (calloc / fresh pages): pages never touched, like
 /// the unused end of a long KV cache, cost no physical memory. A size the machine cannot give
@@ -96,6 +99,7 @@ impl Backend for Cpu {
     type Buf = Vec<f32>;
     type Ids = Vec<u32>;
     type Matrix = Matrix;
+    type Kv = CpuKv;
 
     fn name(&self) -> &'static str {
         if self.reference {
@@ -115,6 +119,24 @@ impl Backend for Cpu {
     /// (a wake-up per kernel, ~40 us each on virtual cores, hundreds per decode step).
     fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         pool::run(f)
+    }
+    fn kv_new(&self, width: usize, dtype: KvDtype, max_rows: usize, seg_rows: usize) -> Result<CpuKv> {
+        CpuKv::new(width, dtype, max_rows, seg_rows)
+    }
+    fn kv_reserve(&self, kv: &mut CpuKv, rows: usize) -> Result<()> {
+        kv.reserve(rows)
+    }
+    fn kv_trim(&self, kv: &mut CpuKv, rows: usize) {
+        kv.trim(rows)
+    }
+    fn kv_rows(&self, kv: &CpuKv) -> usize {
+        kv.rows()
+    }
+    fn kv_bytes(&self, kv: &CpuKv) -> usize {
+        kv.bytes()
+    }
+    fn kv_read(&self, kv: &CpuKv, row0: usize, out: &mut [f32]) -> Result<()> {
+        kv.read(row0, out)
     }
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
         zeroed(len)
@@ -179,10 +201,10 @@ impl Backend for Cpu {
     fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
         dispatch!(self, attention::qk_norm_rope(p, q_norm, k_norm, qg, k))
     }
-    fn kv_store(&self, p: &KvStoreParams, x: &Vec<f32>, cache: &mut Vec<f32>) {
+    fn kv_store(&self, p: &KvStoreParams, x: &Vec<f32>, cache: &mut CpuKv) {
         dispatch!(self, attention::kv_store(p, x, cache))
     }
-    fn attention(&self, p: &AttentionParams, qg: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, out: &mut Vec<f32>) {
+    fn attention(&self, p: &AttentionParams, qg: &Vec<f32>, k: &CpuKv, v: &CpuKv, out: &mut Vec<f32>) {
         dispatch!(self, attention::attention(p, qg, k, v, out))
     }
     fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {

@@ -343,8 +343,15 @@ pub fn sigmoid(x: f32) -> f32 {
 /// where the hardware prefetcher sees no stream, e.g. rows a few KiB apart read once each.
 #[inline(always)]
 pub fn prefetch(data: &[f32]) {
+    // SAFETY: f32 has no padding; the byte view covers the same memory.
+    prefetch_bytes(unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), 4 * data.len()) })
+}
+
+/// [`prefetch`] of any bytes.
+#[inline(always)]
+pub fn prefetch_bytes(data: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    for i in (0..data.len()).step_by(16) {
+    for i in (0..data.len()).step_by(64) {
         // SAFETY: prefetch is a hint on an in-bounds address.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

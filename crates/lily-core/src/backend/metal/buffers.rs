@@ -4,7 +4,11 @@
 
 use super::{Arg, Executor, Metal, Weight};
 use crate::{
-    backend::params::MatrixDesc,
+    backend::{
+        cpu::kv::widen,
+        params::{KvLayout, MatrixDesc},
+        KvDtype,
+    },
     error::{Error, Result},
     quant::{Format, Matrix},
     safetensors::DType,
@@ -155,5 +159,126 @@ impl<X: Executor> Metal<X> {
                 Arg::Buf(&self.dummy, 0, 16),
             ],
         }
+    }
+}
+
+/// One attention layer's K (or V) cache on the device: segments of `1 << shift` rows of `width`
+/// values of the cache dtype, each its own buffer, allocated as the sequence grows, and `table`,
+/// the GPU addresses of the segments in order (a kernel finds row r in segment r >> shift).
+/// The table is sized for `max_rows` once, so it never moves.
+pub struct MetalKv<X: Executor> {
+    pub(crate) width: usize,
+    pub(crate) dtype: KvDtype,
+    pub(crate) shift: u32,
+    pub(crate) max_rows: usize,
+    pub(crate) segs: Vec<X::Buffer>,
+    pub(crate) table: X::Buffer,
+}
+
+impl<X: Executor> MetalKv<X> {
+    pub fn rows(&self) -> usize {
+        self.segs.len() << self.shift
+    }
+    pub fn bytes(&self) -> usize {
+        self.rows() * self.width * self.dtype.size()
+    }
+    /// What the kernels are told of the layout.
+    pub(crate) fn layout(&self) -> KvLayout {
+        KvLayout {
+            seg_shift: self.shift,
+            segments: self.segs.len() as u32,
+        }
+    }
+    /// The segment table as a binding.
+    pub(crate) fn arg(&self) -> Arg<'_, X::Buffer> {
+        Arg::Buf(&self.table, 0, 8 * self.max_rows.div_ceil(1 << self.shift).max(1))
+    }
+}
+
+impl<X: Executor> Metal<X> {
+    pub(super) fn kv_new(&self, width: usize, dtype: KvDtype, max_rows: usize, rows: usize) -> Result<MetalKv<X>> {
+        if !rows.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "KV segment rows {rows}: not a power of two"
+            )));
+        }
+        // A segment's element offsets must fit the kernels' 32-bit row arithmetic.
+        rows.checked_mul(width)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .filter(|&n| width > 0 && u32::try_from(n).is_ok())
+            .ok_or_else(|| Error::InvalidArgument(format!("KV row width {width} is not usable")))?;
+        let entries = max_rows.div_ceil(rows).max(1);
+        Ok(MetalKv {
+            width,
+            dtype,
+            shift: rows.trailing_zeros(),
+            max_rows,
+            segs: Vec::new(),
+            table: self.x.new_buffer(8 * entries)?,
+        })
+    }
+
+    pub(super) fn kv_reserve(&self, kv: &mut MetalKv<X>, rows: usize) -> Result<()> {
+        if rows > kv.max_rows {
+            return Err(Error::InvalidArgument(format!(
+                "KV cache asked for {rows} rows, more than its max_seq {}",
+                kv.max_rows
+            )));
+        }
+        let seg_bytes = (kv.width * kv.dtype.size()) << kv.shift;
+        while kv.rows() < rows {
+            let seg = self.x.new_buffer(seg_bytes)?;
+            let addr = self.x.gpu_address(&seg);
+            // SAFETY: the table holds one u64 per segment up to max_rows (sized in kv_new), is
+            // CPU-visible, and no command stream is in flight between forward calls.
+            unsafe {
+                let slot = self.x.contents(&kv.table).cast::<u64>().add(kv.segs.len());
+                slot.write_unaligned(addr);
+            }
+            kv.segs.push(seg);
+        }
+        Ok(())
+    }
+
+    pub(super) fn kv_trim(&self, kv: &mut MetalKv<X>, rows: usize) {
+        let keep = rows.div_ceil(1 << kv.shift);
+        while kv.segs.len() > keep {
+            kv.segs.pop();
+            // SAFETY: as in kv_reserve; the dropped segment's entry is cleared.
+            unsafe {
+                let slot = self.x.contents(&kv.table).cast::<u64>().add(kv.segs.len());
+                slot.write_unaligned(0);
+            }
+        }
+    }
+}
+
+impl<X: Executor> Metal<X> {
+    /// Rows row0.. of `kv` widened to f32 (pending work first: the rows may be written by it).
+    pub(super) fn kv_read(&self, kv: &MetalKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
+        self.flush()?;
+        let (w, rows) = (kv.width, out.len() / kv.width.max(1));
+        if out.len() % w != 0 || row0 + rows > kv.rows() {
+            return Err(Error::InvalidArgument(format!(
+                "kv_read: rows {row0}..{} of a cache of {} rows of {w} values",
+                row0 + rows,
+                kv.rows()
+            )));
+        }
+        let mask = (1usize << kv.shift) - 1;
+        for (i, o) in out.chunks_exact_mut(w).enumerate() {
+            let r = row0 + i;
+            let base = self.x.contents(&kv.segs[r >> kv.shift]);
+            let off = (r & mask) * w;
+            // SAFETY: the segment holds 1 << shift rows of w elements of the dtype; row r & mask
+            // is inside it; no command stream is in flight (flushed above).
+            unsafe {
+                match kv.dtype {
+                    KvDtype::F32 => o.copy_from_slice(std::slice::from_raw_parts(base.cast::<f32>().add(off), w)),
+                    d => widen(d, std::slice::from_raw_parts(base.cast::<u16>().add(off), w), o),
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -58,8 +58,8 @@ use objc2_foundation::{NSError, NSString, NSURL};
 use objc2_metal::{
     MTLBuffer, MTLCaptureDescriptor, MTLCaptureDestination, MTLCaptureManager, MTLCommandBuffer,
     MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder,
-    MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily, MTLLibrary, MTLResourceOptions,
-    MTLSize,
+    MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily, MTLLibrary, MTLResource,
+    MTLResourceOptions, MTLResourceUsage, MTLSize,
 };
 
 use super::{
@@ -418,6 +418,24 @@ impl Executor for Device {
 
     fn contents(&self, b: &DeviceBuffer) -> *mut u8 {
         b.0.buf.contents().as_ptr() as *mut u8
+    }
+
+    fn gpu_address(&self, b: &DeviceBuffer) -> u64 {
+        b.0.buf.gpuAddress()
+    }
+
+    /// `useResource:usage:` read + write for each buffer: Metal must know every buffer a kernel
+    /// reaches through a GPU address (Apple's "Improving CPU performance by using argument
+    /// buffers": resources referenced indirectly must be made resident by the encoder).
+    fn use_resources(&self, e: &mut DeviceEncoder, bufs: &[DeviceBuffer]) {
+        if e.error.is_some() {
+            return;
+        }
+        for b in bufs {
+            let res: &ProtocolObject<dyn MTLResource> = ProtocolObject::from_ref(&*b.0.buf);
+            e.enc
+                .useResource_usage(res, MTLResourceUsage::Read | MTLResourceUsage::Write);
+        }
     }
 
     fn pipeline(&self, name: &str) -> Result<DevicePipeline> {

@@ -175,6 +175,14 @@ pub trait Executor: Send + Sized + 'static {
     }
     /// The CPU address of a buffer's first byte.
     fn contents(&self, b: &Self::Buffer) -> *mut u8;
+    /// The GPU address of a buffer's first byte, as a kernel reads it from a table of addresses
+    /// (Metal 3's `gpuAddress`; the simulator's buffers are host memory, so there it is the
+    /// CPU address).
+    fn gpu_address(&self, b: &Self::Buffer) -> u64;
+    /// Make `bufs` resident for the dispatches encoded next: buffers a kernel reaches only
+    /// through addresses in another buffer (`useResource` on the device; nothing in the
+    /// simulator, where every buffer is host memory).
+    fn use_resources(&self, _enc: &mut Self::Encoder, _bufs: &[Self::Buffer]) {}
     /// The kernel with host name `name`, compiled at construction.
     fn pipeline(&self, name: &str) -> Result<Self::Pipeline>;
     /// Open a command stream; `label` names it in GPU captures.

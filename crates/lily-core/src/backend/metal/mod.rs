@@ -37,12 +37,12 @@ pub(crate) mod stream;
 
 use std::sync::{Mutex, OnceLock};
 
-pub use buffers::{MetalBuf, MetalMatrix};
+pub use buffers::{MetalBuf, MetalKv, MetalMatrix};
 pub use executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel};
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{params::*, Backend, StreamKind};
+use super::{params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -205,11 +205,30 @@ impl<X: Executor> Backend for Metal<X> {
     type Buf = MetalBuf<X>;
     type Ids = MetalBuf<X>;
     type Matrix = MetalMatrix<X>;
+    type Kv = MetalKv<X>;
 
     fn name(&self) -> &'static str {
         X::NAME
     }
 
+    fn kv_new(&self, width: usize, dtype: KvDtype, max_rows: usize, seg_rows: usize) -> Result<MetalKv<X>> {
+        Metal::kv_new(self, width, dtype, max_rows, seg_rows)
+    }
+    fn kv_reserve(&self, kv: &mut MetalKv<X>, rows: usize) -> Result<()> {
+        Metal::kv_reserve(self, kv, rows)
+    }
+    fn kv_trim(&self, kv: &mut MetalKv<X>, rows: usize) {
+        Metal::kv_trim(self, kv, rows)
+    }
+    fn kv_rows(&self, kv: &MetalKv<X>) -> usize {
+        kv.rows()
+    }
+    fn kv_bytes(&self, kv: &MetalKv<X>) -> usize {
+        kv.bytes()
+    }
+    fn kv_read(&self, kv: &MetalKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
+        Metal::kv_read(self, kv, row0, out)
+    }
     fn alloc(&self, len: usize) -> Result<MetalBuf<X>> {
         self.new_buf(len)
     }
@@ -321,7 +340,7 @@ impl<X: Executor> Backend for Metal<X> {
         attention::metal::qk_norm_rope(self, p, q_norm, k_norm, qg, k)
     }
 
-    fn kv_store(&self, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalBuf<X>) {
+    fn kv_store(&self, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalKv<X>) {
         attention::metal::kv_store(self, p, x, cache)
     }
 
@@ -329,8 +348,8 @@ impl<X: Executor> Backend for Metal<X> {
         &self,
         p: &AttentionParams,
         qg: &MetalBuf<X>,
-        k_cache: &MetalBuf<X>,
-        v_cache: &MetalBuf<X>,
+        k_cache: &MetalKv<X>,
+        v_cache: &MetalKv<X>,
         out: &mut MetalBuf<X>,
     ) {
         attention::metal::attention(self, p, qg, k_cache, v_cache, out)

@@ -394,6 +394,10 @@ impl Executor for Sim {
         b.ptr.as_ptr()
     }
 
+    fn gpu_address(&self, b: &Arc<SimAlloc>) -> u64 {
+        b.ptr.as_ptr() as u64
+    }
+
     fn pipeline(&self, name: &str) -> Result<SimPipeline> {
         let sym = format!("mtl_kernel_{name}");
         for lib in &self.libs {

@@ -96,7 +96,32 @@ impl<X: Executor> Metal<X> {
 
     /// `encode` for a kernel with `[[threadgroup(i)]]` arguments of `tg_mem[i]` bytes.
     pub(crate) fn encode_tg(&self, k: impl Into<Kernel>, args: &[Arg<'_, X::Buffer>], grid: Grid, tg_mem: &[usize]) {
-        let (name, p) = match self.pipeline(k.into()) {
+        self.encode_with(k.into(), args, grid, tg_mem, &[])
+    }
+
+    /// `encode` for a kernel that also reads or writes `resident` through GPU addresses held in
+    /// a bound buffer (the KV-cache segments behind a segment table): they are made resident
+    /// for the dispatch.
+    pub(crate) fn encode_resident(
+        &self,
+        k: impl Into<Kernel>,
+        args: &[Arg<'_, X::Buffer>],
+        grid: Grid,
+        tg_mem: &[usize],
+        resident: &[&[X::Buffer]],
+    ) {
+        self.encode_with(k.into(), args, grid, tg_mem, resident)
+    }
+
+    fn encode_with(
+        &self,
+        k: Kernel,
+        args: &[Arg<'_, X::Buffer>],
+        grid: Grid,
+        tg_mem: &[usize],
+        resident: &[&[X::Buffer]],
+    ) {
+        let (name, p) = match self.pipeline(k) {
             Ok(p) => p,
             Err(e) => {
                 let mut s = self.lock();
@@ -119,6 +144,9 @@ impl<X: Executor> Metal<X> {
             }
         }
         if let Some(enc) = s.enc.as_mut() {
+            for bufs in resident {
+                self.x.use_resources(enc, bufs);
+            }
             self.x.dispatch(enc, name, p, args, grid, tg_mem);
         }
     }

@@ -5,6 +5,7 @@ use super::reference::norm_rope_head;
 use crate::backend::{
     cpu::{
         isa::{multiversion, Isa},
+        kv::CpuKv,
         pool,
         scratch::{with_caller, with_task, Out},
         simd,
@@ -12,22 +13,46 @@ use crate::backend::{
     params::{AttentionParams, KvStoreParams, RopeParams},
 };
 
+/// Rows kb..kb + kn (within one segment) of KV head kvh of a cache as f32: (values, row stride).
+/// An f32 cache lends its segment (stride Hkv hd); a 16-bit one is widened into `buf` [kn, hd].
+#[inline(always)]
+fn kv_block<'a>(c: &'a CpuKv, kb: usize, kn: usize, kvh: usize, hd: usize, buf: &'a mut [f32]) -> (&'a [f32], usize) {
+    match c.f32_rows(kb, kn) {
+        Some(rows) => (&rows[kvh * hd..], c.width),
+        None => {
+            for s in 0..kn {
+                c.row_f32(kb + s, kvh * hd, &mut buf[s * hd..][..hd]);
+            }
+            (&buf[..kn * hd], hd)
+        }
+    }
+}
+
+/// Keys in the block starting at `kb`: at most `block`, not past `end`, not past the end of
+/// kb's segment (a block's rows are contiguous in memory).
+#[inline(always)]
+fn block_len(c: &CpuKv, kb: usize, end: usize, block: usize) -> usize {
+    let seg_end = (kb | (c.seg_rows() - 1)) + 1;
+    (end - kb).min(block).min(seg_end - kb)
+}
+
 /// Keys per attention block: scores of a block are [rows, KEY_BLOCK] in the task's scratch.
 const KEY_BLOCK: usize = 32;
 
 /// Causal GQA attention with the sigmoid output gate, tiled with online softmax.
 ///
-/// Layout: qg [T, H, 2hd] (q | gate per head), caches [max_seq, Hkv, hd], out [T, H, hd].
+/// Layout: qg [T, H, 2hd] (q | gate per head), caches of rows [Hkv, hd] in segments (an f32 cache
+/// is read in place, a 16-bit one widened block by block into the task's scratch), out [T, H, hd].
 /// Thread mapping: one task per (block of query tokens, KV head). The task's query rows are the
 /// `group` query heads sharing that KV head for each of its tokens (GQA packing: each K/V row is
 /// loaded once per task and used by all of them). Decode: one token, so the tasks are the KV
 /// heads. Keys stream in blocks of KEY_BLOCK: scores by 4 x 4 register tiles, then a running max /
 /// sum per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
-pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &CpuKv, out: &mut [f32]) {
     attention_with(Isa::get(), p, qg, k_cache, v_cache, out)
 }
 
-pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &CpuKv, out: &mut [f32]) {
     let (h_n, kv_n, hd, t_n) = (
         p.heads as usize,
         p.kv_heads as usize,
@@ -49,7 +74,7 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32]
         let (qb, kvh) = (task / kv_n, task % kv_n);
         let (t0, t1) = (qb * bq, ((qb + 1) * bq).min(t_n));
         let rows = (t1 - t0) * group;
-        with_task(rows * (hd + 2 + KEY_BLOCK), |scr| {
+        with_task(rows * (hd + 2 + KEY_BLOCK) + 2 * KEY_BLOCK * hd, |scr| {
             attend_block(isa, p, qg, k_cache, v_cache, t0, t1, kvh, scr, o)
         });
     };
@@ -61,13 +86,13 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &[f32]
 /// the duplicates); `first_pass(s)` runs once per key, as the first row tile reaches it.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn scores<'a>(
+fn scores<'q, 'k>(
     isa: Isa,
     nr: usize,
     keys: std::ops::Range<usize>,
     scale: f32,
-    q_of: impl Fn(usize) -> &'a [f32],
-    krow: impl Fn(usize) -> &'a [f32],
+    q_of: impl Fn(usize) -> &'q [f32],
+    krow: impl Fn(usize) -> &'k [f32],
     sc: &mut [f32],
     stride: usize,
     mut first_pass: impl FnMut(usize),
@@ -95,7 +120,7 @@ fn scores<'a>(
 
 multiversion! {
     fn attend_block(
-        p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], t0: usize, t1: usize, kvh: usize,
+        p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, t0: usize, t1: usize, kvh: usize,
         scr: &mut [f32], o: Out
     ) = attend_block_body;
 }
@@ -105,8 +130,8 @@ fn attend_block_body(
     isa: Isa,
     p: &AttentionParams,
     qg: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &CpuKv,
+    vc: &CpuKv,
     t0: usize,
     t1: usize,
     kvh: usize,
@@ -121,18 +146,22 @@ fn attend_block_body(
     let head = |i: usize| (t0 + i / group) * h_n + kvh * group + i % group;
     let q_of = |i: usize| &qg[head(i) * 2 * hd..][..hd];
     let visible = |i: usize| pos0 + t0 + i / group + 1; // keys 0..visible (causal)
-    let krow = |s: usize| &kc[(s * kv_n + kvh) * hd..][..hd];
-    let vrow = |s: usize| &vc[(s * kv_n + kvh) * hd..][..hd];
     let (acc, rest) = scr.split_at_mut(nr * hd);
     let (mx, rest) = rest.split_at_mut(nr);
-    let (l, sc) = rest.split_at_mut(nr);
+    let (l, rest) = rest.split_at_mut(nr);
+    let (sc, rest) = rest.split_at_mut(nr * KEY_BLOCK);
+    let (kbuf, vbuf) = rest.split_at_mut(KEY_BLOCK * hd);
     acc.fill(0.0);
     mx.fill(f32::NEG_INFINITY);
     l.fill(0.0);
     let kmax = pos0 + t1;
     let mut kb = 0;
     while kb < kmax {
-        let kn = (kmax - kb).min(KEY_BLOCK);
+        let kn = block_len(kc, kb, kmax, KEY_BLOCK);
+        let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
+        let (vblk, vs) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+        let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
+        let vrow = |s: usize| &vblk[(s - kb) * vs..][..hd];
         scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, KEY_BLOCK, |_| {});
         // Online softmax per row over its visible keys of this block.
         for i in 0..nr {
@@ -180,11 +209,14 @@ const DECODE_SPLIT: usize = 256;
 /// (max m, sum l, unnormalized output), and one task per query head merges the partials:
 /// out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, times the sigmoid gate.
 /// Layout as `attention`; partials [kv_n, splits, group, hd + 2] in caller scratch.
-fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], out: &mut [f32]) {
+fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, out: &mut [f32]) {
     let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
     let (group, len) = (h_n / kv_n, p.pos0 as usize + 1);
     let want = (4 * pool::threads()).div_ceil(kv_n);
-    let per = len.div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1));
+    // Runs start on block boundaries, so no block of a run is cut short before the last.
+    let per = len
+        .div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1))
+        .next_multiple_of(SPLIT_BLOCK);
     let splits = len.div_ceil(per);
     let part = group * (hd + 2);
     let rows8 = group.next_multiple_of(8);
@@ -194,7 +226,7 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &
         pool::for_each(kv_n * splits, |task| {
             let (kvh, sp) = (task / splits, task % splits);
             let keys = (sp * per, ((sp + 1) * per).min(len));
-            with_task(rows8 * SPLIT_BLOCK, |sc| {
+            with_task(rows8 * SPLIT_BLOCK + 2 * SPLIT_BLOCK * hd, |sc| {
                 // SAFETY: partial `task` is written by this task alone.
                 let dst = unsafe { po.slice(task * part, part) };
                 attend_split(isa, p, qg, kc, vc, kvh, keys, sc, dst)
@@ -223,8 +255,8 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &
 
 multiversion! {
     fn attend_split(
-        p: &AttentionParams, qg: &[f32], kc: &[f32], vc: &[f32], kvh: usize, keys: (usize, usize),
-        sc: &mut [f32], dst: &mut [f32]
+        p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, kvh: usize, keys: (usize, usize),
+        scr: &mut [f32], dst: &mut [f32]
     ) = attend_split_body;
 }
 
@@ -238,25 +270,25 @@ const SPLIT_BLOCK: usize = 64;
 /// prefetched; then each row's running max / sum rescale its accumulator and acc [group, hd] +=
 /// P V by register tiles (8 rows x 32 dims on AVX-512, [`simd::pv8x32`]; else [`pv_rows`]), each
 /// V row loaded once per tile for all its rows. dst = acc | m [group] | l [group] (sc needs
-/// rows8 * SPLIT_BLOCK floats).
+/// rows8 * SPLIT_BLOCK floats, then room for a block of K and of V widened from a 16-bit cache).
 #[inline(always)]
 fn attend_split_body(
     isa: Isa,
     p: &AttentionParams,
     qg: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &CpuKv,
+    vc: &CpuKv,
     kvh: usize,
     (k0, k1): (usize, usize),
-    sc: &mut [f32],
+    scr: &mut [f32],
     dst: &mut [f32],
 ) {
     let (kv_n, hd) = (p.kv_heads as usize, p.head_dim as usize);
     let group = p.heads as usize / kv_n;
     let rows8 = group.next_multiple_of(8);
     let q_of = |i: usize| &qg[(kvh * group + i) * 2 * hd..][..hd];
-    let krow = |s: usize| &kc[(s * kv_n + kvh) * hd..][..hd];
-    let vrow = |s: usize| &vc[(s * kv_n + kvh) * hd..][..hd];
+    let (sc, rest) = scr.split_at_mut(rows8 * SPLIT_BLOCK);
+    let (kbuf, vbuf) = rest.split_at_mut(SPLIT_BLOCK * hd);
     let (acc, ml) = dst.split_at_mut(group * hd);
     let (mx, l) = ml.split_at_mut(group);
     acc.fill(0.0);
@@ -265,11 +297,16 @@ fn attend_split_body(
     let mut corr = [1f32; 8];
     let mut kb = k0;
     while kb < k1 {
-        let kn = (k1 - kb).min(SPLIT_BLOCK);
-        // V rows of the keys scored, for the P.V pass (interleaved with the K stream).
+        let kn = block_len(kc, kb, k1, SPLIT_BLOCK);
+        let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
+        let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
+        // V rows of the keys scored, for the P.V pass (interleaved with the K stream; a 16-bit
+        // cache's rows are widened after the scores, from cache lines fetched meanwhile).
         scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, |s| {
-            simd::prefetch(vrow(s))
+            vc.prefetch_row(s, kvh * hd, hd)
         });
+        let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+        let vrow = |s: usize| &vblk[(s - kb) * vstride..][..hd];
         sc[group * kn..rows8 * kn].fill(0.0);
         for i0 in (0..group).step_by(8) {
             for (r, c) in corr.iter_mut().enumerate() {
@@ -289,14 +326,14 @@ fn attend_split_body(
             let v = |s: usize| vrow(kb + s);
             let rows = (group - i0).min(8);
             if isa == Isa::Avx512 && hd % 32 == 0 {
-                let vb = &vc[(kb * kv_n + kvh) * hd..];
+                let vb = vblk;
                 for j0 in (0..hd).step_by(32) {
                     let mut a = [[0f32; 32]; 8];
                     for (r, ar) in a.iter_mut().enumerate().take(rows) {
                         let src = &acc[r * hd + j0..][..32];
                         ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
                     }
-                    simd::pv8x32(isa, sc, kn, &vb[j0..], kv_n * hd, &mut a);
+                    simd::pv8x32(isa, sc, kn, &vb[j0..], vstride, &mut a);
                     for (r, ar) in a.iter().enumerate().take(rows) {
                         acc[r * hd + j0..][..32].copy_from_slice(ar);
                     }
@@ -373,6 +410,6 @@ pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f3
     });
 }
 
-pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
+pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut CpuKv) {
     super::reference::kv_store(p, x, cache)
 }

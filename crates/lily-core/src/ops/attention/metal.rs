@@ -1,8 +1,14 @@
 //! The attention ops on Metal (`shaders/metal/attention.metal`).
 
 use crate::backend::{
-    metal::{args::bytes_of, norm_threads, rows_grid, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
-    params::{AttentionParams, AttentionSplit, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ROPE_HEAD_DIM_MAX},
+    metal::{
+        args::bytes_of, norm_threads, rows_grid, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf, MetalKv,
+    },
+    params::{
+        AttentionParams, AttentionSplit, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ATTENTION_TILE,
+        ROPE_HEAD_DIM_MAX,
+    },
+    KvDtype,
 };
 
 pub fn qk_norm_rope<X: Executor>(
@@ -40,18 +46,47 @@ pub fn qk_norm_rope<X: Executor>(
     );
 }
 
-pub fn kv_store<X: Executor>(m: &Metal<X>, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalBuf<X>) {
+/// The kernels of a cache dtype: (kv_store, attention).
+fn kernels(dtype: KvDtype) -> (Fixed, Fixed) {
+    match dtype {
+        KvDtype::F32 => (Fixed::KvStoreF32, Fixed::AttentionF32),
+        KvDtype::BF16 => (Fixed::KvStoreBf16, Fixed::AttentionBf16),
+        KvDtype::F16 => (Fixed::KvStoreF16, Fixed::AttentionF16),
+    }
+}
+
+/// Check that `cache` holds rows 0..rows of `width` values.
+fn cache_fits<X: Executor>(m: &Metal<X>, op: &str, what: &str, cache: &MetalKv<X>, rows: usize, width: usize) -> bool {
+    if cache.width != width || cache.rows() < rows {
+        m.fail(format!(
+            "{op}: {what} holds {} rows of {} values, needs {rows} of {width}",
+            cache.rows(),
+            cache.width
+        ));
+        return false;
+    }
+    true
+}
+
+pub fn kv_store<X: Executor>(m: &Metal<X>, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalKv<X>) {
     let (t, w) = (p.tokens as usize, p.width as usize);
-    if !m.fits(
-        "kv_store",
-        &[("x", x.len(), t * w), ("cache", cache.len(), (p.pos0 as usize + t) * w)],
-    ) {
+    if !m.fits("kv_store", &[("x", x.len(), t * w)])
+        || !cache_fits(m, "kv_store", "cache", cache, p.pos0 as usize + t, w)
+    {
         return;
     }
-    m.encode(
-        Fixed::KvStore,
-        &[Arg::Bytes(bytes_of(p)), x.arg(), cache.arg()],
+    let layout = cache.layout();
+    m.encode_resident(
+        kernels(cache.dtype).0,
+        &[
+            Arg::Bytes(bytes_of(p)),
+            Arg::Bytes(bytes_of(&layout)),
+            x.arg(),
+            cache.arg(),
+        ],
         rows_grid(w, t),
+        &[],
+        &[&cache.segs],
     );
 }
 
@@ -59,8 +94,8 @@ pub fn attention<X: Executor>(
     m: &Metal<X>,
     p: &AttentionParams,
     qg: &MetalBuf<X>,
-    k_cache: &MetalBuf<X>,
-    v_cache: &MetalBuf<X>,
+    k_cache: &MetalKv<X>,
+    v_cache: &MetalKv<X>,
     out: &mut MetalBuf<X>,
 ) {
     let (t, h, kv, hd) = (
@@ -75,14 +110,15 @@ pub fn attention<X: Executor>(
         ));
     }
     let len = p.pos0 as usize + t;
-    let checks = [
-        ("qg", qg.len(), t * h * 2 * hd),
-        ("k_cache", k_cache.len(), len * kv * hd),
-        ("v_cache", v_cache.len(), len * kv * hd),
-        ("out", out.len(), t * h * hd),
-    ];
-    if !m.fits("attention", &checks) {
+    let checks = [("qg", qg.len(), t * h * 2 * hd), ("out", out.len(), t * h * hd)];
+    if !m.fits("attention", &checks)
+        || !cache_fits(m, "attention", "k_cache", k_cache, len, kv * hd)
+        || !cache_fits(m, "attention", "v_cache", v_cache, len, kv * hd)
+    {
         return;
+    }
+    if k_cache.dtype != v_cache.dtype || k_cache.shift != v_cache.shift {
+        return m.fail("attention: the K and V caches differ in dtype or segment size".into());
     }
     let split_rows = m.split_rows.max(1) as usize;
     let splits = if t == 1 && len > split_rows {
@@ -100,20 +136,23 @@ pub fn attention<X: Executor>(
     };
     let pb = || Arg::Bytes(bytes_of(p));
     let sb = || Arg::Bytes(bytes_of(&sp));
+    let layout = k_cache.layout();
+    let lb = || Arg::Bytes(bytes_of(&layout));
+    let kernel = kernels(k_cache.dtype).1;
     if splits == 1 {
-        let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), out.arg()];
-        return m.encode(Fixed::Attention, &args, grid);
+        let args = [pb(), sb(), lb(), qg.arg(), k_cache.arg(), v_cache.arg(), out.arg()];
+        return encode_attention(m, kernel, &args, grid, hd, k_cache, v_cache);
     }
     // Sized for the most splits this cache can need (its capacity in rows), not for this
     // step's: grown once, the first time a step splits, so later steps allocate nothing
     // as the context grows.
-    let cache_rows = (k_cache.len() / (kv * hd).max(1)).max(len);
+    let cache_rows = k_cache.max_rows.max(len);
     let need = t * h * cache_rows.div_ceil(split_rows) * (hd + 2);
     let Some(part) = m.scratch(Scratch::AttentionSplit, need) else {
         return;
     };
-    let args = [pb(), sb(), qg.arg(), k_cache.arg(), v_cache.arg(), part.arg()];
-    m.encode(Fixed::Attention, &args, grid);
+    let args = [pb(), sb(), lb(), qg.arg(), k_cache.arg(), v_cache.arg(), part.arg()];
+    encode_attention(m, kernel, &args, grid, hd, k_cache, v_cache);
     let args = [pb(), sb(), part.arg(), qg.arg(), out.arg()];
     m.encode(
         Fixed::AttentionReduce,
@@ -123,4 +162,20 @@ pub fn attention<X: Executor>(
             size: [32, 1, 1],
         },
     );
+}
+
+/// One attention dispatch with both caches' segments resident (the kernel reads them through
+/// the segment tables).
+fn encode_attention<X: Executor>(
+    m: &Metal<X>,
+    kernel: Fixed,
+    args: &[Arg<'_, X::Buffer>],
+    grid: Grid,
+    hd: usize,
+    k_cache: &MetalKv<X>,
+    v_cache: &MetalKv<X>,
+) {
+    // Threadgroup memory: the staged K and V tiles of ATTENTION_TILE rows of one head.
+    let tg = ATTENTION_TILE * hd * 4;
+    m.encode_resident(kernel, args, grid, &[tg, tg], &[&k_cache.segs, &v_cache.segs]);
 }

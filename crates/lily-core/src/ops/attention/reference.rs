@@ -2,7 +2,10 @@
 //! f64, a full softmax over every visible key.
 
 use crate::{
-    backend::params::{AttentionParams, KvStoreParams, RopeParams},
+    backend::{
+        cpu::kv::CpuKv,
+        params::{AttentionParams, KvStoreParams, RopeParams},
+    },
     ops::sigmoid,
 };
 
@@ -40,15 +43,18 @@ pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f3
     }
 }
 
-pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut [f32]) {
+/// cache row pos0 + t = x[t] (rounded to the cache's dtype), row by row.
+pub fn kv_store(p: &KvStoreParams, x: &[f32], cache: &mut CpuKv) {
     let w = p.width as usize;
-    let n = p.tokens as usize * w;
-    cache[p.pos0 as usize * w..][..n].copy_from_slice(&x[..n]);
+    for t in 0..p.tokens as usize {
+        cache.store_row(p.pos0 as usize + t, 0, &x[t * w..][..w]);
+    }
 }
 
-pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f32], out: &mut [f32]) {
+pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &CpuKv, out: &mut [f32]) {
     let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
     let group = h_n / kv_n;
+    let mut row = vec![0f32; hd];
     for t in 0..p.tokens as usize {
         let len = p.pos0 as usize + t + 1; // causal: cache rows 0..=pos
         for h in 0..h_n {
@@ -57,8 +63,8 @@ pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f3
             let kvh = h / group;
             let scores: Vec<f32> = (0..len)
                 .map(|s| {
-                    let key = &k_cache[(s * kv_n + kvh) * hd..][..hd];
-                    q.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * p.scale
+                    k_cache.row_f32(s, kvh * hd, &mut row);
+                    q.iter().zip(&row).map(|(a, b)| a * b).sum::<f32>() * p.scale
                 })
                 .collect();
             let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -67,9 +73,9 @@ pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &[f32], v_cache: &[f3
             let o = &mut out[(t * h_n + h) * hd..][..hd];
             o.fill(0.0);
             for s in 0..len {
-                let v = &v_cache[(s * kv_n + kvh) * hd..][..hd];
+                v_cache.row_f32(s, kvh * hd, &mut row);
                 for j in 0..hd {
-                    o[j] += e[s] / z * v[j];
+                    o[j] += e[s] / z * row[j];
                 }
             }
             for j in 0..hd {

@@ -1,0 +1,190 @@
+//! The CPU's KV-cache memory: rows of `width` values in segments of `kv_segment_rows()` rows,
+//! allocated as the sequence grows and freed on trim. f32 caches hold f32; 16-bit caches hold the
+//! bit patterns (bf16 or IEEE half), widened by the kernels ([`CpuKv::rows_f32`]).
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+use super::zeroed;
+use crate::{
+    backend::KvDtype,
+    error::{Error, Result},
+};
+
+/// A segment's storage: f32 values or 16-bit patterns.
+pub enum Segment {
+    F32(Vec<f32>),
+    Half(Vec<u16>),
+}
+
+pub struct CpuKv {
+    pub width: usize,
+    pub dtype: KvDtype,
+    /// log2 of the rows per segment.
+    pub shift: u32,
+    pub max_rows: usize,
+    pub segs: Vec<Segment>,
+}
+
+impl CpuKv {
+    pub fn new(width: usize, dtype: KvDtype, max_rows: usize, rows: usize) -> Result<CpuKv> {
+        if !rows.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "KV segment rows {rows}: not a power of two"
+            )));
+        }
+        if width == 0 || rows.checked_mul(width).and_then(|n| n.checked_mul(4)).is_none() {
+            return Err(Error::InvalidArgument(format!("KV row width {width} is not usable")));
+        }
+        Ok(CpuKv {
+            width,
+            dtype,
+            shift: rows.trailing_zeros(),
+            max_rows,
+            segs: Vec::new(),
+        })
+    }
+
+    pub fn seg_rows(&self) -> usize {
+        1 << self.shift
+    }
+
+    pub fn rows(&self) -> usize {
+        self.segs.len() << self.shift
+    }
+
+    pub fn reserve(&mut self, rows: usize) -> Result<()> {
+        if rows > self.max_rows {
+            return Err(Error::InvalidArgument(format!(
+                "KV cache asked for {rows} rows, more than its max_seq {}",
+                self.max_rows
+            )));
+        }
+        let n = self.seg_rows() * self.width;
+        while self.rows() < rows {
+            self.segs.push(match self.dtype {
+                KvDtype::F32 => Segment::F32(zeroed(n)?),
+                KvDtype::BF16 | KvDtype::F16 => Segment::Half(zeroed(n)?),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn trim(&mut self, rows: usize) {
+        let keep = rows.div_ceil(self.seg_rows());
+        self.segs.truncate(keep);
+        self.segs.shrink_to_fit();
+    }
+
+    /// Segment and element offset of row r.
+    #[inline]
+    fn at(&self, r: usize) -> (usize, usize) {
+        (r >> self.shift, (r & (self.seg_rows() - 1)) * self.width)
+    }
+
+    /// Rows r0..r0 + n (within one segment) as f32 values, when the cache stores f32.
+    #[inline]
+    pub fn f32_rows(&self, r0: usize, n: usize) -> Option<&[f32]> {
+        let (s, o) = self.at(r0);
+        debug_assert!((r0 & (self.seg_rows() - 1)) + n <= self.seg_rows());
+        match &self.segs[s] {
+            Segment::F32(v) => Some(&v[o..o + n * self.width]),
+            Segment::Half(_) => None,
+        }
+    }
+
+    /// Columns c0..c0 + out.len() of row r, widened to f32.
+    #[inline]
+    pub fn row_f32(&self, r: usize, c0: usize, out: &mut [f32]) {
+        let (s, o) = self.at(r);
+        let o = o + c0;
+        match &self.segs[s] {
+            Segment::F32(v) => out.copy_from_slice(&v[o..o + out.len()]),
+            Segment::Half(v) => widen(self.dtype, &v[o..o + out.len()], out),
+        }
+    }
+
+    /// Row r, columns c0.., from f32 values (rounded to nearest even for a 16-bit cache).
+    #[inline]
+    pub fn store_row(&mut self, r: usize, c0: usize, x: &[f32]) {
+        let (s, o) = self.at(r);
+        let o = o + c0;
+        let dtype = self.dtype;
+        match &mut self.segs[s] {
+            Segment::F32(v) => v[o..o + x.len()].copy_from_slice(x),
+            Segment::Half(v) => narrow(dtype, x, &mut v[o..o + x.len()]),
+        }
+    }
+
+    /// Start fetching columns c0..c0 + n of row r into the cache (decode overlaps it with the
+    /// scores of the block).
+    #[inline(always)]
+    pub fn prefetch_row(&self, r: usize, c0: usize, n: usize) {
+        let (s, o) = self.at(r);
+        match &self.segs[s] {
+            Segment::F32(v) => super::simd::prefetch(&v[o + c0..o + c0 + n]),
+            Segment::Half(v) => super::simd::prefetch_bytes(bytemuck_u16(&v[o + c0..o + c0 + n])),
+        }
+    }
+
+    /// Rows row0.. widened to f32 into `out` (whole rows).
+    pub fn read(&self, row0: usize, out: &mut [f32]) -> Result<()> {
+        let rows = out.len() / self.width;
+        if out.len() % self.width != 0 || row0 + rows > self.rows() {
+            return Err(Error::InvalidArgument(format!(
+                "kv_read: rows {row0}..{} of a cache of {} rows of {} values",
+                row0 + rows,
+                self.rows(),
+                self.width
+            )));
+        }
+        for (i, o) in out.chunks_exact_mut(self.width).enumerate() {
+            self.row_f32(row0 + i, 0, o);
+        }
+        Ok(())
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.rows() * self.width * self.dtype.size()
+    }
+}
+
+/// 16-bit patterns of `dtype` to f32 (exact).
+#[inline]
+pub fn widen(dtype: KvDtype, src: &[u16], dst: &mut [f32]) {
+    match dtype {
+        KvDtype::BF16 => {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = f32::from_bits((s as u32) << 16);
+            }
+        }
+        KvDtype::F16 => {
+            let src: &[f16] = half::slice::HalfBitsSliceExt::reinterpret_cast(src);
+            src.convert_to_f32_slice(dst);
+        }
+        KvDtype::F32 => unreachable!("an f32 cache has no 16-bit rows"),
+    }
+}
+
+/// f32 to the 16-bit patterns of `dtype`, round to nearest even (NaN stays NaN).
+#[inline]
+pub fn narrow(dtype: KvDtype, src: &[f32], dst: &mut [u16]) {
+    match dtype {
+        KvDtype::BF16 => {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = bf16::from_f32(s).to_bits();
+            }
+        }
+        KvDtype::F16 => {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = f16::from_f32(s).to_bits();
+            }
+        }
+        KvDtype::F32 => unreachable!("an f32 cache has no 16-bit rows"),
+    }
+}
+
+fn bytemuck_u16(v: &[u16]) -> &[u8] {
+    // SAFETY: u16 has no padding and any byte pattern is a valid u8; the length is in bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), 2 * v.len()) }
+}
