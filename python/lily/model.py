@@ -42,6 +42,10 @@ class Model:
 
     Made by ``lily.load``. One sequence at a time; a new prompt that shares a prefix with an earlier
     one (the next turn of a chat) only prefills what is new (``lily.prefix.PrefixReuse``).
+
+    Starting a generation takes the sequence from the one before: a stream resumed after another generation
+    started on the same model raises ``SequenceEvictedError``. Threads may share a model: ``generate`` and
+    ``chat`` (not streaming) run one at a time, and the steps of streams take turns with them.
     """
 
     def __init__(
@@ -172,14 +176,15 @@ class Model:
         lps: list[float] = []
         finish, stats = None, GenerationStats()
         chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
-        for chunk in echo(chunks, sys.stdout) if verbose else chunks:
-            parts.append(chunk.text)
-            if chunk.token is not None:
-                tokens.append(chunk.token)
-                if chunk.logprob is not None:
-                    lps.append(chunk.logprob)
-            if chunk.finish_reason is not None:
-                finish, stats = chunk.finish_reason, chunk.stats or stats
+        with self.prefix.turn:  # the whole generation, so that another thread's waits for it
+            for chunk in echo(chunks, sys.stdout) if verbose else chunks:
+                parts.append(chunk.text)
+                if chunk.token is not None:
+                    tokens.append(chunk.token)
+                    if chunk.logprob is not None:
+                        lps.append(chunk.logprob)
+                if chunk.finish_reason is not None:
+                    finish, stats = chunk.finish_reason, chunk.stats or stats
         return Completion("".join(parts), tokens, lps if logprobs else None, finish, stats)
 
     # ---- chat
@@ -219,7 +224,8 @@ class Model:
         gen = chat_chunks(echo(chunks, sys.stdout) if verbose else chunks, thinking, tools)
         if stream:
             return gen
-        for chunk in gen:
-            if chunk.message is not None:
-                return chunk.message
+        with self.prefix.turn:
+            for chunk in gen:
+                if chunk.message is not None:
+                    return chunk.message
         raise RuntimeError("generation ended without a final chunk")  # pragma: no cover
