@@ -12,7 +12,7 @@ use std::{
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::{
-    exceptions::{PyRuntimeError, PyValueError},
+    exceptions::{PyOverflowError, PyRuntimeError, PyTypeError, PyValueError},
     prelude::*,
     types::PyAny,
 };
@@ -125,7 +125,24 @@ fn stopped(e: lily_core::Error, raised: Option<PyErr>) -> PyErr {
     }
 }
 
-fn to_ids(tokens: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
+/// Token ids of argument `arg` in [0, vocab): a list of ints, or one int when `one`. An int too
+/// large for i64 is out of range like any other (a ValueError, not pyo3's OverflowError).
+fn to_ids(arg: &str, obj: &Bound<'_, PyAny>, vocab: usize, one: bool) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    let tokens = if one {
+        obj.extract().map(|t| vec![t])
+    } else {
+        obj.extract::<Vec<i64>>()
+    };
+    let tokens = tokens.map_err(|e| {
+        if e.is_instance_of::<PyOverflowError>(py) {
+            PyValueError::new_err(format!("{arg}: token id out of range: vocabulary has {vocab} entries"))
+        } else if e.is_instance_of::<PyTypeError>(py) {
+            PyTypeError::new_err(format!("argument '{arg}': {}", e.value(py)))
+        } else {
+            e
+        }
+    })?;
     tokens
         .into_iter()
         .map(|t| {
@@ -187,8 +204,13 @@ impl Engine {
     /// Append tokens to the sequence; logits of the last one, or of every one with all_logits.
     /// Ctrl-C stops it between chunks, keeping the completed chunks in the sequence.
     #[pyo3(signature = (tokens, *, all_logits = false))]
-    fn prefill<'py>(&self, py: Python<'py>, tokens: Vec<i64>, all_logits: bool) -> PyResult<Bound<'py, PyAny>> {
-        let ids = to_ids(tokens, self.vocab)?;
+    fn prefill<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        all_logits: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ids = to_ids("tokens", tokens, self.vocab, false)?;
         let mut raised = None;
         let logits = self
             .with(py, |e| {
@@ -205,8 +227,8 @@ impl Engine {
     }
 
     /// Append one token; its next-token logits [vocab].
-    fn decode<'py>(&self, py: Python<'py>, token: i64) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let id = to_ids(vec![token], self.vocab)?[0];
+    fn decode<'py>(&self, py: Python<'py>, token: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let id = to_ids("token", token, self.vocab, true)?[0];
         let logits = self.with(py, |e| e.decode(id))?.map_err(PyLilyError::from)?;
         Ok(PyArray1::from_vec(py, logits))
     }
@@ -233,12 +255,17 @@ impl Engine {
     }
 
     /// How many leading `tokens` match the tokens whose KV rows are cached.
-    fn cached_prefix(&self, py: Python<'_>, tokens: Vec<i64>) -> PyResult<usize> {
-        let ids: Vec<u32> = tokens
-            .iter()
-            .take_while(|&&t| (0..u32::MAX as i64).contains(&t))
-            .map(|&t| t as u32)
-            .collect();
+    fn cached_prefix(&self, py: Python<'_>, tokens: Vec<Bound<'_, PyAny>>) -> PyResult<usize> {
+        let mut ids = Vec::with_capacity(tokens.len());
+        for t in &tokens {
+            match t.extract::<i64>() {
+                Ok(t) if (0..=u32::MAX as i64).contains(&t) => ids.push(t as u32),
+                // An id no vocabulary has (negative, or too large even for i64) matches nothing.
+                Ok(_) => break,
+                Err(e) if e.is_instance_of::<PyOverflowError>(py) => break,
+                Err(e) => return Err(PyTypeError::new_err(format!("argument 'tokens': {}", e.value(py)))),
+            }
+        }
         self.with(py, |e| e.cached_prefix(&ids))
     }
 
