@@ -153,7 +153,9 @@ def test_cli_errors(tmp_path, capsys):
     assert synth.main([str(tmp_path / "busy"), "--layers", "1"]) == 2
     assert synth.main([str(tmp_path / "busy"), "--layers", "1", "--force"]) == 2  # no config.json: not touched
     assert (tmp_path / "busy" / "x.txt").read_text() == "keep me"
-    assert synth.main([str(tmp_path / "a"), "--layers", "0"]) == 2
+    with pytest.raises(SystemExit) as ei:  # an option value argparse refuses
+        synth.main([str(tmp_path / "a"), "--layers", "0"])
+    assert ei.value.code == 2
     assert synth.main([str(tmp_path / "a"), "--set", "oops"]) == 2
     assert synth.main([str(tmp_path / "a"), "--config", str(tmp_path / "missing.json")]) == 2
     assert synth.main([str(tmp_path / "a"), "--bits", "7"]) == 2
