@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -613,14 +614,41 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
             raise CommandError(f"{out} exists and is not empty (use --force to overwrite a checkpoint folder)")
         if not out.is_dir() or not (out / "config.json").exists():
             raise CommandError(f"--force: {out} does not look like a checkpoint folder (no config.json); not touched")
-        for p in out.iterdir():
-            if p.is_file() and (p.suffix in (".safetensors", ".json", ".jinja") or p.name == "README.md"):
-                p.unlink()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if free < total + (64 << 20):
         raise CommandError(f"not enough disk space in {out}: need {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+    # Everything is written into a staging folder inside `out`, then renamed over the old files: an engine
+    # that has the old checkpoint loaded keeps reading its files intact, and a failure or Ctrl-C part-way
+    # leaves the old checkpoint as it was.
+    stage = Path(tempfile.mkdtemp(prefix=".lily-synth-", dir=out))
+    try:
+        info = _write_checkpoint(stage, cfg, tensors, qblock, total, fmt=fmt, bits=bits, group_size=group_size,
+                                 seed=seed, tokenizer=tokenizer, shard_bytes=shard_bytes, progress=progress,
+                                 workers=workers, label=out.name)
+        new = {p.name for p in stage.iterdir()}
+        for p in sorted(stage.iterdir(), key=lambda p: p.suffix != ".safetensors"):  # weights before configs
+            os.replace(p, out / p.name)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    stage.rmdir()
+    for p in out.iterdir():  # what the old checkpoint had and the new one has not (other shard names)
+        if p.name not in new and p.is_file() and (p.suffix in (".safetensors", ".json", ".jinja")
+                                                  or p.name == "README.md"):
+            p.unlink()
+    return {"path": str(out), "format": fmt, "bytes": total, "tensors": len(tensors), **info,
+            "seconds": time.perf_counter() - t0}
 
+
+def _write_checkpoint(out: Path, cfg: dict, tensors: list[Tensor], qblock: dict, total: int, *, fmt: str, bits: int,
+                      group_size: int, seed: int, tokenizer, shard_bytes: int, progress: bool, workers: int | None,
+                      label: str) -> dict:
+    """Write the checkpoint's files into the (empty) folder ``out``; the summary's parameters, layers, shards and
+    tokenizer."""
     # tokenizer + generation config
     D = Dims.of(cfg)
     gen, tok_kind = _write_tokenizer(out, tokenizer, D.V)
@@ -636,7 +664,7 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
         metadata = {"format": "pt"}
     (out / "config.json").write_text(json.dumps(out_cfg, indent=4) + "\n")
 
-    with progress_bar(total, desc=f"synth {out.name}", unit="B", unit_scale=True, disable=not progress) as bar:
+    with progress_bar(total, desc=f"synth {label}", unit="B", unit_scale=True, disable=not progress) as bar:
         weight_map = write_tensors(out, tensors, seed=seed, shard_bytes=shard_bytes, metadata=metadata,
                                    progress=bar, workers=workers or max(1, min(4, os.cpu_count() or 1)))
     n_params = sum(int(np.prod(t.shape)) * (32 // _bits_of(t, qblock) if t.dtype == "U32" else 1)
@@ -649,9 +677,7 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
         f"# Random-weight synthetic checkpoint ({kind})\n\nWritten by `lily synth` (seed {seed}): the "
         f"Qwen3.5/3.6-MoE architecture with {D.L} layers, hidden size {D.D}, {D.E} experts. The weights are random; "
         "use it for speed and consistency tests only.\n")
-    secs = time.perf_counter() - t0
-    return {"path": str(out), "format": fmt, "bytes": total, "tensors": len(tensors), "parameters": n_params,
-            "layers": D.L, "shards": len(set(weight_map.values())), "seconds": secs, "tokenizer": tok_kind}
+    return {"parameters": n_params, "layers": D.L, "shards": len(set(weight_map.values())), "tokenizer": tok_kind}
 
 
 def _bits_of(t: Tensor, qblock: dict) -> int:
