@@ -6,7 +6,7 @@ use std::{
     path::PathBuf,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Mutex,
+        Mutex, TryLockError,
     },
 };
 
@@ -76,11 +76,7 @@ impl Engine {
             ));
         }
         py.detach(|| {
-            let mut engine = self.inner.lock().map_err(|_| {
-                LilyError::new_err(
-                    "an earlier call failed inside the engine and left it unusable (a bug: please report it); load the model again",
-                )
-            })?;
+            let mut engine = self.inner.lock().map_err(|_| poisoned())?;
             struct Held<'a>(&'a AtomicUsize);
             impl Drop for Held<'_> {
                 fn drop(&mut self) {
@@ -92,6 +88,22 @@ impl Engine {
             Ok(f(&mut engine))
         })
     }
+
+    /// `f` for a quick read: with the GIL held when the engine is free (no GIL hand-over per call, which
+    /// can cost a thread switch interval when other threads want it), else as `with`.
+    fn peek<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&CoreEngine) -> R + Send) -> PyResult<R> {
+        match self.inner.try_lock() {
+            Ok(engine) => Ok(f(&engine)),
+            Err(TryLockError::WouldBlock) => self.with(py, |e| f(e)),
+            Err(TryLockError::Poisoned(_)) => Err(poisoned()),
+        }
+    }
+}
+
+fn poisoned() -> PyErr {
+    LilyError::new_err(
+        "an earlier call failed inside the engine and left it unusable (a bug: please report it); load the model again",
+    )
 }
 
 /// A number unique to the calling thread while it runs (the address of a thread-local).
@@ -266,7 +278,7 @@ impl Engine {
                 Err(e) => return Err(PyTypeError::new_err(format!("argument 'tokens': {}", e.value(py)))),
             }
         }
-        self.with(py, |e| e.cached_prefix(&ids))
+        self.peek(py, |e| e.cached_prefix(&ids))
     }
 
     /// Forget the sequence (state and position back to zero).
@@ -276,7 +288,7 @@ impl Engine {
 
     #[getter]
     fn position(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |e| e.position())
+        self.peek(py, |e| e.position())
     }
 
     #[getter]
