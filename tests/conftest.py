@@ -19,6 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# Property tests (hypothesis): a few seconds each by default; HYPOTHESIS_PROFILE=long runs many more examples.
+settings.register_profile("ci", max_examples=300, deadline=None)
+settings.register_profile("long", max_examples=30_000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

@@ -25,8 +25,8 @@ def run(*args, stdin="", timeout=300):
     [
         (["generate", "/nonexistent/model", "hi"], "no such folder"),
         (["generate", "some-model", "hi", "--backend", "tpu"], "invalid choice"),
-        (["chat", "some-model", "--temperature", "hot"], "invalid float"),
-        (["generate", "some-model", "hi", "--max-tokens", "-3"], "positive integer"),
+        (["chat", "some-model", "--temperature", "hot"], "expected a number >= 0, got 'hot'"),
+        (["generate", "some-model", "hi", "--max-tokens", "-3"], "expected an integer >= 1"),
         (["generate", "some-model", "hi", "--logit-bias", "x"], "TOKEN_ID=BIAS"),
         (["generate", "some-model", "hi", "--no-such-flag"], "unrecognized arguments"),
         (["generate"], "required"),
@@ -36,7 +36,7 @@ def run(*args, stdin="", timeout=300):
         (["bench", "/nonexistent/model", "--lengths"], "expected one argument"),
         (["eval", "/nonexistent/model"], "not a checkpoint folder"),
         (["serve", "/nonexistent/model"], "no such folder"),
-        (["serve", "x", "--port", "http"], "invalid int value"),
+        (["serve", "x", "--port", "http"], "expected an integer from 0 to 65535"),
     ],
 )
 def test_bad_input_is_one_line(args, needle):
@@ -46,6 +46,57 @@ def test_bad_input_is_one_line(args, needle):
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(rf"lily( {args[0]})?: error:", lines[0]) and needle in lines[0], r.stderr
+
+
+BAD_FLAGS = [
+    ("generate", "--max-seq", "0"), ("generate", "--max-seq", str(2**32)), ("generate", "--max-tokens", "0"),
+    ("generate", "--temperature", "-1"), ("generate", "--temperature", "nan"), ("generate", "--top-k", "-1"),
+    ("generate", "--top-k", "2.5"), ("generate", "--top-p", "2"), ("generate", "--min-p", "-0.5"),
+    ("generate", "--repetition-penalty", "0"), ("generate", "--presence-penalty", "inf"),
+    ("generate", "--frequency-penalty", "x"), ("generate", "--logit-bias", "1=nan"), ("generate", "--seed", "-1"),
+    ("generate", "--seed", str(2**64)), ("generate", "--stop", "\udcff"), ("chat", "--top-k", "-3"),
+    ("chat", "--system", "\udcff"), ("serve", "--port", "99999"), ("serve", "--port", "-1"),
+    ("serve", "--max-seq", "0"), ("serve", "--host", "no such host!"),
+    ("bench", "--max-seq", "-1"), ("bench", "--lengths", "abc"), ("bench", "--lengths", "0"),
+    ("bench", "--decode-steps", "0"), ("bench", "--warmup-steps", "-1"), ("bench", "--rounds", "0"),
+    ("bench", "--bandwidth-mib", "0"), ("bench", "--timeout", "-1"), ("bench", "--seed", "-1"),
+    ("eval", "--positions", "0"), ("eval", "--max-seq", "0"), ("eval", "--vocab-limit", "0"),
+    ("eval", "--min-top1", "101"), ("eval", "--max-kl", "nan"), ("eval", "--timeout", "-1"), ("eval", "--seed", "-1"),
+    ("synth", "--layers", "0"), ("synth", "--seed", "-1"), ("synth", "--shard-size", "0"), ("synth", "--bits", "7"),
+    ("synth", "--group-size", "0"), ("synth", "--set", "hidden_size=-1"), ("synth", "--set", "num_experts=1.5"),
+]
+
+
+@pytest.mark.parametrize("command, flag, value", BAD_FLAGS)
+def test_bad_flags_fail_before_the_model_is_touched(capsys, command, flag, value):
+    """A bad option value is reported (naming it) before anything is loaded or written: with a checkpoint
+    that does not exist, the option's error comes first."""
+    value = value.encode().decode("unicode_escape", "surrogatepass") if "\\u" in value else value
+    where = "/nonexistent/out" if command == "synth" else "/nonexistent/model"
+    argv = [command, where, *(["hi"] if command == "generate" else []), f"{flag}={value}"]
+    if command == "synth":
+        argv.append("--dry-run")
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "nonexistent" not in err and "Traceback" not in err, err
+    named = value.split("=")[0] if flag == "--set" else flag.lstrip("-").replace("-", "_")
+    assert flag in err or named in err or "Unicode" in err, err
+
+
+def test_serve_port_in_use_fails_before_loading(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = cli.main(["serve", "/nonexistent/model", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "nonexistent" not in err, err
 
 
 def test_help_lists_commands():

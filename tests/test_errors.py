@@ -54,7 +54,7 @@ def _vocab(tiny_hf):
 
 
 def test_exception_hierarchy(lily):
-    for cls in (lily.ModelLoadError, lily.ContextFullError, lily.DeviceError):
+    for cls in (lily.ModelLoadError, lily.ContextFullError, lily.DeviceError, lily.SequenceEvictedError):
         assert issubclass(cls, lily.LilyError), cls
     assert issubclass(lily.LilyError, Exception)
     assert not issubclass(lily.ModelLoadError, lily.ContextFullError)

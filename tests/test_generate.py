@@ -32,6 +32,7 @@ class FakeEngine:
     def __init__(self, script, vocab=VOCAB, max_seq=1 << 20, pad_trap=True):
         self.script = list(script)
         self.vocab, self.max_seq = vocab, max_seq
+        self.vocab_size = vocab
         self.pad_trap = pad_trap
         self.position, self.step = 0, 0
         self.prefilled: list[list[int]] = []

@@ -153,7 +153,9 @@ def test_cli_errors(tmp_path, capsys):
     assert synth.main([str(tmp_path / "busy"), "--layers", "1"]) == 2
     assert synth.main([str(tmp_path / "busy"), "--layers", "1", "--force"]) == 2  # no config.json: not touched
     assert (tmp_path / "busy" / "x.txt").read_text() == "keep me"
-    assert synth.main([str(tmp_path / "a"), "--layers", "0"]) == 2
+    with pytest.raises(SystemExit) as ei:  # an option value argparse refuses
+        synth.main([str(tmp_path / "a"), "--layers", "0"])
+    assert ei.value.code == 2
     assert synth.main([str(tmp_path / "a"), "--set", "oops"]) == 2
     assert synth.main([str(tmp_path / "a"), "--config", str(tmp_path / "missing.json")]) == 2
     assert synth.main([str(tmp_path / "a"), "--bits", "7"]) == 2
@@ -197,3 +199,75 @@ def test_a_synthetic_checkpoint_works_with_every_command(tmp_path, vocab):
     finally:
         server.shutdown()
     assert status == 200 and json.loads(body)["choices"][0]["message"]["role"] == "assistant", body
+
+
+# ---- --force over a checkpoint: written aside and renamed in (issue 17)
+
+
+def _small(out, **kw):
+    from conftest import TINY_SYNTH
+
+    return synth.synthesize(out, None, layers=1, sets=TINY_SYNTH, progress=False, **kw)
+
+
+def _files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+def test_force_leaves_a_loaded_engine_reading_the_old_weights(tmp_path):
+    """The new files are renamed over the old ones, so an engine that mapped the old ones reads them intact (a
+    file rewritten in place would be refused, or kill the process with SIGBUS); a new load sees the new weights."""
+    import lily
+
+    out = tmp_path / "ckpt"
+    _small(out, seed=0)
+    eng = lily.Engine(out, backend="cpu", max_seq=64)
+    before = eng.prefill([1, 2, 3])
+    _small(out, seed=1, force=True)
+    eng.reset()
+    np.testing.assert_array_equal(eng.prefill([1, 2, 3]), before)
+    after = lily.Engine(out, backend="cpu", max_seq=64).prefill([1, 2, 3])
+    assert np.abs(after - before).max() > 1e-3
+
+
+def test_failed_force_leaves_the_old_checkpoint(tmp_path):
+    """A --force that fails part-way (here: a --tokenizer folder without a tokenizer, found after the weights
+    were planned) used to delete the old checkpoint first; now nothing of it changes."""
+    out = tmp_path / "ckpt"
+    _small(out, seed=0)
+    old = _files(out)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(synth.CommandError, match="no tokenizer.json"):
+        _small(out, seed=1, force=True, tokenizer=tmp_path / "empty")
+    assert _files(out) == old
+
+
+def test_interrupted_force_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "ckpt"
+    _small(out, seed=0)
+    old = _files(out)
+    write = synth.write_tensors
+
+    def interrupted(folder, *args, **kwargs):
+        write(folder, *args, **kwargs)
+        raise KeyboardInterrupt  # Ctrl-C after the weights were written, before the rest
+
+    monkeypatch.setattr(synth, "write_tensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _small(out, seed=1, force=True)
+    assert _files(out) == old
+    with pytest.raises(KeyboardInterrupt):  # a new folder is not left half-written either
+        _small(tmp_path / "new", seed=1)
+    assert not (tmp_path / "new").exists()
+
+
+def test_force_removes_the_old_shards_the_new_checkpoint_has_not(tmp_path):
+    import lily
+
+    out = tmp_path / "ckpt"
+    _small(out, seed=0, shard_bytes=1 << 20)
+    assert len(list(out.glob("*.safetensors"))) > 1
+    info = _small(out, seed=1, force=True)
+    assert info["shards"] == 1 and sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert lily.Engine(out, backend="cpu", max_seq=8).prefill([1]).shape == (1024,)

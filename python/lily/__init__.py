@@ -7,7 +7,7 @@ this package owns tokenization, the chat template, sampling, streaming and the C
     reply = model.chat([{"role": "user", "content": "Hi!"}])
 """
 
-from lily._lily import ContextFullError, DeviceError, Engine, LilyError, ModelLoadError
+from lily._lily import ContextFullError, DeviceError, Engine, LilyError, ModelLoadError, SequenceEvictedError
 from lily.loading import load
 from lily.model import Model
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
@@ -31,6 +31,7 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "Sampler",
+    "SequenceEvictedError",
     "StreamingDetokenizer",
     "TemplateError",
     "Tokenizer",

@@ -8,7 +8,16 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self
 
-__all__ = ["ContextFullError", "DeviceError", "Engine", "LilyError", "ModelLoadError", "Sampler", "Snapshot"]
+__all__ = [
+    "ContextFullError",
+    "DeviceError",
+    "Engine",
+    "LilyError",
+    "ModelLoadError",
+    "Sampler",
+    "SequenceEvictedError",
+    "Snapshot",
+]
 
 class LilyError(Exception):
     """Base class of every Lily error."""
@@ -21,6 +30,14 @@ class ContextFullError(LilyError):
 
 class DeviceError(LilyError):
     """The backend device is unavailable or a command failed on it."""
+
+class SequenceEvictedError(LilyError):
+    """A generation's sequence was taken over by a later generation on the same model.
+
+    A ``Model`` holds one sequence: starting a generation (``generate``, ``stream``, ``chat``) gives it the
+    sequence, and a stream started earlier raises this error when it is resumed. The finished part of its
+    output is valid; it cannot continue.
+    """
 
 @final
 class Engine:
@@ -35,8 +52,12 @@ class Engine:
     or ``"f32"`` (twice the memory; exact fp32 attention, for checking). ``prefill_chunk`` is the
     number of tokens per forward call during prefill (default: the backend's, 1024 on the CPU): larger
     is faster and takes more scratch memory (about 270 KB per token at the real shapes).
-    ``progress(done, total)`` is called as layers load. The GIL is released while the model loads and
-    runs.
+    ``progress(done, total)`` is called as layers load; an exception it raises stops the load and
+    propagates, as does Ctrl-C (checked between layers).
+
+    The GIL is released while the model loads and runs. An engine may be shared by threads: calls take
+    turns (a call waits, GIL released, for the one running) and each is atomic; a call from Python code run
+    inside a call on the same engine (a signal handler) raises ``RuntimeError``.
     """
 
     def __new__(
@@ -56,6 +77,10 @@ class Engine:
         ``all_logits=True`` after every token, shape ``[len(tokens), vocab_size]``. Raises
         ``ValueError`` for an empty list or a token id outside ``[0, vocab_size)`` and
         ``ContextFullError`` past ``max_seq``; either way the sequence is unchanged.
+
+        Ctrl-C (or any exception raised by a signal handler) stops a prefill of several chunks
+        (``prefill_chunk`` tokens each) between two chunks: the exception propagates and the sequence keeps
+        the chunks completed so far (``position`` says how far it got), a consistent state to continue from.
         """
     def decode(self, token: int) -> npt.NDArray[np.float32]:
         """Append one token; its next-token logits, shape ``[vocab_size]``."""

@@ -13,14 +13,17 @@ __all__ = ["eos_ids", "load_tokenizer", "read_json"]
 
 
 def read_json(path: Path) -> dict:
-    """The JSON object in ``path``; ``{}`` when the file is absent or holds no object."""
+    """The JSON object in ``path``; ``{}`` when the file is absent. A file that cannot be read or holds
+    something else is a ``ModelLoadError`` naming it."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def eos_ids(folder: Path, generation_config: dict, tokenizer: Tokenizer) -> set[int]:
@@ -28,13 +31,15 @@ def eos_ids(folder: Path, generation_config: dict, tokenizer: Tokenizer) -> set[
     plus the ``eos_token`` of ``tokenizer_config.json``."""
     ids: set[int] = set()
 
-    def add(value):
-        if isinstance(value, int):
+    def add(value, where="config.json"):
+        if isinstance(value, int) and not isinstance(value, bool):
             ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
+        elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            ids.update(value)
+        elif value is not None:
+            raise ModelLoadError(f"{folder / where}: eos_token_id must be a token id or a list of them, got {value!r}")
 
-    add(generation_config.get("eos_token_id"))
+    add(generation_config.get("eos_token_id"), "generation_config.json")
     if not ids:
         config = read_json(folder / "config.json")
         add(config.get("eos_token_id"))

@@ -17,24 +17,16 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from lily import command
-from lily.command import ArgParser
+from lily.arguments import strings
+from lily.command import ArgParser, CommandError
 from lily.loading import BACKENDS, KV_DTYPES, load
 from lily.model import DEFAULT_MAX_TOKENS
+from lily.sampling import Sampler
 
 __all__ = ["main"]
 
 _DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval", "serve": "lily.server"}
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -48,25 +40,25 @@ def _bias(text: str) -> tuple[int, float]:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hugging Face repo id (e.g. mlx-community/Qwen3.6-35B-A3B-4bit)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend")
-    p.add_argument("--max-seq", type=_positive_int, default=None, help="context length (default: the engine's)")
+    p.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="context length (default: the engine's)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                    help="element type of the stored keys and values (default bf16; f32 doubles the KV memory)")
-    p.add_argument("--max-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-tokens", type=command.integer(1), default=None,
                    help=f"tokens to generate at most per reply (default {DEFAULT_MAX_TOKENS})")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
-    s.add_argument("--temperature", "--temp", type=float, default=None, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=None, help="0 = off")
-    s.add_argument("--top-p", type=float, default=None, help="1 = off")
-    s.add_argument("--min-p", type=float, default=None, help="0 = off")
-    s.add_argument("--repetition-penalty", type=float, default=None,
+    s.add_argument("--temperature", "--temp", type=command.number(0), default=None, help="0 = greedy")
+    s.add_argument("--top-k", type=command.integer(0), default=None, help="0 = off")
+    s.add_argument("--top-p", type=command.number(0, 1), default=None, help="1 = off")
+    s.add_argument("--min-p", type=command.number(0, 1), default=None, help="0 = off")
+    s.add_argument("--repetition-penalty", type=command.number(), default=None,
                    help="> 1 makes tokens of the prompt and the reply less likely (1 = off)")
-    s.add_argument("--presence-penalty", type=float, default=None,
+    s.add_argument("--presence-penalty", type=command.number(), default=None,
                    help="subtracted from the logit of every token already generated (0 = off)")
-    s.add_argument("--frequency-penalty", type=float, default=None,
+    s.add_argument("--frequency-penalty", type=command.number(), default=None,
                    help="subtracted once per earlier occurrence of a generated token (0 = off)")
     s.add_argument("--logit-bias", type=_bias, action="append", default=None, metavar="ID=BIAS",
                    help="add BIAS to the logit of token ID")
-    s.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
+    s.add_argument("--seed", type=command.integer(0, 2**64 - 1), default=None, help="same seed, same tokens")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")
     p.add_argument("--hide-think", action="store_true",
@@ -283,6 +275,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    try:  # every setting checked before the model loads
+        Sampler(**_sampling(args))
+        strings("--stop", args.stop)
+        strings("--system", args.system)
+        if args.command == "generate" and args.prompt != "-":
+            strings("the prompt", args.prompt)
+    except (TypeError, ValueError) as e:
+        raise CommandError(str(e)) from None
     model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype)
     if args.command == "generate":
         return _cmd_generate(model, args)

@@ -9,6 +9,7 @@ Ctrl-C exits with 130. No traceback reaches the user.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import NoReturn
 
 from lily._lily import LilyError
 
-__all__ = ["ArgParser", "CommandError", "run", "worker_env"]
+__all__ = ["MAX_SEQ", "PORT", "ArgParser", "CommandError", "integer", "number", "run", "worker_env"]
 
 
 class CommandError(Exception):
@@ -33,6 +34,47 @@ class ArgParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _bounds(low, high) -> str:
+    return "" if low is None and high is None else (
+        f" >= {low}" if high is None else f" <= {high}" if low is None else f" from {low} to {high}")
+
+
+def integer(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer within ``[low, high]``, checked when the command line is read."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected an integer{_bounds(low, high)}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number(low: float | None = None, high: float | None = None) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number within ``[low, high]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected a number{_bounds(low, high)}, got {text!r}")
+        return value
+
+    return parse
+
+
+#: a TCP port (0: any free one)
+PORT = integer(0, 65535)
+#: a context length the engine can hold (positions reach the kernels as 32-bit integers)
+MAX_SEQ = integer(1, 2**32 - 1)
 
 
 def run(prog: str, body: Callable[[], int | None]) -> int:

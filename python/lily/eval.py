@@ -198,46 +198,30 @@ def format_report(m: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _percent(text: str) -> float:
-    value = _non_negative(text)
-    if value > 100:
-        raise argparse.ArgumentTypeError(f"expected a percentage from 0 to 100, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgParser(prog="lily eval", description="Teacher-forced logit comparison against MLX-LM.")
     ap.add_argument("model", help="checkpoint folder")
     ap.add_argument("--reference", default="mlx-lm", help="mlx-lm (run it now) or a .npz of saved reference logits")
-    ap.add_argument("--positions", type=int, default=192, help="number of next-token positions (192)")
+    ap.add_argument("--positions", type=command.integer(1), default=192, help="number of next-token positions (192)")
     ap.add_argument("--text", default=None, metavar="FILE", help="tokenize this text instead of random ids")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random ids")
+    ap.add_argument("--seed", type=command.integer(0), default=0, help="seed of the random ids")
     ap.add_argument("--mode", choices=("prefill", "decode", "mixed"), default="prefill",
                     help="how the sequence goes through both engines: one prefill with all logits (default), "
                          "token-by-token decode, or prefill of the first half then decode")
     ap.add_argument("--backend", default="auto", choices=BACKENDS, help="Lily's compute backend")
-    ap.add_argument("--max-seq", type=int, default=None, help="Lily's context length (default: the engine's)")
+    ap.add_argument("--max-seq", type=command.MAX_SEQ, default=None,
+                    help="Lily's context length (default: the engine's)")
     ap.add_argument("--mlx-dtype", choices=("auto", "native", "float32"), default="auto",
                     help="MLX-LM precision: auto = fp32 on the CPU, as saved on a GPU")
     ap.add_argument("--save-reference", default=None, metavar="NPZ", help="save the reference logits and tokens")
-    ap.add_argument("--vocab-limit", type=int, default=None,
+    ap.add_argument("--vocab-limit", type=command.integer(1), default=None,
                     help="compare only the first N vocabulary rows (default: 248077 for the real vocabulary)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the metrics as JSON")
-    ap.add_argument("--min-top1", type=_percent, default=None, metavar="PERCENT",
+    ap.add_argument("--min-top1", type=command.number(0, 100), default=None, metavar="PERCENT",
                     help="exit 1 if the top-1 agreement is below this percentage (0-100, as printed)")
-    ap.add_argument("--max-kl", type=_non_negative, default=None, help="exit 1 if the mean KL is above this")
+    ap.add_argument("--max-kl", type=command.number(0), default=None, help="exit 1 if the mean KL is above this")
     ap.add_argument("--engine", choices=("lily", "mlx-lm"), default="lily", help=argparse.SUPPRESS)
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per engine process")
+    ap.add_argument("--timeout", type=command.number(0), default=None, help="seconds per engine process")
     return ap
 
 
@@ -245,8 +229,6 @@ def run(args) -> int:
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise CommandError(f"{model}: not a checkpoint folder (no config.json)")
-    if args.positions < 1:
-        raise CommandError("--positions must be >= 1")
     V = _vocab_of(model)
     ref_meta: dict
     if args.reference == "mlx-lm":

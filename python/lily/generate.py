@@ -25,11 +25,14 @@ __all__ = ["chat_chunks", "echo", "token_stream"]
 
 def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], sampler: Sampler, max_tokens: int,
            stops: list[str], logprobs: bool) -> Iterator[Chunk]:
-    """Chunks of the reply to ``ids``: one per token; the last one carries ``finish_reason`` and ``stats``."""
+    """Chunks of the reply to ``ids``: one per token; the last one carries ``finish_reason`` and ``stats``. Owns the
+    model's sequence from its first step until another generation takes it (then it raises
+    ``SequenceEvictedError`` when resumed)."""
     stats = GenerationStats(prompt_tokens=len(ids))
     detok = tokenizer.detokenizer()
+    ticket = object()
     t0 = time.perf_counter()
-    logits, stats.cached_prompt_tokens = prefix.prefill(ids)
+    logits, stats.cached_prompt_tokens = prefix.prefill(ids, ticket)
     stats.prefill_s = time.perf_counter() - t0
     sampler.reset(ids)
     stop_strings = StopStrings(stops)
@@ -54,7 +57,7 @@ def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], samp
         yield Chunk(text, token, lp)
         text = ""
         try:
-            logits = prefix.engine.decode(token)
+            logits = prefix.decode(ticket, token)
         except ContextFullError:
             token = lp = None
             break

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lily._lily import Engine
+from lily._lily import Engine, ModelLoadError
+from lily.arguments import flag, integer
 from lily.checkpoint import load_tokenizer, read_json
 from lily.hub import resolve_model, warm_page_cache
 from lily.model import Model
 from lily.progress import progress_bar
+from lily.sampling import SamplingDefaults
 from lily.template import ChatTemplate
 
 __all__ = ["BACKENDS", "KV_DTYPES", "load"]
@@ -36,10 +38,23 @@ def load(
     ("bf16", "f16" or "f32"). Raises ``ModelLoadError`` with what to do when the model cannot
     be found or read.
     """
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a folder or a Hugging Face repo id (a str), got {type(model).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if max_seq is not None:
+        integer("max_seq", max_seq, low=1)
+    if prefill_chunk is not None:
+        integer("prefill_chunk", prefill_chunk, low=1)
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision must be a str, got {type(revision).__name__}")
+    progress = flag("progress", progress)
     folder = resolve_model(model, revision=revision, progress=progress)
     generation_config = read_json(folder / "generation_config.json")
+    try:
+        SamplingDefaults.from_generation_config(generation_config)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{folder / 'generation_config.json'}: {e}") from None
     tokenizer = load_tokenizer(folder, generation_config)
     template = ChatTemplate.from_dir(folder)
     warm_page_cache(folder, progress=progress)

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lily._lily import Engine, ModelLoadError
+from lily.arguments import flag, integer, mapping, strings, text, token_ids
 from lily.generate import chat_chunks, echo, token_stream
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
 from lily.prefix import PrefixReuse
@@ -37,11 +38,23 @@ _SAMPLING_KEYS = frozenset(
 )
 
 
+def _keywords(name: str, value: Any) -> dict[str, Any]:
+    out = dict(mapping(name, value if value is not None else {}))
+    for k in out:
+        if not isinstance(k, str):
+            raise TypeError(f"{name} keys must be str, got {type(k).__name__} {k!r}")
+    return out
+
+
 class Model:
     """An engine plus everything around it: tokenizer, chat template and generation defaults.
 
     Made by ``lily.load``. One sequence at a time; a new prompt that shares a prefix with an earlier
     one (the next turn of a chat) only prefills what is new (``lily.prefix.PrefixReuse``).
+
+    Starting a generation takes the sequence from the one before: a stream resumed after another generation
+    started on the same model raises ``SequenceEvictedError``. Threads may share a model: ``generate`` and
+    ``chat`` (not streaming) run one at a time, and the steps of streams take turns with them.
     """
 
     def __init__(
@@ -87,10 +100,11 @@ class Model:
         or its token ids with ``tokenize=True``."""
         if self.chat_template is None:
             raise ModelLoadError(f"{self.path}: the checkpoint has no chat template")
-        text = self.chat_template.render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        rendered = self.chat_template.render(
+            messages, tools=tools, add_generation_prompt=flag("add_generation_prompt", add_generation_prompt),
+            **template_kwargs
         )
-        return self.tokenizer.encode(text) if tokenize else text
+        return self.tokenizer.encode(rendered) if flag("tokenize", tokenize) else rendered
 
     def sampler(self, **settings: Any) -> Sampler:
         """A ``Sampler`` with the checkpoint's defaults, overridden by ``settings``; padding ids are masked."""
@@ -114,9 +128,11 @@ class Model:
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(text("prompt", prompt))
+        elif isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         else:
-            ids = [int(t) for t in prompt]
+            ids = token_ids("prompt", prompt, self.engine.vocab_size)
         if not ids:
             raise ValueError("empty prompt")
         return ids
@@ -145,13 +161,12 @@ class Model:
             sampler = self.sampler(**sampling)
         elif sampling:
             raise TypeError("pass either sampler= or sampling options, not both")
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        elif not isinstance(sampler, Sampler):
+            raise TypeError(f"sampler must be a lily.Sampler, got {type(sampler).__name__}")
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else integer("max_tokens", max_tokens, low=0)
+        stops = strings("stop", stop)
         ids = self._prompt_ids(prompt)
-        return token_stream(self.prefix, self.tokenizer, ids, sampler, max_tokens, stops, logprobs)
+        return token_stream(self.prefix, self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs))
 
     def generate(
         self,
@@ -172,14 +187,15 @@ class Model:
         lps: list[float] = []
         finish, stats = None, GenerationStats()
         chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
-        for chunk in echo(chunks, sys.stdout) if verbose else chunks:
-            parts.append(chunk.text)
-            if chunk.token is not None:
-                tokens.append(chunk.token)
-                if chunk.logprob is not None:
-                    lps.append(chunk.logprob)
-            if chunk.finish_reason is not None:
-                finish, stats = chunk.finish_reason, chunk.stats or stats
+        with self.prefix.turn:  # the whole generation, so that another thread's waits for it
+            for chunk in echo(chunks, sys.stdout) if flag("verbose", verbose) else chunks:
+                parts.append(chunk.text)
+                if chunk.token is not None:
+                    tokens.append(chunk.token)
+                    if chunk.logprob is not None:
+                        lps.append(chunk.logprob)
+                if chunk.finish_reason is not None:
+                    finish, stats = chunk.finish_reason, chunk.stats or stats
         return Completion("".join(parts), tokens, lps if logprobs else None, finish, stats)
 
     # ---- chat
@@ -206,20 +222,27 @@ class Model:
         turns (including ``tool_calls`` with JSON-string arguments) can be passed back as they are.
         ``verbose=True`` prints the generated text as it streams, then the speeds (as ``generate``).
         """
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+            raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+        messages = list(messages)
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise TypeError(f"messages[{i}] must be a dict (role, content, ...), got {type(m).__name__}")
         prompt = self.apply_chat_template(
             tool_call_arguments_as_mappings(messages),
             tools=tools,
             add_generation_prompt=True,
-            enable_thinking=enable_thinking,
-            **dict(template_kwargs or {}),
+            enable_thinking=flag("enable_thinking", enable_thinking),
+            **_keywords("template_kwargs", template_kwargs),
         )
         assert isinstance(prompt, str)
         thinking = prompt.rstrip().endswith("<think>")
         chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
-        gen = chat_chunks(echo(chunks, sys.stdout) if verbose else chunks, thinking, tools)
-        if stream:
+        gen = chat_chunks(echo(chunks, sys.stdout) if flag("verbose", verbose) else chunks, thinking, tools)
+        if flag("stream", stream):
             return gen
-        for chunk in gen:
-            if chunk.message is not None:
-                return chunk.message
+        with self.prefix.turn:
+            for chunk in gen:
+                if chunk.message is not None:
+                    return chunk.message
         raise RuntimeError("generation ended without a final chunk")  # pragma: no cover

@@ -53,6 +53,14 @@ class GenerationStats:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
+def _require(data: Any, *keys: str) -> None:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"data must be a dict (from to_dict()), got {type(data).__name__}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise ValueError(f"data has no {', '.join(map(repr, missing))}: not from to_dict()")
+
+
 def _stats(data: Any) -> GenerationStats | None:
     return GenerationStats.from_dict(data) if isinstance(data, Mapping) else data
 
@@ -100,6 +108,7 @@ class Completion(str):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Completion:
+        _require(data, "text", "tokens")
         return cls(data["text"], list(data["tokens"]), data.get("logprobs"), data.get("finish_reason"),
                    _stats(data.get("stats")) or GenerationStats())
 
@@ -132,6 +141,7 @@ class AssistantMessage(dict):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AssistantMessage:
+        _require(data)
         message = cls(data.get("content") or "", data.get("reasoning_content"), list(data.get("tool_calls") or []),
                       data.get("finish_reason"), _stats(data.get("stats")))
         message.update({k: v for k, v in data.items() if k not in ("finish_reason", "stats")})

@@ -17,6 +17,8 @@ def split_reasoning(text: str, *, thinking: bool = True) -> tuple[str | None, st
     content (a stray ``</think>`` still splits). Whitespace around both parts is stripped, as the
     chat template strips it when the turn is rendered back.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
     if "</think>" in text:
         reasoning, _, content = text.partition("</think>")
         reasoning = reasoning.split("<think>")[-1]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lily import _lily
+from lily.arguments import flag, integer, mapping, number, token_ids
 
 __all__ = ["Sampler", "SamplingDefaults"]
 
@@ -35,17 +36,19 @@ class SamplingDefaults:
 
     @classmethod
     def from_generation_config(cls, config: Mapping[str, Any]) -> SamplingDefaults:
-        def get(key, default, kind):
+        """The defaults in ``config``; a value of the wrong type is a ``TypeError`` naming its key."""
+
+        def get(key, default, check):
             value = config.get(key)
-            return default if value is None else kind(value)
+            return default if value is None else check(key, value)
 
         return cls(
-            temperature=get("temperature", 1.0, float),
-            top_k=get("top_k", 0, int),
-            top_p=get("top_p", 1.0, float),
-            min_p=get("min_p", 0.0, float),
-            repetition_penalty=get("repetition_penalty", 1.0, float),
-            do_sample=get("do_sample", True, bool),
+            temperature=get("temperature", 1.0, number),
+            top_k=get("top_k", 0, integer),
+            top_p=get("top_p", 1.0, number),
+            min_p=get("min_p", 0.0, number),
+            repetition_penalty=get("repetition_penalty", 1.0, number),
+            do_sample=get("do_sample", True, flag),
         )
 
 
@@ -71,28 +74,19 @@ class Sampler:
         seed: int | None = None,
         vocab_limit: int | None = None,
     ):
-        if top_k is None or top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
-        if seed is not None and not 0 <= int(seed) < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-        if vocab_limit is not None and vocab_limit <= 0:
-            raise ValueError(f"vocab_limit must be > 0, got {vocab_limit}")
         bias: dict[int, float] = {}
-        for k, v in (logit_bias or {}).items():
-            token = int(k)
-            if token < 0 or token >= 2**32:
-                raise ValueError(f"logit_bias: token id {k} out of range")
-            bias[token] = float(v)
-        self.temperature = float(temperature)
-        self.top_k = int(top_k)
-        self.top_p = float(top_p)
-        self.min_p = float(min_p)
-        self.repetition_penalty = float(repetition_penalty)
-        self.presence_penalty = float(presence_penalty)
-        self.frequency_penalty = float(frequency_penalty)
+        for k, v in mapping("logit_bias", {} if logit_bias is None else logit_bias).items():
+            bias[integer("logit_bias key", k, low=0, high=2**32 - 1)] = number(f"logit_bias[{k}]", v)
+        self.temperature = number("temperature", temperature)
+        self.top_k = integer("top_k", top_k, low=0)
+        self.top_p = number("top_p", top_p)
+        self.min_p = number("min_p", min_p)
+        self.repetition_penalty = number("repetition_penalty", repetition_penalty)
+        self.presence_penalty = number("presence_penalty", presence_penalty)
+        self.frequency_penalty = number("frequency_penalty", frequency_penalty)
         self.logit_bias = bias
-        self.seed = None if seed is None else int(seed)
-        self.vocab_limit = vocab_limit
+        self.seed = None if seed is None else integer("seed", seed, low=0, high=2**64 - 1)
+        self.vocab_limit = None if vocab_limit is None else integer("vocab_limit", vocab_limit, low=1)
         # Validates every value (ValueError naming the parameter).
         self._native = _lily.Sampler(
             temperature=self.temperature,
@@ -116,16 +110,19 @@ class Sampler:
 
     def reset(self, prompt: Sequence[int] = ()) -> None:
         """Start a new sequence: re-seed and count ``prompt`` for the repetition penalty."""
-        self._native.reset([int(t) for t in prompt], self._next_seed())
+        self._native.reset(token_ids("prompt", prompt, 2**32), self._next_seed())
 
     def accept(self, token: int) -> None:
         """Record a token chosen outside ``sample`` (for the penalties)."""
-        self._native.accept(int(token))
+        self._native.accept(integer("token", token, low=0, high=2**32 - 1))
 
     def sample(self, logits: np.ndarray, *, logprob: bool = False) -> tuple[int, float | None]:
         """Draw a token from a 1-D float32 row; the row is read in place when it is contiguous float32."""
         if not (isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.ndim == 1):
-            logits = np.ascontiguousarray(logits, dtype=np.float32)
+            try:
+                logits = np.ascontiguousarray(logits, dtype=np.float32)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"logits must be a 1-D array of numbers: {e}") from None
             if logits.ndim != 1:
                 raise ValueError(f"logits must be 1-D, got shape {logits.shape}")
         elif not logits.flags.c_contiguous:

@@ -27,7 +27,7 @@ from typing import Any
 
 from lily import command
 from lily._lily import ContextFullError, LilyError
-from lily.command import ArgParser
+from lily.command import ArgParser, CommandError
 from lily.loading import BACKENDS
 from lily.model import Model
 
@@ -398,7 +398,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], api: LilyServer, verbose: bool):
+    def __init__(self, address: tuple[str, int], api: LilyServer | None, verbose: bool):
         self.api, self.verbose = api, verbose
         super().__init__(address, _Handler)
 
@@ -406,17 +406,20 @@ class _HTTPServer(ThreadingHTTPServer):
 def make_server(model: Model, host: str = "127.0.0.1", port: int = 8000, *, model_id: str | None = None,
                 verbose: bool = False) -> ThreadingHTTPServer:
     """An HTTP server for ``model`` (not started: call ``serve_forever()``; port 0 picks a free one)."""
-    name = model_id or (model.path.name if model.path is not None else "lily")
-    return _HTTPServer((host, port), LilyServer(model, name), verbose)
+    return _HTTPServer((host, port), _api(model, model_id), verbose)
+
+
+def _api(model: Model, model_id: str | None) -> LilyServer:
+    return LilyServer(model, model_id or (model.path.name if model.path is not None else "lily"))
 
 
 def build_parser() -> ArgParser:
     ap = ArgParser(prog="lily serve", description="OpenAI-compatible HTTP server")
     ap.add_argument("model", help="checkpoint folder or Hugging Face repo id")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    ap.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    ap.add_argument("--port", type=command.PORT, default=8000, help="TCP port (0 picks a free one)")
     ap.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend")
-    ap.add_argument("--max-seq", type=int, default=None, help="context length (default: the engine's)")
+    ap.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="context length (default: the engine's)")
     ap.add_argument("--model-id", default=None, help="name reported by /v1/models (default: the folder name)")
     ap.add_argument("--verbose", action="store_true", help="log every request")
     return ap
@@ -428,8 +431,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def serve() -> int:
-        model = load(args.model, backend=args.backend, max_seq=args.max_seq)
-        server = make_server(model, args.host, args.port, model_id=args.model_id, verbose=args.verbose)
+        # Listen first: a bad --host or a port in use fails before the model loads.
+        try:
+            server = _HTTPServer((args.host, args.port), None, args.verbose)
+        except OSError as e:
+            raise CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        try:
+            server.api = _api(load(args.model, backend=args.backend, max_seq=args.max_seq), args.model_id)
+        except BaseException:
+            server.server_close()
+            raise
         host, port = server.server_address[:2]
         print(f"lily serve: serving {server.api.model_id} on http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr)
         try:

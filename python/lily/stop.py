@@ -1,5 +1,9 @@
 """Stop strings in streamed text: a string may arrive split over several tokens, so the tail of the text that
-could be the start of one is held back until the next token settles it."""
+could be the start of one is held back until the next token settles it.
+
+Generation stops where the first occurrence of any stop string ends, as it would with one character per
+token; the text is cut before that occurrence (of two ending at the same place, before the longer one). So the
+result does not depend on how the text was split into tokens."""
 
 from __future__ import annotations
 
@@ -22,12 +26,12 @@ class StopStrings:
         if not self.stops:
             return delta, False
         buf = self.pending + delta
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # (end, -length, start) of each stop string's first occurrence: the one that ends first wins.
+        hits = [(i + len(s), -len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
-            at = min(hits)
-            stop = next(s for s in self.stops if buf.find(s) == at)
+            end, _, at = min(hits)
             self.pending = ""
-            self.rest = buf[at + len(stop) :]
+            self.rest = buf[end:]
             return buf[:at], True
         keep = 0
         for k in range(min(self.hold, len(buf)), 0, -1):

@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -215,18 +216,25 @@ class Dims:
     @staticmethod
     def of(cfg: dict) -> Dims:
         t = cfg["text_config"]
-        try:
-            return Dims(D=int(t["hidden_size"]), L=int(t["num_hidden_layers"]), V=int(t["vocab_size"]),
-                        H=int(t["num_attention_heads"]), Hkv=int(t["num_key_value_heads"]),
-                        hd=int(t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]),
-                        Hk=int(t["linear_num_key_heads"]), Hv=int(t["linear_num_value_heads"]),
-                        Dk=int(t["linear_key_head_dim"]), Dv=int(t["linear_value_head_dim"]),
-                        K=int(t.get("linear_conv_kernel_dim", 4)), E=int(t["num_experts"]),
-                        topk=int(t["num_experts_per_tok"]), I=int(t["moe_intermediate_size"]),
-                        Is=int(t["shared_expert_intermediate_size"]), layer_types=tuple(t["layer_types"]),
-                        tie=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))))
-        except KeyError as e:
-            raise CommandError(f"config.json text_config lacks {e.args[0]!r}") from None
+
+        def size(key: str, default: int | None = None) -> int:
+            value = t.get(key)
+            if value is None:
+                value = default
+            if value is None:
+                raise CommandError(f"config.json text_config lacks {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CommandError(f"config.json text_config {key} must be a positive integer, got {value!r}")
+            return value
+
+        D, H = size("hidden_size"), size("num_attention_heads")
+        return Dims(D=D, L=size("num_hidden_layers"), V=size("vocab_size"), H=H, Hkv=size("num_key_value_heads"),
+                    hd=size("head_dim", D // H), Hk=size("linear_num_key_heads"),
+                    Hv=size("linear_num_value_heads"), Dk=size("linear_key_head_dim"),
+                    Dv=size("linear_value_head_dim"), K=size("linear_conv_kernel_dim", 4), E=size("num_experts"),
+                    topk=size("num_experts_per_tok"), I=size("moe_intermediate_size"),
+                    Is=size("shared_expert_intermediate_size"), layer_types=tuple(t["layer_types"]),
+                    tie=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))))
 
     def is_linear(self, i: int) -> bool:
         return self.layer_types[i] == "linear_attention"
@@ -581,6 +589,16 @@ def _parse_size(s) -> int:
         raise CommandError(f"bad size {s!r} (e.g. 5G, 512M)") from None
 
 
+def _shard_size(text: str) -> int:
+    try:
+        size = _parse_size(text)
+    except CommandError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size > 0 (e.g. 5G, 512M), got {text!r}")
+    return size
+
+
 def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "mlx", bits: int = 4,
                group_size: int = 64, seed: int = 0, tokenizer=None, shard_bytes: int = SHARD_BYTES,
                sets: list[str] | None = None, force: bool = False, progress: bool = True,
@@ -596,14 +614,41 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
             raise CommandError(f"{out} exists and is not empty (use --force to overwrite a checkpoint folder)")
         if not out.is_dir() or not (out / "config.json").exists():
             raise CommandError(f"--force: {out} does not look like a checkpoint folder (no config.json); not touched")
-        for p in out.iterdir():
-            if p.is_file() and (p.suffix in (".safetensors", ".json", ".jinja") or p.name == "README.md"):
-                p.unlink()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if free < total + (64 << 20):
         raise CommandError(f"not enough disk space in {out}: need {total / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+    # Everything is written into a staging folder inside `out`, then renamed over the old files: an engine
+    # that has the old checkpoint loaded keeps reading its files intact, and a failure or Ctrl-C part-way
+    # leaves the old checkpoint as it was.
+    stage = Path(tempfile.mkdtemp(prefix=".lily-synth-", dir=out))
+    try:
+        info = _write_checkpoint(stage, cfg, tensors, qblock, total, fmt=fmt, bits=bits, group_size=group_size,
+                                 seed=seed, tokenizer=tokenizer, shard_bytes=shard_bytes, progress=progress,
+                                 workers=workers, label=out.name)
+        new = {p.name for p in stage.iterdir()}
+        for p in sorted(stage.iterdir(), key=lambda p: p.suffix != ".safetensors"):  # weights before configs
+            os.replace(p, out / p.name)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    stage.rmdir()
+    for p in out.iterdir():  # what the old checkpoint had and the new one has not (other shard names)
+        if p.name not in new and p.is_file() and (p.suffix in (".safetensors", ".json", ".jinja")
+                                                  or p.name == "README.md"):
+            p.unlink()
+    return {"path": str(out), "format": fmt, "bytes": total, "tensors": len(tensors), **info,
+            "seconds": time.perf_counter() - t0}
 
+
+def _write_checkpoint(out: Path, cfg: dict, tensors: list[Tensor], qblock: dict, total: int, *, fmt: str, bits: int,
+                      group_size: int, seed: int, tokenizer, shard_bytes: int, progress: bool, workers: int | None,
+                      label: str) -> dict:
+    """Write the checkpoint's files into the (empty) folder ``out``; the summary's parameters, layers, shards and
+    tokenizer."""
     # tokenizer + generation config
     D = Dims.of(cfg)
     gen, tok_kind = _write_tokenizer(out, tokenizer, D.V)
@@ -619,7 +664,7 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
         metadata = {"format": "pt"}
     (out / "config.json").write_text(json.dumps(out_cfg, indent=4) + "\n")
 
-    with progress_bar(total, desc=f"synth {out.name}", unit="B", unit_scale=True, disable=not progress) as bar:
+    with progress_bar(total, desc=f"synth {label}", unit="B", unit_scale=True, disable=not progress) as bar:
         weight_map = write_tensors(out, tensors, seed=seed, shard_bytes=shard_bytes, metadata=metadata,
                                    progress=bar, workers=workers or max(1, min(4, os.cpu_count() or 1)))
     n_params = sum(int(np.prod(t.shape)) * (32 // _bits_of(t, qblock) if t.dtype == "U32" else 1)
@@ -632,9 +677,7 @@ def synthesize(out_dir, config=None, *, layers: int | None = None, fmt: str = "m
         f"# Random-weight synthetic checkpoint ({kind})\n\nWritten by `lily synth` (seed {seed}): the "
         f"Qwen3.5/3.6-MoE architecture with {D.L} layers, hidden size {D.D}, {D.E} experts. The weights are random; "
         "use it for speed and consistency tests only.\n")
-    secs = time.perf_counter() - t0
-    return {"path": str(out), "format": fmt, "bytes": total, "tensors": len(tensors), "parameters": n_params,
-            "layers": D.L, "shards": len(set(weight_map.values())), "seconds": secs, "tokenizer": tok_kind}
+    return {"parameters": n_params, "layers": D.L, "shards": len(set(weight_map.values())), "tokenizer": tok_kind}
 
 
 def _bits_of(t: Tensor, qblock: dict) -> int:
@@ -654,18 +697,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("out", help="output folder (created; must be empty unless --force)")
     ap.add_argument("--config", default=None,
                     help=f"preset name ({', '.join(PRESETS)}; default) or a config.json / checkpoint folder")
-    ap.add_argument("--layers", type=int, default=None, help="keep the full width but only the first N layers")
+    ap.add_argument("--layers", type=command.integer(1), default=None,
+                    help="keep the full width but only the first N layers")
     ap.add_argument("--format", dest="fmt", choices=("mlx", "hf"), default="mlx",
                     help="mlx: what mlx_lm.convert writes (affine-quantized, default); hf: released bf16 layout")
     ap.add_argument("--bits", type=int, default=4, help="quantization bits (mlx format; default 4)")
     ap.add_argument("--group-size", type=int, default=64, help="quantization group size (mlx format; default 64)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed, same bytes)")
+    ap.add_argument("--seed", type=command.integer(0), default=0,
+                    help="seed of the random weights (same seed, same bytes)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="copy the tokenizer files of this folder (default: the Qwen3.6 tokenizer shipped with "
                          "lily when vocab_size holds it, else a byte-level tokenizer with the same chat template)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a text_config field (JSON value), e.g. --set num_experts=16; repeatable")
-    ap.add_argument("--shard-size", default="5G", help="maximum shard size (default 5G, like mlx_lm)")
+    ap.add_argument("--shard-size", type=_shard_size, default="5G",
+                    help="maximum shard size (default 5G, like mlx_lm)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing checkpoint folder")
     ap.add_argument("--dry-run", action="store_true", help="print the size and tensor count, write nothing")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -687,7 +733,7 @@ def _synth(args) -> int:
         return 0
     info = synthesize(args.out, args.config, layers=args.layers, fmt=args.fmt, bits=args.bits,
                       group_size=args.group_size, seed=args.seed, tokenizer=args.tokenizer,
-                      shard_bytes=_parse_size(args.shard_size), sets=args.sets, force=args.force,
+                      shard_bytes=args.shard_size, sets=args.sets, force=args.force,
                       progress=not args.quiet)
     gb = info["bytes"] / 1e9
     print(f"wrote {info['path']}: {info['tensors']} tensors, {info['parameters']:,} parameters, {gb:.2f} GB in "

@@ -17,6 +17,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from lily._lily import ModelLoadError
+from lily.arguments import unicode_paths
+
 __all__ = ["ChatTemplate", "TemplateError"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -151,28 +154,47 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str | Mapping[str, str], special_tokens: Mapping[str, Any] | None = None):
+        """Raises ``TemplateError`` if a template is not valid Jinja."""
+        named = isinstance(source, Mapping) and all(isinstance(n, str) and isinstance(t, str)
+                                                    for n, t in source.items())
+        if not (isinstance(source, str) or named):
+            raise TypeError(f"source must be a template (str) or a dict of named templates, got {source!r:.60}")
+        import jinja2
+
+        for name, text in (source.items() if isinstance(source, Mapping) else [(None, source)]):
+            try:
+                _compile(text)
+            except jinja2.exceptions.TemplateSyntaxError as e:
+                where = f"template {name!r}, " if name is not None else ""
+                raise TemplateError(f"not a valid Jinja template ({where}line {e.lineno}): {e.message}") from None
         self.source = source
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
     def from_dir(cls, folder: str | Path) -> ChatTemplate | None:
         """The template of a checkpoint folder: ``chat_template.jinja`` first (transformers' order), then
-        ``chat_template`` in ``tokenizer_config.json``; None if there is neither."""
+        ``chat_template`` in ``tokenizer_config.json``; None if there is neither. A file that cannot be read,
+        is not JSON or holds a template that does not compile is a ``ModelLoadError`` naming it."""
         folder = Path(folder)
         config: dict = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = _read(config_path, json.loads)
+            if not isinstance(config, dict):
+                raise ModelLoadError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         special = _special_tokens_map(config)
         jinja_path = folder / "chat_template.jinja"
         if jinja_path.is_file():
-            return cls(jinja_path.read_text(encoding="utf-8"), special)
+            return _read(jinja_path, lambda text: cls(text, special))
         source = config.get("chat_template")
         if isinstance(source, list):
+            if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                       for t in source):
+                raise ModelLoadError(f"{config_path}: chat_template: expected a list of {{name, template}} objects")
             source = {t["name"]: t["template"] for t in source}
         if not source:
             return None
-        return cls(source, special)
+        return _read(config_path, lambda _: cls(source, special))
 
     def _pick(self, tools: Any, name: str | None) -> str:
         if isinstance(self.source, str):
@@ -201,8 +223,17 @@ class ChatTemplate:
         variables (``enable_thinking``, ``preserve_thinking``, ...)."""
         import jinja2
 
-        if not isinstance(messages, (list, tuple)) or len(messages) == 0:
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+        if len(messages) == 0:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise TypeError(f"messages[{i}] must be a dict (role, content, ...), got {type(m).__name__}")
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple))):
+            raise TypeError(f"tools must be a list of tools (JSON schemas or functions), got {type(tools).__name__}")
+        unicode_paths("messages", messages)
+        unicode_paths("tools", tools)
         source = self._pick(tools, chat_template)
         compiled = _compile(source)
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
@@ -223,6 +254,16 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(str(e)) from e
+        except (TypeError, ValueError) as e:  # a filter given what the template did not expect
+            raise TemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from e
+
+
+def _read(path: Path, parse):
+    """``parse(text of path)``; a file that cannot be read or parsed is a ``ModelLoadError`` naming it."""
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError) as e:  # bad UTF-8 or JSON, a template that is not one
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def _special_tokens_map(config: Mapping[str, Any]) -> dict[str, str]:

@@ -15,6 +15,9 @@ from collections.abc import Iterable, Sequence
 import tokenizers
 import tokenizers.decoders
 
+from lily.arguments import integer, token_ids
+from lily.arguments import text as _text
+
 __all__ = ["BYTE_TO_UNICODE", "StreamingDetokenizer", "Tokenizer"]
 
 
@@ -72,18 +75,13 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. ``add_special_tokens`` applies the post-processor (none for Qwen)."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode() expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text`` (a str that is valid Unicode: a lone surrogate is a ``ValueError``).
+        ``add_special_tokens`` applies the post-processor (none for Qwen)."""
+        return self._tok.encode(_text("text", text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; ids past ``len(self)`` raise ``ValueError``."""
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self._size:
-                raise ValueError(f"token id {i} out of range: the tokenizer has {self._size} ids")
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(token_ids("ids", ids, self._size), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -94,7 +92,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes that ``token_id`` stands for (possibly part of a character)."""
         table = self._byte_table()
-        if not 0 <= token_id < len(table):
+        if not 0 <= integer("token_id", token_id) < len(table):
             raise ValueError(f"token id {token_id} out of range: the tokenizer has {self._size} ids")
         return table[token_id]
 
@@ -139,6 +137,8 @@ class StreamingDetokenizer:
         self.tokens: list[int] = []
 
     def add(self, token: int) -> str:
+        if type(token) is not int:
+            token = integer("token", token)
         if not 0 <= token < len(self._table):
             raise ValueError(f"token id {token} out of range: the tokenizer has {len(self._table)} ids")
         self.tokens.append(token)

@@ -1,6 +1,8 @@
 //! The engine: one model, one sequence. `prefill` appends tokens in bounded chunks, `decode`
 //! appends one; both return next-token logits. Inputs are validated before any state changes,
-//! so an error leaves the sequence as it was.
+//! so an error leaves the sequence as it was. Long work can be stopped by the caller: a load
+//! between layers (its progress callback returns an error), a prefill between chunks
+//! ([`Engine::prefill_interruptible`]); a stopped prefill keeps the chunks it completed.
 //!
 //! Prefix reuse: a [`Snapshot`] copies the DeltaNet states (which cannot be truncated) at the
 //! current position; the KV cache is not copied, since rows below that position stay valid as
@@ -75,7 +77,7 @@ impl<B: Backend> Runner<B> {
         cfg: &ModelConfig,
         opts: &Options,
         max_seq: usize,
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &mut dyn FnMut(usize, usize) -> Result<()>,
     ) -> Result<Self> {
         let loader = Loader::open(dir, cfg)?;
         let files = loader.watch();
@@ -120,11 +122,14 @@ impl<B: Backend> Runner<B> {
         Ok(())
     }
 
-    fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        B::run(|| self.prefill_here(tokens, all_logits))
-    }
-
-    fn prefill_here(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+    /// `proceed` is asked between chunks; its error stops the prefill there, with the tokens of
+    /// the completed chunks in the sequence.
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        all_logits: bool,
+        proceed: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<f32>> {
         self.check(tokens)?;
         // KV rows for the whole prompt before any state changes (an allocation failure leaves
         // the sequence as it was).
@@ -133,37 +138,54 @@ impl<B: Backend> Runner<B> {
         let mut out = vec![0f32; if all_logits { tokens.len() * vocab } else { vocab }];
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.chunk) {
-            let t = chunk.len();
-            self.b.begin(StreamKind::Prefill)?;
-            self.b.write_ids(&mut self.scratch.ids, chunk)?;
-            self.model
-                .forward(&self.b, t, self.pos, &mut self.state, &mut self.scratch);
-            if all_logits {
-                let mut row = 0;
-                while row < t {
-                    let rows = (t - row).min(self.scratch.logit_rows);
-                    self.model.logits(&self.b, row, rows, &mut self.scratch);
-                    self.b.finish()?;
-                    self.b.read(
-                        &self.scratch.logits,
-                        0,
-                        &mut out[(done + row) * vocab..][..rows * vocab],
-                    )?;
-                    row += rows;
-                }
-            } else if done + t == tokens.len() {
-                self.model.logits(&self.b, t - 1, 1, &mut self.scratch);
-                self.b.finish()?;
-                self.b.read(&self.scratch.logits, 0, &mut out)?;
-            } else {
-                self.b.finish()?;
+            if done > 0 {
+                proceed()?;
             }
-            self.cached.truncate(self.pos);
-            self.cached.extend_from_slice(chunk);
-            self.pos += t;
+            let t = chunk.len();
+            let logits: &mut [f32] = if all_logits {
+                &mut out[done * vocab..][..t * vocab]
+            } else if done + t == tokens.len() {
+                &mut out
+            } else {
+                &mut []
+            };
+            // One backend session per chunk, so that `proceed` runs outside it.
+            B::run(|| self.forward_chunk(chunk, all_logits, logits))?;
             done += t;
         }
         Ok(out)
+    }
+
+    /// Run `chunk` at the current position. `logits` receives the logits of every row (`all`)
+    /// or of the last one, unless it is empty.
+    fn forward_chunk(&mut self, chunk: &[u32], all: bool, logits: &mut [f32]) -> Result<()> {
+        let t = chunk.len();
+        let vocab = self.model.vocab();
+        self.b.begin(StreamKind::Prefill)?;
+        self.b.write_ids(&mut self.scratch.ids, chunk)?;
+        self.model
+            .forward(&self.b, t, self.pos, &mut self.state, &mut self.scratch);
+        if logits.is_empty() {
+            self.b.finish()?;
+        } else if all {
+            let mut row = 0;
+            while row < t {
+                let rows = (t - row).min(self.scratch.logit_rows);
+                self.model.logits(&self.b, row, rows, &mut self.scratch);
+                self.b.finish()?;
+                self.b
+                    .read(&self.scratch.logits, 0, &mut logits[row * vocab..][..rows * vocab])?;
+                row += rows;
+            }
+        } else {
+            self.model.logits(&self.b, t - 1, 1, &mut self.scratch);
+            self.b.finish()?;
+            self.b.read(&self.scratch.logits, 0, logits)?;
+        }
+        self.cached.truncate(self.pos);
+        self.cached.extend_from_slice(chunk);
+        self.pos += t;
+        Ok(())
     }
 
     fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
@@ -335,7 +357,7 @@ impl Engine {
             max_seq,
             ..Options::default()
         };
-        Self::load(dir, &opts, &mut |_, _| {})
+        Self::load(dir, &opts, &mut |_, _| Ok(()))
     }
 
     /// [`Engine::load`] with a bf16 KV cache.
@@ -344,7 +366,7 @@ impl Engine {
         backend: BackendKind,
         max_seq: Option<usize>,
         prefill_chunk: Option<usize>,
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &mut dyn FnMut(usize, usize) -> Result<()>,
     ) -> Result<Self> {
         let opts = Options {
             backend,
@@ -355,8 +377,9 @@ impl Engine {
         Self::load(dir, &opts, progress)
     }
 
-    /// Load the checkpoint in `dir` as `opts` say; `progress(done, total)` after each layer.
-    pub fn load(dir: &Path, opts: &Options, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+    /// Load the checkpoint in `dir` as `opts` say. `progress(done, total)` is called after each
+    /// layer is loaded; an error from it stops the load and is returned.
+    pub fn load(dir: &Path, opts: &Options, progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Self> {
         let (backend, max_seq, prefill_chunk) = (opts.backend, opts.max_seq, opts.prefill_chunk);
         if !dir.is_dir() {
             return Err(Error::file(dir, "checkpoint folder not found"));
@@ -418,7 +441,19 @@ impl Engine {
 
     /// Append `tokens`; logits of the last one ([vocab]) or of every one ([len, vocab] flattened).
     pub fn prefill(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        each!(self, r => r.prefill(tokens, all_logits))
+        self.prefill_interruptible(tokens, all_logits, &mut || Ok(()))
+    }
+
+    /// `prefill` that asks `proceed` between chunks (e.g. whether Ctrl-C was pressed). An error
+    /// from it is returned at once and leaves the sequence holding the tokens of the chunks
+    /// completed so far (`position` says how many): a consistent state to continue from.
+    pub fn prefill_interruptible(
+        &mut self,
+        tokens: &[u32],
+        all_logits: bool,
+        proceed: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        each!(self, r => r.prefill(tokens, all_logits, proceed))
     }
 
     /// Append one token; its next-token logits.

@@ -24,6 +24,9 @@ pub enum Error {
     /// The device could not be opened or a command failed on it.
     #[error("device: {0}")]
     Device(String),
+    /// The caller stopped a long call (a progress callback or an interrupt check said so).
+    #[error("interrupted")]
+    Interrupted,
 }
 
 impl Error {

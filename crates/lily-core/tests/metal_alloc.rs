@@ -233,7 +233,7 @@ fn warm_forward_passes_do_not_allocate() {
     let mut m = Metal::new(NullExec::default()).unwrap();
     let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
     let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&m, &loader, &cfg, &mut |_, _| {}).unwrap();
+    let model = Model::load(&m, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
     let (prompt, decode) = TinyCheckpoint::tokens();
     let tok = decode[0];
     let vocab = cfg.vocab_size;

@@ -1,12 +1,23 @@
 //! `lily.Engine`: a thin wrapper over `lily_core::Engine`. Token ids in, numpy logits out;
-//! the GIL is released while the model runs.
+//! the GIL is released while the model runs, calls from several threads take turns, and Ctrl-C
+//! stops a load or a prefill within one layer or chunk.
 
-use std::{path::PathBuf, sync::Mutex};
+use std::{
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Mutex, TryLockError,
+    },
+};
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
-use pyo3::{exceptions::PyValueError, prelude::*, types::PyAny};
+use pyo3::{
+    exceptions::{PyOverflowError, PyRuntimeError, PyTypeError, PyValueError},
+    prelude::*,
+    types::PyAny,
+};
 
-use crate::errors::PyLilyError;
+use crate::errors::{LilyError, PyLilyError};
 use lily_core::{
     backend::KvDtype,
     engine::{Options, Snapshot as CoreSnapshot},
@@ -43,12 +54,112 @@ impl Snapshot {
     }
 }
 
-#[pyclass(module = "lily._lily", name = "Engine")]
+/// One engine, shared by every Python thread that holds it: calls take turns on `inner` (a call
+/// made while another runs waits for it, with the GIL released) instead of failing. What never
+/// changes after loading is kept outside the lock.
+#[pyclass(module = "lily._lily", name = "Engine", frozen)]
 pub struct Engine {
-    inner: CoreEngine,
+    inner: Mutex<CoreEngine>,
+    /// The thread inside a call (`thread_mark`), 0 when none: Python code run from inside a call (a
+    /// signal handler between prefill chunks) calling this engine again gets an error, not a deadlock.
+    holder: AtomicUsize,
+    vocab: usize,
+    max_seq: usize,
+    prefill_chunk: usize,
+    backend: &'static str,
+    config_json: String,
+    kv_dtype: &'static str,
 }
 
-fn to_ids(tokens: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
+impl Engine {
+    /// `f` on the core engine, with the GIL released while waiting for the engine and while `f` runs.
+    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut CoreEngine) -> R + Send) -> PyResult<R> {
+        let me = thread_mark();
+        if self.holder.load(Ordering::Acquire) == me {
+            return Err(PyRuntimeError::new_err(
+                "reentrant call: this engine was called from code that runs inside a call on it (a signal handler?)",
+            ));
+        }
+        py.detach(|| {
+            let mut engine = self.inner.lock().map_err(|_| poisoned())?;
+            struct Held<'a>(&'a AtomicUsize);
+            impl Drop for Held<'_> {
+                fn drop(&mut self) {
+                    self.0.store(0, Ordering::Release);
+                }
+            }
+            self.holder.store(me, Ordering::Release);
+            let _held = Held(&self.holder);
+            Ok(f(&mut engine))
+        })
+    }
+
+    /// `f` for a quick read: with the GIL held when the engine is free (no GIL hand-over per call, which
+    /// can cost a thread switch interval when other threads want it), else as `with`.
+    fn peek<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&CoreEngine) -> R + Send) -> PyResult<R> {
+        match self.inner.try_lock() {
+            Ok(engine) => Ok(f(&engine)),
+            Err(TryLockError::WouldBlock) => self.with(py, |e| f(e)),
+            Err(TryLockError::Poisoned(_)) => Err(poisoned()),
+        }
+    }
+}
+
+fn poisoned() -> PyErr {
+    LilyError::new_err(
+        "an earlier call failed inside the engine and left it unusable (a bug: please report it); load the model again",
+    )
+}
+
+/// A number unique to the calling thread while it runs (the address of a thread-local).
+fn thread_mark() -> usize {
+    thread_local!(static MARK: u8 = const { 0 });
+    MARK.with(|m| m as *const u8 as usize)
+}
+
+/// The `proceed` of long core calls, run between a load's layers and a prefill's chunks: Python's
+/// pending signal handlers run here, so Ctrl-C raises `KeyboardInterrupt` within one step; that
+/// error (or the progress callback's) is kept in `raised` and stops the call.
+fn proceed(raised: &mut Option<PyErr>, progress: Option<(&Py<PyAny>, usize, usize)>) -> lily_core::Result<()> {
+    Python::attach(|py| {
+        py.check_signals()?;
+        if let Some((cb, done, total)) = progress {
+            cb.call1(py, (done, total))?;
+        }
+        Ok(())
+    })
+    .map_err(|e: PyErr| {
+        *raised = Some(e);
+        lily_core::Error::Interrupted
+    })
+}
+
+/// A core error as a Python exception; the one raised by `proceed` when it stopped the call.
+fn stopped(e: lily_core::Error, raised: Option<PyErr>) -> PyErr {
+    match (e, raised) {
+        (lily_core::Error::Interrupted, Some(err)) => err,
+        (e, _) => PyLilyError(e).into(),
+    }
+}
+
+/// Token ids of argument `arg` in [0, vocab): a list of ints, or one int when `one`. An int too
+/// large for i64 is out of range like any other (a ValueError, not pyo3's OverflowError).
+fn to_ids(arg: &str, obj: &Bound<'_, PyAny>, vocab: usize, one: bool) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    let tokens = if one {
+        obj.extract().map(|t| vec![t])
+    } else {
+        obj.extract::<Vec<i64>>()
+    };
+    let tokens = tokens.map_err(|e| {
+        if e.is_instance_of::<PyOverflowError>(py) {
+            PyValueError::new_err(format!("{arg}: token id out of range: vocabulary has {vocab} entries"))
+        } else if e.is_instance_of::<PyTypeError>(py) {
+            PyTypeError::new_err(format!("argument '{arg}': {}", e.value(py)))
+        } else {
+            e
+        }
+    })?;
     tokens
         .into_iter()
         .map(|t| {
@@ -92,17 +203,9 @@ impl Engine {
             Some(n) => Some(n as usize),
             None => None,
         };
-        let inner = py.detach(|| {
-            let mut report = |done: usize, total: usize| {
-                if let Some(cb) = &progress {
-                    // A failing progress callback must not abort the load: its error is printed.
-                    Python::attach(|py| {
-                        if let Err(e) = cb.call1(py, (done, total)) {
-                            e.print(py);
-                        }
-                    });
-                }
-            };
+        let mut raised = None;
+        let engine = py.detach(|| {
+            let mut report = |done, total| proceed(&mut raised, progress.as_ref().map(|cb| (cb, done, total)));
             let opts = Options {
                 backend: kind,
                 max_seq,
@@ -111,24 +214,38 @@ impl Engine {
             };
             CoreEngine::load(&path, &opts, &mut report)
         });
+        let engine = engine.map_err(|e| stopped(e, raised))?;
         Ok(Engine {
-            inner: inner.map_err(PyLilyError::from)?,
+            vocab: engine.vocab_size(),
+            max_seq: engine.max_seq(),
+            prefill_chunk: engine.prefill_chunk(),
+            backend: engine.backend_name(),
+            config_json: engine.config().raw.to_string(),
+            kv_dtype: engine.kv_dtype().name(),
+            inner: Mutex::new(engine),
+            holder: AtomicUsize::new(0),
         })
     }
 
     /// Append tokens to the sequence; logits of the last one, or of every one with all_logits.
+    /// Ctrl-C stops it between chunks, keeping the completed chunks in the sequence.
     #[pyo3(signature = (tokens, *, all_logits = false))]
-    fn prefill<'py>(&mut self, py: Python<'py>, tokens: Vec<i64>, all_logits: bool) -> PyResult<Bound<'py, PyAny>> {
-        let vocab = self.inner.vocab_size();
-        let ids = to_ids(tokens, vocab)?;
-        let n = ids.len();
-        let inner = &mut self.inner;
-        let logits = py
-            .detach(|| inner.prefill(&ids, all_logits))
-            .map_err(PyLilyError::from)?;
+    fn prefill<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        all_logits: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ids = to_ids("tokens", tokens, self.vocab, false)?;
+        let mut raised = None;
+        let logits = self
+            .with(py, |e| {
+                e.prefill_interruptible(&ids, all_logits, &mut || proceed(&mut raised, None))
+            })?
+            .map_err(|e| stopped(e, raised))?;
         let arr = PyArray1::from_vec(py, logits);
         if all_logits {
-            let arr2: Bound<'py, PyArray2<f32>> = arr.reshape([n, vocab])?;
+            let arr2: Bound<'py, PyArray2<f32>> = arr.reshape([ids.len(), self.vocab])?;
             Ok(arr2.into_any())
         } else {
             Ok(arr.into_any())
@@ -136,18 +253,15 @@ impl Engine {
     }
 
     /// Append one token; its next-token logits [vocab].
-    fn decode<'py>(&mut self, py: Python<'py>, token: i64) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let vocab = self.inner.vocab_size();
-        let id = to_ids(vec![token], vocab)?[0];
-        let inner = &mut self.inner;
-        let logits = py.detach(|| inner.decode(id)).map_err(PyLilyError::from)?;
+    fn decode<'py>(&self, py: Python<'py>, token: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let id = to_ids("token", token, self.vocab, true)?[0];
+        let logits = self.with(py, |e| e.decode(id))?.map_err(PyLilyError::from)?;
         Ok(PyArray1::from_vec(py, logits))
     }
 
     /// Copy the sequence state at the current position (for prefix reuse).
     fn snapshot(&self, py: Python<'_>) -> PyResult<Snapshot> {
-        let inner = &self.inner;
-        let snap = py.detach(|| inner.snapshot()).map_err(PyLilyError::from)?;
+        let snap = self.with(py, |e| e.snapshot())?.map_err(PyLilyError::from)?;
         let position = snap.position();
         Ok(Snapshot {
             inner: Mutex::new(snap),
@@ -156,84 +270,84 @@ impl Engine {
     }
 
     /// Return to a snapshot of this engine whose tokens are still in the KV cache.
-    /// (A state copy of tens of MB: done with the GIL held, since the snapshot is not Sync.)
-    fn restore(&mut self, snapshot: &Snapshot) -> PyResult<()> {
-        let snap = snapshot
-            .inner
-            .lock()
-            .map_err(|_| PyValueError::new_err("snapshot lock poisoned"))?;
-        self.inner.restore(&snap).map_err(PyLilyError::from)?;
-        Ok(())
+    fn restore(&self, py: Python<'_>, snapshot: &Snapshot) -> PyResult<()> {
+        self.with(py, |e| {
+            let snap = snapshot
+                .inner
+                .lock()
+                .map_err(|_| PyValueError::new_err("snapshot lock poisoned"))?;
+            e.restore(&snap).map_err(|e| PyLilyError(e).into())
+        })?
     }
 
     /// How many leading `tokens` match the tokens whose KV rows are cached.
-    fn cached_prefix(&self, tokens: Vec<i64>) -> usize {
-        let ids: Vec<u32> = tokens
-            .iter()
-            .take_while(|&&t| (0..u32::MAX as i64).contains(&t))
-            .map(|&t| t as u32)
-            .collect();
-        self.inner.cached_prefix(&ids)
+    fn cached_prefix(&self, py: Python<'_>, tokens: Vec<Bound<'_, PyAny>>) -> PyResult<usize> {
+        let mut ids = Vec::with_capacity(tokens.len());
+        for t in &tokens {
+            match t.extract::<i64>() {
+                Ok(t) if (0..=u32::MAX as i64).contains(&t) => ids.push(t as u32),
+                // An id no vocabulary has (negative, or too large even for i64) matches nothing.
+                Ok(_) => break,
+                Err(e) if e.is_instance_of::<PyOverflowError>(py) => break,
+                Err(e) => return Err(PyTypeError::new_err(format!("argument 'tokens': {}", e.value(py)))),
+            }
+        }
+        self.peek(py, |e| e.cached_prefix(&ids))
     }
 
     /// Forget the sequence (state and position back to zero).
-    fn reset(&mut self, py: Python<'_>) -> PyResult<()> {
-        let inner = &mut self.inner;
-        py.detach(|| inner.reset()).map_err(PyLilyError::from)?;
-        Ok(())
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(self.with(py, |e| e.reset())?.map_err(PyLilyError::from)?)
     }
 
     #[getter]
-    fn position(&self) -> usize {
-        self.inner.position()
+    fn position(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |e| e.position())
     }
 
     #[getter]
     fn max_seq(&self) -> usize {
-        self.inner.max_seq()
+        self.max_seq
     }
 
     /// Element type of the stored K/V rows: "bf16", "f16" or "f32".
     #[getter]
     fn kv_dtype(&self) -> &'static str {
-        self.inner.kv_dtype().name()
+        self.kv_dtype
     }
 
     /// Bytes of KV cache held now (it grows in segments with the sequence).
     #[getter]
-    fn kv_bytes(&self) -> usize {
-        self.inner.kv_bytes()
+    fn kv_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |e| e.kv_bytes())
     }
 
     #[getter]
     fn prefill_chunk(&self) -> usize {
-        self.inner.prefill_chunk()
+        self.prefill_chunk
     }
 
     #[getter]
     fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
+        self.vocab
     }
 
     #[getter]
     fn backend(&self) -> &'static str {
-        self.inner.backend_name()
+        self.backend
     }
 
     /// The checkpoint's config.json as a dict.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let text = self.inner.config().raw.to_string();
-        py.import("json")?.call_method1("loads", (text,))
+        py.import("json")?.call_method1("loads", (&self.config_json,))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "Engine(backend={:?}, position={}, max_seq={}, vocab_size={})",
-            self.inner.backend_name(),
-            self.inner.position(),
-            self.inner.max_seq(),
-            self.inner.vocab_size()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let position = self.position(py)?;
+        Ok(format!(
+            "Engine(backend={:?}, position={position}, max_seq={}, vocab_size={})",
+            self.backend, self.max_seq, self.vocab
+        ))
     }
 }

@@ -1,6 +1,10 @@
 //! lily-core errors as typed Python exceptions (the message is the core's text).
 
-use pyo3::{create_exception, exceptions::PyException, exceptions::PyValueError, PyErr};
+use pyo3::{
+    create_exception,
+    exceptions::{PyException, PyKeyboardInterrupt, PyValueError},
+    PyErr,
+};
 
 create_exception!(lily, LilyError, PyException, "Base class of every Lily error.");
 create_exception!(
@@ -14,6 +18,12 @@ create_exception!(
     ContextFullError,
     LilyError,
     "The sequence would exceed the engine's max_seq."
+);
+create_exception!(
+    lily,
+    SequenceEvictedError,
+    LilyError,
+    "A generation's sequence was taken over by a later one on the same model."
 );
 create_exception!(
     lily,
@@ -40,6 +50,7 @@ impl From<PyLilyError> for PyErr {
             ContextFull { .. } => ContextFullError::new_err(msg),
             InvalidToken { .. } | InvalidArgument(_) => PyValueError::new_err(msg),
             Device(_) => DeviceError::new_err(msg),
+            Interrupted => PyKeyboardInterrupt::new_err(msg),
         }
     }
 }

@@ -10,12 +10,16 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _lily(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // Load NumPy's C API now: the first array made afterwards would import it, running Python code
+    // that raises a Ctrl-C pressed during the call that made it, and rust-numpy panics on that.
+    numpy::PyArray1::<f32>::zeros(py, 0, false);
     m.add_class::<engine::Engine>()?;
     m.add_class::<engine::Snapshot>()?;
     m.add("LilyError", py.get_type::<errors::LilyError>())?;
     m.add("ModelLoadError", py.get_type::<errors::ModelLoadError>())?;
     m.add("ContextFullError", py.get_type::<errors::ContextFullError>())?;
     m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
+    m.add("SequenceEvictedError", py.get_type::<errors::SequenceEvictedError>())?;
     sampling::register(m)?;
     Ok(())
 }

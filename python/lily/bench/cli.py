@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from lily import command
-from lily.bench.protocol import run_bench
+from lily.bench.protocol import parse_lengths, run_bench
 from lily.bench.workers import run_worker
 from lily.command import ArgParser, CommandError
 from lily.loading import BACKENDS, KV_DTYPES
@@ -19,17 +19,18 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgParser(prog="lily bench", description="Prefill / decode speed of a checkpoint, batch 1.")
     ap.add_argument("model", help="checkpoint folder (MLX 4-bit or HF bf16)")
-    ap.add_argument("--lengths", default=None,
+    ap.add_argument("--lengths", type=_lengths, default=None,
                     help="comma-separated prompt lengths, K suffix allowed (default 256,512,...,128K, cut to "
                          "what fits max_seq and memory)")
     ap.add_argument("--backend", default="auto", choices=BACKENDS, help="Lily's compute backend")
-    ap.add_argument("--max-seq", type=int, default=None, help="engine max_seq (default: the config's)")
+    ap.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="engine max_seq (default: the config's)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                     help="element type of Lily's stored keys and values (default bf16)")
-    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed after the first token (64)")
-    ap.add_argument("--warmup-steps", type=int, default=2, help="decode steps of the warm-up run (2)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating order (2)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt ids")
+    ap.add_argument("--decode-steps", type=command.integer(1), default=64,
+                    help="decode steps timed after the first token (64)")
+    ap.add_argument("--warmup-steps", type=command.integer(0), default=2, help="decode steps of the warm-up run (2)")
+    ap.add_argument("--rounds", type=command.integer(1), default=2, help="rounds, alternating order (2)")
+    ap.add_argument("--seed", type=command.integer(0), default=0, help="seed of the synthetic prompt ids")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
     ap.add_argument("--plot", nargs="?", const="bench.png", default=None, metavar="PNG",
                     help="write a PNG of tok/s against context length (default bench.png; needs matplotlib)")
@@ -41,10 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine", choices=("lily", "mlx-lm"), default="lily", help=argparse.SUPPRESS)
     ap.add_argument("--same-process", action="store_true",
                     help="one process per round instead of a fresh process per measurement")
-    ap.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer size of the bandwidth test (1024)")
+    ap.add_argument("--bandwidth-mib", type=command.integer(1), default=1024,
+                    help="buffer size of the bandwidth test (1024)")
     ap.add_argument("--bandwidth-method", choices=("auto", "numpy", "mlx"), default="auto",
                     help="how the memory bandwidth is measured (auto: MLX on the GPU for --backend metal, else numpy)")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per worker process")
+    ap.add_argument("--timeout", type=command.number(0), default=None, help="seconds per worker process")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     return ap
 
@@ -58,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     return command.run("lily bench", lambda: _bench(args))
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        return parse_lengths(text)
+    except CommandError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _bench(args) -> int:
-    if args.decode_steps < 1 or args.rounds < 1 or args.warmup_steps < 0:
-        raise CommandError("--decode-steps and --rounds must be >= 1, --warmup-steps >= 0")
     if args.compare and args.compare == args.engine:
         raise CommandError("--compare names the engine being measured")
     if not Path(args.model).is_dir():

@@ -157,7 +157,7 @@ def run_bench(args) -> int:
     vocab = int(t["vocab_size"])
     bm = decode_bytes_model(model, cfg, kv_bytes=4 if getattr(args, "kv_dtype", "bf16") == "f32" else 2)
     steps = args.decode_steps
-    lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+    lengths = args.lengths or list(DEFAULT_LENGTHS)
     max_seq = args.max_seq or int(t.get("max_position_embeddings", 0)) or None
     avail = available_memory_bytes()
     keep = []

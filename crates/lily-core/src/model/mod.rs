@@ -47,8 +47,14 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
-    /// Load every weight through `w`, layer by layer; `progress(done, total)` after each layer.
-    pub fn load(b: &B, w: &Loader, cfg: &ModelConfig, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+    /// Load every weight through `w`, layer by layer; `progress(done, total)` after each layer
+    /// (an error from it stops the load).
+    pub fn load(
+        b: &B,
+        w: &Loader,
+        cfg: &ModelConfig,
+        progress: &mut dyn FnMut(usize, usize) -> Result<()>,
+    ) -> Result<Self> {
         let d = cfg.hidden_size;
         let n = cfg.num_hidden_layers;
         let mut layers = Vec::with_capacity(n);
@@ -64,7 +70,7 @@ impl<B: Backend> Model<B> {
                 mixer,
                 mlp: Moe::load(b, w, i, cfg)?,
             });
-            progress(i + 1, n);
+            progress(i + 1, n)?;
         }
         Ok(Model {
             embed_tokens: b.upload_matrix(&w.embed()?)?,

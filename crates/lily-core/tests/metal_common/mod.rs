@@ -479,7 +479,7 @@ impl TinyCheckpoint {
     pub fn logits<B: Backend>(&self, b: &B) -> Vec<Vec<f32>> {
         let cfg = ModelConfig::from_file(&self.dir.join("config.json")).unwrap();
         let loader = Loader::open(&self.dir, &cfg).unwrap();
-        let model = Model::load(b, &loader, &cfg, &mut |_, _| {}).unwrap();
+        let model = Model::load(b, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
         let mut state = State::new(b, &cfg, 64, KvDtype::F32).unwrap();
         state.reserve(b, 64).unwrap();
         let mut s = Scratch::new(b, &cfg, 64, 16).unwrap();
