@@ -179,14 +179,29 @@ def _value(schema: Any) -> tuple[str, bool]:
     return "%json " + json.dumps(_compact(schema)) + " " + close, False
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, choice: str = "auto", thinking: bool = False) -> Grammar:
+def _answer(choice: str, parallel: bool, text: Grammar | None) -> str:
+    """The answer rule of ``tool_call_grammar``."""
+    more = " (ws call)*" if parallel else ""
+    if choice == "auto" and text is not None:
+        return f"%json {text.source} | call{more}"
+    if choice == "auto":
+        return f"FREE | pre fns{more}"
+    return f"call{more}" if choice == "required" else "call"
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, choice: str = "auto", thinking: bool = False,
+                      parallel: bool = True, text: Grammar | None = None) -> Grammar:
     """The Qwen3.6 tool-call XML of ``tools`` (OpenAI function tools, or ``{name, parameters}``), as a grammar.
 
     ``choice`` is "required" (one or more calls and nothing else), "auto" (free text, or text followed by
-    calls) or a function name (one call of that function). Parameters follow each tool's JSON schema:
-    required ones always present, optional ones in schema order, string values as raw text, other values
-    as JSON. With ``thinking``, free reasoning up to ``</think>`` comes first.
+    calls) or a function name (one call of that function); ``parallel=False`` allows one call only.
+    Parameters follow each tool's JSON schema: required ones always present, optional ones in schema
+    order, string values as raw text, other values as JSON. With ``thinking``, free reasoning up to
+    ``</think>`` comes first. ``text`` (a JSON-schema grammar, with ``choice="auto"``) replaces the free
+    text: the answer is either that JSON or tool calls.
     """
+    if text is not None and (text.kind != "json_schema" or choice != "auto"):
+        raise ValueError("tool_call_grammar: text= must be a JSON schema, with choice='auto'")
     functions = [_function(t) for t in tools]
     if not functions:
         raise ValueError("tool_call_grammar needs at least one tool")
@@ -222,9 +237,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, choice: str = "auto
         alternatives.append(f"f{i}")
     lines = [
         "start: think ws answer" if thinking else "start: answer",
-        {"auto": "answer: FREE | pre fns (ws call)*", "required": "answer: call (ws call)*"}.get(
-            choice, "answer: call"
-        ),
+        f"answer: {_answer(choice, parallel, text)}",
         f"call: {_literal('<tool_call>' + nl)} fns",
         "fns: " + " | ".join(alternatives),
         *rules,
@@ -232,7 +245,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, choice: str = "auto
         f"text_value[lazy]: {_text_value()}",
         _THINK_RULES.splitlines()[1],
     ]
-    if choice == "auto":
+    if choice == "auto" and text is None:
         # Free text without a tool call, or text up to the first `<tool_call>` and the calls from there.
         lines += ["FREE: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/", "pre[lazy]: /(?s:.*)<tool_call>\\n/"]
     if thinking:
