@@ -19,6 +19,7 @@ from lily.server.app import EventStream, Limits, WatchedJson, parse_body, valida
 from lily.server.errors import ApiError
 from lily.server.generation import Plan, Service, Turn, engine_error
 from lily.server.worker import HEARTBEAT, Job
+from lily.structured import Grammar
 
 __all__ = ["Anthropic"]
 
@@ -158,10 +159,17 @@ class Anthropic:
         tool_choice, parallel = _tool_choice(req.tool_choice, tools)
         sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k))
                     if v is not None}
+        fmt = req.output_config.format if req.output_config else None
+        text = None
+        if fmt is not None:
+            try:
+                text = Grammar.json_schema(fmt.schema_)
+            except (TypeError, ValueError) as e:
+                raise ApiError(str(e), param="output_config.format.schema") from None
         plan: Plan = await asyncio.to_thread(
             self.service.prepare_chat, chat_messages(req.system, req.messages), tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=parallel, thinking=_thinking(req.thinking), max_tokens=req.max_tokens,
-            stop=req.stop_sequences or [], sampling=sampling)
+            stop=req.stop_sequences or [], sampling=sampling, text=text)
         job = self.service.start(plan)
         turn = Turn(plan, self.service)
         mid = f"msg_{uuid.uuid4().hex[:24]}"

@@ -286,6 +286,16 @@ class AThinkingConfig(Model):
     budget_tokens: Optional[Int] = None
 
 
+class AOutputFormat(Model):
+    type: Literal["json_schema"]
+    schema_: Union[Object, Bool] = Field(alias="schema")
+
+
+class AOutputConfig(Model):
+    format: Optional[AOutputFormat] = None
+    effort: Optional[Str] = None
+
+
 class MessagesRequest(Model):
     model: Str
     messages: list[AMessage]
@@ -299,6 +309,7 @@ class MessagesRequest(Model):
     tools: Optional[list[ATool]] = None
     tool_choice: Optional[AToolChoice] = None
     thinking: Optional[AThinkingConfig] = None
+    output_config: Optional[AOutputConfig] = None
     metadata: Optional[Object] = None
 
 
