@@ -14,7 +14,7 @@ from lily.server import Server
 from lily.server.app import Limits
 from lily.template import ChatTemplate
 from lily.tokenizer import Tokenizer
-from test_generate import GEN_CONFIG, IM_END, QWEN, VOCAB, FakeEngine
+from test_generate import GEN_CONFIG, IM_END, QWEN, VOCAB, FakeEngine, FakeSnapshot
 
 __all__ = ["FakeEngine", "SlowEngine", "http", "model_for", "running", "scripted", "sse", "tokenizer"]
 
@@ -68,7 +68,7 @@ class SlowEngine:
         return 0
 
     def snapshot(self):
-        return None
+        return FakeSnapshot(self.position, [], 0)
 
     def restore(self, snap):
         raise ValueError("no snapshots")

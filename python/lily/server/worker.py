@@ -129,9 +129,10 @@ class EngineWorker:
     def __init__(self, *, max_waiting: int = 256, max_buffered: int = 512):
         self.max_waiting, self.max_buffered = max_waiting, max_buffered
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._current: Job | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
-        self.busy = False
 
     def submit(self, run: Callable[[], Iterator[Any]]) -> Job:
         """Queue a generation; call from the event loop. Its events: ``job.events()``."""
@@ -143,16 +144,27 @@ class EngineWorker:
         return job
 
     def close(self) -> None:
+        """Cancel the running and waiting jobs and end the thread."""
+        self._closing = True
+        current = self._current
+        if current is not None:
+            current.cancel("server stopping")
         self._queue.put(None)
         self._thread.join(timeout=30)
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
 
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
-            self.busy = True
+            if self._closing:
+                job.cancel("server stopping")
+            self._current = job
             try:
                 job._execute()
             finally:
-                self.busy = False
+                self._current = None
