@@ -136,7 +136,12 @@ def test_anthropic_messages_with_thinking_and_tools():
         # The result goes back as a tool_result block, the call as the assistant's tool_use.
         history = [*USER, {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
-        follow = claude(server).messages.create(model="test-model", max_tokens=5, tools=[ATOOL], messages=history)
+        # An image a tool returned becomes a note; a server tool (nothing here runs it) is not offered.
+        history[-1]["content"][0]["content"] = [{"type": "text", "text": "sunny"}, {"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]
+        web = {"type": "web_search_20250305", "name": "web_search", "max_uses": 1}
+        follow = claude(server).messages.create(model="test-model", max_tokens=5, tools=[ATOOL, web],
+                                                messages=history)
         assert follow.usage.cache_read_input_tokens >= 0 and follow.stop_reason in ("max_tokens", "end_turn")
         assert claude(server).messages.count_tokens(model="test-model", messages=history, tools=[ATOOL]).input_tokens \
             > claude(server).messages.count_tokens(model="test-model", messages=USER).input_tokens

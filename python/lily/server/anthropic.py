@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from lily.structured import Grammar
 
 __all__ = ["Anthropic"]
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}\Z")
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -37,15 +39,20 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n".encode()
 
 
-def _text(blocks: Any, param: str) -> str:
+def _text(blocks: Any, param: str, *, placeholders: bool = False) -> str:
+    """The text of ``blocks``. Other blocks (images, documents) are refused, or with ``placeholders`` (in tool
+    results, where an agent's tool returned them) replaced by a note the model can read."""
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
     parts = []
     for b in blocks:
-        if not isinstance(b, schemas.AText):
+        if isinstance(b, schemas.AText):
+            parts.append(b.text)
+        elif placeholders:
+            parts.append(f"[{b.type} omitted: this model reads text only]")
+        else:
             raise ApiError(f"{param}: content blocks of type {b.type!r} are not supported here (text only)",
                            param=param)
-        parts.append(b.text)
     return "\n".join(parts)
 
 
@@ -72,7 +79,7 @@ def chat_messages(system: Any, messages: list[schemas.AMessage]) -> list[dict[st
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": block.input}})
             elif isinstance(block, schemas.AToolResult) and m.role == "user":
-                content = _text(block.content, f"{param}.content")
+                content = _text(block.content, f"{param}.content", placeholders=True)
                 if block.is_error:
                     content = f"Error: {content}"
                 out.append({"role": "tool", "content": content, "tool_call_id": block.tool_use_id})
@@ -92,18 +99,20 @@ def chat_messages(system: Any, messages: list[schemas.AMessage]) -> list[dict[st
 def _tools(tools: list[schemas.ATool] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
-    out = []
+    out: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         if t.type not in (None, "custom"):
-            raise ApiError(f"tools.{i}: server tools ({t.type!r}) are not supported; only client tools",
-                           param=f"tools.{i}")
+            continue  # a server tool (web search, code execution, ...): there is no server side to run it here
+        if not _TOOL_NAME.match(t.name):
+            raise ApiError(f"tools.{i}.name: {t.name!r} must be 1-128 letters, digits, '_' or '-'",
+                           param=f"tools.{i}.name")
         fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema or {"type": "object"}}
         if t.description:
             fn["description"] = t.description
         if t.strict:
             fn["strict"] = True
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
 def _tool_choice(choice: schemas.AToolChoice | None, tools: list[dict[str, Any]] | None) -> tuple[str, bool]:

@@ -269,7 +269,7 @@ class AMessage(Model):
 
 class ATool(Model):
     type: Optional[Str] = None  # custom tools have none (or "custom"); server tools name their kind
-    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+    name: Str
     description: Optional[Str] = None
     input_schema: Optional[Object] = None
     strict: Optional[Bool] = None
