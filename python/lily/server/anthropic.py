@@ -18,7 +18,7 @@ from starlette.routing import Route
 from lily.server import schemas
 from lily.server.app import EventStream, Limits, WatchedJson, parse_body, validation_error
 from lily.server.errors import ApiError
-from lily.server.generation import Plan, Service, Turn, engine_error
+from lily.server.generation import Plan, Service, Turn, collect, engine_error
 from lily.server.worker import HEARTBEAT, Job
 from lily.structured import Grammar
 
@@ -186,13 +186,7 @@ class Anthropic:
             return EventStream(job, self._events(job, turn, mid, req.model))
 
         async def build() -> tuple[int, dict[str, Any]]:
-            try:
-                async for chunk in job.events():
-                    turn.add(chunk)
-            except Exception as e:
-                raise engine_error(e) from None
-            if not turn.done:
-                raise ApiError("generation was cancelled", status=500)
+            await collect(job, turn)
             return 200, self._message(turn, mid, req.model, self._blocks(turn))
 
         return WatchedJson(job, build)

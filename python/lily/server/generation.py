@@ -24,7 +24,7 @@ from lily.server.worker import EngineWorker, Job
 from lily.structured import Grammar, tool_call_grammar
 from lily.tools import tool_call_arguments_as_mappings
 
-__all__ = ["Plan", "Service", "Turn"]
+__all__ = ["Plan", "Service", "Turn", "collect", "engine_error"]
 
 
 @dataclasses.dataclass
@@ -192,6 +192,17 @@ def engine_error(e: BaseException) -> ApiError:
     if isinstance(e, ValueError):  # e.g. a grammar that allows nothing at some step
         return ApiError(str(e), status=500, type="server_error")
     return ApiError(f"generation failed: {e!r}", status=500, type="server_error")
+
+
+async def collect(job: Job, turn: Turn) -> None:
+    """Feed all of ``job``'s events to ``turn`` (for a response sent whole at the end)."""
+    try:
+        async for chunk in job.events():
+            turn.add(chunk)
+    except Exception as e:
+        raise engine_error(e) from None
+    if not turn.done:
+        raise ApiError("generation was cancelled", status=500, type="server_error")
 
 
 class Turn:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from lily.server import schemas
 from lily.server.app import EventStream, Limits, WatchedJson, parse_body, validation_error
 from lily.server.errors import ApiError
-from lily.server.generation import Plan, Service, Turn, engine_error, openai_tools
+from lily.server.generation import Plan, Service, Turn, collect, engine_error, openai_tools
 from lily.server.worker import HEARTBEAT, Job
 from lily.structured import Grammar
 
@@ -197,7 +197,7 @@ class OpenAI:
             return EventStream(job, self._chat_events(job, turn, rid, created, name, usage))
 
         async def build() -> tuple[int, dict[str, Any]]:
-            await self._run(job, turn)
+            await collect(job, turn)
             message: dict[str, Any] = {"role": "assistant", "content": turn.parser.content or None}
             if turn.parser.reasoning_content:
                 message["reasoning_content"] = turn.parser.reasoning_content
@@ -211,15 +211,6 @@ class OpenAI:
                          "choices": [choice], "usage": _usage(turn)}
 
         return WatchedJson(job, build)
-
-    async def _run(self, job: Job, turn: Turn) -> None:
-        try:
-            async for chunk in job.events():
-                turn.add(chunk)
-        except Exception as e:
-            raise engine_error(e) from None
-        if not turn.done:
-            raise ApiError("generation was cancelled", status=500, type="server_error")
 
     async def _chat_events(self, job: Job, turn: Turn, rid: str, created: int, name: str,
                            include_usage: bool) -> AsyncIterator[bytes]:
@@ -467,7 +458,7 @@ class OpenAI:
             return EventStream(job, self._response_events(job, turn, response, finish, ids))
 
         async def build() -> tuple[int, dict[str, Any]]:
-            await self._run(job, turn)
+            await collect(job, turn)
             return 200, finish(final_output())
 
         return WatchedJson(job, build)
