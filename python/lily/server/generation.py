@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from lily._lily import ContextFullError, LilyError
@@ -169,13 +169,17 @@ class Service:
 
     def start(self, plan: Plan) -> Job:
         """Queue ``plan`` on the engine thread; its events are ``Chunk``s."""
-        model = self.model
+        return self.worker.submit(lambda: self.generation(plan))
 
-        def run():
-            return model.stream(plan.ids, max_tokens=plan.max_tokens, stop=plan.stop, logprobs=plan.logprobs,
-                                top_logprobs=plan.top_logprobs, grammar=plan.grammar, sampler=plan.sampler)
-
-        return self.worker.submit(run)
+    def generation(self, plan: Plan) -> Iterator[Chunk]:
+        """The one place where the server asks the model for a generation, and so for prefix reuse (called on
+        the engine thread). The model resumes from the longest prefix of ``plan.ids`` it holds (today
+        ``Model.prefix``: the engine's sequence and the snapshots at recent message starts; a prefix cache
+        across conversations plugs in here or behind ``Model.stream``) and reports how many prompt tokens it
+        reused in the last chunk's ``stats.cached_prompt_tokens``: that number, and only that, is what the
+        APIs report (``cached_tokens``, ``cache_read_input_tokens``)."""
+        return self.model.stream(plan.ids, max_tokens=plan.max_tokens, stop=plan.stop, logprobs=plan.logprobs,
+                                 top_logprobs=plan.top_logprobs, grammar=plan.grammar, sampler=plan.sampler)
 
 
 def _strict(tool: Mapping[str, Any]) -> bool:
