@@ -259,3 +259,85 @@ def test_end_to_end_on_a_tiny_checkpoint_reuses_the_prefix(tmp_path_factory):
         s3, _, b3 = http(server, "POST", "/v1/messages", {**body, "messages": more})
         usage = json.loads(b3)["usage"]
         assert s3 == 200 and usage["cache_read_input_tokens"] > 0 and usage["input_tokens"] > 0
+
+
+def test_usage_reports_the_models_prefix_reuse():
+    """Both APIs report as cached exactly what the model's prefix reuse reports (``stats.cached_prompt_tokens``
+    from ``PrefixReuse.prefill``, or the cache that takes its place), streaming and not."""
+    model = scripted("ok")
+    real = model.prefix.prefill
+    model.prefix.prefill = lambda ids, ticket=None: (real(ids, ticket)[0], 7)
+    body = {"messages": USER, "max_tokens": 5, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    with running(model) as server:
+        status, _, text = chat(server, body)
+        usage = json.loads(text)["usage"]
+        assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] == 7 and usage["prompt_tokens"] > 7
+        _, _, text = chat(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        (usage,) = [p["usage"] for _, p in sse(text) if isinstance(p, dict) and p.get("usage")]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 7
+        _, _, text = http(server, "POST", "/v1/completions", {"prompt": "a b c d e f g h i j", "max_tokens": 2})
+        assert json.loads(text)["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+        _, _, text = http(server, "POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 5})
+        assert json.loads(text)["usage"]["input_tokens_details"]["cached_tokens"] == 7
+        anthropic_body = {"model": "test-model", "max_tokens": 5, "messages": USER, "thinking": {"type": "disabled"}}
+        whole = json.loads(http(server, "POST", "/v1/messages", anthropic_body)[2])["usage"]
+        assert whole["cache_read_input_tokens"] == 7 and whole["input_tokens"] > 0
+        events = sse(http(server, "POST", "/v1/messages", {**anthropic_body, "stream": True})[2])
+        streamed = [p["usage"] for n, p in events if n == "message_delta"][0]
+        assert streamed["cache_read_input_tokens"] == 7 and streamed["input_tokens"] == whole["input_tokens"]
+
+
+def test_fields_that_cannot_be_honoured_are_refused():
+    """Issue 19: no field is silently dropped: what is not produced is a 400 naming it."""
+    with running(scripted("ok")) as server:
+        for path, body, param in [
+            ("/v1/responses", {"input": "Hi", "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/responses", {"input": "Hi", "include": ["message.output_text.logprobs"]}, "include"),
+            ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+            ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+            ("/v1/completions", {"prompt": "x", "best_of": 3}, "n"),
+            ("/v1/chat/completions", {"messages": USER, "n": 3}, "n"),
+            ("/v1/chat/completions", {"messages": USER, "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": USER, "tool_choice": {"type": "function", "function": {
+                "name": "nope"}}, "tools": TOOLS}, "tool_choice"),
+            ("/v1/responses", {"input": "Hi", "tool_choice": "required"}, "tool_choice"),
+        ]:
+            status, _, text = http(server, "POST", path, body)
+            err = json.loads(text)["error"]
+            assert status == 400 and err["type"] == "invalid_request_error" and err["param"] == param, (path, text)
+        # Asked for, logprobs are there, streaming too (never a silent null).
+        events = sse(chat(server, {"messages": USER, "stream": True, "logprobs": True, "top_logprobs": 1,
+                                   "chat_template_kwargs": {"enable_thinking": False}})[2])
+        lps = [p["choices"][0]["logprobs"] for _, p in events if isinstance(p, dict) and p["choices"]]
+        tokens = [c["token"] for lp in lps if lp for c in lp["content"]]
+        assert tokens == ["ok", "<|im_end|>"] and all(len(c["top_logprobs"]) == 1 for lp in lps if lp
+                                                      for c in lp["content"])
+        assert http(server, "POST", "/v1/responses", {"input": "Hi", "include": ["reasoning.encrypted_content"],
+                                                      "max_output_tokens": 2})[0] == 200
+
+
+def test_strict_tools_are_enforced_under_tool_choice_auto():
+    """OpenAI ``strict: true`` and Anthropic ``strict``: the model may answer or call, but a call's arguments
+    follow the schema (the script's "kelvin" is not allowed)."""
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+              "additionalProperties": False}
+    script = ("<tool_call>\n<function=set_unit>\n<parameter=unit>\nkelvin\n</parameter>\n</function>\n"
+              "</tool_call>")
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": schema, "strict": True}}
+    with running(scripted(script)) as server:
+        status, _, text = chat(server, {"messages": USER, "tools": [tool], "temperature": 0, "max_tokens": 200,
+                                        "chat_template_kwargs": {"enable_thinking": False}})
+        call = json.loads(text)["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert status == 200 and json.loads(call["arguments"])["unit"] in ("celsius", "fahrenheit"), text
+    with running(scripted(script)) as server:
+        status, _, text = http(server, "POST", "/v1/messages", {
+            "model": "test-model", "max_tokens": 200, "messages": USER, "thinking": {"type": "disabled"},
+            "temperature": 0, "tools": [{"name": "set_unit", "input_schema": schema, "strict": True}]})
+        block = json.loads(text)["content"][-1]
+        assert status == 200 and block["type"] == "tool_use" and block["input"]["unit"] in ("celsius", "fahrenheit")
+    with running(scripted(script)) as server:  # not strict: the model's own (bad) value is passed on as it is
+        status, _, text = chat(server, {"messages": USER, "tools": [{"type": "function", "function": {
+            "name": "set_unit", "parameters": schema}}], "temperature": 0, "max_tokens": 200,
+            "chat_template_kwargs": {"enable_thinking": False}})
+        call = json.loads(text)["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert json.loads(call["arguments"])["unit"] == "kelvin"

@@ -203,7 +203,7 @@ def test_anthropic_tool_choice_is_enforced_and_errors_are_typed():
                 {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                           "data": "AAAA"}}]}])
         with pytest.raises(anthropic.NotFoundError):
-            claude(server).messages.create(model="claude-sonnet-4-5", max_tokens=10, messages=USER)
+            claude(server).messages.create(model="claude-opus-4-6", max_tokens=10, messages=USER)
     schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"],
               "additionalProperties": False}
     with running(scripted("Prose, not JSON.")) as server:
@@ -212,4 +212,4 @@ def test_anthropic_tool_choice_is_enforced_and_errors_are_typed():
                                              messages=USER)
         assert json.loads(msg.content[0].text)["n"] in (1, 2)
     with running(scripted("ok"), aliases=["claude-*"]) as server:
-        assert claude(server).messages.create(model="claude-sonnet-4-5", max_tokens=3, messages=USER).content
+        assert claude(server).messages.create(model="claude-opus-4-6", max_tokens=3, messages=USER).content

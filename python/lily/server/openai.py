@@ -383,6 +383,13 @@ class OpenAI:
     async def responses(self, request: Request) -> Any:
         req = _validate(schemas.ResponsesRequest, parse_body(await request.body()))
         self.service.check_model(req.model)
+        # Output-text logprobs are not produced here: asking for them is refused rather than answered with none.
+        if req.top_logprobs:
+            raise ApiError("logprobs are not available from /v1/responses here; use /v1/chat/completions",
+                           param="top_logprobs")
+        if "message.output_text.logprobs" in (req.include or []):
+            raise ApiError("message.output_text.logprobs is not available from /v1/responses here; use "
+                           "/v1/chat/completions", param="include")
         messages = self._conversation(req)
         template_messages = [{k: v for k, v in m.items() if k != "instructions"} for m in messages]
         thinking = None

@@ -219,6 +219,8 @@ class ResponsesRequest(Model):
     store: Optional[Bool] = None
     previous_response_id: Optional[Str] = None
     metadata: Optional[dict[str, Any]] = None
+    include: Optional[list[Str]] = None
+    top_logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=20)]] = None
 
 
 # ---- Anthropic: messages
