@@ -231,3 +231,21 @@ def test_keep_alive_survives_unknown_routes_and_errors():
             if want != 200:
                 assert json.loads(text)["error"]["message"]
         conn.close()
+
+
+@pytest.mark.parametrize("path, stream", [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                          ("/v1/messages", False), ("/v1/messages", True)])
+def test_a_disconnect_stops_the_generation_within_one_decode_step(path, stream):
+    """With 0.3 s steps: the step running when the client leaves is the last one."""
+    engine = SlowEngine(tokenizer().encode("a")[0], delay=0.3)
+    with running(model_for(engine)) as server:
+        s = raw_socket(server)
+        s.sendall(request_bytes(path, {"model": "test-model", "messages": USER, "stream": stream,
+                                       "max_tokens": 10**6}))
+        while engine.decodes < 3:
+            time.sleep(0.01)
+        time.sleep(0.1)  # inside the next step
+        at_close = engine.decodes
+        s.close()
+        time.sleep(1.5)  # five more steps' worth
+        assert engine.decodes - at_close <= 1, f"{engine.decodes - at_close} steps after the client left"
