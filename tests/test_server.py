@@ -178,6 +178,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     ({"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": USER, "stop": ["ok", "\ud800"]}, "stop"),
 ]
 
 
@@ -341,3 +342,19 @@ def test_strict_tools_are_enforced_under_tool_choice_auto():
             "chat_template_kwargs": {"enable_thinking": False}})
         call = json.loads(text)["choices"][0]["message"]["tool_calls"][0]["function"]
         assert json.loads(call["arguments"])["unit"] == "kelvin"
+
+
+def test_values_past_what_the_engine_takes_are_not_server_errors():
+    """Found by sending odd values to every endpoint: a top_k past any vocabulary (it keeps every id) and a lone
+    surrogate in a stop sequence reached the sampler / the engine thread and came back as 500s."""
+    with running(scripted("ok")) as server:
+        status, _, text = chat(server, {"messages": USER, "top_k": 10**30, "max_tokens": 2})
+        assert status == 200, text
+        body = {"model": "test-model", "max_tokens": 2, "messages": USER}
+        assert http(server, "POST", "/v1/messages", {**body, "top_k": 10**30})[0] == 200
+        for stream in (False, True):
+            status, headers, text = http(server, "POST", "/v1/messages", {**body, "stream": stream,
+                                                                          "stop_sequences": ["\ud800"]})
+            out = json.loads(text)
+            assert status == 400 and headers["content-type"] == "application/json", text
+            assert out["error"]["type"] == "invalid_request_error" and "surrogate" in out["error"]["message"]

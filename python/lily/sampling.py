@@ -104,7 +104,7 @@ class Sampler:
         # Validates every value (ValueError naming the parameter).
         self._native = _lily.Sampler(
             temperature=self.temperature,
-            top_k=self.top_k,
+            top_k=min(self.top_k, 2**32),  # past any vocabulary: every id kept, as 0 does
             top_p=self.top_p,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,

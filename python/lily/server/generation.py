@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from lily._lily import ContextFullError, LilyError
+from lily.arguments import strings
 from lily.model import Model
 from lily.outputs import Chunk
 from lily.sampling import Sampler
@@ -40,6 +41,7 @@ class Plan:
     grammar: Grammar | None
     logprobs: bool = False
     top_logprobs: int = 0
+    chunks: Iterator[Chunk] | None = None  # the generation, checked and not started (``Service.generation``)
 
 
 def openai_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -115,14 +117,20 @@ class Service:
         limit = room if max_tokens is None else min(max_tokens, room)
         try:
             sampler = self.model.sampler(**sampling)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:
             raise ApiError(str(e)) from None
-        if grammar is not None:
-            try:
-                self.model.constrain(grammar)  # compile now: a bad schema is a 400, not a failed stream
-            except (ValueError, TypeError) as e:
-                raise ApiError(str(e), param="response_format") from None
-        return Plan(ids, thinking, tools, limit, list(stop), sampler, grammar, logprobs, top_logprobs)
+        try:
+            stop = strings("stop", stop)
+        except (ValueError, TypeError) as e:
+            raise ApiError(str(e), param="stop") from None
+        plan = Plan(ids, thinking, tools, limit, stop, sampler, grammar, logprobs, top_logprobs)
+        # Made here, off the engine thread: every check the model makes (the grammar compiles, ...) is done before
+        # the request is queued, so what it refuses is a 400 before any stream starts, not a failed generation.
+        try:
+            plan.chunks = self.generation(plan)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ApiError(str(e), param="response_format" if grammar is not None else None) from None
+        return plan
 
     def prepare_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                      tool_choice: str = "auto", parallel_tool_calls: bool = True, thinking: bool | None = None,
@@ -168,16 +176,19 @@ class Service:
     # ---- running
 
     def start(self, plan: Plan) -> Job:
-        """Queue ``plan`` on the engine thread; its events are ``Chunk``s."""
-        return self.worker.submit(lambda: self.generation(plan))
+        """Queue ``plan``'s generation on the engine thread; its events are ``Chunk``s."""
+        chunks = plan.chunks
+        assert chunks is not None, "a plan is made by Service.plan"
+        return self.worker.submit(lambda: chunks)
 
     def generation(self, plan: Plan) -> Iterator[Chunk]:
-        """The one place where the server asks the model for a generation, and so for prefix reuse (called on
-        the engine thread). The model resumes from the longest prefix of ``plan.ids`` it holds (today
-        ``Model.prefix``: the engine's sequence and the snapshots at recent message starts; a prefix cache
-        across conversations plugs in here or behind ``Model.stream``) and reports how many prompt tokens it
-        reused in the last chunk's ``stats.cached_prompt_tokens``: that number, and only that, is what the
-        APIs report (``cached_tokens``, ``cache_read_input_tokens``)."""
+        """The one place where the server asks the model for a generation, and so for prefix reuse. Called off
+        the engine thread, it checks the request as the model sees it and returns the generation unstarted; its
+        first step, on the engine thread, prefills. The model resumes from the longest prefix of ``plan.ids`` it
+        holds (today ``Model.prefix``: the engine's sequence and the snapshots at recent message starts; a prefix
+        cache across conversations plugs in here or behind ``Model.stream``) and reports how many prompt tokens it
+        reused in the last chunk's ``stats.cached_prompt_tokens``: that number, and only that, is what the APIs
+        report (``cached_tokens``, ``cache_read_input_tokens``)."""
         return self.model.stream(plan.ids, max_tokens=plan.max_tokens, stop=plan.stop, logprobs=plan.logprobs,
                                  top_logprobs=plan.top_logprobs, grammar=plan.grammar, sampler=plan.sampler)
 
