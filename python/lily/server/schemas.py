@@ -174,24 +174,18 @@ class ReasoningItem(Model):
 InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
 
 
-class ResponseTool(Model):
+class ResponseTool(FunctionDef):
+    """A function tool of the Responses API: chat completions' ``function`` with its ``type`` beside it."""
+
     type: Literal["function"]
-    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
-    description: Optional[Str] = None
-    parameters: Optional[Object] = None
-    strict: Optional[Bool] = None
 
 
-class ResponseToolChoice(Model):
+class ResponseToolChoice(NamedFunction):
     type: Literal["function"]
-    name: Str
 
 
-class TextFormat(Model):
+class TextFormat(JsonSchemaFormat):
     type: Literal["text", "json_object", "json_schema"]
-    name: Optional[Str] = None
-    schema_: Optional[Union[Object, Bool]] = Field(default=None, alias="schema")
-    strict: Optional[Bool] = None
 
 
 class TextOptions(Model):
