@@ -249,3 +249,23 @@ def test_a_disconnect_stops_the_generation_within_one_decode_step(path, stream):
         s.close()
         time.sleep(1.5)  # five more steps' worth
         assert engine.decodes - at_close <= 1, f"{engine.decodes - at_close} steps after the client left"
+
+
+def test_streams_stay_alive_through_a_long_prefill():
+    """While the prompt is prefilled (no tokens yet) every stream sends a keep-alive each ``ping_interval``: an
+    SSE comment (OpenAI) or a ``ping`` event (Anthropic), so clients and proxies with read timeouts wait."""
+
+    class SlowPrefill(SlowEngine):
+        def prefill(self, tokens, *, all_logits=False):
+            time.sleep(1.5)
+            return super().prefill(tokens, all_logits=all_logits)
+
+    engine = SlowPrefill(tokenizer().encode("a")[0], delay=0.0)
+    with running(model_for(engine), limits=Limits(ping_interval=0.2)) as server:
+        for path, body in [("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"}),
+                           ("/v1/responses", {"input": "x", "max_output_tokens": 2}),
+                           ("/v1/messages", {"model": "test-model", "messages": USER})]:
+            body = {"max_tokens": 2, **body, "stream": True} if path != "/v1/responses" else {**body, "stream": True}
+            status, _, text = http(server, "POST", path, body)
+            pings = text.count("event: ping") - 1 if path == "/v1/messages" else text.count("\n: ping\n")
+            assert status == 200 and pings >= 3, (path, text[:400])  # Anthropic's first ping follows message_start
