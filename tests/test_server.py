@@ -153,6 +153,12 @@ def test_model_names_and_aliases():
         status, _, text = chat(server, {"model": "gpt-4o", "messages": USER})
         err = json.loads(text)["error"]
         assert status == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+        for method, path, body in [("POST", "/v1/completions", {"model": "gpt-4o", "prompt": "x"}),
+                                   ("POST", "/v1/responses", {"model": "gpt-4o", "input": "x"}),
+                                   ("GET", "/v1/models/gpt-4o", None),
+                                   ("POST", "/v1/messages/count_tokens", {"model": "gpt-4o", "messages": USER})]:
+            assert http(server, method, path, body)[0] == 404, path
+        assert http(server, "GET", "/v1/models/claude-opus-4-6")[0] == 200
         assert [m["id"] for m in json.loads(http(server, "GET", "/v1/models")[2])["data"]] == ["test-model",
                                                                                                "gpt-local"]
 
