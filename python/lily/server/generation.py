@@ -99,11 +99,14 @@ class Service:
         assert isinstance(text, str)
         return text
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, param: str = "messages") -> list[int]:
         if len(text) > self.max_prompt_chars():
             raise ApiError(f"the prompt has {len(text)} characters, more than a context of {self.max_seq} "
-                           "tokens can hold", code="context_length_exceeded", param="messages")
-        return self.model.tokenizer.encode(text)
+                           "tokens can hold", code="context_length_exceeded", param=param)
+        try:
+            return self.model.tokenizer.encode(text)
+        except ValueError as e:  # not valid Unicode (a lone surrogate)
+            raise ApiError(f"{param}: {e}", param=param) from None
 
     def plan(self, ids: list[int], *, thinking: bool, tools: list[dict[str, Any]] | None, max_tokens: int | None,
              stop: Sequence[str], sampling: Mapping[str, Any], grammar: Grammar | None, logprobs: bool = False,

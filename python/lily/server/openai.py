@@ -265,7 +265,7 @@ class OpenAI:
 
         def prepare() -> Plan:
             if isinstance(prompt, str):
-                ids = service.tokenize(prompt)
+                ids = service.tokenize(prompt, "prompt")
             else:
                 ids = list(prompt)
                 size = len(service.model.tokenizer)
