@@ -109,6 +109,42 @@ def test_openai_responses_stream_events():
         assert final.output[-1].type == "function_call" and final.output[-1].name == "get_weather"
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {
+    "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"], "additionalProperties": False}
+
+
+def _follows_schema(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"city", "days"} and value["city"] in ("Paris", "Rome") and 1 <= value["days"] <= 7
+
+
+def test_schemas_are_enforced_through_every_client_streaming_and_not():
+    """The script writes prose; each API's structured-output field makes it JSON that follows the schema."""
+    fmt = {"format": {"type": "json_schema", "name": "trip", "schema": SCHEMA, "strict": True}}
+    with running(scripted("Prose, not JSON.")) as server:
+        resp = oai(server).responses.create(model="test-model", input="Trip?", text=fmt, max_output_tokens=40,
+                                            reasoning={"effort": "none"})
+        assert _follows_schema(resp.output_text), resp.output_text
+    with running(scripted("Prose, not JSON.")) as server:
+        with oai(server).responses.stream(model="test-model", input="Trip?", text=fmt, max_output_tokens=40,
+                                          reasoning={"effort": "none"}) as stream:
+            final = stream.get_final_response()
+        assert _follows_schema(final.output_text), final.output_text
+    with running(scripted("Prose, not JSON.")) as server:
+        chunks = oai(server).chat.completions.create(
+            model="test-model", messages=USER, max_tokens=40, stream=True, response_format={
+                "type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}},
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert _follows_schema(text), text
+    with running(scripted("Prose, not JSON.")) as server:
+        with claude(server).messages.stream(model="test-model", max_tokens=40, thinking={"type": "disabled"},
+                                            output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+                                            messages=USER) as stream:
+            final = stream.get_final_message()
+        assert _follows_schema(final.content[0].text), final.content
+
+
 def test_openai_errors_are_raised_as_the_client_types():
     with running(scripted("ok")) as server:
         with pytest.raises(openai.BadRequestError) as e:
