@@ -12,6 +12,7 @@ from pathlib import Path
 import fixtures
 import pytest
 from lily import cli
+from lily.command import CommandError
 
 
 def run(*args, stdin="", timeout=300):
@@ -56,7 +57,9 @@ BAD_FLAGS = [
     ("generate", "--frequency-penalty", "x"), ("generate", "--logit-bias", "1=nan"), ("generate", "--seed", "-1"),
     ("generate", "--seed", str(2**64)), ("generate", "--stop", "\udcff"), ("chat", "--top-k", "-3"),
     ("chat", "--system", "\udcff"), ("serve", "--port", "99999"), ("serve", "--port", "-1"),
-    ("serve", "--max-seq", "0"), ("serve", "--host", "no such host!"),
+    ("serve", "--max-seq", "0"), ("serve", "--host", "no such host!"), ("serve", "--kv-dtype", "f8"),
+    ("serve", "--max-body", "0"), ("serve", "--header-timeout", "0"), ("serve", "--write-timeout", "nan"),
+    ("serve", "--max-queue", "0"),
     ("bench", "--max-seq", "-1"), ("bench", "--lengths", "abc"), ("bench", "--lengths", "0"),
     ("bench", "--decode-steps", "0"), ("bench", "--warmup-steps", "-1"), ("bench", "--rounds", "0"),
     ("bench", "--bandwidth-mib", "0"), ("bench", "--timeout", "-1"), ("bench", "--seed", "-1"),
@@ -97,6 +100,24 @@ def test_serve_port_in_use_fails_before_loading(capsys):
         code = cli.main(["serve", "/nonexistent/model", "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "nonexistent" not in err, err
+
+
+def test_serve_passes_its_load_options(monkeypatch, capsys):
+    """``lily serve --kv-dtype / --max-seq / --backend`` reach ``lily.load`` (as for generate and chat), after the
+    port is bound."""
+    import lily.loading
+
+    seen = {}
+
+    def load(path, **kw):
+        seen.update(kw, path=path)
+        raise CommandError("stop here")
+
+    monkeypatch.setattr(lily.loading, "load", load)
+    code = cli.main(["serve", "some/model", "--port", "0", "--kv-dtype", "f16", "--max-seq", "4096",
+                     "--backend", "cpu"])
+    assert code == 2 and "stop here" in capsys.readouterr().err
+    assert seen == {"path": "some/model", "backend": "cpu", "max_seq": 4096, "kv_dtype": "f16"}
 
 
 def test_help_lists_commands():

@@ -176,7 +176,7 @@ def test_a_synthetic_checkpoint_works_with_every_command(tmp_path, vocab):
     import lily
     from conftest import TINY_SYNTH
     from lily.tokenizer_files import QWEN_VOCAB, qwen_chat_template
-    from test_server import post, serve
+    from server_helpers import http, running
 
     out = tmp_path / "s"
     info = synth.synthesize(out, None, layers=4, sets=[*TINY_SYNTH, f"vocab_size={vocab}"], progress=False)
@@ -192,12 +192,9 @@ def test_a_synthetic_checkpoint_works_with_every_command(tmp_path, vocab):
         r = subprocess.run([sys.executable, "-m", "lily", *cmd, "--backend", "cpu", "--max-tokens", "3"],
                            input="Hi\n", capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "error" not in r.stderr and "tok/s" in r.stderr, r.stderr
-    server, base = serve(model)
-    try:
-        status, body, _ = post(f"{base}/v1/chat/completions",
+    with running(model) as server:
+        status, _, body = http(server, "POST", "/v1/chat/completions",
                                {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
-    finally:
-        server.shutdown()
     assert status == 200 and json.loads(body)["choices"][0]["message"]["role"] == "assistant", body
 
 

@@ -13,6 +13,7 @@ from lily.model import Model
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
 from lily.reasoning import split_reasoning
 from lily.sampling import Sampler
+from lily.structured import Grammar
 from lily.template import ChatTemplate, TemplateError
 from lily.tokenizer import StreamingDetokenizer, Tokenizer
 from lily.tools import parse_tool_calls
@@ -27,6 +28,7 @@ __all__ = [
     "DeviceError",
     "Engine",
     "GenerationStats",
+    "Grammar",
     "LilyError",
     "Model",
     "ModelLoadError",

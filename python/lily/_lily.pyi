@@ -9,6 +9,7 @@ import numpy.typing as npt
 from typing_extensions import Self
 
 __all__ = [
+    "Constraint",
     "ContextFullError",
     "DeviceError",
     "Engine",
@@ -17,6 +18,7 @@ __all__ = [
     "Sampler",
     "SequenceEvictedError",
     "Snapshot",
+    "Vocab",
 ]
 
 class LilyError(Exception):
@@ -152,9 +154,38 @@ class Sampler:
         vocab_limit: int | None = None,
         seed: int = 0,
     ) -> Self: ...
-    def sample(self, logits: npt.NDArray[np.float32], logprob: bool = False) -> tuple[int, float | None]:
-        """Draw one token id; with ``logprob`` also its log-probability under the raw logits."""
+    def sample(
+        self, logits: npt.NDArray[np.float32], logprob: bool = False, constraint: Constraint | None = None
+    ) -> tuple[int, float | None]:
+        """Draw one token id; with ``logprob`` also its log-probability under the raw logits. With a
+        ``constraint``, only ids its grammar allows are drawn and the token is committed to it."""
+    def top_logprobs(self, logits: npt.NDArray[np.float32], k: int) -> list[tuple[int, float]]:
+        """The ``k`` most likely ids under the raw logits with their log-probabilities, most likely first."""
     def reset(self, prompt: Sequence[int], seed: int) -> None:
         """Start a new sequence: penalties count ``prompt``; the random stream restarts from ``seed``."""
     def accept(self, token: int) -> None:
         """Record a generated token (for the penalties)."""
+
+@final
+class Vocab:
+    """The token bytes of one tokenizer, for compiling grammars (structured output).
+
+    ``tokens[i]`` is the UTF-8 text of id ``i``; ``special`` ids are control tokens no grammar text
+    matches; ``eos`` ids end a generation (allowed once the grammar is complete); ``rows`` is the
+    length of the logits row (ids past ``len(tokens)`` are padding, never allowed).
+    """
+
+    def __new__(cls, tokens: Sequence[bytes], *, special: Sequence[int], eos: Sequence[int], rows: int) -> Self: ...
+    def constrain(self, kind: Literal["json_schema", "lark", "regex", "llguidance"] | str, source: str) -> Constraint:
+        """Compile a grammar into a fresh constraint for one generation (``ValueError`` if it does not compile)."""
+    @property
+    def rows(self) -> int:
+        """Entries of the logits row a mask covers."""
+
+@final
+class Constraint:
+    """A grammar followed by one generation; pass it to ``Sampler.sample`` at every step. The mask for
+    the next token is computed on a thread of its own after each committed token."""
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` next."""

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
-from lily._lily import ContextFullError
+from lily._lily import Constraint, ContextFullError
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, GenerationStats
 from lily.prefix import PrefixReuse
 from lily.reasoning import ThinkSplitter, split_reasoning
@@ -24,10 +24,12 @@ __all__ = ["chat_chunks", "echo", "token_stream"]
 
 
 def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], sampler: Sampler, max_tokens: int,
-           stops: list[str], logprobs: bool) -> Iterator[Chunk]:
-    """Chunks of the reply to ``ids``: one per token; the last one carries ``finish_reason`` and ``stats``. Owns the
-    model's sequence from its first step until another generation takes it (then it raises
-    ``SequenceEvictedError`` when resumed)."""
+           stops: list[str], logprobs: bool, top_logprobs: int = 0,
+           constraint: Constraint | None = None) -> Iterator[Chunk]:
+    """Chunks of the reply to ``ids``: one per token; the last one carries ``finish_reason`` and ``stats``.
+    With a ``constraint`` only the ids its grammar allows are sampled (structured output). Owns the model's
+    sequence from its first step until another generation takes it (then it raises ``SequenceEvictedError``
+    when resumed)."""
     stats = GenerationStats(prompt_tokens=len(ids))
     detok = tokenizer.detokenizer()
     ticket = object()
@@ -41,9 +43,12 @@ def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], samp
     finish, hit = "length", False
     token: int | None = None
     lp: float | None = None
+    top: list[tuple[int, float]] | None = None
     text = ""
     while stats.generated_tokens < max_tokens:
-        token, lp = sampler.sample(logits, logprob=logprobs)
+        token, lp = sampler.sample(logits, logprob=logprobs or top_logprobs > 0, constraint=constraint)
+        if top_logprobs:
+            top = sampler.top_logprobs(logits, top_logprobs)
         stats.generated_tokens += 1
         if t_first is None:
             t_first = time.perf_counter()
@@ -54,12 +59,12 @@ def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], samp
         text, hit = stop_strings.feed(detok.add(token))
         if hit or stats.generated_tokens >= max_tokens:
             break  # the final chunk carries this token
-        yield Chunk(text, token, lp)
+        yield Chunk(text, token, lp, top_logprobs=top)
         text = ""
         try:
             logits = prefix.decode(ticket, token)
         except ContextFullError:
-            token = lp = None
+            token = lp = top = None
             break
     if hit:
         finish = "stop"
@@ -71,7 +76,7 @@ def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], samp
         else:
             text += stop_strings.flush()
     stats.decode_s = time.perf_counter() - t_first if t_first is not None else 0.0
-    yield Chunk(text, token, lp, finish, stats)
+    yield Chunk(text, token, lp, finish, stats, top)
 
 
 def chat_chunks(chunks: Iterator[Chunk], thinking: bool,

@@ -8,12 +8,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lily._lily import Engine, ModelLoadError
+from lily._lily import Constraint, Engine, ModelLoadError, Vocab
 from lily.arguments import flag, integer, mapping, strings, text, token_ids
 from lily.generate import chat_chunks, echo, token_stream
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
 from lily.prefix import PrefixReuse
 from lily.sampling import Sampler, SamplingDefaults
+from lily.structured import Grammar, GrammarLike, as_grammar
 from lily.template import ChatTemplate
 from lily.tokenizer import Tokenizer
 from lily.tools import tool_call_arguments_as_mappings
@@ -72,6 +73,7 @@ class Model:
         self.defaults = SamplingDefaults.from_generation_config(self.generation_config)
         self.path = path
         self.prefix = PrefixReuse(engine, tokenizer.token_to_id("<|im_start|>"))
+        self._vocab: Vocab | None = None
 
     def __repr__(self) -> str:
         return f"Model(path={str(self.path)!r}, backend={getattr(self.engine, 'backend', '?')!r})"
@@ -122,6 +124,19 @@ class Model:
         base.update({k: v for k, v in settings.items() if v is not None})
         return Sampler(**base, vocab_limit=len(self.tokenizer))
 
+    def constrain(self, grammar: Grammar) -> Constraint:
+        """A fresh ``Constraint`` enforcing ``grammar`` over one generation (``ValueError`` if it does not
+        compile). The token table behind it is built on first use (~0.3 s for the Qwen3.6 vocabulary)."""
+        if self._vocab is None:
+            tok = self.tokenizer
+            table = [tok.token_bytes(i) for i in range(len(tok))]
+            eos = sorted(tok.eos_ids)
+            if not eos:
+                raise ValueError("structured output needs an end-of-sequence id; the checkpoint names none")
+            self._vocab = Vocab(table, special=sorted(tok.special_ids), eos=eos,
+                                rows=max(self.engine.vocab_size, len(table)))
+        return self._vocab.constrain(grammar.kind, grammar.source)
+
     def reset(self) -> None:
         """Empty the engine's sequence and forget the saved prefixes."""
         self.prefix.reset()
@@ -146,6 +161,9 @@ class Model:
         max_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
         logprobs: bool = False,
+        top_logprobs: int = 0,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        grammar: GrammarLike | None = None,
         sampler: Sampler | None = None,
         **sampling: Any,
     ) -> Iterator[Chunk]:
@@ -155,7 +173,10 @@ class Model:
         ends before it), or after ``max_tokens`` or when the context is full (``"length"``).
         Sampling options (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
         ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``) default to the
-        checkpoint's ``generation_config.json``; or pass a ready ``sampler``.
+        checkpoint's ``generation_config.json``; or pass a ready ``sampler``. ``top_logprobs=k`` adds
+        the k most likely ids to each chunk. Structured output: ``json_schema`` (a JSON schema) or
+        ``grammar`` (a ``lily.Grammar``, a Lark grammar as a str, or a compiled regex) is enforced
+        token by token; generation ends when it is complete.
         """
         if sampler is None:
             sampler = self.sampler(**sampling)
@@ -164,9 +185,13 @@ class Model:
         elif not isinstance(sampler, Sampler):
             raise TypeError(f"sampler must be a lily.Sampler, got {type(sampler).__name__}")
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else integer("max_tokens", max_tokens, low=0)
+        top_logprobs = integer("top_logprobs", top_logprobs, low=0, high=1000)
         stops = strings("stop", stop)
         ids = self._prompt_ids(prompt)
-        return token_stream(self.prefix, self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs))
+        rule = as_grammar(json_schema, grammar)
+        constraint = None if rule is None else self.constrain(rule)
+        return token_stream(self.prefix, self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs),
+                            top_logprobs, constraint)
 
     def generate(
         self,
@@ -175,18 +200,22 @@ class Model:
         max_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
         logprobs: bool = False,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        grammar: GrammarLike | None = None,
         sampler: Sampler | None = None,
         verbose: bool = False,
         **sampling: Any,
     ) -> Completion:
         """``stream`` collected: the generated text (a ``str``) with ``.tokens``, ``.logprobs``,
-        ``.finish_reason`` and ``.stats``. ``verbose=True`` prints the text as it streams, then the
-        speeds, as ``mlx_lm.generate(..., verbose=True)`` does."""
+        ``.finish_reason`` and ``.stats``. ``json_schema`` / ``grammar`` enforce structured output (see
+        ``stream``): ``json.loads(model.generate(p, json_schema=s))`` follows ``s``. ``verbose=True``
+        prints the text as it streams, then the speeds, as ``mlx_lm.generate(..., verbose=True)`` does."""
         parts: list[str] = []
         tokens: list[int] = []
         lps: list[float] = []
         finish, stats = None, GenerationStats()
-        chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
+        chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, json_schema=json_schema,
+                             grammar=grammar, sampler=sampler, **sampling)
         with self.prefix.turn:  # the whole generation, so that another thread's waits for it
             for chunk in echo(chunks, sys.stdout) if flag("verbose", verbose) else chunks:
                 parts.append(chunk.text)
@@ -210,6 +239,8 @@ class Model:
         max_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
         logprobs: bool = False,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        grammar: GrammarLike | None = None,
         sampler: Sampler | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         verbose: bool = False,
@@ -221,6 +252,7 @@ class Model:
         iterator of ``ChatChunk``s whose last one holds the message. Assistant messages from earlier
         turns (including ``tool_calls`` with JSON-string arguments) can be passed back as they are.
         ``verbose=True`` prints the generated text as it streams, then the speeds (as ``generate``).
+        ``json_schema`` / ``grammar`` constrain the answer (the thinking before it stays free).
         """
         if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
             raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
@@ -237,7 +269,11 @@ class Model:
         )
         assert isinstance(prompt, str)
         thinking = prompt.rstrip().endswith("<think>")
-        chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, sampler=sampler, **sampling)
+        rule = as_grammar(json_schema, grammar)
+        if rule is not None and thinking:
+            rule = rule.after_thinking()
+        chunks = self.stream(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=rule,
+                             sampler=sampler, **sampling)
         gen = chat_chunks(echo(chunks, sys.stdout) if flag("verbose", verbose) else chunks, thinking, tools)
         if flag("stream", stream):
             return gen

@@ -68,14 +68,15 @@ def _stats(data: Any) -> GenerationStats | None:
 @dataclasses.dataclass
 class Chunk:
     """One step of ``Model.stream``: the text it adds (may be empty while a character is incomplete),
-    the sampled token, its logprob when asked for, and ``finish_reason`` ("stop" or "length") on the
-    last chunk, which also carries ``stats``."""
+    the sampled token, its logprob when asked for (and the ``top_logprobs`` most likely ids with
+    theirs), and ``finish_reason`` ("stop" or "length") on the last chunk, which also carries ``stats``."""
 
     text: str
     token: int | None
     logprob: float | None = None
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Completion(str):

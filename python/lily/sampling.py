@@ -52,6 +52,20 @@ class SamplingDefaults:
         )
 
 
+def _row(logits: np.ndarray) -> np.ndarray:
+    """``logits`` as a contiguous 1-D float32 array (the array itself when it already is one)."""
+    if not (isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.ndim == 1):
+        try:
+            logits = np.ascontiguousarray(logits, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"logits must be a 1-D array of numbers: {e}") from None
+        if logits.ndim != 1:
+            raise ValueError(f"logits must be 1-D, got shape {logits.shape}")
+    elif not logits.flags.c_contiguous:
+        logits = np.ascontiguousarray(logits)
+    return logits
+
+
 class Sampler:
     """A sampling policy over float32 logits rows.
 
@@ -90,7 +104,7 @@ class Sampler:
         # Validates every value (ValueError naming the parameter).
         self._native = _lily.Sampler(
             temperature=self.temperature,
-            top_k=self.top_k,
+            top_k=min(self.top_k, 2**32),  # past any vocabulary: every id kept, as 0 does
             top_p=self.top_p,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
@@ -116,18 +130,16 @@ class Sampler:
         """Record a token chosen outside ``sample`` (for the penalties)."""
         self._native.accept(integer("token", token, low=0, high=2**32 - 1))
 
-    def sample(self, logits: np.ndarray, *, logprob: bool = False) -> tuple[int, float | None]:
-        """Draw a token from a 1-D float32 row; the row is read in place when it is contiguous float32."""
-        if not (isinstance(logits, np.ndarray) and logits.dtype == np.float32 and logits.ndim == 1):
-            try:
-                logits = np.ascontiguousarray(logits, dtype=np.float32)
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"logits must be a 1-D array of numbers: {e}") from None
-            if logits.ndim != 1:
-                raise ValueError(f"logits must be 1-D, got shape {logits.shape}")
-        elif not logits.flags.c_contiguous:
-            logits = np.ascontiguousarray(logits)
-        return self._native.sample(logits, logprob)
+    def sample(
+        self, logits: np.ndarray, *, logprob: bool = False, constraint: _lily.Constraint | None = None
+    ) -> tuple[int, float | None]:
+        """Draw a token from a 1-D float32 row; the row is read in place when it is contiguous float32.
+        With a ``constraint`` (structured output), only ids its grammar allows are drawn."""
+        return self._native.sample(_row(logits), logprob, constraint)
+
+    def top_logprobs(self, logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+        """The ``k`` most likely ids of the model's own distribution (raw logits) with their logprobs."""
+        return self._native.top_logprobs(_row(logits), k)
 
     def __call__(self, logits: np.ndarray) -> int:
         return self.sample(logits)[0]

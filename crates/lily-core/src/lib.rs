@@ -9,10 +9,12 @@
 //! - [`backend`]: the `Backend` interface and each backend's device, buffers and command stream
 //!   (CPU, Metal; CUDA plugs in beside them);
 //! - [`ops`]: the ops by family, each with its reference twin, CPU kernel and Metal encoder;
-//! - [`engine`]: prefill / decode over one sequence.
+//! - [`engine`]: prefill / decode over one sequence;
+//! - [`sampling`], [`constraint`]: the next token from the logits, optionally under a grammar.
 
 pub mod backend;
 pub mod config;
+pub mod constraint;
 pub mod engine;
 pub mod error;
 pub mod model;

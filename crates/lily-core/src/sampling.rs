@@ -221,15 +221,46 @@ impl Sampler {
 
     /// Draws one token from `logits` (one row, f32) and records it for the penalties.
     pub fn sample(&mut self, logits: &[f32], want_logprob: bool) -> Result<Sample> {
+        self.sample_allowed(logits, None, want_logprob)
+    }
+
+    /// [`Sampler::sample`] among the ids `allowed` permits (a bit set: bit `i % 32` of word `i / 32`
+    /// allows id `i`; see [`crate::constraint`]). The other ids are never drawn, whatever the
+    /// policy; the logprob is still the model's own (raw logits, no mask).
+    pub fn sample_allowed(&mut self, logits: &[f32], allowed: Option<&[u32]>, want_logprob: bool) -> Result<Sample> {
         let n = self.params.vocab_limit.map_or(logits.len(), |v| v.min(logits.len()));
         if n == 0 {
             return Err(Error::InvalidArgument("sampling: empty logits".to_string()));
         }
         let raw = &logits[..n];
-        let patched = self.patch(raw);
+        if let Some(mask) = allowed {
+            let live = |w: usize| {
+                let bits = mask.get(w).copied().unwrap_or(0);
+                let valid = n - w * 32; // ids of this word below n
+                if valid >= 32 {
+                    bits
+                } else {
+                    bits & ((1u32 << valid) - 1)
+                }
+            };
+            if !(0..n.div_ceil(32)).any(|w| live(w) != 0) {
+                return Err(Error::InvalidArgument(
+                    "constraint: the grammar allows no token of the vocabulary here".to_string(),
+                ));
+            }
+        }
+        let patched = self.patch(raw, allowed);
         let mut work = std::mem::take(&mut self.work);
         let row: &[f32] = if patched { &work } else { raw };
         let token = self.draw(row);
+        // The fast exp gives masked (-inf) entries a weight of ~1e-38 rather than 0: should the
+        // draw land on one, take the most likely allowed id instead.
+        let token = match (token, allowed) {
+            (Ok(t), Some(mask)) if !crate::constraint::allowed(mask, t) => max_and_argmax(&work)
+                .1
+                .ok_or_else(|| Error::InvalidArgument("sampling: no finite logit among the allowed ids".to_string())),
+            (t, _) => t,
+        };
         if patched {
             std::mem::swap(&mut self.work, &mut work);
         }
@@ -243,16 +274,56 @@ impl Sampler {
         Ok(Sample { token, logprob })
     }
 
-    /// Copies the row into `self.work` and applies bias and penalties, when there are any to apply.
-    fn patch(&mut self, raw: &[f32]) -> bool {
+    /// The `k` most likely ids of the model's distribution over `logits` (raw: no bias, penalty or
+    /// filter), with their log-probabilities, most likely first (OpenAI's `top_logprobs`).
+    pub fn top_logprobs(&mut self, logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+        let n = self.params.vocab_limit.map_or(logits.len(), |v| v.min(logits.len()));
+        let raw = &logits[..n];
+        if k == 0 || n == 0 {
+            return Vec::new();
+        }
+        top_k_into(raw, k.min(n), &mut self.cand);
+        let Some(&(max, _)) = self.cand.first() else {
+            return Vec::new();
+        };
+        if max == f32::INFINITY {
+            return self
+                .cand
+                .iter()
+                .map(|&(x, id)| (id, if x == max { 0.0 } else { f32::NEG_INFINITY }))
+                .collect();
+        }
+        let log_z = max as f64 + exp_sum(raw, max, 1.0).ln();
+        self.cand
+            .iter()
+            .map(|&(x, id)| (id, (x as f64 - log_z) as f32))
+            .collect()
+    }
+
+    /// Copies the row into `self.work` and applies the mask, bias and penalties, when there are any
+    /// to apply.
+    fn patch(&mut self, raw: &[f32], allowed: Option<&[u32]>) -> bool {
         let p = &self.params;
         let penalties = p.penalties_on() && !self.seen.is_empty();
-        if p.logit_bias.is_empty() && !penalties {
+        if p.logit_bias.is_empty() && !penalties && allowed.is_none() {
             return false;
         }
         self.work.clear();
         self.work.extend_from_slice(raw);
         let n = raw.len();
+        if let Some(mask) = allowed {
+            for (w, chunk) in self.work.chunks_mut(32).enumerate() {
+                let bits = mask.get(w).copied().unwrap_or(0);
+                if bits == u32::MAX {
+                    continue;
+                }
+                for (j, x) in chunk.iter_mut().enumerate() {
+                    if bits >> j & 1 == 0 {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
         for &(id, b) in &p.logit_bias {
             if let Some(x) = self.work.get_mut(id as usize) {
                 *x += b;
@@ -889,6 +960,96 @@ mod tests {
         let e: Vec<f64> = x.iter().map(|&v| (((v - m) / t) as f64).exp()).collect();
         let z: f64 = e.iter().sum();
         e.iter().map(|v| v / z).collect()
+    }
+
+    #[test]
+    fn a_mask_is_never_crossed_and_keeps_the_distribution_among_allowed_ids() {
+        let logits = patterned(3000, 11);
+        // Every 7th id, plus the id of the largest logit's neighbour: a sparse, irregular set.
+        let mut mask = vec![0u32; 3000usize.div_ceil(32)];
+        let allow = |m: &mut Vec<u32>, i: usize| m[i / 32] |= 1 << (i % 32);
+        for i in (3..3000).step_by(7) {
+            allow(&mut mask, i);
+        }
+        let policies = [
+            SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            SamplingParams::default(),
+            SamplingParams {
+                top_k: 20,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 0.1,
+                temperature: 0.7,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(0, 1e9)],
+                repetition_penalty: 1.3,
+                ..Default::default()
+            },
+        ];
+        for params in policies {
+            let mut s = sampler(params.clone());
+            for _ in 0..500 {
+                let t = s.sample_allowed(&logits, Some(&mask), false).unwrap().token as usize;
+                assert!(
+                    t >= 3 && (t - 3) % 7 == 0,
+                    "{params:?} drew {t}, which the mask forbids"
+                );
+            }
+        }
+        // Among allowed ids the draw follows the softmax of their logits.
+        let mut s = sampler(SamplingParams::default());
+        let small: Vec<f32> = vec![1.0, 5.0, 2.0, 0.0, 3.0];
+        let m = [0b10101u32]; // ids 0, 2, 4
+        let mut f = [0.0f64; 5];
+        for _ in 0..20000 {
+            f[s.sample_allowed(&small, Some(&m), false).unwrap().token as usize] += 1.0 / 20000.0;
+        }
+        let want = softmax(&[1.0, 2.0, 3.0], 1.0);
+        for (k, &id) in [0usize, 2, 4].iter().enumerate() {
+            assert!((f[id] - want[k]).abs() < 0.015, "id {id}: {} vs {}", f[id], want[k]);
+        }
+        assert_eq!(f[1] + f[3], 0.0);
+    }
+
+    #[test]
+    fn an_empty_mask_is_an_error_not_a_draw() {
+        let mut s = sampler(SamplingParams::default());
+        let logits = patterned(100, 1);
+        let err = s.sample_allowed(&logits, Some(&[0, 0, 0, 0]), false).unwrap_err();
+        assert!(err.to_string().contains("allows no token"), "{err}");
+        // Bits past the valid ids (vocab_limit) do not count.
+        let mut s = sampler(SamplingParams {
+            vocab_limit: Some(40),
+            ..Default::default()
+        });
+        assert!(s.sample_allowed(&logits, Some(&[0, 1 << 10, 0, 0]), false).is_err());
+    }
+
+    #[test]
+    fn top_logprobs_are_the_largest_log_softmax_entries() {
+        let logits = patterned(5000, 3);
+        let mut s = sampler(SamplingParams {
+            vocab_limit: Some(4000),
+            ..Default::default()
+        });
+        let top = s.top_logprobs(&logits, 5);
+        let mut order: Vec<usize> = (0..4000).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        for (k, &(id, lp)) in top.iter().enumerate() {
+            assert_eq!(id as usize, order[k]);
+            let want = log_softmax_at(&logits[..4000], order[k]);
+            assert!((lp - want).abs() < 1e-4, "{lp} vs {want}");
+        }
     }
 
     #[test]

@@ -1,9 +1,13 @@
 //! `lily._lily.Sampler`: the native half of `lily.Sampler`. Python holds the policy and its
 //! defaults; this class does the per-token work on the full logits row, with the GIL released.
+//! `Vocab` and `Constraint` bring structured output: the sampler draws only ids a grammar allows.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Mutex};
 
-use lily_core::sampling::{Sampler as CoreSampler, SamplingParams};
+use lily_core::{
+    constraint::{Constraint as CoreConstraint, GrammarKind, Vocab as CoreVocab},
+    sampling::{Sampler as CoreSampler, SamplingParams},
+};
 use numpy::PyReadonlyArray1;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -54,20 +58,48 @@ impl PySampler {
 
     /// Draws one token from a 1-D float32 row (read in place, not copied) and records it for the
     /// penalties. Returns `(token, logprob)`; `logprob` is the raw log-softmax of the token, or None
-    /// unless asked for.
-    #[pyo3(signature = (logits, logprob=false))]
+    /// unless asked for. With a `constraint`, only ids its grammar allows are drawn, and the
+    /// token is committed to it (its next mask is then computed while the caller runs the model).
+    #[pyo3(signature = (logits, logprob=false, constraint=None))]
     fn sample(
         &mut self,
         py: Python<'_>,
         logits: PyReadonlyArray1<'_, f32>,
         logprob: bool,
+        constraint: Option<PyRef<'_, PyConstraint>>,
     ) -> PyResult<(u32, Option<f32>)> {
         let row = logits
             .as_slice()
             .map_err(|_| PyValueError::new_err("logits must be a contiguous 1-D float32 array"))?;
         let inner = &mut self.inner;
-        let s = py.detach(|| inner.sample(row, logprob)).map_err(value_error)?;
+        let s = match constraint {
+            None => py.detach(|| inner.sample(row, logprob)),
+            Some(c) => {
+                let c = &c.inner;
+                py.detach(|| {
+                    let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+                    let s = inner.sample_allowed(row, Some(c.mask()?), logprob)?;
+                    c.commit(s.token)?;
+                    Ok(s)
+                })
+            }
+        }
+        .map_err(value_error)?;
         Ok((s.token, s.logprob))
+    }
+
+    /// The `k` most likely ids under the raw logits with their log-probabilities, most likely first.
+    fn top_logprobs(
+        &mut self,
+        py: Python<'_>,
+        logits: PyReadonlyArray1<'_, f32>,
+        k: usize,
+    ) -> PyResult<Vec<(u32, f32)>> {
+        let row = logits
+            .as_slice()
+            .map_err(|_| PyValueError::new_err("logits must be a contiguous 1-D float32 array"))?;
+        let inner = &mut self.inner;
+        Ok(py.detach(|| inner.top_logprobs(row, k)))
     }
 
     /// Starts a new sequence: re-seeds, forgets the counts, and counts `prompt` for the repetition penalty.
@@ -82,8 +114,62 @@ impl PySampler {
     }
 }
 
+/// The token bytes of one tokenizer, for compiling grammars (built once per model).
+#[pyclass(module = "lily._lily", name = "Vocab", frozen)]
+pub struct PyVocab {
+    inner: CoreVocab,
+}
+
+#[pymethods]
+impl PyVocab {
+    #[new]
+    #[pyo3(signature = (tokens, *, special, eos, rows))]
+    fn new(py: Python<'_>, tokens: Vec<Vec<u8>>, special: Vec<u32>, eos: Vec<u32>, rows: usize) -> PyResult<Self> {
+        let inner = py
+            .detach(|| CoreVocab::new(&tokens, &special, &eos, rows))
+            .map_err(value_error)?;
+        Ok(PyVocab { inner })
+    }
+
+    /// Compiles a grammar (`kind`: "json_schema", "lark", "regex" or "llguidance") into a fresh
+    /// constraint for one generation.
+    fn constrain(&self, py: Python<'_>, kind: &str, source: &str) -> PyResult<PyConstraint> {
+        let kind = GrammarKind::parse(kind).map_err(value_error)?;
+        let inner = py.detach(|| self.inner.constrain(kind, source)).map_err(value_error)?;
+        Ok(PyConstraint {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Entries of the logits row a mask covers.
+    #[getter]
+    fn rows(&self) -> usize {
+        self.inner.rows()
+    }
+}
+
+/// A grammar followed by one generation; pass it to `Sampler.sample` at every step.
+#[pyclass(module = "lily._lily", name = "Constraint", frozen)]
+pub struct PyConstraint {
+    inner: Mutex<CoreConstraint>,
+}
+
+#[pymethods]
+impl PyConstraint {
+    /// Whether the grammar allows `token` next (waits for the mask if it is being computed).
+    fn allows(&self, py: Python<'_>, token: u32) -> PyResult<bool> {
+        py.detach(|| {
+            let mut c = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            Ok(lily_core::constraint::allowed(c.mask()?, token))
+        })
+        .map_err(value_error)
+    }
+}
+
 /// Adds this file's classes to `lily._lily`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySampler>()?;
+    m.add_class::<PyVocab>()?;
+    m.add_class::<PyConstraint>()?;
     Ok(())
 }
