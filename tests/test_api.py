@@ -47,8 +47,8 @@ def test_reference_kernels_agree_on_a_whole_forward(lily, ckpts):
     # only goes wrong in context (strides, chunk boundaries, expert grouping).
     path = ckpts.path("real-s0-q4g64")
     toks = list(np.random.default_rng(3).integers(0, ckpts.vocab_size("real-s0-q4g64"), 80))
-    fast = lily.Engine(path, backend="cpu").prefill(toks, all_logits=True)
-    ref = lily.Engine(path, backend="cpu-reference").prefill(toks, all_logits=True)
+    fast = lily.Engine(path, backend="cpu", kv_dtype="f32").prefill(toks, all_logits=True)
+    ref = lily.Engine(path, backend="cpu-reference", kv_dtype="f32").prefill(toks, all_logits=True)
     assert np.abs(fast - ref).max() <= 1e-4
 
 

@@ -167,3 +167,32 @@ def test_prefill_memory_is_bounded_by_kv_growth(ckpts):
     (grow_s, kv_s), (grow_l, kv_l) = runs[2048], runs[16384]
     # Past the KV the long prefill may not take more than a few MiB beyond the short one (allocator noise).
     assert grow_l - grow_s <= (kv_l - kv_s) + (8 << 20), runs
+
+
+def test_fill_context_reaches_depth_without_prefill(lily, ckpts):
+    """``fill_context`` (what the long-context benchmark uses past a real prefill) writes rows that attention reads,
+    grows the cache like a prefill of that length, matches no token, and refuses to pass max_seq."""
+    folder = str(ckpts.path(LONG))
+    cfg = ckpts.config(LONG)["text_config"]
+    row = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    layers = sum(1 for i in range(cfg["num_hidden_layers"]) if (i + 1) % cfg["full_attention_interval"] == 0)
+    eng = lily.Engine(folder, backend="cpu", max_seq=4096)
+    eng.fill_context(3000, seed=1)
+    assert eng.position == 3000
+    assert 3000 * row * layers <= eng.kv_bytes <= (3000 + 1024) * row * layers
+    assert eng.cached_prefix([0, 1, 2]) == 0
+    got = eng.decode(5)
+    assert np.isfinite(got).all()
+    other = lily.Engine(folder, backend="cpu", max_seq=4096)
+    other.fill_context(3000, seed=2)
+    assert np.abs(other.decode(5) - got).max() > 1e-3  # different rows, different attention output
+    same = lily.Engine(folder, backend="cpu", max_seq=4096)
+    same.fill_context(1000, seed=1)  # the rows depend on the seed and the position only, not the call's size
+    same.fill_context(2000, seed=1)
+    assert same.position == 3000
+    assert np.array_equal(same.decode(5), got)
+    with pytest.raises(lily.ContextFullError):
+        eng.fill_context(2000)
+    assert eng.position == 3001
+    with pytest.raises(ValueError):
+        eng.fill_context(0)

@@ -88,6 +88,9 @@ class Engine:
         """Append one token; its next-token logits, shape ``[vocab_size]``."""
     def reset(self) -> None:
         """Start a new, empty sequence."""
+    def fill_context(self, n: int, *, seed: int = 0) -> None:
+        """Append ``n`` positions of synthetic context (random K/V rows, the DeltaNet state as it is), so that
+        decode runs at that depth without the prefill's cost. For benchmarks: these positions match no token."""
     def snapshot(self) -> Snapshot:
         """Copy the sequence state at the current position (DeltaNet states; KV rows are shared)."""
     def restore(self, snapshot: Snapshot) -> None:

@@ -20,7 +20,7 @@ use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
 use crate::backend::metal::{sim::Sim, Metal};
 use crate::{
-    backend::{cpu::Cpu, Backend, KvDtype, StreamKind},
+    backend::{cpu::Cpu, params::KvStoreParams, Backend, KvDtype, StreamKind},
     config::ModelConfig,
     error::{Error, Result},
     model::{
@@ -210,6 +210,56 @@ impl<B: Backend> Runner<B> {
         Ok(())
     }
 
+    /// Append `n` positions of synthetic context: random K/V rows in every attention layer, the
+    /// DeltaNet states untouched (their cost does not depend on the position). Decode at depth
+    /// `n` then reads and computes exactly what it would after a real prompt of `n` tokens, which
+    /// lets a benchmark measure long-context decode without paying for the prefill.
+    fn fill_context(&mut self, n: usize, seed: u64) -> Result<()> {
+        if self.pos.checked_add(n).is_none_or(|end| end > self.max_seq) {
+            return Err(Error::ContextFull {
+                used: self.pos,
+                requested: n,
+                max: self.max_seq,
+            });
+        }
+        self.state.reserve(&self.b, self.pos + n)?;
+        let width = self.state.kv_width;
+        let mut done = 0;
+        while done < n {
+            let t = self.scratch.chunk.min(n - done);
+            let row0 = self.pos + done;
+            // Small values (|x| < 0.1) that depend on the seed, the row and the column only: scores
+            // stay tame, no two rows coincide, and filling in one call or several writes the same.
+            let block: Vec<f32> = (0..t * width)
+                .map(|i| {
+                    let (r, c) = ((row0 + i / width) as u64, (i % width) as u64);
+                    let h = splitmix64(seed ^ splitmix64(r.wrapping_mul(0x1_0000_0001) ^ c));
+                    ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+                })
+                .collect();
+            let block = self.b.upload(&block)?;
+            let p = KvStoreParams {
+                tokens: t as u32,
+                pos0: row0 as u32,
+                width: width as u32,
+            };
+            self.b.begin(StreamKind::Other)?;
+            for layer in &mut self.state.layers {
+                if let LayerState::Attention(kv) = layer {
+                    self.b.kv_store(&p, &block, &mut kv.k);
+                    self.b.kv_store(&p, &block, &mut kv.v);
+                }
+            }
+            self.b.finish()?;
+            done += t;
+        }
+        // No token wrote these rows: u32::MAX matches no id, so no prefix reuse reaches past them.
+        self.cached.truncate(self.pos);
+        self.cached.resize(self.pos + n, u32::MAX);
+        self.pos += n;
+        Ok(())
+    }
+
     fn snapshot(&self) -> Result<Snapshot> {
         let mut bufs = Vec::new();
         self.b.begin(StreamKind::Other)?;
@@ -267,6 +317,14 @@ impl<B: Backend> Runner<B> {
     fn cached_prefix(&self, tokens: &[u32]) -> usize {
         self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count()
     }
+}
+
+/// A 64-bit mix (SplitMix64's finalizer): a well-spread value from each input.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Which backend runs the model.
@@ -477,6 +535,12 @@ impl Engine {
 
     pub fn reset(&mut self) -> Result<()> {
         each!(self, r => r.reset())
+    }
+
+    /// Append `n` positions of synthetic context (random K/V rows; DeltaNet state as it is), for
+    /// measuring decode at depth `n` without a prefill. Those rows match no token.
+    pub fn fill_context(&mut self, n: usize, seed: u64) -> Result<()> {
+        each!(self, r => r.fill_context(n, seed))
     }
 
     /// Copy the state at the current position, to come back to with [`Engine::restore`].

@@ -295,6 +295,19 @@ impl Engine {
         self.peek(py, |e| e.cached_prefix(&ids))
     }
 
+    /// Append n positions of synthetic context (random K/V rows in the attention layers, the
+    /// DeltaNet state as it is): decode then runs at depth position + n without the prefill's
+    /// cost. For benchmarks; these positions match no token, so prefix reuse stops before them.
+    #[pyo3(signature = (n, *, seed = 0))]
+    fn fill_context(&self, py: Python<'_>, n: i64, seed: u64) -> PyResult<()> {
+        if n < 1 {
+            return Err(PyValueError::new_err(format!("n must be at least 1, got {n}")));
+        }
+        Ok(self
+            .with(py, |e| e.fill_context(n as usize, seed))?
+            .map_err(PyLilyError::from)?)
+    }
+
     /// Forget the sequence (state and position back to zero).
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         Ok(self.with(py, |e| e.reset())?.map_err(PyLilyError::from)?)

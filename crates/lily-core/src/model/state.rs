@@ -29,6 +29,8 @@ pub enum LayerState<B: Backend> {
 
 pub struct State<B: Backend> {
     pub layers: Vec<LayerState<B>>,
+    /// Elements of one K (or V) row: Hkv * hd.
+    pub kv_width: usize,
 }
 
 impl<B: Backend> State<B> {
@@ -58,7 +60,7 @@ impl<B: Backend> State<B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(State { layers })
+        Ok(State { layers, kv_width })
     }
 
     /// Room for `rows` KV rows in every attention layer (whole segments, allocated now).
