@@ -15,6 +15,7 @@ pub mod backend;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod quant;

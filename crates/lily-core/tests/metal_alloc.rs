@@ -137,6 +137,7 @@ impl Executor for NullExec {
     type Buffer = Arc<Mem>;
     type Pipeline = NullPipeline;
     type Encoder = NullEncoder;
+    type Pending = ();
 
     fn describe(&self) -> String {
         "null executor (tests)".into()
@@ -201,9 +202,12 @@ impl Executor for NullExec {
             self.fail(|| format!("{name}: {tg} bytes of threadgroup memory"));
         }
     }
-    fn commit_wait(&self, enc: NullEncoder) -> Result<()> {
+    fn commit(&self, enc: NullEncoder) -> Result<()> {
         *self.last.lock().unwrap() = Some((enc.label, enc.dispatches));
         self.streams.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+    fn wait(&self, _: ()) -> Result<()> {
         Ok(())
     }
 }

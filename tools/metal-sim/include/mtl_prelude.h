@@ -910,7 +910,10 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
   g_ctx = nullptr;
   if (guards) {
     for (int i = 0; i < nbufs; ++i) {
-      if (guards[i].user) memcpy(guards[i].user, guards[i].data, guards[i].n);
+      // Copied back only where the kernel changed it: a read-only binding (weights wrapped in
+      // place from a read-only mapping) is never written.
+      if (guards[i].user && memcmp(guards[i].user, guards[i].data, guards[i].n) != 0)
+        memcpy(guards[i].user, guards[i].data, guards[i].n);
       munmap(guards[i].base, guards[i].total);
     }
     g_guards = nullptr;
