@@ -62,7 +62,19 @@ const PRELUDE: &[(&str, &str)] = &[
     prelude!("metal_stdlib"),
 ];
 
-const FLAGS: &[&str] = &["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-shared", "-DMTL_EXEC", "-w"];
+/// `-DMTL_NO_BFLOAT`: the shaders as Metal Shading Language 3.0, which the device compiles them as
+/// (no `bfloat` type).
+const FLAGS: &[&str] = &[
+    "-x",
+    "c++",
+    "-std=c++20",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-DMTL_EXEC",
+    "-DMTL_NO_BFLOAT",
+    "-w",
+];
 
 type KernelGetter = unsafe extern "C" fn() -> *const c_void;
 type DispatchFn = unsafe extern "C" fn(
