@@ -2,9 +2,10 @@
 //! compiled by Apple's compiler with `newLibraryWithSource`, fast math on), a tiny checkpoint end
 //! to end with each GPU family's kernel variants against the reference backend, weights wrapped
 //! without a copy. Each kernel against its reference twin on the device: the `metal_device`
-//! module of each tests/ops_<family>.rs. A Mac without a Metal GPU (no device, or only a
-//! virtual machine's paravirtual one, as on hosted CI runners) skips with a message, unless
-//! LILY_REQUIRE_METAL=1; every other failure fails.
+//! module of each tests/ops_<family>.rs. Only a Mac that cannot have a usable Metal GPU (a
+//! virtual machine with a paravirtual one, as on hosted CI runners, or an Intel Mac) skips, with
+//! a message, unless LILY_REQUIRE_METAL=1; on Apple-silicon hardware every failure fails,
+//! a GPU that is not found included (`metal_common::device`).
 
 #![cfg(target_os = "macos")]
 

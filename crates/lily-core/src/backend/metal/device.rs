@@ -93,6 +93,33 @@ use crate::{
 extern "C" {
     /// libc (libSystem on macOS): the VM page size (16 KiB on Apple silicon).
     fn getpagesize() -> c_int;
+    /// libSystem: read a kernel variable by name.
+    fn sysctlbyname(
+        name: *const std::ffi::c_char,
+        oldp: *mut c_void,
+        oldlenp: *mut usize,
+        newp: *mut c_void,
+        newlen: usize,
+    ) -> c_int;
+}
+
+/// Whether this macOS runs in a virtual machine (`sysctl kern.hv_vmm_present`), where the only
+/// Metal device is a paravirtual one (GitHub's hosted runners, UTM, Parallels). The one place
+/// a Mac may lack a usable GPU: on Apple-silicon hardware a missing GPU is a fault (the Metal
+/// tests fail there instead of skipping).
+pub fn in_virtual_machine() -> bool {
+    let (mut v, mut len): (c_int, usize) = (0, std::mem::size_of::<c_int>());
+    // SAFETY: a NUL-terminated name, an int-sized output buffer with its length, no new value.
+    let rc = unsafe {
+        sysctlbyname(
+            c"kern.hv_vmm_present".as_ptr(),
+            (&raw mut v).cast(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    rc == 0 && v == 1
 }
 
 type MtlDevice = Retained<ProtocolObject<dyn MTLDevice>>;
