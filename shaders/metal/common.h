@@ -55,21 +55,30 @@ inline float tg_max(float v, threadgroup float* partial, uint sg, uint lane, uin
   return t;
 }
 
-// Stored float formats of weights, scales and biases: the type in memory and its widening to
-// f32. bf16 is read as its 16 bits and widened exactly (the top half of an f32): the `bfloat`
-// type needs Metal Shading Language 3.1 (macOS 14), and the host compiles these shaders as MSL
-// 3.0 so that macOS 13 runs them (backend/metal/kernels.rs: MSL_VERSION).
+// Stored float formats of weights, scales, biases and the KV cache: the type in memory, its
+// widening to f32 (exact) and the rounding of an f32 to it (to nearest even). bf16 is handled as
+// its 16 bits (the top half of an f32): the `bfloat` type needs Metal Shading Language 3.1
+// (macOS 14), and the host compiles these shaders as MSL 3.0 so that macOS 13 runs them
+// (backend/metal/kernels.rs: MSL_VERSION).
 struct F32 {
   typedef float stored;
   static inline float widen(float v) { return v; }
+  static inline float narrow(float v) { return v; }
 };
 struct F16 {
   typedef half stored;
   static inline float widen(half v) { return float(v); }
+  static inline half narrow(float v) { return half(v); }
 };
 struct BF16 {
   typedef ushort stored;
   static inline float widen(ushort bits) { return as_type<float>(uint(bits) << 16); }
+  static inline ushort narrow(float v) {
+    uint u = as_type<uint>(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ushort((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return ushort(u >> 16);
+  }
 };
 
 // Dense weights of stored format T (F32, F16, BF16); row-major [stored rows, cols].
