@@ -17,6 +17,8 @@ __all__ = [
     "Sampler",
     "SequenceEvictedError",
     "Snapshot",
+    "checkpoint_fit",
+    "system_info",
 ]
 
 class LilyError(Exception):
@@ -117,6 +119,10 @@ class Engine:
     def backend(self) -> str:
         """The backend running the model, e.g. ``"cpu"``."""
     @property
+    def notes(self) -> list[str]:
+        """What the engine chose at load, in words: the backend ``"auto"`` picked and why, a ``max_seq``
+        fitted to the device's memory."""
+    @property
     def config(self) -> dict[str, Any]:
         """The checkpoint's ``config.json`` as a dict."""
 
@@ -158,3 +164,23 @@ class Sampler:
         """Start a new sequence: penalties count ``prompt``; the random stream restarts from ``seed``."""
     def accept(self, token: int) -> None:
         """Record a generated token (for the penalties)."""
+
+def system_info() -> dict[str, Any]:
+    """This machine as Lily sees it, building no backend: ``version``, ``os``, ``auto`` (``backend``,
+    ``reason``, ``fallback``: the CPU chosen although a GPU backend exists for this platform) and ``metal``
+    (``device``, ``gpu_family``, ``recommended_max_working_set_size``, ``unified_memory``,
+    ``max_buffer_length``; or ``error``: why there is no Metal GPU)."""
+
+def checkpoint_fit(
+    path: str | os.PathLike[str],
+    *,
+    backend: str = "auto",
+    max_seq: int | None = None,
+    prefill_chunk: int | None = None,
+    kv_dtype: str = "bf16",
+) -> dict[str, Any]:
+    """Whether the checkpoint in ``path`` fits ``backend``'s memory at ``max_seq``: the check the engine makes
+    at load, without loading. ``fits``; ``backend`` (``"auto"`` resolved); ``limit`` and ``limit_is`` (bytes and
+    what they are; ``None`` for the CPU); when it fits ``max_seq`` (as asked, or fitted to the device when none
+    was), ``note``, ``bytes`` (``weights``, ``delta_net_state``, ``kv_cache``, ``activations``, ``total``),
+    ``kv_dtype`` and ``describe``; else ``error``, the message loading would raise."""

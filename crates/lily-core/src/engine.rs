@@ -92,7 +92,7 @@ static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 /// `max_seq` for a backend with `limit` bytes of memory: the one asked for if the footprint at
 /// it fits (a `DeviceError` naming the `max_seq` that would fit otherwise), else the longest
 /// that fits up to the config's maximum (and a note saying so); with the footprint at it.
-fn fit_max_seq(
+pub(crate) fn fit_max_seq(
     cfg: &ModelConfig,
     weights: u64,
     opts: &Options,
@@ -414,6 +414,18 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Cpu => "cpu",
+            BackendKind::CpuReference => "cpu-reference",
+            BackendKind::Metal => "metal",
+            BackendKind::MetalSim => "metal-sim",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
     pub fn parse(name: &str) -> Result<Self> {
         Ok(match name {
             "auto" => BackendKind::Auto,
@@ -529,6 +541,28 @@ impl Default for Options {
     }
 }
 
+impl Options {
+    /// Refuse values no engine can be built with, before anything is loaded.
+    pub(crate) fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        match self.max_seq {
+            Some(0) => return Err(Error::InvalidArgument("max_seq must be at least 1".into())),
+            // Positions reach the kernels as u32.
+            Some(n) if n > u32::MAX as usize => {
+                return Err(Error::InvalidArgument(format!(
+                    "max_seq {n} is more than the {} positions the kernels address (the model is trained for {})",
+                    u32::MAX,
+                    cfg.max_position_embeddings
+                )))
+            }
+            _ => {}
+        }
+        if self.prefill_chunk == Some(0) {
+            return Err(Error::InvalidArgument("prefill_chunk must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
 impl Engine {
     /// Load the checkpoint in `dir`. `max_seq` defaults to the config's `max_position_embeddings`.
     pub fn new(dir: &Path, backend: BackendKind, max_seq: Option<usize>) -> Result<Self> {
@@ -560,26 +594,12 @@ impl Engine {
     /// Load the checkpoint in `dir` as `opts` say. `progress(done, total)` is called after each
     /// layer is loaded; an error from it stops the load and is returned.
     pub fn load(dir: &Path, opts: &Options, progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Self> {
-        let (backend, max_seq, prefill_chunk) = (opts.backend, opts.max_seq, opts.prefill_chunk);
+        let backend = opts.backend;
         if !dir.is_dir() {
             return Err(Error::file(dir, "checkpoint folder not found"));
         }
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        match max_seq {
-            Some(0) => return Err(Error::InvalidArgument("max_seq must be at least 1".into())),
-            // Positions reach the kernels as u32.
-            Some(n) if n > u32::MAX as usize => {
-                return Err(Error::InvalidArgument(format!(
-                    "max_seq {n} is more than the {} positions the kernels address (the model is trained for {})",
-                    u32::MAX,
-                    cfg.max_position_embeddings
-                )))
-            }
-            _ => {}
-        }
-        if prefill_chunk == Some(0) {
-            return Err(Error::InvalidArgument("prefill_chunk must be at least 1".into()));
-        }
+        opts.check(&cfg)?;
         let (backend, notes) = match backend {
             BackendKind::Auto => {
                 let choice = auto_choice();

@@ -9,12 +9,15 @@
 //! - [`backend`]: the `Backend` interface and each backend's device, buffers and command stream
 //!   (CPU, Metal; CUDA plugs in beside them);
 //! - [`ops`]: the ops by family, each with its reference twin, CPU kernel and Metal encoder;
-//! - [`engine`]: prefill / decode over one sequence.
+//! - [`engine`]: prefill / decode over one sequence;
+//! - [`memory`], [`info`]: the model's footprint checked against the device, and what
+//!   `lily info` reports.
 
 pub mod backend;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod info;
 pub mod memory;
 pub mod model;
 pub mod ops;

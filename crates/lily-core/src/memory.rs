@@ -106,9 +106,13 @@ impl Footprint {
     }
 }
 
-/// Bytes in GB (10^9), two decimals.
+/// Bytes in GB (10^9), two decimals; in MB below 0.1 GB (a test checkpoint's sizes).
 pub fn gb(bytes: u64) -> String {
-    format!("{:.2} GB", bytes as f64 / 1e9)
+    if bytes >= 100_000_000 {
+        format!("{:.2} GB", bytes as f64 / 1e9)
+    } else {
+        format!("{:.2} MB", bytes as f64 / 1e6)
+    }
 }
 
 /// 262144 -> "262,144".
@@ -215,5 +219,6 @@ mod tests {
         assert_eq!(grouped(262144), "262,144");
         assert_eq!(grouped(12), "12");
         assert_eq!(gb(19_500_000_000), "19.50 GB");
+        assert_eq!(gb(1_234_567), "1.23 MB");
     }
 }

@@ -69,6 +69,7 @@ pub struct Engine {
     backend: &'static str,
     config_json: String,
     kv_dtype: &'static str,
+    notes: Vec<String>,
 }
 
 impl Engine {
@@ -222,6 +223,7 @@ impl Engine {
             backend: engine.backend_name(),
             config_json: engine.config().raw.to_string(),
             kv_dtype: engine.kv_dtype().name(),
+            notes: engine.notes().to_vec(),
             inner: Mutex::new(engine),
             holder: AtomicUsize::new(0),
         })
@@ -314,6 +316,13 @@ impl Engine {
     #[getter]
     fn kv_dtype(&self) -> &'static str {
         self.kv_dtype
+    }
+
+    /// What the engine chose at load, in words: the backend "auto" picked and why, a max_seq
+    /// fitted to the device's memory.
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
     }
 
     /// Bytes of KV cache held now (it grows in segments with the sequence).

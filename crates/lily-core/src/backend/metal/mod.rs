@@ -135,6 +135,30 @@ pub fn probe() -> std::result::Result<DeviceInfo, String> {
     }
 }
 
+/// What the memory limit of a Metal backend is, in the engine's and `lily info`'s messages.
+pub const WORKING_SET: &str = "the GPU's recommendedMaxWorkingSetSize";
+
+/// Tokens per prefill forward call unless the caller chooses.
+pub const PREFILL_CHUNK: usize = 256;
+
+/// The working set the simulator reports (`LILY_METAL_SIM_WORKING_SET`, bytes; `None`: no
+/// limit): tests play a small GPU with it.
+pub fn sim_working_set() -> Result<Option<u64>> {
+    env_number("LILY_METAL_SIM_WORKING_SET")
+}
+
+/// A whole number from environment variable `var`; `None` when unset or empty.
+pub(crate) fn env_number(var: &str) -> Result<Option<u64>> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::InvalidArgument(format!("{var} must be a whole number, found {v:?}"))),
+        _ => Ok(None),
+    }
+}
+
 /// `a / b` rounded up, as a grid dimension.
 pub(crate) fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
@@ -301,10 +325,11 @@ impl<X: Executor> Backend for Metal<X> {
         self.prepare_format(mm.weight)?;
         Ok(mm)
     }
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
     fn memory_limit(&self) -> Option<(u64, &'static str)> {
-        self.x
-            .working_set()
-            .map(|b| (b, "the GPU's recommendedMaxWorkingSetSize"))
+        self.x.working_set().map(|b| (b, WORKING_SET))
     }
     fn copied_weight_bytes(&self) -> u64 {
         self.copied.load(Ordering::Relaxed)

@@ -240,18 +240,8 @@ impl Sim {
             libs.push(load(&so)?);
         }
         let bounds_check = std::env::var("LILY_METAL_SIM_BOUNDS").map_or(true, |v| v != "0");
-        let number = |var: &str| -> Result<Option<u64>> {
-            match std::env::var(var) {
-                Ok(v) if !v.trim().is_empty() => v
-                    .trim()
-                    .parse()
-                    .map(Some)
-                    .map_err(|_| Error::InvalidArgument(format!("{var} must be a whole number, found {v:?}"))),
-                _ => Ok(None),
-            }
-        };
-        let working_set = number("LILY_METAL_SIM_WORKING_SET")?;
-        let fail_at = number("LILY_METAL_SIM_FAIL_COMMAND")?.unwrap_or(0);
+        let working_set = super::sim_working_set()?;
+        let fail_at = super::env_number("LILY_METAL_SIM_FAIL_COMMAND")?.unwrap_or(0);
         Ok(Sim {
             libs,
             bounds_check,
