@@ -98,3 +98,27 @@ def test_cli(tiny_hf):
     assert r.returncode == 2 and "not a checkpoint folder" in r.stderr
     r = _cli(str(tiny_hf), "--max-seq", "0")
     assert r.returncode == 2 and "--max-seq" in r.stderr
+
+
+def test_auto_falling_back_to_the_cpu_warns_once(lily, tiny_hf, monkeypatch):
+    """Where "auto" passes over a GPU backend (a Mac whose Metal GPU is not found), loading says so once, with
+    the reason; elsewhere (the CPU is simply what this machine has) it says nothing."""
+    import warnings
+
+    import lily.loading as loading
+
+    reason = "CPU: no Metal GPU of family Apple7 or later (a test)"
+    monkeypatch.setattr(loading, "_warned_fallback", False)
+    monkeypatch.setattr(loading._lily, "system_info",
+                        lambda: {"auto": {"backend": "cpu", "reason": reason, "fallback": True}})
+    with pytest.warns(RuntimeWarning, match="a test"):
+        lily.load(tiny_hf, max_seq=64, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lily.load(tiny_hf, max_seq=64, progress=False)
+    monkeypatch.setattr(loading, "_warned_fallback", False)
+    monkeypatch.setattr(loading._lily, "system_info",
+                        lambda: {"auto": {"backend": "cpu", "reason": "CPU: Linux", "fallback": False}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lily.load(tiny_hf, max_seq=64, progress=False)

@@ -22,7 +22,7 @@ use std::sync::Mutex;
 
 use lily_core::{
     backend::kv_segment_rows,
-    engine::{auto_choice, BackendKind, Engine, Options},
+    engine::{BackendKind, Engine, Options},
     Error,
 };
 use metal_common::TinyCheckpoint;
@@ -187,7 +187,7 @@ fn restore_brings_back_the_last_good_state() {
 #[cfg(not(target_os = "macos"))]
 #[test]
 fn auto_says_what_it_picked() {
-    let c = auto_choice();
+    let c = lily_core::engine::auto_choice();
     assert_eq!(c.backend, BackendKind::Cpu);
     assert!(!c.fallback);
     assert!(c.reason.contains(std::env::consts::OS), "{}", c.reason);

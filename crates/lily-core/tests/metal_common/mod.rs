@@ -316,7 +316,14 @@ fn write_safetensors(path: &Path, mut tensors: Vec<Tensor>) {
 }
 
 impl TinyCheckpoint {
+    /// 2 layers: a DeltaNet layer, then an attention layer.
     pub fn write() -> TinyCheckpoint {
+        Self::with_layers(2, 2)
+    }
+
+    /// `layers` layers, every `interval`-th one full attention and the others DeltaNet (the
+    /// real model: 40 and 4), at the tiny dimensions.
+    pub fn with_layers(layers: usize, interval: usize) -> TinyCheckpoint {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -325,7 +332,7 @@ impl TinyCheckpoint {
             N.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let (d, v, layers) = (96usize, 250usize, 2usize);
+        let (d, v) = (96usize, 250usize);
         let (h, kv, hd) = (4usize, 2usize, 32usize);
         let (hk, hv, dk, dv, taps) = (2usize, 4usize, 32usize, 32usize, 4usize);
         let (e, inter, shared) = (8usize, 64usize, 64usize);
@@ -346,7 +353,7 @@ impl TinyCheckpoint {
             "text_config": {
                 "model_type": "qwen3_5_moe_text", "hidden_size": d, "num_hidden_layers": layers,
                 "vocab_size": v, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
-                "full_attention_interval": 2, "num_attention_heads": h, "num_key_value_heads": kv,
+                "full_attention_interval": interval, "num_attention_heads": h, "num_key_value_heads": kv,
                 "head_dim": hd,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                 "linear_num_key_heads": hk, "linear_num_value_heads": hv, "linear_key_head_dim": dk,
@@ -376,7 +383,7 @@ impl TinyCheckpoint {
                 1.2,
                 s + 1,
             );
-            if i % 2 == 0 {
+            if (i + 1) % interval != 0 {
                 let a = format!("{l}linear_attn.");
                 quantized(&mut t, &format!("{a}in_proj_qkv"), &[conv_dim, d], 4, std_in(d), s + 2);
                 quantized(&mut t, &format!("{a}in_proj_z"), &[hv * dv, d], 4, std_in(d), s + 3);
