@@ -289,8 +289,8 @@ mod tests {
         assert_eq!(wrappable(0x10000 + 4100, 50, 4096, 1 << 30), Some((0x11000, 4096, 4)));
         // Spanning a page boundary: both pages.
         assert_eq!(
-            wrappable(0x10000 + 4090, 10, 4096, 1 << 30),
-            Some((0x10000, 8192, 4090))
+            wrappable(0x10000 + 4092, 10, 4096, 1 << 30),
+            Some((0x10000, 8192, 4092))
         );
         // Not 4-byte aligned, empty, or a region past the largest buffer: copied.
         assert_eq!(wrappable(0x10000 + 4098, 50, 4096, 1 << 30), None);
