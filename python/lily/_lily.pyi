@@ -119,6 +119,10 @@ class Engine:
     def backend(self) -> str:
         """The backend running the model, e.g. ``"cpu"``."""
     @property
+    def copied_weight_bytes(self) -> int:
+        """Bytes of weights the backend copied because it could not read them in place from the mapped checkpoint
+        (Metal: a tensor not 4-byte aligned in its file; each such load is also in ``notes``); 0 on the CPU."""
+    @property
     def notes(self) -> list[str]:
         """What the engine chose at load, in words: the backend ``"auto"`` picked and why, a ``max_seq``
         fitted to the device's memory."""

@@ -157,6 +157,13 @@ impl<B: Backend> Runner<B> {
         let (max_seq, footprint, fitted) = fit_max_seq(cfg, loader.weight_bytes(), opts, chunk, limit, b.name())?;
         notes.extend(fitted);
         let model = Model::load(&b, &loader, cfg, progress)?;
+        let copied = b.copied_weight_bytes();
+        if copied > 0 {
+            notes.push(format!(
+                "{} of weights copied to the device: tensors the kernels cannot read in place in the mapped checkpoint (not 4-byte aligned in their file)",
+                gb(copied)
+            ));
+        }
         let mut state = State::new(&b, cfg, max_seq, opts.kv_dtype)?;
         // The first KV segment now: allocation failures show at load, and reset keeps it.
         state.reserve(&b, 1)?;

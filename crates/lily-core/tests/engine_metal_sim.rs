@@ -75,7 +75,11 @@ fn max_seq_is_checked_and_fitted_to_the_gpu_memory() {
         return;
     };
     assert_eq!(full.max_seq(), 256, "no limit: the config's max_position_embeddings");
-    assert!(full.notes().is_empty(), "{:?}", full.notes());
+    assert!(
+        !full.notes().iter().any(|n| n.contains("max_seq")),
+        "{:?}",
+        full.notes()
+    );
     let f = full.footprint();
     assert_eq!(f.max_seq, 256);
     assert!(f.weights > 300_000 && f.kv > 0 && f.delta_net > 0, "{f:?}");
@@ -125,6 +129,8 @@ fn copied_weights_are_counted() {
     }
     assert!(want > 0, "the test needs a misaligned tensor");
     assert_eq!(e.copied_weight_bytes(), want);
+    let note = e.notes().join("\n");
+    assert!(note.contains("of weights copied to the device"), "{note}");
 }
 
 #[test]
