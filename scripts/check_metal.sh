@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Metal checks that run without a Mac (needs clang-19: apt-get install -y clang-19):
 #  1. type-check every shaders/metal/*.metal (with shaders/params.h) in both tools/metal-sim
-#     modes (C++20 with address spaces, and clang's C++ for OpenCL 2021);
+#     modes (C++20 with address spaces, and clang's C++ for OpenCL 2021), as Metal Shading
+#     Language 3.0 (macOS 13: -DMTL_NO_BFLOAT, no `bfloat` type), after checking that both modes
+#     reject a kernel that uses `bfloat`;
 #  2. run every kernel (every GPU-family variant) on the CPU simulator against its reference twin
 #     (bounds-checked; the metal_sim tests of tests/ops_<family>.rs), one tiny-model forward pass
 #     per GPU family (tests/metal_sim.rs), then again with the threads of each threadgroup in
@@ -16,11 +18,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export LILY_REQUIRE_METAL_SIM=1
 
-echo "== type-check shaders/metal (2 modes)"
+echo "== type-check shaders/metal (2 modes) as MSL 3.0 (macOS 13: no bfloat)"
+# The MSL 3.0 mode must reject what MSL 3.0 lacks, or it would pass whatever the shaders use.
+probe="$(mktemp -d)/uses_bfloat.metal"
+printf '#include "common.h"\nkernel void k(device float* y [[buffer(0)]]) { bfloat b = bfloat(1.0f); y[0] = float(b); }\n' > "$probe"
+for mode in check.sh check_clcpp.sh; do
+  if tools/metal-sim/$mode "$probe" -Ishaders/metal -Ishaders -DMTL_NO_BFLOAT >/dev/null 2>&1; then
+    echo "FAILED: $mode -DMTL_NO_BFLOAT accepts a kernel that uses bfloat"; exit 1
+  fi
+done
+rm -rf "$(dirname "$probe")"
 fail=0
 for f in shaders/metal/*.metal; do
   for mode in check.sh check_clcpp.sh; do
-    if ! tools/metal-sim/$mode "$f" -Ishaders/metal -Ishaders; then
+    if ! tools/metal-sim/$mode "$f" -Ishaders/metal -Ishaders -DMTL_NO_BFLOAT; then
       echo "FAILED: $mode $f"; fail=1
     fi
   done

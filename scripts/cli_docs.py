@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lily import cli, eval, server, synth
 from lily.bench import cli as bench_cli
+from lily.info import build_parser as info_parser
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 HEADER = """# The `lily` command
@@ -77,7 +78,8 @@ def render() -> str:
     main = cli._parser()
     commands = _subparsers(main)
     parsers = {"generate": commands["generate"], "chat": commands["chat"], "serve": server.build_parser(),
-               "synth": synth.build_parser(), "bench": bench_cli.build_parser(), "eval": eval.build_parser()}
+               "synth": synth.build_parser(), "bench": bench_cli.build_parser(), "eval": eval.build_parser(),
+               "info": info_parser()}
     helps = {a.dest: a.help for a in main._subparsers._group_actions[0]._choices_actions}
     parts = [HEADER]
     for name, parser in parsers.items():

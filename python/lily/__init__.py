@@ -8,6 +8,7 @@ this package owns tokenization, the chat template, sampling, streaming and the C
 """
 
 from lily._lily import ContextFullError, DeviceError, Engine, LilyError, ModelLoadError, SequenceEvictedError
+from lily.info import info
 from lily.loading import load
 from lily.model import Model
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
@@ -37,6 +38,7 @@ __all__ = [
     "StreamingDetokenizer",
     "TemplateError",
     "Tokenizer",
+    "info",
     "load",
     "parse_tool_calls",
     "split_reasoning",

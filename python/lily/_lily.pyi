@@ -19,6 +19,8 @@ __all__ = [
     "SequenceEvictedError",
     "Snapshot",
     "Vocab",
+    "checkpoint_fit",
+    "system_info",
 ]
 
 class LilyError(Exception):
@@ -122,6 +124,14 @@ class Engine:
     def backend(self) -> str:
         """The backend running the model, e.g. ``"cpu"``."""
     @property
+    def copied_weight_bytes(self) -> int:
+        """Bytes of weights the backend copied because it could not read them in place from the mapped checkpoint
+        (Metal: a tensor not 4-byte aligned in its file; each such load is also in ``notes``); 0 on the CPU."""
+    @property
+    def notes(self) -> list[str]:
+        """What the engine chose at load, in words: the backend ``"auto"`` picked and why, a ``max_seq``
+        fitted to the device's memory."""
+    @property
     def config(self) -> dict[str, Any]:
         """The checkpoint's ``config.json`` as a dict."""
 
@@ -192,3 +202,22 @@ class Constraint:
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows ``token`` next."""
+def system_info() -> dict[str, Any]:
+    """This machine as Lily sees it, building no backend: ``version``, ``os``, ``auto`` (``backend``,
+    ``reason``, ``fallback``: the CPU chosen although a GPU backend exists for this platform) and ``metal``
+    (``device``, ``gpu_family``, ``recommended_max_working_set_size``, ``unified_memory``,
+    ``max_buffer_length``; or ``error``: why there is no Metal GPU)."""
+
+def checkpoint_fit(
+    path: str | os.PathLike[str],
+    *,
+    backend: str = "auto",
+    max_seq: int | None = None,
+    prefill_chunk: int | None = None,
+    kv_dtype: str = "bf16",
+) -> dict[str, Any]:
+    """Whether the checkpoint in ``path`` fits ``backend``'s memory at ``max_seq``: the check the engine makes
+    at load, without loading. ``fits``; ``backend`` (``"auto"`` resolved); ``limit`` and ``limit_is`` (bytes and
+    what they are; ``None`` for the CPU); when it fits ``max_seq`` (as asked, or fitted to the device when none
+    was), ``note``, ``bytes`` (``weights``, ``delta_net_state``, ``kv_cache``, ``activations``, ``total``),
+    ``kv_dtype`` and ``describe``; else ``error``, the message loading would raise."""

@@ -1,4 +1,5 @@
-"""The ``lily`` command: ``generate``, ``chat``, and ``synth`` / ``bench`` / ``eval`` / ``serve`` (own modules).
+"""The ``lily`` command: ``generate``, ``chat``, and ``info`` / ``synth`` / ``bench`` / ``eval`` / ``serve`` (own
+modules).
 
     lily generate MODEL "prompt"      stream an answer (chat template applied; --raw to skip it)
     lily chat MODEL                   interactive chat: /reset clears the history, /exit quits
@@ -25,7 +26,8 @@ from lily.sampling import Sampler
 
 __all__ = ["main"]
 
-_DISPATCH = {"synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval", "serve": "lily.server"}
+_DISPATCH = {"info": "lily.info", "synth": "lily.synth", "bench": "lily.bench", "eval": "lily.eval",
+             "serve": "lily.server"}
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 

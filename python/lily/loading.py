@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
+from lily import _lily
 from lily._lily import Engine, ModelLoadError
 from lily.arguments import flag, integer
 from lily.checkpoint import load_tokenizer, read_json
@@ -58,8 +60,24 @@ def load(
     tokenizer = load_tokenizer(folder, generation_config)
     template = ChatTemplate.from_dir(folder)
     warm_page_cache(folder, progress=progress)
+    if backend == "auto":
+        _warn_on_fallback()
     engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress)
     return Model(engine, tokenizer, template, generation_config, folder)
+
+
+_warned_fallback = False
+
+
+def _warn_on_fallback() -> None:
+    """Say once per process when ``"auto"`` picks the CPU on a machine with a GPU backend (a Mac with Apple
+    silicon whose Metal GPU was not found), with the reason: never a silent slow path."""
+    global _warned_fallback
+    auto = _lily.system_info()["auto"]
+    if auto["fallback"] and not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"lily: backend \"auto\" runs on the CPU: {auto['reason']} (see `lily info`)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk: int | None, kv_dtype: str,

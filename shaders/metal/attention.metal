@@ -41,39 +41,16 @@ kernel void qk_norm_rope_f32(constant RopeParams& p [[buffer(0)]], device const 
   }
 }
 
-// KV-cache element types: the stored type T, how a stored value widens to f32 (exactly) and how
-// an f32 rounds to it (to nearest even). bf16 is handled as its bit pattern (ushort), so no
-// kernel needs MSL's `bfloat` type.
-struct KvF32 {
-  typedef float T;
-  static inline float load(T x) { return x; }
-  static inline T store(float v) { return v; }
-};
-struct KvBf16 {
-  typedef ushort T;
-  static inline float load(T x) { return as_type<float>(uint(x) << 16); }
-  static inline T store(float v) {
-    uint u = as_type<uint>(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ushort((u >> 16) | 0x40u);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return ushort(u >> 16);
-  }
-};
-struct KvF16 {
-  typedef half T;
-  static inline float load(T x) { return float(x); }
-  static inline T store(float v) { return T(v); }
-};
-
 // One entry of a cache's segment table: the GPU address of the segment's first row (the host
 // writes MTLBuffer.gpuAddress; Metal 3 argument-buffer pointers). Row r of the cache is row
-// r & (2^seg_shift - 1) of segment r >> seg_shift (KvLayout).
+// r & (2^seg_shift - 1) of segment r >> seg_shift (KvLayout). K: the stored format of the
+// cache (common.h: F32, BF16 as bits, F16).
 template <typename K> struct KvSegment {
-  device typename K::T* rows;
+  device typename K::stored* rows;
 };
 
 template <typename K>
-inline device typename K::T* kv_row(device const KvSegment<K>* table, constant KvLayout& kl, uint row, uint width) {
+inline device typename K::stored* kv_row(device const KvSegment<K>* table, constant KvLayout& kl, uint row, uint width) {
   return table[row >> kl.seg_shift].rows + (ulong)(row & ((1u << kl.seg_shift) - 1u)) * width;
 }
 
@@ -85,11 +62,11 @@ TKERNEL void kv_store(constant KvStoreParams& p [[buffer(0)]], constant KvLayout
                       device const float* x [[buffer(2)]], device const KvSegment<K>* cache [[buffer(3)]],
                       uint2 pos [[thread_position_in_grid]]) {
   if (pos.x >= p.width || pos.y >= p.tokens) return;
-  kv_row(cache, kl, p.pos0 + pos.y, p.width)[pos.x] = K::store(x[(ulong)pos.y * p.width + pos.x]);
+  kv_row(cache, kl, p.pos0 + pos.y, p.width)[pos.x] = K::narrow(x[(ulong)pos.y * p.width + pos.x]);
 }
-INSTANTIATE(kv_store_f32, kv_store, KvF32)
-INSTANTIATE(kv_store_bf16, kv_store, KvBf16)
-INSTANTIATE(kv_store_f16, kv_store, KvF16)
+INSTANTIATE(kv_store_f32, kv_store, F32)
+INSTANTIATE(kv_store_bf16, kv_store, BF16)
+INSTANTIATE(kv_store_f16, kv_store, F16)
 
 
 // attention: out [T, H*hd] = softmax(q K^T * scale, causal) V * sigmoid(gate), q/gate from
@@ -131,8 +108,8 @@ TKERNEL void attention(constant AttentionParams& p [[buffer(0)]], constant Atten
     const uint n = min(ATTENTION_TILE, s1 - base);
     for (uint idx = tid; idx < n * hd; idx += ntg) {
       const uint row = base + idx / hd, col = kvh * hd + idx % hd;
-      ks[idx] = K::load(kv_row(k_cache, kl, row, kvw)[col]);
-      vs[idx] = K::load(kv_row(v_cache, kl, row, kvw)[col]);
+      ks[idx] = K::widen(kv_row(k_cache, kl, row, kvw)[col]);
+      vs[idx] = K::widen(kv_row(v_cache, kl, row, kvw)[col]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint r = 0; r < n; ++r) {
@@ -164,9 +141,9 @@ TKERNEL void attention(constant AttentionParams& p [[buffer(0)]], constant Atten
   }
 }
 
-INSTANTIATE(attention_f32, attention, KvF32)
-INSTANTIATE(attention_bf16, attention, KvBf16)
-INSTANTIATE(attention_f16, attention, KvF16)
+INSTANTIATE(attention_f32, attention, F32)
+INSTANTIATE(attention_bf16, attention, BF16)
+INSTANTIATE(attention_f16, attention, F16)
 
 // attention_reduce: combine the split partials [T, H, splits, 2 + hd] into out [T, H*hd] and
 // apply the sigmoid gate from qg. Bindings: 0 AttentionParams, 1 AttentionSplit, 2 partials,

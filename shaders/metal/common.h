@@ -55,38 +55,66 @@ inline float tg_max(float v, threadgroup float* partial, uint sg, uint lane, uin
   return t;
 }
 
-// Dense weights of element type T; row-major [stored rows, cols].
+// Stored float formats of weights, scales, biases and the KV cache: the type in memory, its
+// widening to f32 (exact) and the rounding of an f32 to it (to nearest even). bf16 is handled as
+// its 16 bits (the top half of an f32): the `bfloat` type needs Metal Shading Language 3.1
+// (macOS 14), and the host compiles these shaders as MSL 3.0 so that macOS 13 runs them
+// (backend/metal/kernels.rs: MSL_VERSION).
+struct F32 {
+  typedef float stored;
+  static inline float widen(float v) { return v; }
+  static inline float narrow(float v) { return v; }
+};
+struct F16 {
+  typedef half stored;
+  static inline float widen(half v) { return float(v); }
+  static inline half narrow(float v) { return half(v); }
+};
+struct BF16 {
+  typedef ushort stored;
+  static inline float widen(ushort bits) { return as_type<float>(uint(bits) << 16); }
+  static inline ushort narrow(float v) {
+    uint u = as_type<uint>(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ushort((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return ushort(u >> 16);
+  }
+};
+
+// Dense weights of stored format T (F32, F16, BF16); row-major [stored rows, cols].
 template <typename T> struct DenseW {
-  device const T* w;
+  device const typename T::stored* w;
   uint cols;
   static inline DenseW make(device const uchar* w, device const uchar*, device const uchar*, constant MatrixDesc& m) {
-    return DenseW{(device const T*)w, m.cols};
+    return DenseW{(device const typename T::stored*)w, m.cols};
   }
   // The 8 weights of stored row `row` starting at column j (j + 8 <= cols).
   inline void load8(uint row, uint j, thread float* out) const {
-    device const T* p = w + (ulong)row * cols + j;
-    for (int i = 0; i < 8; ++i) out[i] = float(p[i]);
+    device const typename T::stored* p = w + (ulong)row * cols + j;
+    for (int i = 0; i < 8; ++i) out[i] = T::widen(p[i]);
   }
-  inline float at(uint row, uint j) const { return float(w[(ulong)row * cols + j]); }
+  inline float at(uint row, uint j) const { return T::widen(w[(ulong)row * cols + j]); }
 };
 
 // MLX affine weights: BITS-bit codes packed little-endian in u32 words per row; w = scale * q + bias
-// with one scale/bias (type S) per `group` consecutive columns. cols % group == 0, group % 8 == 0.
+// with one scale/bias (stored format S) per `group` consecutive columns. cols % group == 0,
+// group % 8 == 0.
 template <int BITS, typename S> struct AffineW {
   device const uint* w;
-  device const S* scales;
-  device const S* biases;
+  device const typename S::stored* scales;
+  device const typename S::stored* biases;
   uint cols;
   uint group;
   static inline AffineW make(device const uchar* w, device const uchar* s, device const uchar* b, constant MatrixDesc& m) {
-    return AffineW{(device const uint*)w, (device const S*)s, (device const S*)b, m.cols, m.group};
+    return AffineW{(device const uint*)w, (device const typename S::stored*)s, (device const typename S::stored*)b,
+                   m.cols, m.group};
   }
   inline void load8(uint row, uint j, thread float* out) const {
     const uint words_per_row = cols * BITS / 32;
     device const uint* rw = w + (ulong)row * words_per_row;
     const uint g = row * (cols / group) + j / group;
-    const float s = float(scales[g]);
-    const float b = float(biases[g]);
+    const float s = S::widen(scales[g]);
+    const float b = S::widen(biases[g]);
     const uint mask = (1u << BITS) - 1u;
     for (int i = 0; i < 8; ++i) {
       const uint bit = (j + i) * BITS;
@@ -99,7 +127,7 @@ template <int BITS, typename S> struct AffineW {
     const uint bit = j * BITS;
     const uint q = (w[(ulong)row * words_per_row + bit / 32] >> (bit % 32)) & ((1u << BITS) - 1u);
     const uint g = row * (cols / group) + j / group;
-    return float(scales[g]) * float(q) + float(biases[g]);
+    return S::widen(scales[g]) * float(q) + S::widen(biases[g]);
   }
 };
 
@@ -139,17 +167,17 @@ inline void rows_dot(thread const W& wr, uint row0, uint nr, uint K, device cons
 
 // Weight readers by host-name suffix; FOR_EACH_WEIGHT(F) calls F(suffix) for every format
 // (a kernel family instantiates itself per format with W_##suffix).
-typedef DenseW<float> W_f32;
-typedef DenseW<half> W_f16;
-typedef DenseW<bfloat> W_bf16;
-typedef AffineW<2, bfloat> W_q2_bf16;
-typedef AffineW<4, bfloat> W_q4_bf16;
-typedef AffineW<8, bfloat> W_q8_bf16;
-typedef AffineW<2, half> W_q2_f16;
-typedef AffineW<4, half> W_q4_f16;
-typedef AffineW<8, half> W_q8_f16;
-typedef AffineW<2, float> W_q2_f32;
-typedef AffineW<4, float> W_q4_f32;
-typedef AffineW<8, float> W_q8_f32;
+typedef DenseW<F32> W_f32;
+typedef DenseW<F16> W_f16;
+typedef DenseW<BF16> W_bf16;
+typedef AffineW<2, BF16> W_q2_bf16;
+typedef AffineW<4, BF16> W_q4_bf16;
+typedef AffineW<8, BF16> W_q8_bf16;
+typedef AffineW<2, F16> W_q2_f16;
+typedef AffineW<4, F16> W_q4_f16;
+typedef AffineW<8, F16> W_q8_f16;
+typedef AffineW<2, F32> W_q2_f32;
+typedef AffineW<4, F32> W_q4_f32;
+typedef AffineW<8, F32> W_q8_f32;
 #define FOR_EACH_WEIGHT(F) \
   F(f32) F(f16) F(bf16) F(q2_bf16) F(q4_bf16) F(q8_bf16) F(q2_f16) F(q4_f16) F(q8_f16) F(q2_f32) F(q4_f32) F(q8_f32)

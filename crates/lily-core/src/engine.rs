@@ -8,6 +8,17 @@
 //! current position; the KV cache is not copied, since rows below that position stay valid as
 //! long as the tokens that wrote them are still there. The engine remembers the token behind every
 //! cached KV row, so `restore` can check that exactly.
+//!
+//! A device error in a forward pass (a GPU command that failed part-way) leaves the state
+//! half-updated: the engine says so in the error, refuses to run on that state
+//! ([`Engine::state_error`]) until `reset()` or `restore()` of a snapshot taken before, and
+//! forgets the KV rows the failed call may have written.
+//!
+//! Memory: at load the model's footprint (weights, state, KV cache at `max_seq` in the
+//! configured `kv_dtype`, activations: [`Footprint`]) is checked against the backend's limit (a Metal GPU's recommended working
+//! set). The KV cache grows in segments, but the check is whether `max_seq` can be reached:
+//! too large with an explicit `max_seq` is a `DeviceError` that says which `max_seq` fits;
+//! without one, `max_seq` is fitted to the device ([`Engine::notes`] says so).
 
 use std::{
     any::Any,
@@ -23,6 +34,7 @@ use crate::{
     backend::{cpu::Cpu, params::KvStoreParams, Backend, KvDtype, StreamKind},
     config::ModelConfig,
     error::{Error, Result},
+    memory::{gb, grouped, Footprint},
     model::{
         state::{LayerState, Scratch, State},
         Model,
@@ -48,6 +60,13 @@ pub struct Runner<B: Backend> {
     id: u64,
     /// The checkpoint files whose maps the weights may still read.
     files: FileWatch,
+    /// Why the state cannot be used: a device error interrupted a forward pass (cleared by
+    /// `reset` or `restore`).
+    state_error: Option<String>,
+    footprint: Footprint,
+    /// What the engine chose for the caller, in words (the backend `auto` picked and why, a
+    /// `max_seq` fitted to the device).
+    notes: Vec<String>,
 }
 
 /// The sequence state at one position: DeltaNet conv + recurrent states and the token prefix.
@@ -70,23 +89,85 @@ impl Snapshot {
 
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 
+/// `max_seq` for a backend with `limit` bytes of memory: the one asked for if the footprint at
+/// it fits (a `DeviceError` naming the `max_seq` that would fit otherwise), else the longest
+/// that fits up to the config's maximum (and a note saying so); with the footprint at it.
+pub(crate) fn fit_max_seq(
+    cfg: &ModelConfig,
+    weights: u64,
+    opts: &Options,
+    chunk: usize,
+    limit: Option<(u64, &'static str)>,
+    device: &str,
+) -> Result<(usize, Footprint, Option<String>)> {
+    let asked = opts.max_seq;
+    let want = asked.unwrap_or(cfg.max_position_embeddings);
+    let at = |n: usize| Footprint::new(cfg, weights, n, opts.kv_dtype, chunk, LOGIT_ROWS);
+    let Some((limit, what)) = limit else {
+        return Ok((want, at(want), None));
+    };
+    if at(want).total() <= limit {
+        return Ok((want, at(want), None));
+    }
+    let fits = Footprint::longest_within(cfg, weights, limit, want, opts.kv_dtype, chunk, LOGIT_ROWS);
+    let over = format!(
+        "the model needs {} at max_seq {}, more than the {} of {what} ({device})",
+        at(want).describe(),
+        grouped(want as u64),
+        gb(limit)
+    );
+    match (fits, asked) {
+        (None, _) => Err(Error::Device(format!(
+            "{over}: not even one token of context fits; a smaller (more quantized) checkpoint is needed"
+        ))),
+        (Some(n), Some(_)) => Err(Error::Device(format!(
+            "{over}: max_seq {} or less fits (or close other GPU work)",
+            grouped(n as u64)
+        ))),
+        (Some(n), None) => Ok((
+            n,
+            at(n),
+            Some(format!(
+                "max_seq fitted to the device: {} tokens ({}); the model's {} tokens would need {}, more than the {} of {what}",
+                grouped(n as u64),
+                at(n).describe(),
+                grouped(want as u64),
+                gb(at(want).total()),
+                gb(limit)
+            )),
+        )),
+    }
+}
+
 impl<B: Backend> Runner<B> {
+    /// `max_seq`: as asked, or fitted to the backend's memory; `notes`: what was chosen so far.
     fn new(
         b: B,
         dir: &Path,
         cfg: &ModelConfig,
         opts: &Options,
-        max_seq: usize,
         progress: &mut dyn FnMut(usize, usize) -> Result<()>,
+        mut notes: Vec<String>,
     ) -> Result<Self> {
         let loader = Loader::open(dir, cfg)?;
         let files = loader.watch();
+        // Tokens per forward call during prefill: bounds scratch memory whatever the prompt length.
+        let chunk = opts.prefill_chunk.unwrap_or_else(|| b.prefill_chunk());
+        let limit = b.memory_limit();
+        let (max_seq, footprint, fitted) = fit_max_seq(cfg, loader.weight_bytes(), opts, chunk, limit, b.name())?;
+        notes.extend(fitted);
         let model = Model::load(&b, &loader, cfg, progress)?;
+        let copied = b.copied_weight_bytes();
+        if copied > 0 {
+            notes.push(format!(
+                "{} of weights copied to the device: tensors the kernels cannot read in place in the mapped checkpoint (not 4-byte aligned in their file)",
+                gb(copied)
+            ));
+        }
         let mut state = State::new(&b, cfg, max_seq, opts.kv_dtype)?;
         // The first KV segment now: allocation failures show at load, and reset keeps it.
         state.reserve(&b, 1)?;
-        // Tokens per forward call during prefill: bounds scratch memory whatever the prompt length.
-        let chunk = opts.prefill_chunk.unwrap_or_else(|| b.prefill_chunk()).min(max_seq);
+        let chunk = chunk.min(max_seq);
         let scratch = Scratch::new(&b, cfg, chunk, LOGIT_ROWS)?;
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
         Ok(Runner {
@@ -100,7 +181,35 @@ impl<B: Backend> Runner<B> {
             cached: Vec::new(),
             id,
             files,
+            state_error: None,
+            footprint,
+            notes,
         })
+    }
+
+    /// Refuse to run on a state a device error left half-updated.
+    fn trusted(&self) -> Result<()> {
+        match &self.state_error {
+            Some(why) => Err(Error::Device(format!(
+                "the sequence state is not trusted since a device error interrupted a forward pass ({why}): call reset(), or restore() a snapshot taken before it"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The result of a call that changes the state: a device error marks the state untrusted
+    /// (and the KV rows past the position, which the call may have written, forgotten).
+    fn guard<T>(&mut self, r: Result<T>) -> Result<T> {
+        match r {
+            Err(Error::Device(msg)) => {
+                self.cached.truncate(self.pos);
+                self.state_error = Some(msg.clone());
+                Err(Error::Device(format!(
+                    "{msg}; the sequence state may be half-updated and will not be used: call reset(), or restore() a snapshot"
+                )))
+            }
+            r => r,
+        }
     }
 
     fn check(&self, tokens: &[u32]) -> Result<()> {
@@ -130,6 +239,7 @@ impl<B: Backend> Runner<B> {
         all_logits: bool,
         proceed: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<f32>> {
+        self.trusted()?;
         self.check(tokens)?;
         // KV rows for the whole prompt before any state changes (an allocation failure leaves
         // the sequence as it was).
@@ -150,7 +260,8 @@ impl<B: Backend> Runner<B> {
                 &mut []
             };
             // One backend session per chunk, so that `proceed` runs outside it.
-            B::run(|| self.forward_chunk(chunk, all_logits, logits))?;
+            let r = B::run(|| self.forward_chunk(chunk, all_logits, logits));
+            self.guard(r)?;
             done += t;
         }
         Ok(out)
@@ -189,14 +300,18 @@ impl<B: Backend> Runner<B> {
     }
 
     fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
-        B::run(|| self.decode_here(token, out))
+        self.trusted()?;
+        self.check(&[token])?;
+        if self.pos >= self.state.kv_rows(&self.b) {
+            // A new segment (once per segment's rows), before the state changes: failing to
+            // allocate it leaves the sequence as it was.
+            self.state.reserve(&self.b, self.pos + 1)?;
+        }
+        let r = B::run(|| self.decode_here(token, out));
+        self.guard(r)
     }
 
     fn decode_here(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
-        self.check(&[token])?;
-        if self.pos >= self.state.kv_rows(&self.b) {
-            self.state.reserve(&self.b, self.pos + 1)?; // a new segment: once per segment's rows
-        }
         self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
         self.model
@@ -261,6 +376,7 @@ impl<B: Backend> Runner<B> {
     }
 
     fn snapshot(&self) -> Result<Snapshot> {
+        self.trusted()?;
         let mut bufs = Vec::new();
         self.b.begin(StreamKind::Other)?;
         for layer in &self.state.layers {
@@ -289,23 +405,44 @@ impl<B: Backend> Runner<B> {
             return Err(stale());
         }
         let bufs = snap.states.downcast_ref::<Vec<B::Buf>>().ok_or_else(stale)?;
+        if bufs.len()
+            != self
+                .state
+                .layers
+                .iter()
+                .filter(|l| matches!(l, LayerState::DeltaNet(_)))
+                .count()
+                * 2
+        {
+            return Err(stale());
+        }
+        let r = self.copy_states(bufs);
+        self.guard(r)?;
+        // Rows below `n` were written by calls that completed: the state is whole again.
+        self.state_error = None;
+        self.pos = n;
+        Ok(())
+    }
+
+    fn copy_states(&mut self, bufs: &[B::Buf]) -> Result<()> {
         let mut it = bufs.iter();
         self.b.begin(StreamKind::Other)?;
         for layer in &mut self.state.layers {
             if let LayerState::DeltaNet(s) = layer {
                 for (dst, len) in [(&mut s.conv, s.conv_len), (&mut s.ssm, s.ssm_len)] {
-                    let src = it.next().ok_or_else(stale)?;
-                    self.b.copy(src, dst, len)?;
+                    if let Some(src) = it.next() {
+                        self.b.copy(src, dst, len)?;
+                    }
                 }
             }
         }
-        self.b.finish()?;
-        self.pos = n;
-        Ok(())
+        self.b.finish()
     }
 
     fn reset(&mut self) -> Result<()> {
-        self.state.reset(&self.b)?;
+        let r = self.state.reset(&self.b);
+        self.guard(r)?;
+        self.state_error = None;
         // The KV rows past the retained first segment are gone: so is what they could be reused for.
         let kept = self.state.kv_rows(&self.b);
         self.cached.truncate(kept);
@@ -342,6 +479,18 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Cpu => "cpu",
+            BackendKind::CpuReference => "cpu-reference",
+            BackendKind::Metal => "metal",
+            BackendKind::MetalSim => "metal-sim",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
     pub fn parse(name: &str) -> Result<Self> {
         Ok(match name {
             "auto" => BackendKind::Auto,
@@ -356,6 +505,56 @@ impl BackendKind {
                 )))
             }
         })
+    }
+}
+
+/// What `backend="auto"` picks on this machine, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AutoChoice {
+    pub backend: BackendKind,
+    pub reason: String,
+    /// The CPU was chosen although this build has a GPU backend for the platform (no usable
+    /// GPU was found): the user should hear about it (the Python layer warns once).
+    pub fallback: bool,
+}
+
+/// The backend `auto` picks: on a Mac with Apple silicon the Metal GPU if there is one (any
+/// failure of that GPU afterwards is an error, never a reason to fall back), else the CPU with
+/// the reason. Opens no device beyond asking what exists.
+pub fn auto_choice() -> AutoChoice {
+    #[cfg(all(target_os = "macos", target_arch = "aarch64"))]
+    {
+        match crate::backend::metal::probe() {
+            Ok(d) => AutoChoice {
+                backend: BackendKind::Metal,
+                reason: format!("Metal GPU {} (GPU family {})", d.name, d.family),
+                fallback: false,
+            },
+            Err(why) => AutoChoice {
+                backend: BackendKind::Cpu,
+                reason: format!("CPU: {why}"),
+                fallback: true,
+            },
+        }
+    }
+    #[cfg(all(target_os = "macos", not(target_arch = "aarch64")))]
+    {
+        AutoChoice {
+            backend: BackendKind::Cpu,
+            reason: "CPU: an Intel Mac (the Metal backend runs on Apple silicon only)".into(),
+            fallback: false,
+        }
+    }
+    #[cfg(not(target_os = "macos"))]
+    {
+        AutoChoice {
+            backend: BackendKind::Cpu,
+            reason: format!(
+                "CPU: no GPU backend for {} in this build (Metal runs on macOS on Apple silicon)",
+                std::env::consts::OS
+            ),
+            fallback: false,
+        }
     }
 }
 
@@ -407,6 +606,28 @@ impl Default for Options {
     }
 }
 
+impl Options {
+    /// Refuse values no engine can be built with, before anything is loaded.
+    pub(crate) fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        match self.max_seq {
+            Some(0) => return Err(Error::InvalidArgument("max_seq must be at least 1".into())),
+            // Positions reach the kernels as u32.
+            Some(n) if n > u32::MAX as usize => {
+                return Err(Error::InvalidArgument(format!(
+                    "max_seq {n} is more than the {} positions the kernels address (the model is trained for {})",
+                    u32::MAX,
+                    cfg.max_position_embeddings
+                )))
+            }
+            _ => {}
+        }
+        if self.prefill_chunk == Some(0) {
+            return Err(Error::InvalidArgument("prefill_chunk must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
 impl Engine {
     /// Load the checkpoint in `dir`. `max_seq` defaults to the config's `max_position_embeddings`.
     pub fn new(dir: &Path, backend: BackendKind, max_seq: Option<usize>) -> Result<Self> {
@@ -438,44 +659,34 @@ impl Engine {
     /// Load the checkpoint in `dir` as `opts` say. `progress(done, total)` is called after each
     /// layer is loaded; an error from it stops the load and is returned.
     pub fn load(dir: &Path, opts: &Options, progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Self> {
-        let (backend, max_seq, prefill_chunk) = (opts.backend, opts.max_seq, opts.prefill_chunk);
+        let backend = opts.backend;
         if !dir.is_dir() {
             return Err(Error::file(dir, "checkpoint folder not found"));
         }
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        let max_seq = match max_seq {
-            Some(0) => return Err(Error::InvalidArgument("max_seq must be at least 1".into())),
-            // Positions reach the kernels as u32.
-            Some(n) if n > u32::MAX as usize => {
-                return Err(Error::InvalidArgument(format!(
-                    "max_seq {n} is more than the {} positions the kernels address (the model is trained for {})",
-                    u32::MAX,
-                    cfg.max_position_embeddings
-                )))
-            }
-            Some(n) => n,
-            None => cfg.max_position_embeddings,
-        };
-        if prefill_chunk == Some(0) {
-            return Err(Error::InvalidArgument("prefill_chunk must be at least 1".into()));
-        }
-        match backend {
+        opts.check(&cfg)?;
+        let (backend, notes) = match backend {
             BackendKind::Auto => {
-                // Apple silicon: Metal when the device opens; CPU otherwise.
-                #[cfg(all(target_os = "macos", target_arch = "aarch64"))]
-                if let Ok(m) = Metal::device() {
-                    return Ok(Engine::Metal(Runner::new(m, dir, &cfg, opts, max_seq, progress)?, cfg));
-                }
-                Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, opts, max_seq, progress)?, cfg))
+                let choice = auto_choice();
+                (
+                    choice.backend,
+                    vec![format!("backend \"auto\" chose {}", choice.reason)],
+                )
             }
-            BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, opts, max_seq, progress)?, cfg)),
+            other => (other, Vec::new()),
+        };
+        match backend {
+            BackendKind::Cpu | BackendKind::Auto => Ok(Engine::Cpu(
+                Runner::new(Cpu::new(), dir, &cfg, opts, progress, notes)?,
+                cfg,
+            )),
             BackendKind::CpuReference => Ok(Engine::Cpu(
-                Runner::new(Cpu::reference(), dir, &cfg, opts, max_seq, progress)?,
+                Runner::new(Cpu::reference(), dir, &cfg, opts, progress, notes)?,
                 cfg,
             )),
             #[cfg(unix)]
             BackendKind::MetalSim => Ok(Engine::MetalSim(
-                Runner::new(Metal::sim()?, dir, &cfg, opts, max_seq, progress)?,
+                Runner::new(Metal::sim()?, dir, &cfg, opts, progress, notes)?,
                 cfg,
             )),
             #[cfg(not(unix))]
@@ -483,10 +694,16 @@ impl Engine {
                 "the Metal simulator needs a Unix host with clang-19".into(),
             )),
             #[cfg(target_os = "macos")]
-            BackendKind::Metal => Ok(Engine::Metal(
-                Runner::new(Metal::device()?, dir, &cfg, opts, max_seq, progress)?,
-                cfg,
-            )),
+            BackendKind::Metal => {
+                // Loading reports the shader files compiled, then each layer, as steps of one total.
+                let (files, layers) = (crate::backend::metal::kernels::metal_files().count(), cfg.num_hidden_layers);
+                let m = Metal::device_with_progress(&mut |done, _| progress(done, files + layers))?;
+                let mut layer_progress = |done: usize, total: usize| progress(files + done, files + total);
+                Ok(Engine::Metal(
+                    Runner::new(m, dir, &cfg, opts, &mut layer_progress, notes)?,
+                    cfg,
+                ))
+            }
             #[cfg(not(target_os = "macos"))]
             BackendKind::Metal => Err(Error::Device(
                 "the Metal backend needs macOS on Apple silicon (on Linux, backend=\"metal-sim\" runs its kernels on the CPU)".into(),
@@ -589,6 +806,29 @@ impl Engine {
 
     pub fn backend_name(&self) -> &'static str {
         each!(self, r => r.b.name())
+    }
+
+    /// What the engine chose for the caller, in words: the backend `auto` picked and why, a
+    /// `max_seq` fitted to the device's memory.
+    pub fn notes(&self) -> &[String] {
+        each!(self, r => &r.notes)
+    }
+
+    /// Why the sequence state cannot be used (a device error interrupted a forward pass), until
+    /// `reset()` or `restore()`; `None` when it can.
+    pub fn state_error(&self) -> Option<&str> {
+        each!(self, r => r.state_error.as_deref())
+    }
+
+    /// The model's memory at this engine's `max_seq` (weights, state, KV cache, activations).
+    pub fn footprint(&self) -> Footprint {
+        each!(self, r => r.footprint)
+    }
+
+    /// Bytes of weights the backend copied because it could not read them in place from the
+    /// mapped checkpoint (Metal: a tensor not 4-byte aligned in its file).
+    pub fn copied_weight_bytes(&self) -> u64 {
+        each!(self, r => r.b.copied_weight_bytes())
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -10,13 +10,17 @@
 //!   (CPU, Metal; CUDA plugs in beside them);
 //! - [`ops`]: the ops by family, each with its reference twin, CPU kernel and Metal encoder;
 //! - [`engine`]: prefill / decode over one sequence;
-//! - [`sampling`], [`constraint`]: the next token from the logits, optionally under a grammar.
+//! - [`sampling`], [`constraint`]: the next token from the logits, optionally under a grammar;
+//! - [`memory`], [`info`]: the model's footprint checked against the device, and what
+//!   `lily info` reports.
 
 pub mod backend;
 pub mod config;
 pub mod constraint;
 pub mod engine;
 pub mod error;
+pub mod info;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod quant;

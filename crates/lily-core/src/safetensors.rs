@@ -495,6 +495,11 @@ impl SafeTensors {
         self.tensors.get(name)
     }
 
+    /// Every tensor, in no particular order.
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorView> {
+        self.tensors.values()
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }

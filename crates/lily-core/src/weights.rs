@@ -121,6 +121,33 @@ impl<'a> Loader<'a> {
         self.st.watch()
     }
 
+    /// Bytes of the tensors the model reads: the text model's embedding, final norm and
+    /// `num_hidden_layers` layers, and the lm_head (vision-tower and MTP tensors, and layers a
+    /// config leaves out, are not read and take no memory).
+    pub fn weight_bytes(&self) -> u64 {
+        let layers = self.cfg.num_hidden_layers;
+        let read = |name: &str| {
+            let Some(rest) = name.strip_prefix(self.prefix.as_str()) else {
+                return name
+                    .strip_prefix(self.lm_head.as_str())
+                    .is_some_and(|r| r.starts_with('.'));
+            };
+            match rest.strip_prefix("layers.") {
+                Some(r) => r
+                    .split('.')
+                    .next()
+                    .and_then(|i| i.parse::<usize>().ok())
+                    .is_some_and(|i| i < layers),
+                None => rest.starts_with("embed_tokens.") || rest.starts_with("norm."),
+            }
+        };
+        self.st
+            .tensors()
+            .filter(|t| read(&t.name))
+            .map(|t| t.bytes.len() as u64)
+            .sum()
+    }
+
     fn full(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
     }

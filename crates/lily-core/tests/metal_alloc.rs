@@ -26,7 +26,7 @@ use lily_core::{
         metal::{Arg, Executor, GpuFamily, Grid, Metal, ParamBytes, StreamLabel, Variants},
         Backend, KvDtype, StreamKind,
     },
-    config::ModelConfig,
+    config::{LayerKind, ModelConfig},
     error::Result,
     model::{
         state::{Scratch, State},
@@ -137,6 +137,7 @@ impl Executor for NullExec {
     type Buffer = Arc<Mem>;
     type Pipeline = NullPipeline;
     type Encoder = NullEncoder;
+    type Pending = ();
 
     fn describe(&self) -> String {
         "null executor (tests)".into()
@@ -201,9 +202,12 @@ impl Executor for NullExec {
             self.fail(|| format!("{name}: {tg} bytes of threadgroup memory"));
         }
     }
-    fn commit_wait(&self, enc: NullEncoder) -> Result<()> {
+    fn commit(&self, enc: NullEncoder) -> Result<()> {
         *self.last.lock().unwrap() = Some((enc.label, enc.dispatches));
         self.streams.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+    fn wait(&self, _: ()) -> Result<()> {
         Ok(())
     }
 }
@@ -291,4 +295,50 @@ fn warm_forward_passes_do_not_allocate() {
         }
     }
     assert!(m.executor().streams.load(Ordering::Relaxed) > 20);
+}
+
+/// Dispatches per decode step for the real model's layer structure (40 layers: 30 DeltaNet and
+/// 10 full attention, every 4th; the count depends on the layers and the context, not on the
+/// dimensions, so the tiny ones stand in): at context 256 (attention in one pass) and 32K (split,
+/// then reduced). Issue 12's target is fewer than the reference engine's 795 per step
+/// (spec/techniques.md); today's count is 923 at context 256 (printed with `-- --nocapture`), so
+/// this gate holds it there: lower `DECODE_DISPATCHES` as kernels fuse, and raising it needs a
+/// reason.
+#[test]
+fn decode_step_dispatches_for_the_real_layer_structure() {
+    const DECODE_DISPATCHES: usize = 923;
+    let ckpt = TinyCheckpoint::with_layers(40, 4);
+    let m = Metal::new(NullExec::default()).unwrap();
+    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
+    assert_eq!(
+        cfg.layer_types.iter().filter(|k| **k == LayerKind::Attention).count(),
+        10
+    );
+    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
+    let model = Model::load(&m, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
+    let mut s = Scratch::new(&m, &cfg, 16, 16).unwrap();
+    let mut counts = Vec::new();
+    for context in [256usize, 32 * 1024] {
+        let mut state = State::new(&m, &cfg, context, KvDtype::BF16).unwrap();
+        state.reserve(&m, context).unwrap();
+        m.begin(StreamKind::Decode).unwrap();
+        m.write_ids(&mut s.ids, &[1]).unwrap();
+        model.forward(&m, 1, context - 1, &mut state, &mut s);
+        model.logits(&m, 0, 1, &mut s);
+        m.finish().unwrap();
+        if let Some(e) = m.executor().error.lock().unwrap().take() {
+            panic!("context {context}: {e}");
+        }
+        let (label, dispatches) = m.executor().last.lock().unwrap().take().unwrap();
+        assert!(matches!(label, StreamLabel::Step(_)), "{label:?}");
+        eprintln!("decode step at context {context}: {dispatches} dispatches (40 layers: 30 DeltaNet, 10 attention)");
+        counts.push(dispatches);
+    }
+    assert!(
+        counts[0] <= DECODE_DISPATCHES,
+        "{} dispatches per decode step at context 256, more than the {DECODE_DISPATCHES} of before (the target: under the reference engine's 795)",
+        counts[0]
+    );
+    // The split attention adds its reduce pass in each attention layer, nothing else.
+    assert_eq!(counts[1], counts[0] + 10, "{counts:?}");
 }

@@ -2,8 +2,10 @@
 //! compiled by Apple's compiler with `newLibraryWithSource`, fast math on), a tiny checkpoint end
 //! to end with each GPU family's kernel variants against the reference backend, weights wrapped
 //! without a copy. Each kernel against its reference twin on the device: the `metal_device`
-//! module of each tests/ops_<family>.rs. A machine without a usable Metal device (a VM, a hosted
-//! CI runner without GPU access, a pre-M1 GPU) skips with a message, unless LILY_REQUIRE_METAL=1.
+//! module of each tests/ops_<family>.rs. Only a Mac that cannot have a usable Metal GPU (a
+//! virtual machine with a paravirtual one, as on hosted CI runners, or an Intel Mac) skips, with
+//! a message, unless LILY_REQUIRE_METAL=1; on Apple-silicon hardware every failure fails,
+//! a GPU that is not found included (`metal_common::device`).
 
 #![cfg(target_os = "macos")]
 
@@ -36,7 +38,25 @@ fn forward_per_family_matches_cpu() {
 fn weights_are_wrapped_without_a_copy() {
     let Some(m) = device() else { return };
     let data = Bytes::from_slice(&vec![7u8; 100_000]).slice(4100, 50_000);
-    let (buf, offset) = m.executor().weight_buffer(&data).unwrap();
-    let addr = m.executor().contents(&buf) as usize + offset;
+    let p = m.executor().weight_buffer(&data).unwrap();
+    assert!(!p.copied, "the weights were copied");
+    let addr = m.executor().contents(&p.buf) as usize + p.offset;
     assert_eq!(addr, data.as_slice().as_ptr() as usize, "the weights were copied");
+    // 2 bytes off a word boundary: copied, and counted as copied.
+    let odd = Bytes::from_slice(&vec![7u8; 100_000]).slice(4098, 50_000);
+    assert!(m.executor().weight_buffer(&odd).unwrap().copied);
+}
+
+/// What the device reports: an Apple7+ GPU with unified memory and a working set, the family
+/// `probe` found, the shaders compiled as MSL 3.0 on macOS 13+.
+#[test]
+fn the_device_is_described() {
+    let Some(m) = device() else { return };
+    let info = m.executor().info().clone();
+    assert_eq!(Some(info.clone()), lily_core::backend::metal::probe().ok());
+    assert!(info.unified_memory, "{info:?}");
+    assert!(info.working_set > 1 << 30, "{info:?}");
+    let ((major, _, _), os) = lily_core::backend::metal::device::macos_version();
+    assert!(major >= 13, "{os}");
+    eprintln!("{} on {os}: {info:?}", m.describe());
 }

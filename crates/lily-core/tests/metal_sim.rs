@@ -129,3 +129,39 @@ fn streams_are_labelled_as_begun() {
         [PrefillChunk, Step(1), Commands, Commands]
     );
 }
+
+/// Work past the stream's per-command-buffer budget is committed in pieces, and a prefill's
+/// attention is split into query blocks: with a budget so small that every dispatch is a piece
+/// and every query token a block, the forward pass gives the same bits, in many command buffers
+/// that carry their stream's label.
+#[test]
+fn long_work_is_committed_in_pieces() {
+    let Some(mut m) = sim() else { return };
+    let ckpt = metal_common::TinyCheckpoint::write();
+    m.executor().take_committed_labels();
+    let whole = ckpt.logits(&m);
+    let streams = m.executor().take_committed_labels();
+    m.piece_seconds = 1e-12;
+    let pieces = ckpt.logits(&m);
+    let labels = m.executor().take_committed_labels();
+    assert_eq!(whole, pieces, "committed in pieces, the same bits");
+    assert!(
+        labels.len() > 20 * streams.len(),
+        "{} pieces for {} streams",
+        labels.len(),
+        streams.len()
+    );
+    use StreamLabel::*;
+    assert_eq!(labels[0], PrefillChunk);
+    // The second run's decode steps are steps 4, 5 and 6 of this backend.
+    for n in 4..=6 {
+        let count = labels.iter().filter(|l| **l == Step(n)).count();
+        assert!(count > 20, "decode step {n}: {count} pieces");
+    }
+    assert!(
+        labels
+            .iter()
+            .all(|l| matches!(l, PrefillChunk | Commands | Step(4..=6))),
+        "{labels:?}"
+    );
+}

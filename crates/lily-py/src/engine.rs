@@ -69,6 +69,8 @@ pub struct Engine {
     backend: &'static str,
     config_json: String,
     kv_dtype: &'static str,
+    notes: Vec<String>,
+    copied_weight_bytes: u64,
 }
 
 impl Engine {
@@ -222,6 +224,8 @@ impl Engine {
             backend: engine.backend_name(),
             config_json: engine.config().raw.to_string(),
             kv_dtype: engine.kv_dtype().name(),
+            notes: engine.notes().to_vec(),
+            copied_weight_bytes: engine.copied_weight_bytes(),
             inner: Mutex::new(engine),
             holder: AtomicUsize::new(0),
         })
@@ -327,6 +331,20 @@ impl Engine {
     #[getter]
     fn kv_dtype(&self) -> &'static str {
         self.kv_dtype
+    }
+
+    /// What the engine chose at load, in words: the backend "auto" picked and why, a max_seq
+    /// fitted to the device's memory.
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    /// Bytes of weights the backend copied because it could not read them in place from the
+    /// mapped checkpoint (Metal: a tensor not 4-byte aligned in its file); 0 on the CPU.
+    #[getter]
+    fn copied_weight_bytes(&self) -> u64 {
+        self.copied_weight_bytes
     }
 
     /// Bytes of KV cache held now (it grows in segments with the sequence).

@@ -3,6 +3,7 @@
 
 mod engine;
 mod errors;
+mod info;
 mod sampling;
 
 use pyo3::prelude::*;
@@ -20,6 +21,8 @@ fn _lily(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ContextFullError", py.get_type::<errors::ContextFullError>())?;
     m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
     m.add("SequenceEvictedError", py.get_type::<errors::SequenceEvictedError>())?;
+    m.add_function(wrap_pyfunction!(info::system_info, m)?)?;
+    m.add_function(wrap_pyfunction!(info::checkpoint_fit, m)?)?;
     sampling::register(m)?;
     Ok(())
 }

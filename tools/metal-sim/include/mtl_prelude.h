@@ -85,11 +85,17 @@ typedef unsigned int uint;
 typedef unsigned long ulong;
 typedef decltype(sizeof(0)) size_t;
 typedef long ptrdiff_t;
+// -DMTL_NO_BFLOAT: Metal Shading Language 3.0 (macOS 13), which has no `bfloat` (MSL 3.1): every
+// use of the type, its vectors and its simdgroup matrix is then an undeclared name.
 #if defined(MTL_CLCPP)
+#if !defined(MTL_NO_BFLOAT)
 typedef ushort bfloat;  // spir64 has no __bf16: storage-only stand-in, arithmetic is NOT checked
+#endif
 #else
 typedef _Float16 half;
+#if !defined(MTL_NO_BFLOAT)
 typedef __bf16 bfloat;
+#endif
 #endif
 constexpr half operator""h(long double v) { return (half)v; }
 constexpr half operator""h(unsigned long long v) { return (half)v; }
@@ -116,7 +122,9 @@ MTL_VEC_TYPEDEFS(long)
 MTL_VEC_TYPEDEFS(ulong)
 MTL_VEC_TYPEDEFS(half)
 MTL_VEC_TYPEDEFS(float)
+#if !defined(MTL_NO_BFLOAT)
 MTL_VEC_TYPEDEFS(bfloat)
+#endif
 
 // packed vectors: 2/4 = ext vectors with scalar alignment; 3 = struct of 3.
 #define MTL_PACKED(T)                                                             \
@@ -137,7 +145,7 @@ MTL_PACKED(int)
 MTL_PACKED(uint)
 MTL_PACKED(half)
 MTL_PACKED(float)
-#if !defined(MTL_CLCPP)
+#if !defined(MTL_CLCPP) && !defined(MTL_NO_BFLOAT)
 MTL_PACKED(bfloat)
 #endif
 
@@ -211,9 +219,11 @@ template <class T, int N, class... A> inline vec<T, N> make(A... a) {
 #define float2(...) ::metal::detail::make<float, 2>(__VA_ARGS__)
 #define float3(...) ::metal::detail::make<float, 3>(__VA_ARGS__)
 #define float4(...) ::metal::detail::make<float, 4>(__VA_ARGS__)
+#if !defined(MTL_NO_BFLOAT)
 #define bfloat2(...) ::metal::detail::make<bfloat, 2>(__VA_ARGS__)
 #define bfloat3(...) ::metal::detail::make<bfloat, 3>(__VA_ARGS__)
 #define bfloat4(...) ::metal::detail::make<bfloat, 4>(__VA_ARGS__)
+#endif
 #define bool2(...) ::metal::detail::make<bool, 2>(__VA_ARGS__)
 #define bool3(...) ::metal::detail::make<bool, 3>(__VA_ARGS__)
 #define bool4(...) ::metal::detail::make<bool, 4>(__VA_ARGS__)
@@ -526,7 +536,9 @@ template <class T, int R, int C> struct simdgroup_matrix {
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+#if !defined(MTL_NO_BFLOAT)
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+#endif
 template <class T, int R, int C> inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T v) {
   simdgroup_matrix<T, R, C> m;
   m.e = (vec<T, 2>)v;
@@ -910,7 +922,10 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
   g_ctx = nullptr;
   if (guards) {
     for (int i = 0; i < nbufs; ++i) {
-      if (guards[i].user) memcpy(guards[i].user, guards[i].data, guards[i].n);
+      // Copied back only where the kernel changed it: a read-only binding (weights wrapped in
+      // place from a read-only mapping) is never written.
+      if (guards[i].user && memcmp(guards[i].user, guards[i].data, guards[i].n) != 0)
+        memcpy(guards[i].user, guards[i].data, guards[i].n);
       munmap(guards[i].base, guards[i].total);
     }
     g_guards = nullptr;

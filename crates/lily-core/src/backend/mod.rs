@@ -121,6 +121,16 @@ pub trait Backend: Send + Sized + 'static {
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
     /// `dst[..len] = src[..len]` (state snapshots).
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize) -> Result<()>;
+    /// The bytes the model's weights, state and KV cache must fit in on this device, and what
+    /// that limit is (a GPU's recommended working set); `None`: no limit checked.
+    fn memory_limit(&self) -> Option<(u64, &'static str)> {
+        None
+    }
+    /// Bytes of checkpoint weights the backend had to copy (rather than read in place from the
+    /// mapped files): memory the model takes on top of the page cache.
+    fn copied_weight_bytes(&self) -> u64 {
+        0
+    }
 
     // ---- KV cache memory ----
     /// An empty cache of rows of `width` elements that may grow to `max_rows` rows, in segments

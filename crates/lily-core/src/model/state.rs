@@ -33,6 +33,26 @@ pub struct State<B: Backend> {
     pub kv_width: usize,
 }
 
+/// Elements of a DeltaNet layer's state: (conv history, recurrent state).
+fn delta_net_lens(cfg: &ModelConfig) -> (usize, usize) {
+    let conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
+    let ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim;
+    (conv, ssm)
+}
+
+/// Values of one position's K and V in every attention layer: the KV cache grows by this many
+/// elements per token.
+pub fn kv_elements_per_token(cfg: &ModelConfig) -> usize {
+    let attention = cfg.layer_types.iter().filter(|k| **k == LayerKind::Attention).count();
+    attention * 2 * cfg.num_key_value_heads * cfg.head_dim
+}
+
+/// f32 elements of every DeltaNet layer's state together (`State::new` allocates them).
+pub fn delta_net_elements(cfg: &ModelConfig) -> usize {
+    let (conv, ssm) = delta_net_lens(cfg);
+    cfg.layer_types.iter().filter(|k| **k == LayerKind::DeltaNet).count() * (conv + ssm)
+}
+
 impl<B: Backend> State<B> {
     /// Empty KV caches (no rows yet) of `kv_dtype` that may grow to `max_seq` rows, and zeroed
     /// DeltaNet states.
@@ -48,8 +68,7 @@ impl<B: Backend> State<B> {
                         v: b.kv_new(kv_width, kv_dtype, max_seq, kv_segment_rows())?,
                     }),
                     LayerKind::DeltaNet => {
-                        let conv_len = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
-                        let ssm_len = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim;
+                        let (conv_len, ssm_len) = delta_net_lens(cfg);
                         LayerState::DeltaNet(DeltaNetState {
                             conv: b.alloc(conv_len)?,
                             ssm: b.alloc(ssm_len)?,
@@ -146,27 +165,82 @@ pub struct Scratch<B: Backend> {
     pub logit_rows: usize,
 }
 
+/// Widths of the per-token scratch rows (`Scratch`'s shape comments), from the config.
+struct Widths {
+    d: usize,
+    proj: usize,
+    conv: usize,
+    vd: usize,
+    hv: usize,
+    kv: usize,
+    core: usize,
+    e: usize,
+    k: usize,
+    i: usize,
+    is: usize,
+}
+
+impl Widths {
+    fn of(cfg: &ModelConfig) -> Widths {
+        let vd = cfg.value_dim();
+        Widths {
+            d: cfg.hidden_size,
+            proj: cfg.conv_dim().max(cfg.num_attention_heads * 2 * cfg.head_dim),
+            conv: cfg.conv_dim(),
+            vd,
+            hv: cfg.linear_num_value_heads,
+            kv: cfg.num_key_value_heads * cfg.head_dim,
+            core: vd.max(cfg.num_attention_heads * cfg.head_dim),
+            e: cfg.num_experts,
+            k: cfg.num_experts_per_tok,
+            i: cfg.moe_intermediate_size,
+            is: cfg.shared_expert_intermediate_size,
+        }
+    }
+}
+
+/// 4-byte elements `Scratch::new(.., chunk, logit_rows)` allocates.
+pub fn scratch_elements(cfg: &ModelConfig, chunk: usize, logit_rows: usize) -> usize {
+    let w = Widths::of(cfg);
+    let per_token = 1
+        + 4 * w.d
+        + w.proj
+        + w.conv
+        + 2 * w.vd
+        + 2 * w.hv
+        + 2 * w.kv
+        + w.core
+        + w.e
+        + 2 * w.k
+        + w.k * (w.i + w.d)
+        + 3 * w.is
+        + 1;
+    chunk * per_token + logit_rows * cfg.vocab_size
+}
+
 impl<B: Backend> Scratch<B> {
     pub fn new(b: &B, cfg: &ModelConfig, chunk: usize, logit_rows: usize) -> Result<Self> {
-        let d = cfg.hidden_size;
-        let qg = cfg.num_attention_heads * 2 * cfg.head_dim;
-        let kv = cfg.num_key_value_heads * cfg.head_dim;
-        let (hv, vd) = (cfg.linear_num_value_heads, cfg.value_dim());
-        let core = vd.max(cfg.num_attention_heads * cfg.head_dim);
-        let (e, k, i, is) = (
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            cfg.moe_intermediate_size,
-            cfg.shared_expert_intermediate_size,
-        );
+        let Widths {
+            d,
+            proj,
+            conv,
+            vd,
+            hv,
+            kv,
+            core,
+            e,
+            k,
+            i,
+            is,
+        } = Widths::of(cfg);
         Ok(Scratch {
             chunk,
             ids: b.alloc_ids(chunk)?,
             x: b.alloc(chunk * d)?,
             h: b.alloc(chunk * d)?,
             mix: b.alloc(chunk * d)?,
-            proj: b.alloc(chunk * cfg.conv_dim().max(qg))?,
-            conv: b.alloc(chunk * cfg.conv_dim())?,
+            proj: b.alloc(chunk * proj)?,
+            conv: b.alloc(chunk * conv)?,
             z: b.alloc(chunk * vd)?,
             a: b.alloc(chunk * hv)?,
             b: b.alloc(chunk * hv)?,

@@ -114,13 +114,17 @@ impl<X: Executor> Metal<X> {
             |v: usize| u32::try_from(v).map_err(|_| Error::weight(&m.name, "too large for 32-bit kernel indices"));
         let stored_rows = m.data.len() / m.row_bytes().max(1);
         too_big(stored_rows.saturating_mul(m.cols))?;
-        let (b, off) = self.x.weight_buffer(&m.data)?;
-        let groups = match &m.groups {
-            Some(g) => {
-                let (s, so) = self.x.weight_buffer(&g.scales)?;
-                let (bi, bo) = self.x.weight_buffer(&g.biases)?;
-                Some([(s, so, g.scales.len()), (bi, bo, g.biases.len())])
+        // Each tensor wrapped in place where the device can, else copied (and counted).
+        let place = |bytes: &crate::safetensors::Bytes| -> Result<(X::Buffer, usize, usize)> {
+            let p = self.x.weight_buffer(bytes)?;
+            if p.copied {
+                self.count_copy(bytes.len());
             }
+            Ok((p.buf, p.offset, bytes.len()))
+        };
+        let data = place(&m.data)?;
+        let groups = match &m.groups {
+            Some(g) => Some([place(&g.scales)?, place(&g.biases)?]),
             None => None,
         };
         let group = match m.format {
@@ -136,7 +140,7 @@ impl<X: Executor> Metal<X> {
             ..Default::default()
         };
         Ok(MetalMatrix {
-            data: (b, off, m.data.len()),
+            data,
             groups,
             desc,
             experts: too_big(m.experts.max(1))?,

@@ -1,30 +1,47 @@
 //! The real Metal device (macOS, Apple silicon): the [`Executor`] that `Metal<Device>` drives.
 //!
-//! - Device: `MTLCreateSystemDefaultDevice`, accepted when it supports `MTLGPUFamilyApple7`
-//!   (M1 and later: the kernels rely on Apple-GPU simdgroup operations and `bfloat`). Its GPU
-//!   family is the newest `MTLGPUFamilyAppleN` (N = 7..10) that `supportsFamily` accepts, and
-//!   picks the kernel variants (`kernels::Variants::for_family`); `LILY_METAL_FAMILY=7..10`
-//!   picks another family's variants (every variant runs on every Apple7+ GPU).
+//! - Device: the system default (`MTLCreateSystemDefaultDevice`, which returns nil unless the
+//!   process links CoreGraphics: `build.rs` links it), else the first device `MTLCopyAllDevices`
+//!   lists that is in GPU family Apple7 or later (every Apple silicon Mac: the kernels rely on
+//!   its simdgroup operations and simdgroup matrices). [`probe`] finds it without building the
+//!   backend (`lily info`, `backend="auto"`): a Mac whose only Metal devices are below Apple7
+//!   (a virtual machine's paravirtual GPU, as on GitHub's hosted runners) has no Metal GPU for
+//!   Lily. Its GPU family is the newest `MTLGPUFamilyAppleN` (N = 7..10) that `supportsFamily`
+//!   accepts and picks the kernel variants (`kernels::Variants::for_family`);
+//!   `LILY_METAL_FAMILY=7..10` picks another family's variants (all run on every Apple7+ GPU).
+//! - macOS: 13 or later ([`kernels::MIN_MACOS`]); the shaders are compiled as Metal Shading
+//!   Language [`kernels::MSL_VERSION`] (3.0, set explicitly: by default Metal compiles with the
+//!   newest version of the running system), which reads bf16 weights as bits (no `bfloat`
+//!   type, which needs MSL 3.1 / macOS 14). An older macOS is refused with a message.
 //! - Shaders: the sources embedded in `kernels.rs`, one library per `.metal` file with the
 //!   headers inlined (`kernels::standalone`), compiled at construction with
 //!   `newLibraryWithSource` (fast math on; `LILY_METAL_FAST_MATH=0` turns it off when hunting
-//!   a parity bug). `Metal::new` then builds every pipeline, so a missing kernel fails there.
+//!   a parity bug); a compile error is a `DeviceError` carrying the compiler's log. Pipelines
+//!   are built by `Metal` for the kernels the checkpoint's weight formats need.
 //! - Memory: every buffer is `StorageModeShared` (unified memory: the CPU reads and writes it
 //!   through `contents`). Weights are wrapped in place with `newBufferWithBytesNoCopy` over
-//!   the page-aligned region of the mapped checkpoint that covers the tensor; the tensor's
-//!   offset inside that region goes to the kernel as the binding offset. Where that is not
-//!   possible (offset not 4-byte aligned, region over `maxBufferLength`, wrapping refused)
-//!   the tensor is copied once.
-//! - Commands: one command buffer with one serial compute encoder per `Metal` command stream
-//!   (a whole decode step), committed and waited for at `commit_wait`; its error, if any,
-//!   comes back as `Error::Device` there.
-//! - Debug labels (for Xcode GPU captures and Instruments): the command buffer is labelled
+//!   the page-aligned region of the mapped checkpoint that covers the tensor
+//!   ([`executor::wrappable`]); the tensor's offset inside that region goes to the kernel as the
+//!   binding offset. Where that is not possible (offset not 4-byte aligned, region over
+//!   `maxBufferLength`, wrapping refused) the tensor is copied once, and counted
+//!   (`Metal::copied_weight_bytes`). `recommendedMaxWorkingSetSize` is the budget the engine
+//!   checks weights, state and KV cache against at load.
+//! - Commands: one command buffer with one serial compute encoder per command stream of the
+//!   `Metal` stream (a decode step; a long prefill chunk is committed in pieces, see
+//!   `stream.rs`), committed without waiting (`commit`) and waited for at `wait`, where its
+//!   error, if any, comes back as `Error::Device`.
+//! - Autorelease pools: Metal returns command buffers, encoders and errors autoreleased; without
+//!   a pool they would pile up for the life of the thread. One pool spans each command buffer
+//!   from its creation to its commit (pushed in `encoder`, popped in `commit`), one its wait;
+//!   dispatches open none (their calls return nothing autoreleased, and a pool per dispatch
+//!   costs a push and a pop on every kernel of every step).
+//! - Debug labels (for Xcode GPU captures and Instruments), off unless `LILY_METAL_LABELS=1`
+//!   or a capture (`LILY_METAL_CAPTURE`) asks for them: the command buffer is labelled
 //!   "lily step N" (a one-token forward), "lily prefill chunk" or "lily commands", its compute
 //!   encoder "lily decode" / "lily prefill" / "lily commands", and every dispatch sits in a
 //!   debug group named after its kernel (`matmul_gemv_q4_bf16_r4`, ...). The NSStrings are made
 //!   once (per pipeline, per label kind): a dispatch allocates nothing for its label, a decode
-//!   step one NSString (its number, formatted on the stack). `LILY_METAL_LABELS=0` turns the
-//!   labels and groups off.
+//!   step one NSString (its number, formatted on the stack).
 //! - Host allocations: a dispatch allocates nothing on the Rust side (its parameter bytes come
 //!   inline, the no-copy weights it binds go into a list reused from stream to stream); what
 //!   Metal itself allocates per command buffer is Metal's.
@@ -48,23 +65,25 @@ use std::{
         atomic::{AtomicUsize, Ordering},
         Arc, Mutex,
     },
+    thread::ThreadId,
 };
 
 use objc2::{
+    ffi::{objc_autoreleasePoolPop, objc_autoreleasePoolPush},
     rc::{autoreleasepool, Retained},
     runtime::{AnyObject, ProtocolObject},
 };
-use objc2_foundation::{NSError, NSString, NSURL};
+use objc2_foundation::{NSError, NSProcessInfo, NSString, NSURL};
 use objc2_metal::{
     MTLBuffer, MTLCaptureDescriptor, MTLCaptureDestination, MTLCaptureManager, MTLCommandBuffer,
     MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder,
-    MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily, MTLLibrary, MTLResource,
-    MTLResourceOptions, MTLResourceUsage, MTLSize,
+    MTLComputePipelineState, MTLCopyAllDevices, MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily,
+    MTLLanguageVersion, MTLLibrary, MTLResource, MTLResourceOptions, MTLResourceUsage, MTLSize,
 };
 
 use super::{
-    executor::{Arg, Executor, GpuFamily, Grid, StreamLabel},
-    kernels,
+    executor::{wrappable, Arg, DeviceInfo, Executor, GpuFamily, Grid, Placed, StreamLabel},
+    kernels::{self, MIN_MACOS, MSL_VERSION},
 };
 use crate::{
     error::{Error, Result},
@@ -74,26 +93,129 @@ use crate::{
 extern "C" {
     /// libc (libSystem on macOS): the VM page size (16 KiB on Apple silicon).
     fn getpagesize() -> c_int;
+    /// libSystem: read a kernel variable by name.
+    fn sysctlbyname(
+        name: *const std::ffi::c_char,
+        oldp: *mut c_void,
+        oldlenp: *mut usize,
+        newp: *mut c_void,
+        newlen: usize,
+    ) -> c_int;
+}
+
+/// Whether this macOS runs in a virtual machine (`sysctl kern.hv_vmm_present`), where the only
+/// Metal device is a paravirtual one (GitHub's hosted runners, UTM, Parallels). The one place
+/// a Mac may lack a usable GPU: on Apple-silicon hardware a missing GPU is a fault (the Metal
+/// tests fail there instead of skipping).
+pub fn in_virtual_machine() -> bool {
+    let (mut v, mut len): (c_int, usize) = (0, std::mem::size_of::<c_int>());
+    // SAFETY: a NUL-terminated name, an int-sized output buffer with its length, no new value.
+    let rc = unsafe {
+        sysctlbyname(
+            c"kern.hv_vmm_present".as_ptr(),
+            (&raw mut v).cast(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    rc == 0 && v == 1
+}
+
+type MtlDevice = Retained<ProtocolObject<dyn MTLDevice>>;
+
+/// The newest `MTLGPUFamilyAppleN` device `d` supports: N, or 0 for none (N = 1..=10; the family
+/// values are 1000 + N).
+fn newest_apple_family(d: &ProtocolObject<dyn MTLDevice>) -> u32 {
+    (1..=10u32)
+        .rev()
+        .find(|&n| d.supportsFamily(MTLGPUFamily(1000 + n as isize)))
+        .unwrap_or(0)
+}
+
+/// The Metal GPU Lily's kernels run on (GPU family Apple7 or later) and its family, or why this
+/// Mac has none. The system default device first; if there is none (or it is below Apple7),
+/// every device `MTLCopyAllDevices` lists.
+fn find_gpu() -> std::result::Result<(MtlDevice, GpuFamily), String> {
+    let mut devices: Vec<MtlDevice> = MTLCreateSystemDefaultDevice().into_iter().collect();
+    devices.extend(MTLCopyAllDevices().to_vec());
+    if devices.is_empty() {
+        return Err(
+            "no Metal device: MTLCreateSystemDefaultDevice returned nil and MTLCopyAllDevices lists none".into(),
+        );
+    }
+    let mut seen = Vec::new();
+    for d in devices {
+        let n = newest_apple_family(&d);
+        if let Some(family) = GpuFamily::from_number(n.min(GpuFamily::NEWEST.number())) {
+            return Ok((d, family));
+        }
+        let family = if n == 0 {
+            "no Apple GPU family".to_string()
+        } else {
+            format!("GPU family Apple{n}")
+        };
+        let entry = format!("{:?} ({family})", d.name().to_string());
+        if !seen.contains(&entry) {
+            seen.push(entry);
+        }
+    }
+    Err(format!(
+        "no Metal GPU of family Apple7 or later (M1 and later): this Mac's Metal devices are {}. On Apple \
+         silicon that is a virtual machine's paravirtual GPU (GitHub's hosted macOS runners, UTM, \
+         Parallels), which runs no Lily kernels; an Intel Mac's GPU is not supported either",
+        seen.join(", ")
+    ))
+}
+
+fn device_info(d: &ProtocolObject<dyn MTLDevice>, family: GpuFamily) -> DeviceInfo {
+    DeviceInfo {
+        name: d.name().to_string(),
+        family,
+        working_set: d.recommendedMaxWorkingSetSize(),
+        unified_memory: d.hasUnifiedMemory(),
+        max_buffer_length: d.maxBufferLength() as u64,
+    }
+}
+
+/// The Metal GPU this Mac would run Lily on, or why there is none (no Metal device, or only
+/// devices below GPU family Apple7). Opens nothing else: `lily info` and `backend="auto"` ask
+/// this before building the backend, whose own errors (an old macOS, a shader that does not
+/// compile) are then errors, never a reason to fall back to the CPU.
+pub fn probe() -> std::result::Result<DeviceInfo, String> {
+    autoreleasepool(|_| find_gpu().map(|(d, f)| device_info(&d, f)))
+}
+
+/// The running macOS release (major, minor, patch) and its description ("Version 14.5 (Build
+/// 23F79)"), from `NSProcessInfo`.
+pub fn macos_version() -> ((u32, u32, u32), String) {
+    autoreleasepool(|_| {
+        let info = NSProcessInfo::processInfo();
+        let v = info.operatingSystemVersion();
+        let n = |x: isize| u32::try_from(x).unwrap_or(0);
+        (
+            (n(v.majorVersion), n(v.minorVersion), n(v.patchVersion)),
+            info.operatingSystemVersionString().to_string(),
+        )
+    })
 }
 
 /// The Metal device, its queue and the compiled shader libraries.
 pub struct Device {
-    device: Retained<ProtocolObject<dyn MTLDevice>>,
+    device: MtlDevice,
     queue: Retained<ProtocolObject<dyn MTLCommandQueue>>,
     libs: Vec<Retained<ProtocolObject<dyn MTLLibrary>>>,
-    name: String,
+    info: DeviceInfo,
     fast_math: bool,
     page: usize,
-    /// The newest GPU family the device supports.
-    hw_family: GpuFamily,
-    /// The family whose kernel variants are used (`LILY_METAL_FAMILY` or `hw_family`).
+    /// The family whose kernel variants are used (`LILY_METAL_FAMILY` or `info.family`).
     family: GpuFamily,
-    /// The fixed command-buffer and encoder labels; None with `LILY_METAL_LABELS=0`.
+    /// The fixed command-buffer and encoder labels; None unless asked for.
     labels: Option<Labels>,
     /// The GPU capture in progress (`LILY_METAL_CAPTURE`).
     capture: Option<Capture>,
-    /// The emptied `DeviceEncoder::keep` list of the last command stream, reused by the next
-    /// (so binding weights allocates nothing once warm).
+    /// The emptied `DeviceEncoder::keep` list of the last command stream waited for, reused by
+    /// the next (so binding weights allocates nothing once warm).
     spare_keep: Mutex<Vec<DeviceBuffer>>,
 }
 
@@ -170,6 +292,38 @@ pub struct DevicePipeline {
     label: Label,
 }
 
+/// The autorelease pool of one command buffer: pushed when it is created, popped after its
+/// commit, on the thread that pushed it (a pool belongs to its thread).
+struct Pool {
+    token: NonNull<c_void>,
+    thread: ThreadId,
+}
+
+// SAFETY: the token is only popped on the thread that pushed it (checked in `pop`).
+unsafe impl Send for Pool {}
+
+impl Pool {
+    fn push() -> Pool {
+        // SAFETY: pushing a pool has no preconditions; it returns a non-null token.
+        let token = unsafe { objc_autoreleasePoolPush() };
+        Pool {
+            token: NonNull::new(token).unwrap_or(NonNull::dangling()),
+            thread: std::thread::current().id(),
+        }
+    }
+
+    /// Drain the pool. On another thread than the one that pushed it, nothing is popped: the
+    /// objects stay in that thread's pool stack until an enclosing pool drains (the engine
+    /// encodes and commits a stream in one call, on one thread, so this does not happen there).
+    fn pop(self) {
+        if std::thread::current().id() == self.thread {
+            // SAFETY: the token of a pool pushed on this thread and not popped yet; pools pushed
+            // above it since (pipeline builds) were closure-scoped and are popped already.
+            unsafe { objc_autoreleasePoolPop(self.token.as_ptr()) }
+        }
+    }
+}
+
 /// One command buffer with its open compute encoder.
 pub struct DeviceEncoder {
     cb: Retained<ProtocolObject<dyn MTLCommandBuffer>>,
@@ -177,8 +331,9 @@ pub struct DeviceEncoder {
     ended: bool,
     /// No-copy weight buffers bound so far: their mapping must outlive the GPU's use of it.
     keep: Vec<DeviceBuffer>,
-    /// The first dispatch this device cannot run (reported by `commit_wait`).
+    /// The first dispatch this device cannot run (reported by `commit`).
     error: Option<Error>,
+    pool: Option<Pool>,
 }
 
 // SAFETY: a command buffer and its encoder are used by one thread at a time (the engine keeps
@@ -195,45 +350,67 @@ impl DeviceEncoder {
 }
 
 impl Drop for DeviceEncoder {
-    /// An encoder dropped without `commit_wait` (an encoding error was reported instead) must
-    /// still end encoding: Metal asserts on an encoder released while open.
+    /// An encoder dropped without `commit` (an encoding error was reported instead) must still
+    /// end encoding (Metal asserts on an encoder released while open) and drain its pool.
     fn drop(&mut self) {
         self.end();
+        if let Some(p) = self.pool.take() {
+            p.pop();
+        }
     }
 }
 
+/// A committed command buffer and the no-copy weights it reads.
+pub struct DevicePending {
+    cb: Retained<ProtocolObject<dyn MTLCommandBuffer>>,
+    keep: Vec<DeviceBuffer>,
+}
+
+// SAFETY: a committed command buffer is only waited for and queried (status, error), which
+// Metal allows from any thread.
+unsafe impl Send for DevicePending {}
+
+/// An `NSError` in words: its description and, for the shader compiler, the compiler's log
+/// (Metal puts the log in the description of an `MTLLibraryErrorDomain` error).
 fn ns_error(e: &NSError) -> String {
-    e.localizedDescription().to_string()
+    let mut s = e.localizedDescription().to_string();
+    if let Some(r) = e.localizedFailureReason() {
+        let r = r.to_string();
+        if !s.contains(&r) {
+            s = format!("{s} ({r})");
+        }
+    }
+    format!("{s} [{} error {}]", e.domain(), e.code())
 }
 
 impl Device {
-    /// Open the default Metal device and compile every shader file.
-    pub fn new() -> Result<Device> {
-        autoreleasepool(|_| Self::open())
+    /// Open the Metal GPU ([`probe`]'s) and compile every shader file, calling
+    /// `progress(done, total)` after each.
+    pub fn new(progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Device> {
+        autoreleasepool(|_| Self::open(progress))
     }
 
-    fn open() -> Result<Device> {
-        let device = MTLCreateSystemDefaultDevice().ok_or_else(|| {
-            Error::Device("no Metal device: MTLCreateSystemDefaultDevice returned nil (a VM or a headless runner without GPU access?)".into())
-        })?;
-        let name = device.name().to_string();
-        // Newest first; MTLGPUFamilyAppleN is the integer 1000 + N.
-        let Some(hw_family) = GpuFamily::ALL
-            .into_iter()
-            .rev()
-            .find(|f| device.supportsFamily(MTLGPUFamily(1000 + f.number() as isize)))
-        else {
+    fn open(progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Device> {
+        let (device, hw_family) = find_gpu().map_err(Error::Device)?;
+        let info = device_info(&device, hw_family);
+        let name = &info.name;
+        let ((major, minor, patch), os) = macos_version();
+        if (major, minor) < MIN_MACOS {
             return Err(Error::Device(format!(
-                "Metal device {name:?} is not in GPU family Apple7 or later (M1..M5): Lily's Metal kernels need Apple-silicon simdgroup operations and bfloat; use backend=\"cpu\""
+                "Lily's Metal backend needs macOS {}.{} or later (its shaders are Metal Shading Language {}.{}); \
+                 this Mac ({name}) runs macOS {major}.{minor}.{patch} ({os}): update macOS, or use backend=\"cpu\"",
+                MIN_MACOS.0, MIN_MACOS.1, MSL_VERSION.0, MSL_VERSION.1
             )));
-        };
+        }
         let family = GpuFamily::from_env()?.unwrap_or(hw_family);
         let queue = device
             .newCommandQueue()
             .ok_or_else(|| Error::Device(format!("Metal device {name:?}: cannot create a command queue")))?;
-        let labels = std::env::var("LILY_METAL_LABELS")
-            .map_or(true, |v| v != "0")
-            .then(Labels::new);
+        let capture_path = std::env::var_os("LILY_METAL_CAPTURE").filter(|v| !v.is_empty());
+        // Labels cost an NSString per decode step and a debug group per dispatch: only when asked
+        // for, or when a capture will be read.
+        let labels =
+            (std::env::var("LILY_METAL_LABELS").is_ok_and(|v| v == "1") || capture_path.is_some()).then(Labels::new);
         if labels.is_some() {
             queue.setLabel(Some(&NSString::from_str("lily")));
         }
@@ -242,22 +419,29 @@ impl Device {
         // setMathMode replaces this from macOS 15 only; fastMathEnabled works on every macOS.
         #[allow(deprecated)]
         opts.setFastMathEnabled(fast_math);
+        // Without it Metal compiles with the newest language version of the running macOS: the
+        // shaders must mean the same on every supported release.
+        opts.setLanguageVersion(MTLLanguageVersion(((MSL_VERSION.0 << 16) + MSL_VERSION.1) as usize));
+        let files: Vec<(&str, &str)> = kernels::metal_files().collect();
         let mut libs = Vec::new();
-        for (file, src) in kernels::metal_files() {
+        for (i, (file, src)) in files.iter().enumerate() {
             let source = NSString::from_str(&kernels::standalone(file, src));
             let lib = device
                 .newLibraryWithSource_options_error(&source, Some(&opts))
                 .map_err(|e| {
                     Error::Device(format!(
-                        "Metal: shaders/metal/{file} does not compile: {}",
+                        "Metal: shaders/metal/{file} does not compile on {name} (macOS {major}.{minor}.{patch}, Metal Shading Language {}.{}): {}",
+                        MSL_VERSION.0,
+                        MSL_VERSION.1,
                         ns_error(&e)
                     ))
                 })?;
             libs.push(lib);
+            progress(i + 1, files.len())?;
         }
         // SAFETY: getpagesize has no preconditions.
         let page = usize::try_from(unsafe { getpagesize() }).unwrap_or(16384).max(4096);
-        let capture = match std::env::var_os("LILY_METAL_CAPTURE").filter(|v| !v.is_empty()) {
+        let capture = match capture_path {
             Some(path) => Some(start_capture(&queue, Path::new(&path))?),
             None => None,
         };
@@ -265,10 +449,9 @@ impl Device {
             device,
             queue,
             libs,
-            name,
+            info,
             fast_math,
             page,
-            hw_family,
             family,
             labels,
             capture,
@@ -276,12 +459,16 @@ impl Device {
         })
     }
 
+    /// The GPU as `lily info` reports it.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
     fn wrap(&self, buf: Option<Retained<ProtocolObject<dyn MTLBuffer>>>, bytes: usize) -> Result<DeviceBuffer> {
         let buf = buf.ok_or_else(|| {
             Error::Device(format!(
                 "Metal: cannot allocate a buffer of {bytes} bytes on {} (out of memory or over maxBufferLength {})",
-                self.name,
-                self.device.maxBufferLength()
+                self.info.name, self.info.max_buffer_length
             ))
         })?;
         Ok(DeviceBuffer(Arc::new(BufferInner { buf, _keep: None })))
@@ -291,25 +478,15 @@ impl Device {
     /// of `data` in it, or None where Metal cannot take that region as is.
     fn wrap_in_place(&self, data: &Bytes) -> Option<(DeviceBuffer, usize)> {
         let ptr = data.as_slice().as_ptr() as usize;
-        // Weights are read as at most 4-byte elements (u32 codes, f32/f16/bf16 values).
-        if data.is_empty() || ptr % 4 != 0 {
-            return None;
-        }
-        // Every page holding a byte of a mapping is mapped whole, so the region rounded out to
-        // page boundaries stays inside the checkpoint's mapping (file or anonymous).
-        let start = ptr / self.page * self.page;
-        let end = (ptr + data.len()).div_ceil(self.page) * self.page;
-        if end - start > self.device.maxBufferLength() {
-            return None;
-        }
+        let (start, len, offset) = wrappable(ptr, data.len(), self.page, self.device.maxBufferLength())?;
         let base = NonNull::new(start as *mut c_void)?;
-        // SAFETY: [start, end) is mapped readable for as long as `data`'s mapping lives, and the
-        // returned buffer keeps a clone of `data` (so the mapping) alive; kernels only read
-        // weight buffers. No deallocator: the memory belongs to the mapping.
+        // SAFETY: [start, start + len) is mapped readable for as long as `data`'s mapping lives
+        // (whole pages of it), and the returned buffer keeps a clone of `data` (so the mapping)
+        // alive; kernels only read weight buffers. No deallocator: the memory is the mapping's.
         let buf = unsafe {
             self.device.newBufferWithBytesNoCopy_length_options_deallocator(
                 base,
-                end - start,
+                len,
                 MTLResourceOptions::StorageModeShared,
                 None,
             )
@@ -318,7 +495,7 @@ impl Device {
             buf,
             _keep: Some(data.clone()),
         };
-        Some((DeviceBuffer(Arc::new(inner)), ptr - start))
+        Some((DeviceBuffer(Arc::new(inner)), offset))
     }
 }
 
@@ -362,14 +539,16 @@ impl Executor for Device {
     type Buffer = DeviceBuffer;
     type Pipeline = DevicePipeline;
     type Encoder = DeviceEncoder;
+    type Pending = DevicePending;
 
     fn describe(&self) -> String {
-        let family = if self.family == self.hw_family {
-            format!("GPU family {}", self.hw_family)
+        let hw = self.info.family;
+        let family = if self.family == hw {
+            format!("GPU family {hw}")
         } else {
             format!(
-                "GPU family {}, kernel variants of {} (LILY_METAL_FAMILY)",
-                self.hw_family, self.family
+                "GPU family {hw}, kernel variants of {} (LILY_METAL_FAMILY)",
+                self.family
             )
         };
         let capture = match &self.capture {
@@ -378,13 +557,17 @@ impl Executor for Device {
         };
         format!(
             "Metal on {} ({family}; fast math {}{capture})",
-            self.name,
+            self.info.name,
             if self.fast_math { "on" } else { "off" }
         )
     }
 
     fn family(&self) -> GpuFamily {
         self.family
+    }
+
+    fn working_set(&self) -> Option<u64> {
+        Some(self.info.working_set)
     }
 
     fn new_buffer(&self, bytes: usize) -> Result<DeviceBuffer> {
@@ -409,11 +592,19 @@ impl Executor for Device {
         self.wrap(buf, data.len())
     }
 
-    fn weight_buffer(&self, data: &Bytes) -> Result<(DeviceBuffer, usize)> {
-        match self.wrap_in_place(data) {
-            Some(b) => Ok(b),
-            None => Ok((self.new_buffer_with(data.as_slice())?, 0)),
-        }
+    fn weight_buffer(&self, data: &Bytes) -> Result<Placed<DeviceBuffer>> {
+        Ok(match self.wrap_in_place(data) {
+            Some((buf, offset)) => Placed {
+                buf,
+                offset,
+                copied: false,
+            },
+            None => Placed {
+                buf: self.new_buffer_with(data.as_slice())?,
+                offset: 0,
+                copied: true,
+            },
+        })
     }
 
     fn contents(&self, b: &DeviceBuffer) -> *mut u8 {
@@ -443,7 +634,19 @@ impl Executor for Device {
     }
 
     fn encoder(&self, label: StreamLabel) -> Result<DeviceEncoder> {
-        autoreleasepool(|_| self.open_encoder(label))
+        // The command buffer's pool: everything Metal autoreleases while it is created and
+        // encoded is drained at its commit.
+        let pool = Pool::push();
+        match self.open_encoder(label) {
+            Ok(mut e) => {
+                e.pool = Some(pool);
+                Ok(e)
+            }
+            Err(err) => {
+                pool.pop();
+                Err(err)
+            }
+        }
     }
 
     fn dispatch(
@@ -455,17 +658,28 @@ impl Executor for Device {
         grid: Grid,
         tg_mem: &[usize],
     ) {
-        autoreleasepool(|_| self.encode(e, name, p, args, grid, tg_mem))
+        self.encode(e, name, p, args, grid, tg_mem)
     }
 
-    fn commit_wait(&self, e: DeviceEncoder) -> Result<()> {
-        autoreleasepool(|_| self.submit(e))
+    fn commit(&self, mut e: DeviceEncoder) -> Result<DevicePending> {
+        e.end();
+        if let Some(err) = e.error.take() {
+            return Err(err); // dropping `e` drains its pool
+        }
+        e.cb.commit();
+        let pending = DevicePending {
+            cb: e.cb.clone(),
+            keep: std::mem::take(&mut e.keep),
+        };
+        drop(e); // drains the command buffer's pool (the buffer itself is retained by `pending`)
+        Ok(pending)
+    }
+
+    fn wait(&self, p: DevicePending) -> Result<()> {
+        autoreleasepool(|_| self.complete(p))
     }
 }
 
-/// The bodies of the `Executor` methods, each run inside an autorelease pool: Metal returns
-/// command buffers, encoders and errors autoreleased, and without a pool per call they would
-/// pile up for the life of the thread (a leak per decode step on a long-running thread).
 impl Device {
     fn build_pipeline(&self, name: &str) -> Result<DevicePipeline> {
         let ns = NSString::from_str(name);
@@ -474,10 +688,13 @@ impl Device {
                 "Metal: no kernel named {name:?} in the compiled shaders"
             )));
         };
-        let state = self
-            .device
-            .newComputePipelineStateWithFunction_error(&f)
-            .map_err(|e| Error::Device(format!("Metal: pipeline {name}: {}", ns_error(&e))))?;
+        let state = self.device.newComputePipelineStateWithFunction_error(&f).map_err(|e| {
+            Error::Device(format!(
+                "Metal: the pipeline of kernel {name} cannot be built on {}: {}",
+                self.info.name,
+                ns_error(&e)
+            ))
+        })?;
         let max_threads = state.maxTotalThreadsPerThreadgroup();
         Ok(DevicePipeline {
             state,
@@ -517,6 +734,7 @@ impl Device {
             ended: false,
             keep,
             error: None,
+            pool: None,
         })
     }
 
@@ -537,7 +755,7 @@ impl Device {
         if threads > p.max_threads {
             e.error = Some(Error::Device(format!(
                 "Metal: {name} needs {threads} threads per threadgroup, the pipeline allows {} on {}",
-                p.max_threads, self.name
+                p.max_threads, self.info.name
             )));
             return;
         }
@@ -600,25 +818,19 @@ impl Device {
         }
     }
 
-    fn submit(&self, mut e: DeviceEncoder) -> Result<()> {
-        e.end();
-        if let Some(err) = e.error.take() {
-            return Err(err);
-        }
-        e.cb.commit();
-        e.cb.waitUntilCompleted();
+    fn complete(&self, mut p: DevicePending) -> Result<()> {
+        p.cb.waitUntilCompleted();
         // The GPU is done with the weights: hand the emptied list to the next command stream.
-        let mut keep = std::mem::take(&mut e.keep);
-        keep.clear();
-        *self.spare_keep.lock().unwrap_or_else(|e| e.into_inner()) = keep;
+        p.keep.clear();
+        *self.spare_keep.lock().unwrap_or_else(|e| e.into_inner()) = std::mem::take(&mut p.keep);
         self.count_captured();
-        if e.cb.status() == MTLCommandBufferStatus::Error {
+        if p.cb.status() == MTLCommandBufferStatus::Error {
             let why =
-                e.cb.error()
+                p.cb.error()
                     .map_or_else(|| "unknown error".to_string(), |err| ns_error(&err));
             return Err(Error::Device(format!(
                 "Metal command buffer failed on {}: {why}",
-                self.name
+                self.info.name
             )));
         }
         Ok(())

@@ -10,9 +10,10 @@
 pub use super::args::ParamBytes;
 use crate::error::{Error, Result};
 
-/// The Apple GPU family a Metal device supports (`MTLGPUFamilyApple7` and later; Lily's kernels
-/// need Apple7's simdgroup operations and `bfloat`). Every kernel variant runs on every family;
-/// the family only picks the fastest ones (`kernels::Variants::for_family`).
+/// The Apple GPU family a Metal device supports (`MTLGPUFamilyApple7` and later: every Apple
+/// silicon Mac, whose simdgroup operations and simdgroup matrices Lily's kernels need). Every
+/// kernel variant runs on every family; the family only picks the fastest ones
+/// (`kernels::Variants::for_family`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum GpuFamily {
     /// M1 (and A14).
@@ -91,6 +92,30 @@ impl std::fmt::Display for GpuFamily {
     }
 }
 
+/// A Metal GPU as `lily info` reports it and the memory check at load sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// `MTLDevice.name` ("Apple M3 Max").
+    pub name: String,
+    /// The newest Apple GPU family it supports.
+    pub family: GpuFamily,
+    /// `recommendedMaxWorkingSetSize`: bytes the GPU can use without hurting performance (about
+    /// two thirds to three quarters of the Mac's memory); weights, state and KV cache must fit.
+    pub working_set: u64,
+    /// `hasUnifiedMemory`: CPU and GPU share memory (every Apple silicon Mac).
+    pub unified_memory: bool,
+    /// `maxBufferLength`: the largest single buffer.
+    pub max_buffer_length: u64,
+}
+
+/// A weight tensor placed on the device: its buffer, the tensor's byte offset in it, and
+/// whether its bytes had to be copied (the mapped checkpoint could not be wrapped in place).
+pub struct Placed<B> {
+    pub buf: B,
+    pub offset: usize,
+    pub copied: bool,
+}
+
 /// What a command stream runs: the device labels its command buffer and compute encoder with
 /// it, so an Xcode GPU capture reads "lily step 12" / "lily prefill chunk" rather than
 /// "Command Buffer 0x...". The backend sets it from the engine's `Backend::begin(StreamKind)`.
@@ -152,6 +177,8 @@ pub trait Executor: Send + Sized + 'static {
     type Pipeline: Send + Sync;
     /// An open command stream (command buffer + compute encoder).
     type Encoder: Send;
+    /// A committed command stream not waited for yet.
+    type Pending: Send;
 
     /// What runs the kernels, in words.
     fn describe(&self) -> String;
@@ -168,10 +195,20 @@ pub trait Executor: Send + Sized + 'static {
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.contents(&b), data.len()) };
         Ok(b)
     }
-    /// A buffer over the weight bytes `data`, which stay alive in `keep` (the mapped checkpoint):
-    /// wrapped without a copy where the device allows it; the offset of `data` inside the buffer.
-    fn weight_buffer(&self, data: &crate::safetensors::Bytes) -> Result<(Self::Buffer, usize)> {
-        Ok((self.new_buffer_with(data.as_slice())?, 0))
+    /// A buffer over the weight bytes `data` (a range of the mapped checkpoint, kept alive by the
+    /// buffer): wrapped without a copy where the device allows it ([`wrappable`]), else copied.
+    fn weight_buffer(&self, data: &crate::safetensors::Bytes) -> Result<Placed<Self::Buffer>> {
+        Ok(Placed {
+            buf: self.new_buffer_with(data.as_slice())?,
+            offset: 0,
+            copied: true,
+        })
+    }
+    /// The memory the backend's buffers should stay within: the GPU's
+    /// `recommendedMaxWorkingSetSize` (the simulator: `LILY_METAL_SIM_WORKING_SET`, for tests);
+    /// `None`: no limit known.
+    fn working_set(&self) -> Option<u64> {
+        None
     }
     /// The CPU address of a buffer's first byte.
     fn contents(&self, b: &Self::Buffer) -> *mut u8;
@@ -199,8 +236,32 @@ pub trait Executor: Send + Sized + 'static {
         grid: Grid,
         tg_mem: &[usize],
     );
-    /// Submit and wait; errors of the command stream surface here.
-    fn commit_wait(&self, enc: Self::Encoder) -> Result<()>;
+    /// Submit a command stream (the GPU starts on it while the host goes on); its errors surface
+    /// at [`Executor::wait`]. Streams run in the order they are committed.
+    fn commit(&self, enc: Self::Encoder) -> Result<Self::Pending>;
+    /// Wait for a committed stream to complete; its errors surface here.
+    fn wait(&self, done: Self::Pending) -> Result<()>;
+    /// Submit and wait.
+    fn commit_wait(&self, enc: Self::Encoder) -> Result<()> {
+        let p = self.commit(enc)?;
+        self.wait(p)
+    }
+}
+
+/// Where a weight tensor at host address `ptr` of `len` bytes can be wrapped in place: the
+/// region rounded out to whole pages of `page` bytes (every page holding a byte of a mapping is
+/// mapped whole, so it stays inside the checkpoint's mapping), and the tensor's offset in it.
+/// `None` when the kernels could not read it there (not 4-byte aligned: weights are read as u32
+/// codes and 2- and 4-byte floats) or the region is longer than `max_len` (the device's
+/// `maxBufferLength`). The one rule of the device and the simulator, so the copied bytes the
+/// simulator counts are the ones a Mac would copy.
+pub fn wrappable(ptr: usize, len: usize, page: usize, max_len: usize) -> Option<(usize, usize, usize)> {
+    if len == 0 || ptr % 4 != 0 {
+        return None;
+    }
+    let start = ptr / page * page;
+    let end = (ptr + len).div_ceil(page) * page;
+    (end - start <= max_len).then_some((start, end - start, ptr - start))
 }
 
 #[cfg(test)]
@@ -220,6 +281,22 @@ mod tests {
         }
         assert!(GpuFamily::ALL.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(GpuFamily::NEWEST, *GpuFamily::ALL.last().unwrap());
+    }
+
+    #[test]
+    fn weights_are_wrapped_where_the_kernels_can_read_them() {
+        // A tensor at byte 4100 of a page-aligned mapping: the region from its page, offset 4.
+        assert_eq!(wrappable(0x10000 + 4100, 50, 4096, 1 << 30), Some((0x11000, 4096, 4)));
+        // Spanning a page boundary: both pages.
+        assert_eq!(
+            wrappable(0x10000 + 4092, 10, 4096, 1 << 30),
+            Some((0x10000, 8192, 4092))
+        );
+        // Not 4-byte aligned, empty, or a region past the largest buffer: copied.
+        assert_eq!(wrappable(0x10000 + 4098, 50, 4096, 1 << 30), None);
+        assert_eq!(wrappable(0x10000, 0, 4096, 1 << 30), None);
+        assert_eq!(wrappable(0x10000, 8193, 4096, 8192), None);
+        assert_eq!(wrappable(0x10000, 8192, 4096, 8192), Some((0x10000, 8192, 0)));
     }
 
     #[test]

@@ -5,6 +5,14 @@
 
 use super::executor::GpuFamily;
 
+/// The Metal Shading Language version the shaders are compiled as (`MTLCompileOptions.
+/// languageVersion`, set explicitly), and the oldest macOS that has it: MSL 3.0 came with
+/// macOS 13. The shaders read bf16 as bits (common.h) rather than with the `bfloat` type of MSL
+/// 3.1 (macOS 14); `scripts/check_metal.sh` type-checks them in a mode where `bfloat` does not
+/// exist, and the macOS workflow compiles them with Apple's compiler at `-std=metal3.0`.
+pub const MSL_VERSION: (u32, u32) = (3, 0);
+pub const MIN_MACOS: (u32, u32) = (13, 0);
+
 macro_rules! shader {
     ($file:literal) => {
         ($file, include_str!(concat!("../../../../../shaders/metal/", $file)))
@@ -44,6 +52,10 @@ impl Weight {
     /// Host-name suffix (`q4_bf16`, `bf16`, ...).
     pub fn suffix(self) -> &'static str {
         WEIGHT_SUFFIXES[self.0 as usize]
+    }
+    /// Its place in [`WEIGHT_SUFFIXES`].
+    pub fn index(self) -> usize {
+        self.0 as usize
     }
     pub fn all() -> impl Iterator<Item = Weight> {
         (0..WEIGHT_SUFFIXES.len()).map(|i| Weight(i as u8))
@@ -233,19 +245,21 @@ impl Variants {
         Kernel::gemm(op, w, self.gemm)
     }
 
-    /// The kernels these variants dispatch (for every weight format).
-    pub fn kernels(&self) -> Vec<Kernel> {
-        let mut v = Vec::new();
-        for w in Weight::all() {
-            v.extend(GemvOp::ALL.iter().map(|&op| self.gemv_kernel(op, w)));
-            v.extend(GemmOp::ALL.iter().map(|&op| self.gemm_kernel(op, w)));
-        }
-        v
+    /// The kernels that read weights of format `w`, in these variants: what a checkpoint with
+    /// matrices of that format needs.
+    pub fn kernels_for(&self, w: Weight) -> impl Iterator<Item = Kernel> + '_ {
+        let per_weight = WeightOp::ALL.iter().map(move |&op| Kernel::per_weight(op, w));
+        let gemv = GemvOp::ALL.iter().map(move |&op| self.gemv_kernel(op, w));
+        let gemm = GemmOp::ALL.iter().map(move |&op| self.gemm_kernel(op, w));
+        per_weight.chain(gemv).chain(gemm)
     }
 
     /// The host names of the kernels these variants dispatch (for every weight format).
     pub fn kernel_names(&self) -> Vec<String> {
-        self.kernels().into_iter().map(Kernel::name).collect()
+        Weight::all()
+            .flat_map(|w| self.kernels_for(w))
+            .map(Kernel::name)
+            .collect()
     }
 }
 
@@ -331,11 +345,6 @@ impl From<Fixed> for Kernel {
     fn from(f: Fixed) -> Kernel {
         Kernel::fixed(f)
     }
-}
-
-/// The kernels that have no GPU-family variants (the fixed and the per-weight kernels).
-pub fn common_kernels() -> impl Iterator<Item = Kernel> {
-    Kernel::all().take(WEIGHT_END)
 }
 
 /// Every kernel host name the backend may dispatch: the common kernels and every variant, in

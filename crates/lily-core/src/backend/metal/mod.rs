@@ -15,8 +15,11 @@
 //! GPU families: the executor reports the Apple GPU family (Apple7 = M1 .. Apple10 = M5) and
 //! [`kernels::Variants::for_family`], the one table of kernel variants, picks the tiling of the
 //! decode GEMVs and prefill GEMMs for it ([`Metal::variants`], public so tests can run every
-//! variant). Pipelines of the common kernels and of the chosen variants are built at
-//! construction; the other variants on first use.
+//! variant). Pipelines are built for what the checkpoint needs: the kernels that read no weights
+//! at construction, those of a weight format (in the chosen variants) when the first matrix of
+//! that format is uploaded, so a model loads with the pipelines of its formats only (a 4-bit
+//! MLX checkpoint: q4 and q8 with bf16 scales, 2 of the 12 formats) and a pipeline that cannot
+//! be built fails the load, not a later forward pass; any other kernel on first use.
 //!
 //! Encoding allocates nothing once warm (the house rule: weights, state and scratch are
 //! allocated once; the decode loop does not allocate): every kernel is a [`Kernel`], a place in
@@ -33,12 +36,15 @@ pub mod executor;
 pub mod kernels;
 #[cfg(unix)]
 pub mod sim;
-pub(crate) mod stream;
+pub mod stream;
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{
+    atomic::{AtomicU16, AtomicU64, Ordering},
+    Mutex, OnceLock,
+};
 
 pub use buffers::{MetalBuf, MetalKv, MetalMatrix};
-pub use executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel};
+pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Placed, StreamLabel};
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
@@ -64,6 +70,10 @@ pub struct Metal<X: Executor> {
     stream: Mutex<Stream<X>>,
     /// Bound in place of the scales and biases of dense weights.
     dummy: X::Buffer,
+    /// The weight formats whose pipelines are built (a bit per `Weight`).
+    formats: AtomicU16,
+    /// Bytes of weight tensors that could not be wrapped in place and were copied.
+    copied: AtomicU64,
     /// Single-token attention over more cache rows than this uses the split layout
     /// (default 256; `LILY_METAL_SPLIT_ROWS` overrides it).
     pub split_rows: u32,
@@ -71,6 +81,9 @@ pub struct Metal<X: Executor> {
     /// scan, scatter, block map and expert GEMMs, all on the GPU); otherwise the per-token
     /// kernels (decode). Default 8; `LILY_METAL_MOE_GEMM_TOKENS` overrides it.
     pub moe_gemm_tokens: u32,
+    /// Estimated GPU seconds (on the slowest supported GPU) after which the command stream is
+    /// committed in a new piece ([`stream::PIECE_SECONDS`]; stream.rs says why).
+    pub piece_seconds: f64,
     /// `delta_net` over at least this many tokens runs the chunked prefill kernels
     /// (`delta_net_chunk_prep` + `delta_net_chunk`); fewer run the step recurrence
     /// (`delta_net`). Default one chunk (32); `LILY_METAL_DELTA_CHUNK_TOKENS` overrides it.
@@ -93,9 +106,56 @@ impl Metal<sim::Sim> {
 
 #[cfg(target_os = "macos")]
 impl Metal<device::Device> {
-    /// The real Metal device (Apple silicon, GPU family Apple7+); every pipeline built here.
+    /// The real Metal device (Apple silicon, GPU family Apple7+): shaders compiled, the pipelines
+    /// of the kernels that read no weights built.
     pub fn device() -> Result<Self> {
-        Metal::new(device::Device::new()?)
+        Self::device_with_progress(&mut |_, _| Ok(()))
+    }
+
+    /// [`Metal::device`], calling `progress(done, total)` as the shader files compile.
+    pub fn device_with_progress(progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Self> {
+        Metal::new(device::Device::new(progress)?)
+    }
+}
+
+/// The Metal GPU this machine would run Lily on ([`DeviceInfo`]), or why there is none (not
+/// macOS; no Metal device; only devices below GPU family Apple7, such as a virtual machine's
+/// paravirtual GPU). Builds nothing.
+pub fn probe() -> std::result::Result<DeviceInfo, String> {
+    #[cfg(target_os = "macos")]
+    {
+        device::probe()
+    }
+    #[cfg(not(target_os = "macos"))]
+    {
+        Err(format!(
+            "no Metal on {}: the Metal backend runs on macOS on Apple silicon",
+            std::env::consts::OS
+        ))
+    }
+}
+
+/// What the memory limit of a Metal backend is, in the engine's and `lily info`'s messages.
+pub const WORKING_SET: &str = "the GPU's recommendedMaxWorkingSetSize";
+
+/// Tokens per prefill forward call unless the caller chooses.
+pub const PREFILL_CHUNK: usize = 256;
+
+/// The working set the simulator reports (`LILY_METAL_SIM_WORKING_SET`, bytes; `None`: no
+/// limit): tests play a small GPU with it.
+pub fn sim_working_set() -> Result<Option<u64>> {
+    env_number("LILY_METAL_SIM_WORKING_SET")
+}
+
+/// A whole number from environment variable `var`; `None` when unset or empty.
+pub(crate) fn env_number(var: &str) -> Result<Option<u64>> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::InvalidArgument(format!("{var} must be a whole number, found {v:?}"))),
+        _ => Ok(None),
     }
 }
 
@@ -105,8 +165,8 @@ pub(crate) fn ceil_div(a: usize, b: usize) -> u32 {
 }
 
 impl<X: Executor> Metal<X> {
-    /// Build the pipelines of every kernel this device dispatches (the common kernels and the
-    /// variants of its GPU family) up front, so a missing kernel fails here.
+    /// The backend on executor `x`, with the pipelines of the kernels that read no weights built
+    /// (those of a weight format are built when its first matrix is uploaded).
     pub fn new(x: X) -> Result<Self> {
         let kernels = Kernel::all().map(|k| (k.name(), OnceLock::new())).collect();
         let family = x.family();
@@ -134,14 +194,36 @@ impl<X: Executor> Metal<X> {
             variants,
             stream: Mutex::new(Stream::new()),
             dummy,
+            formats: AtomicU16::new(0),
+            copied: AtomicU64::new(0),
             split_rows,
             moe_gemm_tokens,
+            piece_seconds: stream::PIECE_SECONDS,
             delta_net_chunk_tokens,
         };
-        for k in kernels::common_kernels().chain(variants.kernels()) {
-            m.pipeline(k)?;
+        for &f in Fixed::ALL {
+            m.pipeline(f.into())?;
         }
         Ok(m)
+    }
+
+    /// Build the pipelines of the kernels that read weights of format `w`, in this backend's
+    /// variants (once per format).
+    pub(super) fn prepare_format(&self, w: Weight) -> Result<()> {
+        let bit = 1u16 << w.index();
+        if self.formats.load(Ordering::Acquire) & bit != 0 {
+            return Ok(());
+        }
+        for k in self.variants.kernels_for(w) {
+            self.pipeline(k)?;
+        }
+        self.formats.fetch_or(bit, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Count `bytes` of weights copied because they could not be wrapped in place.
+    pub(super) fn count_copy(&self, bytes: usize) {
+        self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     pub fn executor(&self) -> &X {
@@ -239,7 +321,18 @@ impl<X: Executor> Backend for Metal<X> {
         self.upload_f32(data)
     }
     fn upload_matrix(&self, m: &Matrix) -> Result<MetalMatrix<X>> {
-        self.matrix(m)
+        let mm = self.matrix(m)?;
+        self.prepare_format(mm.weight)?;
+        Ok(mm)
+    }
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
+    fn memory_limit(&self) -> Option<(u64, &'static str)> {
+        self.x.working_set().map(|b| (b, WORKING_SET))
+    }
+    fn copied_weight_bytes(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
     }
     fn write_ids(&self, dst: &mut MetalBuf<X>, data: &[u32]) -> Result<()> {
         if data.len() > dst.len() {

@@ -10,6 +10,13 @@
 //! sets it for one device). The simulated device reports the GPU family it is built with
 //! (`Sim::with_family`; `Sim::new`: `LILY_METAL_FAMILY`, else the newest), which picks the kernel
 //! variants the backend dispatches; the simulator runs every variant alike.
+//!
+//! Like the device, it wraps weight tensors of the mapped checkpoint in place where the device
+//! would (`executor::wrappable`, with 4 KiB pages) and copies the others, so the copied bytes it
+//! counts are a Mac's. Test hooks: `LILY_METAL_SIM_WORKING_SET=BYTES` makes it report a GPU
+//! working set of that size (the memory check at load); `LILY_METAL_SIM_FAIL_COMMAND=N` (or
+//! [`Sim::fail_command`]) makes the Nth command stream committed fail after running half its
+//! dispatches, as a GPU error leaves state half-updated.
 
 use std::{
     ffi::{c_int, c_ulong, c_void},
@@ -17,16 +24,19 @@ use std::{
     process::Command,
     ptr::NonNull,
     sync::{
-        atomic::{AtomicI32, Ordering},
+        atomic::{AtomicI32, AtomicU64, Ordering},
         Arc, Mutex, OnceLock,
     },
 };
 
 use super::{
-    executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel},
+    executor::{wrappable, Arg, Executor, GpuFamily, Grid, ParamBytes, Placed, StreamLabel},
     kernels,
 };
-use crate::error::{Error, Result};
+use crate::{
+    error::{Error, Result},
+    safetensors::Bytes,
+};
 
 macro_rules! prelude {
     ($file:literal) => {
@@ -52,7 +62,19 @@ const PRELUDE: &[(&str, &str)] = &[
     prelude!("metal_stdlib"),
 ];
 
-const FLAGS: &[&str] = &["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-shared", "-DMTL_EXEC", "-w"];
+/// `-DMTL_NO_BFLOAT`: the shaders as Metal Shading Language 3.0, which the device compiles them as
+/// (no `bfloat` type).
+const FLAGS: &[&str] = &[
+    "-x",
+    "c++",
+    "-std=c++20",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-DMTL_EXEC",
+    "-DMTL_NO_BFLOAT",
+    "-w",
+];
 
 type KernelGetter = unsafe extern "C" fn() -> *const c_void;
 type DispatchFn = unsafe extern "C" fn(
@@ -68,20 +90,45 @@ type DispatchFn = unsafe extern "C" fn(
 ) -> c_int;
 type ScheduleFn = unsafe extern "C" fn(c_int);
 
-/// Host memory standing in for a shared-storage `MTLBuffer`.
+/// Host memory standing in for a shared-storage `MTLBuffer`: an allocation of its own
+/// (page-aligned, whole pages, like a Metal buffer), or whole pages of a mapped checkpoint.
 pub struct SimAlloc {
     ptr: NonNull<u8>,
-    layout: std::alloc::Layout,
+    len: usize,
+    /// The mapping wrapped in place (`None`: an allocation of `len` bytes, page-aligned).
+    mapped: Option<Bytes>,
 }
 
-// SAFETY: a plain heap allocation; access is ordered by the command stream (one dispatch at a time).
+/// Page size of the simulated buffers and of the region rounding when weights are wrapped.
+const PAGE: usize = 4096;
+
+// SAFETY: a plain heap allocation or a read-only mapping; access is ordered by the command
+// stream (one dispatch at a time).
 unsafe impl Send for SimAlloc {}
 unsafe impl Sync for SimAlloc {}
 
+impl SimAlloc {
+    fn layout(len: usize) -> std::alloc::Layout {
+        // Whole pages: a buffer never shares a page with another allocation.
+        std::alloc::Layout::from_size_align(len.max(16).next_multiple_of(PAGE), PAGE).expect("a page-aligned layout")
+    }
+
+    /// Bytes of the buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 impl Drop for SimAlloc {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new_buffer` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        if self.mapped.is_none() {
+            // SAFETY: allocated in `new_buffer` with this layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        }
     }
 }
 
@@ -115,11 +162,14 @@ pub enum RecArg {
     Buf(Arc<SimAlloc>, usize, usize),
 }
 
-/// A recorded command stream and its label (named in error messages), run at `commit_wait`.
+/// A recorded command stream and its label (named in error messages), run at `commit`.
 pub struct SimEncoder {
     label: StreamLabel,
     dispatches: Vec<Recorded>,
 }
+
+/// A committed stream: it ran at `commit`; its error, if any, is reported by `wait`.
+pub struct SimPending(Option<Error>);
 
 pub struct Sim {
     libs: Vec<Arc<libloading::Library>>,
@@ -129,6 +179,11 @@ pub struct Sim {
     committed: Mutex<Vec<StreamLabel>>,
     /// Fiber order of the dispatches: -1 as `MTL_SCHED` says, 0 forward, 1 reverse.
     schedule: AtomicI32,
+    /// `LILY_METAL_SIM_WORKING_SET`: the GPU working set reported (None: no limit).
+    working_set: Option<u64>,
+    /// Command streams committed so far, and the number of the one to fail (0: none).
+    commits: AtomicU64,
+    fail_at: AtomicU64,
 }
 
 impl Sim {
@@ -144,17 +199,12 @@ impl Sim {
         // One build at a time per process: concurrent engines/tests then hit the cache.
         static BUILD: Mutex<()> = Mutex::new(());
         let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-        let cxx = std::env::var("LILY_METAL_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
-        let version = Command::new(&cxx).arg("--version").output().map_err(|e| {
-            Error::Device(format!(
-                "the Metal simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_METAL_SIM_CXX): {e}"
-            ))
-        })?;
+        let (cxx, version) = compiler().map_err(Error::Device)?;
         let cache = std::env::var_os("LILY_METAL_SIM_CACHE")
             .map(PathBuf::from)
             .unwrap_or_else(|| std::env::temp_dir().join("lily-metal-sim"));
         let mut common = Fnv::new();
-        common.add(&version.stdout);
+        common.add(&version);
         for s in FLAGS {
             common.add(s.as_bytes());
         }
@@ -190,13 +240,25 @@ impl Sim {
             libs.push(load(&so)?);
         }
         let bounds_check = std::env::var("LILY_METAL_SIM_BOUNDS").map_or(true, |v| v != "0");
+        let working_set = super::sim_working_set()?;
+        let fail_at = super::env_number("LILY_METAL_SIM_FAIL_COMMAND")?.unwrap_or(0);
         Ok(Sim {
             libs,
             bounds_check,
             family,
             committed: Mutex::new(Vec::new()),
             schedule: AtomicI32::new(-1),
+            working_set,
+            commits: AtomicU64::new(0),
+            fail_at: AtomicU64::new(fail_at),
         })
+    }
+
+    /// Make the `n`th command stream committed from now (1: the next) fail after running the
+    /// first half of its dispatches: what a GPU error does to the state it was updating.
+    pub fn fail_command(&self, n: u64) {
+        let done = self.commits.load(Ordering::Relaxed);
+        self.fail_at.store(done + n, Ordering::Relaxed);
     }
 
     /// Run the threads of each threadgroup in reverse (`Some(true)`) or forward order, or as
@@ -212,6 +274,20 @@ impl Sim {
     /// 256), oldest first: what the device would label its command buffers with.
     pub fn take_committed_labels(&self) -> Vec<StreamLabel> {
         std::mem::take(&mut *self.committed.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The simulator's compiler (`LILY_METAL_SIM_CXX`, default `clang++-19`) and its `--version`
+/// output, or why it cannot run: the one thing the simulator needs from the machine (tests skip
+/// for this reason only, and fail on every other).
+pub fn compiler() -> std::result::Result<(String, Vec<u8>), String> {
+    let cxx = std::env::var("LILY_METAL_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
+    match Command::new(&cxx).arg("--version").output() {
+        Ok(out) if out.status.success() => Ok((cxx, out.stdout)),
+        Ok(out) => Err(format!("{cxx} --version failed ({})", out.status)),
+        Err(e) => Err(format!(
+            "the Metal simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_METAL_SIM_CXX): {e}"
+        )),
     }
 }
 
@@ -368,6 +444,7 @@ impl Executor for Sim {
     type Buffer = Arc<SimAlloc>;
     type Pipeline = SimPipeline;
     type Encoder = SimEncoder;
+    type Pending = SimPending;
 
     fn describe(&self) -> String {
         format!(
@@ -381,13 +458,46 @@ impl Executor for Sim {
         self.family
     }
 
+    fn working_set(&self) -> Option<u64> {
+        self.working_set
+    }
+
     fn new_buffer(&self, bytes: usize) -> Result<Arc<SimAlloc>> {
-        let layout = std::alloc::Layout::from_size_align(bytes.max(16), 64)
-            .map_err(|e| Error::Device(format!("metal-sim: buffer of {bytes} bytes: {e}")))?;
+        if bytes > isize::MAX as usize - PAGE {
+            return Err(Error::Device(format!(
+                "metal-sim: a buffer of {bytes} bytes is too large"
+            )));
+        }
         // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(SimAlloc::layout(bytes)) })
             .ok_or_else(|| Error::Device(format!("metal-sim: out of memory allocating {bytes} bytes")))?;
-        Ok(Arc::new(SimAlloc { ptr, layout }))
+        Ok(Arc::new(SimAlloc {
+            ptr,
+            len: bytes.max(16),
+            mapped: None,
+        }))
+    }
+
+    fn weight_buffer(&self, data: &Bytes) -> Result<Placed<Arc<SimAlloc>>> {
+        let ptr = data.as_slice().as_ptr() as usize;
+        let Some((start, len, offset)) = wrappable(ptr, data.len(), PAGE, usize::MAX) else {
+            return Ok(Placed {
+                buf: self.new_buffer_with(data.as_slice())?,
+                offset: 0,
+                copied: true,
+            });
+        };
+        let buf = Arc::new(SimAlloc {
+            // The region's start lies in the mapping's first page or later (wrappable).
+            ptr: NonNull::new(start as *mut u8).expect("a mapped address"),
+            len,
+            mapped: Some(data.clone()),
+        });
+        Ok(Placed {
+            buf,
+            offset,
+            copied: false,
+        })
     }
 
     fn contents(&self, b: &Arc<SimAlloc>) -> *mut u8 {
@@ -458,7 +568,21 @@ impl Executor for Sim {
         });
     }
 
-    fn commit_wait(&self, enc: SimEncoder) -> Result<()> {
+    fn commit(&self, enc: SimEncoder) -> Result<SimPending> {
+        Ok(SimPending(self.run(enc).err()))
+    }
+
+    fn wait(&self, done: SimPending) -> Result<()> {
+        match done.0 {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Sim {
+    /// Run a committed stream's dispatches in order.
+    fn run(&self, enc: SimEncoder) -> Result<()> {
         let label = enc.label;
         {
             let mut c = self.committed.lock().unwrap_or_else(|e| e.into_inner());
@@ -467,7 +591,14 @@ impl Executor for Sim {
             }
             c.push(label);
         }
-        for mut r in enc.dispatches {
+        let number = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
+        let fail = number == self.fail_at.load(Ordering::Relaxed);
+        let run = if fail {
+            enc.dispatches.len() / 2
+        } else {
+            enc.dispatches.len()
+        };
+        for mut r in enc.dispatches.into_iter().take(run) {
             let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(r.args.len());
             let mut sizes: Vec<c_ulong> = Vec::with_capacity(r.args.len());
             for a in r.args.iter_mut() {
@@ -478,13 +609,10 @@ impl Executor for Sim {
                         ptrs.push(b.as_mut_ptr() as *mut c_void);
                     }
                     RecArg::Buf(b, off, len) => {
-                        if *off + *len > b.layout.size() {
+                        if *off + *len > b.len {
                             return Err(Error::Device(format!(
                                 "metal-sim: {} ({label}): binding {} bytes at offset {} of a {}-byte buffer",
-                                r.name,
-                                len,
-                                off,
-                                b.layout.size()
+                                r.name, len, off, b.len
                             )));
                         }
                         // SAFETY: in bounds, checked just above.
@@ -532,6 +660,11 @@ impl Executor for Sim {
                     r.name
                 )));
             }
+        }
+        if fail {
+            return Err(Error::Device(format!(
+                "metal-sim: command stream {number} ({label}) failed after {run} of its dispatches (injected: LILY_METAL_SIM_FAIL_COMMAND / Sim::fail_command)"
+            )));
         }
         Ok(())
     }

@@ -2,7 +2,10 @@
 
 use crate::backend::{
     metal::{
-        args::bytes_of, norm_threads, rows_grid, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf, MetalKv,
+        args::bytes_of,
+        norm_threads, rows_grid,
+        stream::{Scratch, Work},
+        Arg, Executor, Fixed, Grid, Metal, MetalBuf, MetalKv,
     },
     params::{
         AttentionParams, AttentionSplit, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ATTENTION_TILE,
@@ -87,6 +90,7 @@ pub fn kv_store<X: Executor>(m: &Metal<X>, p: &KvStoreParams, x: &MetalBuf<X>, c
         rows_grid(w, t),
         &[],
         &[&cache.segs],
+        Work::default(),
     );
 }
 
@@ -140,8 +144,46 @@ pub fn attention<X: Executor>(
     let lb = || Arg::Bytes(bytes_of(&layout));
     let kernel = kernels(k_cache.dtype).1;
     if splits == 1 {
-        let args = [pb(), sb(), lb(), qg.arg(), k_cache.arg(), v_cache.arg(), out.arg()];
-        return encode_attention(m, kernel, &args, grid, hd, k_cache, v_cache);
+        // One dispatch per block of query tokens (the stream commits between them), each over
+        // the cache rows its tokens see: a prefill chunk over a long context stays under the
+        // stream's per-command-buffer budget (stream.rs). The kernel reads token t's rows
+        // 0..pos0 + t, so a block is the same kernel at pos0 + first with its rows of qg / out.
+        let row_work = |rows: usize| Work {
+            flops: 4.0 * (rows * h * hd) as f64,
+            bytes: Some((2 * rows * kv * hd * k_cache.dtype.size()) as f64),
+        };
+        for r in m.blocks(t, row_work(len)) {
+            let bp = AttentionParams {
+                tokens: r.len() as u32,
+                pos0: p.pos0 + r.start as u32,
+                ..*p
+            };
+            let bsp = AttentionSplit {
+                splits: 1,
+                split_rows: p.pos0 + r.end as u32,
+            };
+            let (q_row, o_row) = (h * 2 * hd, h * hd);
+            let args = [
+                Arg::Bytes(bytes_of(&bp)),
+                Arg::Bytes(bytes_of(&bsp)),
+                lb(),
+                qg.part(r.start * q_row, r.len() * q_row),
+                k_cache.arg(),
+                v_cache.arg(),
+                out.part(r.start * o_row, r.len() * o_row),
+            ];
+            let grid = Grid::Groups {
+                count: [kv as u32, r.len() as u32, 1],
+                size: [(h / kv * 32) as u32, 1, 1],
+            };
+            let rows = p.pos0 as usize + r.end;
+            let work = Work {
+                flops: row_work(rows).flops * r.len() as f64,
+                ..row_work(rows)
+            };
+            encode_attention(m, kernel, &args, grid, hd, [k_cache, v_cache], work);
+        }
+        return;
     }
     // Sized for the most splits this cache can need (its capacity in rows), not for this
     // step's: grown once, the first time a step splits, so later steps allocate nothing
@@ -152,7 +194,7 @@ pub fn attention<X: Executor>(
         return;
     };
     let args = [pb(), sb(), lb(), qg.arg(), k_cache.arg(), v_cache.arg(), part.arg()];
-    encode_attention(m, kernel, &args, grid, hd, k_cache, v_cache);
+    encode_attention(m, kernel, &args, grid, hd, [k_cache, v_cache], Work::default());
     let args = [pb(), sb(), part.arg(), qg.arg(), out.arg()];
     m.encode(
         Fixed::AttentionReduce,
@@ -172,10 +214,10 @@ fn encode_attention<X: Executor>(
     args: &[Arg<'_, X::Buffer>],
     grid: Grid,
     hd: usize,
-    k_cache: &MetalKv<X>,
-    v_cache: &MetalKv<X>,
+    [k_cache, v_cache]: [&MetalKv<X>; 2],
+    work: Work,
 ) {
     // Threadgroup memory: the staged K and V tiles of ATTENTION_TILE rows of one head.
     let tg = ATTENTION_TILE * hd * 4;
-    m.encode_resident(kernel, args, grid, &[tg, tg], &[&k_cache.segs, &v_cache.segs]);
+    m.encode_resident(kernel, args, grid, &[tg, tg], &[&k_cache.segs, &v_cache.segs], work);
 }

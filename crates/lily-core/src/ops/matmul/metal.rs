@@ -3,7 +3,8 @@
 
 use crate::backend::{
     metal::{
-        args::bytes_of, ceil_div, Arg, Executor, GemmOp, GemvOp, Grid, Kernel, Metal, MetalBuf, MetalMatrix, WeightOp,
+        args::bytes_of, ceil_div, stream::Work, Arg, Executor, GemmOp, GemvOp, Grid, Kernel, Metal, MetalBuf,
+        MetalMatrix, WeightOp,
     },
     params::{MatmulParams, MMA_TILE},
 };
@@ -37,7 +38,8 @@ pub fn matmul<X: Executor>(m: &Metal<X>, p: &MatmulParams, w: &MetalMatrix<X>, x
             size: [128, 1, 1],
         };
         let tg_mem = [MMA_TILE * MMA_TILE * 4, tn * MMA_TILE * 4];
-        return m.encode_tg(v.gemm_kernel(GemmOp::MatmulMma, w.weight), &args, grid, &tg_mem);
+        let work = Work::flops(2.0 * (t * n * k) as f64);
+        return m.encode_work(v.gemm_kernel(GemmOp::MatmulMma, w.weight), &args, grid, &tg_mem, work);
     }
     if t == 1 {
         let grid = Grid::Groups {

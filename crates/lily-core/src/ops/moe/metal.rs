@@ -5,8 +5,10 @@ use super::MoeSorted;
 use crate::{
     backend::{
         metal::{
-            args::bytes_of, ceil_div, rows_grid, stream::Scratch, Arg, Executor, Fixed, GemmOp, GemvOp, Grid, Metal,
-            MetalBuf, MetalMatrix,
+            args::bytes_of,
+            ceil_div, rows_grid,
+            stream::{Scratch, Work},
+            Arg, Executor, Fixed, GemmOp, GemvOp, Grid, Metal, MetalBuf, MetalMatrix,
         },
         params::{MoeParams, MoeSortDesc, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TOP_K_MAX},
         Backend,
@@ -302,11 +304,12 @@ fn moe_experts_sorted<X: Executor>(
         count: [ceil_div(i, tn), max_blocks as u32, 1],
         size: [128, 1, 1],
     };
-    m.encode_tg(
+    m.encode_work(
         v.gemm_kernel(GemmOp::MoeGemmGateUp, gate.weight),
         &args,
         grid,
         &[x_tile, w_tile, w_tile],
+        Work::flops(4.0 * (pairs * i * d) as f64),
     );
     let [dw, ds, db] = m.weights(down);
     let args = [
@@ -324,11 +327,12 @@ fn moe_experts_sorted<X: Executor>(
         count: [ceil_div(d, tn), max_blocks as u32, 1],
         size: [128, 1, 1],
     };
-    m.encode_tg(
+    m.encode_work(
         v.gemm_kernel(GemmOp::MoeGemmDown, down.weight),
         &args,
         grid,
         &[x_tile, w_tile],
+        Work::flops(2.0 * (pairs * i * d) as f64),
     );
     let rows = RowsParams {
         tokens: p.tokens,
