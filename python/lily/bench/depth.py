@@ -71,12 +71,12 @@ def measure_depth(model: str, depth: int, *, backend: str, kv_dtype: str, steps:
     return rec
 
 
-def _llama_bench(binary: str, gguf: str, depths: list[int], threads: int, steps: int) -> dict[int, dict]:
+def _llama_bench(binary: str, gguf: str, depths: list[int], threads: int, steps: int, reps: int) -> dict[int, dict]:
     """llama-bench's prefill (pp = depth, from an empty cache) and decode at that depth (tg with -d)."""
     if not depths:
         return {}
     ds = ",".join(str(d) for d in depths)
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-o", "json", "-r", "2"]
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-o", "json", "-r", str(reps)]
     out: dict[int, dict] = {d: {} for d in depths}
     for extra in (["-p", ds, "-n", "0"], ["-p", "0", "-n", str(steps), "-d", ds]):
         res = subprocess.run(cmd + extra, capture_output=True, text=True)
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.gguf:
             raise CommandError("--llama-bench needs --gguf (a GGUF of the same weights)")
         llama = _llama_bench(args.llama_bench, args.gguf, [r["depth"] for r in recs if r["reached_by"] == "prefill"],
-                             threads, args.decode_steps)
+                             threads, args.decode_steps, args.llama_reps)
     print(f"\n{model} · {recs[0]['backend']} · KV {recs[0]['kv_dtype']} · {threads} threads · read bandwidth "
           f"{bw / 1e9:.1f} GB/s · {args.decode_steps} decode steps")
     head = ("| depth | reached by | prefill tok/s | decode tok/s | MB read / token | of bandwidth | KV GB | "
@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth-mib", type=command.integer(64), default=1024)
     ap.add_argument("--llama-bench", metavar="PATH", help="a llama-bench binary to run beside Lily")
     ap.add_argument("--gguf", metavar="FILE", help="GGUF of the same synthetic weights (for --llama-bench)")
+    ap.add_argument("--llama-reps", type=command.integer(1), default=2,
+                    help="llama-bench repetitions per measurement (2; each decode-at-depth one prefills the depth)")
     ap.add_argument("--json", metavar="PATH", help="write the records as JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     return ap
