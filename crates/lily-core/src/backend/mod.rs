@@ -9,6 +9,7 @@
 //! kernels share.
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod params;
 
