@@ -50,8 +50,8 @@ use crate::{
     safetensors::DType,
 };
 
-/// Tokens up to which `matmul` runs the GEMV kernel (weights re-read per token from L2); above,
-/// the tensor-core GEMM.
+/// Tokens up to which `matmul` runs the GEMV kernel (f32; weights re-read per token from L2);
+/// above, the tensor-core GEMM (bf16 inputs, f32 accumulation).
 pub const GEMV_TOKENS: usize = 8;
 /// Key splits of single-token attention (flash-decoding): fixed, so a decode graph does not
 /// depend on the position; each split covers ceil(len / splits) rows.
@@ -139,6 +139,9 @@ pub struct Cuda<X: Executor> {
     /// is uploaded once).
     uploads: Mutex<HashMap<(usize, usize), std::sync::Weak<Alloc<X>>>>,
     graphs: bool,
+    /// `matmul` over at most this many tokens runs the f32 GEMV, above it the bf16 tensor-core
+    /// GEMM (default [`GEMV_TOKENS`]; tests raise it to check a whole forward pass in f32).
+    pub gemv_tokens: usize,
 }
 
 #[cfg(unix)]
@@ -223,6 +226,7 @@ impl<X: Executor> Cuda<X> {
             step,
             uploads: Mutex::new(HashMap::new()),
             graphs,
+            gemv_tokens: GEMV_TOKENS,
         })
     }
 
@@ -629,7 +633,7 @@ impl<X: Executor> Backend for Cuda<X> {
             .ptr(b)
             .ptr(x.ptr())
             .ptr(out.ptr());
-        if t <= GEMV_TOKENS {
+        if t <= self.gemv_tokens {
             let launch = shape([div(n, 32), t as u32, 1], 256);
             self.launch(Kernel::weight(WeightOp::MatmulGemv, w.weight), launch, args);
         } else {

@@ -63,8 +63,12 @@ pub struct Sim {
 impl Sim {
     /// Build (or find in the cache) the kernels library and load it.
     pub fn new() -> Result<Sim> {
-        let so = build_library(kernels::SOURCES)?;
-        let lib = load(&so)?;
+        Sim::from_library(&build_library(kernels::SOURCES)?)
+    }
+
+    /// A simulator running the kernels of a library made by [`build_library`].
+    pub fn from_library(so: &Path) -> Result<Sim> {
+        let lib = load(so)?;
         // SAFETY: the symbol types are the C ABI at the end of cuda_sim.h.
         unsafe {
             let sym = |n: &[u8]| -> Result<*const c_void> {
