@@ -354,9 +354,11 @@ def test_unknown_backend(lily, tiny_hf):
 
 @pytest.mark.parametrize("backend", ["metal", "cuda"])
 def test_unavailable_backend_is_device_error(lily, tiny_hf, backend):
-    """No Metal device off macOS, and no CUDA backend in this build."""
+    """No Metal device off macOS, no CUDA device without an NVIDIA driver."""
     if backend == "metal" and sys.platform == "darwin":
         pytest.skip("macOS may have a Metal device: tests/test_metal_sim.py and metal_device.rs cover it")
+    if backend == "cuda" and any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl")):
+        pytest.skip("an NVIDIA driver is installed: tests/test_cuda_device.py and cuda_device.rs cover it")
     with pytest.raises(lily.DeviceError):
         _load(lily, tiny_hf, backend=backend)
 

@@ -47,7 +47,8 @@ class Engine:
 
     ``path`` is a checkpoint folder (MLX affine-quantized or Hugging Face bf16 safetensors with
     ``config.json``). ``backend`` is ``"auto"`` (the best available), ``"cpu"``, ``"cpu-reference"``
-    (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"`` or ``"cuda"``. ``max_seq`` caps the
+    (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"``, ``"cuda"`` or ``"cuda-sim"`` (the CUDA
+    kernels run on the CPU by a simulator, for checking). ``max_seq`` caps the
     sequence length (default: the config's ``max_position_embeddings``, 262,144 for Qwen3.6); the KV
     cache grows in segments as the sequence does, so a large ``max_seq`` costs no memory until used.
     ``kv_dtype`` is the element type of the stored keys and values: ``"bf16"`` (default), ``"f16"``
@@ -66,7 +67,7 @@ class Engine:
         cls,
         path: str | os.PathLike[str],
         *,
-        backend: Literal["auto", "cpu", "cpu-reference", "metal", "metal-sim", "cuda"] | str = "auto",
+        backend: Literal["auto", "cpu", "cpu-reference", "metal", "metal-sim", "cuda", "cuda-sim"] | str = "auto",
         max_seq: int | None = None,
         prefill_chunk: int | None = None,
         progress: Callable[[int, int], object] | None = None,
@@ -121,6 +122,15 @@ class Engine:
     @property
     def backend(self) -> str:
         """The backend running the model, e.g. ``"cpu"``."""
+    @property
+    def device(self) -> str:
+        """The device the engine runs on, in words (e.g. the GPU's name and architecture)."""
+    @property
+    def device_peak_bytes(self) -> int | None:
+        """Peak device memory the engine has allocated (weights, state, scratch) on CUDA; None elsewhere."""
+    def measure_device_bandwidth(self, mib: int = 1024) -> float | None:
+        """GPU memory bandwidth in GB/s (a device-to-device copy of ``mib`` MiB, (read + write) / time, best of 5);
+        None on the CPU backends."""
     @property
     def config(self) -> dict[str, Any]:
         """The checkpoint's ``config.json`` as a dict."""

@@ -15,6 +15,10 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
+#[cfg(target_os = "linux")]
+use crate::backend::cuda::device::Device as CudaDevice;
+#[cfg(unix)]
+use crate::backend::cuda::{sim::Sim as CudaSim, Cuda};
 #[cfg(target_os = "macos")]
 use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
@@ -339,6 +343,8 @@ pub enum BackendKind {
     /// The Metal backend's command stream run by the CPU simulator (tools/metal-sim; needs clang-19).
     MetalSim,
     Cuda,
+    /// The CUDA backend's command stream run by the CPU simulator (tools/cuda-sim; needs clang-19).
+    CudaSim,
 }
 
 impl BackendKind {
@@ -350,9 +356,10 @@ impl BackendKind {
             "metal" => BackendKind::Metal,
             "metal-sim" => BackendKind::MetalSim,
             "cuda" => BackendKind::Cuda,
+            "cuda-sim" => BackendKind::CudaSim,
             _ => {
                 return Err(Error::InvalidArgument(format!(
-                    "unknown backend {name:?}: expected \"auto\", \"cpu\", \"cpu-reference\", \"metal\", \"metal-sim\" or \"cuda\""
+                    "unknown backend {name:?}: expected \"auto\", \"cpu\", \"cpu-reference\", \"metal\", \"metal-sim\", \"cuda\" or \"cuda-sim\""
                 )))
             }
         })
@@ -366,6 +373,10 @@ pub enum Engine {
     MetalSim(Runner<Metal<Sim>>, ModelConfig),
     #[cfg(target_os = "macos")]
     Metal(Runner<Metal<MetalDevice>>, ModelConfig),
+    #[cfg(unix)]
+    CudaSim(Runner<Cuda<CudaSim>>, ModelConfig),
+    #[cfg(target_os = "linux")]
+    Cuda(Runner<Cuda<CudaDevice>>, ModelConfig),
 }
 
 macro_rules! each {
@@ -376,6 +387,10 @@ macro_rules! each {
             Engine::MetalSim($r, _) => $body,
             #[cfg(target_os = "macos")]
             Engine::Metal($r, _) => $body,
+            #[cfg(unix)]
+            Engine::CudaSim($r, _) => $body,
+            #[cfg(target_os = "linux")]
+            Engine::Cuda($r, _) => $body,
         }
     };
 }
@@ -466,6 +481,11 @@ impl Engine {
                 if let Ok(m) = Metal::device() {
                     return Ok(Engine::Metal(Runner::new(m, dir, &cfg, opts, max_seq, progress)?, cfg));
                 }
+                // Linux: CUDA when an NVIDIA GPU is usable.
+                #[cfg(target_os = "linux")]
+                if let Some(c) = auto_cuda() {
+                    return Ok(Engine::Cuda(Runner::new(c, dir, &cfg, opts, max_seq, progress)?, cfg));
+                }
                 Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, opts, max_seq, progress)?, cfg))
             }
             BackendKind::Cpu => Ok(Engine::Cpu(Runner::new(Cpu::new(), dir, &cfg, opts, max_seq, progress)?, cfg)),
@@ -491,8 +511,21 @@ impl Engine {
             BackendKind::Metal => Err(Error::Device(
                 "the Metal backend needs macOS on Apple silicon (on Linux, backend=\"metal-sim\" runs its kernels on the CPU)".into(),
             )),
-            BackendKind::Cuda => Err(Error::Device(
-                "the CUDA backend is not built into this package yet".into(),
+            #[cfg(target_os = "linux")]
+            BackendKind::Cuda => Ok(Engine::Cuda(
+                Runner::new(Cuda::device()?, dir, &cfg, opts, max_seq, progress)?,
+                cfg,
+            )),
+            #[cfg(not(target_os = "linux"))]
+            BackendKind::Cuda => Err(Error::Device("the CUDA backend needs Linux with an NVIDIA GPU".into())),
+            #[cfg(unix)]
+            BackendKind::CudaSim => Ok(Engine::CudaSim(
+                Runner::new(Cuda::sim()?, dir, &cfg, opts, max_seq, progress)?,
+                cfg,
+            )),
+            #[cfg(not(unix))]
+            BackendKind::CudaSim => Err(Error::Device(
+                "the CUDA simulator needs a Unix host with clang-19".into(),
             )),
         }
     }
@@ -598,6 +631,62 @@ impl Engine {
             Engine::MetalSim(_, c) => c,
             #[cfg(target_os = "macos")]
             Engine::Metal(_, c) => c,
+            #[cfg(unix)]
+            Engine::CudaSim(_, c) => c,
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(_, c) => c,
+        }
+    }
+
+    /// The device the engine runs on, in words (the CPU backends: "CPU").
+    pub fn device_description(&self) -> String {
+        match self {
+            #[cfg(unix)]
+            Engine::CudaSim(r, _) => r.b.describe(),
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(r, _) => r.b.describe(),
+            _ => self.backend_name().to_string(),
+        }
+    }
+
+    /// Device memory bandwidth in GB/s (a device-to-device copy of `bytes`, best of 5, counting
+    /// bytes read and written) on a GPU backend; `None` on the CPU backends.
+    pub fn measure_device_bandwidth(&self, bytes: usize) -> Result<Option<f64>> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(r, _) => r.b.copy_bandwidth(bytes).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Peak device memory allocated by the engine (weights, state, scratch), where the backend
+    /// tracks it (CUDA).
+    pub fn device_peak_bytes(&self) -> Option<usize> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(r, _) => r.b.peak_bytes(),
+            _ => None,
+        }
+    }
+}
+
+/// The CUDA device for `BackendKind::Auto`: `None` where no NVIDIA driver is installed (quietly:
+/// most machines have none), or, saying why once per process, where a driver exists but the
+/// backend cannot run (no GPU, an old GPU, no NVRTC).
+#[cfg(target_os = "linux")]
+fn auto_cuda() -> Option<Cuda<CudaDevice>> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    if !["/proc/driver/nvidia", "/dev/nvidiactl"]
+        .iter()
+        .any(|p| std::path::Path::new(p).exists())
+    {
+        return None;
+    }
+    match Cuda::device() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            SAID.call_once(|| eprintln!("lily: backend \"auto\" uses the CPU: the CUDA backend is unavailable: {e}"));
+            None
         }
     }
 }

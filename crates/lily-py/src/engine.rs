@@ -350,6 +350,27 @@ impl Engine {
         self.backend
     }
 
+    /// The device the engine runs on, in words.
+    #[getter]
+    fn device(&self) -> String {
+        self.inner.device_description()
+    }
+
+    /// Peak device memory the engine has allocated (weights, state, scratch), where the backend
+    /// tracks it (CUDA); None elsewhere.
+    #[getter]
+    fn device_peak_bytes(&self) -> Option<usize> {
+        self.inner.device_peak_bytes()
+    }
+
+    /// Device memory bandwidth in GB/s ((bytes read + bytes written) / time of a device-to-device
+    /// copy of `mib` MiB, best of 5) on a GPU backend; None on the CPU backends.
+    #[pyo3(signature = (mib = 1024))]
+    fn measure_device_bandwidth(&self, py: Python<'_>, mib: usize) -> Result<Option<f64>, PyLilyError> {
+        let inner = &self.inner;
+        Ok(py.detach(|| inner.measure_device_bandwidth(mib << 20))?)
+    }
+
     /// The checkpoint's config.json as a dict.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

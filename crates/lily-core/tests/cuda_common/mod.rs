@@ -7,6 +7,8 @@
 
 #![allow(dead_code)] // each test binary uses the subset it needs
 
+// metal_common (for TinyCheckpoint) loads common too, privately: a second copy is the simple way.
+#[allow(clippy::duplicate_mod)]
 #[path = "../common/mod.rs"]
 mod common;
 #[path = "../metal_common/mod.rs"]

@@ -128,6 +128,9 @@ struct Stream<X: Executor> {
     partials: Option<(Arc<Alloc<X>>, usize)>,
 }
 
+/// Weight tensors on the device by host (address, length).
+type Uploads<X> = HashMap<(usize, usize), std::sync::Weak<Alloc<X>>>;
+
 pub struct Cuda<X: Executor> {
     x: Arc<X>,
     functions: Box<[X::Function]>,
@@ -137,10 +140,12 @@ pub struct Cuda<X: Executor> {
     step: Arc<Alloc<X>>,
     /// Weight tensors uploaded so far, by host address and length (a tensor two matrices share
     /// is uploaded once).
-    uploads: Mutex<HashMap<(usize, usize), std::sync::Weak<Alloc<X>>>>,
-    graphs: bool,
+    uploads: Mutex<Uploads<X>>,
+    /// Replay repeated command lists from a captured graph (default on; `LILY_CUDA_GRAPHS=0`).
+    pub graphs: bool,
     /// `matmul` over at most this many tokens runs the f32 GEMV, above it the bf16 tensor-core
-    /// GEMM (default [`GEMV_TOKENS`]; tests raise it to check a whole forward pass in f32).
+    /// GEMM (default [`GEMV_TOKENS`], or `LILY_CUDA_GEMV_TOKENS`; tests raise it to check a whole
+    /// forward pass in f32).
     pub gemv_tokens: usize,
 }
 
@@ -211,6 +216,11 @@ impl<X: Executor> Cuda<X> {
             x: x.clone(),
         });
         let graphs = std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        // LILY_CUDA_GEMV_TOKENS raises the GEMV threshold (tests: a whole forward pass in f32).
+        let gemv_tokens = std::env::var("LILY_CUDA_GEMV_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(GEMV_TOKENS);
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
@@ -226,7 +236,7 @@ impl<X: Executor> Cuda<X> {
             step,
             uploads: Mutex::new(HashMap::new()),
             graphs,
-            gemv_tokens: GEMV_TOKENS,
+            gemv_tokens,
         })
     }
 
@@ -416,6 +426,31 @@ impl<X: Executor> Cuda<X> {
             }
         }
         s.partials.as_ref().map(|(a, _)| a.ptr)
+    }
+
+    /// Device copy bandwidth in GB/s: a device-to-device copy of `bytes` (best of 5 after a
+    /// warm-up), (bytes read + bytes written) / time.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        self.flush()?;
+        let bytes = bytes.max(1 << 20);
+        let a = Alloc {
+            ptr: self.x.alloc(bytes, "bandwidth source")?,
+            x: self.x.clone(),
+        };
+        let b = Alloc {
+            ptr: self.x.alloc(bytes, "bandwidth target")?,
+            x: self.x.clone(),
+        };
+        self.x.copy(a.ptr, b.ptr, bytes)?;
+        self.x.sync()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            self.x.copy(a.ptr, b.ptr, bytes)?;
+            self.x.sync()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * bytes as f64 / best / 1e9)
     }
 
     /// Device memory held by this backend's allocations (weights, state, scratch), and the
