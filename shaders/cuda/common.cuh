@@ -189,6 +189,26 @@ template <int KIND> struct DenseW {
     return KIND == 1 ? bf16_float(b) : f16_float(b);
   }
   __device__ __forceinline__ float at(size_t row, uint j) const { return elem(w + row * m.row_bytes, j); }
+  // Dot product of chunk c (columns c * EPC ..) of stored row `row` with xc[0..EPC).
+  __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
+    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    const uint u[4] = {v.x, v.y, v.z, v.w};
+    float acc = 0.0f;
+    if (KIND == 0) {
+      const float4 x = load_f4(xc);
+      acc = __uint_as_float(u[0]) * x.x + __uint_as_float(u[1]) * x.y + __uint_as_float(u[2]) * x.z +
+            __uint_as_float(u[3]) * x.w;
+    } else {
+      for (int i = 0; i < 4; i += 2) {
+        const float4 x = load_f4(xc + 2 * i);
+        const ushort h[4] = {(ushort)u[i], (ushort)(u[i] >> 16), (ushort)u[i + 1], (ushort)(u[i + 1] >> 16)};
+        float w4[4];
+        for (int e = 0; e < 4; ++e) w4[e] = KIND == 1 ? bf16_float(h[e]) : f16_float(h[e]);
+        acc += w4[0] * x.x + w4[1] * x.y + w4[2] * x.z + w4[3] * x.w;
+      }
+    }
+    return acc;
+  }
   // Chunk c (columns c * EPC ..) of stored row `row`, dequantized.
   __device__ __forceinline__ void chunk(size_t row, uint c, float* out) const {
     const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
@@ -218,6 +238,38 @@ template <int BITS, typename S> struct AffineW {
     const uint q = (rw[bit / 32] >> (bit % 32)) & ((1u << BITS) - 1u);
     const size_t g = row * (m.cols / m.group) + j / m.group;
     return load_scale<S>(scales, g) * (float)q + load_scale<S>(biases, g);
+  }
+  // Dot product of chunk c (columns c * EPC ..) of stored row `row` with xc[0..EPC), as
+  // s * sum(q x) + b * sum(x) per group: no dequantized weight is formed.
+  __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
+    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    const uint u[4] = {v.x, v.y, v.z, v.w};
+    constexpr int PW = 32 / BITS;  // codes per word
+    constexpr uint MASK = (1u << BITS) - 1u;
+    const uint j0 = c * EPC;
+    const size_t g0 = row * (m.cols / m.group);
+    // Sums over each run of 8 columns (a group holds a whole number of them).
+    float qx[EPC / 8], xs[EPC / 8];
+    for (int k = 0; k < EPC / 8; ++k) qx[k] = xs[k] = 0.0f;
+    for (int j = 0; j < EPC; j += 4) {
+      const float4 x = load_f4(xc + j);
+      const uint word = u[j / PW], sh = (j % PW) * BITS;
+      qx[j / 8] += (float)((word >> sh) & MASK) * x.x + (float)((word >> (sh + BITS)) & MASK) * x.y +
+                   (float)((word >> (sh + 2 * BITS)) & MASK) * x.z + (float)((word >> (sh + 3 * BITS)) & MASK) * x.w;
+      xs[j / 8] += (x.x + x.y) + (x.z + x.w);
+    }
+    if (m.group % EPC == 0) {  // the whole chunk in one group (the usual case: 4-bit g64, 8-bit g64)
+      float q = 0.0f, sx = 0.0f;
+      for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
+      const size_t g = g0 + j0 / m.group;
+      return load_scale<S>(scales, g) * q + load_scale<S>(biases, g) * sx;
+    }
+    float acc = 0.0f;
+    for (int k = 0; k < EPC / 8; ++k) {
+      const size_t g = g0 + (j0 + 8 * k) / m.group;
+      acc += load_scale<S>(scales, g) * qx[k] + load_scale<S>(biases, g) * xs[k];
+    }
+    return acc;
   }
   __device__ __forceinline__ void chunk(size_t row, uint c, float* out) const {
     const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
@@ -289,10 +341,12 @@ AFFINE_MAKE(W_q4_f32)
 AFFINE_MAKE(W_q8_f32)
 
 // Dot products of R stored rows rows[r] with x[0..K) over the 32 lanes of a warp (every lane
-// gets every sum). Lanes take 16-byte chunks c = lane, lane + 32, ...: each iteration issues the
-// R weight loads before using them (R independent 16-byte loads in flight per lane), and the x
-// values of the chunk are read once (float4) for the R rows. A row that is not 16-byte aligned
-// (m.vec == 0) or a K tail goes element by element. Row r is summed in the same order whatever R.
+// gets every sum). The R rows' 16-byte chunks form one list of R * K / EPC items that the lanes
+// take in turn (item i: row i / chunks, chunk i % chunks), so a short row (the 512 columns of an
+// expert's down projection: 16 chunks at 4 bits) still keeps every lane busy; each item is one
+// 16-byte weight load and the x chunk it multiplies (L1-resident), and the loop is unrolled so a
+// lane has several weight loads in flight. No dequantized weight is formed (`W::dot`). A row that
+// is not 16-byte aligned (m.vec == 0) or a K tail goes element by element.
 template <typename W, int R>
 __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K, const float* __restrict__ x,
                                          float* out) {
@@ -301,16 +355,16 @@ __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   uint done = 0;
   if (wr.m.vec) {
-    const uint chunks = K / W::EPC;
-    for (uint c = lane; c < chunks; c += 32) {
-      float wv[R][W::EPC];
-      for (int r = 0; r < R; ++r) wr.chunk(rows[r], c, wv[r]);
-      const float* xc = x + (size_t)c * W::EPC;
-      for (int i = 0; i < W::EPC; i += 4) {
-        const float4 xv = load_f4(xc + i);
-        for (int r = 0; r < R; ++r)
-          acc[r] += wv[r][i] * xv.x + wv[r][i + 1] * xv.y + wv[r][i + 2] * xv.z + wv[r][i + 3] * xv.w;
-      }
+    const uint chunks = K / W::EPC, items = R * chunks;
+#pragma unroll 4
+    for (uint it = lane; it < items; it += 32) {
+      const uint r = it / chunks, c = it - r * chunks;
+      size_t row = rows[0];
+      for (int k = 1; k < R; ++k)
+        if (r == (uint)k) row = rows[k];
+      const float d = wr.dot(row, c, x + (size_t)c * W::EPC);
+      for (int k = 0; k < R; ++k)
+        if (r == (uint)k) acc[k] += d;
     }
     done = chunks * W::EPC;
   }

@@ -8,8 +8,11 @@
 //!   thread that calls in (the engine may be driven from any Python thread); one stream.
 //! - Kernels: every `.cu` compiled by NVRTC to a cubin for the device's compute capability
 //!   (`nvrtc.rs`: why not PTX, where NVRTC is found, the disk cache), loaded as modules.
-//! - Memory: `cuMemAlloc` (plain device memory), zeroed; host copies synchronous.
+//! - Memory: `cuMemAlloc` (plain device memory), zeroed; host copies on the stream, waited for.
 //! - Graphs: stream capture (thread-local mode) instantiated with `cuGraphInstantiateWithFlags`.
+//! - Profile: `LILY_CUDA_PROFILE=1` times every launch with a pair of CUDA events (graphs are then
+//!   off: a graph's nodes cannot be timed one by one) and prints the time per kernel, slowest
+//!   first, to stderr when the device is dropped. A developer's tool: it allocates per launch.
 
 use std::{
     collections::HashMap,
@@ -77,7 +80,18 @@ pub struct Device {
     total: usize,
     /// Live allocations (address -> bytes), their sum and its peak.
     mem: Mutex<(HashMap<DevPtr, usize>, usize, usize)>,
+    /// `LILY_CUDA_PROFILE`: events of the launches since the last sync, and the totals per kernel.
+    profile: Option<Mutex<Profile>>,
 }
+
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(String, sys::CUevent, sys::CUevent)>,
+    /// kernel -> (launches, milliseconds)
+    totals: HashMap<String, (u64, f64)>,
+}
+// SAFETY: event handles are usable from any thread with the context current.
+unsafe impl Send for Profile {}
 
 impl Device {
     /// Open the device, compile (or load from the cache) every kernel for it.
@@ -170,6 +184,9 @@ impl Device {
                 nvrtc,
                 total,
                 mem: Mutex::new((HashMap::new(), 0, 0)),
+                profile: std::env::var("LILY_CUDA_PROFILE")
+                    .is_ok_and(|v| !v.is_empty() && v != "0")
+                    .then(|| Mutex::new(Profile::default())),
             })
         }
     }
@@ -177,6 +194,13 @@ impl Device {
     fn current(&self) -> Result<()> {
         // SAFETY: a valid context retained for the device's lifetime.
         check(unsafe { sys::cuCtxSetCurrent(self.h.ctx) }, "cuCtxSetCurrent")
+    }
+
+    fn event(&self) -> Result<sys::CUevent> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; default flags (timing on).
+        check(unsafe { sys::cuEventCreate(&mut e, 0) }, "cuEventCreate")?;
+        Ok(e)
     }
 
     /// Compute capability as major * 10 + minor (90 on Hopper).
@@ -220,7 +244,13 @@ impl Executor for Device {
                 sys::cuMemAlloc_v2(&mut p, bytes.max(1)),
                 &format!("cuMemAlloc of {bytes} bytes ({label})"),
             )?;
-            check(sys::cuMemsetD8_v2(p, 0, bytes.max(1)), "cuMemsetD8")?;
+            // On the engine's stream (non-blocking: the legacy-stream memset would not be ordered
+            // before its kernels).
+            check(
+                sys::cuMemsetD8Async(p, 0, bytes.max(1), self.h.stream),
+                "cuMemsetD8Async",
+            )?;
+            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")?;
         }
         let mut m = self.mem.lock().unwrap_or_else(|e| e.into_inner());
         m.0.insert(p, bytes);
@@ -245,12 +275,14 @@ impl Executor for Device {
         }
         self.current()?;
         // SAFETY: `dst` lies in an allocation of at least data.len() bytes (the backend checks).
+        // On the engine's stream, then waited for: a synchronous copy from pageable memory may
+        // return before its DMA lands, and the legacy stream is not ordered with ours.
         unsafe {
-            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")?;
             check(
-                sys::cuMemcpyHtoD_v2(dst, data.as_ptr() as *const c_void, data.len()),
-                "cuMemcpyHtoD",
-            )
+                sys::cuMemcpyHtoDAsync_v2(dst, data.as_ptr() as *const c_void, data.len(), self.h.stream),
+                "cuMemcpyHtoDAsync",
+            )?;
+            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")
         }
     }
 
@@ -261,11 +293,11 @@ impl Executor for Device {
         self.current()?;
         // SAFETY: as `write`.
         unsafe {
-            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")?;
             check(
-                sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut c_void, src, out.len()),
-                "cuMemcpyDtoH",
-            )
+                sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, out.len(), self.h.stream),
+                "cuMemcpyDtoHAsync",
+            )?;
+            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")
         }
     }
 
@@ -305,6 +337,14 @@ impl Executor for Device {
     }
 
     fn launch(&self, f: &DeviceFunction, name: &str, s: Launch, args: &mut Args) -> Result<()> {
+        let events = match &self.profile {
+            Some(_) => Some((self.event()?, self.event()?)),
+            None => None,
+        };
+        if let Some((start, _)) = events {
+            // SAFETY: a fresh event on this context's stream.
+            check(unsafe { sys::cuEventRecord(start, self.h.stream) }, "cuEventRecord")?;
+        }
         let mut ptrs = args.pointers();
         // SAFETY: the parameter pointers address `args`' values in the kernel's parameter order
         // (each kernel's arguments are written next to its launch in mod.rs and tested).
@@ -326,16 +366,41 @@ impl Executor for Device {
         if r != CUresult::CUDA_SUCCESS {
             return check(r, &format!("launch of {name} {s:?}"));
         }
+        if let (Some((start, end)), Some(p)) = (events, &self.profile) {
+            // SAFETY: as above.
+            check(unsafe { sys::cuEventRecord(end, self.h.stream) }, "cuEventRecord")?;
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            p.pending.push((name.to_string(), start, end));
+        }
         Ok(())
     }
 
     fn sync(&self) -> Result<()> {
         self.current()?;
         // SAFETY: a valid stream.
-        check(unsafe { sys::cuStreamSynchronize(self.h.stream) }, "kernel execution")
+        check(unsafe { sys::cuStreamSynchronize(self.h.stream) }, "kernel execution")?;
+        if let Some(p) = &self.profile {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = std::mem::take(&mut p.pending);
+            for (name, start, end) in pending {
+                let mut ms = 0f32;
+                // SAFETY: both events were recorded and the stream is idle; destroyed once.
+                unsafe {
+                    check(sys::cuEventElapsedTime_v2(&mut ms, start, end), "cuEventElapsedTime")?;
+                    sys::cuEventDestroy_v2(start);
+                    sys::cuEventDestroy_v2(end);
+                }
+                let e = p.totals.entry(name).or_default();
+                *e = (e.0 + 1, e.1 + ms as f64);
+            }
+        }
+        Ok(())
     }
 
     fn capture_begin(&self) -> Result<bool> {
+        if self.profile.is_some() {
+            return Ok(false); // timed launch by launch
+        }
         self.current()?;
         // SAFETY: a valid stream, not capturing (the backend captures one list at a time).
         check(
@@ -372,10 +437,30 @@ impl Executor for Device {
     fn peak_bytes(&self) -> Option<usize> {
         Some(self.mem.lock().unwrap_or_else(|e| e.into_inner()).2)
     }
+
+    fn reset_peak(&self) {
+        let mut m = self.mem.lock().unwrap_or_else(|e| e.into_inner());
+        m.2 = m.1;
+    }
 }
 
 impl Drop for Device {
     fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            let p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let mut rows: Vec<_> = p.totals.iter().collect();
+            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+            eprintln!("lily cuda profile: {total:.3} ms in kernels (CUDA events, launches one by one)");
+            eprintln!("{:>10} {:>7} {:>9} {:>9}  kernel", "ms", "%", "launches", "us/launch");
+            for (name, (n, ms)) in rows {
+                eprintln!(
+                    "{ms:10.3} {:6.1}% {n:9} {:9.2}  {name}",
+                    100.0 * ms / total,
+                    1e3 * ms / *n as f64
+                );
+            }
+        }
         // SAFETY: handles created in `open`, destroyed once (the buffers were freed by their
         // owners, which hold the backend and so drop first).
         unsafe {

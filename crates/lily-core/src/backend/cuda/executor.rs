@@ -69,6 +69,8 @@ pub trait Executor: Send + Sync + Sized + 'static {
     fn peak_bytes(&self) -> Option<usize> {
         None
     }
+    /// Start the peak over from the memory in use now (after a measurement's temporary buffers).
+    fn reset_peak(&self) {}
 }
 
 /// One launch the [`Null`] executor saw.
