@@ -32,6 +32,9 @@ static_assert(sizeof(CudaMatrix) == 32, "CudaMatrix");
 // array of segment base addresses (u64 each); `dtype` 0 f32, 1 bf16, 2 f16; `width` elements a row.
 struct KvDesc { u64 seg; uint width; uint dtype; };
 static_assert(sizeof(KvDesc) == 16, "KvDesc");
+// The expert-sorted prefill path of moe.cu: E experts, room for `max_tiles` 64-row tiles.
+struct MoeSortArgs { uint experts; uint max_tiles; };
+static_assert(sizeof(MoeSortArgs) == 8, "MoeSortArgs");
 #define KV_SEG_SHIFT 10
 #define KV_SEG_ROWS (1u << KV_SEG_SHIFT)
 
@@ -373,4 +376,83 @@ __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K
     for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
   }
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// ---------------------------------------------------------------- tensor-core tiles
+// One 64 x 64 output tile of A W^T on the tensor cores, shared by the prefill GEMMs (matmul_mma,
+// the grouped expert GEMMs of moe.cu). 128 threads = 4 warps, warp w owning tile rows (tokens)
+// 32 (w / 2) .. + 32 and columns (weight rows) 32 (w % 2) .. + 32 as 2 x 4 m16n8 accumulators.
+// Per K step of 64 the block stages A [64][64] (a_row(i): the f32 row of tile row i, or nullptr for
+// a zero row) and the dequantized W [64 rows][64] (stored rows w_row0 .., the first n_valid of them
+// real) as bf16 in shared memory, rows padded to MMA_LD = 72 halves so the fragment reads of a warp
+// hit 32 different banks, zero outside K; then 4 k16 steps of mma.sync m16n8k16 (bf16 inputs, f32
+// accumulation) with fragments read straight from shared memory (layouts: tools/cuda-sim).
+#define MMA_T 64
+#define MMA_N 64
+#define MMA_K 64
+#define MMA_LD 72
+__device__ __forceinline__ void mma_zero(float acc[2][4][4]) {
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+}
+template <typename W, typename ARow>
+__device__ __forceinline__ void mma_tile(const W& wr, size_t w_row0, uint n_valid, uint K, ARow a_row, ushort* xs,
+                                         ushort* ws, float acc[2][4][4]) {
+  const uint tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  const uint wt = (warp / 2) * 32, wn = (warp % 2) * 32;
+  for (uint k0 = 0; k0 < K; k0 += MMA_K) {
+    {  // A tile: thread tid converts 32 values, row tid / 2, columns 32 (tid % 2) ..
+      const uint r = tid / 2, c0 = (tid % 2) * 32;
+      const float* ar = a_row(r);
+      for (uint c = 0; c < 32; c += 2) {
+        const uint k = k0 + c0 + c;
+        const float a = ar && k < K ? ar[k] : 0.0f;
+        const float b = ar && k + 1 < K ? ar[k + 1] : 0.0f;
+        *reinterpret_cast<uint*>(&xs[r * MMA_LD + c0 + c]) = pack_bf16x2(a, b);
+      }
+    }
+    constexpr uint CPR = MMA_K / W::EPC;  // W chunks per tile row
+    for (uint q = tid; q < MMA_N * CPR; q += 128) {
+      const uint r = q / CPR, c0 = (q % CPR) * W::EPC;
+      const bool ok = r < n_valid;
+      const size_t row = w_row0 + r;
+      float v[W::EPC];
+      if (ok && wr.m.vec && k0 + c0 + W::EPC <= K) {
+        wr.chunk(row, (k0 + c0) / W::EPC, v);
+      } else {
+        for (uint i = 0; i < (uint)W::EPC; ++i) v[i] = ok && k0 + c0 + i < K ? wr.at(row, k0 + c0 + i) : 0.0f;
+      }
+      for (uint i = 0; i < (uint)W::EPC; i += 2)
+        *reinterpret_cast<uint*>(&ws[r * MMA_LD + c0 + i]) = pack_bf16x2(v[i], v[i + 1]);
+    }
+    __syncthreads();
+    for (uint kk = 0; kk < MMA_K; kk += 16) {
+      uint a[2][4], b[4][2];
+      for (uint i = 0; i < 2; ++i) {
+        const ushort* base = xs + (wt + 16 * i + g) * MMA_LD + kk + 2 * tq;
+        a[i][0] = *reinterpret_cast<const uint*>(base);
+        a[i][1] = *reinterpret_cast<const uint*>(base + 8 * MMA_LD);
+        a[i][2] = *reinterpret_cast<const uint*>(base + 8);
+        a[i][3] = *reinterpret_cast<const uint*>(base + 8 * MMA_LD + 8);
+      }
+      for (uint j = 0; j < 4; ++j) {
+        const ushort* base = ws + (wn + 8 * j + g) * MMA_LD + kk + 2 * tq;
+        b[j][0] = *reinterpret_cast<const uint*>(base);
+        b[j][1] = *reinterpret_cast<const uint*>(base + 8);
+      }
+      for (uint i = 0; i < 2; ++i)
+        for (uint j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+}
+// Hand every element of this thread's accumulators to store(tile row, tile column, value).
+template <typename Store>
+__device__ __forceinline__ void mma_store(const float acc[2][4][4], Store store) {
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const uint wt = (warp / 2) * 32, wn = (warp % 2) * 32;
+  for (uint i = 0; i < 2; ++i)
+    for (uint j = 0; j < 4; ++j)
+      for (uint e = 0; e < 4; ++e) store(wt + 16 * i + g + (e >= 2 ? 8 : 0), wn + 8 * j + 2 * tq + (e & 1), acc[i][j][e]);
 }

@@ -60,6 +60,7 @@ macro_rules! all_cuda_tests {
             delta_net_matches_cpu,
             moe_route_matches_cpu,
             moe_experts_matches_cpu,
+            moe_experts_sorted_matches_cpu,
             forward_f32_matches_cpu,
             forward_matches_cpu_at_bf16_tolerance,
             unsupported_shape_is_an_error_not_a_panic,
@@ -445,6 +446,45 @@ pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
             let ids: Vec<u32> = (0..t * k).map(|i| ((i * 5 + 1) % e) as u32).collect();
             let w = rand_vec(t * k, 104, 0.1, 1.0);
             both!(dev, tolx * TOL, format!("moe_experts {format:?} T={t}"), b => {
+                let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
+                let (xb, ib, wb) = (b.upload(&x).unwrap(), ids_buf(b, &ids), b.upload(&w).unwrap());
+                let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+                let mut out = b.alloc(t * d).unwrap();
+                let p = MoeParams { tokens: t as u32, top_k: k as u32 };
+                b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+                b.finish().unwrap();
+                vec![read_all(b, &out, t * d)]
+            });
+        }
+    }
+}
+
+/// The prefill path of `moe_experts` (T > 8: expert-sorted tiles on the bf16 tensor cores) on
+/// uneven routing: one expert with more than two 64-row tiles, one with none, partial tiles and a
+/// partial column tile (I = 192 is not a multiple of 64); within 1e-2 of the largest output.
+pub fn moe_experts_sorted_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    let (e, d, inter, k) = (6usize, 256usize, 192usize, 2usize);
+    for (format, sd) in [
+        (Format::Affine { bits: 4, group: 64 }, DType::BF16),
+        (Format::BF16, DType::F32),
+    ] {
+        let gate = matrix(e, inter, d, format, sd, 110);
+        let up = matrix(e, inter, d, format, sd, 111);
+        let down = matrix(e, d, inter, format, sd, 112);
+        for t in [9usize, 90] {
+            let x = rand_vec(t * d, 113, -1.0, 1.0);
+            // Slot 0 of most tokens goes to expert 1 (> 128 rows at T = 90), expert 4 gets none.
+            let ids: Vec<u32> = (0..t * k)
+                .map(|i| {
+                    if i % 2 == 0 && i % 10 != 0 {
+                        1
+                    } else {
+                        [0u32, 2, 3, 5][(i / 2) % 4]
+                    }
+                })
+                .collect();
+            let w = rand_vec(t * k, 114, 0.1, 1.0);
+            both!(dev, tolx * 1e-2, format!("moe_experts sorted {format:?} T={t}"), b => {
                 let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
                 let (xb, ib, wb) = (b.upload(&x).unwrap(), ids_buf(b, &ids), b.upload(&w).unwrap());
                 let mut tmp = b.alloc(t * k * (inter + d)).unwrap();

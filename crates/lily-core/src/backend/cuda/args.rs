@@ -46,6 +46,15 @@ pub struct KvDesc {
     pub dtype: u32,
 }
 
+/// The expert-sorted prefill path of `moe_experts` (`MoeSortArgs` in common.cuh): E experts,
+/// room for `max_tiles` tiles of 64 sorted rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeSortArgs {
+    pub experts: u32,
+    pub max_tiles: u32,
+}
+
 /// log2 of the rows of a KV segment (`KV_SEG_SHIFT` in common.cuh; issue 13's
 /// `KV_SEGMENT_ROWS = 1024`).
 pub const KV_SEGMENT_SHIFT: u32 = 10;
@@ -53,6 +62,7 @@ pub const KV_SEGMENT_ROWS: usize = 1 << KV_SEGMENT_SHIFT;
 
 const _: () = assert!(size_of::<CudaMatrix>() == 32);
 const _: () = assert!(size_of::<KvDesc>() == 16);
+const _: () = assert!(size_of::<MoeSortArgs>() == 8);
 
 /// A value a kernel takes by value: `#[repr(C)]` of `u32` / `f32` / `u64` fields with no padding,
 /// or a plain scalar.
@@ -83,6 +93,7 @@ params!(
     RowsParams,
     CudaMatrix,
     KvDesc,
+    MoeSortArgs,
     u32,
     u64,
 );

@@ -58,7 +58,9 @@ pub enum Fixed {
     DeltaNetConv,
     KvStore,
     MoeCombine,
+    MoeCombineSorted,
     MoeRoute,
+    MoeSort,
     QkNormRope,
     RmsNorm,
     RmsNormGated,
@@ -75,7 +77,9 @@ impl Fixed {
         Fixed::DeltaNetConv,
         Fixed::KvStore,
         Fixed::MoeCombine,
+        Fixed::MoeCombineSorted,
         Fixed::MoeRoute,
+        Fixed::MoeSort,
         Fixed::QkNormRope,
         Fixed::RmsNorm,
         Fixed::RmsNormGated,
@@ -91,7 +95,9 @@ impl Fixed {
             Fixed::DeltaNetConv => "delta_net_conv",
             Fixed::KvStore => "kv_store",
             Fixed::MoeCombine => "moe_combine",
+            Fixed::MoeCombineSorted => "moe_combine_sorted",
             Fixed::MoeRoute => "moe_route",
+            Fixed::MoeSort => "moe_sort",
             Fixed::QkNormRope => "qk_norm_rope",
             Fixed::RmsNorm => "rms_norm",
             Fixed::RmsNormGated => "rms_norm_gated",
@@ -109,6 +115,8 @@ pub enum WeightOp {
     MatmulMma,
     MoeGateUp,
     MoeDown,
+    MoeGemmGateUp,
+    MoeGemmDown,
 }
 
 impl WeightOp {
@@ -118,6 +126,8 @@ impl WeightOp {
         WeightOp::MatmulMma,
         WeightOp::MoeGateUp,
         WeightOp::MoeDown,
+        WeightOp::MoeGemmGateUp,
+        WeightOp::MoeGemmDown,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -126,6 +136,8 @@ impl WeightOp {
             WeightOp::MatmulMma => "matmul_mma",
             WeightOp::MoeGateUp => "moe_gate_up",
             WeightOp::MoeDown => "moe_down",
+            WeightOp::MoeGemmGateUp => "moe_gemm_gate_up",
+            WeightOp::MoeGemmDown => "moe_gemm_down",
         }
     }
 }

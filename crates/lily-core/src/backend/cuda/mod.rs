@@ -39,7 +39,7 @@ use std::{
     sync::{Arc, Mutex, OnceLock},
 };
 
-pub use args::{Args, CudaMatrix, DevPtr, KvDesc, KvElem, KV_SEGMENT_ROWS};
+pub use args::{Args, CudaMatrix, DevPtr, KvDesc, KvElem, MoeSortArgs, KV_SEGMENT_ROWS};
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight, WeightOp};
 
@@ -126,6 +126,8 @@ struct Stream<X: Executor> {
     graph: Option<(Vec<Cmd>, X::Graph)>,
     /// Split-attention partials [H, splits, 2 + hd], grown to the largest need seen.
     partials: Option<(Arc<Alloc<X>>, usize)>,
+    /// u32 routing scratch of the expert-sorted MoE prefill, grown to the largest need seen.
+    moe_scratch: Option<(Arc<Alloc<X>>, usize)>,
 }
 
 /// Weight tensors on the device by host (address, length).
@@ -232,6 +234,7 @@ impl<X: Executor> Cuda<X> {
                 last: Vec::new(),
                 graph: None,
                 partials: None,
+                moe_scratch: None,
             }),
             step,
             uploads: Mutex::new(HashMap::new()),
@@ -413,19 +416,25 @@ impl<X: Executor> Cuda<X> {
         }
     }
 
-    /// The split-attention partials buffer, at least `need` floats (grown, never per step).
-    fn partials(&self, need: usize) -> Option<DevPtr> {
+    /// A scratch buffer of the stream (`slot` picks it), at least `need` 4-byte elements: grown
+    /// to the largest need seen, never per step. `None` with the allocation error recorded.
+    fn scratch(
+        &self,
+        need: usize,
+        label: &str,
+        slot: impl Fn(&mut Stream<X>) -> &mut Option<(Arc<Alloc<X>>, usize)>,
+    ) -> Option<DevPtr> {
         let mut s = self.lock();
-        if s.partials.as_ref().is_none_or(|(_, n)| *n < need) {
-            match self.x.alloc(need * 4, "attention partials") {
-                Ok(ptr) => s.partials = Some((Arc::new(Alloc { x: self.x.clone(), ptr }), need)),
+        if slot(&mut s).as_ref().is_none_or(|(_, n)| *n < need) {
+            match self.x.alloc(need * 4, label) {
+                Ok(ptr) => *slot(&mut s) = Some((Arc::new(Alloc { x: self.x.clone(), ptr }), need)),
                 Err(e) => {
                     s.error.get_or_insert(e);
                     return None;
                 }
             }
         }
-        s.partials.as_ref().map(|(a, _)| a.ptr)
+        slot(&mut s).as_ref().map(|(a, _)| a.ptr)
     }
 
     /// Device copy bandwidth in GB/s: a device-to-device copy of `bytes` (best of 5 after a
@@ -462,6 +471,98 @@ impl<X: Executor> Cuda<X> {
     /// executor's peak where it reports one.
     pub fn peak_bytes(&self) -> Option<usize> {
         self.x.peak_bytes()
+    }
+}
+
+impl<X: Executor> Cuda<X> {
+    /// `moe_experts` for prefill: route-sorted expert GEMMs on the tensor cores, with no host
+    /// round trip. `moe_sort` groups the pairs t*K + k by expert into 64-row tiles (u32 scratch:
+    /// count | tiles | order | pos); `moe_gemm_gate_up` (act = SwiGLU over each tile's gathered
+    /// token rows, into tmp [T*K, I] in sorted order) and `moe_gemm_down` (y, tmp [T*K, D] after
+    /// act) run one block row per tile, the grid sized for the most tiles there can be
+    /// (`max_tiles`; blocks past the count return at once); `moe_combine_sorted` sums each token's
+    /// K rows in slot order. The caller has checked shapes and sizes.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_sorted(
+        &self,
+        p: &MoeParams,
+        x: &CudaBuf<X>,
+        ids: &CudaBuf<X>,
+        weights: &CudaBuf<X>,
+        gate: &CudaMat<X>,
+        up: &CudaMat<X>,
+        down: &CudaMat<X>,
+        tmp: &mut CudaBuf<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        let (t, k) = (p.tokens as usize, p.top_k as usize);
+        let (i, d, e) = (gate.desc.rows as usize, gate.desc.cols as usize, gate.experts as usize);
+        let pairs = t * k;
+        if e == 0 || e > 1024 {
+            self.fail(format!(
+                "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
+            ));
+            return;
+        }
+        let max_tiles = pairs.div_ceil(64) + e.min(pairs);
+        let Some(sc) = self.scratch(4 + 4 * max_tiles + 2 * pairs, "moe sort", |s| &mut s.moe_scratch) else {
+            return;
+        };
+        let sort = MoeSortArgs {
+            experts: e as u32,
+            max_tiles: max_tiles as u32,
+        };
+        self.launch(
+            F::MoeSort,
+            shape([1, 1, 1], 1024),
+            Args::new().push(*p).push(sort).ptr(ids.ptr()).ptr(sc),
+        );
+        let act = tmp.ptr();
+        let y = tmp.ptr() + (pairs * i * 4) as u64;
+        let [gw, gs, gb] = gate.ptrs();
+        let [uw, us, ub] = up.ptrs();
+        let args = Args::new()
+            .push(*p)
+            .push(gate.desc)
+            .push(up.desc)
+            .ptr(gw)
+            .ptr(gs)
+            .ptr(gb)
+            .ptr(uw)
+            .ptr(us)
+            .ptr(ub)
+            .ptr(x.ptr())
+            .ptr(sc)
+            .push(max_tiles as u32)
+            .ptr(act);
+        let launch = shape([div(i, 64), max_tiles as u32, 1], 128);
+        self.launch(Kernel::weight(WeightOp::MoeGemmGateUp, gate.weight), launch, args);
+        let [dw, ds, db] = down.ptrs();
+        let args = Args::new()
+            .push(*p)
+            .push(down.desc)
+            .ptr(dw)
+            .ptr(ds)
+            .ptr(db)
+            .ptr(sc)
+            .push(max_tiles as u32)
+            .ptr(act)
+            .ptr(y);
+        let launch = shape([div(d, 64), max_tiles as u32, 1], 128);
+        self.launch(Kernel::weight(WeightOp::MoeGemmDown, down.weight), launch, args);
+        let rows = RowsParams {
+            tokens: p.tokens,
+            dim: d as u32,
+        };
+        let args = Args::new()
+            .push(*p)
+            .push(rows)
+            .ptr(weights.ptr())
+            .ptr(sc)
+            .push(max_tiles as u32)
+            .ptr(y)
+            .ptr(out.ptr());
+        self.launch(F::MoeCombineSorted, rows_launch(d, t), args);
     }
 }
 
@@ -770,7 +871,9 @@ impl<X: Executor> Backend for Cuda<X> {
         self.at_pos(p.pos0);
         let splits = if t == 1 { DECODE_SPLITS } else { 1 };
         let target = if splits > 1 {
-            match self.partials(h * splits as usize * (hd + 2)) {
+            match self.scratch(h * splits as usize * (hd + 2), "attention partials", |s| {
+                &mut s.partials
+            }) {
                 Some(ptr) => ptr,
                 None => return,
             }
@@ -943,7 +1046,9 @@ impl<X: Executor> Backend for Cuda<X> {
         {
             return;
         }
-        let _ = (gate.experts, up.experts, down.experts);
+        if t > self.gemv_tokens {
+            return self.moe_experts_sorted(p, x, ids, weights, gate, up, down, tmp, out);
+        }
         let act = tmp.ptr();
         let y = tmp.ptr() + (pairs * i * 4) as u64;
         let [gw, gs, gb] = gate.ptrs();
