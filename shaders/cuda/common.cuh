@@ -32,6 +32,10 @@ static_assert(sizeof(CudaMatrix) == 32, "CudaMatrix");
 // array of segment base addresses (u64 each); `dtype` 0 f32, 1 bf16, 2 f16; `width` elements a row.
 struct KvDesc { u64 seg; uint width; uint dtype; };
 static_assert(sizeof(KvDesc) == 16, "KvDesc");
+// Up to 4 matrices of one weight format and one K multiplied with the same x in one launch
+// (matmul_gemv_multi): matrix i owns the blocks ends[i - 1] .. ends[i] - 1 of the grid.
+struct GemvMulti { uint count; uint ends[4]; uint pad[3]; };
+static_assert(sizeof(GemvMulti) == 32, "GemvMulti");
 // The expert-sorted prefill path of moe.cu: E experts, room for `max_tiles` 64-row tiles.
 struct MoeSortArgs { uint experts; uint max_tiles; };
 static_assert(sizeof(MoeSortArgs) == 8, "MoeSortArgs");

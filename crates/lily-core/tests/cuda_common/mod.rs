@@ -52,6 +52,7 @@ macro_rules! all_cuda_tests {
             elementwise_matches_cpu,
             matmul_gemv_matches_cpu,
             matmul_mma_matches_cpu,
+            matmuls_match_cpu,
             embed_matches_cpu,
             qk_norm_rope_matches_cpu,
             kv_store_matches_cpu,
@@ -222,6 +223,48 @@ pub fn matmul_mma_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
                 &format!("matmul_mma {:?} T={tokens}", m.format),
             );
         }
+    }
+}
+
+/// Several matrices reading one x (`matmuls`): runs of one format and K share a launch (up to 4,
+/// then a new one), a different format or K starts another; every output as the reference's.
+pub fn matmuls_match_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    let q4 = Format::Affine { bits: 4, group: 64 };
+    let q8 = Format::Affine { bits: 8, group: 64 };
+    let specs = [
+        (q4, 70),
+        (q4, 33),
+        (q8, 40),
+        (q4, 5),
+        (q4, 64),
+        (q4, 1),
+        (q4, 9),
+        (q4, 130),
+        (Format::BF16, 20),
+    ];
+    let mats: Vec<Matrix> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(f, rows))| matrix(1, rows, 256, f, DType::BF16, 200 + i as u64))
+        .collect();
+    for tokens in [1usize, 3] {
+        let x = rand_vec((tokens + 1) * 256, 210, -1.0, 1.0);
+        let p = MatmulParams {
+            tokens: tokens as u32,
+            x_row0: 1,
+        };
+        both!(dev, tolx * TOL, format!("matmuls T={tokens}"), b => {
+            let ws: Vec<_> = mats.iter().map(|m| b.upload_matrix(m).unwrap()).collect();
+            let xb = b.upload(&x).unwrap();
+            let mut outs: Vec<_> = mats.iter().map(|m| b.alloc(tokens * m.rows).unwrap()).collect();
+            {
+                let refs: Vec<_> = ws.iter().collect();
+                let mut out_refs: Vec<_> = outs.iter_mut().collect();
+                b.matmuls(&p, &xb, &refs, &mut out_refs);
+            }
+            b.finish().unwrap();
+            outs.iter().zip(&mats).map(|(o, m)| read_all(b, o, tokens * m.rows)).collect::<Vec<_>>()
+        });
     }
 }
 

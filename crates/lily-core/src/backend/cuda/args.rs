@@ -46,6 +46,16 @@ pub struct KvDesc {
     pub dtype: u32,
 }
 
+/// Up to 4 matrices in one GEMV launch (`GemvMulti` in common.cuh): matrix `i` owns the blocks
+/// `ends[i - 1] .. ends[i]` of the grid.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GemvMulti {
+    pub count: u32,
+    pub ends: [u32; 4],
+    pub pad: [u32; 3],
+}
+
 /// The expert-sorted prefill path of `moe_experts` (`MoeSortArgs` in common.cuh): E experts,
 /// room for `max_tiles` tiles of 64 sorted rows.
 #[repr(C)]
@@ -63,6 +73,7 @@ pub const KV_SEGMENT_ROWS: usize = 1 << KV_SEGMENT_SHIFT;
 const _: () = assert!(size_of::<CudaMatrix>() == 32);
 const _: () = assert!(size_of::<KvDesc>() == 16);
 const _: () = assert!(size_of::<MoeSortArgs>() == 8);
+const _: () = assert!(size_of::<GemvMulti>() == 32);
 
 /// A value a kernel takes by value: `#[repr(C)]` of `u32` / `f32` / `u64` fields with no padding,
 /// or a plain scalar.
@@ -94,6 +105,7 @@ params!(
     CudaMatrix,
     KvDesc,
     MoeSortArgs,
+    GemvMulti,
     u32,
     u64,
 );
@@ -104,16 +116,16 @@ params!(
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Args {
     bytes: [u64; Args::WORDS],
-    at: [u8; Args::MAX],
+    at: [u16; Args::MAX],
     n: u8,
-    len: u8,
+    len: u16,
 }
 
 impl Args {
-    /// The most arguments of one kernel.
-    pub const MAX: usize = 16;
-    /// Bytes of argument values (the largest launch, moe_gate_up, takes 144).
-    pub const WORDS: usize = 20;
+    /// The most arguments of one kernel (matmul_gemv_multi takes 23).
+    pub const MAX: usize = 24;
+    /// Bytes of argument values / 8 (the largest launch, matmul_gemv_multi, takes 304 bytes).
+    pub const WORDS: usize = 38;
 
     pub fn new() -> Args {
         Args {
@@ -141,9 +153,9 @@ impl Args {
                 size,
             );
         }
-        self.at[self.n as usize] = at as u8;
+        self.at[self.n as usize] = at as u16;
         self.n += 1;
-        self.len = (at + size) as u8;
+        self.len = (at + size) as u16;
         self
     }
 

@@ -112,6 +112,7 @@ impl Fixed {
 pub enum WeightOp {
     Embed,
     MatmulGemv,
+    MatmulGemvMulti,
     MatmulMma,
     MoeGateUp,
     MoeDown,
@@ -123,6 +124,7 @@ impl WeightOp {
     pub const ALL: &'static [WeightOp] = &[
         WeightOp::Embed,
         WeightOp::MatmulGemv,
+        WeightOp::MatmulGemvMulti,
         WeightOp::MatmulMma,
         WeightOp::MoeGateUp,
         WeightOp::MoeDown,
@@ -133,6 +135,7 @@ impl WeightOp {
         match self {
             WeightOp::Embed => "embed",
             WeightOp::MatmulGemv => "matmul_gemv",
+            WeightOp::MatmulGemvMulti => "matmul_gemv_multi",
             WeightOp::MatmulMma => "matmul_mma",
             WeightOp::MoeGateUp => "moe_gate_up",
             WeightOp::MoeDown => "moe_down",

@@ -39,7 +39,7 @@ use std::{
     sync::{Arc, Mutex, OnceLock},
 };
 
-pub use args::{Args, CudaMatrix, DevPtr, KvDesc, KvElem, MoeSortArgs, KV_SEGMENT_ROWS};
+pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs, KV_SEGMENT_ROWS};
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight, WeightOp};
 
@@ -780,6 +780,65 @@ impl<X: Executor> Backend for Cuda<X> {
         } else {
             let launch = shape([div(n, 64), div(t, 64), 1], 128);
             self.launch(Kernel::weight(WeightOp::MatmulMma, w.weight), launch, args);
+        }
+    }
+
+    /// Several matrices reading the same x: at most `gemv_tokens` tokens, consecutive matrices of
+    /// one weight format and one K share a launch (up to 4: `matmul_gemv_multi`); otherwise, and
+    /// for a matrix alone, one `matmul` each.
+    fn matmuls(&self, p: &MatmulParams, x: &CudaBuf<X>, ws: &[&CudaMat<X>], outs: &mut [&mut CudaBuf<X>]) {
+        let t = p.tokens as usize;
+        let mut i = 0;
+        while i < ws.len().min(outs.len()) {
+            let w0 = ws[i];
+            let mut n = 1;
+            while n < 4
+                && i + n < ws.len().min(outs.len())
+                && ws[i + n].weight == w0.weight
+                && ws[i + n].desc.cols == w0.desc.cols
+            {
+                n += 1;
+            }
+            if n == 1 || t == 0 || t > self.gemv_tokens {
+                for j in i..i + n {
+                    self.matmul(p, ws[j], x, outs[j]);
+                }
+                i += n;
+                continue;
+            }
+            let k = w0.desc.cols as usize;
+            let mut checks = [("x", x.len, (p.x_row0 as usize + t) * k); 5];
+            for j in 0..n {
+                checks[j + 1] = ("out", outs[i + j].len, t * ws[i + j].desc.rows as usize);
+            }
+            if !self.fits("matmuls", &checks[..n + 1]) {
+                return;
+            }
+            let mut g = GemvMulti {
+                count: n as u32,
+                ..Default::default()
+            };
+            let mut end = 0;
+            for j in 0..n {
+                end += div(ws[i + j].desc.rows as usize, 32);
+                g.ends[j] = end;
+            }
+            let pick = |j: usize| ws[i + j.min(n - 1)];
+            let mut args = Args::new().push(*p).push(g);
+            for j in 0..4 {
+                args = args.push(pick(j).desc);
+            }
+            for j in 0..4 {
+                let [w, s, b] = pick(j).ptrs();
+                args = args.ptr(w).ptr(s).ptr(b);
+            }
+            args = args.ptr(x.ptr());
+            for j in 0..4 {
+                args = args.ptr(outs[i + j.min(n - 1)].ptr());
+            }
+            let launch = shape([end, t as u32, 1], 256);
+            self.launch(Kernel::weight(WeightOp::MatmulGemvMulti, w0.weight), launch, args);
+            i += n;
         }
     }
 
