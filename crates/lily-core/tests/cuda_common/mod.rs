@@ -435,15 +435,17 @@ fn delta_net_calls<B: Backend>(b: &B, hk: usize, hv: usize, dk: usize, dv: usize
 }
 
 /// Tiny heads (Dk = 16: fewer rows than warps x lanes), Dv not a multiple of 32 (40: a partial
-/// warp of columns), the real head dims (128, 2 value heads per key head) and Dk = 256; a
-/// prefill then decode steps (errors compound over steps).
+/// warp of columns), the real head dims (128, 2 value heads per key head) and Dk = 256; prefills
+/// (both kernels paths) then decode steps (errors compound over steps).
 pub fn delta_net_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    let steps: Vec<usize> = std::iter::once(7).chain(std::iter::repeat_n(1, 12)).collect();
+    // 7-token calls take the step kernel, 30-token ones the prep + scan path (Dk <= 128), Dk = 256
+    // the step kernel at any length; the state carries across both.
+    let steps: Vec<usize> = [7, 30].into_iter().chain(std::iter::repeat_n(1, 12)).collect();
     for (hk, hv, dk, dv, calls) in [
         (2usize, 4usize, 16usize, 16usize, &steps[..]),
         (1, 2, 24, 40, &steps[..5]),
-        (2, 4, 128, 128, &steps[..3]),
-        (1, 1, 256, 32, &[9usize][..]),
+        (2, 4, 128, 128, &steps[..4]),
+        (1, 1, 256, 32, &[9usize, 20][..]),
     ] {
         both!(dev, tolx * 1e-4, format!("delta_net Dk={dk} Dv={dv}"), b => delta_net_calls(b, hk, hv, dk, dv, calls));
     }

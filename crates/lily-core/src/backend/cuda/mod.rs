@@ -128,6 +128,8 @@ struct Stream<X: Executor> {
     partials: Option<(Arc<Alloc<X>>, usize)>,
     /// u32 routing scratch of the expert-sorted MoE prefill, grown to the largest need seen.
     moe_scratch: Option<(Arc<Alloc<X>>, usize)>,
+    /// f32 per-token q, k and gates of the DeltaNet prefill scan, grown to the largest need seen.
+    delta_scratch: Option<(Arc<Alloc<X>>, usize)>,
 }
 
 /// Weight tensors on the device by host (address, length).
@@ -235,6 +237,7 @@ impl<X: Executor> Cuda<X> {
                 graph: None,
                 partials: None,
                 moe_scratch: None,
+                delta_scratch: None,
             }),
             step,
             uploads: Mutex::new(HashMap::new()),
@@ -1031,6 +1034,31 @@ impl<X: Executor> Backend for Cuda<X> {
                 ("out", out.len, t * hv * dv),
             ],
         ) {
+            return;
+        }
+        // Prefill (Dk <= 128): the per-token normalisation and gates in parallel, then the scan
+        // with each value column of S in one lane's registers. Decode: the one-kernel step.
+        if t > self.gemv_tokens && dk <= 128 {
+            let need = t * (2 * hk * dk + 2 * hv);
+            let Some(sc) = self.scratch(need, "delta_net scratch", |s| &mut s.delta_scratch) else {
+                return;
+            };
+            let args = Args::new()
+                .push(*p)
+                .ptr(qkv.ptr())
+                .ptr(a.ptr())
+                .ptr(b.ptr())
+                .ptr(a_log.ptr())
+                .ptr(dt_bias.ptr())
+                .ptr(sc);
+            self.launch(F::DeltaNetPrep, shape([t as u32, 1, 1], 256), args);
+            let args = Args::new()
+                .push(*p)
+                .ptr(qkv.ptr())
+                .ptr(sc)
+                .ptr(state.ptr())
+                .ptr(out.ptr());
+            self.launch(F::DeltaNetScan, shape([div(dv, 32), hv as u32, 1], 32), args);
             return;
         }
         let args = Args::new()
