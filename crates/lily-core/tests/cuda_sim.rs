@@ -135,3 +135,219 @@ fn sim_catches_a_wrong_mma_fragment_index() {
     let bad = run(&s, "mma_wrong_fragment", 1, 32, 256).unwrap();
     assert_ne!(&bad[..128], &want[..], "a wrong fragment index went unnoticed");
 }
+
+// ---- the 16-bit segmented KV cache of issue 13, at the kernel level -----------------------------
+
+use lily_core::backend::{
+    cpu::Cpu,
+    cuda::{KvDesc, KV_SEGMENT_ROWS},
+    params::{AttentionParams, KvStoreParams},
+    Backend,
+};
+
+fn upload(s: &Sim, v: &[f32]) -> u64 {
+    let p = s.alloc(v.len() * 4, "test").unwrap();
+    s.write(p, &v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+        .unwrap();
+    p
+}
+
+fn read_f32(s: &Sim, p: u64, n: usize) -> Vec<f32> {
+    let mut b = vec![0u8; n * 4];
+    s.read(p, &mut b).unwrap();
+    b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+fn launch(s: &Sim, name: &str, grid: [u32; 3], block: u32, mut args: Args) {
+    let f = s.function(name).unwrap();
+    let shape = Launch {
+        grid,
+        block: [block, 1, 1],
+        shared: 0,
+    };
+    s.launch(&f, name, shape, &mut args).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// kv_store writes bf16 / f16 rows (round to nearest even) into segments of 1024 rows reached
+/// through a table of segment addresses, across segment boundaries; attention reads them back
+/// (widened to f32) for a decode step over 2100 rows (3 segments, split over the keys) and a
+/// 3-token prefill; both against the reference on the rounded cache.
+#[test]
+fn kv_16bit_segments_store_and_attend() {
+    let Some(c) = sim() else { return };
+    let s = c.executor();
+    let (h, kv, hd, rows) = (8usize, 2usize, 64usize, 2100usize);
+    let width = kv * hd;
+    let k_all = common_rand(rows * width, 300);
+    let v_all = common_rand(rows * width, 301);
+    for (dtype, round) in [(1u32, bf16 as fn(f32) -> f32), (2, f16)] {
+        let segs = rows.div_ceil(KV_SEGMENT_ROWS);
+        let make_cache = || -> (Vec<u64>, u64) {
+            let bases: Vec<u64> = (0..segs)
+                .map(|_| s.alloc(KV_SEGMENT_ROWS * width * 2, "kv segment").unwrap())
+                .collect();
+            let table = s.alloc(8 * segs, "kv table").unwrap();
+            s.write(table, &bases.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>())
+                .unwrap();
+            (bases, table)
+        };
+        let (kseg, kt) = make_cache();
+        let (vseg, vt) = make_cache();
+        let kd = KvDesc {
+            seg: kt,
+            width: width as u32,
+            dtype,
+        };
+        let vd = KvDesc {
+            seg: vt,
+            width: width as u32,
+            dtype,
+        };
+        let step = s.alloc(16, "step").unwrap();
+        // Store rows 0..2097 in two calls (the second starts inside segment 1 and ends in segment 2).
+        for (pos0, n) in [(0usize, 1500usize), (1500, rows - 3 - 1500)] {
+            s.write(step, &(pos0 as u32).to_le_bytes()).unwrap();
+            for (cache, src) in [(kd, &k_all), (vd, &v_all)] {
+                let x = upload(s, &src[pos0 * width..(pos0 + n) * width]);
+                let p = KvStoreParams {
+                    tokens: n as u32,
+                    pos0: 0,
+                    width: width as u32,
+                };
+                launch(
+                    s,
+                    "kv_store",
+                    [width.div_ceil(256) as u32, n as u32, 1],
+                    256,
+                    Args::new().push(p).ptr(step).push(cache).ptr(x),
+                );
+            }
+        }
+        // The stored bits are the rounded values.
+        for (segs_of, src) in [(&kseg, &k_all), (&vseg, &v_all)] {
+            for r in [0usize, 1023, 1024, 2047, 2048, rows - 4] {
+                let mut b = vec![0u8; width * 2];
+                s.read(
+                    segs_of[r / KV_SEGMENT_ROWS] + ((r % KV_SEGMENT_ROWS) * width * 2) as u64,
+                    &mut b,
+                )
+                .unwrap();
+                for i in 0..width {
+                    let bits = u16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+                    let got = if dtype == 1 {
+                        half::bf16::from_bits(bits).to_f32()
+                    } else {
+                        half::f16::from_bits(bits).to_f32()
+                    };
+                    assert_eq!(got, round(src[r * width + i]), "dtype {dtype} row {r} col {i}");
+                }
+            }
+        }
+        // A 3-token prefill at rows 2097..2100 (stored by the call), then the reference on the
+        // rounded cache.
+        let (t, pos0) = (3usize, rows - 3);
+        s.write(step, &(pos0 as u32).to_le_bytes()).unwrap();
+        for (cache, src) in [(kd, &k_all), (vd, &v_all)] {
+            let x = upload(s, &src[pos0 * width..rows * width]);
+            let p = KvStoreParams {
+                tokens: t as u32,
+                pos0: 0,
+                width: width as u32,
+            };
+            launch(
+                s,
+                "kv_store",
+                [1, t as u32, 1],
+                256,
+                Args::new().push(p).ptr(step).push(cache).ptr(x),
+            );
+        }
+        let qg_all = common_rand(t * h * 2 * hd, 302);
+        let kr: Vec<f32> = k_all.iter().map(|&x| round(x)).collect();
+        let vr: Vec<f32> = v_all.iter().map(|&x| round(x)).collect();
+        let p = AttentionParams {
+            tokens: t as u32,
+            pos0: pos0 as u32,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            scale: 0.125,
+        };
+        let mut want = vec![0f32; t * h * hd];
+        Cpu::reference().attention(&p, &qg_all, &kr, &vr, &mut want);
+        let qg = upload(s, &qg_all);
+        let out = s.alloc(t * h * hd * 4, "out").unwrap();
+        let pp = AttentionParams { pos0: 0, ..p };
+        launch(
+            s,
+            "attention",
+            [kv as u32, t as u32, 1],
+            (h / kv * 32) as u32,
+            Args::new()
+                .push(pp)
+                .push(1u32)
+                .ptr(step)
+                .push(kd)
+                .push(vd)
+                .ptr(qg)
+                .ptr(out),
+        );
+        common_assert_close(
+            &read_f32(s, out, t * h * hd),
+            &want,
+            2e-5,
+            &format!("prefill attention over a dtype-{dtype} cache"),
+        );
+        // Decode: the last token alone, split over the keys.
+        let splits = 32u32;
+        s.write(step, &((rows - 1) as u32).to_le_bytes()).unwrap();
+        let q1 = upload(s, &qg_all[(t - 1) * h * 2 * hd..]);
+        let part = s.alloc(h * splits as usize * (hd + 2) * 4, "partials").unwrap();
+        let out1 = s.alloc(h * hd * 4, "out").unwrap();
+        let p1 = AttentionParams {
+            tokens: 1,
+            pos0: 0,
+            ..p
+        };
+        launch(
+            s,
+            "attention",
+            [kv as u32, 1, splits],
+            (h / kv * 32) as u32,
+            Args::new()
+                .push(p1)
+                .push(splits)
+                .ptr(step)
+                .push(kd)
+                .push(vd)
+                .ptr(q1)
+                .ptr(part),
+        );
+        launch(
+            s,
+            "attention_reduce",
+            [h as u32, 1, 1],
+            256,
+            Args::new().push(p1).push(splits).ptr(part).ptr(q1).ptr(out1),
+        );
+        common_assert_close(
+            &read_f32(s, out1, h * hd),
+            &want[(t - 1) * h * hd..],
+            2e-5,
+            &format!("decode attention over a dtype-{dtype} cache"),
+        );
+    }
+}
+
+fn bf16(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+fn f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+fn common_rand(n: usize, seed: u64) -> Vec<f32> {
+    cuda_common::rand(n, seed)
+}
+fn common_assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    cuda_common::close(a, b, tol, what)
+}

@@ -71,6 +71,16 @@ macro_rules! all_cuda_tests {
 
 const TOL: f32 = 2e-5;
 
+/// Random values in [-1, 1) (for the simulator's own tests).
+pub fn rand(n: usize, seed: u64) -> Vec<f32> {
+    rand_vec(n, seed, -1.0, 1.0)
+}
+
+/// `common::assert_close`, for the simulator's own tests.
+pub fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_close(a, b, tol, what)
+}
+
 fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
     b.read(buf, 0, &mut v).unwrap();
