@@ -17,7 +17,8 @@
 #   $DEV/whl/*.whl                       lily (built here), mlx, mlx-cpu, mlx-lm, gguf
 #   $DEV/bin/cuda_device                 the Rust GPU test binary (cargo test --test cuda_device --no-run)
 #   $DEV/tests/                          the Python tests and their helpers, $DEV/fixtures/oracle: cached MLX-LM logits
-#   $DEV/llamacpp/llama_cpp_python-*.tar.gz   the llama.cpp sdist (pip download llama-cpp-python==0.3.36)
+#   $DEV/llamacpp/llama.cpp.tar.gz       llama.cpp from the llama-cpp-python 0.3.36 sdist, trimmed to the
+#                                        CPU and CUDA backends and llama-bench (~7 MB instead of 77)
 #   $DEV/llamacpp/gen_gguf.py, template/      the GGUF generator (shared/tools/llamacpp-compare)
 #
 # Usage (on the GPU machine): scripts/cuda_h200.sh [all|test|prepare|bench]   (default all)
@@ -27,7 +28,7 @@
 # $OUT/cuda_h200.log when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEV=${DEV:-.dev}
+DEV=$(realpath -m "${DEV:-.dev}")
 WORK=${WORK:-/tmp/lily-h200}
 PHASE=${1:-all}
 mkdir -p "$WORK"
@@ -47,7 +48,14 @@ if [ "$PHASE" = pack ]; then
     cp "$bin" "$DEV/bin/cuda_device"
     cp tests/{conftest,fixtures,oracle,test_oracle,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
     cp tests/.fixtures/oracle/*-mlx_logits-*.npy "$DEV/fixtures/oracle/" 2>/dev/null || true
-    python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$DEV/llamacpp"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$tmp"
+    tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
+    (cd "$tmp"/llama_cpp_python-0.3.36/vendor && cd llama.cpp &&
+        rm -rf models docs tests benches examples tools/ui &&
+        for b in ggml/src/ggml-*/; do case "$b" in *ggml-cpu/|*ggml-cuda/) ;; *) rm -rf "$b" ;; esac; done &&
+        cd .. && tar czf "$DEV/llamacpp/llama.cpp.tar.gz" llama.cpp)
+    rm -rf "$tmp"
     cp -r "${LLAMACPP_COMPARE:-../shared/tools/llamacpp-compare}"/{gen_gguf.py,template} "$DEV/llamacpp/"
     du -sh "$DEV"
     exit 0
@@ -79,10 +87,11 @@ if [ "$PHASE" = all ] || [ "$PHASE" = prepare ]; then
     step "build llama.cpp (CUDA, sm_90) in the background; write the 40-layer checkpoint and its GGUF"
     if [ ! -x "$LLAMA" ]; then
         (
-            cd "$WORK" && tar xzf "$OLDPWD/$DEV"/llamacpp/llama_cpp_python-*.tar.gz &&
-            rm -rf llama.cpp && mv llama_cpp_python-*/vendor/llama.cpp llama.cpp && cd llama.cpp &&
+            src="$DEV/llamacpp/llama.cpp.tar.gz" &&
+            cd "$WORK" && rm -rf llama.cpp && tar xzf "$src" && cd llama.cpp &&
             cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-                -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+                -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+                -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
                 > "$WORK/llama-build.log" 2>&1 &&
             ninja -C build llama-bench >> "$WORK/llama-build.log" 2>&1
         ) &
