@@ -112,3 +112,15 @@ def test_missing_compiler_is_a_device_error(lily, ckpts, monkeypatch, tmp_path):
     monkeypatch.setenv("LILY_CUDA_SIM_CACHE", str(tmp_path))  # an empty cache: the compiler is needed
     with pytest.raises(lily.DeviceError, match="clang"):
         lily.Engine(str(ckpts.path("tiny-s0")), backend="cuda-sim", max_seq=MAX_SEQ)
+
+
+def test_cuda_sim_decode_greedy_picks_the_argmax(lily, ckpts):
+    eng = _engine(lily, ckpts, "tiny-s0")
+    cpu = _engine(lily, ckpts, "tiny-s0", backend="cpu")
+    tok = int(np.argmax(eng.prefill([5, 6, 7])))
+    want = int(np.argmax(cpu.prefill([5, 6, 7])))
+    assert tok == want
+    for _ in range(4):
+        tok, want = eng.decode_greedy(tok), int(np.argmax(cpu.decode(want)))
+        assert tok == want
+    assert eng.position == cpu.position == 7

@@ -87,6 +87,9 @@ class Engine:
         """
     def decode(self, token: int) -> npt.NDArray[np.float32]:
         """Append one token; its next-token logits, shape ``[vocab_size]``."""
+    def decode_greedy(self, token: int) -> int:
+        """Append one token; the id of its largest next-token logit (the lowest id among equal ones), computed
+        where the logits are: on a GPU only the id is copied back. The logits of padding ids are included."""
     def reset(self) -> None:
         """Start a new, empty sequence."""
     def fill_context(self, n: int, *, seed: int = 0) -> None:

@@ -264,6 +264,23 @@ impl<B: Backend> Runner<B> {
         Ok(())
     }
 
+    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        B::run(|| {
+            self.check(&[token])?;
+            self.b.begin()?;
+            self.b.write_ids(&mut self.scratch.ids, &[token])?;
+            self.model
+                .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
+            self.model.logits(&self.b, 0, 1, &mut self.scratch);
+            self.b.finish()?;
+            let next = self.b.argmax(&self.scratch.logits, self.model.vocab())?;
+            self.cached.truncate(self.pos);
+            self.cached.push(token);
+            self.pos += 1;
+            Ok(next)
+        })
+    }
+
     fn snapshot(&self) -> Result<Snapshot> {
         let mut bufs = Vec::new();
         self.b.begin(StreamKind::Other)?;
@@ -564,6 +581,12 @@ impl Engine {
             )));
         }
         each!(self, r => r.decode_into(token, out))
+    }
+
+    /// Append one token; the id of its largest next-token logit (greedy decoding), computed
+    /// where the logits are (on a GPU, only the id is copied back).
+    pub fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        each!(self, r => r.decode_greedy(token))
     }
 
     pub fn reset(&mut self) -> Result<()> {

@@ -50,6 +50,7 @@ macro_rules! all_cuda_tests {
         $crate::cuda_tests!($dev, $tolx;
             rms_norm_matches_cpu,
             elementwise_matches_cpu,
+            argmax_matches_cpu,
             matmul_gemv_matches_cpu,
             matmul_mma_matches_cpu,
             matmuls_match_cpu,
@@ -155,6 +156,29 @@ pub fn elementwise_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
         b.finish().unwrap();
         vec![read_all(b, &s, t * d), read_all(b, &xb, t * d)]
     });
+}
+
+/// `argmax` on the device against the host's: random rows, ties (the lowest index wins), the
+/// maximum in the last element, a NaN (never wins), a prefix of the buffer.
+pub fn argmax_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    let _ = tolx;
+    let mut cases: Vec<(Vec<f32>, usize)> = vec![
+        (rand_vec(248_320, 7, -8.0, 8.0), 248_320),
+        (rand_vec(5000, 8, -1.0, 1.0), 3000),
+    ];
+    let mut tie = rand_vec(3000, 9, -1.0, 1.0);
+    tie[100] = 5.0;
+    tie[2900] = 5.0;
+    tie[50] = f32::NAN;
+    cases.push((tie, 3000));
+    let mut last = vec![0.0f32; 1025];
+    last[1024] = 1.0;
+    cases.push((last, 1025));
+    for (v, n) in cases {
+        let want = Cpu::reference().argmax(&v, n).unwrap();
+        let b = dev.upload(&v).unwrap();
+        assert_eq!(dev.argmax(&b, n).unwrap(), want, "argmax of {n}");
+    }
 }
 
 fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {

@@ -52,6 +52,7 @@ impl Weight {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fixed {
     Add,
+    Argmax,
     Attention,
     AttentionReduce,
     DeltaNet,
@@ -73,6 +74,7 @@ pub enum Fixed {
 impl Fixed {
     pub const ALL: &'static [Fixed] = &[
         Fixed::Add,
+        Fixed::Argmax,
         Fixed::Attention,
         Fixed::AttentionReduce,
         Fixed::DeltaNet,
@@ -93,6 +95,7 @@ impl Fixed {
     pub fn name(self) -> &'static str {
         match self {
             Fixed::Add => "add",
+            Fixed::Argmax => "argmax",
             Fixed::Attention => "attention",
             Fixed::AttentionReduce => "attention_reduce",
             Fixed::DeltaNet => "delta_net",

@@ -140,7 +140,8 @@ pub struct Cuda<X: Executor> {
     functions: Box<[X::Function]>,
     names: Box<[String]>,
     stream: Mutex<Stream<X>>,
-    /// [1] u32: the position of the call's first token, read by qk_norm_rope, kv_store, attention.
+    /// [4] u32: [0] the position of the call's first token, read by qk_norm_rope, kv_store and
+    /// attention; [1] the result of `argmax`.
     step: Arc<Alloc<X>>,
     /// Weight tensors uploaded so far, by host address and length (a tensor two matrices share
     /// is uploaded once).
@@ -687,6 +688,26 @@ impl<X: Executor> Backend for Cuda<X> {
         self.flush()?;
         self.x.copy(src.ptr(), dst.ptr(), len * 4)?;
         self.x.sync()
+    }
+    /// On the device: one `argmax` launch and a 4-byte read (`step[1]` holds the result). The
+    /// launch goes straight to the executor after the pending work, outside the recorded command
+    /// lists, so a decode step's list still repeats and replays from its graph.
+    fn argmax(&self, src: &CudaBuf<X>, n: usize) -> Result<u32> {
+        if n == 0 || n > src.len {
+            return Err(Error::InvalidArgument(format!(
+                "argmax of {n} values in a buffer of {}",
+                src.len
+            )));
+        }
+        self.flush()?;
+        let out = self.step.ptr + 4;
+        let mut args = Args::new().push(n as u32).ptr(src.ptr()).ptr(out);
+        let k = Kernel::fixed(F::Argmax).index();
+        self.x
+            .launch(&self.functions[k], &self.names[k], shape([1, 1, 1], 1024), &mut args)?;
+        let mut b = [0u8; 4];
+        self.x.read(out, &mut b)?;
+        Ok(u32::from_le_bytes(b))
     }
     fn begin(&self) -> Result<()> {
         Ok(())
