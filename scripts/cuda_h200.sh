@@ -38,6 +38,8 @@ export PYTHONUNBUFFERED=1
 if [ "$PHASE" = pack ]; then
     # On the development machine: fill $DEV from this checkout and the shared tools.
     set -e
+    compare=${LLAMACPP_COMPARE:-../shared/tools/llamacpp-compare}
+    [ -f "$compare/gen_gguf.py" ] || { echo "set LLAMACPP_COMPARE to shared/tools/llamacpp-compare"; exit 1; }
     rm -rf "$DEV" && mkdir -p "$DEV"/{whl,bin,tests,fixtures/oracle,llamacpp}
     maturin build --release -o "$DEV/whl"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -56,7 +58,7 @@ if [ "$PHASE" = pack ]; then
         for b in ggml/src/ggml-*/; do case "$b" in *ggml-cpu/|*ggml-cuda/) ;; *) rm -rf "$b" ;; esac; done &&
         cd .. && tar czf "$DEV/llamacpp/llama.cpp.tar.gz" llama.cpp)
     rm -rf "$tmp"
-    cp -r "${LLAMACPP_COMPARE:-../shared/tools/llamacpp-compare}"/{gen_gguf.py,template} "$DEV/llamacpp/"
+    cp -r "$compare"/{gen_gguf.py,template} "$DEV/llamacpp/"
     du -sh "$DEV"
     exit 0
 fi
