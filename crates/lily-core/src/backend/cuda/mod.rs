@@ -297,31 +297,41 @@ impl<X: Executor> Cuda<X> {
     /// capturing one when they repeat the previous call's) and wait for it.
     fn flush(&self) -> Result<()> {
         let mut s = self.lock();
-        if let Some(e) = s.error.take() {
-            s.cmds.clear();
-            s.pos = None;
+        let st = &mut *s;
+        let pos = st.pos.take();
+        if let Some(e) = st.error.take() {
+            st.cmds.clear();
             return Err(e);
         }
-        if let Some(p) = s.pos.take() {
-            self.x.write(self.step.ptr, &p.to_le_bytes())?;
-        }
-        if s.cmds.is_empty() {
-            return self.x.sync();
-        }
-        let st = &mut *s;
-        let result = if self.graphs && st.graph.as_ref().is_some_and(|(c, _)| *c == st.cmds) {
-            let (_, g) = st.graph.as_ref().expect("checked above");
-            self.x.graph_launch(g)
-        } else if self.graphs && st.last == st.cmds {
-            self.capture(st)
-        } else {
-            let r = self.run(&mut st.cmds);
-            std::mem::swap(&mut st.last, &mut st.cmds);
-            r
-        };
+        let result = self.launch_recorded(st, pos);
+        // Launched or not, the list is done with: a failed call leaves nothing behind.
         st.cmds.clear();
         result?;
         self.x.sync()
+    }
+
+    /// Write the position, then launch `st.cmds`: from the graph when it holds exactly these
+    /// commands, into a new graph when they repeat the previous call's, else one by one.
+    fn launch_recorded(&self, st: &mut Stream<X>, pos: Option<u32>) -> Result<()> {
+        if let Some(p) = pos {
+            self.x.write(self.step.ptr, &p.to_le_bytes())?;
+        }
+        if st.cmds.is_empty() {
+            return Ok(());
+        }
+        if self.graphs {
+            if let Some((cmds, g)) = &st.graph {
+                if *cmds == st.cmds {
+                    return self.x.graph_launch(g);
+                }
+            }
+            if st.last == st.cmds {
+                return self.capture(st);
+            }
+        }
+        let r = self.run(&mut st.cmds);
+        std::mem::swap(&mut st.last, &mut st.cmds);
+        r
     }
 
     /// Launch `cmds` one by one.
