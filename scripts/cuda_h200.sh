@@ -21,11 +21,13 @@
 #                                        CPU and CUDA backends and llama-bench (~7 MB instead of 77)
 #   $DEV/llamacpp/gen_gguf.py, template/      the GGUF generator (shared/tools/llamacpp-compare)
 #
-# Usage (on the GPU machine): scripts/cuda_h200.sh [all|test|prepare|bench]   (default all)
-#   test     steps 1-2;  prepare  steps 1 and 3;  bench  steps 1 and 4 (after prepare, same machine)
-# A device command is limited to 10 minutes: `test` and `prepare` fit one call each, `bench` another
-# (call them back to back: the machine keeps $WORK only while it stays warm). Output also goes to
-# $OUT/cuda_h200.log when $OUT is set.
+# Usage (on the GPU machine): scripts/cuda_h200.sh [all|setup|test|prepare|bench]   (default all)
+#   test  steps 1-2;  prepare  steps 1 and 3;  setup  steps 1-3 (the llama.cpp build runs in the
+#   background during the tests);  bench  steps 1 and 4 (after prepare / setup, same machine).
+# A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
+# back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
+# $OUT/cuda_h200.log when $OUT is set. On the development machine, `scripts/cuda_h200.sh pack` fills
+# $DEV (use a folder of its own, e.g. DEV=.dev/h200: pack empties it first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEV=$(realpath -m "${DEV:-.dev}")
@@ -72,21 +74,12 @@ export LILY_CUDA_CACHE="$WORK/kernels"   # NVRTC cubins, compiled once per machi
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm --format=csv
 python3 -c 'import lily, sys; print("lily", lily.__file__, "python", sys.version.split()[0])'
 
-fail=0
-if [ "$PHASE" = all ] || [ "$PHASE" = test ]; then
-    step "Rust GPU tests: every kernel against the reference, the tiny model end to end, decode graphs"
-    "$DEV/bin/cuda_device" --test-threads=1 || fail=1
-    step "Python GPU tests: tiny oracle checkpoints vs MLX-LM, full-width synthetic vs the CPU backend"
-    mkdir -p "$WORK/fixtures/oracle" && cp -n "$DEV"/fixtures/oracle/*.npy "$WORK/fixtures/oracle/" 2>/dev/null
-    LILY_TEST_FIXTURES="$WORK/fixtures" python3 -m pytest -q -p no:cacheprovider --rootdir "$DEV/tests" \
-        "$DEV/tests/test_cuda_device.py" || fail=1
-fi
-
 SYNTH="$WORK/synth40"
 GGUF="$WORK/synth40.gguf"
 LLAMA="$WORK/llama.cpp/build/bin/llama-bench"
-if [ "$PHASE" = all ] || [ "$PHASE" = prepare ]; then
-    step "build llama.cpp (CUDA, sm_90) in the background; write the 40-layer checkpoint and its GGUF"
+fail=0
+if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = prepare ]; then
+    step "build llama.cpp (CUDA, sm_90) in the background (about 4 minutes on 16 cores)"
     if [ ! -x "$LLAMA" ]; then
         (
             src="$DEV/llamacpp/llama.cpp.tar.gz" &&
@@ -99,6 +92,19 @@ if [ "$PHASE" = all ] || [ "$PHASE" = prepare ]; then
         ) &
         build=$!
     fi
+fi
+
+if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = test ]; then
+    step "Rust GPU tests: every kernel against the reference, the tiny model end to end, decode graphs"
+    "$DEV/bin/cuda_device" --test-threads=1 || fail=1
+    step "Python GPU tests: tiny oracle checkpoints vs MLX-LM, full-width synthetic vs the CPU backend"
+    mkdir -p "$WORK/fixtures/oracle" && cp -n "$DEV"/fixtures/oracle/*.npy "$WORK/fixtures/oracle/" 2>/dev/null
+    LILY_TEST_FIXTURES="$WORK/fixtures" python3 -m pytest -q -p no:cacheprovider --rootdir "$DEV/tests" \
+        "$DEV/tests/test_cuda_device.py" || fail=1
+fi
+
+if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = prepare ]; then
+    step "write the 40-layer checkpoint and its GGUF (llama.cpp builds in the background meanwhile)"
     [ -f "$SYNTH/config.json" ] || python3 -m lily synth "$SYNTH" --layers 40 -q || fail=1
     [ -f "$GGUF" ] || python3 "$DEV/llamacpp/gen_gguf.py" write "$DEV/llamacpp/template" "$GGUF" --layers 40 || fail=1
     if [ -n "${build:-}" ]; then
