@@ -267,7 +267,7 @@ impl<B: Backend> Runner<B> {
     fn decode_greedy(&mut self, token: u32) -> Result<u32> {
         B::run(|| {
             self.check(&[token])?;
-            self.b.begin()?;
+            self.b.begin(StreamKind::Decode)?;
             self.b.write_ids(&mut self.scratch.ids, &[token])?;
             self.model
                 .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);

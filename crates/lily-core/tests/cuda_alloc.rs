@@ -10,13 +10,13 @@ use std::{
     cell::Cell,
 };
 
-#[path = "metal_common/mod.rs"]
+mod common;
 mod metal_common;
 
 use lily_core::{
     backend::{
         cuda::{Cuda, Null},
-        Backend,
+        Backend, StreamKind,
     },
     config::ModelConfig,
     model::{
@@ -85,7 +85,7 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
     let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
     let b = &c;
     let mut prefill = |s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
-        b.begin().unwrap();
+        b.begin(StreamKind::Prefill).unwrap();
         b.write_ids(&mut s.ids, &prompt).unwrap();
         model.forward(b, prompt.len(), 0, state, s);
         model.logits(b, prompt.len() - 16, 16, s);
@@ -106,7 +106,7 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
 
     let mut one = [0f32; 1];
     let mut step = |i: usize, s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
-        b.begin().unwrap();
+        b.begin(StreamKind::Decode).unwrap();
         b.write_ids(&mut s.ids, &[decode[0]]).unwrap();
         model.forward(b, 1, prompt.len() + i, state, s);
         model.logits(b, 0, 1, s);
@@ -149,7 +149,7 @@ fn a_decode_step_launches_the_expected_kernels() {
     let mut state = State::new(&c, &cfg, 64).unwrap();
     let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
     c.executor().take_log();
-    c.begin().unwrap();
+    c.begin(StreamKind::Decode).unwrap();
     c.write_ids(&mut s.ids, &[5]).unwrap();
     model.forward(&c, 1, 7, &mut state, &mut s);
     model.logits(&c, 0, 1, &mut s);

@@ -6,8 +6,10 @@
 
 #![cfg(target_os = "linux")]
 
+mod common;
 #[macro_use]
 mod cuda_common;
+mod metal_common;
 
 use lily_core::backend::{
     cpu::Cpu,
@@ -40,5 +42,5 @@ fn decode_graph_replays_what_eager_launches_compute() {
     let graphed = ckpt.logits(&dev);
     assert_eq!(eager, graphed, "graph replay differs from eager launches");
     let want = ckpt.logits(&Cpu::reference());
-    cuda_common::metal_common::assert_logits_close(&graphed, &want, 500.0, "tiny model with graphs");
+    metal_common::assert_logits_close(&graphed, &want, 500.0, "tiny model with graphs");
 }

@@ -7,8 +7,10 @@
 
 #![cfg(unix)]
 
+mod common;
 #[macro_use]
 mod cuda_common;
+mod metal_common;
 
 use lily_core::backend::cuda::{sim::Sim, Args, Cuda, Executor, Launch};
 

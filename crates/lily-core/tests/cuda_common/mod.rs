@@ -7,16 +7,9 @@
 
 #![allow(dead_code)] // each test binary uses the subset it needs
 
-// metal_common (for TinyCheckpoint) loads common too, privately: a second copy is the simple way.
-#[allow(clippy::duplicate_mod)]
-#[path = "../common/mod.rs"]
-mod common;
-#[path = "../metal_common/mod.rs"]
-#[allow(unused_imports, unused_macros)]
-pub mod metal_common;
-
-use common::{assert_close, matrix, rand_vec};
-pub use metal_common::TinyCheckpoint;
+// A test crate that uses this module declares `mod common; mod metal_common;` too.
+use crate::common::{assert_close, matrix, rand_vec};
+pub use crate::metal_common::TinyCheckpoint;
 
 use lily_core::{
     backend::{
@@ -129,7 +122,7 @@ pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
         both!(dev, tolx * TOL, format!("rms_norm(_gated) {rows}x{dim}"), b => {
             let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
             let (mut out, mut gated) = (b.alloc(rows * dim).unwrap(), b.alloc(rows * dim).unwrap());
-            b.begin().unwrap();
+            b.begin(lily_core::backend::StreamKind::Other).unwrap();
             b.rms_norm(&p, &xb, &wb, &mut out);
             b.rms_norm_gated(&p, &xb, &zb, &wb, &mut gated);
             b.finish().unwrap();
@@ -586,7 +579,7 @@ pub fn forward_f32_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
     dev.gemv_tokens = usize::MAX;
     let got = ckpt.logits(&*dev);
     dev.gemv_tokens = saved;
-    let worst = metal_common::assert_logits_close(&got, &want, tolx, "tiny model, f32 GEMV");
+    let worst = crate::metal_common::assert_logits_close(&got, &want, tolx, "tiny model, f32 GEMV");
     eprintln!("tiny model, f32: max |Δlogit| / max(1, max |logit|) = {worst:.2e}");
 }
 

@@ -11,9 +11,13 @@ macro_rules! source {
     };
 }
 
-/// The headers the kernels include, by the name they include them with. `params.h` is the one
-/// definition of the op parameter structs shared with the Metal shaders (and `backend/params.rs`).
-pub const HEADERS: &[(&str, &str)] = &[source!("metal", "params.h"), source!("cuda", "common.cuh")];
+/// The headers the kernels include, by the name they include them with. `shaders/params.h` is the
+/// one definition of the op parameter structs and shared constants (with the Metal shaders and
+/// `backend/params.rs`).
+pub const HEADERS: &[(&str, &str)] = &[
+    ("params.h", include_str!("../../../../../shaders/params.h")),
+    source!("cuda", "common.cuh"),
+];
 
 /// One `.cu` per family of ops (each its own NVRTC program / object).
 pub const SOURCES: &[(&str, &str)] = &[

@@ -43,7 +43,7 @@ pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs,
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight, WeightOp};
 
-use super::{params::*, Backend};
+use super::{params::*, Backend, StreamKind};
 use crate::{
     error::{Error, Result},
     quant::{Format, Matrix},
@@ -719,7 +719,9 @@ impl<X: Executor> Backend for Cuda<X> {
         self.x.read(out, &mut b)?;
         Ok(u32::from_le_bytes(b))
     }
-    fn begin(&self) -> Result<()> {
+    /// Nothing to open: commands are recorded and launched at `finish` (a repeated list, whatever
+    /// its kind, replays its graph).
+    fn begin(&self, _kind: StreamKind) -> Result<()> {
         Ok(())
     }
     fn finish(&self) -> Result<()> {
