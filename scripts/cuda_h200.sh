@@ -9,8 +9,10 @@
 #      sdist (once: the build is kept in $WORK and reused by a later call while the machine is warm);
 #   4. measure both engines one after the other, nothing else running: `lily bench --backend cuda`
 #      (prefill 512 / 4096, decode at depth 512 / 4096, GPU bandwidth measured in the same run, peak GPU
-#      memory) and `llama-bench -ngl 99 -fa 1` (prefill 512 / 4096, decode at depth 0 / 4096), then a
-#      per-kernel profile of decode steps (CUDA events, LILY_CUDA_PROFILE=1); print the ratios.
+#      memory) and `llama-bench -ngl 99 -fa 1` (prefill 512 / 4096, decode at depth 0 / 4096); print
+#      the ratios;
+#   5. (profile) per-kernel times of a 4096-token prefill and of decode steps (CUDA events,
+#      LILY_CUDA_PROFILE=1), and both speeds unprofiled.
 #
 # What it needs beside the checkout, under $DEV (default .dev, an ignored folder named in the device
 # call's `carry`; make it with `scripts/cuda_h200.sh pack` on the development machine):
@@ -21,9 +23,16 @@
 #                                        CPU and CUDA backends and llama-bench (~7 MB instead of 77)
 #   $DEV/llamacpp/gen_gguf.py, template/      the GGUF generator (shared/tools/llamacpp-compare)
 #
-# Usage (on the GPU machine): scripts/cuda_h200.sh [all|setup|test|prepare|bench]   (default all)
-#   test  steps 1-2;  prepare  steps 1 and 3;  setup  steps 1-3 (the llama.cpp build runs in the
-#   background during the tests);  bench  steps 1 and 4 (after prepare / setup, same machine).
+# Usage (on the GPU machine): scripts/cuda_h200.sh PHASE...
+#   test     step 2 (the Rust and Python GPU tests)
+#   synth    the 40-layer checkpoint only (step 3 without llama.cpp)
+#   llama    llama.cpp's build and its GGUF (step 3's other half; the build runs in the background
+#            until a later phase of the same call waits for it)
+#   setup    test + synth + llama
+#   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
+#   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
+#            both speeds without profiling, one engine each (after synth)
+# Step 1 (installing the carried wheels) runs first in every call.
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
 # back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
 # $OUT/cuda_h200.log when $OUT is set. On the development machine, `scripts/cuda_h200.sh pack` fills
@@ -32,7 +41,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEV=$(realpath -m "${DEV:-.dev}")
 WORK=${WORK:-/tmp/lily-h200}
-PHASE=${1:-all}
+[ $# -gt 0 ] || { sed -n "2,/^set -uo/p" "$0" | sed "\$d"; exit 2; }
+PHASES=" $* "
+PHASE=$1
 mkdir -p "$WORK"
 if [ -n "${OUT:-}" ]; then exec > >(tee -a "$OUT/cuda_h200.log") 2>&1; fi
 export PYTHONUNBUFFERED=1
@@ -78,7 +89,8 @@ SYNTH="$WORK/synth40"
 GGUF="$WORK/synth40.gguf"
 LLAMA="$WORK/llama.cpp/build/bin/llama-bench"
 fail=0
-if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = prepare ]; then
+want() { for p in "$@"; do case "$PHASES" in *" $p "*) return 0 ;; esac; done; return 1; }
+if want setup llama; then
     step "build llama.cpp (CUDA, sm_90) in the background (about 4 minutes on 16 cores)"
     if [ ! -x "$LLAMA" ]; then
         (
@@ -94,7 +106,7 @@ if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = prepare ]; then
     fi
 fi
 
-if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = test ]; then
+if want setup test; then
     step "Rust GPU tests: every kernel against the reference, the tiny model end to end, decode graphs"
     "$DEV/bin/cuda_device" --test-threads=1 || fail=1
     step "Python GPU tests: tiny oracle checkpoints vs MLX-LM, full-width synthetic vs the CPU backend"
@@ -103,22 +115,31 @@ if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = test ]; then
         "$DEV/tests/test_cuda_device.py" || fail=1
 fi
 
-if [ "$PHASE" = all ] || [ "$PHASE" = setup ] || [ "$PHASE" = prepare ]; then
-    step "write the 40-layer checkpoint and its GGUF (llama.cpp builds in the background meanwhile)"
+if want setup synth; then
+    step "write the 40-layer checkpoint (lily synth --layers 40: full width, MLX 4-bit)"
     [ -f "$SYNTH/config.json" ] || python3 -m lily synth "$SYNTH" --layers 40 -q || fail=1
+    du -sh "$SYNTH"; df -h "$WORK" | tail -1
+fi
+if want setup llama; then
+    step "the GGUF of the same shapes (gen_gguf.py, Q4_0); wait for the llama.cpp build"
     [ -f "$GGUF" ] || python3 "$DEV/llamacpp/gen_gguf.py" write "$DEV/llamacpp/template" "$GGUF" --layers 40 || fail=1
     if [ -n "${build:-}" ]; then
         wait "$build" || { tail -30 "$WORK/llama-build.log"; fail=1; }
     fi
-    ls -la "$LLAMA" "$GGUF" && du -sh "$SYNTH"
+    ls -la "$LLAMA" "$GGUF"
 fi
 
-if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
+if want bench; then
     step "lily bench --backend cuda (40 layers): prefill 512 / 4096, decode at those depths"
     python3 -m lily bench "$SYNTH" --backend cuda --lengths 512,4096 --decode-steps 128 --rounds 2 \
         --max-seq 8192 --json "$WORK/lily.json" || fail=1
-    step "llama-bench (CUDA, -ngl 99 -fa 1): prefill 512 / 4096, decode 128 at depth 0 / 4096"
-    "$LLAMA" -m "$GGUF" -ngl 99 -fa 1 -p 512,4096 -n 128 -d 0,4096 -o json > "$WORK/llama.json" || fail=1
+    if [ -x "$LLAMA" ]; then
+        step "llama-bench (CUDA, -ngl 99 -fa 1): prefill 512 / 4096, decode 128 at depth 0 / 4096"
+        "$LLAMA" -m "$GGUF" -ngl 99 -fa 1 -p 512,4096 -n 128 -d 0,4096 -o json > "$WORK/llama.json" || fail=1
+    else
+        echo "llama.cpp is not built on this machine (run the llama or setup phase first): no ratios"
+        echo '[]' > "$WORK/llama.json"
+    fi
     step "ratios"
     python3 - "$WORK/lily.json" "$WORK/llama.json" <<'EOF'
 import json, sys
@@ -144,16 +165,42 @@ print(f"GPU copy bandwidth {m['memory_bandwidth_gbps']:.0f} GB/s; decode reads "
       f"of it at 512; peak GPU memory {rec[4096]['peak_memory_bytes'] / 1e9:.2f} GB "
       f"(weights {lily['meta']['bytes_model']['weights_total'] / 1e9:.2f} GB)")
 EOF
-    step "per-kernel profile of decode steps (CUDA events, launches one by one)"
-    LILY_CUDA_PROFILE=1 python3 - "$SYNTH" <<'EOF'
-import sys, time, numpy as np, lily
-eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
-eng.prefill(list(range(1, 513)))
+fi
+
+if want profile; then
+    step "speeds without profiling: a 4096-token prefill (second of two), 64 greedy decode steps after it"
+    python3 - "$SYNTH" <<'EOF' || fail=1
+import sys, time, lily
 t = time.perf_counter()
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+print(f"load {time.perf_counter() - t:.1f} s; {eng.device}; GPU copy bandwidth {eng.measure_device_bandwidth():.0f} GB/s")
+prompt = [1 + (i * 7919) % 240000 for i in range(4096)]
+for i in range(2):
+    eng.reset()
+    t = time.perf_counter()
+    eng.prefill(prompt)
+    s = time.perf_counter() - t
+    print(f"prefill 4096 (run {i + 1}): {s * 1e3:.0f} ms = {4096 / s:.0f} tok/s")
 tok = 1
-for _ in range(32):
-    tok = int(np.argmax(eng.decode(tok)))
-print(f"32 profiled decode steps: {32 / (time.perf_counter() - t):.1f} tok/s (events on every launch, no graph)")
+for _ in range(4):
+    tok = eng.decode_greedy(tok)
+t = time.perf_counter()
+for _ in range(64):
+    tok = eng.decode_greedy(tok)
+s = time.perf_counter() - t
+print(f"decode at depth ~4100: 64 steps {s * 1e3:.0f} ms = {64 / s:.1f} tok/s ({s / 64 * 1e6:.0f} us/step)")
+print(f"peak GPU memory {eng.device_peak_bytes / 1e9:.2f} GB, KV cache {eng.kv_bytes / 1e6:.1f} MB")
 EOF
+    step "per-kernel profile: one 4096-token prefill (4 chunks of 1024; CUDA events, launches one by one)"
+    LILY_CUDA_PROFILE=1 python3 -c 'import sys, lily
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+eng.prefill([1 + (i * 7919) % 240000 for i in range(4096)])' "$SYNTH" 2>&1 | head -45
+    step "per-kernel profile: a 1-token prefill + 64 greedy decode steps (CUDA events, launches one by one)"
+    LILY_CUDA_PROFILE=1 python3 -c 'import sys, lily
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+eng.prefill([1])
+tok = 1
+for _ in range(64):
+    tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -45
 fi
 exit $fail

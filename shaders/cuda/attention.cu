@@ -5,8 +5,8 @@
 #include "common.cuh"
 
 __device__ __forceinline__ float kv_load(const KvDesc d, uint row, uint i) {
-  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> KV_SEG_SHIFT];
-  const size_t at = (size_t)(row & (KV_SEG_ROWS - 1)) * d.width + i;
+  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
+  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
   if (d.dtype == 0) return reinterpret_cast<const float*>(base)[at];
   const ushort b = reinterpret_cast<const ushort*>(base)[at];
   return d.dtype == 1 ? bf16_float(b) : f16_float(b);
@@ -19,8 +19,8 @@ extern "C" __global__ void kv_store(const KvStoreParams p, const uint* __restric
   const uint i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
   if (i >= p.width) return;
   const uint row = step[0] + t;
-  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> KV_SEG_SHIFT];
-  const size_t at = (size_t)(row & (KV_SEG_ROWS - 1)) * d.width + i;
+  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
+  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
   const float v = x[(size_t)t * p.width + i];
   if (d.dtype == 0)
     reinterpret_cast<float*>(base)[at] = v;

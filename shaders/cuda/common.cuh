@@ -27,11 +27,13 @@ typedef unsigned long long u64;
 // % 16 == 0), so a lane may read 16-byte chunks.
 struct CudaMatrix { uint rows; uint cols; uint expert_stride; uint row_offset; uint group; uint row_bytes; uint vec; uint pad; };
 static_assert(sizeof(CudaMatrix) == 32, "CudaMatrix");
-// A KV cache as the attention kernels see it (the segmented 16-bit design of issue 13): row r of
-// the cache lives in segment r >> KV_SEG_SHIFT at row r & (KV_SEG_ROWS - 1); `seg` is a device
-// array of segment base addresses (u64 each); `dtype` 0 f32, 1 bf16, 2 f16; `width` elements a row.
-struct KvDesc { u64 seg; uint width; uint dtype; };
-static_assert(sizeof(KvDesc) == 16, "KvDesc");
+// A KV cache as the attention kernels see it (the segmented 16-bit cache of issue 13): row r of
+// the cache lives in segment r >> seg_shift at row r & ((1 << seg_shift) - 1); `seg` is a device
+// array of segment base addresses (u64 each, allocated once for max_seq so its address never
+// changes: a captured graph stays valid as segments are added); `dtype` 0 f32, 1 bf16, 2 f16;
+// `width` elements a row.
+struct KvDesc { u64 seg; uint width; uint dtype; uint seg_shift; uint pad; };
+static_assert(sizeof(KvDesc) == 24, "KvDesc");
 // Up to 4 matrices of one weight format and one K multiplied with the same x in one launch
 // (matmul_gemv_multi): matrix i owns the blocks ends[i - 1] .. ends[i] - 1 of the grid.
 struct GemvMulti { uint count; uint ends[4]; uint pad[3]; };
@@ -39,8 +41,6 @@ static_assert(sizeof(GemvMulti) == 32, "GemvMulti");
 // The expert-sorted prefill path of moe.cu: E experts, room for `max_tiles` 64-row tiles.
 struct MoeSortArgs { uint experts; uint max_tiles; };
 static_assert(sizeof(MoeSortArgs) == 8, "MoeSortArgs");
-#define KV_SEG_SHIFT 10
-#define KV_SEG_ROWS (1u << KV_SEG_SHIFT)
 
 // ---------------------------------------------------------------- bits and conversions
 __device__ __forceinline__ float bits_float(uint b) { return __uint_as_float(b); }

@@ -197,6 +197,23 @@ impl<B: Backend> Runner<B> {
     }
 
     fn decode_here(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
+        self.decode_step(token)?;
+        self.b.read(&self.scratch.logits, 0, out)?;
+        self.advance(token);
+        Ok(())
+    }
+
+    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        B::run(|| {
+            self.decode_step(token)?;
+            let next = self.b.argmax(&self.scratch.logits, self.model.vocab())?;
+            self.advance(token);
+            Ok(next)
+        })
+    }
+
+    /// Run one decode step of `token` up to its logits (on the device).
+    fn decode_step(&mut self, token: u32) -> Result<()> {
         self.check(&[token])?;
         if self.pos >= self.state.kv_rows(&self.b) {
             self.state.reserve(&self.b, self.pos + 1)?; // a new segment: once per segment's rows
@@ -206,12 +223,14 @@ impl<B: Backend> Runner<B> {
         self.model
             .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
         self.model.logits(&self.b, 0, 1, &mut self.scratch);
-        self.b.finish()?;
-        self.b.read(&self.scratch.logits, 0, out)?;
+        self.b.finish()
+    }
+
+    /// `token` is in the cache now.
+    fn advance(&mut self, token: u32) {
         self.cached.truncate(self.pos);
         self.cached.push(token);
         self.pos += 1;
-        Ok(())
     }
 
     /// Append `n` positions of synthetic context: random K/V rows in every attention layer, the
@@ -262,23 +281,6 @@ impl<B: Backend> Runner<B> {
         self.cached.resize(self.pos + n, u32::MAX);
         self.pos += n;
         Ok(())
-    }
-
-    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
-        B::run(|| {
-            self.check(&[token])?;
-            self.b.begin(StreamKind::Decode)?;
-            self.b.write_ids(&mut self.scratch.ids, &[token])?;
-            self.model
-                .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
-            self.model.logits(&self.b, 0, 1, &mut self.scratch);
-            self.b.finish()?;
-            let next = self.b.argmax(&self.scratch.logits, self.model.vocab())?;
-            self.cached.truncate(self.pos);
-            self.cached.push(token);
-            self.pos += 1;
-            Ok(next)
-        })
     }
 
     fn snapshot(&self) -> Result<Snapshot> {

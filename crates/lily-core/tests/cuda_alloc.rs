@@ -16,7 +16,7 @@ mod metal_common;
 use lily_core::{
     backend::{
         cuda::{Cuda, Null},
-        Backend, StreamKind,
+        Backend, KvDtype, StreamKind,
     },
     config::ModelConfig,
     model::{
@@ -77,11 +77,12 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
     let c = Cuda::new(Null::new(false)).unwrap();
     let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
     let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&c, &loader, &cfg, &mut |_, _| {}).unwrap();
+    let model = Model::load(&c, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
     let (prompt, decode) = TinyCheckpoint::tokens();
     let vocab = cfg.vocab_size;
     let mut logits = vec![0f32; 16 * vocab];
-    let mut state = State::new(&c, &cfg, 64).unwrap();
+    let mut state = State::new(&c, &cfg, 64, KvDtype::BF16).unwrap();
+    state.reserve(&c, 64).unwrap();
     let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
     let b = &c;
     let mut prefill = |s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
@@ -145,8 +146,9 @@ fn a_decode_step_launches_the_expected_kernels() {
     c.graphs = false;
     let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
     let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&c, &loader, &cfg, &mut |_, _| {}).unwrap();
-    let mut state = State::new(&c, &cfg, 64).unwrap();
+    let model = Model::load(&c, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
+    let mut state = State::new(&c, &cfg, 64, KvDtype::BF16).unwrap();
+    state.reserve(&c, 64).unwrap();
     let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
     c.executor().take_log();
     c.begin(StreamKind::Decode).unwrap();

@@ -374,7 +374,13 @@ impl Engine {
     /// copy of `mib` MiB, best of 5) on a GPU backend; None on the CPU backends.
     #[pyo3(signature = (mib = 1024))]
     fn measure_device_bandwidth(&self, py: Python<'_>, mib: usize) -> PyResult<Option<f64>> {
-        Ok(self.with(py, |e| e.measure_device_bandwidth(mib << 20))?.map_err(PyLilyError::from)?)
+        let bytes = mib
+            .checked_mul(1 << 20)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| PyValueError::new_err(format!("mib must be from 1 to {}, got {mib}", usize::MAX >> 20)))?;
+        Ok(self
+            .with(py, |e| e.measure_device_bandwidth(bytes))?
+            .map_err(PyLilyError::from)?)
     }
 
     /// The checkpoint's config.json as a dict.

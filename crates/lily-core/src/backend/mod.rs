@@ -159,6 +159,8 @@ pub trait Backend: Send + Sized + 'static {
     fn finish(&self) -> Result<()>;
 
     // ---- kernels (one op family each: ops/<family>/) ----
+    // A kernel's buffers must stay alive until the `finish` of its stream: a backend may launch
+    // what it encoded only there (CUDA does; Metal's command buffers retain them).
     /// out[t, :] = dequant(table row ids[t]); out [T, D].
     fn embed(&self, tokens: usize, table: &Self::Matrix, ids: &Self::Ids, out: &mut Self::Buf);
     /// out = x / sqrt(mean(x^2) + eps) * w per row (w already holds 1 + w where the model needs it).

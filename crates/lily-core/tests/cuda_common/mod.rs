@@ -16,7 +16,7 @@ use lily_core::{
         cpu::Cpu,
         cuda::{Cuda, Executor},
         params::*,
-        Backend,
+        Backend, KvDtype,
     },
     quant::{Format, Matrix},
     safetensors::DType,
@@ -64,16 +64,6 @@ macro_rules! all_cuda_tests {
 }
 
 const TOL: f32 = 2e-5;
-
-/// Random values in [-1, 1) (for the simulator's own tests).
-pub fn rand(n: usize, seed: u64) -> Vec<f32> {
-    rand_vec(n, seed, -1.0, 1.0)
-}
-
-/// `common::assert_close`, for the simulator's own tests.
-pub fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_close(a, b, tol, what)
-}
 
 fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
@@ -341,25 +331,64 @@ pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
     }
 }
 
-pub fn kv_store_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    let _ = tolx; // exact
-    let (t, w, max) = (3, 40, 10);
-    let x = rand_vec(t * w, 50, -1.0, 1.0);
-    let p = KvStoreParams {
-        tokens: t as u32,
-        pos0: 6,
-        width: w as u32,
-    };
-    both!(dev, 0.0, "kv_store", b => {
-        let xb = b.upload(&x).unwrap();
-        let mut cache = b.alloc(max * w).unwrap();
-        b.kv_store(&p, &xb, &mut cache);
+/// A cache on `b` of `rows` rows of `width` random values in [-1, 1] (seed), stored through the
+/// backend's own kv_store (so in its dtype), with room for `max` rows in segments of `seg`.
+fn filled_cache<B: Backend>(
+    b: &B,
+    width: usize,
+    rows: usize,
+    max: usize,
+    dtype: KvDtype,
+    seg: usize,
+    seed: u64,
+) -> B::Kv {
+    let mut kv = b.kv_new(width, dtype, max, seg).unwrap();
+    b.kv_reserve(&mut kv, rows.max(1)).unwrap();
+    if rows > 0 {
+        let x = b.upload(&rand_vec(rows * width, seed, -1.0, 1.0)).unwrap();
+        let p = KvStoreParams {
+            tokens: rows as u32,
+            pos0: 0,
+            width: width as u32,
+        };
+        b.kv_store(&p, &x, &mut kv);
         b.finish().unwrap();
-        vec![read_all(b, &cache, max * w)]
-    });
+    }
+    kv
 }
 
-/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps.
+/// Rows 6..11 in segments of 4 (the chunk spans three segments) in every dtype, NaN, -0 and a
+/// subnormal included; read back through kv_read.
+pub fn kv_store_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    let _ = tolx; // exact: both round to nearest even
+    let (t, w, max) = (5, 40, 24);
+    let x: Vec<f32> = rand_vec(t * w - 3, 50, -3.0, 3.0)
+        .into_iter()
+        .chain([f32::NAN, -0.0, 1e-40])
+        .collect();
+    for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
+        let p = KvStoreParams {
+            tokens: t as u32,
+            pos0: 6,
+            width: w as u32,
+        };
+        both!(dev, 0.0, format!("kv_store {dtype:?}"), b => {
+            let xb = b.upload(&x).unwrap();
+            let mut cache = b.kv_new(w, dtype, max, 4).unwrap();
+            b.kv_reserve(&mut cache, 11).unwrap();
+            b.kv_store(&p, &xb, &mut cache);
+            b.finish().unwrap();
+            let mut out = vec![0f32; t * w];
+            b.kv_read(&cache, 6, &mut out).unwrap();
+            // NaN == NaN for the comparison: both must have stored a NaN.
+            vec![out.iter().map(|v| if v.is_nan() { 1e30 } else { *v }).collect()]
+        });
+    }
+}
+
+/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps
+/// (each appending a row first), in caches of `dtype` with segments of `seg` rows.
+#[allow(clippy::too_many_arguments)]
 fn run_attention<B: Backend>(
     b: &B,
     h: usize,
@@ -368,13 +397,32 @@ fn run_attention<B: Backend>(
     pos0: usize,
     t: usize,
     decode: usize,
+    dtype: KvDtype,
+    seg: usize,
 ) -> Vec<Vec<f32>> {
     let max = pos0 + t + decode;
-    let kc = b.upload(&rand_vec(max * kv * hd, 60, -1.0, 1.0)).unwrap();
-    let vc = b.upload(&rand_vec(max * kv * hd, 61, -1.0, 1.0)).unwrap();
+    let mut kc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 60);
+    let mut vc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 61);
     let mut outs = Vec::new();
     let mut pos = pos0;
     for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, decode)).enumerate() {
+        // The new row's K and V: alive until `finish` (the CUDA backend launches what it recorded
+        // there, reading the buffers then).
+        let (kr, vr) = (
+            b.upload(&rand_vec(kv * hd, 70 + i as u64, -1.0, 1.0)).unwrap(),
+            b.upload(&rand_vec(kv * hd, 80 + i as u64, -1.0, 1.0)).unwrap(),
+        );
+        if i > 0 {
+            b.kv_reserve(&mut kc, pos + 1).unwrap();
+            b.kv_reserve(&mut vc, pos + 1).unwrap();
+            let p = KvStoreParams {
+                tokens: 1,
+                pos0: pos as u32,
+                width: (kv * hd) as u32,
+            };
+            b.kv_store(&p, &kr, &mut kc);
+            b.kv_store(&p, &vr, &mut vc);
+        }
         let qg = b.upload(&rand_vec(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
         let mut out = b.alloc(n * h * hd).unwrap();
         let p = AttentionParams {
@@ -394,19 +442,26 @@ fn run_attention<B: Backend>(
 }
 
 /// Prefill (one block per token) and decode (split over the keys, empty splits included, then
-/// the reduce) on partial tiles of 16 rows, GQA groups of 2, 4 and 8 (the real shapes last).
+/// the reduce) on partial tiles of 16 rows, GQA groups of 2, 4 and 8 (the real shapes last), in
+/// every cache dtype; segments of 4 and 16 rows put boundaries inside tiles and splits, and a
+/// sequence past 1024 rows crosses a default-size segment.
 pub fn attention_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    for (h, kv, hd, pos0, t, steps) in [
-        (4, 2, 32, 0, 13, 0),
-        (8, 2, 64, 3, 5, 2),
-        (4, 1, 32, 30, 1, 3),
-        (16, 2, 256, 20, 3, 1),
-        (4, 2, 32, 1100, 2, 2),
+    for (h, kv, hd, pos0, t, steps, dtype, seg) in [
+        (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
+        (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
+        (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
+        (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
+        (4, 2, 32, 1100, 2, 2, KvDtype::BF16, 1024),
     ] {
-        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps);
-        let got = run_attention(&*dev, h, kv, hd, pos0, t, steps);
+        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
+        let got = run_attention(&*dev, h, kv, hd, pos0, t, steps, dtype, seg);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_close(g, w, tolx * TOL, &format!("attention H={h} Hkv={kv} hd={hd} call {i}"));
+            assert_close(
+                g,
+                w,
+                tolx * TOL,
+                &format!("attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg} call {i}"),
+            );
         }
     }
 }
@@ -612,7 +667,7 @@ pub fn forward_matches_cpu_at_bf16_tolerance<X: Executor>(dev: &mut Cuda<X>, tol
 pub fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
     let _ = tolx;
     let qg = dev.alloc(2 * 3 * 2 * 48).unwrap();
-    let (k, v) = (dev.alloc(64 * 48).unwrap(), dev.alloc(64 * 48).unwrap());
+    let k = filled_cache(&*dev, 48, 2, 64, KvDtype::BF16, 16, 1);
     let mut out = dev.alloc(2 * 3 * 48).unwrap();
     let p = AttentionParams {
         tokens: 2,
@@ -622,7 +677,7 @@ pub fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Cuda<X>,
         head_dim: 48, // not a multiple of 32
         scale: 1.0,
     };
-    dev.attention(&p, &qg, &k, &v, &mut out);
+    dev.attention(&p, &qg, &k, &k, &mut out);
     let e = dev.finish().unwrap_err().to_string();
     assert!(e.contains("attention"), "{e}");
     let small = dev.alloc(4).unwrap();

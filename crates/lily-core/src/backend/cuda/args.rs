@@ -37,13 +37,15 @@ pub enum KvElem {
 
 /// A KV cache as the attention kernels see it (`KvDesc` in common.cuh): `seg` is the device
 /// address of an array of segment base addresses (u64 each); row `r` lives in segment
-/// `r >> KV_SEGMENT_SHIFT` at row `r & (KV_SEGMENT_ROWS - 1)`, `width` elements of `dtype` a row.
+/// `r >> seg_shift` at row `r & ((1 << seg_shift) - 1)`, `width` elements of `dtype` a row.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvDesc {
     pub seg: DevPtr,
     pub width: u32,
     pub dtype: u32,
+    pub seg_shift: u32,
+    pub pad: u32,
 }
 
 /// Up to 4 matrices in one GEMV launch (`GemvMulti` in common.cuh): matrix `i` owns the blocks
@@ -65,13 +67,8 @@ pub struct MoeSortArgs {
     pub max_tiles: u32,
 }
 
-/// log2 of the rows of a KV segment (`KV_SEG_SHIFT` in common.cuh; issue 13's
-/// `KV_SEGMENT_ROWS = 1024`).
-pub const KV_SEGMENT_SHIFT: u32 = 10;
-pub const KV_SEGMENT_ROWS: usize = 1 << KV_SEGMENT_SHIFT;
-
 const _: () = assert!(size_of::<CudaMatrix>() == 32);
-const _: () = assert!(size_of::<KvDesc>() == 16);
+const _: () = assert!(size_of::<KvDesc>() == 24);
 const _: () = assert!(size_of::<MoeSortArgs>() == 8);
 const _: () = assert!(size_of::<GemvMulti>() == 32);
 

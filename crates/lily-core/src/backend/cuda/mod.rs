@@ -29,6 +29,7 @@ pub mod args;
 pub mod device;
 pub mod executor;
 pub mod kernels;
+pub mod kv;
 #[cfg(target_os = "linux")]
 pub mod nvrtc;
 #[cfg(unix)]
@@ -36,14 +37,15 @@ pub mod sim;
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex},
 };
 
-pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs, KV_SEGMENT_ROWS};
+pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs};
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight, WeightOp};
+pub use kv::CudaKv;
 
-use super::{params::*, Backend, StreamKind};
+use super::{params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
     quant::{Format, Matrix},
@@ -73,8 +75,6 @@ impl<X: Executor> Drop for Alloc<X> {
 pub struct CudaBuf<X: Executor> {
     mem: Arc<Alloc<X>>,
     len: usize,
-    /// The segment table that presents this buffer as a KV cache (made on first use).
-    kv: OnceLock<std::result::Result<Arc<Alloc<X>>, String>>,
 }
 
 impl<X: Executor> CudaBuf<X> {
@@ -370,7 +370,6 @@ impl<X: Executor> Cuda<X> {
                 x: self.x.clone(),
             }),
             len,
-            kv: OnceLock::new(),
         })
     }
 
@@ -400,34 +399,17 @@ impl<X: Executor> Cuda<X> {
         true
     }
 
-    /// The KV view of a cache buffer: `len / width` rows of f32 (the segment table is made once).
-    fn kv_desc(&self, cache: &CudaBuf<X>, width: usize) -> Option<KvDesc> {
-        let seg_bytes = KV_SEGMENT_ROWS * width * 4;
-        let table = cache.kv.get_or_init(|| {
-            let rows = cache.len / width.max(1);
-            let segs = rows.div_ceil(KV_SEGMENT_ROWS).max(1);
-            let bases: Vec<u8> = (0..segs)
-                .flat_map(|s| (cache.ptr() + (s * seg_bytes) as u64).to_le_bytes())
-                .collect();
-            let make = || -> Result<Arc<Alloc<X>>> {
-                let ptr = self.x.alloc(bases.len(), "kv segment table")?;
-                let a = Arc::new(Alloc { x: self.x.clone(), ptr });
-                self.x.write(ptr, &bases)?;
-                Ok(a)
-            };
-            make().map_err(|e| e.to_string())
-        });
-        match table {
-            Ok(t) => Some(KvDesc {
-                seg: t.ptr,
-                width: width as u32,
-                dtype: KvElem::F32 as u32,
-            }),
-            Err(e) => {
-                self.fail(format!("KV segment table: {e}"));
-                None
-            }
+    /// Check that `cache` holds rows 0..rows of `width` values; record an error otherwise.
+    fn cache_fits(&self, op: &str, what: &str, cache: &CudaKv<X>, rows: usize, width: usize) -> bool {
+        if cache.width != width || cache.rows() < rows {
+            self.fail(format!(
+                "{op}: {what} holds {} rows of {} values, needs {rows} of {width}",
+                cache.rows(),
+                cache.width
+            ));
+            return false;
         }
+        true
     }
 
     /// A scratch buffer of the stream (`slot` picks it), at least `need` 4-byte elements: grown
@@ -588,6 +570,7 @@ impl<X: Executor> Backend for Cuda<X> {
     type Buf = CudaBuf<X>;
     type Ids = CudaBuf<X>;
     type Matrix = CudaMat<X>;
+    type Kv = CudaKv<X>;
 
     fn name(&self) -> &'static str {
         X::NAME
@@ -597,6 +580,24 @@ impl<X: Executor> Backend for Cuda<X> {
         1024
     }
 
+    fn kv_new(&self, width: usize, dtype: KvDtype, max_rows: usize, seg_rows: usize) -> Result<CudaKv<X>> {
+        Cuda::kv_new(self, width, dtype, max_rows, seg_rows)
+    }
+    fn kv_reserve(&self, kv: &mut CudaKv<X>, rows: usize) -> Result<()> {
+        Cuda::kv_reserve(self, kv, rows)
+    }
+    fn kv_trim(&self, kv: &mut CudaKv<X>, rows: usize) {
+        Cuda::kv_trim(self, kv, rows)
+    }
+    fn kv_rows(&self, kv: &CudaKv<X>) -> usize {
+        kv.rows()
+    }
+    fn kv_bytes(&self, kv: &CudaKv<X>) -> usize {
+        kv.bytes()
+    }
+    fn kv_read(&self, kv: &CudaKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
+        Cuda::kv_read(self, kv, row0, out)
+    }
     fn alloc(&self, len: usize) -> Result<CudaBuf<X>> {
         self.new_buf(len, "buffer")
     }
@@ -916,15 +917,14 @@ impl<X: Executor> Backend for Cuda<X> {
         self.launch(F::QkNormRope, shape([p.heads + p.kv_heads, t as u32, 1], 128), args);
     }
 
-    fn kv_store(&self, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaBuf<X>) {
+    fn kv_store(&self, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>) {
         let (t, w) = (p.tokens as usize, p.width as usize);
-        if !self.fits(
-            "kv_store",
-            &[("x", x.len, t * w), ("cache", cache.len, (p.pos0 as usize + t) * w)],
-        ) {
+        if !self.fits("kv_store", &[("x", x.len, t * w)])
+            || !self.cache_fits("kv_store", "cache", cache, p.pos0 as usize + t, w)
+        {
             return;
         }
-        let Some(d) = self.kv_desc(cache, w) else { return };
+        let d = cache.desc();
         self.at_pos(p.pos0);
         let args = Args::new()
             .push(KvStoreParams { pos0: 0, ..*p })
@@ -934,7 +934,7 @@ impl<X: Executor> Backend for Cuda<X> {
         self.launch(F::KvStore, rows_launch(w, t), args);
     }
 
-    fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaBuf<X>, v: &CudaBuf<X>, out: &mut CudaBuf<X>) {
+    fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>) {
         let (t, h, kvh, hd) = (
             p.tokens as usize,
             p.heads as usize,
@@ -951,18 +951,13 @@ impl<X: Executor> Backend for Cuda<X> {
         let rows = p.pos0 as usize + t;
         if !self.fits(
             "attention",
-            &[
-                ("qg", qg.len, t * h * 2 * hd),
-                ("k_cache", k.len, rows * width),
-                ("v_cache", v.len, rows * width),
-                ("out", out.len, t * h * hd),
-            ],
-        ) {
+            &[("qg", qg.len, t * h * 2 * hd), ("out", out.len, t * h * hd)],
+        ) || !self.cache_fits("attention", "k_cache", k, rows, width)
+            || !self.cache_fits("attention", "v_cache", v, rows, width)
+        {
             return;
         }
-        let (Some(kd), Some(vd)) = (self.kv_desc(k, width), self.kv_desc(v, width)) else {
-            return;
-        };
+        let (kd, vd) = (k.desc(), v.desc());
         self.at_pos(p.pos0);
         let splits = if t == 1 { DECODE_SPLITS } else { 1 };
         let target = if splits > 1 {
