@@ -3,8 +3,10 @@
 #  1. every shaders/cuda/*.cu compiles with NVRTC (the pinned nvidia-cuda-nvrtc wheel) for sm_80,
 #     sm_89 and sm_90 through the backend's own compile path, with no error and no warning;
 #  2. every kernel runs on the CPU simulator (tools/cuda-sim) against its reference twin,
-#     bounds-checked, then again with the threads of each block in reverse order; the simulator's
-#     planted-bug checks;
+#     bounds-checked, then the per-kernel tests again with the threads of each block in reverse
+#     order (a missing barrier or a race shows as a difference; the end-to-end model tests, which
+#     only chain the same kernels, and the planted-bug checks, which set their own order, run once);
+#     the simulator's planted-bug checks;
 #  3. the host encoding layer against the null executor: warm prefill chunks and decode steps
 #     encode without allocating, repeated decode steps replay one captured graph;
 #  4. the tiny-model oracle end to end through backend="cuda-sim" (needs the Python package built
@@ -25,8 +27,8 @@ cargo test -p lily-core --release --locked --test cuda_nvrtc
 echo "== kernels vs CPU reference (simulator, bounds-checked), planted bugs"
 cargo test -p lily-core --release --locked --test cuda_sim
 
-echo "== the same with reversed thread order (CUDA_SIM_SCHED=reverse)"
-CUDA_SIM_SCHED=reverse cargo test -p lily-core --release --locked --test cuda_sim
+echo "== the per-kernel tests with reversed thread order (CUDA_SIM_SCHED=reverse)"
+CUDA_SIM_SCHED=reverse cargo test -p lily-core --release --locked --test cuda_sim -- --skip forward_ --skip sim_
 
 echo "== host layer: warm encoding allocates nothing, decode replays one graph (null executor)"
 cargo test -p lily-core --release --locked --test cuda_alloc

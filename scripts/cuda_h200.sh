@@ -18,7 +18,8 @@
 # call's `carry`; make it with `scripts/cuda_h200.sh pack` on the development machine):
 #   $DEV/whl/*.whl                       lily (built here), mlx, mlx-cpu, mlx-lm, gguf
 #   $DEV/bin/cuda_device                 the Rust GPU test binary (cargo test --test cuda_device --no-run)
-#   $DEV/tests/                          the Python tests and their helpers, $DEV/fixtures/oracle: cached MLX-LM logits
+#   $DEV/tests/                          the Python tests and their helpers, $DEV/fixtures/oracle: cached MLX-LM logits,
+#   $DEV/python/lily/                    the two package sources conftest.py reads beside the tests
 #   $DEV/llamacpp/llama.cpp.tar.gz       llama.cpp from the llama-cpp-python 0.3.36 sdist, trimmed to the
 #                                        CPU and CUDA backends and llama-bench (~7 MB instead of 77)
 #   $DEV/llamacpp/gen_gguf.py, template/      the GGUF generator (shared/tools/llamacpp-compare)
@@ -62,6 +63,8 @@ if [ "$PHASE" = pack ]; then
         | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
     cp "$bin" "$DEV/bin/cuda_device"
     cp tests/{conftest,fixtures,oracle,test_oracle,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
+    # conftest.py keys its fixture caches on these sources, read beside the tests.
+    mkdir -p "$DEV/python/lily" && cp python/lily/{tokenizer_files,mlx_reference}.py "$DEV/python/lily/"
     cp tests/.fixtures/oracle/*-mlx_logits-*.npy "$DEV/fixtures/oracle/" 2>/dev/null || true
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$tmp"
