@@ -21,8 +21,8 @@ if [ -z "${LILY_NVRTC:-}" ]; then
 fi
 [ -n "$LILY_NVRTC" ] || { echo "NVRTC not found: pip install nvidia-cuda-nvrtc (or set LILY_NVRTC)"; exit 1; }
 
-echo "== NVRTC ($LILY_NVRTC): every kernel for sm_80, sm_89, sm_90, no warnings"
-cargo test -p lily-core --release --locked --test cuda_nvrtc
+echo "== NVRTC ($LILY_NVRTC): every kernel for sm_80, sm_89, sm_90, no warnings; the sm_90 resource report"
+cargo test -p lily-core --release --locked --test cuda_nvrtc -- --nocapture
 
 echo "== kernels vs CPU reference (simulator, bounds-checked), planted bugs"
 cargo test -p lily-core --release --locked --test cuda_sim

@@ -29,6 +29,27 @@ fn every_kernel_compiles_for_sm80_sm89_sm90_without_warnings() {
                 c.file,
                 c.log
             );
+            if arch == 90 {
+                eprint!("{}", resource_report(&c.log));
+            }
         }
     }
+}
+
+/// One line per kernel from ptxas's `-v` log: registers, stack frame, spills, shared memory.
+fn resource_report(log: &str) -> String {
+    let mut out = String::new();
+    let mut name = "";
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            name = rest.split('\'').next().unwrap_or("");
+        } else if line.contains("bytes stack frame") {
+            let frame = line.split("ptxas").last().unwrap_or("").trim_start_matches(|c: char| c == '.' || c == ' ');
+            out += &format!("sm_90 {name:36} {frame}");
+        } else if line.contains("Used ") {
+            let used = line.split("Used ").nth(1).unwrap_or("");
+            out += &format!("; {}\n", used.split(", used 0 barriers").collect::<String>());
+        }
+    }
+    out
 }

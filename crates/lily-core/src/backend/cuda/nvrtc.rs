@@ -149,7 +149,8 @@ pub struct Compiled {
 }
 
 /// Compile every source for `sm_<arch>` (e.g. 90), from the cache where possible
-/// (`use_cache = false` always compiles: the CI check reads every log).
+/// (`use_cache = false` always compiles: the CI check reads every log, which then also holds
+/// ptxas's resource report: registers, stack frame and spills of each kernel).
 pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
     let version = load()?;
     let mut key = kernels::sources_hash();
@@ -180,7 +181,7 @@ pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
                             });
                         }
                     }
-                    let (cubin, log) = compile(file, src, arch)?;
+                    let (cubin, log) = compile(file, src, arch, !use_cache)?;
                     if let (Some(p), Some(d)) = (path, dir.as_ref()) {
                         // The cache is an optimisation: a read-only home still works.
                         let tmp = p.with_extension(format!("tmp{}", std::process::id()));
@@ -203,8 +204,9 @@ pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
     results.into_iter().collect()
 }
 
-/// Compile one source to a cubin for `sm_<arch>`; (cubin, log).
-fn compile(file: &str, src: &str, arch: u32) -> Result<(Vec<u8>, String)> {
+/// Compile one source to a cubin for `sm_<arch>`; (cubin, log), the log with ptxas's resource
+/// report when `report` (the same machine code either way).
+fn compile(file: &str, src: &str, arch: u32, report: bool) -> Result<(Vec<u8>, String)> {
     use cudarc::nvrtc::sys::{self, nvrtcResult::NVRTC_SUCCESS};
     let cstr = |s: &str| CString::new(s).map_err(|_| Error::Device(format!("NVRTC: NUL in {file}")));
     let source = cstr(src)?;
@@ -216,6 +218,9 @@ fn compile(file: &str, src: &str, arch: u32) -> Result<(Vec<u8>, String)> {
     let mut opts: Vec<CString> = vec![cstr(&format!("--gpu-architecture=sm_{arch}"))?];
     for o in OPTIONS {
         opts.push(cstr(o)?);
+    }
+    if report {
+        opts.push(cstr("--ptxas-options=-v")?);
     }
     let op: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
