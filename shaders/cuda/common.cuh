@@ -24,8 +24,9 @@ typedef unsigned long long u64;
 // A weight matrix [experts?, rows, cols] as the kernels see it: logical row r of expert e is
 // stored row e * expert_stride + row_offset + r; `group` is the quantization group (0: dense);
 // `row_bytes` the bytes of one stored row; `vec` = 1 when rows start 16-byte aligned (row_bytes
-// % 16 == 0), so a lane may read 16-byte chunks.
-struct CudaMatrix { uint rows; uint cols; uint expert_stride; uint row_offset; uint group; uint row_bytes; uint vec; uint pad; };
+// % 16 == 0), so a lane may read 16-byte chunks; `group_shift` = log2(group) when the group is a
+// power of two (the GEMV finds a column's group by a shift instead of a division), else 0.
+struct CudaMatrix { uint rows; uint cols; uint expert_stride; uint row_offset; uint group; uint row_bytes; uint vec; uint group_shift; };
 static_assert(sizeof(CudaMatrix) == 32, "CudaMatrix");
 // A KV cache as the attention kernels see it (the segmented 16-bit cache of issue 13): row r of
 // the cache lives in segment r >> seg_shift at row r & ((1 << seg_shift) - 1); `seg` is a device
@@ -233,6 +234,9 @@ template <int KIND> struct DenseW {
 
 // MLX affine weights: BITS-bit codes packed little-endian in u32 words per row; w = s q + b with
 // one scale / bias (type S) per `group` columns (group % 8 == 0, cols % group == 0).
+// A quantization code (< 2^23) as a float, exactly, without the int-to-float instruction.
+__device__ __forceinline__ float code_float(uint q) { return __uint_as_float(0x4b000000u | q) - 8388608.0f; }
+
 template <int BITS, typename S> struct AffineW {
   static constexpr int EPC = 128 / BITS;
   const uchar* w;
@@ -247,25 +251,35 @@ template <int BITS, typename S> struct AffineW {
     return load_scale<S>(scales, g) * (float)q + load_scale<S>(biases, g);
   }
   // Dot product of chunk c (columns c * EPC ..) of stored row `row` with xc[0..EPC), as
-  // s * sum(q x) + b * sum(x) per group: no dequantized weight is formed.
+  // s * sum(q x) + b * sum(x) per group: no dequantized weight is formed. A code becomes a float
+  // by the exponent trick (2^23 + q has q in its mantissa; minus 2^23 is exact): the int-to-float
+  // instruction runs at a quarter of the FMA rate and the H200 profile had the GEMVs bound by it.
+  // With a power-of-two group, the group index is a shift (no division per chunk).
   __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
     const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
     const uint u[4] = {v.x, v.y, v.z, v.w};
     constexpr int PW = 32 / BITS;  // codes per word
     constexpr uint MASK = (1u << BITS) - 1u;
     const uint j0 = c * EPC;
-    const size_t g0 = row * (m.cols / m.group);
     // Sums over each run of 8 columns (a group holds a whole number of them).
     float qx[EPC / 8], xs[EPC / 8];
     for (int k = 0; k < EPC / 8; ++k) qx[k] = xs[k] = 0.0f;
     for (int j = 0; j < EPC; j += 4) {
       const float4 x = load_f4(xc + j);
       const uint word = u[j / PW], sh = (j % PW) * BITS;
-      qx[j / 8] += (float)((word >> sh) & MASK) * x.x + (float)((word >> (sh + BITS)) & MASK) * x.y +
-                   (float)((word >> (sh + 2 * BITS)) & MASK) * x.z + (float)((word >> (sh + 3 * BITS)) & MASK) * x.w;
+      qx[j / 8] += code_float((word >> sh) & MASK) * x.x + code_float((word >> (sh + BITS)) & MASK) * x.y +
+                   code_float((word >> (sh + 2 * BITS)) & MASK) * x.z +
+                   code_float((word >> (sh + 3 * BITS)) & MASK) * x.w;
       xs[j / 8] += (x.x + x.y) + (x.z + x.w);
     }
-    if (m.group % EPC == 0) {  // the whole chunk in one group (the usual case: 4-bit g64, 8-bit g64)
+    if (m.group_shift != 0 && m.group % EPC == 0) {  // the usual case: 4-bit g64, 8-bit g64
+      float q = 0.0f, sx = 0.0f;
+      for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
+      const size_t g = row * (m.cols >> m.group_shift) + (j0 >> m.group_shift);
+      return load_scale<S>(scales, g) * q + load_scale<S>(biases, g) * sx;
+    }
+    const size_t g0 = row * (m.cols / m.group);
+    if (m.group % EPC == 0) {  // the whole chunk in one group
       float q = 0.0f, sx = 0.0f;
       for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
       const size_t g = g0 + j0 / m.group;
@@ -363,15 +377,18 @@ __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K
   uint done = 0;
   if (wr.m.vec) {
     const uint chunks = K / W::EPC, items = R * chunks;
+    // Item it = r * chunks + c, stepped by 32 without a division.
+    uint r = chunks ? lane / chunks : 0, c = lane - r * chunks;
 #pragma unroll 4
     for (uint it = lane; it < items; it += 32) {
-      const uint r = it / chunks, c = it - r * chunks;
       size_t row = rows[0];
       for (int k = 1; k < R; ++k)
         if (r == (uint)k) row = rows[k];
       const float d = wr.dot(row, c, x + (size_t)c * W::EPC);
       for (int k = 0; k < R; ++k)
         if (r == (uint)k) acc[k] += d;
+      c += 32;
+      while (c >= chunks) c -= chunks, ++r;
     }
     done = chunks * W::EPC;
   }

@@ -24,7 +24,8 @@ pub struct CudaMatrix {
     pub group: u32,
     pub row_bytes: u32,
     pub vec: u32,
-    pub pad: u32,
+    /// log2(group) for a power-of-two group, else 0 (the GEMV then divides).
+    pub group_shift: u32,
 }
 
 /// Element type of a KV cache as the kernels read it (`KvDesc::dtype`).
