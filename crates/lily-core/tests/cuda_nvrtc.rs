@@ -44,7 +44,7 @@ fn resource_report(log: &str) -> String {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             name = rest.split('\'').next().unwrap_or("");
         } else if line.contains("bytes stack frame") {
-            let frame = line.split("ptxas").last().unwrap_or("").trim_start_matches(|c: char| c == '.' || c == ' ');
+            let frame = line.split("ptxas").last().unwrap_or("").trim_start_matches(['.', ' ']);
             out += &format!("sm_90 {name:36} {frame}");
         } else if line.contains("Used ") {
             let used = line.split("Used ").nth(1).unwrap_or("");

@@ -214,4 +214,3 @@ pub fn run_attention<B: Backend>(
     }
     outs
 }
-

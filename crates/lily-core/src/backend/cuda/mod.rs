@@ -634,7 +634,11 @@ impl<X: Executor> Backend for Cuda<X> {
             group: too_big(group)?,
             row_bytes: too_big(row_bytes)?,
             vec: (row_bytes % 16 == 0) as u32,
-            group_shift: if group.is_power_of_two() { group.trailing_zeros() } else { 0 },
+            group_shift: if group.is_power_of_two() {
+                group.trailing_zeros()
+            } else {
+                0
+            },
         };
         let data = self.upload_bytes(m.data.as_slice(), &m.name)?;
         let groups = match &m.groups {
