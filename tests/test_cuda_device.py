@@ -26,8 +26,9 @@ def _need_nvidia_driver():
         pytest.skip("no NVIDIA driver on this machine")
 
 
-def _engine(lily, path, backend="cuda", max_seq=MAX_SEQ):
-    eng = lily.Engine(str(path), backend=backend, max_seq=max_seq)
+def _engine(lily, path, backend="cuda", max_seq=MAX_SEQ, kv_dtype="f32"):
+    # An f32 KV cache where fp32 tolerances are checked; the bf16-tolerance tests use the default bf16.
+    eng = lily.Engine(str(path), backend=backend, max_seq=max_seq, kv_dtype=kv_dtype)
     assert eng.backend == backend
     return eng
 
@@ -45,7 +46,7 @@ def test_cuda_prefill_f32_matches_mlx(lily, ckpts, oracle_cache, monkeypatch, na
 def test_cuda_prefill_tensor_cores_match_mlx_at_bf16_tolerance(lily, ckpts, oracle_cache, name):
     toks = tokens_for(ckpts, name)
     ref = oracle_cache.logits(name, toks)
-    eng = _engine(lily, ckpts.path(name))
+    eng = _engine(lily, ckpts.path(name), kv_dtype="bf16")
     got = eng.prefill(toks.tolist(), all_logits=True).reshape(len(toks), -1)
     print(eng.device)
     print(compare_bf16(got, ref, f"{name} cuda prefill (bf16 tensor-core GEMMs) vs MLX-LM"))

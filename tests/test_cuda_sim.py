@@ -33,8 +33,9 @@ def _need_clang():
         pytest.skip("clang++-19 not found: the CUDA simulator tests need it (apt-get install -y clang-19)")
 
 
-def _engine(lily, ckpts, name, backend="cuda-sim"):
-    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ)
+def _engine(lily, ckpts, name, backend="cuda-sim", kv_dtype="f32"):
+    # An f32 KV cache where fp32 tolerances are checked; the bf16-tolerance test uses the default bf16.
+    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ, kv_dtype=kv_dtype)
     assert eng.backend == backend
     return eng
 
@@ -55,7 +56,9 @@ def compare_bf16(got: np.ndarray, ref: np.ndarray, what: str) -> str:
     return summary
 
 
-@pytest.mark.parametrize("name", ["tiny-s0", "tiny-s0-q4g64", "tiny-s1-q8g32", "real-s0-q4g64"])
+# Two checkpoints (the simulator is slow; every weight format is checked per kernel in cuda_sim.rs): 4-bit
+# at tiny shapes over 40 tokens, and the real head shapes.
+@pytest.mark.parametrize("name", ["tiny-s0-q4g64", "real-s0-q4g64"])
 def test_cuda_sim_prefill_f32_matches_mlx(lily, ckpts, oracle_cache, monkeypatch, name):
     monkeypatch.setenv("LILY_CUDA_GEMV_TOKENS", "100000")  # every matmul on the f32 GEMV
     n = 12 if name.startswith("real") else N_TOKENS
@@ -65,13 +68,13 @@ def test_cuda_sim_prefill_f32_matches_mlx(lily, ckpts, oracle_cache, monkeypatch
     print(compare(got, ref, ORACLE_TOL, f"{name} cuda-sim f32 prefill vs MLX-LM"))
 
 
-@pytest.mark.parametrize("name", ["tiny-s0-q4g64", "real-s0-q4g64"])
+@pytest.mark.parametrize("name", ["real-s0-q4g64"])
 def test_cuda_sim_prefill_tensor_cores_match_mlx_at_bf16_tolerance(lily, ckpts, oracle_cache, name):
-    n = 12 if name.startswith("real") else N_TOKENS
+    n = 12
     toks = tokens_for(ckpts, name)
     ref = oracle_cache.logits(name, toks)[:n]
-    got = _engine(lily, ckpts, name).prefill(toks[:n].tolist(), all_logits=True).reshape(n, -1)
-    print(compare_bf16(got, ref, f"{name} cuda-sim prefill (bf16 tensor-core GEMMs) vs MLX-LM"))
+    got = _engine(lily, ckpts, name, kv_dtype="bf16").prefill(toks[:n].tolist(), all_logits=True).reshape(n, -1)
+    print(compare_bf16(got, ref, f"{name} cuda-sim prefill (bf16 tensor-core GEMMs, bf16 KV cache) vs MLX-LM"))
 
 
 def test_cuda_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeypatch):
