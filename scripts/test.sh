@@ -22,6 +22,9 @@ if ! command -v qemu-aarch64 >/dev/null || ! command -v aarch64-linux-gnu-gcc >/
 fi
 rustup target add aarch64-unknown-linux-gnu >/dev/null
 export LILY_REQUIRE_METAL_SIM=1  # a missing simulator fails the Metal tests instead of skipping them
+export LILY_REQUIRE_CUDA_SIM=1   # likewise for the CUDA simulator
+# NVRTC (pinned: the CUDA 13.0 compiler of the H200 machine) compiles every CUDA kernel in CI.
+python3 -m pip install -q "nvidia-cuda-nvrtc==13.0.88"
 
 step "build and install the package (editable, release)"
 python3 -m pip install -q --no-build-isolation -e .
@@ -50,6 +53,9 @@ python3 -m mypy.stubtest lily._lily --allowlist tests/stubtest-allowlist.txt
 
 step "metal: shader type-checks, kernels in the simulator (also in reversed thread order)"
 bash scripts/check_metal.sh --no-python
+
+step "cuda: NVRTC compile of every kernel (sm_80/89/90), kernels in the simulator (also reversed), host layer"
+bash scripts/check_cuda.sh --no-python
 
 step "apple: type-check the macOS Metal host layer for aarch64-apple-darwin"
 bash scripts/check_apple.sh

@@ -112,6 +112,20 @@ def test_prefill_and_decode_agree_across_segments(lily, ckpts):
     assert err <= 1e-4, err
 
 
+def test_decode_greedy_crosses_a_segment_boundary(lily, ckpts):
+    """decode_greedy makes room in the cache as decode does: greedy steps across row 2048 pick the argmax of
+    decode's logits."""
+    folder = ckpts.path(LONG)
+    toks = make_tokens(12, 2046, ckpts.vocab_size(LONG)).tolist()
+    greedy, plain = (lily.Engine(str(folder), backend="cpu") for _ in range(2))
+    tok = want = int(np.argmax(greedy.prefill(toks)))
+    plain.prefill(toks)
+    for _ in range(4):  # rows 2046..2049
+        tok, want = greedy.decode_greedy(tok), int(np.argmax(plain.decode(want)))
+        assert tok == want
+    assert greedy.position == plain.position == 2050
+
+
 def test_snapshot_restore_across_segment_boundaries(lily, ckpts):
     folder = ckpts.path(LONG)
     vocab = ckpts.vocab_size(LONG)

@@ -7,6 +7,7 @@ this package owns tokenization, the chat template, sampling, streaming and the C
     reply = model.chat([{"role": "user", "content": "Hi!"}])
 """
 
+from lily import _nvrtc
 from lily._lily import ContextFullError, DeviceError, Engine, LilyError, ModelLoadError, SequenceEvictedError
 from lily.info import info
 from lily.loading import load
@@ -18,6 +19,8 @@ from lily.structured import Grammar
 from lily.template import ChatTemplate, TemplateError
 from lily.tokenizer import StreamingDetokenizer, Tokenizer
 from lily.tools import parse_tool_calls
+
+_nvrtc.configure()  # the core reads LILY_NVRTC when the first CUDA engine is made
 
 __all__ = [
     "AssistantMessage",

@@ -49,7 +49,8 @@ class Engine:
 
     ``path`` is a checkpoint folder (MLX affine-quantized or Hugging Face bf16 safetensors with
     ``config.json``). ``backend`` is ``"auto"`` (the best available), ``"cpu"``, ``"cpu-reference"``
-    (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"`` or ``"cuda"``. ``max_seq`` caps the
+    (plain-loop kernels, for checking), ``"metal"``, ``"metal-sim"``, ``"cuda"`` or ``"cuda-sim"`` (the CUDA
+    kernels run on the CPU by a simulator, for checking). ``max_seq`` caps the
     sequence length (default: the config's ``max_position_embeddings``, 262,144 for Qwen3.6); the KV
     cache grows in segments as the sequence does, so a large ``max_seq`` costs no memory until used.
     ``kv_dtype`` is the element type of the stored keys and values: ``"bf16"`` (default), ``"f16"``
@@ -68,7 +69,7 @@ class Engine:
         cls,
         path: str | os.PathLike[str],
         *,
-        backend: Literal["auto", "cpu", "cpu-reference", "metal", "metal-sim", "cuda"] | str = "auto",
+        backend: Literal["auto", "cpu", "cpu-reference", "metal", "metal-sim", "cuda", "cuda-sim"] | str = "auto",
         max_seq: int | None = None,
         prefill_chunk: int | None = None,
         progress: Callable[[int, int], object] | None = None,
@@ -88,6 +89,9 @@ class Engine:
         """
     def decode(self, token: int) -> npt.NDArray[np.float32]:
         """Append one token; its next-token logits, shape ``[vocab_size]``."""
+    def decode_greedy(self, token: int) -> int:
+        """Append one token; the id of its largest next-token logit (the lowest id among equal ones), computed
+        where the logits are: on a GPU only the id is copied back. The logits of padding ids are included."""
     def reset(self) -> None:
         """Start a new, empty sequence."""
     def fill_context(self, n: int, *, seed: int = 0) -> None:
@@ -131,6 +135,15 @@ class Engine:
     def notes(self) -> list[str]:
         """What the engine chose at load, in words: the backend ``"auto"`` picked and why, a ``max_seq``
         fitted to the device's memory."""
+    @property
+    def device(self) -> str:
+        """The device the engine runs on, in words (e.g. the GPU's name and architecture)."""
+    @property
+    def device_peak_bytes(self) -> int | None:
+        """Peak device memory the engine has allocated (weights, state, scratch) on CUDA; None elsewhere."""
+    def measure_device_bandwidth(self, mib: int = 1024) -> float | None:
+        """GPU memory bandwidth in GB/s (a device-to-device copy of ``mib`` MiB, (read + write) / time, best of 5);
+        None on the CPU backends."""
     @property
     def config(self) -> dict[str, Any]:
         """The checkpoint's ``config.json`` as a dict."""

@@ -18,7 +18,7 @@ from lily.template import ChatTemplate
 
 __all__ = ["BACKENDS", "KV_DTYPES", "load"]
 
-BACKENDS = ("auto", "cpu", "metal", "cuda", "cpu-reference", "metal-sim")
+BACKENDS = ("auto", "cpu", "metal", "cuda", "cpu-reference", "metal-sim", "cuda-sim")
 KV_DTYPES = ("bf16", "f16", "f32")
 
 
@@ -34,7 +34,7 @@ def load(
 ) -> Model:
     """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
 
-    ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim"); ``max_seq`` caps
+    ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim", "cuda-sim"); ``max_seq`` caps
     the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
     backend's; smaller saves memory); ``kv_dtype`` the element type of the stored keys and values
     ("bf16", "f16" or "f32"). Raises ``ModelLoadError`` with what to do when the model cannot

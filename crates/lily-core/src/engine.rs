@@ -26,6 +26,10 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
+#[cfg(target_os = "linux")]
+use crate::backend::cuda::device::Device as CudaDevice;
+#[cfg(unix)]
+use crate::backend::cuda::{sim::Sim as CudaSim, Cuda};
 #[cfg(target_os = "macos")]
 use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
@@ -300,29 +304,55 @@ impl<B: Backend> Runner<B> {
     }
 
     fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
+        self.before_decode(token)?;
+        let r = B::run(|| {
+            self.decode_step(token)?;
+            self.b.read(&self.scratch.logits, 0, out)
+        });
+        self.guard(r)?;
+        self.advance(token);
+        Ok(())
+    }
+
+    /// A decode step whose next token (the largest logit) is chosen where the logits are.
+    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        self.before_decode(token)?;
+        let r = B::run(|| {
+            self.decode_step(token)?;
+            self.b.argmax(&self.scratch.logits, self.model.vocab())
+        });
+        let next = self.guard(r)?;
+        self.advance(token);
+        Ok(next)
+    }
+
+    /// What a decode step of `token` needs before the state changes: a trusted state, a valid
+    /// token, and a new KV segment once per segment's rows (failing to allocate it leaves the
+    /// sequence as it was).
+    fn before_decode(&mut self, token: u32) -> Result<()> {
         self.trusted()?;
         self.check(&[token])?;
         if self.pos >= self.state.kv_rows(&self.b) {
-            // A new segment (once per segment's rows), before the state changes: failing to
-            // allocate it leaves the sequence as it was.
             self.state.reserve(&self.b, self.pos + 1)?;
         }
-        let r = B::run(|| self.decode_here(token, out));
-        self.guard(r)
+        Ok(())
     }
 
-    fn decode_here(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
+    /// One decode step of `token` up to its logits (on the device).
+    fn decode_step(&mut self, token: u32) -> Result<()> {
         self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
         self.model
             .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
         self.model.logits(&self.b, 0, 1, &mut self.scratch);
-        self.b.finish()?;
-        self.b.read(&self.scratch.logits, 0, out)?;
+        self.b.finish()
+    }
+
+    /// `token` is in the cache now.
+    fn advance(&mut self, token: u32) {
         self.cached.truncate(self.pos);
         self.cached.push(token);
         self.pos += 1;
-        Ok(())
     }
 
     /// Append `n` positions of synthetic context: random K/V rows in every attention layer, the
@@ -476,6 +506,8 @@ pub enum BackendKind {
     /// The Metal backend's command stream run by the CPU simulator (tools/metal-sim; needs clang-19).
     MetalSim,
     Cuda,
+    /// The CUDA backend's command stream run by the CPU simulator (tools/cuda-sim; needs clang-19).
+    CudaSim,
 }
 
 impl BackendKind {
@@ -488,6 +520,7 @@ impl BackendKind {
             BackendKind::Metal => "metal",
             BackendKind::MetalSim => "metal-sim",
             BackendKind::Cuda => "cuda",
+            BackendKind::CudaSim => "cuda-sim",
         }
     }
 
@@ -499,9 +532,10 @@ impl BackendKind {
             "metal" => BackendKind::Metal,
             "metal-sim" => BackendKind::MetalSim,
             "cuda" => BackendKind::Cuda,
+            "cuda-sim" => BackendKind::CudaSim,
             _ => {
                 return Err(Error::InvalidArgument(format!(
-                    "unknown backend {name:?}: expected \"auto\", \"cpu\", \"cpu-reference\", \"metal\", \"metal-sim\" or \"cuda\""
+                    "unknown backend {name:?}: expected \"auto\", \"cpu\", \"cpu-reference\", \"metal\", \"metal-sim\", \"cuda\" or \"cuda-sim\""
                 )))
             }
         })
@@ -545,12 +579,32 @@ pub fn auto_choice() -> AutoChoice {
             fallback: false,
         }
     }
-    #[cfg(not(target_os = "macos"))]
+    #[cfg(target_os = "linux")]
+    {
+        // The NVIDIA driver is there: CUDA (a GPU that then fails to open is an error, not a
+        // silent switch to the CPU).
+        if ["/proc/driver/nvidia", "/dev/nvidiactl"]
+            .iter()
+            .any(|p| std::path::Path::new(p).exists())
+        {
+            return AutoChoice {
+                backend: BackendKind::Cuda,
+                reason: "CUDA: an NVIDIA GPU driver is loaded".into(),
+                fallback: false,
+            };
+        }
+        AutoChoice {
+            backend: BackendKind::Cpu,
+            reason: "CPU: no NVIDIA GPU driver is loaded (CUDA needs one)".into(),
+            fallback: false,
+        }
+    }
+    #[cfg(not(any(target_os = "macos", target_os = "linux")))]
     {
         AutoChoice {
             backend: BackendKind::Cpu,
             reason: format!(
-                "CPU: no GPU backend for {} in this build (Metal runs on macOS on Apple silicon)",
+                "CPU: no GPU backend for {} in this build (Metal runs on macOS on Apple silicon, CUDA on Linux)",
                 std::env::consts::OS
             ),
             fallback: false,
@@ -565,6 +619,10 @@ pub enum Engine {
     MetalSim(Runner<Metal<Sim>>, ModelConfig),
     #[cfg(target_os = "macos")]
     Metal(Runner<Metal<MetalDevice>>, ModelConfig),
+    #[cfg(unix)]
+    CudaSim(Runner<Cuda<CudaSim>>, ModelConfig),
+    #[cfg(target_os = "linux")]
+    Cuda(Runner<Cuda<CudaDevice>>, ModelConfig),
 }
 
 macro_rules! each {
@@ -575,6 +633,10 @@ macro_rules! each {
             Engine::MetalSim($r, _) => $body,
             #[cfg(target_os = "macos")]
             Engine::Metal($r, _) => $body,
+            #[cfg(unix)]
+            Engine::CudaSim($r, _) => $body,
+            #[cfg(target_os = "linux")]
+            Engine::Cuda($r, _) => $body,
         }
     };
 }
@@ -708,8 +770,21 @@ impl Engine {
             BackendKind::Metal => Err(Error::Device(
                 "the Metal backend needs macOS on Apple silicon (on Linux, backend=\"metal-sim\" runs its kernels on the CPU)".into(),
             )),
-            BackendKind::Cuda => Err(Error::Device(
-                "the CUDA backend is not built into this package yet".into(),
+            #[cfg(target_os = "linux")]
+            BackendKind::Cuda => Ok(Engine::Cuda(
+                Runner::new(Cuda::device()?, dir, &cfg, opts, progress, notes)?,
+                cfg,
+            )),
+            #[cfg(not(target_os = "linux"))]
+            BackendKind::Cuda => Err(Error::Device("the CUDA backend needs Linux with an NVIDIA GPU".into())),
+            #[cfg(unix)]
+            BackendKind::CudaSim => Ok(Engine::CudaSim(
+                Runner::new(Cuda::sim()?, dir, &cfg, opts, progress, notes)?,
+                cfg,
+            )),
+            #[cfg(not(unix))]
+            BackendKind::CudaSim => Err(Error::Device(
+                "the CUDA simulator needs a Unix host with clang-19".into(),
             )),
         }
     }
@@ -748,6 +823,12 @@ impl Engine {
             )));
         }
         each!(self, r => r.decode_into(token, out))
+    }
+
+    /// Append one token; the id of its largest next-token logit (greedy decoding), computed
+    /// where the logits are (on a GPU, only the id is copied back).
+    pub fn decode_greedy(&mut self, token: u32) -> Result<u32> {
+        each!(self, r => r.decode_greedy(token))
     }
 
     pub fn reset(&mut self) -> Result<()> {
@@ -838,6 +919,41 @@ impl Engine {
             Engine::MetalSim(_, c) => c,
             #[cfg(target_os = "macos")]
             Engine::Metal(_, c) => c,
+            #[cfg(unix)]
+            Engine::CudaSim(_, c) => c,
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(_, c) => c,
+        }
+    }
+
+    /// The device the engine runs on, in words (the CPU backends: "CPU").
+    pub fn device_description(&self) -> String {
+        match self {
+            #[cfg(unix)]
+            Engine::CudaSim(r, _) => r.b.describe(),
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(r, _) => r.b.describe(),
+            _ => self.backend_name().to_string(),
+        }
+    }
+
+    /// Device memory bandwidth in GB/s (a device-to-device copy of `bytes`, best of 5, counting
+    /// bytes read and written) on a GPU backend; `None` on the CPU backends.
+    pub fn measure_device_bandwidth(&self, bytes: usize) -> Result<Option<f64>> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(r, _) => r.b.copy_bandwidth(bytes).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Peak device memory allocated by the engine (weights, state, scratch), where the backend
+    /// tracks it (CUDA).
+    pub fn device_peak_bytes(&self) -> Option<usize> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Engine::Cuda(r, _) => r.b.peak_bytes(),
+            _ => None,
         }
     }
 }

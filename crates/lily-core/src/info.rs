@@ -86,11 +86,9 @@ pub fn fit(dir: &Path, opts: &Options) -> Result<Fit> {
             metal::PREFILL_CHUNK,
             "metal-sim",
         ),
-        BackendKind::Cuda => {
-            return Err(Error::Device(
-                "the CUDA backend is not built into this package yet".into(),
-            ))
-        }
+        // The GPU's memory is known only once it is opened: no limit checked here.
+        BackendKind::Cuda => (None, crate::backend::cuda::PREFILL_CHUNK, "cuda"),
+        BackendKind::CudaSim => (None, crate::backend::cuda::PREFILL_CHUNK, "cuda-sim"),
     };
     let chunk = opts.prefill_chunk.unwrap_or(chunk);
     Ok(Fit {

@@ -7,7 +7,7 @@ mod common;
 #[macro_use]
 mod metal_common;
 
-use common::{assert_close, rand_vec};
+use common::{assert_close, filled_cache, rand_vec, run_attention};
 use lily_core::{
     backend::{
         cpu::Cpu,
@@ -121,7 +121,7 @@ mod cpu {
         seg: usize,
         seed: u64,
     ) -> <Cpu as Backend>::Kv {
-        super::filled_cache(b, width, rows, max, dtype, seg, seed)
+        common::filled_cache(b, width, rows, max, dtype, seg, seed)
     }
 
     fn rows(b: &Cpu, kv: &<Cpu as Backend>::Kv, n: usize) -> Vec<f32> {
@@ -257,32 +257,6 @@ fn qk_norm_rope_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     }
 }
 
-/// A cache on `b` of `rows` rows of `width` random values in [-1, 1] (seed), stored through the
-/// backend's own kv_store (so in its dtype), with room for `max` rows in segments of `seg`.
-fn filled_cache<B: Backend>(
-    b: &B,
-    width: usize,
-    rows: usize,
-    max: usize,
-    dtype: KvDtype,
-    seg: usize,
-    seed: u64,
-) -> B::Kv {
-    let mut kv = b.kv_new(width, dtype, max, seg).unwrap();
-    b.kv_reserve(&mut kv, rows.max(1)).unwrap();
-    if rows > 0 {
-        let x = b.upload(&rand_vec(rows * width, seed, -1.0, 1.0)).unwrap();
-        let p = KvStoreParams {
-            tokens: rows as u32,
-            pos0: 0,
-            width: width as u32,
-        };
-        b.kv_store(&p, &x, &mut kv);
-        b.finish().unwrap();
-    }
-    kv
-}
-
 fn kv_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     let _ = tolx; // exact: both round to nearest even
     let (t, w, max) = (5, 40, 24);
@@ -308,59 +282,6 @@ fn kv_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             vec![out]
         });
     }
-}
-
-/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps
-/// (each appending a row first), in caches of `dtype` with segments of `seg` rows.
-#[allow(clippy::too_many_arguments)]
-fn run_attention<B: Backend>(
-    b: &B,
-    h: usize,
-    kv: usize,
-    hd: usize,
-    pos0: usize,
-    t: usize,
-    decode: usize,
-    dtype: KvDtype,
-    seg: usize,
-) -> Vec<Vec<f32>> {
-    let max = pos0 + t + decode;
-    let mut kc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 60);
-    let mut vc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 61);
-    let mut outs = Vec::new();
-    let mut pos = pos0;
-    for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, decode)).enumerate() {
-        if i > 0 {
-            b.kv_reserve(&mut kc, pos + 1).unwrap();
-            b.kv_reserve(&mut vc, pos + 1).unwrap();
-            let p = KvStoreParams {
-                tokens: 1,
-                pos0: pos as u32,
-                width: (kv * hd) as u32,
-            };
-            let (kr, vr) = (
-                b.upload(&rand_vec(kv * hd, 70 + i as u64, -1.0, 1.0)).unwrap(),
-                b.upload(&rand_vec(kv * hd, 80 + i as u64, -1.0, 1.0)).unwrap(),
-            );
-            b.kv_store(&p, &kr, &mut kc);
-            b.kv_store(&p, &vr, &mut vc);
-        }
-        let qg = b.upload(&rand_vec(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
-        let mut out = b.alloc(n * h * hd).unwrap();
-        let p = AttentionParams {
-            tokens: n as u32,
-            pos0: pos as u32,
-            heads: h as u32,
-            kv_heads: kv as u32,
-            head_dim: hd as u32,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        b.attention(&p, &qg, &kc, &vc, &mut out);
-        b.finish().unwrap();
-        outs.push(read_all(b, &out, n * h * hd));
-        pos += n;
-    }
-    outs
 }
 
 fn attention_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {

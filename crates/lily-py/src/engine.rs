@@ -257,6 +257,13 @@ impl Engine {
     }
 
     /// Append one token; its next-token logits [vocab].
+    /// Append one token; the id of its largest next-token logit (greedy decoding without copying
+    /// the logits to Python; on a GPU only the id leaves the device).
+    fn decode_greedy(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = to_ids("token", token, self.vocab, true)?[0];
+        Ok(self.with(py, |e| e.decode_greedy(id))?.map_err(PyLilyError::from)?)
+    }
+
     fn decode<'py>(&self, py: Python<'py>, token: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let id = to_ids("token", token, self.vocab, true)?[0];
         let logits = self.with(py, |e| e.decode(id))?.map_err(PyLilyError::from)?;
@@ -366,6 +373,32 @@ impl Engine {
     #[getter]
     fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    /// The device the engine runs on, in words.
+    #[getter]
+    fn device(&self, py: Python<'_>) -> PyResult<String> {
+        self.peek(py, |e| e.device_description())
+    }
+
+    /// Peak device memory the engine has allocated (weights, state, scratch), where the backend
+    /// tracks it (CUDA); None elsewhere.
+    #[getter]
+    fn device_peak_bytes(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        self.peek(py, |e| e.device_peak_bytes())
+    }
+
+    /// Device memory bandwidth in GB/s ((bytes read + bytes written) / time of a device-to-device
+    /// copy of `mib` MiB, best of 5) on a GPU backend; None on the CPU backends.
+    #[pyo3(signature = (mib = 1024))]
+    fn measure_device_bandwidth(&self, py: Python<'_>, mib: usize) -> PyResult<Option<f64>> {
+        let bytes = mib
+            .checked_mul(1 << 20)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| PyValueError::new_err(format!("mib must be from 1 to {}, got {mib}", usize::MAX >> 20)))?;
+        Ok(self
+            .with(py, |e| e.measure_device_bandwidth(bytes))?
+            .map_err(PyLilyError::from)?)
     }
 
     /// The checkpoint's config.json as a dict.

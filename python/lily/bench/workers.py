@@ -31,6 +31,9 @@ class LilyRunner:
         self.backend = str(getattr(self.eng, "backend", backend))
         self.kv_dtype = str(getattr(self.eng, "kv_dtype", kv_dtype))
         self.max_seq = getattr(self.eng, "max_seq", max_seq)
+        # A GPU backend: its memory bandwidth, measured here on the device (None on the CPU).
+        measure = getattr(self.eng, "measure_device_bandwidth", None)
+        self.device_bandwidth_gbps = measure() if measure else None
 
     def run(self, prompt: np.ndarray, steps: int) -> tuple[float, float]:
         eng = self.eng
@@ -39,13 +42,16 @@ class LilyRunner:
         logits = eng.prefill(prompt.tolist())
         tok = int(np.argmax(logits))
         t1 = time.perf_counter()
+        # Greedy: the engine picks the next token where the logits are (on a GPU only the id comes back).
         for _ in range(steps):
-            tok = int(np.argmax(eng.decode(tok)))
+            tok = eng.decode_greedy(tok)
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
     def peak_memory(self) -> int:
-        return peak_rss_bytes()
+        """Peak device memory on a GPU backend (the engine's allocations), else the process's peak RSS."""
+        dev = getattr(self.eng, "device_peak_bytes", None)
+        return int(dev) if dev else peak_rss_bytes()
 
 
 class MlxLmRunner:
@@ -119,4 +125,5 @@ def run_worker(spec: dict, emit=print) -> None:
             "prefill_s": pre_s, "decode_s": dec_s, "prefill_tok_s": length / pre_s,
             "decode_tok_s": steps / dec_s if dec_s > 0 else float("nan"),
             "peak_memory_bytes": runner.peak_memory(), "load_s": load_s, "max_seq": runner.max_seq,
-            "kv_dtype": getattr(runner, "kv_dtype", None)}), flush=True)
+            "kv_dtype": getattr(runner, "kv_dtype", None),
+            "device_bandwidth_gbps": getattr(runner, "device_bandwidth_gbps", None)}), flush=True)

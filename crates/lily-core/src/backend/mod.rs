@@ -9,6 +9,7 @@
 //! kernels share.
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod params;
 
@@ -119,6 +120,20 @@ pub trait Backend: Send + Sized + 'static {
     /// Copy `out.len()` values starting at `offset` back to the host (waits for pending work).
     fn read(&self, src: &Self::Buf, offset: usize, out: &mut [f32]) -> Result<()>;
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
+    /// The index of the largest of the first `n` values (the lowest index among equal ones; NaN
+    /// never wins), after the work encoded so far. A GPU backend computes it on the device so
+    /// greedy decoding does not copy the logits to the host; by default it reads them.
+    fn argmax(&self, src: &Self::Buf, n: usize) -> Result<u32> {
+        let mut v = vec![0f32; n];
+        self.read(src, 0, &mut v)?;
+        let mut best = 0;
+        for (i, x) in v.iter().enumerate() {
+            if *x > v[best] || v[best].is_nan() && !x.is_nan() {
+                best = i;
+            }
+        }
+        Ok(best as u32)
+    }
     /// `dst[..len] = src[..len]` (state snapshots).
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize) -> Result<()>;
     /// The bytes the model's weights, state and KV cache must fit in on this device, and what
@@ -154,6 +169,8 @@ pub trait Backend: Send + Sized + 'static {
     fn finish(&self) -> Result<()>;
 
     // ---- kernels (one op family each: ops/<family>/) ----
+    // A kernel's buffers must stay alive until the `finish` of its stream: a backend may launch
+    // what it encoded only there (CUDA does; Metal's command buffers retain them).
     /// out[t, :] = dequant(table row ids[t]); out [T, D].
     fn embed(&self, tokens: usize, table: &Self::Matrix, ids: &Self::Ids, out: &mut Self::Buf);
     /// out = x / sqrt(mean(x^2) + eps) * w per row (w already holds 1 + w where the model needs it).

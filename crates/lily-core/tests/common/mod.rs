@@ -3,7 +3,11 @@
 #![allow(dead_code)] // each test crate uses its own subset
 
 use lily_core::{
-    backend::{cpu::kv::CpuKv, params::KvStoreParams, KvDtype},
+    backend::{
+        cpu::kv::CpuKv,
+        params::{AttentionParams, KvStoreParams},
+        Backend, KvDtype,
+    },
     ops::attention,
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
@@ -124,4 +128,89 @@ pub fn matrix(experts: usize, rows: usize, cols: usize, format: Format, sdtype: 
         data: Bytes::from_slice(&data),
         groups,
     }
+}
+
+// ---- the attention family on any backend (reference, CPU, the GPU backends) ----
+
+/// A cache on `b` of `rows` rows of `width` random values in [-1, 1] (seed), stored through the
+/// backend's own kv_store (so in its dtype), with room for `max` rows in segments of `seg`.
+pub fn filled_cache<B: Backend>(
+    b: &B,
+    width: usize,
+    rows: usize,
+    max: usize,
+    dtype: KvDtype,
+    seg: usize,
+    seed: u64,
+) -> B::Kv {
+    let mut kv = b.kv_new(width, dtype, max, seg).unwrap();
+    b.kv_reserve(&mut kv, rows.max(1)).unwrap();
+    if rows > 0 {
+        let x = b.upload(&rand_vec(rows * width, seed, -1.0, 1.0)).unwrap();
+        let p = KvStoreParams {
+            tokens: rows as u32,
+            pos0: 0,
+            width: width as u32,
+        };
+        b.kv_store(&p, &x, &mut kv);
+        b.finish().unwrap();
+    }
+    kv
+}
+
+/// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps
+/// (each appending a row first), in caches of `dtype` with segments of `seg` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn run_attention<B: Backend>(
+    b: &B,
+    h: usize,
+    kv: usize,
+    hd: usize,
+    pos0: usize,
+    t: usize,
+    decode: usize,
+    dtype: KvDtype,
+    seg: usize,
+) -> Vec<Vec<f32>> {
+    let max = pos0 + t + decode;
+    let mut kc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 60);
+    let mut vc = filled_cache(b, kv * hd, pos0 + t, max, dtype, seg, 61);
+    let mut outs = Vec::new();
+    let mut pos = pos0;
+    for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, decode)).enumerate() {
+        // The new row's K and V: alive until `finish` (the CUDA backend launches what it recorded
+        // there, reading the buffers then).
+        let (kr, vr) = (
+            b.upload(&rand_vec(kv * hd, 70 + i as u64, -1.0, 1.0)).unwrap(),
+            b.upload(&rand_vec(kv * hd, 80 + i as u64, -1.0, 1.0)).unwrap(),
+        );
+        if i > 0 {
+            b.kv_reserve(&mut kc, pos + 1).unwrap();
+            b.kv_reserve(&mut vc, pos + 1).unwrap();
+            let p = KvStoreParams {
+                tokens: 1,
+                pos0: pos as u32,
+                width: (kv * hd) as u32,
+            };
+            b.kv_store(&p, &kr, &mut kc);
+            b.kv_store(&p, &vr, &mut vc);
+        }
+        let qg = b.upload(&rand_vec(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
+        let mut out = b.alloc(n * h * hd).unwrap();
+        let p = AttentionParams {
+            tokens: n as u32,
+            pos0: pos as u32,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        b.attention(&p, &qg, &kc, &vc, &mut out);
+        b.finish().unwrap();
+        let mut o = vec![0f32; n * h * hd];
+        b.read(&out, 0, &mut o).unwrap();
+        outs.push(o);
+        pos += n;
+    }
+    outs
 }

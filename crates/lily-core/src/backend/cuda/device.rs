@@ -1,0 +1,474 @@
+//! The real CUDA device: the [`Executor`] that `Cuda<Device>` drives, on the driver API through
+//! cudarc's raw bindings, loaded dynamically (a package built without CUDA still imports; where
+//! no driver or no NVRTC exists, `Device::new` returns an `Error::Device` that says what is
+//! missing; cudarc panics on a missing library or symbol, so every load is checked first and the
+//! whole construction runs under `catch_unwind`).
+//!
+//! - Device: ordinal `LILY_CUDA_DEVICE` (default 0), its primary context, made current on every
+//!   thread that calls in (the engine may be driven from any Python thread); one stream.
+//! - Kernels: every `.cu` compiled by NVRTC to a cubin for the device's compute capability
+//!   (`nvrtc.rs`: why not PTX, where NVRTC is found, the disk cache), loaded as modules.
+//! - Memory: `cuMemAlloc` (plain device memory), zeroed; host copies on the stream, waited for.
+//! - Graphs: stream capture (thread-local mode) instantiated with `cuGraphInstantiateWithFlags`.
+//! - Profile: `LILY_CUDA_PROFILE=1` times every launch with a pair of CUDA events (graphs are then
+//!   off: a graph's nodes cannot be timed one by one) and prints the time per kernel, slowest
+//!   first, to stderr when the device is dropped. A developer's tool: it allocates per launch.
+
+use std::{
+    collections::HashMap,
+    ffi::{c_void, CStr, CString},
+    sync::Mutex,
+};
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::{
+    executor::{Args, DevPtr, Executor, Launch},
+    kernels, nvrtc,
+};
+use crate::error::{Error, Result};
+
+fn check(r: CUresult, what: &str) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut s: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a static string pointer (or leaves it null).
+    unsafe { sys::cuGetErrorString(r, &mut s) };
+    let msg = if s.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: a NUL-terminated static string from the driver.
+        unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+    };
+    Err(Error::Device(format!("CUDA {what}: {msg} ({r:?})")))
+}
+
+/// A loaded kernel.
+#[derive(Clone, Copy)]
+pub struct DeviceFunction(sys::CUfunction);
+// SAFETY: CUfunction handles are usable from any thread with the context current.
+unsafe impl Send for DeviceFunction {}
+unsafe impl Sync for DeviceFunction {}
+
+/// An instantiated graph.
+pub struct DeviceGraph(sys::CUgraphExec);
+// SAFETY: a graph exec handle is used by one thread at a time (the backend's stream lock).
+unsafe impl Send for DeviceGraph {}
+impl Drop for DeviceGraph {
+    fn drop(&mut self) {
+        // SAFETY: instantiated once, destroyed once.
+        unsafe { sys::cuGraphExecDestroy(self.0) };
+    }
+}
+
+struct Handles {
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    modules: Vec<(&'static str, sys::CUmodule)>,
+}
+// SAFETY: driver handles are thread-safe; the context is made current on each calling thread.
+unsafe impl Send for Handles {}
+unsafe impl Sync for Handles {}
+
+pub struct Device {
+    h: Handles,
+    name: String,
+    arch: u32,
+    sms: i32,
+    nvrtc: (i32, i32),
+    total: usize,
+    /// Live allocations (address -> bytes), their sum and its peak.
+    mem: Mutex<(HashMap<DevPtr, usize>, usize, usize)>,
+    /// `LILY_CUDA_PROFILE`: events of the launches since the last sync, and the totals per kernel.
+    profile: Option<Mutex<Profile>>,
+}
+
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(String, sys::CUevent, sys::CUevent)>,
+    /// kernel -> (launches, milliseconds)
+    totals: HashMap<String, (u64, f64)>,
+}
+// SAFETY: event handles are usable from any thread with the context current.
+unsafe impl Send for Profile {}
+
+impl Device {
+    /// Open the device, compile (or load from the cache) every kernel for it.
+    pub fn new() -> Result<Device> {
+        match std::panic::catch_unwind(Device::open) {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown failure".into());
+                Err(Error::Device(format!("CUDA could not be loaded: {msg}")))
+            }
+        }
+    }
+
+    fn open() -> Result<Device> {
+        // SAFETY: only tries to open libcuda by its usual names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::Device(
+                "no NVIDIA driver found (libcuda.so.1 could not be loaded): the CUDA backend needs an NVIDIA GPU with its driver installed".into(),
+            ));
+        }
+        // SAFETY: plain driver calls with valid out-pointers.
+        unsafe {
+            check(
+                sys::cuInit(0),
+                "cuInit (is an NVIDIA GPU present and its driver loaded?)",
+            )?;
+            let mut count = 0;
+            check(sys::cuDeviceGetCount(&mut count), "cuDeviceGetCount")?;
+            let ordinal: i32 = match std::env::var("LILY_CUDA_DEVICE") {
+                Ok(v) if !v.trim().is_empty() => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| Error::Device(format!("LILY_CUDA_DEVICE must be a device number, found {v:?}")))?,
+                _ => 0,
+            };
+            if count == 0 || ordinal < 0 || ordinal >= count {
+                return Err(Error::Device(format!(
+                    "CUDA device {ordinal} requested, {count} device(s) present"
+                )));
+            }
+            let mut dev = 0;
+            check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+            let attr = |a| -> Result<i32> {
+                let mut v = 0;
+                check(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute")?;
+                Ok(v)
+            };
+            use sys::CUdevice_attribute::*;
+            let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            if major < 8 {
+                return Err(Error::Device(format!(
+                    "CUDA device {ordinal} has compute capability {major}.{minor}; Lily's kernels need 8.0 or newer (bf16 tensor cores)"
+                )));
+            }
+            let mut name = [0 as std::ffi::c_char; 128];
+            check(sys::cuDeviceGetName(name.as_mut_ptr(), 128, dev), "cuDeviceGetName")?;
+            let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+            let mut total = 0usize;
+            check(sys::cuDeviceTotalMem_v2(&mut total, dev), "cuDeviceTotalMem")?;
+            let mut ctx = std::ptr::null_mut();
+            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            let mut stream = std::ptr::null_mut();
+            check(
+                sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                "cuStreamCreate",
+            )?;
+            let arch = (major * 10 + minor) as u32;
+            let nvrtc = nvrtc::load()?;
+            let mut modules = Vec::new();
+            for c in nvrtc::compile_all(arch, true)? {
+                let mut m = std::ptr::null_mut();
+                check(
+                    sys::cuModuleLoadData(&mut m, c.cubin.as_ptr() as *const c_void),
+                    &format!("cuModuleLoadData ({})", c.file),
+                )?;
+                modules.push((c.file, m));
+            }
+            Ok(Device {
+                h: Handles { ctx, stream, modules },
+                name,
+                arch,
+                sms,
+                nvrtc,
+                total,
+                mem: Mutex::new((HashMap::new(), 0, 0)),
+                profile: std::env::var("LILY_CUDA_PROFILE")
+                    .is_ok_and(|v| !v.is_empty() && v != "0")
+                    .then(|| Mutex::new(Profile::default())),
+            })
+        }
+    }
+
+    fn current(&self) -> Result<()> {
+        // SAFETY: a valid context retained for the device's lifetime.
+        check(unsafe { sys::cuCtxSetCurrent(self.h.ctx) }, "cuCtxSetCurrent")
+    }
+
+    fn event(&self) -> Result<sys::CUevent> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; default flags (timing on).
+        check(unsafe { sys::cuEventCreate(&mut e, 0) }, "cuEventCreate")?;
+        Ok(e)
+    }
+
+    /// Compute capability as major * 10 + minor (90 on Hopper).
+    pub fn arch(&self) -> u32 {
+        self.arch
+    }
+
+    /// Device memory (free, total) in bytes, as the driver reports it.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.current()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
+        Ok((free, total))
+    }
+}
+
+impl Executor for Device {
+    const NAME: &'static str = "cuda";
+    type Function = DeviceFunction;
+    type Graph = DeviceGraph;
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (sm_{}, {} SMs, {:.1} GiB; kernels compiled by NVRTC {}.{})",
+            self.name,
+            self.arch,
+            self.sms,
+            self.total as f64 / (1u64 << 30) as f64,
+            self.nvrtc.0,
+            self.nvrtc.1
+        )
+    }
+
+    fn alloc(&self, bytes: usize, label: &str) -> Result<DevPtr> {
+        self.current()?;
+        let mut p = 0;
+        // SAFETY: a plain allocation with a valid out-pointer; zeroed before use.
+        unsafe {
+            check(
+                sys::cuMemAlloc_v2(&mut p, bytes.max(1)),
+                &format!("cuMemAlloc of {bytes} bytes ({label})"),
+            )?;
+            // On the engine's stream (non-blocking: the legacy-stream memset would not be ordered
+            // before its kernels).
+            check(
+                sys::cuMemsetD8Async(p, 0, bytes.max(1), self.h.stream),
+                "cuMemsetD8Async",
+            )?;
+            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")?;
+        }
+        let mut m = self.mem.lock().unwrap_or_else(|e| e.into_inner());
+        m.0.insert(p, bytes);
+        m.1 += bytes;
+        m.2 = m.2.max(m.1);
+        Ok(p)
+    }
+
+    fn free(&self, p: DevPtr) {
+        let _ = self.current();
+        // SAFETY: `p` came from `alloc` and is freed once.
+        unsafe { sys::cuMemFree_v2(p) };
+        let mut m = self.mem.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = m.0.remove(&p) {
+            m.1 -= b;
+        }
+    }
+
+    fn write(&self, dst: DevPtr, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.current()?;
+        // SAFETY: `dst` lies in an allocation of at least data.len() bytes (the backend checks).
+        // On the engine's stream, then waited for: a synchronous copy from pageable memory may
+        // return before its DMA lands, and the legacy stream is not ordered with ours.
+        unsafe {
+            check(
+                sys::cuMemcpyHtoDAsync_v2(dst, data.as_ptr() as *const c_void, data.len(), self.h.stream),
+                "cuMemcpyHtoDAsync",
+            )?;
+            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")
+        }
+    }
+
+    fn read(&self, src: DevPtr, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.current()?;
+        // SAFETY: as `write`.
+        unsafe {
+            check(
+                sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, out.len(), self.h.stream),
+                "cuMemcpyDtoHAsync",
+            )?;
+            check(sys::cuStreamSynchronize(self.h.stream), "cuStreamSynchronize")
+        }
+    }
+
+    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
+        self.current()?;
+        // SAFETY: as `write`.
+        check(
+            unsafe { sys::cuMemsetD8Async(dst, 0, bytes, self.h.stream) },
+            "cuMemsetD8Async",
+        )
+    }
+
+    fn copy(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()> {
+        self.current()?;
+        // SAFETY: as `write`.
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.h.stream) },
+            "cuMemcpyDtoDAsync",
+        )
+    }
+
+    fn function(&self, name: &str) -> Result<DeviceFunction> {
+        self.current()?;
+        let cname = CString::new(name).map_err(|_| Error::Device(format!("kernel name {name:?}")))?;
+        for (_, m) in &self.h.modules {
+            let mut f = std::ptr::null_mut();
+            // SAFETY: a loaded module and a NUL-terminated name.
+            if unsafe { sys::cuModuleGetFunction(&mut f, *m, cname.as_ptr()) } == CUresult::CUDA_SUCCESS {
+                return Ok(DeviceFunction(f));
+            }
+        }
+        let files: Vec<&str> = kernels::SOURCES.iter().map(|(f, _)| *f).collect();
+        Err(Error::Device(format!(
+            "no CUDA kernel named {name:?} in {}",
+            files.join(", ")
+        )))
+    }
+
+    fn launch(&self, f: &DeviceFunction, name: &str, s: Launch, args: &mut Args) -> Result<()> {
+        let events = match &self.profile {
+            Some(_) => Some((self.event()?, self.event()?)),
+            None => None,
+        };
+        if let Some((start, _)) = events {
+            // SAFETY: a fresh event on this context's stream.
+            check(unsafe { sys::cuEventRecord(start, self.h.stream) }, "cuEventRecord")?;
+        }
+        let mut ptrs = args.pointers();
+        // SAFETY: the parameter pointers address `args`' values in the kernel's parameter order
+        // (each kernel's arguments are written next to its launch in mod.rs and tested).
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                f.0,
+                s.grid[0],
+                s.grid[1],
+                s.grid[2],
+                s.block[0],
+                s.block[1],
+                s.block[2],
+                s.shared,
+                self.h.stream,
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if r != CUresult::CUDA_SUCCESS {
+            return check(r, &format!("launch of {name} {s:?}"));
+        }
+        if let (Some((start, end)), Some(p)) = (events, &self.profile) {
+            // SAFETY: as above.
+            check(unsafe { sys::cuEventRecord(end, self.h.stream) }, "cuEventRecord")?;
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            p.pending.push((name.to_string(), start, end));
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.current()?;
+        // SAFETY: a valid stream.
+        check(unsafe { sys::cuStreamSynchronize(self.h.stream) }, "kernel execution")?;
+        if let Some(p) = &self.profile {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = std::mem::take(&mut p.pending);
+            for (name, start, end) in pending {
+                let mut ms = 0f32;
+                // SAFETY: both events were recorded and the stream is idle; destroyed once.
+                unsafe {
+                    check(sys::cuEventElapsedTime_v2(&mut ms, start, end), "cuEventElapsedTime")?;
+                    sys::cuEventDestroy_v2(start);
+                    sys::cuEventDestroy_v2(end);
+                }
+                let e = p.totals.entry(name).or_default();
+                *e = (e.0 + 1, e.1 + ms as f64);
+            }
+        }
+        Ok(())
+    }
+
+    fn capture_begin(&self) -> Result<bool> {
+        if self.profile.is_some() {
+            return Ok(false); // timed launch by launch
+        }
+        self.current()?;
+        // SAFETY: a valid stream, not capturing (the backend captures one list at a time).
+        check(
+            unsafe {
+                sys::cuStreamBeginCapture_v2(
+                    self.h.stream,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            },
+            "cuStreamBeginCapture",
+        )?;
+        Ok(true)
+    }
+
+    fn capture_end(&self) -> Result<DeviceGraph> {
+        let mut g = std::ptr::null_mut();
+        // SAFETY: ends the capture begun by `capture_begin` on this stream.
+        unsafe {
+            check(sys::cuStreamEndCapture(self.h.stream, &mut g), "cuStreamEndCapture")?;
+            let mut exec = std::ptr::null_mut();
+            let r = sys::cuGraphInstantiateWithFlags(&mut exec, g, 0);
+            sys::cuGraphDestroy(g);
+            check(r, "cuGraphInstantiate")?;
+            Ok(DeviceGraph(exec))
+        }
+    }
+
+    fn graph_launch(&self, g: &DeviceGraph) -> Result<()> {
+        self.current()?;
+        // SAFETY: an instantiated graph on this context's stream.
+        check(unsafe { sys::cuGraphLaunch(g.0, self.h.stream) }, "cuGraphLaunch")
+    }
+
+    fn peak_bytes(&self) -> Option<usize> {
+        Some(self.mem.lock().unwrap_or_else(|e| e.into_inner()).2)
+    }
+
+    fn reset_peak(&self) {
+        let mut m = self.mem.lock().unwrap_or_else(|e| e.into_inner());
+        m.2 = m.1;
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            let p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let mut rows: Vec<_> = p.totals.iter().collect();
+            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+            eprintln!("lily cuda profile: {total:.3} ms in kernels (CUDA events, launches one by one)");
+            eprintln!("{:>10} {:>7} {:>9} {:>9}  kernel", "ms", "%", "launches", "us/launch");
+            for (name, (n, ms)) in rows {
+                eprintln!(
+                    "{ms:10.3} {:6.1}% {n:9} {:9.2}  {name}",
+                    100.0 * ms / total,
+                    1e3 * ms / *n as f64
+                );
+            }
+        }
+        // SAFETY: handles created in `open`, destroyed once (the buffers were freed by their
+        // owners, which hold the backend and so drop first).
+        unsafe {
+            let _ = sys::cuCtxSetCurrent(self.h.ctx);
+            for (_, m) in &self.h.modules {
+                sys::cuModuleUnload(*m);
+            }
+            sys::cuStreamDestroy_v2(self.h.stream);
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! The embedded CUDA sources (compiled at run time: NVRTC on a GPU, clang through tools/cuda-sim
+//! in the simulator) and the name of every kernel, as a table the backend builds once, so a
+//! launch finds its function without building a string and a typo fails when the backend is built.
+
+macro_rules! source {
+    ($dir:literal, $file:literal) => {
+        (
+            $file,
+            include_str!(concat!("../../../../../shaders/", $dir, "/", $file)),
+        )
+    };
+}
+
+/// The headers the kernels include, by the name they include them with. `shaders/params.h` is the
+/// one definition of the op parameter structs and shared constants (with the Metal shaders and
+/// `backend/params.rs`).
+pub const HEADERS: &[(&str, &str)] = &[
+    ("params.h", include_str!("../../../../../shaders/params.h")),
+    source!("cuda", "common.cuh"),
+];
+
+/// One `.cu` per family of ops (each its own NVRTC program / object).
+pub const SOURCES: &[(&str, &str)] = &[
+    source!("cuda", "attention.cu"),
+    source!("cuda", "delta_net.cu"),
+    source!("cuda", "elementwise.cu"),
+    source!("cuda", "embed.cu"),
+    source!("cuda", "matmul.cu"),
+    source!("cuda", "moe.cu"),
+    source!("cuda", "rms_norm.cu"),
+    source!("cuda", "rope.cu"),
+];
+
+/// Host-name suffixes of the weight formats (`FOR_EACH_WEIGHT` in common.cuh, same order).
+pub const WEIGHT_SUFFIXES: &[&str] = &[
+    "f32", "f16", "bf16", "q2_bf16", "q4_bf16", "q8_bf16", "q2_f16", "q4_f16", "q8_f16", "q2_f32", "q4_f32", "q8_f32",
+];
+
+/// A weight format that has kernels: its place in [`WEIGHT_SUFFIXES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Weight(u8);
+
+impl Weight {
+    pub fn from_suffix(suffix: &str) -> Option<Weight> {
+        WEIGHT_SUFFIXES
+            .iter()
+            .position(|s| *s == suffix)
+            .map(|i| Weight(i as u8))
+    }
+    pub fn suffix(self) -> &'static str {
+        WEIGHT_SUFFIXES[self.0 as usize]
+    }
+}
+
+/// Kernels with one instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fixed {
+    Add,
+    Argmax,
+    Attention,
+    AttentionReduce,
+    DeltaNet,
+    DeltaNetConv,
+    DeltaNetPrep,
+    DeltaNetScan,
+    KvStore,
+    MoeCombine,
+    MoeCombineSorted,
+    MoeRoute,
+    MoeSort,
+    QkNormRope,
+    RmsNorm,
+    RmsNormGated,
+    SigmoidGateAdd,
+    Swiglu,
+}
+
+impl Fixed {
+    pub const ALL: &'static [Fixed] = &[
+        Fixed::Add,
+        Fixed::Argmax,
+        Fixed::Attention,
+        Fixed::AttentionReduce,
+        Fixed::DeltaNet,
+        Fixed::DeltaNetConv,
+        Fixed::DeltaNetPrep,
+        Fixed::DeltaNetScan,
+        Fixed::KvStore,
+        Fixed::MoeCombine,
+        Fixed::MoeCombineSorted,
+        Fixed::MoeRoute,
+        Fixed::MoeSort,
+        Fixed::QkNormRope,
+        Fixed::RmsNorm,
+        Fixed::RmsNormGated,
+        Fixed::SigmoidGateAdd,
+        Fixed::Swiglu,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Fixed::Add => "add",
+            Fixed::Argmax => "argmax",
+            Fixed::Attention => "attention",
+            Fixed::AttentionReduce => "attention_reduce",
+            Fixed::DeltaNet => "delta_net",
+            Fixed::DeltaNetConv => "delta_net_conv",
+            Fixed::DeltaNetPrep => "delta_net_prep",
+            Fixed::DeltaNetScan => "delta_net_scan",
+            Fixed::KvStore => "kv_store",
+            Fixed::MoeCombine => "moe_combine",
+            Fixed::MoeCombineSorted => "moe_combine_sorted",
+            Fixed::MoeRoute => "moe_route",
+            Fixed::MoeSort => "moe_sort",
+            Fixed::QkNormRope => "qk_norm_rope",
+            Fixed::RmsNorm => "rms_norm",
+            Fixed::RmsNormGated => "rms_norm_gated",
+            Fixed::SigmoidGateAdd => "sigmoid_gate_add",
+            Fixed::Swiglu => "swiglu",
+        }
+    }
+}
+
+/// Kernels with one instance per weight format, named `<op>_<suffix>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightOp {
+    Embed,
+    MatmulGemv,
+    MatmulGemvMulti,
+    MatmulMma,
+    MoeGateUp,
+    MoeDown,
+    MoeGemmGateUp,
+    MoeGemmDown,
+}
+
+impl WeightOp {
+    pub const ALL: &'static [WeightOp] = &[
+        WeightOp::Embed,
+        WeightOp::MatmulGemv,
+        WeightOp::MatmulGemvMulti,
+        WeightOp::MatmulMma,
+        WeightOp::MoeGateUp,
+        WeightOp::MoeDown,
+        WeightOp::MoeGemmGateUp,
+        WeightOp::MoeGemmDown,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightOp::Embed => "embed",
+            WeightOp::MatmulGemv => "matmul_gemv",
+            WeightOp::MatmulGemvMulti => "matmul_gemv_multi",
+            WeightOp::MatmulMma => "matmul_mma",
+            WeightOp::MoeGateUp => "moe_gate_up",
+            WeightOp::MoeDown => "moe_down",
+            WeightOp::MoeGemmGateUp => "moe_gemm_gate_up",
+            WeightOp::MoeGemmDown => "moe_gemm_down",
+        }
+    }
+}
+
+const FIXED_END: usize = Fixed::ALL.len();
+const N_WEIGHTS: usize = WEIGHT_SUFFIXES.len();
+
+/// A kernel as its place in the table of every kernel (`Kernel::all`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel(u16);
+
+impl Kernel {
+    pub const COUNT: usize = FIXED_END + WeightOp::ALL.len() * N_WEIGHTS;
+
+    pub fn fixed(f: Fixed) -> Kernel {
+        Kernel(f as u16)
+    }
+    pub fn weight(op: WeightOp, w: Weight) -> Kernel {
+        Kernel((FIXED_END + op as usize * N_WEIGHTS + w.0 as usize) as u16)
+    }
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        (0..Kernel::COUNT).map(|i| Kernel(i as u16))
+    }
+    /// The kernel's name in the sources (built: for construction and messages).
+    pub fn name(self) -> String {
+        let i = self.index();
+        if i < FIXED_END {
+            return Fixed::ALL[i].name().to_string();
+        }
+        let j = i - FIXED_END;
+        format!(
+            "{}_{}",
+            WeightOp::ALL[j / N_WEIGHTS].name(),
+            WEIGHT_SUFFIXES[j % N_WEIGHTS]
+        )
+    }
+}
+
+impl From<Fixed> for Kernel {
+    fn from(f: Fixed) -> Kernel {
+        Kernel::fixed(f)
+    }
+}
+
+/// Every kernel name, in table order.
+pub fn kernel_names() -> Vec<String> {
+    Kernel::all().map(Kernel::name).collect()
+}
+
+/// FNV-1a, 64 bit: a stable content hash for cache keys.
+#[derive(Clone, Copy)]
+pub struct Fnv(pub u64);
+impl Fnv {
+    pub fn new() -> Self {
+        Fnv(0xcbf29ce484222325)
+    }
+    pub fn add(&mut self, bytes: &[u8]) {
+        for &b in bytes.iter().chain(&[0xffu8]) {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+}
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv::new()
+    }
+}
+
+/// The hash of every source and header (part of every compiled-kernel cache key).
+pub fn sources_hash() -> Fnv {
+    let mut h = Fnv::new();
+    for (n, s) in HEADERS.iter().chain(SOURCES) {
+        h.add(n.as_bytes());
+        h.add(s.as_bytes());
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel of the table is defined in the sources: written out (`extern "C" __global__`
+    /// ... `name(`) or instantiated per weight format by a macro (`<op>_##sfx(`).
+    #[test]
+    fn every_kernel_is_in_the_sources() {
+        let src: String = SOURCES.iter().map(|(_, s)| *s).collect();
+        for &f in Fixed::ALL {
+            assert!(src.contains(&format!(" {}(", f.name())), "{} not defined", f.name());
+        }
+        for &op in WeightOp::ALL {
+            assert!(
+                src.contains(&format!(" {}_##sfx(", op.name())),
+                "{} not instantiated",
+                op.name()
+            );
+        }
+        let names = kernel_names();
+        let unique: std::collections::HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), Kernel::COUNT);
+        assert_eq!(
+            Kernel::weight(WeightOp::MoeDown, Weight::from_suffix("q4_bf16").unwrap()).name(),
+            "moe_down_q4_bf16"
+        );
+        assert_eq!(Kernel::fixed(Fixed::Swiglu).name(), "swiglu");
+    }
+}

@@ -1,0 +1,148 @@
+//! The CUDA KV cache: segments of `1 << shift` rows cuMemAlloc'd as the sequence grows, and a
+//! device table of their addresses sized for `max_rows` once, so its address (what a captured
+//! decode graph holds) never changes; only its entries do, written between forward calls.
+
+use super::{Alloc, Cuda, Executor, KvDesc, KvElem};
+use crate::{
+    backend::{cpu::kv::widen, KvDtype},
+    error::{Error, Result},
+};
+
+/// One attention layer's K (or V) cache on the device.
+pub struct CudaKv<X: Executor> {
+    pub(crate) width: usize,
+    pub(crate) dtype: KvDtype,
+    shift: u32,
+    max_rows: usize,
+    segs: Vec<Alloc<X>>,
+    table: Alloc<X>,
+}
+
+impl<X: Executor> CudaKv<X> {
+    pub fn rows(&self) -> usize {
+        self.segs.len() << self.shift
+    }
+    pub fn bytes(&self) -> usize {
+        self.rows() * self.width * self.dtype.size()
+    }
+    /// What the kernels are told of the cache.
+    pub(crate) fn desc(&self) -> KvDesc {
+        KvDesc {
+            seg: self.table.ptr,
+            width: self.width as u32,
+            dtype: match self.dtype {
+                KvDtype::F32 => KvElem::F32,
+                KvDtype::BF16 => KvElem::BF16,
+                KvDtype::F16 => KvElem::F16,
+            } as u32,
+            seg_shift: self.shift,
+            pad: 0,
+        }
+    }
+    fn seg_bytes(&self) -> usize {
+        (self.width * self.dtype.size()) << self.shift
+    }
+}
+
+impl<X: Executor> Cuda<X> {
+    pub(super) fn kv_new(&self, width: usize, dtype: KvDtype, max_rows: usize, rows: usize) -> Result<CudaKv<X>> {
+        if !rows.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "KV segment rows {rows}: not a power of two"
+            )));
+        }
+        // The kernels index rows and a row's elements in 32 bits.
+        rows.checked_mul(width)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .filter(|&n| width > 0 && u32::try_from(n).is_ok() && u32::try_from(max_rows).is_ok())
+            .ok_or_else(|| Error::InvalidArgument(format!("KV row width {width} is not usable")))?;
+        let entries = max_rows.div_ceil(rows).max(1);
+        let table = Alloc {
+            ptr: self.x.alloc(8 * entries, "kv segment table")?,
+            x: self.x.clone(),
+        };
+        self.x.zero(table.ptr, 8 * entries)?;
+        Ok(CudaKv {
+            width,
+            dtype,
+            shift: rows.trailing_zeros(),
+            max_rows,
+            segs: Vec::new(),
+            table,
+        })
+    }
+
+    pub(super) fn kv_reserve(&self, kv: &mut CudaKv<X>, rows: usize) -> Result<()> {
+        if rows > kv.max_rows {
+            return Err(Error::InvalidArgument(format!(
+                "KV cache asked for {rows} rows, more than its max_seq {}",
+                kv.max_rows
+            )));
+        }
+        while kv.rows() < rows {
+            let seg = Alloc {
+                ptr: self.x.alloc(kv.seg_bytes(), "kv segment")?,
+                x: self.x.clone(),
+            };
+            // Between forward calls nothing in flight reads the table (every call ends in a sync).
+            self.x
+                .write(kv.table.ptr + 8 * kv.segs.len() as u64, &seg.ptr.to_le_bytes())?;
+            kv.segs.push(seg);
+        }
+        Ok(())
+    }
+
+    pub(super) fn kv_trim(&self, kv: &mut CudaKv<X>, rows: usize) {
+        let keep = rows.div_ceil(1 << kv.shift);
+        if kv.segs.len() > keep {
+            // Pending work may still read the segments about to be freed.
+            if let Err(e) = self.flush() {
+                self.fail(format!("kv_trim: {e}"));
+            }
+            kv.segs.truncate(keep);
+        }
+    }
+
+    /// Rows row0.. of `kv` widened to f32 (pending work first: it may write them).
+    pub(super) fn kv_read(&self, kv: &CudaKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
+        let w = kv.width;
+        let rows = out.len() / w;
+        if out.len() % w != 0 || row0 + rows > kv.rows() {
+            return Err(Error::InvalidArgument(format!(
+                "kv_read: rows {row0}..{} of a cache of {} rows of {w} values",
+                row0 + rows,
+                kv.rows()
+            )));
+        }
+        self.flush()?;
+        let (size, mask) = (kv.dtype.size(), (1usize << kv.shift) - 1);
+        let mut bytes = Vec::new();
+        let mut r = row0;
+        // One copy per run of rows inside one segment.
+        let mut done = 0;
+        while done < rows {
+            let n = ((mask + 1) - (r & mask)).min(rows - done);
+            bytes.resize(n * w * size, 0);
+            let src = kv.segs[r >> kv.shift].ptr + ((r & mask) * w * size) as u64;
+            self.x.read(src, &mut bytes)?;
+            let o = &mut out[done * w..(done + n) * w];
+            match kv.dtype {
+                KvDtype::F32 => {
+                    for (d, b) in o.iter_mut().zip(bytes.chunks_exact(4)) {
+                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+                d => {
+                    let h: Vec<u16> = bytes
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect();
+                    widen(d, &h, o);
+                }
+            }
+            done += n;
+            r += n;
+        }
+        Ok(())
+    }
+}

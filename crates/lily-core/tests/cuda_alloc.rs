@@ -1,0 +1,179 @@
+//! The CUDA host layer encodes warm forward passes without allocating, and repeated decode steps
+//! replay one captured graph: the tiny checkpoint (`metal_common::TinyCheckpoint`) runs prefill
+//! chunks and decode steps through `Cuda<Null>` (an executor that records and counts launches
+//! and runs nothing), under a counting global allocator (this thread's allocations only).
+//! Counted: everything the encoding layer (`backend/cuda/{mod,args,kernels}.rs`) and the model do
+//! per call: kernel lookups, argument packing, the command list, graph reuse, executor calls.
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    cell::Cell,
+};
+
+mod common;
+mod metal_common;
+
+use lily_core::{
+    backend::{
+        cuda::{Cuda, Null},
+        Backend, KvDtype, StreamKind,
+    },
+    config::ModelConfig,
+    model::{
+        state::{Scratch, State},
+        Model,
+    },
+    weights::Loader,
+};
+use metal_common::TinyCheckpoint;
+
+struct Counting;
+
+thread_local! {
+    static ARMED: Cell<bool> = const { Cell::new(false) };
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note() {
+    if ARMED.try_with(Cell::get).unwrap_or(false) {
+        let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+    }
+}
+
+// SAFETY: forwards to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        note();
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        note();
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        note();
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The allocations this thread makes while `f` runs.
+fn allocations_in<R>(f: impl FnOnce() -> R) -> (usize, R) {
+    COUNT.with(|c| c.set(0));
+    ARMED.with(|a| a.set(true));
+    let r = f();
+    ARMED.with(|a| a.set(false));
+    (COUNT.with(Cell::get), r)
+}
+
+#[test]
+fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
+    let ckpt = TinyCheckpoint::write();
+    let c = Cuda::new(Null::new(false)).unwrap();
+    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
+    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
+    let model = Model::load(&c, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
+    let (prompt, decode) = TinyCheckpoint::tokens();
+    let vocab = cfg.vocab_size;
+    let mut logits = vec![0f32; 16 * vocab];
+    let mut state = State::new(&c, &cfg, 64, KvDtype::BF16).unwrap();
+    state.reserve(&c, 64).unwrap();
+    let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
+    let b = &c;
+    let mut prefill = |s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
+        b.begin(StreamKind::Prefill).unwrap();
+        b.write_ids(&mut s.ids, &prompt).unwrap();
+        model.forward(b, prompt.len(), 0, state, s);
+        model.logits(b, prompt.len() - 16, 16, s);
+        b.finish().unwrap();
+        b.read(&s.logits, 0, &mut logits).unwrap();
+    };
+    // The first chunk runs its launches one by one, the second (the same commands) is captured into
+    // a graph (allocating the graph once); from then on a chunk of that length replays it.
+    prefill(&mut s, &mut state);
+    prefill(&mut s, &mut state);
+    let (n, ()) = allocations_in(|| prefill(&mut s, &mut state));
+    assert_eq!(
+        n,
+        0,
+        "{n} allocations encoding a warm {}-token prefill chunk",
+        prompt.len()
+    );
+
+    let mut one = [0f32; 1];
+    let mut step = |i: usize, s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
+        b.begin(StreamKind::Decode).unwrap();
+        b.write_ids(&mut s.ids, &[decode[0]]).unwrap();
+        model.forward(b, 1, prompt.len() + i, state, s);
+        model.logits(b, 0, 1, s);
+        b.finish().unwrap();
+        b.read(&s.logits, vocab - 1, &mut one).unwrap();
+    };
+    let before = c.executor().counts();
+    step(0, &mut s, &mut state); // launched one by one
+    step(1, &mut s, &mut state); // the same commands again: captured into a graph, replayed
+    let (launches, graphs, replays) = c.executor().counts();
+    let per_step = launches - before.0;
+    assert!(per_step > 40, "{per_step} launches in two steps");
+    assert_eq!(
+        (graphs - before.1, replays - before.2),
+        (1, 1),
+        "one capture, one replay"
+    );
+    for i in 2..=9 {
+        let (n, ()) = allocations_in(|| step(i, &mut s, &mut state));
+        assert_eq!(n, 0, "{n} allocations encoding warm decode step {i}");
+    }
+    let (l2, g2, r2) = c.executor().counts();
+    assert_eq!(
+        (l2, g2, r2 - replays),
+        (launches, graphs, 8),
+        "every later step replays the graph"
+    );
+}
+
+/// The launches of a decode step, as the executor sees them: the kernels of the model's layers in
+/// order, each with a valid shape (the null executor checks grids and blocks).
+#[test]
+fn a_decode_step_launches_the_expected_kernels() {
+    let ckpt = TinyCheckpoint::write();
+    let mut c = Cuda::new(Null::new(true)).unwrap();
+    c.graphs = false;
+    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
+    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
+    let model = Model::load(&c, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
+    let mut state = State::new(&c, &cfg, 64, KvDtype::BF16).unwrap();
+    state.reserve(&c, 64).unwrap();
+    let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
+    c.executor().take_log();
+    c.begin(StreamKind::Decode).unwrap();
+    c.write_ids(&mut s.ids, &[5]).unwrap();
+    model.forward(&c, 1, 7, &mut state, &mut s);
+    model.logits(&c, 0, 1, &mut s);
+    c.finish().unwrap();
+    let names: Vec<String> = c.executor().take_log().into_iter().map(|r| r.name).collect();
+    assert!(names[0].starts_with("embed_"), "{names:?}");
+    assert!(names.last().unwrap().starts_with("matmul_gemv_"), "{names:?}");
+    for k in [
+        "qk_norm_rope",
+        "kv_store",
+        "attention",
+        "attention_reduce",
+        "delta_net_conv",
+        "delta_net",
+        "moe_route",
+        "moe_combine",
+    ] {
+        assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
+    }
+    assert_eq!(
+        names.iter().filter(|n| *n == "kv_store").count(),
+        2,
+        "K and V of the one attention layer"
+    );
+}

@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The whole CUDA measurement on a GPU machine with no internet (the H200 of issue 20), in one script:
+#   1. install the carried Lily wheel (and the carried test wheels: mlx, mlx-lm, gguf) into /tmp/site;
+#   2. run the CUDA tests: the Rust GPU test binary (every kernel against the reference, decode graphs)
+#      and tests/test_cuda_device.py (the tiny oracle checkpoints against MLX-LM, a full-width synthetic
+#      checkpoint against the CPU backend);
+#   3. write the full 40-layer synthetic checkpoint (`lily synth --layers 40`) and a GGUF of the same
+#      shapes at the same bits per weight (gen_gguf.py, Q4_0), build llama.cpp with CUDA from the carried
+#      sdist (once: the build is kept in $WORK and reused by a later call while the machine is warm);
+#   4. measure both engines one after the other, nothing else running: `lily bench --backend cuda`
+#      (prefill 512 / 4096, decode at depth 512 / 4096, GPU bandwidth measured in the same run, peak GPU
+#      memory) and `llama-bench -ngl 99 -fa 1` (prefill 512 / 4096, decode at depth 0 / 4096); print
+#      the ratios;
+#   5. (profile) per-kernel times of a 4096-token prefill and of decode steps (CUDA events,
+#      LILY_CUDA_PROFILE=1), and both speeds unprofiled.
+#
+# What it needs beside the checkout, under $DEV (default .dev, an ignored folder named in the device
+# call's `carry`; make it with `scripts/cuda_h200.sh pack` on the development machine):
+#   $DEV/whl/*.whl                       lily (built here), mlx, mlx-cpu, mlx-lm, gguf
+#   $DEV/bin/cuda_device                 the Rust GPU test binary (cargo test --test cuda_device --no-run)
+#   $DEV/tests/                          the Python tests and their helpers, $DEV/fixtures/oracle: cached MLX-LM logits,
+#   $DEV/python/lily/                    the two package sources conftest.py reads beside the tests
+#   $DEV/llamacpp/llama.cpp.tar.gz       llama.cpp from the llama-cpp-python 0.3.36 sdist, trimmed to the
+#                                        CPU and CUDA backends and llama-bench (~7 MB instead of 77)
+#   $DEV/llamacpp/gen_gguf.py, template/      the GGUF generator (shared/tools/llamacpp-compare)
+#
+# Usage (on the GPU machine): scripts/cuda_h200.sh PHASE...
+#   test     step 2 (the Rust and Python GPU tests)
+#   synth    the 40-layer checkpoint only (step 3 without llama.cpp)
+#   llama    llama.cpp's build and its GGUF (step 3's other half; the build runs in the background
+#            until a later phase of the same call waits for it)
+#   setup    test + synth + llama
+#   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
+#   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
+#            both speeds without profiling, one engine each (after synth)
+# Step 1 (installing the carried wheels) runs first in every call.
+# A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
+# back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
+# $OUT/cuda_h200.log when $OUT is set. On the development machine, `scripts/cuda_h200.sh pack` fills
+# $DEV (use a folder of its own, e.g. DEV=.dev/h200: pack empties it first).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEV=$(realpath -m "${DEV:-.dev}")
+WORK=${WORK:-/tmp/lily-h200}
+[ $# -gt 0 ] || { sed -n "2,/^set -uo/p" "$0" | sed "\$d"; exit 2; }
+PHASES=" $* "
+PHASE=$1
+mkdir -p "$WORK"
+if [ -n "${OUT:-}" ]; then exec > >(tee -a "$OUT/cuda_h200.log") 2>&1; fi
+export PYTHONUNBUFFERED=1
+
+if [ "$PHASE" = pack ]; then
+    # On the development machine: fill $DEV from this checkout and the shared tools.
+    set -e
+    compare=${LLAMACPP_COMPARE:-../shared/tools/llamacpp-compare}
+    [ -f "$compare/gen_gguf.py" ] || { echo "set LLAMACPP_COMPARE to shared/tools/llamacpp-compare"; exit 1; }
+    rm -rf "$DEV" && mkdir -p "$DEV"/{whl,bin,tests,fixtures/oracle,llamacpp}
+    maturin build --release -o "$DEV/whl"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 -d "$DEV/whl" \
+        mlx==0.32.4 mlx-cpu==0.32.4 mlx-lm==0.32.2 gguf==0.19.0
+    bin=$(cargo test -p lily-core --release --locked --test cuda_device --no-run --message-format=json \
+        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+    cp "$bin" "$DEV/bin/cuda_device"
+    cp tests/{conftest,fixtures,oracle,test_oracle,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
+    # conftest.py keys its fixture caches on these sources, read beside the tests.
+    mkdir -p "$DEV/python/lily" && cp python/lily/{tokenizer_files,mlx_reference}.py "$DEV/python/lily/"
+    cp tests/.fixtures/oracle/*-mlx_logits-*.npy "$DEV/fixtures/oracle/" 2>/dev/null || true
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d "$tmp"
+    tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
+    (cd "$tmp"/llama_cpp_python-0.3.36/vendor && cd llama.cpp &&
+        rm -rf models docs tests benches examples tools/ui &&
+        for b in ggml/src/ggml-*/; do case "$b" in *ggml-cpu/|*ggml-cuda/) ;; *) rm -rf "$b" ;; esac; done &&
+        cd .. && tar czf "$DEV/llamacpp/llama.cpp.tar.gz" llama.cpp)
+    rm -rf "$tmp"
+    cp -r "$compare"/{gen_gguf.py,template} "$DEV/llamacpp/"
+    du -sh "$DEV"
+    exit 0
+fi
+
+step() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
+
+step "install the carried wheels"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$DEV"/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+export LILY_CUDA_CACHE="$WORK/kernels"   # NVRTC cubins, compiled once per machine
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm --format=csv
+python3 -c 'import lily, sys; print("lily", lily.__file__, "python", sys.version.split()[0])'
+
+SYNTH="$WORK/synth40"
+GGUF="$WORK/synth40.gguf"
+LLAMA="$WORK/llama.cpp/build/bin/llama-bench"
+fail=0
+want() { for p in "$@"; do case "$PHASES" in *" $p "*) return 0 ;; esac; done; return 1; }
+if want setup llama; then
+    step "build llama.cpp (CUDA, sm_90) in the background (about 4 minutes on 16 cores)"
+    if [ ! -x "$LLAMA" ]; then
+        (
+            src="$DEV/llamacpp/llama.cpp.tar.gz" &&
+            cd "$WORK" && rm -rf llama.cpp && tar xzf "$src" && cd llama.cpp &&
+            cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+                -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+                -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+                > "$WORK/llama-build.log" 2>&1 &&
+            ninja -C build llama-bench >> "$WORK/llama-build.log" 2>&1
+        ) &
+        build=$!
+    fi
+fi
+
+if want setup test; then
+    step "Rust GPU tests: every kernel against the reference, the tiny model end to end, decode graphs"
+    "$DEV/bin/cuda_device" --test-threads=1 || fail=1
+    step "Python GPU tests: tiny oracle checkpoints vs MLX-LM, full-width synthetic vs the CPU backend"
+    mkdir -p "$WORK/fixtures/oracle" && cp -n "$DEV"/fixtures/oracle/*.npy "$WORK/fixtures/oracle/" 2>/dev/null
+    LILY_TEST_FIXTURES="$WORK/fixtures" python3 -m pytest -q -p no:cacheprovider --rootdir "$DEV/tests" \
+        "$DEV/tests/test_cuda_device.py" || fail=1
+fi
+
+if want setup synth; then
+    step "write the 40-layer checkpoint (lily synth --layers 40: full width, MLX 4-bit)"
+    [ -f "$SYNTH/config.json" ] || python3 -m lily synth "$SYNTH" --layers 40 -q || fail=1
+    du -sh "$SYNTH"; df -h "$WORK" | tail -1
+fi
+if want setup llama; then
+    step "the GGUF of the same shapes (gen_gguf.py, Q4_0); wait for the llama.cpp build"
+    [ -f "$GGUF" ] || python3 "$DEV/llamacpp/gen_gguf.py" write "$DEV/llamacpp/template" "$GGUF" --layers 40 || fail=1
+    if [ -n "${build:-}" ]; then
+        wait "$build" || { tail -30 "$WORK/llama-build.log"; fail=1; }
+    fi
+    ls -la "$LLAMA" "$GGUF"
+fi
+
+if want bench; then
+    step "lily bench --backend cuda (40 layers): prefill 512 / 4096, decode at those depths"
+    python3 -m lily bench "$SYNTH" --backend cuda --lengths 512,4096 --decode-steps 128 --rounds 2 \
+        --max-seq 8192 --json "$WORK/lily.json" || fail=1
+    if [ -x "$LLAMA" ]; then
+        step "llama-bench (CUDA, -ngl 99 -fa 1): prefill 512 / 4096, decode 128 at depth 0 / 4096"
+        "$LLAMA" -m "$GGUF" -ngl 99 -fa 1 -p 512,4096 -n 128 -d 0,4096 -o json > "$WORK/llama.json" || fail=1
+    else
+        echo "llama.cpp is not built on this machine (run the llama or setup phase first): no ratios"
+        echo '[]' > "$WORK/llama.json"
+    fi
+    step "ratios"
+    python3 - "$WORK/lily.json" "$WORK/llama.json" <<'EOF'
+import json, sys
+lily = json.load(open(sys.argv[1]))
+llama = json.load(open(sys.argv[2]))
+rec = {r["prompt_tokens"]: r for r in lily["records"]}
+def ll(kind, n, depth):
+    for r in llama:
+        if kind == "pp" and r["n_prompt"] == n and r["n_gen"] == 0 and r.get("n_depth", 0) == depth:
+            return r["avg_ts"]
+        if kind == "tg" and r["n_gen"] == n and r["n_prompt"] == 0 and r.get("n_depth", 0) == depth:
+            return r["avg_ts"]
+rows = [("prefill 512", rec[512]["prefill_tok_s"], ll("pp", 512, 0)),
+        ("prefill 4096", rec[4096]["prefill_tok_s"], ll("pp", 4096, 0)),
+        ("decode @512 (llama.cpp @0)", rec[512]["decode_tok_s"], ll("tg", 128, 0)),
+        ("decode @4096", rec[4096]["decode_tok_s"], ll("tg", 128, 4096))]
+print(f"{'':28} {'lily tok/s':>12} {'llama.cpp':>12} {'ratio':>7}")
+for name, a, b in rows:
+    print(f"{name:28} {a:12.1f} {b or float('nan'):12.1f} {a / b if b else float('nan'):7.2f}")
+m = lily["meta"]
+print(f"GPU copy bandwidth {m['memory_bandwidth_gbps']:.0f} GB/s; decode reads "
+      f"{rec[512]['decode_bytes_per_token'] / 1e6:.0f} MB/token = {100 * rec[512]['decode_bandwidth_fraction']:.0f} % "
+      f"of it at 512; peak GPU memory {rec[4096]['peak_memory_bytes'] / 1e9:.2f} GB "
+      f"(weights {lily['meta']['bytes_model']['weights_total'] / 1e9:.2f} GB)")
+EOF
+fi
+
+if want profile; then
+    step "speeds without profiling: a 4096-token prefill (second of two), 64 greedy decode steps after it"
+    python3 - "$SYNTH" <<'EOF' || fail=1
+import sys, time, lily
+t = time.perf_counter()
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+print(f"load {time.perf_counter() - t:.1f} s; {eng.device}; GPU copy bandwidth {eng.measure_device_bandwidth():.0f} GB/s")
+prompt = [1 + (i * 7919) % 240000 for i in range(4096)]
+for i in range(2):
+    eng.reset()
+    t = time.perf_counter()
+    eng.prefill(prompt)
+    s = time.perf_counter() - t
+    print(f"prefill 4096 (run {i + 1}): {s * 1e3:.0f} ms = {4096 / s:.0f} tok/s")
+tok = 1
+for _ in range(4):
+    tok = eng.decode_greedy(tok)
+t = time.perf_counter()
+for _ in range(64):
+    tok = eng.decode_greedy(tok)
+s = time.perf_counter() - t
+print(f"decode at depth ~4100: 64 steps {s * 1e3:.0f} ms = {64 / s:.1f} tok/s ({s / 64 * 1e6:.0f} us/step)")
+print(f"peak GPU memory {eng.device_peak_bytes / 1e9:.2f} GB, KV cache {eng.kv_bytes / 1e6:.1f} MB")
+EOF
+    step "per-kernel profile: one 4096-token prefill (4 chunks of 1024; CUDA events, launches one by one)"
+    LILY_CUDA_PROFILE=1 python3 -c 'import sys, lily
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+eng.prefill([1 + (i * 7919) % 240000 for i in range(4096)])' "$SYNTH" 2>&1 | head -45
+    step "per-kernel profile: a 1-token prefill + 64 greedy decode steps (CUDA events, launches one by one)"
+    LILY_CUDA_PROFILE=1 python3 -c 'import sys, lily
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+eng.prefill([1])
+tok = 1
+for _ in range(64):
+    tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -45
+fi
+exit $fail

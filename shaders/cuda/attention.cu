@@ -1,0 +1,120 @@
+// kv_store and gated GQA attention over a KV cache read through a segment table (the 16-bit
+// segmented cache of issue 13: KvDesc in common.cuh; dtype f32, bf16 or f16, widened to f32 on
+// read, rounded to nearest even on store). Positions come from step[0] (pos0 of this forward
+// call, in device memory so a captured decode graph replays at any position).
+#include "common.cuh"
+
+__device__ __forceinline__ float kv_load(const KvDesc d, uint row, uint i) {
+  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
+  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
+  if (d.dtype == 0) return reinterpret_cast<const float*>(base)[at];
+  const ushort b = reinterpret_cast<const ushort*>(base)[at];
+  return d.dtype == 1 ? bf16_float(b) : f16_float(b);
+}
+
+// kv_store: cache[pos0 + t, :] = x[t, :] in the cache dtype; x [T, width] f32. Arguments:
+// KvStoreParams p (pos0 unused: step[0]), step, KvDesc cache, x. Grid (ceil(width / 256), T).
+extern "C" __global__ void kv_store(const KvStoreParams p, const uint* __restrict__ step, const KvDesc d,
+                                    const float* __restrict__ x) {
+  const uint i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+  if (i >= p.width) return;
+  const uint row = step[0] + t;
+  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
+  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
+  const float v = x[(size_t)t * p.width + i];
+  if (d.dtype == 0)
+    reinterpret_cast<float*>(base)[at] = v;
+  else
+    reinterpret_cast<ushort*>(base)[at] = d.dtype == 1 ? float_bf16(v) : float_f16(v);
+}
+
+// attention: out = softmax(q K^T * scale, causal) V * sigmoid(gate) with q / gate from
+// qg [T, H, 2*hd] (q then gate per head); token t sees cache rows 0 .. pos0 + t.
+// GQA packing: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
+// sharing that KV head; each tile of ATT_TILE K/V rows is staged once in shared memory (f32) and
+// read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). Online softmax in
+// f32. Split-KV (flash-decoding): split z of `splits` covers rows [z * rows, (z + 1) * rows) of
+// the causal range, rows = ceil(len / splits) rounded up to the tile, so the grid does not depend
+// on the position (a decode graph stays valid); with splits > 1, out is the partials buffer
+// [T, H, splits, 2 + hd] (running max, sum of exp, unnormalised o) for attention_reduce, else
+// out [T, H * hd] directly. Arguments: AttentionParams p (pos0 unused), uint splits, step,
+// KvDesc k, KvDesc v, qg, out. Grid (Hkv, T, splits), G * 32 threads.
+#define ATT_TILE 16
+#define ATT_HD_MAX 256
+extern "C" __global__ void __launch_bounds__(512) attention(const AttentionParams p, const uint splits,
+                                                            const uint* __restrict__ step, const KvDesc kd,
+                                                            const KvDesc vd, const float* __restrict__ qg,
+                                                            float* __restrict__ out) {
+  __shared__ float ks[ATT_TILE * ATT_HD_MAX];
+  __shared__ float vs[ATT_TILE * ATT_HD_MAX];
+  const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint hd = p.head_dim, group = p.heads / p.kv_heads, h = kvh * group + warp;
+  const uint len = step[0] + t + 1;
+  const uint per = (len + splits - 1) / splits;
+  const uint rows = (per + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+  const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows);
+  const uint nd = hd / 32;
+  const float* qh = qg + ((size_t)t * p.heads + h) * 2 * hd;
+  float q[ATT_HD_MAX / 32], o[ATT_HD_MAX / 32];
+  for (uint i = 0; i < ATT_HD_MAX / 32; ++i) {
+    q[i] = i < nd ? qh[lane + 32 * i] * p.scale : 0.0f;
+    o[i] = 0.0f;
+  }
+  float mx = NEG_BIG, l = 0.0f;
+  for (uint base = s0; base < s1; base += ATT_TILE) {
+    const uint n = min((uint)ATT_TILE, s1 - base);
+    for (uint idx = threadIdx.x; idx < n * hd; idx += blockDim.x) {
+      const uint r = base + idx / hd, i = kvh * hd + idx % hd;
+      ks[idx] = kv_load(kd, r, i);
+      vs[idx] = kv_load(vd, r, i);
+    }
+    __syncthreads();
+    for (uint r = 0; r < n; ++r) {
+      float s = 0.0f;
+      for (uint i = 0; i < nd; ++i) s += q[i] * ks[r * hd + lane + 32 * i];
+      s = warp_sum(s);
+      const float m_new = fmaxf(mx, s);
+      const float corr = expf(mx - m_new);
+      const float e = expf(s - m_new);
+      l = l * corr + e;
+      for (uint i = 0; i < nd; ++i) o[i] = o[i] * corr + e * vs[r * hd + lane + 32 * i];
+      mx = m_new;
+    }
+    __syncthreads();
+  }
+  if (splits == 1) {
+    const float* gate = qh + hd;
+    for (uint i = 0; i < nd; ++i) {
+      const uint d = lane + 32 * i;
+      out[((size_t)t * p.heads + h) * hd + d] = o[i] / l * sigmoid(gate[d]);
+    }
+  } else {
+    float* part = out + (((size_t)t * p.heads + h) * splits + split) * (hd + 2);
+    if (lane == 0) {
+      part[0] = mx;
+      part[1] = l;
+    }
+    for (uint i = 0; i < nd; ++i) part[2 + lane + 32 * i] = o[i];
+  }
+}
+
+// attention_reduce: combine the split partials [T, H, splits, 2 + hd] into out [T, H * hd] and
+// apply the sigmoid gate from qg; an empty split (l = 0, max -FLT_MAX) weighs nothing.
+// Arguments: AttentionParams p, uint splits, partials, qg, out. Grid (H, T), 256 threads over hd.
+extern "C" __global__ void attention_reduce(const AttentionParams p, const uint splits,
+                                            const float* __restrict__ part, const float* __restrict__ qg,
+                                            float* __restrict__ out) {
+  const uint h = blockIdx.x, t = blockIdx.y, hd = p.head_dim;
+  const float* ph = part + ((size_t)t * p.heads + h) * splits * (hd + 2);
+  float m = NEG_BIG;
+  for (uint z = 0; z < splits; ++z) m = fmaxf(m, ph[z * (hd + 2)]);
+  float l = 0.0f;
+  for (uint z = 0; z < splits; ++z) l += ph[z * (hd + 2) + 1] * expf(ph[z * (hd + 2)] - m);
+  const float* gate = qg + ((size_t)t * p.heads + h) * 2 * hd + hd;
+  for (uint d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.0f;
+    for (uint z = 0; z < splits; ++z) acc += ph[z * (hd + 2) + 2 + d] * expf(ph[z * (hd + 2)] - m);
+    out[((size_t)t * p.heads + h) * hd + d] = acc / l * sigmoid(gate[d]);
+  }
+}

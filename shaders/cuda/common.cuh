@@ -1,0 +1,479 @@
+// Shared helpers of the CUDA kernels: 16-bit float conversions by bits (no cuda_fp16.h /
+// cuda_bf16.h: NVRTC installs may lack them), the few PTX instructions the kernels use (each with
+// its CPU emulation for tools/cuda-sim behind LILY_CUDA_SIM), warp / block reductions, the weight
+// readers (dense f32/f16/bf16 and MLX affine 2/4/8-bit with bf16/f16/f32 scales), and the
+// CUDA-only argument structs (mirrored by crates/lily-core/src/backend/cuda/args.rs, sizes checked
+// on both sides). Activations are f32 in device memory; every reduction accumulates in f32.
+#pragma once
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+typedef unsigned long long u64;
+#include "params.h"
+
+// A kernel the host launches by name: C linkage, so NVRTC keeps the name and the simulator
+// exports it (SIM_EXPORT is for kernels defined inside macros; the simulator's lowering exports
+// the ones written out).
+#if defined(LILY_CUDA_SIM)
+#define SIM_EXPORT(name) CUDA_SIM_EXPORT(name)
+#else
+#define SIM_EXPORT(name)
+#endif
+
+// ---------------------------------------------------------------- CUDA-only arguments
+// A weight matrix [experts?, rows, cols] as the kernels see it: logical row r of expert e is
+// stored row e * expert_stride + row_offset + r; `group` is the quantization group (0: dense);
+// `row_bytes` the bytes of one stored row; `vec` = 1 when rows start 16-byte aligned (row_bytes
+// % 16 == 0), so a lane may read 16-byte chunks; `group_shift` = log2(group) when the group is a
+// power of two (the GEMV finds a column's group by a shift instead of a division), else 0.
+struct CudaMatrix { uint rows; uint cols; uint expert_stride; uint row_offset; uint group; uint row_bytes; uint vec; uint group_shift; };
+static_assert(sizeof(CudaMatrix) == 32, "CudaMatrix");
+// A KV cache as the attention kernels see it (the segmented 16-bit cache of issue 13): row r of
+// the cache lives in segment r >> seg_shift at row r & ((1 << seg_shift) - 1); `seg` is a device
+// array of segment base addresses (u64 each, allocated once for max_seq so its address never
+// changes: a captured graph stays valid as segments are added); `dtype` 0 f32, 1 bf16, 2 f16;
+// `width` elements a row.
+struct KvDesc { u64 seg; uint width; uint dtype; uint seg_shift; uint pad; };
+static_assert(sizeof(KvDesc) == 24, "KvDesc");
+// Up to 4 matrices of one weight format and one K multiplied with the same x in one launch
+// (matmul_gemv_multi): matrix i owns the blocks ends[i - 1] .. ends[i] - 1 of the grid.
+struct GemvMulti { uint count; uint ends[4]; uint pad[3]; };
+static_assert(sizeof(GemvMulti) == 32, "GemvMulti");
+// The expert-sorted prefill path of moe.cu: E experts, room for `max_tiles` 64-row tiles.
+struct MoeSortArgs { uint experts; uint max_tiles; };
+static_assert(sizeof(MoeSortArgs) == 8, "MoeSortArgs");
+
+// ---------------------------------------------------------------- bits and conversions
+__device__ __forceinline__ float bits_float(uint b) { return __uint_as_float(b); }
+__device__ __forceinline__ float bf16_float(ushort b) { return __uint_as_float((uint)b << 16); }
+// f32 -> bf16 bits, round to nearest even; NaN stays NaN (quiet).
+__device__ __forceinline__ ushort float_bf16(float f) {
+  const uint u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (ushort)((u >> 16) | 0x40u);
+  return (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// Two f32 -> one bf16x2 register (lo in the low half), round to nearest even: the operand form of
+// the tensor-core mma. PTX cvt.rn.bf16x2.f32 (sm_80+) on the GPU.
+__device__ __forceinline__ uint pack_bf16x2(float lo, float hi) {
+#if defined(LILY_CUDA_SIM)
+  return (uint)float_bf16(lo) | ((uint)float_bf16(hi) << 16);
+#else
+  uint r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
+// IEEE half bits -> f32 (exact). PTX cvt.f32.f16 on the GPU.
+__device__ __forceinline__ float f16_float(ushort h) {
+#if defined(LILY_CUDA_SIM)
+  const uint s = (uint)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13));
+  if (e != 0) return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+  const float v = (float)m * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
+  return s ? -v : v;
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+// f32 -> IEEE half bits, round to nearest even. PTX cvt.rn.f16.f32 on the GPU.
+__device__ __forceinline__ ushort float_f16(float f) {
+#if defined(LILY_CUDA_SIM)
+  const uint u = __float_as_uint(f), s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (ushort)(s | 0x7e00u);                   // NaN
+  if (a >= 0x477ff000u) return (ushort)(s | 0x7c00u);                  // overflow (incl. rounding) -> inf
+  if (a < 0x38800000u) {                                               // subnormal half or zero
+    const float v = __uint_as_float(a) * 16777216.0f;                  // scale by 2^24: units of 2^-24
+    return (ushort)(s | (uint)rintf(v));
+  }
+  const uint r = a - 0x38000000u;                                      // rebias exponent 127 -> 15
+  return (ushort)(s | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+#else
+  ushort h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#endif
+}
+
+// D = A B + C on the tensor cores: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (one warp;
+// fragment layouts in tools/cuda-sim/include/cuda_sim.h, as the PTX ISA gives them).
+__device__ __forceinline__ void mma_bf16_16816(float d[4], const uint a[4], const uint b[2], const float c[4]) {
+#if defined(LILY_CUDA_SIM)
+  ::cuda_sim::mma_m16n8k16_bf16(d, a, b, c, __builtin_LINE());
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+#endif
+}
+
+// 16 bytes from p (16-byte aligned on the GPU; the simulator's buffers end at a guard page and
+// may start anywhere, so it copies bytewise).
+__device__ __forceinline__ uint4 load16(const void* p) {
+#if defined(LILY_CUDA_SIM)
+  uint4 v;
+  memcpy(&v, p, 16);
+  return v;
+#else
+  return __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+}
+__device__ __forceinline__ float4 load_f4(const float* p) {
+#if defined(LILY_CUDA_SIM)
+  float4 v;
+  memcpy(&v, p, 16);
+  return v;
+#else
+  return *reinterpret_cast<const float4*>(p);
+#endif
+}
+
+// ---------------------------------------------------------------- activations
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// log(1 + e^x), linear above 20 like torch.
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+#define NEG_BIG (-3.402823466e38f)  // -FLT_MAX: a finite "minus infinity"
+#define FULL_MASK 0xffffffffu
+
+// ---------------------------------------------------------------- reductions
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+  return v;
+}
+// Sum of one value per thread over the block (blockDim.x a multiple of 32, <= 1024); every
+// thread gets the result. `partial` holds 32 floats of shared memory; reached by every thread.
+__device__ __forceinline__ float block_sum(float v, float* partial) {
+  const uint lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? partial[lane] : 0.0f;
+  t = warp_sum(t);
+  __syncthreads();  // partial is reused by the caller's next call
+  return t;
+}
+__device__ __forceinline__ float block_max(float v, float* partial) {
+  const uint lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  v = warp_max(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? partial[lane] : NEG_BIG;
+  t = warp_max(t);
+  __syncthreads();
+  return t;
+}
+
+// ---------------------------------------------------------------- weight readers
+// Scales / biases of affine weights by element type.
+template <typename S> __device__ __forceinline__ float load_scale(const uchar* p, size_t i);
+template <> __device__ __forceinline__ float load_scale<float>(const uchar* p, size_t i) {
+  return reinterpret_cast<const float*>(p)[i];
+}
+template <> __device__ __forceinline__ float load_scale<ushort>(const uchar* p, size_t i) {  // bf16
+  return bf16_float(reinterpret_cast<const ushort*>(p)[i]);
+}
+struct Half { ushort b; };
+template <> __device__ __forceinline__ float load_scale<Half>(const uchar* p, size_t i) {
+  return f16_float(reinterpret_cast<const ushort*>(p)[i]);
+}
+
+// Dense weights: E elements of type T (0 f32, 1 bf16, 2 f16) per row. EPC: elements per 16 bytes.
+template <int KIND> struct DenseW {
+  static constexpr int EPC = KIND == 0 ? 4 : 8;
+  const uchar* w;
+  CudaMatrix m;
+  __device__ __forceinline__ static float elem(const uchar* p, size_t j) {
+    if (KIND == 0) return reinterpret_cast<const float*>(p)[j];
+    const ushort b = reinterpret_cast<const ushort*>(p)[j];
+    return KIND == 1 ? bf16_float(b) : f16_float(b);
+  }
+  __device__ __forceinline__ float at(size_t row, uint j) const { return elem(w + row * m.row_bytes, j); }
+  // Dot product of chunk c (columns c * EPC ..) of stored row `row` with xc[0..EPC).
+  __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
+    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    const uint u[4] = {v.x, v.y, v.z, v.w};
+    float acc = 0.0f;
+    if (KIND == 0) {
+      const float4 x = load_f4(xc);
+      acc = __uint_as_float(u[0]) * x.x + __uint_as_float(u[1]) * x.y + __uint_as_float(u[2]) * x.z +
+            __uint_as_float(u[3]) * x.w;
+    } else {
+      for (int i = 0; i < 4; i += 2) {
+        const float4 x = load_f4(xc + 2 * i);
+        const ushort h[4] = {(ushort)u[i], (ushort)(u[i] >> 16), (ushort)u[i + 1], (ushort)(u[i + 1] >> 16)};
+        float w4[4];
+        for (int e = 0; e < 4; ++e) w4[e] = KIND == 1 ? bf16_float(h[e]) : f16_float(h[e]);
+        acc += w4[0] * x.x + w4[1] * x.y + w4[2] * x.z + w4[3] * x.w;
+      }
+    }
+    return acc;
+  }
+  // Chunk c (columns c * EPC ..) of stored row `row`, dequantized.
+  __device__ __forceinline__ void chunk(size_t row, uint c, float* out) const {
+    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    const uint u[4] = {v.x, v.y, v.z, v.w};
+    if (KIND == 0) {
+      for (int i = 0; i < 4; ++i) out[i] = __uint_as_float(u[i]);
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        out[2 * i] = KIND == 1 ? bf16_float((ushort)u[i]) : f16_float((ushort)u[i]);
+        out[2 * i + 1] = KIND == 1 ? bf16_float((ushort)(u[i] >> 16)) : f16_float((ushort)(u[i] >> 16));
+      }
+    }
+  }
+};
+
+// MLX affine weights: BITS-bit codes packed little-endian in u32 words per row; w = s q + b with
+// one scale / bias (type S) per `group` columns (group % 8 == 0, cols % group == 0).
+// A quantization code (< 2^23) as a float, exactly, without the int-to-float instruction.
+__device__ __forceinline__ float code_float(uint q) { return __uint_as_float(0x4b000000u | q) - 8388608.0f; }
+
+template <int BITS, typename S> struct AffineW {
+  static constexpr int EPC = 128 / BITS;
+  const uchar* w;
+  const uchar* scales;
+  const uchar* biases;
+  CudaMatrix m;
+  __device__ __forceinline__ float at(size_t row, uint j) const {
+    const uint* rw = reinterpret_cast<const uint*>(w + row * m.row_bytes);
+    const uint bit = j * BITS;
+    const uint q = (rw[bit / 32] >> (bit % 32)) & ((1u << BITS) - 1u);
+    const size_t g = row * (m.cols / m.group) + j / m.group;
+    return load_scale<S>(scales, g) * (float)q + load_scale<S>(biases, g);
+  }
+  // Dot product of chunk c (columns c * EPC ..) of stored row `row` with xc[0..EPC), as
+  // s * sum(q x) + b * sum(x) per group: no dequantized weight is formed. A code becomes a float
+  // by the exponent trick (2^23 + q has q in its mantissa; minus 2^23 is exact): the int-to-float
+  // instruction runs at a quarter of the FMA rate and the H200 profile had the GEMVs bound by it.
+  // With a power-of-two group, the group index is a shift (no division per chunk).
+  __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
+    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    const uint u[4] = {v.x, v.y, v.z, v.w};
+    constexpr int PW = 32 / BITS;  // codes per word
+    constexpr uint MASK = (1u << BITS) - 1u;
+    const uint j0 = c * EPC;
+    // Sums over each run of 8 columns (a group holds a whole number of them).
+    float qx[EPC / 8], xs[EPC / 8];
+    for (int k = 0; k < EPC / 8; ++k) qx[k] = xs[k] = 0.0f;
+    for (int j = 0; j < EPC; j += 4) {
+      const float4 x = load_f4(xc + j);
+      const uint word = u[j / PW], sh = (j % PW) * BITS;
+      qx[j / 8] += code_float((word >> sh) & MASK) * x.x + code_float((word >> (sh + BITS)) & MASK) * x.y +
+                   code_float((word >> (sh + 2 * BITS)) & MASK) * x.z +
+                   code_float((word >> (sh + 3 * BITS)) & MASK) * x.w;
+      xs[j / 8] += (x.x + x.y) + (x.z + x.w);
+    }
+    if (m.group_shift != 0 && m.group % EPC == 0) {  // the usual case: 4-bit g64, 8-bit g64
+      float q = 0.0f, sx = 0.0f;
+      for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
+      const size_t g = row * (m.cols >> m.group_shift) + (j0 >> m.group_shift);
+      return load_scale<S>(scales, g) * q + load_scale<S>(biases, g) * sx;
+    }
+    const size_t g0 = row * (m.cols / m.group);
+    if (m.group % EPC == 0) {  // the whole chunk in one group
+      float q = 0.0f, sx = 0.0f;
+      for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
+      const size_t g = g0 + j0 / m.group;
+      return load_scale<S>(scales, g) * q + load_scale<S>(biases, g) * sx;
+    }
+    float acc = 0.0f;
+    for (int k = 0; k < EPC / 8; ++k) {
+      const size_t g = g0 + (j0 + 8 * k) / m.group;
+      acc += load_scale<S>(scales, g) * qx[k] + load_scale<S>(biases, g) * xs[k];
+    }
+    return acc;
+  }
+  __device__ __forceinline__ void chunk(size_t row, uint c, float* out) const {
+    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    const uint u[4] = {v.x, v.y, v.z, v.w};
+    const uint j0 = c * EPC;
+    const size_t g0 = row * (m.cols / m.group);
+    constexpr int PER_WORD = 32 / BITS;
+    constexpr uint MASK = (1u << BITS) - 1u;
+    if (m.group % EPC == 0) {  // the whole chunk in one group (the usual case: 4-bit g64, 8-bit g64)
+      const float s = load_scale<S>(scales, g0 + j0 / m.group), b = load_scale<S>(biases, g0 + j0 / m.group);
+      for (int i = 0; i < 4; ++i)
+        for (int k = 0; k < PER_WORD; ++k) out[i * PER_WORD + k] = s * (float)((u[i] >> (k * BITS)) & MASK) + b;
+    } else {
+      for (int i = 0; i < 4; ++i)
+        for (int k = 0; k < PER_WORD; ++k) {
+          const uint j = j0 + i * PER_WORD + k;
+          const float s = load_scale<S>(scales, g0 + j / m.group), b = load_scale<S>(biases, g0 + j / m.group);
+          out[i * PER_WORD + k] = s * (float)((u[i] >> (k * BITS)) & MASK) + b;
+        }
+    }
+  }
+};
+
+typedef DenseW<0> W_f32;
+typedef DenseW<2> W_f16;
+typedef DenseW<1> W_bf16;
+typedef AffineW<2, ushort> W_q2_bf16;
+typedef AffineW<4, ushort> W_q4_bf16;
+typedef AffineW<8, ushort> W_q8_bf16;
+typedef AffineW<2, Half> W_q2_f16;
+typedef AffineW<4, Half> W_q4_f16;
+typedef AffineW<8, Half> W_q8_f16;
+typedef AffineW<2, float> W_q2_f32;
+typedef AffineW<4, float> W_q4_f32;
+typedef AffineW<8, float> W_q8_f32;
+// Every weight format by host-name suffix (the order of WEIGHT_SUFFIXES in backend/cuda/kernels.rs).
+#define FOR_EACH_WEIGHT(F) \
+  F(f32) F(f16) F(bf16) F(q2_bf16) F(q4_bf16) F(q8_bf16) F(q2_f16) F(q4_f16) F(q8_f16) F(q2_f32) F(q4_f32) F(q8_f32)
+
+// A weight reader over (w, scales, biases, desc); dense formats ignore scales and biases.
+template <typename W> __device__ __forceinline__ W make_w(const uchar* w, const uchar* s, const uchar* b, CudaMatrix m);
+#define DENSE_MAKE(T)                                                                                         \
+  template <> __device__ __forceinline__ T make_w<T>(const uchar* w, const uchar*, const uchar*, CudaMatrix m) { \
+    T r;                                                                                                      \
+    r.w = w;                                                                                                  \
+    r.m = m;                                                                                                  \
+    return r;                                                                                                 \
+  }
+#define AFFINE_MAKE(T)                                                                                          \
+  template <> __device__ __forceinline__ T make_w<T>(const uchar* w, const uchar* s, const uchar* b, CudaMatrix m) { \
+    T r;                                                                                                        \
+    r.w = w;                                                                                                    \
+    r.scales = s;                                                                                               \
+    r.biases = b;                                                                                               \
+    r.m = m;                                                                                                    \
+    return r;                                                                                                   \
+  }
+DENSE_MAKE(W_f32)
+DENSE_MAKE(W_f16)
+DENSE_MAKE(W_bf16)
+AFFINE_MAKE(W_q2_bf16)
+AFFINE_MAKE(W_q4_bf16)
+AFFINE_MAKE(W_q8_bf16)
+AFFINE_MAKE(W_q2_f16)
+AFFINE_MAKE(W_q4_f16)
+AFFINE_MAKE(W_q8_f16)
+AFFINE_MAKE(W_q2_f32)
+AFFINE_MAKE(W_q4_f32)
+AFFINE_MAKE(W_q8_f32)
+
+// Dot products of R stored rows rows[r] with x[0..K) over the 32 lanes of a warp (every lane
+// gets every sum). The R rows' 16-byte chunks form one list of R * K / EPC items that the lanes
+// take in turn (item i: row i / chunks, chunk i % chunks), so a short row (the 512 columns of an
+// expert's down projection: 16 chunks at 4 bits) still keeps every lane busy; each item is one
+// 16-byte weight load and the x chunk it multiplies (L1-resident), and the loop is unrolled so a
+// lane has several weight loads in flight. No dequantized weight is formed (`W::dot`). A row that
+// is not 16-byte aligned (m.vec == 0) or a K tail goes element by element.
+template <typename W, int R>
+__device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K, const float* __restrict__ x,
+                                         float* out) {
+  const uint lane = threadIdx.x % 32;
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  uint done = 0;
+  if (wr.m.vec) {
+    const uint chunks = K / W::EPC, items = R * chunks;
+    // Item it = r * chunks + c, stepped by 32 without a division.
+    uint r = chunks ? lane / chunks : 0, c = lane - r * chunks;
+#pragma unroll 4
+    for (uint it = lane; it < items; it += 32) {
+      size_t row = rows[0];
+      for (int k = 1; k < R; ++k)
+        if (r == (uint)k) row = rows[k];
+      const float d = wr.dot(row, c, x + (size_t)c * W::EPC);
+      for (int k = 0; k < R; ++k)
+        if (r == (uint)k) acc[k] += d;
+      c += 32;
+      while (c >= chunks) c -= chunks, ++r;
+    }
+    done = chunks * W::EPC;
+  }
+  for (uint j = done + lane; j < K; j += 32) {
+    const float xj = x[j];
+    for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
+  }
+  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// ---------------------------------------------------------------- tensor-core tiles
+// One 64 x 64 output tile of A W^T on the tensor cores, shared by the prefill GEMMs (matmul_mma,
+// the grouped expert GEMMs of moe.cu). 128 threads = 4 warps, warp w owning tile rows (tokens)
+// 32 (w / 2) .. + 32 and columns (weight rows) 32 (w % 2) .. + 32 as 2 x 4 m16n8 accumulators.
+// Per K step of 64 the block stages A [64][64] (a_row(i): the f32 row of tile row i, or nullptr for
+// a zero row) and the dequantized W [64 rows][64] (stored rows w_row0 .., the first n_valid of them
+// real) as bf16 in shared memory, rows padded to MMA_LD = 72 halves so the fragment reads of a warp
+// hit 32 different banks, zero outside K; then 4 k16 steps of mma.sync m16n8k16 (bf16 inputs, f32
+// accumulation) with fragments read straight from shared memory (layouts: tools/cuda-sim).
+#define MMA_T 64
+#define MMA_N 64
+#define MMA_K 64
+#define MMA_LD 72
+__device__ __forceinline__ void mma_zero(float acc[2][4][4]) {
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+}
+template <typename W, typename ARow>
+__device__ __forceinline__ void mma_tile(const W& wr, size_t w_row0, uint n_valid, uint K, ARow a_row, ushort* xs,
+                                         ushort* ws, float acc[2][4][4]) {
+  const uint tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  const uint wt = (warp / 2) * 32, wn = (warp % 2) * 32;
+  for (uint k0 = 0; k0 < K; k0 += MMA_K) {
+    {  // A tile: thread tid converts 32 values, row tid / 2, columns 32 (tid % 2) ..
+      const uint r = tid / 2, c0 = (tid % 2) * 32;
+      const float* ar = a_row(r);
+      for (uint c = 0; c < 32; c += 2) {
+        const uint k = k0 + c0 + c;
+        const float a = ar && k < K ? ar[k] : 0.0f;
+        const float b = ar && k + 1 < K ? ar[k + 1] : 0.0f;
+        *reinterpret_cast<uint*>(&xs[r * MMA_LD + c0 + c]) = pack_bf16x2(a, b);
+      }
+    }
+    constexpr uint CPR = MMA_K / W::EPC;  // W chunks per tile row
+    for (uint q = tid; q < MMA_N * CPR; q += 128) {
+      const uint r = q / CPR, c0 = (q % CPR) * W::EPC;
+      const bool ok = r < n_valid;
+      const size_t row = w_row0 + r;
+      float v[W::EPC];
+      if (ok && wr.m.vec && k0 + c0 + W::EPC <= K) {
+        wr.chunk(row, (k0 + c0) / W::EPC, v);
+      } else {
+        for (uint i = 0; i < (uint)W::EPC; ++i) v[i] = ok && k0 + c0 + i < K ? wr.at(row, k0 + c0 + i) : 0.0f;
+      }
+      for (uint i = 0; i < (uint)W::EPC; i += 2)
+        *reinterpret_cast<uint*>(&ws[r * MMA_LD + c0 + i]) = pack_bf16x2(v[i], v[i + 1]);
+    }
+    __syncthreads();
+    for (uint kk = 0; kk < MMA_K; kk += 16) {
+      uint a[2][4], b[4][2];
+      for (uint i = 0; i < 2; ++i) {
+        const ushort* base = xs + (wt + 16 * i + g) * MMA_LD + kk + 2 * tq;
+        a[i][0] = *reinterpret_cast<const uint*>(base);
+        a[i][1] = *reinterpret_cast<const uint*>(base + 8 * MMA_LD);
+        a[i][2] = *reinterpret_cast<const uint*>(base + 8);
+        a[i][3] = *reinterpret_cast<const uint*>(base + 8 * MMA_LD + 8);
+      }
+      for (uint j = 0; j < 4; ++j) {
+        const ushort* base = ws + (wn + 8 * j + g) * MMA_LD + kk + 2 * tq;
+        b[j][0] = *reinterpret_cast<const uint*>(base);
+        b[j][1] = *reinterpret_cast<const uint*>(base + 8);
+      }
+      for (uint i = 0; i < 2; ++i)
+        for (uint j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+}
+// Hand every element of this thread's accumulators to store(tile row, tile column, value).
+template <typename Store>
+__device__ __forceinline__ void mma_store(const float acc[2][4][4], Store store) {
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const uint wt = (warp / 2) * 32, wn = (warp % 2) * 32;
+  for (uint i = 0; i < 2; ++i)
+    for (uint j = 0; j < 4; ++j)
+      for (uint e = 0; e < 4; ++e) store(wt + 16 * i + g + (e >= 2 ? 8 : 0), wn + 8 * j + 2 * tq + (e & 1), acc[i][j][e]);
+}

@@ -1,0 +1,303 @@
+// Mixture of experts: routing on the GPU and the routed experts (only the selected ones are read).
+// The expert ids never leave the device: the expert kernels read them, so a layer needs no host
+// round trip.
+#include "common.cuh"
+
+#define ROUTE_E_MAX 1024
+#define ROUTE_K_MAX 64
+
+// Router logit x as a finite value, decided on its bits: NaN and -inf become -FLT_MAX (NaN ranks
+// as -inf), +inf becomes FLT_MAX, finite values are unchanged.
+__device__ __forceinline__ float route_logit(float x) {
+  const uint b = __float_as_uint(x);
+  if ((b & 0x7fffffffu) < 0x7f800000u) return x;
+  return b == 0x7f800000u ? -NEG_BIG : NEG_BIG;
+}
+// exp(x - m) for route_logit values x <= m: exactly 0 where it underflows, so x - m never overflows.
+__device__ __forceinline__ float route_exp(float x, float m) { return x >= m - 110.0f ? expf(x - m) : 0.0f; }
+
+// moe_route: per token, p = softmax(logits) over all E experts, top K by p (ties: lower id
+// first), weights p / sum(top K p) when renorm != 0. logits [T, E], ids [T, K] u32, weights
+// [T, K]. Arguments: RouteParams p, logits, ids, weights. Grid (T), 256 threads striding over E
+// (<= 1024); the K rounds of a block argmax run on integer keys (the bits of p + 1, 0 once taken:
+// always K distinct ids < E, the same on every run, whatever the input), warp max then across the
+// warps. f32 throughout.
+extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p, const float* __restrict__ logits,
+                                                            uint* __restrict__ ids, float* __restrict__ weights) {
+  __shared__ float partial[32];
+  __shared__ uint wkey[32];
+  __shared__ uint wid[32];
+  __shared__ uint key[ROUTE_E_MAX];
+  __shared__ float picked_p[ROUTE_K_MAX];
+  __shared__ uint picked[ROUTE_K_MAX];
+  const uint t = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = blockDim.x / 32;
+  const uint E = min(p.experts, (uint)ROUTE_E_MAX), K = min(p.top_k, min(E, (uint)ROUTE_K_MAX));
+  const float* l = logits + (size_t)t * p.experts;
+  float m = NEG_BIG;
+  for (uint e = tid; e < E; e += blockDim.x) m = fmaxf(m, route_logit(l[e]));
+  m = block_max(m, partial);
+  float z = 0.0f;
+  for (uint e = tid; e < E; e += blockDim.x) z += route_exp(route_logit(l[e]), m);
+  z = block_sum(z, partial);  // >= 1: the maximum contributes exp(0)
+  for (uint e = tid; e < E; e += blockDim.x) {
+    const uint bits = __float_as_uint(route_exp(route_logit(l[e]), m) / z);
+    key[e] = (bits >> 31) != 0u ? 1u : min(bits, 0x7f800000u) + 1u;
+  }
+  __syncthreads();
+  for (uint k = 0; k < K; ++k) {
+    uint best = 0u, best_id = E;
+    for (uint e = tid; e < E; e += blockDim.x)
+      if (key[e] > best) {
+        best = key[e];
+        best_id = e;
+      }
+    uint wbest = best;
+    for (int o = 16; o > 0; o >>= 1) wbest = max(wbest, __shfl_xor_sync(FULL_MASK, wbest, o));
+    uint cand = best == wbest ? best_id : 0xffffffffu;
+    for (int o = 16; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(FULL_MASK, cand, o));
+    if (lane == 0) {
+      wkey[warp] = wbest;
+      wid[warp] = cand;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      uint bv = wkey[0], bi = wid[0];
+      for (uint w = 1; w < nw; ++w)
+        if (wkey[w] > bv || (wkey[w] == bv && wid[w] < bi)) {
+          bv = wkey[w];
+          bi = wid[w];
+        }
+      picked[k] = bi;
+      picked_p[k] = __uint_as_float(bv - 1u);
+      if (bi < E) key[bi] = 0u;  // taken
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    float sum = 0.0f;
+    for (uint k = 0; k < K; ++k) sum += picked_p[k];
+    for (uint k = 0; k < K; ++k) {
+      ids[(size_t)t * p.top_k + k] = picked[k];
+      weights[(size_t)t * p.top_k + k] = p.renorm != 0 ? picked_p[k] / sum : picked_p[k];
+    }
+  }
+}
+
+// moe_gate_up_<w>: act [T*K, I], act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
+// e = ids[t*K + k]; gate / up [E, I, D] in one weight format. Arguments: MoeParams p,
+// CudaMatrix gate, CudaMatrix up, gate w / scales / biases, up w / scales / biases, x [T, D],
+// ids [T*K], act. Grid (ceil(I / 32), T*K), 256 threads = 8 warps; warp w owns the 4 rows
+// (8 bx + w) 4 .. + 4 of pair blockIdx.y (rows_dot for the gate rows, then the up rows; lanes over
+// 16-byte chunks of D). Accumulation: f32.
+#define MOE_ROWS 4
+template <typename W>
+__device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
+                                            const uchar* gw, const uchar* gs, const uchar* gb, const uchar* uw,
+                                            const uchar* us, const uchar* ub, const float* __restrict__ x,
+                                            const uint* __restrict__ ids, float* __restrict__ act) {
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, tk = blockIdx.y;
+  const uint r0 = (blockIdx.x * 8 + warp) * MOE_ROWS;
+  if (r0 >= gm.rows) return;  // whole warp
+  const uint nr = min((uint)MOE_ROWS, gm.rows - r0);
+  const uint t = tk / p.top_k, D = gm.cols;
+  const uint e = ids[tk];
+  const W g = make_w<W>(gw, gs, gb, gm);
+  const W u = make_w<W>(uw, us, ub, um);
+  size_t grows[MOE_ROWS], urows[MOE_ROWS];
+  for (uint r = 0; r < MOE_ROWS; ++r) {
+    grows[r] = (size_t)e * gm.expert_stride + gm.row_offset + r0 + min(r, nr - 1);
+    urows[r] = (size_t)e * um.expert_stride + um.row_offset + r0 + min(r, nr - 1);
+  }
+  float gv[MOE_ROWS], uv[MOE_ROWS];
+  rows_dot<W, MOE_ROWS>(g, grows, D, x + (size_t)t * D, gv);
+  rows_dot<W, MOE_ROWS>(u, urows, D, x + (size_t)t * D, uv);
+  if (lane == 0)
+    for (uint r = 0; r < nr; ++r) act[(size_t)tk * gm.rows + r0 + r] = silu(gv[r]) * uv[r];
+}
+
+// moe_down_<w>: y [T*K, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Arguments:
+// MoeParams p, CudaMatrix m, w / scales / biases, ids [T*K], act [T*K, I], y. Grid
+// (ceil(D / 32), T*K), 256 threads, 4 rows per warp as moe_gate_up. Accumulation: f32.
+template <typename W>
+__device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s,
+                                         const uchar* b, const uint* __restrict__ ids, const float* __restrict__ act,
+                                         float* __restrict__ y) {
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, tk = blockIdx.y;
+  const uint r0 = (blockIdx.x * 8 + warp) * MOE_ROWS;
+  if (r0 >= m.rows) return;
+  const uint nr = min((uint)MOE_ROWS, m.rows - r0);
+  const uint e = ids[tk], I = m.cols;
+  const W wr = make_w<W>(w, s, b, m);
+  size_t rows[MOE_ROWS];
+  for (uint r = 0; r < MOE_ROWS; ++r) rows[r] = (size_t)e * m.expert_stride + m.row_offset + r0 + min(r, nr - 1);
+  float v[MOE_ROWS];
+  rows_dot<W, MOE_ROWS>(wr, rows, I, act + (size_t)tk * I, v);
+  if (lane == 0)
+    for (uint r = 0; r < nr; ++r) y[(size_t)tk * m.rows + r0 + r] = v[r];
+}
+
+// moe_combine: out [T, D] = sum_k weights[t, k] * y[t*K + k, :] (k ascending, f32). Arguments:
+// MoeParams p, RowsParams (T, D), weights [T, K], y [T*K, D], out. Grid (ceil(D / 256), T).
+extern "C" __global__ void moe_combine(const MoeParams p, const RowsParams rp, const float* __restrict__ weights,
+                                       const float* __restrict__ y, float* __restrict__ out) {
+  const uint j = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, K = p.top_k;
+  if (j >= rp.dim) return;
+  float acc = 0.0f;
+  for (uint k = 0; k < K; ++k) acc += weights[t * K + k] * y[((size_t)t * K + k) * rp.dim + j];
+  out[(size_t)t * rp.dim + j] = acc;
+}
+
+// ---- Prefill (T > a threshold): expert-sorted GEMMs on the tensor cores, routed on the GPU --------
+// After moe_route (ids [T, K]): moe_sort groups the pairs p = t*K + k by expert and cuts each
+// expert's rows into 64-row tiles; moe_gemm_gate_up_<w> computes act = silu(x gate_e^T) * (x up_e^T)
+// for each tile of gathered token rows; moe_gemm_down_<w> computes y = act down_e^T; moe_combine_sorted
+// sums the K rows of each token in slot order (k ascending, as moe_combine: the result does not
+// depend on the order of the rows inside an expert, which moe_sort leaves to its atomics).
+// Scratch (u32, the host's): count [4] (count[0] = tiles), tiles [max_tiles, 4] (expert, first
+// sorted row, rows <= 64, 0), order [T*K] (sorted row -> p), pos [T*K] (p -> sorted row).
+
+// moe_sort: one block of 1024 threads. Counts the pairs of each expert (shared atomics), the
+// exclusive scan of the counts (thread 0; E <= 1024), the tile list (thread 0), then each pair takes
+// the next free row of its expert. Arguments: MoeParams p, MoeSortArgs a, ids [T*K], scratch
+// (count | tiles | order | pos). Grid (1).
+extern "C" __global__ void __launch_bounds__(1024) moe_sort(const MoeParams p, const MoeSortArgs a,
+                                                            const uint* __restrict__ ids, uint* __restrict__ scratch) {
+  __shared__ uint cnt[ROUTE_E_MAX];
+  __shared__ uint off[ROUTE_E_MAX];
+  const uint pairs = p.tokens * p.top_k, E = min(a.experts, (uint)ROUTE_E_MAX);
+  uint* count = scratch;
+  uint* tiles = scratch + 4;
+  uint* order = tiles + 4 * a.max_tiles;
+  uint* pos = order + pairs;
+  for (uint e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (uint i = threadIdx.x; i < pairs; i += blockDim.x) atomicAdd(&cnt[min(ids[i], E - 1)], 1u);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint rows = 0, nt = 0;
+    for (uint e = 0; e < E; ++e) {
+      off[e] = rows;
+      for (uint j = 0; j < cnt[e] && nt < a.max_tiles; j += MMA_T, ++nt) {
+        tiles[4 * nt] = e;
+        tiles[4 * nt + 1] = rows + j;
+        tiles[4 * nt + 2] = min((uint)MMA_T, cnt[e] - j);
+        tiles[4 * nt + 3] = 0;
+      }
+      rows += cnt[e];
+      cnt[e] = 0;  // reused as the fill count of the scatter
+    }
+    count[0] = nt;
+  }
+  __syncthreads();
+  for (uint i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const uint e = min(ids[i], E - 1);
+    const uint row = off[e] + atomicAdd(&cnt[e], 1u);
+    order[row] = i;
+    pos[i] = row;
+  }
+}
+
+// moe_gemm_gate_up_<w>: act [T*K, I] in sorted row order, act[row, n] = silu(gate_e[n] . x[t]) *
+// (up_e[n] . x[t]) for the rows of one tile (expert e, token t = order[row] / K). Arguments:
+// MoeParams p, CudaMatrix gate, CudaMatrix up, gate w / scales / biases, up w / scales / biases,
+// x [T, D], scratch (moe_sort's), max_tiles, act. Grid (ceil(I / 64), max_tiles), 128 threads
+// (mma_tile, twice: gate then up, on the same gathered rows); tiles past count[0] return at once.
+template <typename W>
+__device__ __forceinline__ void moe_gemm_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
+                                                 const uchar* gw, const uchar* gs, const uchar* gb, const uchar* uw,
+                                                 const uchar* us, const uchar* ub, const float* __restrict__ x,
+                                                 const uint* __restrict__ scratch, const uint max_tiles,
+                                                 float* __restrict__ act) {
+  __shared__ __align__(16) ushort xs[MMA_T * MMA_LD];
+  __shared__ __align__(16) ushort ws[MMA_N * MMA_LD];
+  if (blockIdx.y >= scratch[0]) return;  // whole block
+  const uint* tile = scratch + 4 + 4 * blockIdx.y;
+  const uint e = tile[0], row0 = tile[1], nrows = tile[2];
+  const uint* order = scratch + 4 + 4 * max_tiles;
+  const uint D = gm.cols, I = gm.rows, n0 = blockIdx.x * MMA_N;
+  auto a_row = [&](uint i) -> const float* {
+    return i < nrows ? x + (size_t)(order[row0 + i] / p.top_k) * D : nullptr;
+  };
+  const uint nv = min((uint)MMA_N, I - n0);
+  float g[2][4][4], u[2][4][4];
+  mma_zero(g);
+  mma_zero(u);
+  mma_tile(make_w<W>(gw, gs, gb, gm), (size_t)e * gm.expert_stride + gm.row_offset + n0, nv, D, a_row, xs, ws, g);
+  mma_tile(make_w<W>(uw, us, ub, um), (size_t)e * um.expert_stride + um.row_offset + n0, nv, D, a_row, xs, ws, u);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 4; ++k) g[i][j][k] = silu(g[i][j][k]) * u[i][j][k];
+  mma_store(g, [&](uint r, uint n, float v) {
+    if (r < nrows && n0 + n < I) act[(size_t)(row0 + r) * I + n0 + n] = v;
+  });
+}
+
+// moe_gemm_down_<w>: y [T*K, D] in sorted row order, y[row, n] = down_e[n] . act[row] for the rows of
+// one tile. Arguments: MoeParams p, CudaMatrix down, w / scales / biases, scratch, max_tiles, act, y.
+// Grid (ceil(D / 64), max_tiles), 128 threads (mma_tile).
+template <typename W>
+__device__ __forceinline__ void moe_gemm_down(const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s,
+                                              const uchar* b, const uint* __restrict__ scratch, const uint max_tiles,
+                                              const float* __restrict__ act, float* __restrict__ y) {
+  __shared__ __align__(16) ushort xs[MMA_T * MMA_LD];
+  __shared__ __align__(16) ushort ws[MMA_N * MMA_LD];
+  (void)p;
+  (void)max_tiles;
+  if (blockIdx.y >= scratch[0]) return;  // whole block
+  const uint* tile = scratch + 4 + 4 * blockIdx.y;
+  const uint e = tile[0], row0 = tile[1], nrows = tile[2];
+  const uint I = m.cols, D = m.rows, n0 = blockIdx.x * MMA_N;
+  auto a_row = [&](uint i) -> const float* { return i < nrows ? act + (size_t)(row0 + i) * I : nullptr; };
+  float acc[2][4][4];
+  mma_zero(acc);
+  mma_tile(make_w<W>(w, s, b, m), (size_t)e * m.expert_stride + m.row_offset + n0, min((uint)MMA_N, D - n0), I,
+           a_row, xs, ws, acc);
+  mma_store(acc, [&](uint r, uint n, float v) {
+    if (r < nrows && n0 + n < D) y[(size_t)(row0 + r) * D + n0 + n] = v;
+  });
+}
+
+// moe_combine_sorted: out [T, D] = sum_k weights[t, k] * y[pos[t*K + k], :] (k ascending, f32).
+// Arguments: MoeParams p, RowsParams (T, D), weights [T, K], scratch (pos at its offset), max_tiles,
+// y [T*K, D] sorted, out. Grid (ceil(D / 256), T).
+extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParams rp, const float* __restrict__ weights,
+                                              const uint* __restrict__ scratch, const uint max_tiles,
+                                              const float* __restrict__ y, float* __restrict__ out) {
+  const uint j = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, K = p.top_k;
+  if (j >= rp.dim) return;
+  const uint pairs = rp.tokens * K;
+  const uint* pos = scratch + 4 + 4 * max_tiles + pairs;
+  float acc = 0.0f;
+  for (uint k = 0; k < K; ++k) acc += weights[t * K + k] * y[(size_t)pos[t * K + k] * rp.dim + j];
+  out[(size_t)t * rp.dim + j] = acc;
+}
+
+#define MOE(sfx)                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##sfx(                                           \
+      const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
+      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const float* __restrict__ x,            \
+      const uint* __restrict__ ids, float* __restrict__ act) {                                                   \
+    moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, x, ids, act);                                        \
+  }                                                                                                              \
+  SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) moe_down_##sfx(                                              \
+      const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                     \
+      const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {                      \
+    moe_down<W_##sfx>(p, m, w, s, b, ids, act, y);                                                               \
+  }                                                                                                              \
+  SIM_EXPORT(moe_down_##sfx)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_##sfx(                                      \
+      const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
+      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const float* __restrict__ x,            \
+      const uint* __restrict__ scratch, const uint max_tiles, float* __restrict__ act) {                         \
+    moe_gemm_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, x, scratch, max_tiles, act);                    \
+  }                                                                                                              \
+  SIM_EXPORT(moe_gemm_gate_up_##sfx)                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) moe_gemm_down_##sfx(                                         \
+      const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                     \
+      const uint* __restrict__ scratch, const uint max_tiles, const float* __restrict__ act,                     \
+      float* __restrict__ y) {                                                                                   \
+    moe_gemm_down<W_##sfx>(p, m, w, s, b, scratch, max_tiles, act, y);                                           \
+  }                                                                                                              \
+  SIM_EXPORT(moe_gemm_down_##sfx)
+FOR_EACH_WEIGHT(MOE)
