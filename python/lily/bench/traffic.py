@@ -104,7 +104,7 @@ def measure(model: str | Path, contexts: list[int], prefill: int, kv_dtype: str 
     os.environ["LILY_METAL_SIM_TRAFFIC"] = str(log)
     try:
         longest = max([*contexts, prefill]) + 2
-        chunk = max(prefill, 1)
+        chunk = prefill or None  # None: the engine's default chunk
         eng = lily.Engine(str(model), backend="metal-sim", max_seq=longest, prefill_chunk=chunk, kv_dtype=kv_dtype)
         vocab = eng.vocab_size
         steps = []
