@@ -95,3 +95,31 @@ def test_missing_compiler_is_a_device_error(lily, ckpts, monkeypatch):
     monkeypatch.setenv("LILY_METAL_SIM_CXX", "/nonexistent/clang++-19")
     with pytest.raises(lily.DeviceError, match="clang"):
         lily.Engine(str(ckpts.path("tiny-s0")), backend="metal-sim", max_seq=MAX_SEQ)
+
+
+# Decode traffic (issue 12, item 9): bytes the simulated command stream really reads and writes
+# (page protection, lily.bench.traffic) within 10 % of the minimum a decode step must move (active
+# weights, DeltaNet state, KV rows), and not below it (counting that sees nothing fails too). The
+# real_heads widths keep page rounding small: each expert's rows span 16-32 pages.
+TRAFFIC_GATE = 0.10
+
+
+@pytest.mark.parametrize("name", ["real-s0"])
+def test_metal_sim_decode_traffic_is_near_the_minimum(ckpts, name):
+    from lily.bench import traffic
+
+    ctx = 16
+    model = ckpts.path(name)
+    (step,) = traffic.measure(model, [ctx], prefill=0, kv_dtype="bf16")
+    minimum = traffic.decode_minimum(model, ctx, "bf16")["total"]
+    print(traffic.report(model, [step], "bf16", 0.8))
+    assert len(step.dispatches) > 0
+    assert minimum * 0.95 <= step.total <= minimum * (1 + TRAFFIC_GATE), (step.total, minimum)
+
+
+def test_traffic_kernel_families():
+    from lily.bench.traffic import family
+
+    assert family("matmul_gemv_q4_bf16_r4") == "matmul_gemv"
+    assert family("attention_reduce_f32") == "attention_reduce"
+    assert family("moe_histogram_u32") == "moe_histogram"

@@ -37,6 +37,8 @@ pub mod kernels;
 #[cfg(unix)]
 pub mod sim;
 pub mod stream;
+#[cfg(unix)]
+mod traffic;
 
 use std::sync::{
     atomic::{AtomicU16, AtomicU64, Ordering},

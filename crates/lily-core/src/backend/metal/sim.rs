@@ -17,6 +17,11 @@
 //! working set of that size (the memory check at load); `LILY_METAL_SIM_FAIL_COMMAND=N` (or
 //! [`Sim::fail_command`]) makes the Nth command stream committed fail after running half its
 //! dispatches, as a GPU error leaves state half-updated.
+//!
+//! `LILY_METAL_SIM_TRAFFIC=FILE` counts the device-memory bytes every dispatch reads and writes
+//! (see `traffic.rs`: page protection, first touches) and appends one line per dispatch to FILE:
+//! `stream label<TAB>kernel<TAB>bytes read<TAB>bytes written`. Counting turns bounds checking off
+//! (its guard copies would touch every bound byte) and is never on unless asked for.
 
 use std::{
     ffi::{c_int, c_ulong, c_void},
@@ -31,7 +36,7 @@ use std::{
 
 use super::{
     executor::{wrappable, Arg, Executor, GpuFamily, Grid, ParamBytes, Placed, StreamLabel},
-    kernels,
+    kernels, traffic,
 };
 use crate::{
     error::{Error, Result},
@@ -166,6 +171,10 @@ pub enum RecArg {
 pub struct SimEncoder {
     label: StreamLabel,
     dispatches: Vec<Recorded>,
+    /// Buffers made resident (`use_resources`) and, per dispatch, how many were then: what a
+    /// dispatch reaches through addresses, protected with its bindings when traffic is counted.
+    resident: Vec<Arc<SimAlloc>>,
+    resident_at: Vec<usize>,
 }
 
 /// A committed stream: it ran at `commit`; its error, if any, is reported by `wait`.
@@ -184,6 +193,8 @@ pub struct Sim {
     /// Command streams committed so far, and the number of the one to fail (0: none).
     commits: AtomicU64,
     fail_at: AtomicU64,
+    /// `LILY_METAL_SIM_TRAFFIC`: the file the bytes per dispatch are appended to.
+    traffic: Option<PathBuf>,
 }
 
 impl Sim {
@@ -239,7 +250,10 @@ impl Sim {
             let so = r?;
             libs.push(load(&so)?);
         }
-        let bounds_check = std::env::var("LILY_METAL_SIM_BOUNDS").map_or(true, |v| v != "0");
+        let traffic = std::env::var_os("LILY_METAL_SIM_TRAFFIC")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
+        let bounds_check = traffic.is_none() && std::env::var("LILY_METAL_SIM_BOUNDS").map_or(true, |v| v != "0");
         let working_set = super::sim_working_set()?;
         let fail_at = super::env_number("LILY_METAL_SIM_FAIL_COMMAND")?.unwrap_or(0);
         Ok(Sim {
@@ -251,6 +265,7 @@ impl Sim {
             working_set,
             commits: AtomicU64::new(0),
             fail_at: AtomicU64::new(fail_at),
+            traffic,
         })
     }
 
@@ -448,9 +463,14 @@ impl Executor for Sim {
 
     fn describe(&self) -> String {
         format!(
-            "Metal simulator (clang-19, tools/metal-sim; GPU family {}; bounds checking {})",
+            "Metal simulator (clang-19, tools/metal-sim; GPU family {}; bounds checking {}{})",
             self.family,
-            if self.bounds_check { "on" } else { "off" }
+            if self.bounds_check { "on" } else { "off" },
+            if self.traffic.is_some() {
+                "; counting traffic"
+            } else {
+                ""
+            }
         )
     }
 
@@ -538,7 +558,15 @@ impl Executor for Sim {
         Ok(SimEncoder {
             label,
             dispatches: Vec::new(),
+            resident: Vec::new(),
+            resident_at: Vec::new(),
         })
+    }
+
+    fn use_resources(&self, enc: &mut SimEncoder, bufs: &[Arc<SimAlloc>]) {
+        if self.traffic.is_some() {
+            enc.resident.extend(bufs.iter().cloned());
+        }
     }
 
     fn dispatch(
@@ -566,6 +594,7 @@ impl Executor for Sim {
             grid,
             tg_mem: tg_mem.to_vec(),
         });
+        enc.resident_at.push(enc.resident.len());
     }
 
     fn commit(&self, enc: SimEncoder) -> Result<SimPending> {
@@ -598,7 +627,8 @@ impl Sim {
         } else {
             enc.dispatches.len()
         };
-        for mut r in enc.dispatches.into_iter().take(run) {
+        let mut counted = String::new();
+        for (i, mut r) in enc.dispatches.into_iter().take(run).enumerate() {
             let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(r.args.len());
             let mut sizes: Vec<c_ulong> = Vec::with_capacity(r.args.len());
             for a in r.args.iter_mut() {
@@ -636,7 +666,7 @@ impl Sim {
             // SAFETY: pointers and sizes describe live buffers (held by `r`) in slot order, the
             // kernel pointer comes from the library that exports `dispatch` and `schedule`
             // (which only sets a thread-local of that library for this thread's dispatches).
-            let rc = unsafe {
+            let mut go = || unsafe {
                 (r.schedule)(self.schedule.load(Ordering::Relaxed));
                 (r.dispatch)(
                     r.kernel,
@@ -654,12 +684,29 @@ impl Sim {
                     tg_bytes.len() as c_int,
                 )
             };
+            let rc = if self.traffic.is_some() {
+                let ranges = traffic_ranges(&r.args, &enc.resident[..enc.resident_at[i]]);
+                let (rc, bytes) = traffic::count(&ranges, go)?;
+                counted.push_str(&format!("{label}\t{}\t{}\t{}\n", r.name, bytes.read, bytes.written));
+                rc
+            } else {
+                go()
+            };
             if rc != 0 {
                 return Err(Error::Device(format!(
                     "metal-sim: kernel {} failed in {label} (mtl_dispatch returned {rc})",
                     r.name
                 )));
             }
+        }
+        if let Some(path) = &self.traffic {
+            use std::io::Write;
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .and_then(|mut f| f.write_all(counted.as_bytes()))
+                .map_err(|e| dev_err("cannot append traffic to", path, e))?;
         }
         if fail {
             return Err(Error::Device(format!(
@@ -668,4 +715,20 @@ impl Sim {
         }
         Ok(())
     }
+}
+
+/// The byte ranges a dispatch may touch: its buffer bindings and the buffers resident for it.
+fn traffic_ranges(args: &[RecArg], resident: &[Arc<SimAlloc>]) -> Vec<traffic::Range> {
+    let bound = args.iter().filter_map(|a| match a {
+        RecArg::Buf(b, off, len) => Some((b, *off, *len)),
+        RecArg::Bytes(_) => None,
+    });
+    bound
+        .chain(resident.iter().map(|b| (b, 0, b.len)))
+        .map(|(b, off, len)| traffic::Range {
+            start: b.ptr.as_ptr() as usize + off,
+            len,
+            writable: b.mapped.is_none(),
+        })
+        .collect()
 }
