@@ -42,7 +42,7 @@ pub use executor::{Arg, Executor, GpuFamily, Grid, ParamBytes, StreamLabel};
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -229,6 +229,9 @@ impl<X: Executor> Backend for Metal<X> {
     fn kv_read(&self, kv: &MetalKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
         Metal::kv_read(self, kv, row0, out)
     }
+    fn kv_copy(&self, src: &MetalKv<X>, dst: &mut MetalKv<X>, rows: usize) -> Result<()> {
+        Metal::kv_copy(self, src, dst, rows)
+    }
     fn alloc(&self, len: usize) -> Result<MetalBuf<X>> {
         self.new_buf(len)
     }
@@ -290,6 +293,28 @@ impl<X: Executor> Backend for Metal<X> {
         self.flush()?;
         // SAFETY: in bounds (checked above); distinct buffers (&/&mut); no GPU work pending.
         unsafe { std::ptr::copy_nonoverlapping(self.x.contents(&src.buf), self.x.contents(&dst.buf), len * 4) };
+        Ok(())
+    }
+    /// On the host between command streams (shared memory): a batched decode step ends the
+    /// stream at each copy. Correct; a copy kernel inside the stream is the faster form.
+    fn copy_rows(
+        &self,
+        src: &MetalBuf<X>,
+        src_off: usize,
+        dst: &mut MetalBuf<X>,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_rows(src.len(), src_off, dst.len(), dst_off, len)?;
+        self.flush()?;
+        // SAFETY: in bounds (checked above); distinct buffers (&/&mut); no GPU work pending.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.x.contents(&src.buf).add(src_off * 4),
+                self.x.contents(&dst.buf).add(dst_off * 4),
+                len * 4,
+            )
+        };
         Ok(())
     }
     fn begin(&self, kind: StreamKind) -> Result<()> {
