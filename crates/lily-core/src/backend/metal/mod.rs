@@ -295,8 +295,7 @@ impl<X: Executor> Backend for Metal<X> {
         unsafe { std::ptr::copy_nonoverlapping(self.x.contents(&src.buf), self.x.contents(&dst.buf), len * 4) };
         Ok(())
     }
-    /// On the host between command streams (shared memory): a batched decode step ends the
-    /// stream at each copy. Correct; a copy kernel inside the stream is the faster form.
+    /// A copy kernel in the command stream (a batched decode step moves rows per sequence and layer).
     fn copy_rows(
         &self,
         src: &MetalBuf<X>,
@@ -306,15 +305,14 @@ impl<X: Executor> Backend for Metal<X> {
         len: usize,
     ) -> Result<()> {
         check_rows(src.len(), src_off, dst.len(), dst_off, len)?;
-        self.flush()?;
-        // SAFETY: in bounds (checked above); distinct buffers (&/&mut); no GPU work pending.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.x.contents(&src.buf).add(src_off * 4),
-                self.x.contents(&dst.buf).add(dst_off * 4),
-                len * 4,
-            )
-        };
+        if len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "copy_rows of {len} values: more than a grid row"
+            )));
+        }
+        if len > 0 {
+            elementwise::metal::copy_rows(self, src, src_off, dst, dst_off, len);
+        }
         Ok(())
     }
     fn begin(&self, kind: StreamKind) -> Result<()> {
