@@ -86,15 +86,7 @@ impl<B: Backend> Model<B> {
     /// Run `t` tokens (already in `s.ids`) at positions pos0..pos0+t; leaves the final-normed
     /// hidden states in `s.h`.
     pub fn forward(&self, b: &B, t: usize, pos0: usize, state: &mut State<B>, s: &mut Scratch<B>) {
-        let norm = RmsNormParams {
-            rows: t as u32,
-            dim: self.hidden as u32,
-            eps: self.eps,
-        };
-        let rows = RowsParams {
-            tokens: t as u32,
-            dim: self.hidden as u32,
-        };
+        let (norm, rows) = self.row_params(t);
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
         for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
             b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
@@ -123,15 +115,7 @@ impl<B: Backend> Model<B> {
         one: &mut Scratch<B>,
     ) -> Result<()> {
         let t = seqs.len();
-        let norm = RmsNormParams {
-            rows: t as u32,
-            dim: self.hidden as u32,
-            eps: self.eps,
-        };
-        let rows = RowsParams {
-            tokens: t as u32,
-            dim: self.hidden as u32,
-        };
+        let (norm, rows) = self.row_params(t);
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
         for (l, layer) in self.layers.iter().enumerate() {
             b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
@@ -164,6 +148,20 @@ impl<B: Backend> Model<B> {
         }
         b.rms_norm(&norm, &s.x, &self.norm, &mut s.h);
         Ok(())
+    }
+
+    /// The norms' and the residual adds' parameters over `t` rows of the hidden size.
+    fn row_params(&self, t: usize) -> (RmsNormParams, RowsParams) {
+        let norm = RmsNormParams {
+            rows: t as u32,
+            dim: self.hidden as u32,
+            eps: self.eps,
+        };
+        let rows = RowsParams {
+            tokens: t as u32,
+            dim: self.hidden as u32,
+        };
+        (norm, rows)
     }
 
     /// s.logits[..rows] = lm_head s.h[row0..row0 + rows].

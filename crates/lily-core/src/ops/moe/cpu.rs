@@ -167,16 +167,8 @@ fn moe_decode_batch(
     let t_n = pairs / k_n;
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
     let sb_len = simd::row_scratch_len(gate).max(simd::row_scratch_len(down));
-    let groups_max = e_n.min(pairs);
-    with_caller_ids(e_n + 1 + pairs + 3 * groups_max, |buf| {
-        let (starts, rest) = buf.split_at_mut(e_n + 1);
-        let (order, glist) = rest.split_at_mut(pairs);
-        let ng = group_by_expert(&ids[..pairs], e_n, starts, order, glist);
-        let (order, glist): (&[u32], &[u32]) = (order, &glist[..3 * ng]);
-        let group = |g: usize| {
-            let first = glist[3 * g + 1] as usize;
-            (glist[3 * g] as usize, &order[first..first + glist[3 * g + 2] as usize])
-        };
+    with_groups(&ids[..pairs], e_n, |groups| {
+        let (ng, group) = (groups.len(), |g: usize| groups.get(g));
         let pl = simd::prep_len(gate);
         with_caller(t_n * pl, |xb| {
             for t in 0..t_n {
@@ -236,6 +228,41 @@ fn moe_decode_batch(
     });
 }
 
+/// The (token, slot) pairs of `ids` grouped by expert, in expert order.
+struct Groups<'a> {
+    order: &'a [u32], // pair indices in expert order
+    list: &'a [u32],  // (expert, first sorted row, rows) per group
+}
+
+impl Groups<'_> {
+    fn len(&self) -> usize {
+        self.list.len() / 3
+    }
+    /// Group g's expert and its pairs.
+    fn get(&self, g: usize) -> (usize, &[u32]) {
+        let first = self.list[3 * g + 1] as usize;
+        (
+            self.list[3 * g] as usize,
+            &self.order[first..first + self.list[3 * g + 2] as usize],
+        )
+    }
+}
+
+/// `f` of the pairs of `ids` grouped by expert ([`group_by_expert`] in the calling thread's
+/// ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first, rows)]).
+fn with_groups<R>(ids: &[u32], experts: usize, f: impl FnOnce(&Groups) -> R) -> R {
+    let pairs = ids.len();
+    with_caller_ids(experts + 1 + pairs + 3 * experts.min(pairs), |buf| {
+        let (starts, rest) = buf.split_at_mut(experts + 1);
+        let (order, list) = rest.split_at_mut(pairs);
+        let ng = group_by_expert(ids, experts, starts, order, list);
+        f(&Groups {
+            order,
+            list: &list[..3 * ng],
+        })
+    })
+}
+
 /// The (token, slot) pairs p of `ids` grouped by expert, a stable counting sort (the CPU's form of
 /// `reference::moe_sort`, one block per expert): `order[..pairs]` gets the pairs in expert
 /// order, `groups[3 g..3 g + 3]` = (expert, first sorted row, rows) of each expert that has
@@ -287,17 +314,8 @@ fn moe_grouped(
 ) {
     let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
-    // ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first, rows)].
-    let groups_max = e_n.min(pairs);
-    with_caller_ids(e_n + 1 + pairs + 3 * groups_max, |buf| {
-        let (starts, rest) = buf.split_at_mut(e_n + 1);
-        let (order, glist) = rest.split_at_mut(pairs);
-        let ng = group_by_expert(&ids[..pairs], e_n, starts, order, glist);
-        let (order, glist): (&[u32], &[u32]) = (order, &glist[..3 * ng]);
-        let group = |g: usize| {
-            let first = glist[3 * g + 1] as usize;
-            (glist[3 * g] as usize, &order[first..first + glist[3 * g + 2] as usize])
-        };
+    with_groups(&ids[..pairs], e_n, |groups| {
+        let (ng, group) = (groups.len(), |g: usize| groups.get(g));
 
         let blocks = inter.div_ceil(matmul::TILE_ROWS);
         pool::for_each(ng * blocks, |task| {
