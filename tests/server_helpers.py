@@ -29,8 +29,8 @@ def tokenizer() -> Tokenizer:
     return _TOKENIZER[0]
 
 
-def model_for(engine) -> lily.Model:
-    return lily.Model(engine, tokenizer(), ChatTemplate.from_dir(QWEN), GEN_CONFIG, QWEN)
+def model_for(engine, **kw) -> lily.Model:
+    return lily.Model(engine, tokenizer(), ChatTemplate.from_dir(QWEN), GEN_CONFIG, QWEN, **kw)
 
 
 def scripted(text: str, **engine_kw) -> lily.Model:
@@ -72,6 +72,22 @@ class SlowEngine:
 
     def restore(self, snap):
         raise ValueError("no snapshots")
+
+    # The prefix cache's copies of the sequence: a position (the logits never depend on the sequence).
+    def fork(self, seq=0):
+        self.copies = getattr(self, "copies", {})
+        n = max(self.copies, default=0) + 1
+        self.copies[n] = self.position
+        return n
+
+    def copy_sequence(self, src, dst):
+        self.position = self.copies[src]
+
+    def drop_sequence(self, seq):
+        del self.copies[seq]
+
+    def sequence_bytes(self, seq):
+        return 1 + self.copies[seq]
 
 
 @contextlib.contextmanager

@@ -241,3 +241,22 @@ def test_worker_failure_is_one_line(tiny_synth, tmp_path, capsys):
                      "--bandwidth-mib", "16", "-q"])
     assert rc == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_bench_concurrency(tiny_synth, tmp_path, capsys):
+    js = tmp_path / "c.json"
+    rc = bench.main([str(tiny_synth), "--backend", "cpu", "--lengths", "16", "--decode-steps", "3",
+                     "--rounds", "1", "--concurrency", "1,2,4", "--json", str(js), "-q"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "aggregate tok/s" in out and "per-seq tok/s" in out
+    recs = json.loads(js.read_text())["records"]
+    assert [r["concurrency"] for r in recs] == [1, 2, 4]
+    for r in recs:
+        assert r["aggregate_decode_tok_s"] > 0
+        assert abs(r["per_sequence_decode_tok_s"] * r["concurrency"] - r["aggregate_decode_tok_s"]) < 1e-6
+        assert r["bytes_per_step"] > 0
+    assert recs[0]["speedup_vs_1"] == 1.0
+    assert recs[2]["bytes_per_step"] > recs[0]["bytes_per_step"]  # more experts and states per step
+    with pytest.raises(SystemExit):
+        bench.main([str(tiny_synth), "--concurrency", "0,2"])

@@ -40,6 +40,8 @@ class FakeEngine:
         self.resets = 0
         self.backend, self.config = "fake", {}
         self.cached: list[int] = []  # the token behind each KV row (as the real engine tracks it)
+        self.last_prefill = False  # whether the last call was a prefill (whose logits may go unsampled)
+        self.copies: dict[int, tuple[int, list[int], int]] = {}  # forked sequences: position, tokens, step
 
     def _logits(self):
         row = np.full(self.vocab, -30.0, dtype=np.float32)
@@ -53,6 +55,9 @@ class FakeEngine:
     def prefill(self, tokens, *, all_logits=False):
         if self.position + len(tokens) > self.max_seq:
             raise lily.ContextFullError("full")
+        if self.last_prefill:  # a prompt prefilled in pieces: only the last piece's logits are sampled
+            self.step -= 1
+        self.last_prefill = True
         self.prefilled.append(list(tokens))
         self.cached = self.cached[: self.position] + list(tokens)
         self.position += len(tokens)
@@ -61,6 +66,7 @@ class FakeEngine:
     def decode(self, token):
         if self.position + 1 > self.max_seq:
             raise lily.ContextFullError("full")
+        self.last_prefill = False
         self.decoded.append(token)
         self.cached = self.cached[: self.position] + [token]
         self.position += 1
@@ -68,7 +74,27 @@ class FakeEngine:
 
     def reset(self):
         self.position, self.step = 0, 0  # the script starts over with a new sequence
+        self.last_prefill = False
         self.resets += 1
+
+    # The prefix cache's copies of the (default) sequence.
+    def fork(self, seq=0):
+        assert seq == 0
+        n = max(self.copies, default=0) + 1
+        self.copies[n] = (self.position, self.cached[: self.position], self.step)
+        return n
+
+    def copy_sequence(self, src, dst):
+        assert dst == 0
+        self.position, tokens, self.step = self.copies[src]
+        self.cached = list(tokens)
+        self.last_prefill = False
+
+    def drop_sequence(self, seq):
+        del self.copies[seq]
+
+    def sequence_bytes(self, seq):
+        return 1 + self.copies[seq][0]
 
     def cached_prefix(self, tokens):
         n = 0
@@ -77,8 +103,6 @@ class FakeEngine:
         return n
 
     def snapshot(self):
-        # Taken after a partial prompt prefill, whose logits nobody samples: not a script step.
-        self.step -= 1
         return FakeSnapshot(self.position, self.cached[: self.position], self.step)
 
     def restore(self, snap):

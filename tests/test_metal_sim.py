@@ -123,3 +123,24 @@ def test_traffic_kernel_families():
     assert family("matmul_gemv_q4_bf16_r4") == "matmul_gemv"
     assert family("attention_reduce_f32") == "attention_reduce"
     assert family("moe_histogram_u32") == "moe_histogram"
+
+
+def test_metal_sim_sequences_and_batched_decode(lily, ckpts):
+    # Fork (kv_copy of the segments) and a batched decode step (copy_rows kernels in the stream) on the
+    # Metal command stream: each sequence's logits as when decoded alone, and as on the CPU backend.
+    eng = _engine(lily, ckpts, "tiny-s0")
+    cpu = _engine(lily, ckpts, "tiny-s0", backend="cpu")
+    vocab = eng.vocab_size
+    prompts = [[int(t) for t in np.random.default_rng(s).integers(0, vocab, 3 + 4 * s)] for s in range(3)]
+    seqs = [0] + [eng.new_sequence() for _ in prompts[1:]]
+    cseqs = [0] + [cpu.new_sequence() for _ in prompts[1:]]
+    for s, c, p in zip(seqs, cseqs, prompts):
+        eng.prefill(p, seq=s)
+        cpu.prefill(p, seq=c)
+    twins = [eng.fork(s) for s in seqs]
+    batch = [(s, 7 + i) for i, s in enumerate(seqs)]
+    got = eng.decode_batch(batch)
+    want = cpu.decode_batch([(c, t) for c, (_, t) in zip(cseqs, batch)])
+    for i, (t, (_, token)) in enumerate(zip(twins, batch)):
+        assert np.abs(got[i] - eng.decode(token, seq=t)).max() <= SELF_TOL
+    assert np.abs(got - want).max() <= SELF_TOL

@@ -261,7 +261,8 @@ def test_streams_stay_alive_through_a_long_prefill():
             return super().prefill(tokens, all_logits=all_logits)
 
     engine = SlowPrefill(tokenizer().encode("a")[0], delay=0.0)
-    with running(model_for(engine), limits=Limits(ping_interval=0.2)) as server:
+    # No prefix cache: a prompt sent again (the same messages) must be prefilled again here.
+    with running(model_for(engine, prefix_cache_bytes=0), limits=Limits(ping_interval=0.2)) as server:
         for path, body in [("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"}),
                            ("/v1/responses", {"input": "x", "max_output_tokens": 2}),
                            ("/v1/messages", {"model": "test-model", "messages": USER})]:

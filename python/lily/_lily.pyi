@@ -45,7 +45,7 @@ class SequenceEvictedError(LilyError):
 
 @final
 class Engine:
-    """One Qwen3.6 MoE model and one sequence on one backend.
+    """One Qwen3.6 MoE model and its sequences on one backend.
 
     ``path`` is a checkpoint folder (MLX affine-quantized or Hugging Face bf16 safetensors with
     ``config.json``). ``backend`` is ``"auto"`` (the best available), ``"cpu"``, ``"cpu-reference"``
@@ -63,6 +63,11 @@ class Engine:
     The GIL is released while the model loads and runs. An engine may be shared by threads: calls take
     turns (a call waits, GIL released, for the one running) and each is atomic; a call from Python code run
     inside a call on the same engine (a signal handler) raises ``RuntimeError``.
+
+    Sequences: the weights, backend and scratch are shared by any number of sequences, each with its own
+    KV rows, DeltaNet states, position and tokens. Sequence ``0`` (the default of every ``seq=`` argument)
+    always exists; ``new_sequence`` / ``fork`` make more, ``drop_sequence`` frees one. ``decode_batch``
+    advances several sequences by one token each in one pass over the weights.
     """
 
     def __new__(
@@ -75,7 +80,9 @@ class Engine:
         progress: Callable[[int, int], object] | None = None,
         kv_dtype: Literal["bf16", "f16", "f32"] | str = "bf16",
     ) -> Self: ...
-    def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> npt.NDArray[np.float32]:
+    def prefill(
+        self, tokens: Sequence[int], *, all_logits: bool = False, seq: int = 0
+    ) -> npt.NDArray[np.float32]:
         """Append ``tokens`` to the sequence (a second call continues it).
 
         Returns the next-token logits after the last token, shape ``[vocab_size]``, or with
@@ -87,28 +94,51 @@ class Engine:
         (``prefill_chunk`` tokens each) between two chunks: the exception propagates and the sequence keeps
         the chunks completed so far (``position`` says how far it got), a consistent state to continue from.
         """
-    def decode(self, token: int) -> npt.NDArray[np.float32]:
+    def decode(self, token: int, *, seq: int = 0) -> npt.NDArray[np.float32]:
         """Append one token; its next-token logits, shape ``[vocab_size]``."""
-    def decode_greedy(self, token: int) -> int:
+    def decode_greedy(self, token: int, *, seq: int = 0) -> int:
         """Append one token; the id of its largest next-token logit (the lowest id among equal ones), computed
         where the logits are: on a GPU only the id is copied back. The logits of padding ids are included."""
-    def reset(self) -> None:
+    def decode_batch(self, batch: Sequence[tuple[int, int]]) -> npt.NDArray[np.float32]:
+        """Append one token to each of several sequences: ``batch`` is ``[(seq, token), ...]``, each
+        sequence at most once (at most ``prefill_chunk`` of them). One pass over the weights serves them
+        all; each sequence's attention and DeltaNet run at its own position. Returns the next-token
+        logits, shape ``[len(batch), vocab_size]``, in the order given. On error no sequence changes.
+        """
+    def new_sequence(self) -> int:
+        """A new, empty sequence; its id (ids are never reused)."""
+    def fork(self, seq: int = 0) -> int:
+        """A new sequence holding a copy of ``seq`` (KV rows, DeltaNet states, position, tokens)."""
+    def copy_sequence(self, src: int, dst: int) -> None:
+        """Sequence ``dst`` becomes a copy of ``src``; what it held before is gone."""
+    def drop_sequence(self, seq: int) -> None:
+        """Free sequence ``seq`` (``ValueError`` for sequence 0, which always exists: reset it)."""
+    @property
+    def sequences(self) -> list[int]:
+        """The live sequences' ids."""
+    def sequence_position(self, seq: int) -> int:
+        """Tokens in sequence ``seq``."""
+    def sequence_tokens(self, seq: int) -> list[int]:
+        """The token ids of sequence ``seq``."""
+    def sequence_bytes(self, seq: int) -> int:
+        """Bytes sequence ``seq`` holds: its KV segments and DeltaNet states."""
+    def reset(self, *, seq: int = 0) -> None:
         """Start a new, empty sequence."""
     def fill_context(self, n: int, *, seed: int = 0) -> None:
         """Append ``n`` positions of synthetic context (random K/V rows, the DeltaNet state as it is), so that
         decode runs at that depth without the prefill's cost. For benchmarks: these positions match no token."""
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, *, seq: int = 0) -> Snapshot:
         """Copy the sequence state at the current position (DeltaNet states; KV rows are shared)."""
-    def restore(self, snapshot: Snapshot) -> None:
+    def restore(self, snapshot: Snapshot, *, seq: int = 0) -> None:
         """Return to ``snapshot`` (earlier or later than now) if its tokens are still in the KV cache.
 
         Raises ``ValueError`` if the snapshot is from another engine or its tokens were overwritten.
         """
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
+    def cached_prefix(self, tokens: Sequence[int], *, seq: int = 0) -> int:
         """How many leading ``tokens`` equal the tokens whose KV rows are in the cache."""
     @property
     def position(self) -> int:
-        """Tokens in the current sequence."""
+        """Tokens in the default sequence."""
     @property
     def kv_dtype(self) -> str:
         """Element type of the stored K/V rows: ``"bf16"``, ``"f16"`` or ``"f32"``."""

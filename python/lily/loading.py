@@ -31,14 +31,16 @@ def load(
     kv_dtype: str = "bf16",
     revision: str | None = None,
     progress: bool = True,
+    prefix_cache_bytes: int | None = None,
 ) -> Model:
     """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
 
     ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim", "cuda-sim"); ``max_seq`` caps
     the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
     backend's; smaller saves memory); ``kv_dtype`` the element type of the stored keys and values
-    ("bf16", "f16" or "f32"). Raises ``ModelLoadError`` with what to do when the model cannot
-    be found or read.
+    ("bf16", "f16" or "f32"); ``prefix_cache_bytes`` bounds the copies of earlier prompts' states that
+    new prompts resume from (default: a quarter of the free memory; 0 keeps none). Raises
+    ``ModelLoadError`` with what to do when the model cannot be found or read.
     """
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a folder or a Hugging Face repo id (a str), got {type(model).__name__}")
@@ -48,6 +50,8 @@ def load(
         integer("max_seq", max_seq, low=1)
     if prefill_chunk is not None:
         integer("prefill_chunk", prefill_chunk, low=1)
+    if prefix_cache_bytes is not None:
+        integer("prefix_cache_bytes", prefix_cache_bytes, low=0)
     if revision is not None and not isinstance(revision, str):
         raise TypeError(f"revision must be a str, got {type(revision).__name__}")
     progress = flag("progress", progress)
@@ -63,7 +67,7 @@ def load(
     if backend == "auto":
         _warn_on_fallback()
     engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress)
-    return Model(engine, tokenizer, template, generation_config, folder)
+    return Model(engine, tokenizer, template, generation_config, folder, prefix_cache_bytes)
 
 
 _warned_fallback = False

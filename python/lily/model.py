@@ -12,7 +12,7 @@ from lily._lily import Constraint, Engine, ModelLoadError, Vocab
 from lily.arguments import flag, integer, mapping, strings, text, token_ids
 from lily.generate import chat_chunks, echo, token_stream
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
-from lily.prefix import PrefixReuse
+from lily.prefix import CacheInfo, PrefixCache, PrefixReuse
 from lily.sampling import Sampler, SamplingDefaults
 from lily.structured import Grammar, GrammarLike, as_grammar
 from lily.template import ChatTemplate
@@ -50,8 +50,11 @@ def _keywords(name: str, value: Any) -> dict[str, Any]:
 class Model:
     """An engine plus everything around it: tokenizer, chat template and generation defaults.
 
-    Made by ``lily.load``. One sequence at a time; a new prompt that shares a prefix with an earlier
-    one (the next turn of a chat) only prefills what is new (``lily.prefix.PrefixReuse``).
+    Made by ``lily.load``. One sequence at a time; a new prompt that shares a prefix with any earlier
+    one (the next turn of a chat, a regenerated reply, another task with the same system prompt) only
+    prefills what is new: copies of the sequence at known prefixes are kept in a byte-bounded cache
+    (``prefix_cache_bytes``, default a quarter of the free memory; ``cache_info()`` reports it;
+    ``lily.prefix``).
 
     Starting a generation takes the sequence from the one before: a stream resumed after another generation
     started on the same model raises ``SequenceEvictedError``. Threads may share a model: ``generate`` and
@@ -65,6 +68,7 @@ class Model:
         chat_template: ChatTemplate | None = None,
         generation_config: Mapping[str, Any] | None = None,
         path: Path | None = None,
+        prefix_cache_bytes: int | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -72,7 +76,8 @@ class Model:
         self.generation_config = dict(generation_config or {})
         self.defaults = SamplingDefaults.from_generation_config(self.generation_config)
         self.path = path
-        self.prefix = PrefixReuse(engine, tokenizer.token_to_id("<|im_start|>"))
+        cache = PrefixCache(engine, prefix_cache_bytes)
+        self.prefix = PrefixReuse(engine, tokenizer.token_to_id("<|im_start|>"), cache)
         self._vocab: Vocab | None = None
 
     def __repr__(self) -> str:
@@ -140,6 +145,11 @@ class Model:
     def reset(self) -> None:
         """Empty the engine's sequence and forget the saved prefixes."""
         self.prefix.reset()
+
+    def cache_info(self) -> CacheInfo:
+        """The prefix cache: entries, bytes (and the bound), hits, misses, prompt tokens saved, evictions."""
+        with self.prefix.turn:
+            return self.prefix.cache.info()
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -1,13 +1,17 @@
-//! The engine: one model, one sequence. `prefill` appends tokens in bounded chunks, `decode`
-//! appends one; both return next-token logits. Inputs are validated before any state changes,
-//! so an error leaves the sequence as it was. Long work can be stopped by the caller: a load
+//! The engine: one model, any number of sequences (the default one, [`DEFAULT_SEQ`], and those
+//! made by [`Engine::new_sequence`] / [`Engine::fork`]); weights, backend and scratch are shared.
+//! `prefill` appends tokens to a sequence in bounded chunks, `decode` appends one, `decode_batch`
+//! one to each of several sequences in one pass over the weights; they return next-token
+//! logits. Inputs are validated before any state changes, so an error leaves the sequence as it
+//! was. Long work can be stopped by the caller: a load
 //! between layers (its progress callback returns an error), a prefill between chunks
 //! ([`Engine::prefill_interruptible`]); a stopped prefill keeps the chunks it completed.
 //!
 //! Prefix reuse: a [`Snapshot`] copies the DeltaNet states (which cannot be truncated) at the
 //! current position; the KV cache is not copied, since rows below that position stay valid as
 //! long as the tokens that wrote them are still there. The engine remembers the token behind every
-//! cached KV row, so `restore` can check that exactly.
+//! cached KV row, so `restore` can check that exactly. [`Engine::fork`] / [`Engine::copy_sequence`]
+//! copy a whole sequence (KV rows too): what a prefix cache keeps and resumes from.
 //!
 //! A device error in a forward pass (a GPU command that failed part-way) leaves the state
 //! half-updated: the engine says so in the error, refuses to run on that state
@@ -22,6 +26,7 @@
 
 use std::{
     any::Any,
+    collections::BTreeMap,
     path::Path,
     sync::atomic::{AtomicU64, Ordering},
 };
@@ -50,23 +55,40 @@ use crate::{
 /// Rows of logits computed per lm_head call when all logits are requested.
 const LOGIT_ROWS: usize = 16;
 
+/// A sequence of an engine: [`DEFAULT_SEQ`] always exists; others come from
+/// [`Engine::new_sequence`] / [`Engine::fork`] and live until [`Engine::drop_sequence`]. Ids are
+/// never reused.
+pub type SeqId = usize;
+
+/// The sequence that `prefill`, `decode`, `snapshot`, ... without a sequence argument work on.
+pub const DEFAULT_SEQ: SeqId = 0;
+
+/// One sequence: its KV rows and DeltaNet states, its position and the tokens behind its rows.
+struct Seq<B: Backend> {
+    state: State<B>,
+    pos: usize,
+    /// The token behind each KV row written so far (may run past `pos` after a restore).
+    cached: Vec<u32>,
+    /// Why the state cannot be used: a device error interrupted a forward pass on it (cleared
+    /// by `reset` or `restore`).
+    error: Option<String>,
+}
+
 pub struct Runner<B: Backend> {
     b: B,
     model: Model<B>,
-    state: State<B>,
+    cfg: ModelConfig,
+    seqs: BTreeMap<SeqId, Seq<B>>,
+    next_seq: SeqId,
     scratch: Scratch<B>,
-    pos: usize,
+    /// One row of activations: a batched decode runs each sequence's attention / DeltaNet here.
+    one: Scratch<B>,
     max_seq: usize,
     kv_dtype: KvDtype,
-    /// The token behind each KV row written so far (may run past `pos` after a restore).
-    cached: Vec<u32>,
     /// Tells snapshots of this engine from those of another.
     id: u64,
     /// The checkpoint files whose maps the weights may still read.
     files: FileWatch,
-    /// Why the state cannot be used: a device error interrupted a forward pass (cleared by
-    /// `reset` or `restore`).
-    state_error: Option<String>,
     footprint: Footprint,
     /// What the engine chose for the caller, in words (the backend `auto` picked and why, a
     /// `max_seq` fitted to the device).
@@ -89,6 +111,21 @@ impl Snapshot {
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
+}
+
+/// The logits of rows 0..t of the last forward call into `out` [t, vocab], `logit_rows` rows
+/// per lm_head call (ends the command stream).
+fn read_logits<B: Backend>(b: &B, model: &Model<B>, s: &mut Scratch<B>, t: usize, out: &mut [f32]) -> Result<()> {
+    let vocab = model.vocab();
+    let mut row = 0;
+    while row < t {
+        let rows = (t - row).min(s.logit_rows);
+        model.logits(b, row, rows, s);
+        b.finish()?;
+        b.read(&s.logits, 0, &mut out[row * vocab..][..rows * vocab])?;
+        row += rows;
+    }
+    Ok(())
 }
 
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
@@ -173,27 +210,38 @@ impl<B: Backend> Runner<B> {
         state.reserve(&b, 1)?;
         let chunk = chunk.min(max_seq);
         let scratch = Scratch::new(&b, cfg, chunk, LOGIT_ROWS)?;
+        let one = Scratch::new(&b, cfg, 1, 1)?;
         let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
+        let first = Seq {
+            state,
+            pos: 0,
+            cached: Vec::new(),
+            error: None,
+        };
         Ok(Runner {
             b,
             model,
-            state,
+            cfg: cfg.clone(),
+            seqs: BTreeMap::from([(DEFAULT_SEQ, first)]),
+            next_seq: DEFAULT_SEQ + 1,
             scratch,
-            pos: 0,
+            one,
             max_seq,
             kv_dtype: opts.kv_dtype,
-            cached: Vec::new(),
             id,
             files,
-            state_error: None,
             footprint,
             notes,
         })
     }
 
+    fn seq(&self, id: SeqId) -> Result<&Seq<B>> {
+        self.seqs.get(&id).ok_or(Error::NoSequence(id))
+    }
+
     /// Refuse to run on a state a device error left half-updated.
-    fn trusted(&self) -> Result<()> {
-        match &self.state_error {
+    fn trusted(&self, id: SeqId) -> Result<()> {
+        match &self.seq(id)?.error {
             Some(why) => Err(Error::Device(format!(
                 "the sequence state is not trusted since a device error interrupted a forward pass ({why}): call reset(), or restore() a snapshot taken before it"
             ))),
@@ -201,13 +249,18 @@ impl<B: Backend> Runner<B> {
         }
     }
 
-    /// The result of a call that changes the state: a device error marks the state untrusted
-    /// (and the KV rows past the position, which the call may have written, forgotten).
-    fn guard<T>(&mut self, r: Result<T>) -> Result<T> {
+    /// The result of a call that changes the states of `ids`: a device error marks them
+    /// untrusted (and the KV rows past their positions, which the call may have written,
+    /// forgotten).
+    fn guard<T>(&mut self, ids: &[SeqId], r: Result<T>) -> Result<T> {
         match r {
             Err(Error::Device(msg)) => {
-                self.cached.truncate(self.pos);
-                self.state_error = Some(msg.clone());
+                for id in ids {
+                    if let Some(seq) = self.seqs.get_mut(id) {
+                        seq.cached.truncate(seq.pos);
+                        seq.error = Some(msg.clone());
+                    }
+                }
                 Err(Error::Device(format!(
                     "{msg}; the sequence state may be half-updated and will not be used: call reset(), or restore() a snapshot"
                 )))
@@ -216,7 +269,8 @@ impl<B: Backend> Runner<B> {
         }
     }
 
-    fn check(&self, tokens: &[u32]) -> Result<()> {
+    fn check(&self, id: SeqId, tokens: &[u32]) -> Result<()> {
+        let pos = self.seq(id)?.pos;
         if tokens.is_empty() {
             return Err(Error::InvalidArgument("no tokens given".into()));
         }
@@ -225,9 +279,9 @@ impl<B: Backend> Runner<B> {
             return Err(Error::InvalidToken { token: bad, vocab });
         }
         self.files.check()?;
-        if self.pos + tokens.len() > self.max_seq {
+        if pos + tokens.len() > self.max_seq {
             return Err(Error::ContextFull {
-                used: self.pos,
+                used: pos,
                 requested: tokens.len(),
                 max: self.max_seq,
             });
@@ -239,15 +293,17 @@ impl<B: Backend> Runner<B> {
     /// the completed chunks in the sequence.
     fn prefill(
         &mut self,
+        id: SeqId,
         tokens: &[u32],
         all_logits: bool,
         proceed: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<f32>> {
-        self.trusted()?;
-        self.check(tokens)?;
+        self.trusted(id)?;
+        self.check(id, tokens)?;
         // KV rows for the whole prompt before any state changes (an allocation failure leaves
         // the sequence as it was).
-        self.state.reserve(&self.b, self.pos + tokens.len())?;
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        seq.state.reserve(&self.b, seq.pos + tokens.len())?;
         let vocab = self.model.vocab();
         let mut out = vec![0f32; if all_logits { tokens.len() * vocab } else { vocab }];
         let mut done = 0;
@@ -264,115 +320,112 @@ impl<B: Backend> Runner<B> {
                 &mut []
             };
             // One backend session per chunk, so that `proceed` runs outside it.
-            let r = B::run(|| self.forward_chunk(chunk, all_logits, logits));
-            self.guard(r)?;
+            let r = B::run(|| self.forward_chunk(id, chunk, all_logits, logits));
+            self.guard(&[id], r)?;
             done += t;
         }
         Ok(out)
     }
 
-    /// Run `chunk` at the current position. `logits` receives the logits of every row (`all`)
+    /// Run `chunk` at the sequence's position. `logits` receives the logits of every row (`all`)
     /// or of the last one, unless it is empty.
-    fn forward_chunk(&mut self, chunk: &[u32], all: bool, logits: &mut [f32]) -> Result<()> {
+    fn forward_chunk(&mut self, id: SeqId, chunk: &[u32], all: bool, logits: &mut [f32]) -> Result<()> {
         let t = chunk.len();
-        let vocab = self.model.vocab();
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
         self.b.begin(StreamKind::Prefill)?;
         self.b.write_ids(&mut self.scratch.ids, chunk)?;
         self.model
-            .forward(&self.b, t, self.pos, &mut self.state, &mut self.scratch);
+            .forward(&self.b, t, seq.pos, &mut seq.state, &mut self.scratch);
         if logits.is_empty() {
             self.b.finish()?;
         } else if all {
-            let mut row = 0;
-            while row < t {
-                let rows = (t - row).min(self.scratch.logit_rows);
-                self.model.logits(&self.b, row, rows, &mut self.scratch);
-                self.b.finish()?;
-                self.b
-                    .read(&self.scratch.logits, 0, &mut logits[row * vocab..][..rows * vocab])?;
-                row += rows;
-            }
+            read_logits(&self.b, &self.model, &mut self.scratch, t, logits)?;
         } else {
             self.model.logits(&self.b, t - 1, 1, &mut self.scratch);
             self.b.finish()?;
             self.b.read(&self.scratch.logits, 0, logits)?;
         }
-        self.cached.truncate(self.pos);
-        self.cached.extend_from_slice(chunk);
-        self.pos += t;
+        seq.cached.truncate(seq.pos);
+        seq.cached.extend_from_slice(chunk);
+        seq.pos += t;
         Ok(())
     }
 
-    fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
-        self.before_decode(token)?;
+    fn decode_into(&mut self, id: SeqId, token: u32, out: &mut [f32]) -> Result<()> {
+        self.before_decode(id, token)?;
         let r = B::run(|| {
-            self.decode_step(token)?;
+            self.decode_step(id, token)?;
             self.b.read(&self.scratch.logits, 0, out)
         });
-        self.guard(r)?;
-        self.advance(token);
-        Ok(())
+        self.guard(&[id], r)?;
+        self.advance(id, token)
     }
 
     /// A decode step whose next token (the largest logit) is chosen where the logits are.
-    fn decode_greedy(&mut self, token: u32) -> Result<u32> {
-        self.before_decode(token)?;
+    fn decode_greedy(&mut self, id: SeqId, token: u32) -> Result<u32> {
+        self.before_decode(id, token)?;
         let r = B::run(|| {
-            self.decode_step(token)?;
+            self.decode_step(id, token)?;
             self.b.argmax(&self.scratch.logits, self.model.vocab())
         });
-        let next = self.guard(r)?;
-        self.advance(token);
+        let next = self.guard(&[id], r)?;
+        self.advance(id, token)?;
         Ok(next)
     }
 
     /// What a decode step of `token` needs before the state changes: a trusted state, a valid
     /// token, and a new KV segment once per segment's rows (failing to allocate it leaves the
     /// sequence as it was).
-    fn before_decode(&mut self, token: u32) -> Result<()> {
-        self.trusted()?;
-        self.check(&[token])?;
-        if self.pos >= self.state.kv_rows(&self.b) {
-            self.state.reserve(&self.b, self.pos + 1)?;
+    fn before_decode(&mut self, id: SeqId, token: u32) -> Result<()> {
+        self.trusted(id)?;
+        self.check(id, &[token])?;
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        if seq.pos >= seq.state.kv_rows(&self.b) {
+            seq.state.reserve(&self.b, seq.pos + 1)?;
         }
         Ok(())
     }
 
-    /// One decode step of `token` up to its logits (on the device).
-    fn decode_step(&mut self, token: u32) -> Result<()> {
+    /// One decode step of `token` on sequence `id` up to its logits (on the device).
+    fn decode_step(&mut self, id: SeqId, token: u32) -> Result<()> {
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
         self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
         self.model
-            .forward(&self.b, 1, self.pos, &mut self.state, &mut self.scratch);
+            .forward(&self.b, 1, seq.pos, &mut seq.state, &mut self.scratch);
         self.model.logits(&self.b, 0, 1, &mut self.scratch);
         self.b.finish()
     }
 
-    /// `token` is in the cache now.
-    fn advance(&mut self, token: u32) {
-        self.cached.truncate(self.pos);
-        self.cached.push(token);
-        self.pos += 1;
+    /// `token` is in sequence `id`'s cache now.
+    fn advance(&mut self, id: SeqId, token: u32) -> Result<()> {
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        seq.cached.truncate(seq.pos);
+        seq.cached.push(token);
+        seq.pos += 1;
+        Ok(())
     }
 
     /// Append `n` positions of synthetic context: random K/V rows in every attention layer, the
     /// DeltaNet states untouched (their cost does not depend on the position). Decode at depth
     /// `n` then reads and computes exactly what it would after a real prompt of `n` tokens, which
     /// lets a benchmark measure long-context decode without paying for the prefill.
-    fn fill_context(&mut self, n: usize, seed: u64) -> Result<()> {
-        if self.pos.checked_add(n).is_none_or(|end| end > self.max_seq) {
+    fn fill_context(&mut self, id: SeqId, n: usize, seed: u64) -> Result<()> {
+        self.trusted(id)?;
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        if seq.pos.checked_add(n).is_none_or(|end| end > self.max_seq) {
             return Err(Error::ContextFull {
-                used: self.pos,
+                used: seq.pos,
                 requested: n,
                 max: self.max_seq,
             });
         }
-        self.state.reserve(&self.b, self.pos + n)?;
-        let width = self.state.kv_width;
+        seq.state.reserve(&self.b, seq.pos + n)?;
+        let width = seq.state.kv_width;
         let mut done = 0;
         while done < n {
             let t = self.scratch.chunk.min(n - done);
-            let row0 = self.pos + done;
+            let row0 = seq.pos + done;
             // Small values (|x| < 0.1) that depend on the seed, the row and the column only: scores
             // stay tame, no two rows coincide, and filling in one call or several writes the same.
             let block: Vec<f32> = (0..t * width)
@@ -389,7 +442,7 @@ impl<B: Backend> Runner<B> {
                 width: width as u32,
             };
             self.b.begin(StreamKind::Other)?;
-            for layer in &mut self.state.layers {
+            for layer in &mut seq.state.layers {
                 if let LayerState::Attention(kv) = layer {
                     self.b.kv_store(&p, &block, &mut kv.k);
                     self.b.kv_store(&p, &block, &mut kv.v);
@@ -399,17 +452,78 @@ impl<B: Backend> Runner<B> {
             done += t;
         }
         // No token wrote these rows: u32::MAX matches no id, so no prefix reuse reaches past them.
-        self.cached.truncate(self.pos);
-        self.cached.resize(self.pos + n, u32::MAX);
-        self.pos += n;
+        seq.cached.truncate(seq.pos);
+        seq.cached.resize(seq.pos + n, u32::MAX);
+        seq.pos += n;
         Ok(())
     }
 
-    fn snapshot(&self) -> Result<Snapshot> {
-        self.trusted()?;
+    /// One decode step of several sequences: `out` [batch.len(), vocab] gets each one's
+    /// next-token logits, in the order given. Everything is checked before any state changes.
+    fn decode_batch(&mut self, batch: &[(SeqId, u32)], out: &mut [f32]) -> Result<()> {
+        if batch.is_empty() {
+            return Err(Error::InvalidArgument("decode_batch: no sequences given".into()));
+        }
+        if batch.len() > self.scratch.chunk {
+            return Err(Error::InvalidArgument(format!(
+                "decode_batch of {} sequences: at most {} (the prefill chunk) per step",
+                batch.len(),
+                self.scratch.chunk
+            )));
+        }
+        for (i, &(id, token)) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|&(other, _)| other == id) {
+                return Err(Error::InvalidArgument(format!(
+                    "decode_batch: sequence {id} given twice (one token per sequence per step)"
+                )));
+            }
+            self.trusted(id)?;
+            self.check(id, &[token])?;
+        }
+        for &(id, _) in batch {
+            let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+            if seq.pos >= seq.state.kv_rows(&self.b) {
+                seq.state.reserve(&self.b, seq.pos + 1)?;
+            }
+        }
+        let r = B::run(|| self.decode_batch_here(batch, out));
+        let ids: Vec<SeqId> = batch.iter().map(|&(id, _)| id).collect();
+        self.guard(&ids, r)
+    }
+
+    fn decode_batch_here(&mut self, batch: &[(SeqId, u32)], out: &mut [f32]) -> Result<()> {
+        let t = batch.len();
+        // The batch's sequences in batch order (each found once: ids are distinct, checked).
+        let mut rows: Vec<Option<&mut Seq<B>>> = (0..t).map(|_| None).collect();
+        for (id, seq) in self.seqs.iter_mut() {
+            if let Some(i) = batch.iter().position(|(b, _)| b == id) {
+                rows[i] = Some(seq);
+            }
+        }
+        let mut seqs: Vec<&mut Seq<B>> = rows.into_iter().map(|s| s.expect("checked")).collect();
+        let tokens: Vec<u32> = batch.iter().map(|&(_, token)| token).collect();
+        self.b.begin(StreamKind::Decode)?;
+        self.b.write_ids(&mut self.scratch.ids, &tokens)?;
+        {
+            let mut states: Vec<(&mut State<B>, usize)> = seqs.iter_mut().map(|s| (&mut s.state, s.pos)).collect();
+            self.model
+                .forward_batch(&self.b, &mut states, &mut self.scratch, &mut self.one)?;
+        }
+        for (seq, &token) in seqs.iter_mut().zip(&tokens) {
+            seq.cached.truncate(seq.pos);
+            seq.cached.push(token);
+            seq.pos += 1;
+        }
+        read_logits(&self.b, &self.model, &mut self.scratch, t, out)?;
+        Ok(())
+    }
+
+    fn snapshot(&self, id: SeqId) -> Result<Snapshot> {
+        self.trusted(id)?;
+        let seq = self.seq(id)?;
         let mut bufs = Vec::new();
         self.b.begin(StreamKind::Other)?;
-        for layer in &self.state.layers {
+        for layer in &seq.state.layers {
             if let LayerState::DeltaNet(s) = layer {
                 for (src, len) in [(&s.conv, s.conv_len), (&s.ssm, s.ssm_len)] {
                     let mut dst = self.b.alloc(len)?;
@@ -421,43 +535,44 @@ impl<B: Backend> Runner<B> {
         self.b.finish()?;
         Ok(Snapshot {
             engine: self.id,
-            tokens: self.cached[..self.pos].to_vec(),
+            tokens: seq.cached[..seq.pos].to_vec(),
             states: Box::new(bufs),
         })
     }
 
-    fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+    fn restore(&mut self, id: SeqId, snap: &Snapshot) -> Result<()> {
         let stale = || {
             Error::InvalidArgument("snapshot does not match this engine's cache: it was taken by another engine, or the tokens it covers have been overwritten since".into())
         };
         let n = snap.tokens.len();
-        if snap.engine != self.id || self.cached.len() < n || self.cached[..n] != snap.tokens[..] {
+        let seq = self.seq(id)?;
+        if snap.engine != self.id || seq.cached.len() < n || seq.cached[..n] != snap.tokens[..] {
             return Err(stale());
         }
         let bufs = snap.states.downcast_ref::<Vec<B::Buf>>().ok_or_else(stale)?;
-        if bufs.len()
-            != self
-                .state
-                .layers
-                .iter()
-                .filter(|l| matches!(l, LayerState::DeltaNet(_)))
-                .count()
-                * 2
-        {
+        let deltas = seq
+            .state
+            .layers
+            .iter()
+            .filter(|l| matches!(l, LayerState::DeltaNet(_)))
+            .count();
+        if bufs.len() != deltas * 2 {
             return Err(stale());
         }
-        let r = self.copy_states(bufs);
-        self.guard(r)?;
+        let r = self.copy_states(id, bufs);
+        self.guard(&[id], r)?;
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
         // Rows below `n` were written by calls that completed: the state is whole again.
-        self.state_error = None;
-        self.pos = n;
+        seq.error = None;
+        seq.pos = n;
         Ok(())
     }
 
-    fn copy_states(&mut self, bufs: &[B::Buf]) -> Result<()> {
+    fn copy_states(&mut self, id: SeqId, bufs: &[B::Buf]) -> Result<()> {
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
         let mut it = bufs.iter();
         self.b.begin(StreamKind::Other)?;
-        for layer in &mut self.state.layers {
+        for layer in &mut seq.state.layers {
             if let LayerState::DeltaNet(s) = layer {
                 for (dst, len) in [(&mut s.conv, s.conv_len), (&mut s.ssm, s.ssm_len)] {
                     if let Some(src) = it.next() {
@@ -469,20 +584,128 @@ impl<B: Backend> Runner<B> {
         self.b.finish()
     }
 
-    fn reset(&mut self) -> Result<()> {
-        let r = self.state.reset(&self.b);
-        self.guard(r)?;
-        self.state_error = None;
+    fn reset(&mut self, id: SeqId) -> Result<()> {
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let r = seq.state.reset(&self.b);
+        self.guard(&[id], r)?;
+        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        seq.error = None;
         // The KV rows past the retained first segment are gone: so is what they could be reused for.
-        let kept = self.state.kv_rows(&self.b);
-        self.cached.truncate(kept);
-        self.pos = 0;
+        let kept = seq.state.kv_rows(&self.b);
+        seq.cached.truncate(kept);
+        seq.pos = 0;
         Ok(())
     }
 
-    /// Longest common prefix of `tokens` and the cached tokens (KV rows that could be reused).
-    fn cached_prefix(&self, tokens: &[u32]) -> usize {
-        self.cached.iter().zip(tokens).take_while(|(a, b)| a == b).count()
+    /// Longest common prefix of `tokens` and the sequence's cached tokens (KV rows that could be reused).
+    fn cached_prefix(&self, id: SeqId, tokens: &[u32]) -> Result<usize> {
+        Ok(self
+            .seq(id)?
+            .cached
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count())
+    }
+
+    /// A new empty sequence (its KV memory comes with its first tokens).
+    fn new_sequence(&mut self) -> Result<SeqId> {
+        let state = State::new(&self.b, &self.cfg, self.max_seq, self.kv_dtype)?;
+        let id = self.next_seq;
+        self.next_seq += 1;
+        self.seqs.insert(
+            id,
+            Seq {
+                state,
+                pos: 0,
+                cached: Vec::new(),
+                error: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// `dst` becomes a copy of `src` at its position: KV rows 0..pos, DeltaNet states, tokens.
+    /// On error `dst` is as it was, unless the copy itself failed on the device.
+    fn copy_sequence(&mut self, src: SeqId, dst: SeqId) -> Result<()> {
+        if src == dst {
+            return self.seq(src).map(|_| ());
+        }
+        self.trusted(src)?;
+        self.seq(dst)?;
+        // Both borrowed at once: take dst out of the map for the copy.
+        let mut to = self.seqs.remove(&dst).ok_or(Error::NoSequence(dst))?;
+        let done = self.copy_state(src, &mut to);
+        self.seqs.insert(dst, to);
+        self.guard(&[dst], done)
+    }
+
+    fn copy_state(&self, src: SeqId, to: &mut Seq<B>) -> Result<()> {
+        let from = self.seq(src)?;
+        let pos = from.pos;
+        to.state.reserve(&self.b, pos.max(1))?;
+        self.b.begin(StreamKind::Other)?;
+        for (f, t) in from.state.layers.iter().zip(to.state.layers.iter_mut()) {
+            match (f, t) {
+                (LayerState::Attention(f), LayerState::Attention(t)) => {
+                    self.b.kv_copy(&f.k, &mut t.k, pos)?;
+                    self.b.kv_copy(&f.v, &mut t.v, pos)?;
+                }
+                (LayerState::DeltaNet(f), LayerState::DeltaNet(t)) => {
+                    self.b.copy(&f.conv, &mut t.conv, f.conv_len)?;
+                    self.b.copy(&f.ssm, &mut t.ssm, f.ssm_len)?;
+                }
+                _ => unreachable!("every state is built from the same layer kinds"),
+            }
+        }
+        self.b.finish()?;
+        // Segments past the copied rows held another conversation: give them back.
+        for l in to.state.layers.iter_mut() {
+            if let LayerState::Attention(kv) = l {
+                self.b.kv_trim(&mut kv.k, pos.max(1));
+                self.b.kv_trim(&mut kv.v, pos.max(1));
+            }
+        }
+        to.pos = pos;
+        to.error = None;
+        to.cached.clear();
+        to.cached.extend_from_slice(&from.cached[..pos]);
+        Ok(())
+    }
+
+    /// A new sequence holding a copy of `src`.
+    fn fork(&mut self, src: SeqId) -> Result<SeqId> {
+        self.seq(src)?;
+        let id = self.new_sequence()?;
+        if let Err(e) = self.copy_sequence(src, id) {
+            self.seqs.remove(&id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    fn drop_sequence(&mut self, id: SeqId) -> Result<()> {
+        if id == DEFAULT_SEQ {
+            return Err(Error::InvalidArgument(
+                "the default sequence cannot be dropped (reset it instead)".into(),
+            ));
+        }
+        self.seqs.remove(&id).map(|_| ()).ok_or(Error::NoSequence(id))
+    }
+
+    /// Bytes of a sequence's state: its KV segments and DeltaNet states.
+    fn sequence_bytes(&self, id: SeqId) -> Result<usize> {
+        let seq = self.seq(id)?;
+        let delta: usize = seq
+            .state
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::DeltaNet(s) => 4 * (s.conv_len + s.ssm_len),
+                LayerState::Attention(_) => 0,
+            })
+            .sum();
+        Ok(seq.state.kv_bytes(&self.b) + delta)
     }
 }
 
@@ -803,7 +1026,18 @@ impl Engine {
         all_logits: bool,
         proceed: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<f32>> {
-        each!(self, r => r.prefill(tokens, all_logits, proceed))
+        self.prefill_in(DEFAULT_SEQ, tokens, all_logits, proceed)
+    }
+
+    /// `prefill_interruptible` on sequence `seq`.
+    pub fn prefill_in(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        all_logits: bool,
+        proceed: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        each!(self, r => r.prefill(seq, tokens, all_logits, proceed))
     }
 
     /// Append one token; its next-token logits.
@@ -815,6 +1049,11 @@ impl Engine {
 
     /// `decode` writing into a caller's buffer of `vocab_size` floats (no allocation).
     pub fn decode_into(&mut self, token: u32, out: &mut [f32]) -> Result<()> {
+        self.decode_in(DEFAULT_SEQ, token, out)
+    }
+
+    /// `decode_into` on sequence `seq`.
+    pub fn decode_in(&mut self, seq: SeqId, token: u32, out: &mut [f32]) -> Result<()> {
         if out.len() != self.vocab_size() {
             return Err(Error::InvalidArgument(format!(
                 "logits buffer has {} entries, vocab is {}",
@@ -822,44 +1061,128 @@ impl Engine {
                 self.vocab_size()
             )));
         }
-        each!(self, r => r.decode_into(token, out))
+        each!(self, r => r.decode_into(seq, token, out))
     }
 
     /// Append one token; the id of its largest next-token logit (greedy decoding), computed
     /// where the logits are (on a GPU, only the id is copied back).
     pub fn decode_greedy(&mut self, token: u32) -> Result<u32> {
-        each!(self, r => r.decode_greedy(token))
+        self.decode_greedy_in(DEFAULT_SEQ, token)
+    }
+
+    /// `decode_greedy` on sequence `seq`.
+    pub fn decode_greedy_in(&mut self, seq: SeqId, token: u32) -> Result<u32> {
+        each!(self, r => r.decode_greedy(seq, token))
+    }
+
+    /// One decode step of several sequences at once, each at its own position: the weights are
+    /// read once for the whole batch (matmuls over `batch.len()` rows, the MoE grouped by expert
+    /// across the batch), attention and DeltaNet run on each sequence's own state. `out`
+    /// [batch.len(), vocab] receives each sequence's next-token logits in the order given.
+    /// Each sequence at most once; at most `prefill_chunk` of them. On error nothing changes.
+    pub fn decode_batch(&mut self, batch: &[(SeqId, u32)], out: &mut [f32]) -> Result<()> {
+        if out.len() != batch.len() * self.vocab_size() {
+            return Err(Error::InvalidArgument(format!(
+                "logits buffer has {} entries, {} sequences x vocab {} expected",
+                out.len(),
+                batch.len(),
+                self.vocab_size()
+            )));
+        }
+        each!(self, r => r.decode_batch(batch, out))
     }
 
     pub fn reset(&mut self) -> Result<()> {
-        each!(self, r => r.reset())
+        self.reset_in(DEFAULT_SEQ)
+    }
+
+    /// Empty sequence `seq` (its first KV segment is kept).
+    pub fn reset_in(&mut self, seq: SeqId) -> Result<()> {
+        each!(self, r => r.reset(seq))
     }
 
     /// Append `n` positions of synthetic context (random K/V rows; DeltaNet state as it is), for
     /// measuring decode at depth `n` without a prefill. Those rows match no token.
     pub fn fill_context(&mut self, n: usize, seed: u64) -> Result<()> {
-        each!(self, r => r.fill_context(n, seed))
+        each!(self, r => r.fill_context(DEFAULT_SEQ, n, seed))
     }
 
     /// Copy the state at the current position, to come back to with [`Engine::restore`].
     pub fn snapshot(&self) -> Result<Snapshot> {
-        each!(self, r => r.snapshot())
+        self.snapshot_in(DEFAULT_SEQ)
+    }
+
+    /// `snapshot` of sequence `seq`.
+    pub fn snapshot_in(&self, seq: SeqId) -> Result<Snapshot> {
+        each!(self, r => r.snapshot(seq))
     }
 
     /// Go back (or forward) to a snapshot of this engine whose tokens are still in the KV cache.
     /// On error nothing changes.
     pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
-        each!(self, r => r.restore(snap))
+        self.restore_in(DEFAULT_SEQ, snap)
+    }
+
+    /// `restore` on sequence `seq` (whose KV rows must hold the snapshot's tokens).
+    pub fn restore_in(&mut self, seq: SeqId, snap: &Snapshot) -> Result<()> {
+        each!(self, r => r.restore(seq, snap))
     }
 
     /// How many leading `tokens` match the tokens whose KV rows are cached.
     pub fn cached_prefix(&self, tokens: &[u32]) -> usize {
-        each!(self, r => r.cached_prefix(tokens))
+        self.cached_prefix_in(DEFAULT_SEQ, tokens).unwrap_or(0)
     }
 
-    /// Tokens in the current sequence.
+    /// `cached_prefix` of sequence `seq`.
+    pub fn cached_prefix_in(&self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        each!(self, r => r.cached_prefix(seq, tokens))
+    }
+
+    /// A new, empty sequence. Its KV memory grows with its tokens; drop it when done.
+    pub fn new_sequence(&mut self) -> Result<SeqId> {
+        each!(self, r => r.new_sequence())
+    }
+
+    /// A new sequence holding a copy of `seq` (KV rows, DeltaNet states, position, tokens):
+    /// both continue independently.
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        each!(self, r => r.fork(seq))
+    }
+
+    /// Sequence `dst` becomes a copy of `src` (what it held before is gone): resuming a cached
+    /// prefix in a working sequence.
+    pub fn copy_sequence(&mut self, src: SeqId, dst: SeqId) -> Result<()> {
+        each!(self, r => r.copy_sequence(src, dst))
+    }
+
+    /// Free a sequence's memory; its id is not used again. The default sequence stays.
+    pub fn drop_sequence(&mut self, seq: SeqId) -> Result<()> {
+        each!(self, r => r.drop_sequence(seq))
+    }
+
+    /// The live sequences' ids, in creation order.
+    pub fn sequences(&self) -> Vec<SeqId> {
+        each!(self, r => r.seqs.keys().copied().collect())
+    }
+
+    /// Bytes a sequence holds (KV segments + DeltaNet states).
+    pub fn sequence_bytes(&self, seq: SeqId) -> Result<usize> {
+        each!(self, r => r.sequence_bytes(seq))
+    }
+
+    /// Tokens in sequence `seq`.
+    pub fn position_in(&self, seq: SeqId) -> Result<usize> {
+        each!(self, r => r.seq(seq).map(|s| s.pos))
+    }
+
+    /// The tokens of sequence `seq` (those behind its KV rows 0..position).
+    pub fn tokens_in(&self, seq: SeqId) -> Result<Vec<u32>> {
+        each!(self, r => r.seq(seq).map(|s| s.cached[..s.pos].to_vec()))
+    }
+
+    /// Tokens in the default sequence.
     pub fn position(&self) -> usize {
-        each!(self, r => r.pos)
+        self.position_in(DEFAULT_SEQ).unwrap_or(0)
     }
 
     /// Element type of the stored K/V rows.
@@ -867,9 +1190,9 @@ impl Engine {
         each!(self, r => r.kv_dtype)
     }
 
-    /// Bytes the KV cache holds now (it grows in segments with the sequence).
+    /// Bytes the default sequence's KV cache holds now (it grows in segments with the sequence).
     pub fn kv_bytes(&self) -> usize {
-        each!(self, r => r.state.kv_bytes(&r.b))
+        each!(self, r => r.seq(DEFAULT_SEQ).map_or(0, |s| s.state.kv_bytes(&r.b)))
     }
 
     pub fn max_seq(&self) -> usize {
@@ -898,7 +1221,12 @@ impl Engine {
     /// Why the sequence state cannot be used (a device error interrupted a forward pass), until
     /// `reset()` or `restore()`; `None` when it can.
     pub fn state_error(&self) -> Option<&str> {
-        each!(self, r => r.state_error.as_deref())
+        self.state_error_in(DEFAULT_SEQ)
+    }
+
+    /// `state_error` of sequence `seq` (`None` also for an unknown sequence).
+    pub fn state_error_in(&self, seq: SeqId) -> Option<&str> {
+        each!(self, r => r.seqs.get(&seq).and_then(|s| s.error.as_deref()))
     }
 
     /// The model's memory at this engine's `max_seq` (weights, state, KV cache, activations).

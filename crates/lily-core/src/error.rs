@@ -27,6 +27,12 @@ pub enum Error {
     /// The caller stopped a long call (a progress callback or an interrupt check said so).
     #[error("interrupted")]
     Interrupted,
+    /// The backend does not implement an operation (yet).
+    #[error("{0}")]
+    Unsupported(String),
+    /// No live sequence has this id (never created, or dropped).
+    #[error("no sequence {0}: it was never created or has been dropped")]
+    NoSequence(usize),
 }
 
 impl Error {

@@ -228,6 +228,7 @@ metal_tests!(
     kv_store_matches_reference,
     attention_matches_reference,
     unsupported_shape_is_an_error_not_a_panic,
+    kv_copy_matches_reference,
 );
 
 fn qk_norm_rope_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
@@ -328,4 +329,29 @@ fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Metal<X>, to
     let err = m.finish().unwrap_err().to_string();
     assert!(err.contains("head_dim"), "{err}");
     m.finish().unwrap(); // the error is reported once; the stream is usable again
+}
+
+/// kv_copy: rows 0..11 of a cache in segments of 4 (three segments, the last partly) copied into
+/// a fresh cache bit for bit, in every dtype; the rows past them are left alone; a copy between
+/// different layouts or of rows the source lacks is an error.
+fn kv_copy_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx; // exact: a copy
+    let w = 24;
+    for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
+        both!(dev, 0.0, format!("kv_copy {dtype:?}"), b => {
+            let src = filled_cache(b, w, 14, 32, dtype, 4, 60);
+            let mut dst = filled_cache(b, w, 16, 32, dtype, 4, 61);
+            b.kv_copy(&src, &mut dst, 11).unwrap();
+            let (mut got, mut want, mut kept) = (vec![0f32; 11 * w], vec![0f32; 11 * w], vec![0f32; 5 * w]);
+            b.kv_read(&dst, 0, &mut got).unwrap();
+            b.kv_read(&src, 0, &mut want).unwrap();
+            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            b.kv_read(&dst, 11, &mut kept).unwrap();
+            let mut other = b.kv_new(w + 1, dtype, 32, 4).unwrap();
+            b.kv_reserve(&mut other, 11).unwrap();
+            assert!(b.kv_copy(&src, &mut other, 11).is_err(), "different widths");
+            assert!(b.kv_copy(&src, &mut dst, 17).is_err(), "rows the source lacks");
+            vec![got, kept]
+        });
+    }
 }

@@ -42,7 +42,7 @@ mod cpu {
     }
 }
 
-metal_tests!(elementwise_matches_reference);
+metal_tests!(elementwise_matches_reference, copy_rows_moves_rows_in_the_stream);
 
 fn elementwise_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     // add, swiglu, sigmoid_gate_add on a dim that leaves a partial threadgroup.
@@ -62,5 +62,25 @@ fn elementwise_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
         b.sigmoid_gate_add(&p, &yb, &gb, &mut xb);
         b.finish().unwrap();
         vec![read_all(b, &s, t * d), read_all(b, &xb, t * d)]
+    });
+}
+
+/// copy_rows: a row into the middle of another buffer and back out, between kernels of one stream
+/// (the second copy reads what the first wrote); out-of-bounds copies are errors.
+fn copy_rows_moves_rows_in_the_stream<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let _ = tolx; // exact: copies
+    let (w, rows) = (70, 4);
+    let src = rand_vec(rows * w, 9, -1.0, 1.0);
+    both!(dev, 0.0, "copy_rows", b => {
+        let s = b.upload(&src).unwrap();
+        let mut one = b.alloc(w).unwrap();
+        let mut back = b.alloc(rows * w).unwrap();
+        b.copy_rows(&s, 2 * w, &mut one, 0, w).unwrap();
+        b.copy_rows(&one, 0, &mut back, w, w).unwrap();
+        b.copy_rows(&s, 3 * w + 5, &mut back, 3 * w, w - 5).unwrap();
+        assert!(b.copy_rows(&s, 3 * w + 1, &mut one, 0, w).is_err(), "past the source");
+        assert!(b.copy_rows(&s, 0, &mut one, 1, w).is_err(), "past the destination");
+        b.finish().unwrap();
+        vec![read_all(b, &back, rows * w)]
     });
 }

@@ -36,7 +36,14 @@ mod cpu {
     fn matmul_matches_reference() {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         for (fi, &format) in FORMATS.iter().enumerate() {
-            for &(n, k, t, row0) in &[(37, 128, 1, 0), (70, 256, 5, 2), (16, 384, 19, 0)] {
+            // T = 5 and 8: the batched GEMV (a batched decode step); 9 and 19: the tiled GEMM.
+            for &(n, k, t, row0) in &[
+                (37, 128, 1, 0),
+                (70, 256, 5, 2),
+                (45, 128, 8, 1),
+                (45, 128, 9, 0),
+                (16, 384, 19, 0),
+            ] {
                 let w = matrix(1, n, k, format, DType::BF16, 11 + fi as u64);
                 let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
                 let p = MatmulParams {
@@ -47,6 +54,40 @@ mod cpu {
                 fast.matmul(&p, &w, &x, &mut a);
                 refr.matmul(&p, &w, &x, &mut b);
                 assert_close(&a, &b, 1e-5, &format!("matmul {format:?} n={n} k={k} t={t}"));
+            }
+        }
+    }
+
+    /// A batched decode step's matmul gives each row exactly what that row's lone decode gets.
+    #[test]
+    fn batched_gemv_rows_equal_lone_gemv() {
+        let fast = Cpu::new();
+        for (fi, &format) in FORMATS[..6].iter().enumerate() {
+            let (n, k, t) = (70, 256, 6);
+            let w = matrix(1, n, k, format, DType::BF16, 31 + fi as u64);
+            let x = rand_vec(t * k, 6, -1.0, 1.0);
+            let mut all = vec![f32::NAN; t * n];
+            fast.matmul(
+                &MatmulParams {
+                    tokens: t as u32,
+                    x_row0: 0,
+                },
+                &w,
+                &x,
+                &mut all,
+            );
+            for row in 0..t {
+                let mut one = vec![f32::NAN; n];
+                fast.matmul(
+                    &MatmulParams {
+                        tokens: 1,
+                        x_row0: row as u32,
+                    },
+                    &w,
+                    &x,
+                    &mut one,
+                );
+                assert_eq!(one, all[row * n..][..n], "{format:?} row {row}");
             }
         }
     }

@@ -27,7 +27,8 @@ mod cpu {
     fn moe_matches_reference() {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         let (e, k, d, i) = (16usize, 8usize, 128usize, 64usize);
-        for &t in &[1usize, 6] {
+        // 1: decode; 6 and 8: a batched decode step (GEMV grouped by expert); 9: the tiled GEMM.
+        for &t in &[1usize, 6, 8, 9] {
             let logits = rand_vec(t * e, 1 + t as u64, -3.0, 3.0);
             let rp = RouteParams {
                 tokens: t as u32,

@@ -176,6 +176,11 @@ fn to_ids(arg: &str, obj: &Bound<'_, PyAny>, vocab: usize, one: bool) -> PyResul
         .collect()
 }
 
+/// A sequence id from Python: a negative one names no sequence.
+fn seq_id(seq: i64) -> PyResult<usize> {
+    usize::try_from(seq).map_err(|_| PyValueError::new_err(format!("no sequence {seq}: sequence ids are >= 0")))
+}
+
 #[pymethods]
 impl Engine {
     #[new]
@@ -233,18 +238,20 @@ impl Engine {
 
     /// Append tokens to the sequence; logits of the last one, or of every one with all_logits.
     /// Ctrl-C stops it between chunks, keeping the completed chunks in the sequence.
-    #[pyo3(signature = (tokens, *, all_logits = false))]
+    #[pyo3(signature = (tokens, *, all_logits = false, seq = 0))]
     fn prefill<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         all_logits: bool,
+        seq: i64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let ids = to_ids("tokens", tokens, self.vocab, false)?;
+        let seq = seq_id(seq)?;
         let mut raised = None;
         let logits = self
             .with(py, |e| {
-                e.prefill_interruptible(&ids, all_logits, &mut || proceed(&mut raised, None))
+                e.prefill_in(seq, &ids, all_logits, &mut || proceed(&mut raised, None))
             })?
             .map_err(|e| stopped(e, raised))?;
         let arr = PyArray1::from_vec(py, logits);
@@ -259,20 +266,98 @@ impl Engine {
     /// Append one token; its next-token logits [vocab].
     /// Append one token; the id of its largest next-token logit (greedy decoding without copying
     /// the logits to Python; on a GPU only the id leaves the device).
-    fn decode_greedy(&self, py: Python<'_>, token: &Bound<'_, PyAny>) -> PyResult<u32> {
+    #[pyo3(signature = (token, *, seq = 0))]
+    fn decode_greedy(&self, py: Python<'_>, token: &Bound<'_, PyAny>, seq: i64) -> PyResult<u32> {
         let id = to_ids("token", token, self.vocab, true)?[0];
-        Ok(self.with(py, |e| e.decode_greedy(id))?.map_err(PyLilyError::from)?)
+        let seq = seq_id(seq)?;
+        Ok(self
+            .with(py, |e| e.decode_greedy_in(seq, id))?
+            .map_err(PyLilyError::from)?)
     }
 
-    fn decode<'py>(&self, py: Python<'py>, token: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    #[pyo3(signature = (token, *, seq = 0))]
+    fn decode<'py>(&self, py: Python<'py>, token: &Bound<'py, PyAny>, seq: i64) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let id = to_ids("token", token, self.vocab, true)?[0];
-        let logits = self.with(py, |e| e.decode(id))?.map_err(PyLilyError::from)?;
+        let seq = seq_id(seq)?;
+        let mut logits = vec![0f32; self.vocab];
+        self.with(py, |e| e.decode_in(seq, id, &mut logits))?
+            .map_err(PyLilyError::from)?;
         Ok(PyArray1::from_vec(py, logits))
     }
 
+    /// One decode step of several sequences in one pass over the weights: `batch` is a list of
+    /// (sequence, token) pairs, each sequence at most once; the logits [len(batch), vocab] in
+    /// that order.
+    fn decode_batch<'py>(
+        &self,
+        py: Python<'py>,
+        batch: Vec<(i64, Bound<'py, PyAny>)>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let mut pairs = Vec::with_capacity(batch.len());
+        for (seq, token) in &batch {
+            pairs.push((seq_id(*seq)?, to_ids("token", token, self.vocab, true)?[0]));
+        }
+        let mut logits = vec![0f32; pairs.len() * self.vocab];
+        self.with(py, |e| e.decode_batch(&pairs, &mut logits))?
+            .map_err(PyLilyError::from)?;
+        PyArray1::from_vec(py, logits).reshape([pairs.len(), self.vocab])
+    }
+
+    /// A new empty sequence; its id.
+    fn new_sequence(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.with(py, |e| e.new_sequence())?.map_err(PyLilyError::from)?)
+    }
+
+    /// A new sequence holding a copy of `seq` (KV rows, DeltaNet states, position, tokens).
+    #[pyo3(signature = (seq = 0))]
+    fn fork(&self, py: Python<'_>, seq: i64) -> PyResult<usize> {
+        let seq = seq_id(seq)?;
+        Ok(self.with(py, |e| e.fork(seq))?.map_err(PyLilyError::from)?)
+    }
+
+    /// Sequence `dst` becomes a copy of `src` (what it held before is gone).
+    fn copy_sequence(&self, py: Python<'_>, src: i64, dst: i64) -> PyResult<()> {
+        let (src, dst) = (seq_id(src)?, seq_id(dst)?);
+        Ok(self
+            .with(py, |e| e.copy_sequence(src, dst))?
+            .map_err(PyLilyError::from)?)
+    }
+
+    /// Free a sequence's memory (its id is not used again; the default sequence 0 stays).
+    fn drop_sequence(&self, py: Python<'_>, seq: i64) -> PyResult<()> {
+        let seq = seq_id(seq)?;
+        Ok(self.with(py, |e| e.drop_sequence(seq))?.map_err(PyLilyError::from)?)
+    }
+
+    /// The live sequences' ids.
+    #[getter]
+    fn sequences(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        self.peek(py, |e| e.sequences())
+    }
+
+    /// Tokens in sequence `seq`.
+    fn sequence_position(&self, py: Python<'_>, seq: i64) -> PyResult<usize> {
+        let seq = seq_id(seq)?;
+        Ok(self.peek(py, |e| e.position_in(seq))?.map_err(PyLilyError::from)?)
+    }
+
+    /// The token ids of sequence `seq` (0..position).
+    fn sequence_tokens(&self, py: Python<'_>, seq: i64) -> PyResult<Vec<u32>> {
+        let seq = seq_id(seq)?;
+        Ok(self.peek(py, |e| e.tokens_in(seq))?.map_err(PyLilyError::from)?)
+    }
+
+    /// Bytes sequence `seq` holds (KV segments + DeltaNet states).
+    fn sequence_bytes(&self, py: Python<'_>, seq: i64) -> PyResult<usize> {
+        let seq = seq_id(seq)?;
+        Ok(self.peek(py, |e| e.sequence_bytes(seq))?.map_err(PyLilyError::from)?)
+    }
+
     /// Copy the sequence state at the current position (for prefix reuse).
-    fn snapshot(&self, py: Python<'_>) -> PyResult<Snapshot> {
-        let snap = self.with(py, |e| e.snapshot())?.map_err(PyLilyError::from)?;
+    #[pyo3(signature = (*, seq = 0))]
+    fn snapshot(&self, py: Python<'_>, seq: i64) -> PyResult<Snapshot> {
+        let seq = seq_id(seq)?;
+        let snap = self.with(py, |e| e.snapshot_in(seq))?.map_err(PyLilyError::from)?;
         let position = snap.position();
         Ok(Snapshot {
             inner: Mutex::new(snap),
@@ -281,18 +366,22 @@ impl Engine {
     }
 
     /// Return to a snapshot of this engine whose tokens are still in the KV cache.
-    fn restore(&self, py: Python<'_>, snapshot: &Snapshot) -> PyResult<()> {
+    #[pyo3(signature = (snapshot, *, seq = 0))]
+    fn restore(&self, py: Python<'_>, snapshot: &Snapshot, seq: i64) -> PyResult<()> {
+        let seq = seq_id(seq)?;
         self.with(py, |e| {
             let snap = snapshot
                 .inner
                 .lock()
                 .map_err(|_| PyValueError::new_err("snapshot lock poisoned"))?;
-            e.restore(&snap).map_err(|e| PyLilyError(e).into())
+            e.restore_in(seq, &snap).map_err(|e| PyLilyError(e).into())
         })?
     }
 
     /// How many leading `tokens` match the tokens whose KV rows are cached.
-    fn cached_prefix(&self, py: Python<'_>, tokens: Vec<Bound<'_, PyAny>>) -> PyResult<usize> {
+    #[pyo3(signature = (tokens, *, seq = 0))]
+    fn cached_prefix(&self, py: Python<'_>, tokens: Vec<Bound<'_, PyAny>>, seq: i64) -> PyResult<usize> {
+        let seq = seq_id(seq)?;
         let mut ids = Vec::with_capacity(tokens.len());
         for t in &tokens {
             match t.extract::<i64>() {
@@ -303,7 +392,9 @@ impl Engine {
                 Err(e) => return Err(PyTypeError::new_err(format!("argument 'tokens': {}", e.value(py)))),
             }
         }
-        self.peek(py, |e| e.cached_prefix(&ids))
+        Ok(self
+            .peek(py, |e| e.cached_prefix_in(seq, &ids))?
+            .map_err(PyLilyError::from)?)
     }
 
     /// Append n positions of synthetic context (random K/V rows in the attention layers, the
@@ -320,8 +411,10 @@ impl Engine {
     }
 
     /// Forget the sequence (state and position back to zero).
-    fn reset(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(self.with(py, |e| e.reset())?.map_err(PyLilyError::from)?)
+    #[pyo3(signature = (*, seq = 0))]
+    fn reset(&self, py: Python<'_>, seq: i64) -> PyResult<()> {
+        let seq = seq_id(seq)?;
+        Ok(self.with(py, |e| e.reset_in(seq))?.map_err(PyLilyError::from)?)
     }
 
     #[getter]

@@ -2,7 +2,7 @@
 
 use pyo3::{
     create_exception,
-    exceptions::{PyException, PyKeyboardInterrupt, PyValueError},
+    exceptions::{PyException, PyKeyboardInterrupt, PyNotImplementedError, PyValueError},
     PyErr,
 };
 
@@ -48,7 +48,8 @@ impl From<PyLilyError> for PyErr {
         match e.0 {
             Config(_) | Weight { .. } | File { .. } => ModelLoadError::new_err(msg),
             ContextFull { .. } => ContextFullError::new_err(msg),
-            InvalidToken { .. } | InvalidArgument(_) => PyValueError::new_err(msg),
+            InvalidToken { .. } | InvalidArgument(_) | NoSequence(_) => PyValueError::new_err(msg),
+            Unsupported(_) => PyNotImplementedError::new_err(msg),
             Device(_) => DeviceError::new_err(msg),
             Interrupted => PyKeyboardInterrupt::new_err(msg),
         }

@@ -97,7 +97,19 @@ def decode_bytes_model(model: Path, cfg: dict | None = None, kv_bytes: int = 2) 
     hd = int(t.get("head_dim") or int(t["hidden_size"]) // int(t["num_attention_heads"]))
     kv = n_full * 2 * int(t["num_key_value_heads"]) * hd * kv_bytes  # K and V per context token
     return {"weights": int(active), "weights_total": int(w_all), "state": int(state),
-            "kv_per_context_token": int(kv), "full_attention_layers": n_full, "linear_layers": n_lin}
+            "kv_per_context_token": int(kv), "full_attention_layers": n_full, "linear_layers": n_lin,
+            "experts_total": int(w_expert), "experts_per_token_fraction": k / E}
+
+
+def bytes_per_batched_step(bm: dict, batch: int, prompt: int, steps: int) -> float:
+    """Bytes one decode step of ``batch`` sequences touches: the non-expert weights once, the experts that at
+    least one row routes to (expected share 1 - (1 - k/E)^batch under uniform routing), and each sequence's
+    state and KV rows."""
+    f = bm["experts_per_token_fraction"]
+    dense = bm["weights"] - bm["experts_total"] * f
+    experts = bm["experts_total"] * (1 - (1 - f) ** batch)
+    ctx = prompt + (steps + 1) / 2.0
+    return dense + experts + batch * (bm["state"] + bm["kv_per_context_token"] * ctx)
 
 
 def bytes_per_decoded_token(bm: dict, prompt: int, steps: int) -> float:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from lily import command
-from lily.bench.protocol import parse_lengths, run_bench
+from lily.bench.protocol import parse_concurrency, parse_lengths, run_bench
 from lily.bench.workers import run_worker
 from lily.command import ArgParser, CommandError
 from lily.loading import BACKENDS, KV_DTYPES
@@ -17,7 +17,8 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgParser(prog="lily bench", description="Prefill / decode speed of a checkpoint, batch 1.")
+    ap = ArgParser(prog="lily bench", description="Prefill / decode speed of a checkpoint, batch 1 "
+                   "(--concurrency: batched decode of several sequences).")
     ap.add_argument("model", help="checkpoint folder (MLX 4-bit or HF bf16)")
     ap.add_argument("--lengths", type=_lengths, default=None,
                     help="comma-separated prompt lengths, K suffix allowed (default 256,512,...,128K, cut to "
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth-method", choices=("auto", "numpy", "mlx"), default="auto",
                     help="how the memory bandwidth is measured (auto: MLX on the GPU for --backend metal, else numpy)")
     ap.add_argument("--timeout", type=command.number(0), default=None, help="seconds per worker process")
+    ap.add_argument("--concurrency", type=_concurrency, default=None, metavar="N,N,...",
+                    help="measure batched decode instead: that many sequences decoded together per level (e.g. "
+                         "1,2,4,8), aggregate and per-sequence decode tok/s")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     return ap
 
@@ -63,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 def _lengths(text: str) -> list[int]:
     try:
         return parse_lengths(text)
+    except CommandError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _concurrency(text: str) -> list[int]:
+    try:
+        return parse_concurrency(text)
     except CommandError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

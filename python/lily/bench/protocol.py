@@ -9,14 +9,20 @@ import sys
 import time
 from pathlib import Path
 
-from lily.bench.accounting import decode_bytes_model, prefill_flops_per_token, read_config, text_config
+from lily.bench.accounting import (
+    bytes_per_batched_step,
+    decode_bytes_model,
+    prefill_flops_per_token,
+    read_config,
+    text_config,
+)
 from lily.bench.machine import available_memory_bytes, machine_info, measure_bandwidth, measure_peak_flops
 from lily.bench.report import format_table, summarize, write_plot
 from lily.bench.workers import RESULT_TAG
 from lily.command import CommandError, worker_env
 from lily.progress import progress_bar
 
-__all__ = ["DEFAULT_LENGTHS", "Status", "fits", "parse_lengths", "run_bench", "run_subprocess"]
+__all__ = ["DEFAULT_LENGTHS", "Status", "fits", "parse_concurrency", "parse_lengths", "run_bench", "run_subprocess"]
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
@@ -41,6 +47,16 @@ def parse_lengths(s: str) -> list[int]:
         out.append(v)
     if not out:
         raise CommandError("no prompt lengths given")
+    return out
+
+
+def parse_concurrency(s: str) -> list[int]:
+    try:
+        out = [int(p) for p in s.split(",") if p.strip()]
+    except ValueError:
+        raise CommandError(f"bad concurrency list {s!r} (e.g. 1,2,4,8)") from None
+    if not out or min(out) < 1:
+        raise CommandError(f"concurrency levels must be >= 1, got {s!r}")
     return out
 
 
@@ -169,6 +185,8 @@ def run_bench(args) -> int:
             keep.append(length)
     if not keep:
         raise CommandError("no prompt length fits (see above); pass --lengths or --max-seq")
+    if getattr(args, "concurrency", None):
+        return _run_concurrency(args, model, vocab, bm, keep)
     engines = [args.engine] + ([args.compare] if args.compare else [])
     mlx_dtype = _mlx_dtype(args.mlx_dtype) if "mlx-lm" in engines else None
     method = args.bandwidth_method
@@ -234,3 +252,76 @@ def run_bench(args) -> int:
     if any("error" in r for r in records):
         return 1
     return 0
+
+
+def _run_concurrency(args, model: Path, vocab: int, bm: dict, lengths: list[int]) -> int:
+    """Batched decode: for each concurrency level (a fresh worker process each, rounds in alternating order),
+    that many sequences prefilled with a prompt of each length, then decoded together; aggregate and
+    per-sequence decode tok/s, and the estimated bytes one batched step touches."""
+    if args.engine != "lily" or args.compare:
+        raise CommandError("--concurrency measures Lily's batched decode alone (no --compare)")
+    steps = args.decode_steps
+    levels = args.concurrency
+    runs = [c for rnd in range(args.rounds) for c in (levels if rnd % 2 == 0 else levels[::-1])]
+    status = Status([("lily", lengths) for _ in runs], steps, args.warmup_steps, enabled=not args.quiet)
+    raw: dict = {}
+    backend_seen = args.backend
+    for c in runs:
+        spec = {"engine": "lily", "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
+                "kv_dtype": args.kv_dtype, "lengths": lengths, "decode_steps": steps,
+                "warmup_steps": args.warmup_steps, "seed": args.seed, "vocab": vocab, "concurrency": c}
+        t0 = time.perf_counter()
+        try:
+            recs = run_subprocess(spec, args.timeout, tick=lambda s, g=lengths: status.running("lily", g, s))
+        except CommandError as e:
+            status.bar.write(f"lily bench: {e}", file=sys.stderr)
+            recs = [{"prompt_tokens": x, "concurrency": c, "error": str(e)} for x in lengths]
+        for r in recs:
+            raw.setdefault((c, r["prompt_tokens"]), []).append(r)
+            backend_seen = r.get("backend", backend_seen)
+        status.finished("lily", lengths, time.perf_counter() - t0)
+    status.close()
+    records = []
+    for length in lengths:
+        base = None
+        for c in levels:
+            rs = raw.get((c, length), [])
+            errors = [r["error"] for r in rs if "error" in r]
+            if errors or not rs:
+                records.append({"concurrency": c, "prompt_tokens": length, "error": errors[0] if errors else "no run"})
+                continue
+            agg = sorted(r["aggregate_decode_tok_s"] for r in rs)[len(rs) // 2]
+            step_bytes = bytes_per_batched_step(bm, c, length, steps)
+            if c == 1:
+                base = agg
+            records.append({
+                "concurrency": c, "prompt_tokens": length, "decode_steps": steps,
+                "aggregate_decode_tok_s": agg, "per_sequence_decode_tok_s": agg / c,
+                "speedup_vs_1": agg / base if base else None,
+                "drift": (max(r["aggregate_decode_tok_s"] for r in rs) / min(r["aggregate_decode_tok_s"] for r in rs)
+                          - 1),
+                "bytes_per_step": step_bytes, "effective_gbps": step_bytes * agg / c / 1e9,
+                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rs), "backend": rs[0]["backend"],
+                "kv_dtype": rs[0]["kv_dtype"]})
+    meta = {"model": str(model.resolve()), "engine": "lily", "backend": backend_seen, "machine": machine_info(),
+            "decode_steps": steps, "warmup_steps": args.warmup_steps, "rounds": args.rounds,
+            "concurrency": levels, "bytes_model": bm, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    head = ["concurrency", "prompt", "aggregate tok/s", "per-seq tok/s", "x vs 1", "drift", "MB/step (est)",
+            "eff GB/s", "peak mem"]
+    rows = [head]
+    for r in records:
+        if "error" in r:
+            rows.append([str(r["concurrency"]), str(r["prompt_tokens"]), "error: " + r["error"]] + [""] * 6)
+            continue
+        speed = r["speedup_vs_1"]
+        rows.append([str(r["concurrency"]), str(r["prompt_tokens"]), f"{r['aggregate_decode_tok_s']:,.2f}",
+                     f"{r['per_sequence_decode_tok_s']:,.2f}", "-" if speed is None else f"{speed:.2f}x",
+                     f"{100 * r['drift']:.1f}%", f"{r['bytes_per_step'] / 1e6:,.0f}", f"{r['effective_gbps']:.2f}",
+                     f"{r['peak_memory_bytes'] / 1e9:.2f} GB"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    print(f"lily bench --concurrency: {meta['backend']}, {steps} batched decode steps after each prompt")
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip())
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
+    return 1 if any("error" in r for r in records) else 0

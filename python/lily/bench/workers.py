@@ -48,6 +48,21 @@ class LilyRunner:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
+    def run_batch(self, prompts: list[np.ndarray], steps: int) -> float:
+        """Prefill one sequence per prompt, then time ``steps`` batched decode steps of all of them."""
+        eng = self.eng
+        eng.reset()
+        for s in eng.sequences:
+            if s:
+                eng.drop_sequence(s)
+        seqs = [0] + [eng.new_sequence() for _ in prompts[1:]]
+        toks = [int(np.argmax(eng.prefill(p.tolist(), seq=s))) for s, p in zip(seqs, prompts)]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = eng.decode_batch(list(zip(seqs, toks)))
+            toks = [int(t) for t in np.argmax(logits, axis=1)]
+        return time.perf_counter() - t0
+
     def peak_memory(self) -> int:
         """Peak device memory on a GPU backend (the engine's allocations), else the process's peak RSS."""
         dev = getattr(self.eng, "device_peak_bytes", None)
@@ -115,6 +130,9 @@ def run_worker(spec: dict, emit=print) -> None:
     load_s = time.perf_counter() - t0
     vocab = int(spec["vocab"])
     steps = int(spec["decode_steps"])
+    if spec.get("concurrency"):
+        _run_concurrency(runner, spec, vocab, steps, load_s, emit)
+        return
     for length in spec["lengths"]:
         warm = make_prompt(length, vocab, spec["seed"] + 1000 + length)
         runner.run(warm, int(spec.get("warmup_steps", 2)))
@@ -127,3 +145,20 @@ def run_worker(spec: dict, emit=print) -> None:
             "peak_memory_bytes": runner.peak_memory(), "load_s": load_s, "max_seq": runner.max_seq,
             "kv_dtype": getattr(runner, "kv_dtype", None),
             "device_bandwidth_gbps": getattr(runner, "device_bandwidth_gbps", None)}), flush=True)
+
+
+def _run_concurrency(runner: LilyRunner, spec: dict, vocab: int, steps: int, load_s: float, emit) -> None:
+    """Batched decode of ``spec["concurrency"]`` sequences, each after a prompt of each length."""
+    n = int(spec["concurrency"])
+    for length in spec["lengths"]:
+        warm = [make_prompt(length, vocab, spec["seed"] + 1000 + length + i) for i in range(n)]
+        runner.run_batch(warm, int(spec.get("warmup_steps", 2)))
+        prompts = [make_prompt(length, vocab, spec["seed"] + length + 7919 * i) for i in range(n)]
+        dec_s = runner.run_batch(prompts, steps)
+        emit(RESULT_TAG + json.dumps({
+            "engine": runner.name, "backend": runner.backend, "prompt_tokens": length, "decode_steps": steps,
+            "concurrency": n, "decode_s": dec_s,
+            "aggregate_decode_tok_s": n * steps / dec_s if dec_s > 0 else float("nan"),
+            "decode_tok_s": steps / dec_s if dec_s > 0 else float("nan"),
+            "peak_memory_bytes": runner.peak_memory(), "load_s": load_s, "max_seq": runner.max_seq,
+            "kv_dtype": runner.kv_dtype}), flush=True)

@@ -84,6 +84,19 @@ pub fn kv_segment_rows() -> usize {
     })
 }
 
+/// Whether `copy_rows` of `len` values from `src_off` of a buffer of `src_len` values to
+/// `dst_off` of one of `dst_len` stays inside both.
+pub(crate) fn check_rows(src_len: usize, src_off: usize, dst_len: usize, dst_off: usize, len: usize) -> Result<()> {
+    let fits = |off: usize, n: usize| off.checked_add(len).is_some_and(|end| end <= n);
+    if fits(src_off, src_len) && fits(dst_off, dst_len) {
+        Ok(())
+    } else {
+        Err(crate::error::Error::InvalidArgument(format!(
+            "copy_rows of {len} values from {src_off} of {src_len} to {dst_off} of {dst_len}"
+        )))
+    }
+}
+
 pub trait Backend: Send + Sized + 'static {
     /// f32 activations, state and scratch.
     type Buf: Send + 'static;
@@ -147,6 +160,23 @@ pub trait Backend: Send + Sized + 'static {
         0
     }
 
+    /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`, in the command stream: a
+    /// batched decode moves each sequence's rows of an activation in and out of the batch.
+    fn copy_rows(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let _ = (src, src_off, dst, dst_off, len);
+        Err(crate::error::Error::Unsupported(format!(
+            "the {} backend cannot copy activation rows yet (batched decode)",
+            self.name()
+        )))
+    }
+
     // ---- KV cache memory ----
     /// An empty cache of rows of `width` elements that may grow to `max_rows` rows, in segments
     /// of `seg_rows` rows (a power of two; the engine uses [`kv_segment_rows`]).
@@ -161,6 +191,15 @@ pub trait Backend: Send + Sized + 'static {
     fn kv_bytes(&self, kv: &Self::Kv) -> usize;
     /// Rows row0..row0 + out.len() / width of the cache widened to f32 (waits for pending work).
     fn kv_read(&self, kv: &Self::Kv, row0: usize, out: &mut [f32]) -> Result<()>;
+    /// Rows 0..rows of `src` into `dst`, bit for bit (same width and dtype; `dst` has room):
+    /// forking a sequence, restoring one from a cached prefix (waits for pending work).
+    fn kv_copy(&self, src: &Self::Kv, dst: &mut Self::Kv, rows: usize) -> Result<()> {
+        let _ = (src, dst, rows);
+        Err(crate::error::Error::Unsupported(format!(
+            "the {} backend cannot copy KV rows between caches yet (sequence fork / prefix cache)",
+            self.name()
+        )))
+    }
 
     // ---- command stream ----
     /// Start encoding the work of `kind` (the next command stream opened runs it).

@@ -55,6 +55,36 @@ impl<B: Backend> Attention<B> {
 
     /// s.mix = attention(s.h) for `t` tokens at positions pos0..pos0+t.
     pub fn forward(&self, b: &B, t: usize, pos0: usize, kv: &mut KvCache<B>, s: &mut Scratch<B>) {
+        self.project(b, t, s);
+        self.attend(b, t, pos0, kv, s);
+        self.output(b, t, s);
+    }
+
+    /// Row `i` of a batch (one token of its own sequence, at `pos`, cache `kv`): its projections
+    /// are moved into `one`, attended there, and its output moved back.
+    pub fn forward_row(
+        &self,
+        b: &B,
+        i: usize,
+        pos: usize,
+        kv: &mut KvCache<B>,
+        s: &mut Scratch<B>,
+        one: &mut Scratch<B>,
+    ) -> Result<()> {
+        let (qg, kvw, o) = (
+            self.heads * 2 * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.heads * self.head_dim,
+        );
+        b.copy_rows(&s.proj, i * qg, &mut one.proj, 0, qg)?;
+        b.copy_rows(&s.k, i * kvw, &mut one.k, 0, kvw)?;
+        b.copy_rows(&s.v, i * kvw, &mut one.v, 0, kvw)?;
+        self.attend(b, 1, pos, kv, one);
+        b.copy_rows(&one.core, 0, &mut s.core, i * o, o)
+    }
+
+    /// s.proj = [q | gate], s.k, s.v of s.h.
+    pub fn project(&self, b: &B, t: usize, s: &mut Scratch<B>) {
         let mm = MatmulParams {
             tokens: t as u32,
             x_row0: 0,
@@ -65,6 +95,10 @@ impl<B: Backend> Attention<B> {
             &[&self.q_proj, &self.k_proj, &self.v_proj],
             &mut [&mut s.proj, &mut s.k, &mut s.v],
         );
+    }
+
+    /// s.core = gated attention of s.proj over the cache, after appending s.k, s.v at pos0.
+    fn attend(&self, b: &B, t: usize, pos0: usize, kv: &mut KvCache<B>, s: &mut Scratch<B>) {
         let rope = RopeParams {
             tokens: t as u32,
             pos0: pos0 as u32,
@@ -92,6 +126,14 @@ impl<B: Backend> Attention<B> {
             scale: 1.0 / (self.head_dim as f32).sqrt(),
         };
         b.attention(&attn, &s.proj, &kv.k, &kv.v, &mut s.core);
+    }
+
+    /// s.mix = o_proj s.core.
+    pub fn output(&self, b: &B, t: usize, s: &mut Scratch<B>) {
+        let mm = MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
         b.matmul(&mm, &self.o_proj, &s.core, &mut s.mix);
     }
 }

@@ -57,6 +57,36 @@ impl<B: Backend> DeltaNet<B> {
 
     /// s.mix = delta_net(s.h) for `t` tokens, advancing the conv and recurrent state.
     pub fn forward(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
+        self.project(b, t, s);
+        self.recur(b, t, st, s);
+        self.output(b, t, s);
+    }
+
+    /// Row `i` of a batch (one token of its own sequence, state `st`): its projections are moved
+    /// into `one`, run through the conv and the recurrence there, and its output moved back.
+    pub fn forward_row(
+        &self,
+        b: &B,
+        i: usize,
+        st: &mut DeltaNetState<B>,
+        s: &mut Scratch<B>,
+        one: &mut Scratch<B>,
+    ) -> Result<()> {
+        let (hv, vd) = (self.dims.value_heads as usize, self.dims.value_dim as usize);
+        let conv_dim = self.conv_dim() as usize;
+        b.copy_rows(&s.proj, i * conv_dim, &mut one.proj, 0, conv_dim)?;
+        b.copy_rows(&s.a, i * hv, &mut one.a, 0, hv)?;
+        b.copy_rows(&s.b, i * hv, &mut one.b, 0, hv)?;
+        self.recur(b, 1, st, one);
+        b.copy_rows(&one.core, 0, &mut s.core, i * hv * vd, hv * vd)
+    }
+
+    fn conv_dim(&self) -> u32 {
+        2 * self.dims.key_heads * self.dims.key_dim + self.dims.value_heads * self.dims.value_dim
+    }
+
+    /// s.proj = [q | k | v], s.z, s.b, s.a of s.h.
+    pub fn project(&self, b: &B, t: usize, s: &mut Scratch<B>) {
         let mm = MatmulParams {
             tokens: t as u32,
             x_row0: 0,
@@ -67,10 +97,13 @@ impl<B: Backend> DeltaNet<B> {
             &[&self.in_proj_qkv, &self.in_proj_z, &self.in_proj_b, &self.in_proj_a],
             &mut [&mut s.proj, &mut s.z, &mut s.b, &mut s.a],
         );
-        let conv_dim = 2 * self.dims.key_heads * self.dims.key_dim + self.dims.value_heads * self.dims.value_dim;
+    }
+
+    /// s.core = the recurrence's output of the conv of s.proj, advancing the states.
+    fn recur(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
         let conv = ConvParams {
             tokens: t as u32,
-            channels: conv_dim,
+            channels: self.conv_dim(),
             taps: self.taps as u32,
         };
         b.delta_net_conv(&conv, &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
@@ -88,12 +121,20 @@ impl<B: Backend> DeltaNet<B> {
             &mut st.ssm,
             &mut s.core,
         );
+    }
+
+    /// s.mix = out_proj(gated norm of s.core by s.z).
+    pub fn output(&self, b: &B, t: usize, s: &mut Scratch<B>) {
         let norm = RmsNormParams {
-            rows: t as u32 * p.value_heads,
-            dim: p.value_dim,
+            rows: t as u32 * self.dims.value_heads,
+            dim: self.dims.value_dim,
             eps: self.eps,
         };
         b.rms_norm_gated(&norm, &s.core, &s.z, &self.norm, &mut s.gated);
+        let mm = MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
         b.matmul(&mm, &self.out_proj, &s.gated, &mut s.mix);
     }
 }

@@ -86,15 +86,7 @@ impl<B: Backend> Model<B> {
     /// Run `t` tokens (already in `s.ids`) at positions pos0..pos0+t; leaves the final-normed
     /// hidden states in `s.h`.
     pub fn forward(&self, b: &B, t: usize, pos0: usize, state: &mut State<B>, s: &mut Scratch<B>) {
-        let norm = RmsNormParams {
-            rows: t as u32,
-            dim: self.hidden as u32,
-            eps: self.eps,
-        };
-        let rows = RowsParams {
-            tokens: t as u32,
-            dim: self.hidden as u32,
-        };
+        let (norm, rows) = self.row_params(t);
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
         for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
             b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
@@ -109,6 +101,67 @@ impl<B: Backend> Model<B> {
             b.add(&rows, &mut s.x, &s.mix);
         }
         b.rms_norm(&norm, &s.x, &self.norm, &mut s.h);
+    }
+
+    /// One decode step of a batch: token i (in `s.ids`) appended to sequence i, `seqs[i]` = its
+    /// state and position. Every weight is read once for the batch (matmuls over its rows, the
+    /// MoE grouped by expert across them); each row's attention / DeltaNet runs on its own state
+    /// through the one-row scratch `one`. Leaves the final-normed hidden states in `s.h`.
+    pub fn forward_batch(
+        &self,
+        b: &B,
+        seqs: &mut [(&mut State<B>, usize)],
+        s: &mut Scratch<B>,
+        one: &mut Scratch<B>,
+    ) -> Result<()> {
+        let t = seqs.len();
+        let (norm, rows) = self.row_params(t);
+        b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
+        for (l, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
+            match &layer.mixer {
+                Mixer::DeltaNet(m) => {
+                    m.project(b, t, s);
+                    for (i, (state, _)) in seqs.iter_mut().enumerate() {
+                        let LayerState::DeltaNet(st) = &mut state.layers[l] else {
+                            unreachable!("state is built from the same layer kinds as the model")
+                        };
+                        m.forward_row(b, i, st, s, one)?;
+                    }
+                    m.output(b, t, s);
+                }
+                Mixer::Attention(m) => {
+                    m.project(b, t, s);
+                    for (i, (state, pos)) in seqs.iter_mut().enumerate() {
+                        let LayerState::Attention(kv) = &mut state.layers[l] else {
+                            unreachable!("state is built from the same layer kinds as the model")
+                        };
+                        m.forward_row(b, i, *pos, kv, s, one)?;
+                    }
+                    m.output(b, t, s);
+                }
+            }
+            b.add(&rows, &mut s.x, &s.mix);
+            b.rms_norm(&norm, &s.x, &layer.post_attention_layernorm, &mut s.h);
+            layer.mlp.forward(b, t, s);
+            b.add(&rows, &mut s.x, &s.mix);
+        }
+        b.rms_norm(&norm, &s.x, &self.norm, &mut s.h);
+        Ok(())
+    }
+
+    /// The norms' and the residual adds' parameters over `t` rows of the hidden size.
+    fn row_params(&self, t: usize) -> (RmsNormParams, RowsParams) {
+        let norm = RmsNormParams {
+            rows: t as u32,
+            dim: self.hidden as u32,
+            eps: self.eps,
+        };
+        let rows = RowsParams {
+            tokens: t as u32,
+            dim: self.hidden as u32,
+        };
+        (norm, rows)
     }
 
     /// s.logits[..rows] = lm_head s.h[row0..row0 + rows].

@@ -143,10 +143,52 @@ impl CpuKv {
         Ok(())
     }
 
+    /// Rows 0..rows of `src` into self, bit for bit (segment by segment).
+    pub fn copy_from(&mut self, src: &CpuKv, rows: usize) -> Result<()> {
+        check_copy(
+            (self.width, self.dtype, self.shift, self.rows()),
+            (src.width, src.dtype, src.shift, src.rows()),
+            rows,
+        )?;
+        let seg = self.seg_rows();
+        for (s, (d, from)) in self.segs.iter_mut().zip(&src.segs).enumerate().take(rows.div_ceil(seg)) {
+            let n = (rows - s * seg).min(seg) * self.width;
+            match (d, from) {
+                (Segment::F32(d), Segment::F32(f)) => d[..n].copy_from_slice(&f[..n]),
+                (Segment::Half(d), Segment::Half(f)) => d[..n].copy_from_slice(&f[..n]),
+                _ => unreachable!("same dtype, checked above"),
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.rows() * self.width * self.dtype.size()
     }
+}
+
+/// Whether `rows` rows can be copied between caches of (width, dtype, segment shift, rows held):
+/// the same layout, and the rows in both.
+pub fn check_copy(dst: (usize, KvDtype, u32, usize), src: (usize, KvDtype, u32, usize), rows: usize) -> Result<()> {
+    if dst.0 != src.0 || dst.1 != src.1 || dst.2 != src.2 {
+        return Err(Error::InvalidArgument(format!(
+            "kv_copy between caches of different layouts: width {} / {} , {:?} / {:?}, segments of {} / {} rows",
+            src.0,
+            dst.0,
+            src.1,
+            dst.1,
+            1usize << src.2,
+            1usize << dst.2
+        )));
+    }
+    if rows > src.3 || rows > dst.3 {
+        return Err(Error::InvalidArgument(format!(
+            "kv_copy of {rows} rows: the source holds {}, the destination {}",
+            src.3, dst.3
+        )));
+    }
+    Ok(())
 }
 
 /// 16-bit patterns of `dtype` to f32 (exact).

@@ -16,7 +16,7 @@ mod profile;
 pub mod scratch;
 pub mod simd;
 
-use super::{params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
     ops,
@@ -138,6 +138,9 @@ impl Backend for Cpu {
     fn kv_read(&self, kv: &CpuKv, row0: usize, out: &mut [f32]) -> Result<()> {
         kv.read(row0, out)
     }
+    fn kv_copy(&self, src: &CpuKv, dst: &mut CpuKv, rows: usize) -> Result<()> {
+        dst.copy_from(src, rows)
+    }
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
         zeroed(len)
     }
@@ -164,6 +167,11 @@ impl Backend for Cpu {
     }
     fn copy(&self, src: &Vec<f32>, dst: &mut Vec<f32>, len: usize) -> Result<()> {
         dst[..len].copy_from_slice(&src[..len]);
+        Ok(())
+    }
+    fn copy_rows(&self, src: &Vec<f32>, src_off: usize, dst: &mut Vec<f32>, dst_off: usize, len: usize) -> Result<()> {
+        check_rows(src.len(), src_off, dst.len(), dst_off, len)?;
+        dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
         Ok(())
     }
     fn begin(&self, kind: StreamKind) -> Result<()> {

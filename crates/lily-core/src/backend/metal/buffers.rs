@@ -5,7 +5,7 @@
 use super::{Arg, Executor, Metal, Weight};
 use crate::{
     backend::{
-        cpu::kv::widen,
+        cpu::kv::{check_copy, widen},
         params::{KvLayout, MatrixDesc},
         KvDtype,
     },
@@ -258,6 +258,25 @@ impl<X: Executor> Metal<X> {
 }
 
 impl<X: Executor> Metal<X> {
+    /// Rows 0..rows of `src` into `dst`, segment by segment on the host (shared memory), after
+    /// the pending work that may write them.
+    pub(super) fn kv_copy(&self, src: &MetalKv<X>, dst: &mut MetalKv<X>, rows: usize) -> Result<()> {
+        check_copy(
+            (dst.width, dst.dtype, dst.shift, dst.rows()),
+            (src.width, src.dtype, src.shift, src.rows()),
+            rows,
+        )?;
+        self.flush()?;
+        let seg = 1usize << src.shift;
+        for (s, (from, to)) in src.segs.iter().zip(&dst.segs).enumerate().take(rows.div_ceil(seg)) {
+            let bytes = (rows - s * seg).min(seg) * src.width * src.dtype.size();
+            // SAFETY: both segments hold `seg` rows of the same width and dtype (checked), so
+            // `bytes` is inside each; distinct caches (&/&mut); no command stream in flight.
+            unsafe { std::ptr::copy_nonoverlapping(self.x.contents(from), self.x.contents(to), bytes) };
+        }
+        Ok(())
+    }
+
     /// Rows row0.. of `kv` widened to f32 (pending work first: the rows may be written by it).
     pub(super) fn kv_read(&self, kv: &MetalKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
         self.flush()?;

@@ -90,6 +90,7 @@ kernel_enum!(
         AttentionBf16 = "attention_bf16",
         AttentionF16 = "attention_f16",
         AttentionReduce = "attention_reduce_f32",
+        CopyRows = "copy_rows_f32",
         DeltaNetChunk = "delta_net_chunk_f32",
         DeltaNetChunkPrep = "delta_net_chunk_prep_f32",
         DeltaNetConv = "delta_net_conv_f32",

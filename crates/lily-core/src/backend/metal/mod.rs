@@ -50,7 +50,7 @@ pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Place
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -313,6 +313,9 @@ impl<X: Executor> Backend for Metal<X> {
     fn kv_read(&self, kv: &MetalKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
         Metal::kv_read(self, kv, row0, out)
     }
+    fn kv_copy(&self, src: &MetalKv<X>, dst: &mut MetalKv<X>, rows: usize) -> Result<()> {
+        Metal::kv_copy(self, src, dst, rows)
+    }
     fn alloc(&self, len: usize) -> Result<MetalBuf<X>> {
         self.new_buf(len)
     }
@@ -385,6 +388,26 @@ impl<X: Executor> Backend for Metal<X> {
         self.flush()?;
         // SAFETY: in bounds (checked above); distinct buffers (&/&mut); no GPU work pending.
         unsafe { std::ptr::copy_nonoverlapping(self.x.contents(&src.buf), self.x.contents(&dst.buf), len * 4) };
+        Ok(())
+    }
+    /// A copy kernel in the command stream (a batched decode step moves rows per sequence and layer).
+    fn copy_rows(
+        &self,
+        src: &MetalBuf<X>,
+        src_off: usize,
+        dst: &mut MetalBuf<X>,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_rows(src.len(), src_off, dst.len(), dst_off, len)?;
+        if len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "copy_rows of {len} values: more than a grid row"
+            )));
+        }
+        if len > 0 {
+            elementwise::metal::copy_rows(self, src, src_off, dst, dst_off, len);
+        }
         Ok(())
     }
     fn begin(&self, kind: StreamKind) -> Result<()> {

@@ -48,3 +48,21 @@ pub fn sigmoid_gate_add<X: Executor>(
         rows_grid(p.dim as usize, p.tokens as usize),
     );
 }
+
+/// dst[dst_off..dst_off + len] = src[src_off..src_off + len], encoded in the stream (bounds checked by
+/// the caller): one row of `len` threads over the two bound regions.
+pub fn copy_rows<X: Executor>(
+    m: &Metal<X>,
+    src: &MetalBuf<X>,
+    src_off: usize,
+    dst: &mut MetalBuf<X>,
+    dst_off: usize,
+    len: usize,
+) {
+    let p = RowsParams {
+        tokens: 1,
+        dim: len as u32,
+    };
+    let args = [Arg::Bytes(bytes_of(&p)), src.part(src_off, len), dst.part(dst_off, len)];
+    m.encode(Fixed::CopyRows, &args, rows_grid(len, 1));
+}

@@ -4,6 +4,8 @@
 //!   bytes ([`simd::rows_dot`]), so every weight byte is read once; rows are split into a few
 //!   contiguous ranges per pool thread so both cores stream memory. [`gemv_many`]: several
 //!   matrices reading the same x as one pool loop (`matmuls`).
+//! - [`gemv_batch`] (a batched decode step, up to [`GEMV_BATCH_MAX`] rows): the GEMV per row,
+//!   each block of weight rows dotted with every activation row while it is in cache.
 //! - [`gemm`] (prefill, many activation rows): a block of [`TILE_ROWS`] weight rows is
 //!   dequantized once into an f32 tile (per-thread scratch), then multiplied against the
 //!   activation rows 4 x 4 at a time ([`simd::dot4x4`]); row blocks are the parallel tasks.
@@ -101,6 +103,51 @@ pub fn gemv_many(isa: Isa, ms: &[&Matrix], e: usize, x: &[f32], outs: &mut [&mut
             // SAFETY: rows r0.. of output i belong to this task alone.
             let o = unsafe { out_p[i].slice(r0, chunk[i].min(m.rows - r0)) };
             with_task(simd::row_scratch_len(m), |sb| gemv_rows(isa, m, e, r0, xr, sb, o));
+        });
+    })
+}
+
+/// Most activation rows [`gemv_batch`] takes: a batched decode step (one row per sequence). Past
+/// it the dequantized-tile [`gemm`] amortizes its dequantization better.
+pub const GEMV_BATCH_MAX: usize = 8;
+
+/// Weight rows per inner block of [`gemv_batch`]: 32 rows of a 2048-wide 4-bit matrix (32 KiB)
+/// stay in L1/L2 while every activation row is dotted with them.
+const GEMV_BATCH_ROWS: usize = 32;
+
+/// out[t * n + r] = W[r] . x[t] for t < tokens <= [`GEMV_BATCH_MAX`] (a batched decode step): the
+/// GEMV of [`gemv`], each block of weight rows read from memory once and dotted from the packed
+/// bytes with every activation row while it is in cache; each row's result is exactly what
+/// [`gemv`] gives for that row alone. Threads: contiguous row ranges, as [`gemv`].
+pub fn gemv_batch(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
+    let (n, k) = (m.rows, m.cols);
+    assert!(
+        tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(m),
+        "gemv_batch: {tokens} rows"
+    );
+    let pl = simd::prep_len(m);
+    let o = Out(out.as_mut_ptr());
+    let chunk = gemv_chunk(n, m.bytes_per_row());
+    with_caller(tokens * pl, |buf| {
+        for t in 0..tokens {
+            simd::prepare(isa, m, &x[t * k..][..k], &mut buf[t * pl..][..pl]);
+        }
+        let buf: &[f32] = buf;
+        pool::for_each(n.div_ceil(chunk), |c| {
+            let rows = c * chunk..((c + 1) * chunk).min(n);
+            with_task(simd::row_scratch_len(m), |sb| {
+                let mut r0 = rows.start;
+                while r0 < rows.end {
+                    let rn = GEMV_BATCH_ROWS.min(rows.end - r0);
+                    for t in 0..tokens {
+                        let xr = simd::view(isa, m, &x[t * k..][..k], &buf[t * pl..][..pl]);
+                        // SAFETY: rows r0..r0 + rn of every token's output belong to this task alone.
+                        let dst = unsafe { o.slice(t * n + r0, rn) };
+                        gemv_rows(isa, m, e, r0, xr, sb, dst);
+                    }
+                    r0 += rn;
+                }
+            })
         });
     })
 }
@@ -216,7 +263,7 @@ pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut 
     });
 }
 
-/// out [T, N] = x[x_row0.., K] W^T: GEMV for one token, tiled GEMM for more.
+/// out [T, N] = x[x_row0.., K] W^T: GEMV for one token, batched GEMV for a few, tiled GEMM for more.
 pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
     matmul_with(Isa::get(), p, w, x, out)
 }
@@ -232,6 +279,8 @@ pub fn matmul_with(isa: Isa, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut 
     let x = &x[x_row0 * k..(x_row0 + tokens) * k];
     if tokens == 1 {
         gemv(isa, w, 0, x, &mut out[..n]);
+    } else if tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(w) {
+        gemv_batch(isa, w, 0, x, tokens, out);
     } else if tokens > 1 {
         gemm(isa, w, 0, x, tokens, out);
     }

@@ -1,5 +1,6 @@
 //! The MoE ops on the CPU: routing one token per task; the routed experts by GEMV from the packed
-//! rows (decode) or grouped by expert into dequantized-tile GEMMs (prefill).
+//! rows (decode; a batched decode step groups its tokens by expert first) or grouped by expert
+//! into dequantized-tile GEMMs (prefill).
 
 use crate::{
     backend::{
@@ -64,6 +65,8 @@ pub fn moe_experts_with(
     let fused = [gate, up, down].iter().all(|m| simd::has_row_kernel(m)) && gate.format == up.format;
     if t_n == 1 && fused {
         moe_decode(isa, k_n, x, ids, gate, up, down, act, ys);
+    } else if t_n <= matmul::GEMV_BATCH_MAX && fused {
+        moe_decode_batch(isa, pairs, k_n, x, ids, gate, up, down, act, ys);
     } else {
         moe_grouped(isa, pairs, k_n, x, ids, gate, up, down, act, ys);
     }
@@ -143,6 +146,123 @@ fn moe_decode(
     });
 }
 
+/// A batched decode step (a few tokens, one per sequence): the pairs grouped by expert, and each
+/// task's block of one expert's rows dotted from the packed bytes (as [`moe_decode`]) with every
+/// pair routed to that expert while the block is in cache: an expert two sequences share is read
+/// once, and each pair's result is what [`moe_decode`] gives it alone.
+#[allow(clippy::too_many_arguments)]
+fn moe_decode_batch(
+    isa: Isa,
+    pairs: usize,
+    k_n: usize,
+    x: &[f32],
+    ids: &[u32],
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    act: &mut [f32],
+    ys: &mut [f32],
+) {
+    let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
+    let t_n = pairs / k_n;
+    let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
+    let sb_len = simd::row_scratch_len(gate).max(simd::row_scratch_len(down));
+    with_groups(&ids[..pairs], e_n, |groups| {
+        let (ng, group) = (groups.len(), |g: usize| groups.get(g));
+        let pl = simd::prep_len(gate);
+        with_caller(t_n * pl, |xb| {
+            for t in 0..t_n {
+                simd::prepare(isa, gate, &x[t * d..][..d], &mut xb[t * pl..][..pl]);
+            }
+            let xb: &[f32] = xb;
+            let blocks = inter.div_ceil(MOE_DECODE_ROWS);
+            pool::for_each(ng * blocks, |task| {
+                let (g, blk) = (task / blocks, task % blocks);
+                let (e, members) = group(g);
+                let rows = blk * MOE_DECODE_ROWS..((blk + 1) * MOE_DECODE_ROWS).min(inter);
+                let rn = rows.len();
+                with_task(sb_len + 2 * rn, |scr| {
+                    let (sb, rest) = scr.split_at_mut(sb_len);
+                    let (gv, uv) = rest.split_at_mut(rn);
+                    for &pair in members {
+                        let t = pair as usize / k_n;
+                        let xr = simd::view(isa, gate, &x[t * d..][..d], &xb[t * pl..][..pl]);
+                        matmul::gemv_rows(isa, gate, e, rows.start, xr, sb, gv);
+                        matmul::gemv_rows(isa, up, e, rows.start, xr, sb, uv);
+                        for i in 0..rn {
+                            // SAFETY: (pair, row) is written by this task only.
+                            unsafe { act_o.set(pair as usize * inter + rows.start + i, simd::silu(gv[i]) * uv[i]) };
+                        }
+                    }
+                });
+            });
+        });
+        let act: &[f32] = act;
+        let pl = simd::prep_len(down);
+        with_caller(pairs * pl, |ab| {
+            for pair in 0..pairs {
+                simd::prepare(isa, down, &act[pair * inter..][..inter], &mut ab[pair * pl..][..pl]);
+            }
+            let ab: &[f32] = ab;
+            let rows_per = 4 * MOE_DECODE_ROWS;
+            let blocks = d.div_ceil(rows_per);
+            pool::for_each(ng * blocks, |task| {
+                let (g, blk) = (task / blocks, task % blocks);
+                let (e, members) = group(g);
+                let rows = blk * rows_per..((blk + 1) * rows_per).min(d);
+                let rn = rows.len();
+                with_task(sb_len + rn, |scr| {
+                    let (sb, y) = scr.split_at_mut(sb_len);
+                    for &pair in members {
+                        let pair = pair as usize;
+                        let xr = simd::view(isa, down, &act[pair * inter..][..inter], &ab[pair * pl..][..pl]);
+                        matmul::gemv_rows(isa, down, e, rows.start, xr, sb, y);
+                        for (i, &v) in y.iter().enumerate() {
+                            // SAFETY: (pair, row) is written by this task only.
+                            unsafe { ys_o.set(pair * d + rows.start + i, v) };
+                        }
+                    }
+                });
+            });
+        });
+    });
+}
+
+/// The (token, slot) pairs of `ids` grouped by expert, in expert order.
+struct Groups<'a> {
+    order: &'a [u32], // pair indices in expert order
+    list: &'a [u32],  // (expert, first sorted row, rows) per group
+}
+
+impl Groups<'_> {
+    fn len(&self) -> usize {
+        self.list.len() / 3
+    }
+    /// Group g's expert and its pairs.
+    fn get(&self, g: usize) -> (usize, &[u32]) {
+        let first = self.list[3 * g + 1] as usize;
+        (
+            self.list[3 * g] as usize,
+            &self.order[first..first + self.list[3 * g + 2] as usize],
+        )
+    }
+}
+
+/// `f` of the pairs of `ids` grouped by expert ([`group_by_expert`] in the calling thread's
+/// ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first, rows)]).
+fn with_groups<R>(ids: &[u32], experts: usize, f: impl FnOnce(&Groups) -> R) -> R {
+    let pairs = ids.len();
+    with_caller_ids(experts + 1 + pairs + 3 * experts.min(pairs), |buf| {
+        let (starts, rest) = buf.split_at_mut(experts + 1);
+        let (order, list) = rest.split_at_mut(pairs);
+        let ng = group_by_expert(ids, experts, starts, order, list);
+        f(&Groups {
+            order,
+            list: &list[..3 * ng],
+        })
+    })
+}
+
 /// The (token, slot) pairs p of `ids` grouped by expert, a stable counting sort (the CPU's form of
 /// `reference::moe_sort`, one block per expert): `order[..pairs]` gets the pairs in expert
 /// order, `groups[3 g..3 g + 3]` = (expert, first sorted row, rows) of each expert that has
@@ -194,17 +314,8 @@ fn moe_grouped(
 ) {
     let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
-    // ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first, rows)].
-    let groups_max = e_n.min(pairs);
-    with_caller_ids(e_n + 1 + pairs + 3 * groups_max, |buf| {
-        let (starts, rest) = buf.split_at_mut(e_n + 1);
-        let (order, glist) = rest.split_at_mut(pairs);
-        let ng = group_by_expert(&ids[..pairs], e_n, starts, order, glist);
-        let (order, glist): (&[u32], &[u32]) = (order, &glist[..3 * ng]);
-        let group = |g: usize| {
-            let first = glist[3 * g + 1] as usize;
-            (glist[3 * g] as usize, &order[first..first + glist[3 * g + 2] as usize])
-        };
+    with_groups(&ids[..pairs], e_n, |groups| {
+        let (ng, group) = (groups.len(), |g: usize| groups.get(g));
 
         let blocks = inter.div_ceil(matmul::TILE_ROWS);
         pool::for_each(ng * blocks, |task| {
