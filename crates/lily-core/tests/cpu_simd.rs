@@ -102,7 +102,7 @@ fn matmul_every_isa_and_format_matches_reference() {
     let _g = serial();
     for isa in Isa::all_available() {
         for (fi, &(format, sd)) in FORMATS.iter().enumerate() {
-            // t = 3 / 4: each side of the outer-product kernel's minimum; n = 70 / 21: partial row blocks.
+            // Every width of the outer-product kernel's last pass (t mod 6 = 0..5); n = 70 / 21: partial row blocks.
             for &(n, k, t, row0) in &[
                 (37, 256, 1, 0),
                 (300, 512, 1, 1),
@@ -110,6 +110,8 @@ fn matmul_every_isa_and_format_matches_reference() {
                 (21, 384, 19, 0),
                 (40, 256, 3, 0),
                 (48, 128, 4, 1),
+                (33, 256, 2, 0),
+                (16, 128, 12, 1),
             ] {
                 let w = matrix(1, n, k, format, sd, 11 + fi as u64);
                 let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
@@ -201,7 +203,7 @@ fn moe_every_isa_matches_reference() {
             Format::Affine { bits: 8, group: 32 },
             Format::BF16,
         ] {
-            // 40 tokens: ~13 per expert, past the 6 the AVX-512 outer-product path needs.
+            // 40 tokens: ~13 per expert, two passes of the outer-product kernel.
             for t in [1, 3, 9, 40] {
                 moe_case(isa, t, format);
             }

@@ -4,7 +4,7 @@
 //! Primitives (all f32 accumulation):
 //! - dot products of an activation with one weight row in every format, dequantizing in
 //!   registers (4-bit, 8-bit affine; bf16, f16, f32), each weight byte read once;
-//! - prefill GEMM tiles: an outer-product kernel on a K-major weight tile (32 or 16 rows x 6
+//! - prefill GEMM tiles: an outer-product kernel on a K-major weight tile (32 or 16 rows x up to 6
 //!   activation rows, AVX-512 / AVX2) with the dequantization straight into that layout, and a
 //!   4 x 4 register-blocked dot tile (4 weight rows x 4 activation rows) elsewhere;
 //! - fast row dequantization into f32 (GEMM tiles, embedding rows).
@@ -413,7 +413,7 @@ pub fn dot4x4(isa: Isa, w: [&[f32]; 4], x: [&[f32]; 4], k: usize) -> [[f32; 4]; 
     }
 }
 
-/// Rows of the K-major weight tile that [`tile_kx6`] multiplies: 32 (two zmm) with AVX-512, 16 (two
+/// Rows of the K-major weight tile that [`tile_kxn`] multiplies: 32 (two zmm) with AVX-512, 16 (two
 /// ymm) with AVX2; 0 where there is no outer-product kernel (use [`dot4x4`]).
 pub fn kmajor_rows(isa: Isa) -> usize {
     match isa {
@@ -423,20 +423,38 @@ pub fn kmajor_rows(isa: Isa) -> usize {
     }
 }
 
-/// out[t][r] = sum_j wt[j][r] x[t][j] for r < [`kmajor_rows`]`(isa)`: a K-major tile wt [k][R] (R weight
-/// rows side by side) against 6 activation rows, by outer products (no horizontal sums).
+/// out[t][r] = sum_j wt[j][r] x[t][j] for r < [`kmajor_rows`]`(isa)` and t < `n` (1..=6): a K-major
+/// tile wt [k][R] (R weight rows side by side) against n activation rows, by outer products (no
+/// horizontal sums), compiled per n so a short pass spends no FMAs on absent rows.
 /// Only for ISAs where `kmajor_rows(isa) > 0`; others get zeros.
 #[inline]
-pub fn tile_kx6(isa: Isa, wt: &[f32], x: [&[f32]; 6], k: usize, out: &mut [[f32; 32]; 6]) {
-    assert!(wt.len() >= kmajor_rows(isa) * k && x.iter().all(|r| r.len() >= k));
-    match isa {
-        // SAFETY: ISA available; tile and rows hold k columns.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::tile32x6_avx512(wt.as_ptr(), x.map(|r| r.as_ptr()), k, out) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::tile16x6_avx2(wt.as_ptr(), x.map(|r| r.as_ptr()), k, out) },
-        _ => *out = [[0.0; 32]; 6],
+pub fn tile_kxn(isa: Isa, wt: &[f32], x: [&[f32]; 6], n: usize, k: usize, out: &mut [[f32; 32]; 6]) {
+    assert!(wt.len() >= kmajor_rows(isa) * k && (1..=6).contains(&n) && x[..n].iter().all(|r| r.len() >= k));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let xp = x.map(|r| r.as_ptr());
+        macro_rules! by_n {
+            ($f:ident) => {
+                // SAFETY: ISA available; the tile and the first n rows hold k columns.
+                unsafe {
+                    match n {
+                        1 => x86::$f::<1>(wt.as_ptr(), xp, k, out),
+                        2 => x86::$f::<2>(wt.as_ptr(), xp, k, out),
+                        3 => x86::$f::<3>(wt.as_ptr(), xp, k, out),
+                        4 => x86::$f::<4>(wt.as_ptr(), xp, k, out),
+                        5 => x86::$f::<5>(wt.as_ptr(), xp, k, out),
+                        _ => x86::$f::<6>(wt.as_ptr(), xp, k, out),
+                    }
+                }
+            };
+        }
+        match isa {
+            Isa::Avx512 => return by_n!(tile32xn_avx512),
+            Isa::Avx2 => return by_n!(tile16xn_avx2),
+            Isa::Portable => {}
+        }
     }
+    *out = [[0.0; 32]; 6];
 }
 
 /// The K-major tile of rows `rows` of expert `e` of `m`: wt[j * R + i] = W[rows.start + i][j] for
@@ -865,82 +883,57 @@ mod x86 {
     }
 
     /// Outer-product GEMM micro-kernel: wt is a K-major tile [k][32] (32 weight rows side by side),
-    /// x 6 activation rows. Per k: two 16-row weight vectors times 6 broadcast activations into
-    /// 12 zmm accumulators (8 loads per 12 FMAs, no horizontal sums). out[t][r] = row r . x[t].
+    /// x N <= 6 activation rows. Per k: two 16-row weight vectors times N broadcast activations into
+    /// 2 N zmm accumulators (at N = 6: 8 loads per 12 FMAs, no horizontal sums). out[t][r] = row r . x[t].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn tile32x6_avx512(wt: *const f32, x: [*const f32; 6], k: usize, out: &mut [[f32; 32]; 6]) {
+    pub unsafe fn tile32xn_avx512<const N: usize>(
+        wt: *const f32,
+        x: [*const f32; 6],
+        k: usize,
+        out: &mut [[f32; 32]; 6],
+    ) {
         unsafe {
-            let z = _mm512_setzero_ps();
-            let (mut c00, mut c01, mut c10, mut c11, mut c20, mut c21) = (z, z, z, z, z, z);
-            let (mut c30, mut c31, mut c40, mut c41, mut c50, mut c51) = (z, z, z, z, z, z);
+            let mut c = [[_mm512_setzero_ps(); 2]; N];
             for j in 0..k {
                 let w0 = _mm512_loadu_ps(wt.add(32 * j));
                 let w1 = _mm512_loadu_ps(wt.add(32 * j + 16));
-                let b = _mm512_set1_ps(*x[0].add(j));
-                c00 = _mm512_fmadd_ps(w0, b, c00);
-                c01 = _mm512_fmadd_ps(w1, b, c01);
-                let b = _mm512_set1_ps(*x[1].add(j));
-                c10 = _mm512_fmadd_ps(w0, b, c10);
-                c11 = _mm512_fmadd_ps(w1, b, c11);
-                let b = _mm512_set1_ps(*x[2].add(j));
-                c20 = _mm512_fmadd_ps(w0, b, c20);
-                c21 = _mm512_fmadd_ps(w1, b, c21);
-                let b = _mm512_set1_ps(*x[3].add(j));
-                c30 = _mm512_fmadd_ps(w0, b, c30);
-                c31 = _mm512_fmadd_ps(w1, b, c31);
-                let b = _mm512_set1_ps(*x[4].add(j));
-                c40 = _mm512_fmadd_ps(w0, b, c40);
-                c41 = _mm512_fmadd_ps(w1, b, c41);
-                let b = _mm512_set1_ps(*x[5].add(j));
-                c50 = _mm512_fmadd_ps(w0, b, c50);
-                c51 = _mm512_fmadd_ps(w1, b, c51);
+                for (t, ct) in c.iter_mut().enumerate() {
+                    let b = _mm512_set1_ps(*x[t].add(j));
+                    ct[0] = _mm512_fmadd_ps(w0, b, ct[0]);
+                    ct[1] = _mm512_fmadd_ps(w1, b, ct[1]);
+                }
             }
-            for (t, (lo, hi)) in [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)]
-                .into_iter()
-                .enumerate()
-            {
-                _mm512_storeu_ps(out[t].as_mut_ptr(), lo);
-                _mm512_storeu_ps(out[t].as_mut_ptr().add(16), hi);
+            for (t, ct) in c.iter().enumerate() {
+                _mm512_storeu_ps(out[t].as_mut_ptr(), ct[0]);
+                _mm512_storeu_ps(out[t].as_mut_ptr().add(16), ct[1]);
             }
         }
     }
 
-    /// The AVX2 twin of [`tile32x6_avx512`]: wt [k][16], two 8-row weight vectors times 6 broadcast
-    /// activations into 12 ymm accumulators (2 loads + 6 broadcasts per 12 FMAs; 15 of 16 registers).
+    /// The AVX2 twin of [`tile32xn_avx512`]: wt [k][16], two 8-row weight vectors times N broadcast
+    /// activations into 2 N ymm accumulators (at N = 6: 2 loads + 6 broadcasts per 12 FMAs; 15 of
+    /// 16 registers).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile16x6_avx2(wt: *const f32, x: [*const f32; 6], k: usize, out: &mut [[f32; 32]; 6]) {
+    pub unsafe fn tile16xn_avx2<const N: usize>(
+        wt: *const f32,
+        x: [*const f32; 6],
+        k: usize,
+        out: &mut [[f32; 32]; 6],
+    ) {
         unsafe {
-            let z = _mm256_setzero_ps();
-            let (mut c00, mut c01, mut c10, mut c11, mut c20, mut c21) = (z, z, z, z, z, z);
-            let (mut c30, mut c31, mut c40, mut c41, mut c50, mut c51) = (z, z, z, z, z, z);
+            let mut c = [[_mm256_setzero_ps(); 2]; N];
             for j in 0..k {
                 let w0 = _mm256_loadu_ps(wt.add(16 * j));
                 let w1 = _mm256_loadu_ps(wt.add(16 * j + 8));
-                let b = _mm256_broadcast_ss(&*x[0].add(j));
-                c00 = _mm256_fmadd_ps(w0, b, c00);
-                c01 = _mm256_fmadd_ps(w1, b, c01);
-                let b = _mm256_broadcast_ss(&*x[1].add(j));
-                c10 = _mm256_fmadd_ps(w0, b, c10);
-                c11 = _mm256_fmadd_ps(w1, b, c11);
-                let b = _mm256_broadcast_ss(&*x[2].add(j));
-                c20 = _mm256_fmadd_ps(w0, b, c20);
-                c21 = _mm256_fmadd_ps(w1, b, c21);
-                let b = _mm256_broadcast_ss(&*x[3].add(j));
-                c30 = _mm256_fmadd_ps(w0, b, c30);
-                c31 = _mm256_fmadd_ps(w1, b, c31);
-                let b = _mm256_broadcast_ss(&*x[4].add(j));
-                c40 = _mm256_fmadd_ps(w0, b, c40);
-                c41 = _mm256_fmadd_ps(w1, b, c41);
-                let b = _mm256_broadcast_ss(&*x[5].add(j));
-                c50 = _mm256_fmadd_ps(w0, b, c50);
-                c51 = _mm256_fmadd_ps(w1, b, c51);
+                for (t, ct) in c.iter_mut().enumerate() {
+                    let b = _mm256_broadcast_ss(&*x[t].add(j));
+                    ct[0] = _mm256_fmadd_ps(w0, b, ct[0]);
+                    ct[1] = _mm256_fmadd_ps(w1, b, ct[1]);
+                }
             }
-            for (t, (lo, hi)) in [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)]
-                .into_iter()
-                .enumerate()
-            {
-                _mm256_storeu_ps(out[t].as_mut_ptr(), lo);
-                _mm256_storeu_ps(out[t].as_mut_ptr().add(8), hi);
+            for (t, ct) in c.iter().enumerate() {
+                _mm256_storeu_ps(out[t].as_mut_ptr(), ct[0]);
+                _mm256_storeu_ps(out[t].as_mut_ptr().add(8), ct[1]);
             }
         }
     }

@@ -6,7 +6,7 @@
 //!   matrices reading the same x as one pool loop (`matmuls`).
 //! - [`gemm`] (prefill, many activation rows): a block of weight rows is dequantized once into
 //!   an f32 tile (per-thread scratch), K-major for the outer-product kernel where the ISA has one
-//!   (32 or 16 rows x 6 activation rows per pass), else row-major for 4 x 4 dot tiles
+//!   (32 or 16 rows x up to 6 activation rows per pass), else row-major for 4 x 4 dot tiles
 //!   ([`simd::dot4x4`]); row blocks are the parallel tasks ([`tile_sweep`]). The MoE experts
 //!   reuse the sweep, the chunked DeltaNet the 4 x 4 tiles ([`tile_products`]).
 
@@ -172,16 +172,12 @@ pub fn sweep_scratch_len(isa: Isa, k: usize) -> usize {
     sweep_rows(isa) * k + k
 }
 
-/// Fewest activation rows for which the outer-product kernel beats the 4 x 4 dot tiles: it computes
-/// 6 at a time, so 1-3 rows would waste most of its FMAs.
-const KMAJOR_MIN_ITEMS: usize = 4;
-
 /// The prefill sweep of one block of weight rows: dequantize rows `rows` (at most [`sweep_rows`])
 /// of expert `e` of `m` once, then call `emit(item, i, W[rows.start + i] . xrow(item))` for every
 /// item < items and i < rows.len(). `scr` holds [`sweep_scratch_len`] floats.
-/// With the outer-product kernel (and at least [`KMAJOR_MIN_ITEMS`] items): a K-major tile, 6
-/// activation rows per pass, a partial pass repeating its last row; otherwise a row-major tile and
-/// 4 x 4 dot tiles ([`tile_products`]). Accumulation f32.
+/// With the outer-product kernel: a K-major tile, 6 activation rows per pass and a last pass of
+/// exactly the rows left (an expert sees ~8 tokens of a 256-token prompt: 6 + 2, not 6 + 6);
+/// otherwise a row-major tile and 4 x 4 dot tiles ([`tile_products`]). Accumulation f32.
 #[inline]
 pub fn tile_sweep<'x>(
     isa: Isa,
@@ -194,7 +190,7 @@ pub fn tile_sweep<'x>(
     mut emit: impl FnMut(usize, usize, f32),
 ) {
     let (r_n, k, rn) = (simd::kmajor_rows(isa), m.cols, rows.len());
-    if r_n == 0 || items < KMAJOR_MIN_ITEMS {
+    if r_n == 0 {
         let tile = &mut scr[..rn * k];
         dequant_tile(isa, m, e, rows, tile);
         tile_products(isa, tile, rn, k, items, xrow, emit);
@@ -207,7 +203,7 @@ pub fn tile_sweep<'x>(
     while t0 < items {
         let tn = (items - t0).min(6);
         let xs = [0, 1, 2, 3, 4, 5].map(|j| xrow(t0 + j.min(tn - 1)));
-        simd::tile_kx6(isa, wt, xs, k, &mut acc);
+        simd::tile_kxn(isa, wt, xs, tn, k, &mut acc);
         for (j, a) in acc[..tn].iter().enumerate() {
             for (i, &v) in a[..rn].iter().enumerate() {
                 emit(t0 + j, i, v);
