@@ -465,16 +465,19 @@ pub fn tile_kxn(isa: Isa, wt: &[f32], x: [&[f32]; 6], n: usize, k: usize, out: &
 pub fn dequant_kmajor(isa: Isa, m: &Matrix, e: usize, rows: std::ops::Range<usize>, wt: &mut [f32], row: &mut [f32]) {
     let (r_n, k) = (kmajor_rows(isa), m.cols);
     assert!(r_n > 0 && rows.len() <= r_n && wt.len() >= r_n * k && row.len() >= k);
-    let mut i = 0;
+    // Whole 8-row blocks of 4-bit rows go straight into the layout (x86: r_n > 0 only there).
+    let q4 = matches!(m.format, Format::Affine { bits: 4, group } if group % 32 == 0 && k % group == 0);
+    let fast = if cfg!(target_arch = "x86_64") && q4 {
+        rows.len() / 8 * 8
+    } else {
+        0
+    };
     #[cfg(target_arch = "x86_64")]
-    if matches!(m.format, Format::Affine { bits: 4, group } if group % 32 == 0 && k % group == 0) {
-        while i + 8 <= rows.len() {
-            // SAFETY: AVX2 is part of every ISA with r_n > 0; 8 stored rows exist; wt holds r_n * k.
-            unsafe { x86::dequant8_kmajor_q4(m, m.stored_row(e, rows.start + i), wt.as_mut_ptr().add(i), r_n) };
-            i += 8;
-        }
+    for i in (0..fast).step_by(8) {
+        // SAFETY: AVX2 is part of every ISA with r_n > 0; 8 stored rows exist; wt holds r_n * k.
+        unsafe { x86::dequant8_kmajor_q4(m, m.stored_row(e, rows.start + i), wt.as_mut_ptr().add(i), r_n) };
     }
-    for i in i..rows.len() {
+    for i in fast..rows.len() {
         dequant_row(isa, m, m.stored_row(e, rows.start + i), row);
         for (j, &v) in row[..k].iter().enumerate() {
             wt[j * r_n + i] = v;
@@ -882,61 +885,59 @@ mod x86 {
         }
     }
 
-    /// Outer-product GEMM micro-kernel: wt is a K-major tile [k][32] (32 weight rows side by side),
-    /// x N <= 6 activation rows. Per k: two 16-row weight vectors times N broadcast activations into
-    /// 2 N zmm accumulators (at N = 6: 8 loads per 12 FMAs, no horizontal sums). out[t][r] = row r . x[t].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn tile32xn_avx512<const N: usize>(
-        wt: *const f32,
-        x: [*const f32; 6],
-        k: usize,
-        out: &mut [[f32; 32]; 6],
-    ) {
-        unsafe {
-            let mut c = [[_mm512_setzero_ps(); 2]; N];
-            for j in 0..k {
-                let w0 = _mm512_loadu_ps(wt.add(32 * j));
-                let w1 = _mm512_loadu_ps(wt.add(32 * j + 16));
-                for (t, ct) in c.iter_mut().enumerate() {
-                    let b = _mm512_set1_ps(*x[t].add(j));
-                    ct[0] = _mm512_fmadd_ps(w0, b, ct[0]);
-                    ct[1] = _mm512_fmadd_ps(w1, b, ct[1]);
+    /// Outer-product GEMM micro-kernels: wt is a K-major tile [k][2 L] (2 L weight rows side by
+    /// side, L lanes per register), x N <= 6 activation rows. Per k: two weight vectors times N
+    /// broadcast activations into 2 N accumulators (at N = 6: 2 loads + 6 broadcasts per 12 FMAs,
+    /// 15 of AVX2's 16 registers; no horizontal sums). out[t][r] = row r . x[t].
+    macro_rules! tile_kernel {
+        ($name:ident, $feat:literal, $l:literal, $zero:ident, $load:ident, $bcast:ident, $fma:ident, $store:ident) => {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name<const N: usize>(
+                wt: *const f32,
+                x: [*const f32; 6],
+                k: usize,
+                out: &mut [[f32; 32]; 6],
+            ) {
+                unsafe {
+                    let mut c = [[$zero(); 2]; N];
+                    for j in 0..k {
+                        let w0 = $load(wt.add(2 * $l * j));
+                        let w1 = $load(wt.add(2 * $l * j + $l));
+                        for (t, ct) in c.iter_mut().enumerate() {
+                            let b = $bcast(*x[t].add(j));
+                            ct[0] = $fma(w0, b, ct[0]);
+                            ct[1] = $fma(w1, b, ct[1]);
+                        }
+                    }
+                    for (t, ct) in c.iter().enumerate() {
+                        $store(out[t].as_mut_ptr(), ct[0]);
+                        $store(out[t].as_mut_ptr().add($l), ct[1]);
+                    }
                 }
             }
-            for (t, ct) in c.iter().enumerate() {
-                _mm512_storeu_ps(out[t].as_mut_ptr(), ct[0]);
-                _mm512_storeu_ps(out[t].as_mut_ptr().add(16), ct[1]);
-            }
-        }
+        };
     }
 
-    /// The AVX2 twin of [`tile32xn_avx512`]: wt [k][16], two 8-row weight vectors times N broadcast
-    /// activations into 2 N ymm accumulators (at N = 6: 2 loads + 6 broadcasts per 12 FMAs; 15 of
-    /// 16 registers).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile16xn_avx2<const N: usize>(
-        wt: *const f32,
-        x: [*const f32; 6],
-        k: usize,
-        out: &mut [[f32; 32]; 6],
-    ) {
-        unsafe {
-            let mut c = [[_mm256_setzero_ps(); 2]; N];
-            for j in 0..k {
-                let w0 = _mm256_loadu_ps(wt.add(16 * j));
-                let w1 = _mm256_loadu_ps(wt.add(16 * j + 8));
-                for (t, ct) in c.iter_mut().enumerate() {
-                    let b = _mm256_broadcast_ss(&*x[t].add(j));
-                    ct[0] = _mm256_fmadd_ps(w0, b, ct[0]);
-                    ct[1] = _mm256_fmadd_ps(w1, b, ct[1]);
-                }
-            }
-            for (t, ct) in c.iter().enumerate() {
-                _mm256_storeu_ps(out[t].as_mut_ptr(), ct[0]);
-                _mm256_storeu_ps(out[t].as_mut_ptr().add(8), ct[1]);
-            }
-        }
-    }
+    tile_kernel!(
+        tile32xn_avx512,
+        "avx512f,avx512bw,avx512vl,avx2,fma",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_storeu_ps
+    );
+    tile_kernel!(
+        tile16xn_avx2,
+        "avx2,fma",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_storeu_ps
+    );
 
     /// 8 consecutive stored 4-bit affine rows (groups a multiple of 32) into 8 columns of a K-major
     /// tile: wt[j * stride + i] = s_i,g q_i,j + b_i,g for i < 8, j < cols. Per 32 columns: the 16
@@ -955,26 +956,12 @@ mod x86 {
             let mut c0 = 0;
             while c0 < cols {
                 let g = c0 / group;
-                let s = _mm256_setr_ps(
-                    read_scalar(sd, parts[0].1, g),
-                    read_scalar(sd, parts[1].1, g),
-                    read_scalar(sd, parts[2].1, g),
-                    read_scalar(sd, parts[3].1, g),
-                    read_scalar(sd, parts[4].1, g),
-                    read_scalar(sd, parts[5].1, g),
-                    read_scalar(sd, parts[6].1, g),
-                    read_scalar(sd, parts[7].1, g),
+                // The 8 rows' scale and bias of group g, one vector each.
+                let (sv, bv): ([f32; 8], [f32; 8]) = (
+                    std::array::from_fn(|i| read_scalar(sd, parts[i].1, g)),
+                    std::array::from_fn(|i| read_scalar(sd, parts[i].2, g)),
                 );
-                let b = _mm256_setr_ps(
-                    read_scalar(sd, parts[0].2, g),
-                    read_scalar(sd, parts[1].2, g),
-                    read_scalar(sd, parts[2].2, g),
-                    read_scalar(sd, parts[3].2, g),
-                    read_scalar(sd, parts[4].2, g),
-                    read_scalar(sd, parts[5].2, g),
-                    read_scalar(sd, parts[6].2, g),
-                    read_scalar(sd, parts[7].2, g),
-                );
+                let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
                 // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
                 let v: [__m256i; 4] = std::array::from_fn(|r| {
                     let lo = _mm_loadu_si128(parts[r].0[c0 / 2..][..16].as_ptr() as *const __m128i);
