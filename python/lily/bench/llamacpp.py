@@ -1,9 +1,9 @@
 """``lily bench --compare llama.cpp``: llama.cpp's ``llama-bench`` on a GGUF of the checkpoint's shapes
 (``lily.bench.gguf``), at the prompt lengths, depths and thread count Lily runs, so the ratios come from one run.
 
-Per prompt length L and round, two ``llama-bench`` calls, each with its own warm-up run: ``-p L -n 0`` (prefill
-of L tokens from an empty context: Lily's prefill tok/s) and ``-p 0 -n STEPS -d L`` (STEPS tokens decoded after
-a context of L: Lily's decode tok/s over the steps after an L-token prompt)."""
+Per round, two ``llama-bench`` calls, each test with its own warm-up run: ``-p L -n 0`` (prefill of L tokens
+from an empty context: Lily's prefill tok/s) and ``-p 0 -n STEPS -d L`` (STEPS tokens decoded after a context
+of L: Lily's decode tok/s over the steps after an L-token prompt). ``lily.bench.depth`` uses the same calls."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from lily.bench.gguf import write_gguf
 from lily.command import CommandError
 
-__all__ = ["GgufFile", "find_llama_bench", "llama_bench_records"]
+__all__ = ["GgufFile", "find_llama_bench", "llama_bench", "llama_bench_records"]
 
 
 def find_llama_bench(path: str | None) -> Path:
@@ -73,16 +73,27 @@ def _run(cmd: list[str], timeout: float | None) -> list[dict]:
     return tests
 
 
+def llama_bench(binary: Path, gguf: Path, lengths: list[int], steps: int, threads: int, reps: int = 1,
+                timeout: float | None = None) -> dict[int, dict]:
+    """{length: {"prefill_tok_s", "decode_tok_s", "backend"}}: a prefill of each length from an empty context
+    (``-p L -n 0``) and ``steps`` tokens decoded after a context of that length (``-p 0 -n STEPS -d L``), each
+    the mean of ``reps`` repetitions after llama-bench's own warm-up; two calls for all lengths."""
+    ls = ",".join(str(n) for n in lengths)
+    base = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json"]
+    out: dict[int, dict] = {n: {} for n in lengths}
+    for t in _run(base + ["-p", ls, "-n", "0"], timeout):
+        out.setdefault(int(t["n_prompt"]), {})["prefill_tok_s"] = float(t["avg_ts"])
+        out[int(t["n_prompt"])]["backend"] = f"llama.cpp {t.get('backends', '?')} {t.get('build_commit', '')}".strip()
+    for t in _run(base + ["-p", "0", "-n", str(steps), "-d", ls], timeout):
+        out.setdefault(int(t.get("n_depth", 0)), {})["decode_tok_s"] = float(t["avg_ts"])
+    return out
+
+
 def llama_bench_records(binary: Path, gguf: Path, lengths: list[int], steps: int, threads: int,
                         timeout: float | None = None) -> list[dict]:
-    """One record per prompt length in the form of Lily's workers: prefill and decode tok/s."""
-    base = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
-    recs = []
-    for length in lengths:
-        pre = _run(base + ["-p", str(length), "-n", "0"], timeout)
-        dec = _run(base + ["-p", "0", "-n", str(steps), "-d", str(length)], timeout)
-        recs.append({"prompt_tokens": length, "prefill_tok_s": float(pre[0]["avg_ts"]),
-                     "decode_tok_s": float(dec[0]["avg_ts"]), "peak_memory_bytes": None,
-                     "backend": f"llama.cpp {pre[0].get('backends', '?')} {pre[0].get('build_commit', '')}".strip(),
-                     "threads": int(pre[0].get("n_threads", threads))})
-    return recs
+    """One record per prompt length in the form of Lily's workers (prefill and decode tok/s)."""
+    got = llama_bench(binary, gguf, lengths, steps, threads, timeout=timeout)
+    if any("prefill_tok_s" not in got[n] or "decode_tok_s" not in got[n] for n in lengths):
+        raise CommandError(f"llama-bench reported no result for some of the lengths {lengths}")
+    return [{"prompt_tokens": n, "prefill_tok_s": got[n]["prefill_tok_s"], "decode_tok_s": got[n]["decode_tok_s"],
+             "peak_memory_bytes": None, "backend": got[n]["backend"]} for n in lengths]
