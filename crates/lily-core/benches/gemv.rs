@@ -360,7 +360,7 @@ fn bench() {
         ("in_proj_qkv 2048->8192 q4", 8192, 2048, 256),
         ("out_proj 4096->2048 q4", 2048, 4096, 256),
     ] {
-        if !run(name) {
+        if !run(&format!("prefill {name}")) {
             continue;
         }
         let m = matrix(1, n, k, q4);
@@ -371,11 +371,15 @@ fn bench() {
         println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
     }
 
-    // MoE prefill: 1024 tokens (the CPU's prefill chunk), each to 8 of 256 experts (~32 tokens per
-    // expert), gate + up [512, 2048] and down [2048, 512] per expert.
-    if run("MoE top-8 of 256, 2048->512x2->2048 q4") {
+    // MoE prefill: 256 tokens (~8 per expert) and 1024 (the CPU's prefill chunk, ~32 per expert),
+    // each to 8 of 256 experts, gate + up [512, 2048] and down [2048, 512] per expert.
+    let name = "MoE top-8 of 256, 2048->512x2->2048 q4";
+    for t in if quick { vec![256] } else { vec![256, 1024] } {
+        if !run(&format!("prefill {name}")) {
+            continue;
+        }
         use lily_core::{backend::params::MoeParams, ops::moe};
-        let (e_n, inter, d, t) = (256, 512, 2048, if quick { 256 } else { 1024 });
+        let (e_n, inter, d) = (256, 512, 2048);
         let (g, u, dn) = (
             matrix(e_n, inter, d, q4),
             matrix(e_n, inter, d, q4),
@@ -394,10 +398,6 @@ fn bench() {
             moe::cpu::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out)
         });
         let gf = (t * 8 * 3 * 2 * inter * d) as f64 / s / 1e9;
-        println!(
-            "{:<36} {t:6}  {gf:7.1}  {:5.0}%",
-            "MoE top-8 of 256, 2048->512x2->2048 q4",
-            100.0 * gf / peak
-        );
+        println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
     }
 }

@@ -1,5 +1,6 @@
-//! Where a decode step's time goes on the CPU: prefill a context, run decode steps, and print the
-//! per-kernel wall time (per weight matrix for matmuls, with the GB/s each reached).
+//! Where a prefill and a decode step's time goes on the CPU: prefill a context (twice: the second,
+//! warm, is timed), run decode steps, and print the per-kernel wall time (per weight matrix for
+//! matmuls, with the GB/s each reached; prefill and decode kernels apart).
 //!
 //! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT]`
 //! (e.g. on `lily synth /tmp/synth4 --layers 4`; pin cores with `taskset` for stable numbers).
@@ -20,7 +21,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut engine = Engine::new(Path::new(dir), BackendKind::Cpu, Some(context + steps + 8))?;
     let prompt: Vec<u32> = (1..=context as u32).collect();
+    engine.prefill(&prompt, false)?; // warm-up: maps the weights in
+    engine.reset()?;
+    let t = Instant::now();
     engine.prefill(&prompt, false)?;
+    eprintln!(
+        "context {context}: {:.1} prefill tok/s (warm)",
+        context as f64 / t.elapsed().as_secs_f64()
+    );
     for _ in 0..3 {
         engine.decode(5)?; // warm-up
     }

@@ -162,7 +162,7 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
     let n = 37;
     for dot in Dot::all_available() {
         for dtype in [DType::BF16, DType::F16, DType::F32] {
-            // Groups of MLX (fused on x86) and a larger one (the lane-by-lane twin path); rows of
+            // Groups of MLX (fused on x86 and arm64) and a larger one (the lane-by-lane twin path); rows of
             // fewer groups than a chunk (512), whole chunks (2048), and a partial last chunk.
             for group in [32, 64, 128, 256] {
                 for cols in [512, 1536, 2048, 4096 + 512] {
@@ -230,11 +230,11 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
 }
 
 #[test]
-fn fused_rows_cover_the_mlx_shapes_on_x86() {
+fn fused_rows_cover_the_mlx_shapes_on_x86_and_arm64() {
     for dot in Dot::all_available() {
-        let x86 = !matches!(dot, Dot::Portable | Dot::NeonSdot);
+        let fused = dot != Dot::Portable;
         for group in [32, 64, 128] {
-            assert_eq!(dot.fused_rows(group, DType::BF16), x86, "{dot:?} group {group}");
+            assert_eq!(dot.fused_rows(group, DType::BF16), fused, "{dot:?} group {group}");
         }
         assert!(!dot.fused_rows(256, DType::BF16));
     }

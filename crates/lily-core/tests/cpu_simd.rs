@@ -102,7 +102,17 @@ fn matmul_every_isa_and_format_matches_reference() {
     let _g = serial();
     for isa in Isa::all_available() {
         for (fi, &(format, sd)) in FORMATS.iter().enumerate() {
-            for &(n, k, t, row0) in &[(37, 256, 1, 0), (300, 512, 1, 1), (70, 256, 5, 2), (21, 384, 19, 0)] {
+            // Every width of the outer-product kernel's last pass (t mod 6 = 0..5); n = 70 / 21: partial row blocks.
+            for &(n, k, t, row0) in &[
+                (37, 256, 1, 0),
+                (300, 512, 1, 1),
+                (70, 256, 5, 2),
+                (21, 384, 19, 0),
+                (40, 256, 3, 0),
+                (48, 128, 4, 1),
+                (33, 256, 2, 0),
+                (16, 128, 12, 1),
+            ] {
                 let w = matrix(1, n, k, format, sd, 11 + fi as u64);
                 let x = rand_vec((t + row0) * k, 5, -1.0, 1.0);
                 let p = MatmulParams {
@@ -139,6 +149,29 @@ fn dequant_every_isa_matches_reference_exactly() {
     }
 }
 
+#[test]
+fn kmajor_tiles_match_reference_exactly() {
+    let _g = serial();
+    for isa in Isa::all_available().into_iter().filter(|&i| simd::kmajor_rows(i) > 0) {
+        let r_n = simd::kmajor_rows(isa);
+        for (fi, &(format, sd)) in FORMATS.iter().enumerate() {
+            let (k, rows) = (256, 2 * r_n + 8);
+            let m = matrix(2, rows, k, format, sd, 21 + fi as u64);
+            let mut b = vec![0f32; k];
+            // Whole 8-row blocks, a partial tail, a tile short of full, at an odd first row.
+            for (e, r0, rn) in [(0, 0, r_n), (1, 3, r_n), (1, r_n, 13), (0, 8, 5), (1, 2 * r_n, 8)] {
+                let (mut wt, mut row) = (vec![f32::NAN; r_n * k], vec![0f32; k]);
+                simd::dequant_kmajor(isa, &m, e, r0..r0 + rn, &mut wt, &mut row);
+                for i in 0..rn {
+                    m.dequant_row(e, r0 + i, &mut b);
+                    let col: Vec<f32> = (0..k).map(|j| wt[j * r_n + i]).collect();
+                    assert_eq!(col, b, "{isa:?} {format:?}/{sd:?} e={e} row {}", r0 + i);
+                }
+            }
+        }
+    }
+}
+
 fn moe_case(isa: Isa, t: usize, format: Format) {
     let (e_n, i_n, d, k_n) = (12, 64, 128, 4);
     let gate = matrix(e_n, i_n, d, format, DType::BF16, 1);
@@ -170,7 +203,7 @@ fn moe_every_isa_matches_reference() {
             Format::Affine { bits: 8, group: 32 },
             Format::BF16,
         ] {
-            // 40 tokens: ~13 per expert, past the 6 the AVX-512 outer-product path needs.
+            // 40 tokens: ~13 per expert, two passes of the outer-product kernel.
             for t in [1, 3, 9, 40] {
                 moe_case(isa, t, format);
             }

@@ -17,7 +17,9 @@ DeltaNet recurrence and its conv), the GFLOP/s that implies, and the fraction of
 measured in the same run (numpy matmul; an MLX matmul for the Metal backend).
 
 ``--compare mlx-lm`` runs MLX-LM's own generation path (``mlx_lm.generate.generate_step``) on the same
-checkpoint in a separate process with the same protocol and prints the ratio per length.
+checkpoint in a separate process with the same protocol and prints the ratio per length; ``--compare llama.cpp``
+runs llama.cpp's ``llama-bench`` on a random-weight GGUF of the checkpoint's shapes at the same bytes per weight
+(``gguf``, ``llamacpp``).
 
 Modules: ``accounting`` (bytes and FLOPs per token), ``machine`` (probing and yardsticks), ``protocol``
 (lengths, rounds, worker processes), ``workers`` (the engines, inside the workers), ``report`` (records, table,

@@ -35,8 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
     ap.add_argument("--plot", nargs="?", const="bench.png", default=None, metavar="PNG",
                     help="write a PNG of tok/s against context length (default bench.png; needs matplotlib)")
-    ap.add_argument("--compare", choices=("mlx-lm",), default=None,
-                    help="also run MLX-LM's own generation path on the same checkpoint and print the ratio")
+    ap.add_argument("--compare", choices=("mlx-lm", "llama.cpp"), default=None,
+                    help="also run MLX-LM's own generation path on the same checkpoint, or llama.cpp's llama-bench "
+                         "on a random-weight GGUF of its shapes at the same bytes per weight, and print the ratios")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH",
+                    help="llama.cpp's llama-bench binary for --compare llama.cpp (default: the one on PATH)")
+    ap.add_argument("--gguf", default=None, metavar="PATH",
+                    help="--compare llama.cpp: the GGUF to run (written there first if absent, then kept; "
+                         "default: a temporary file)")
+    ap.add_argument("--threads", type=command.integer(1), default=None,
+                    help="compute threads of both engines (LILY_THREADS, llama-bench -t; default: the usable CPUs)")
     ap.add_argument("--mlx-dtype", choices=("auto", "native", "float32"), default="auto",
                     help="MLX-LM run as saved (native) or with every float tensor upcast to fp32; auto: fp32 on a "
                          "CPU (its bf16 CPU path is ~8x slower), as saved on a GPU")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lily import command
 from lily.bench.accounting import decode_bytes_model, read_config, text_config
+from lily.bench.llamacpp import llama_bench
 from lily.bench.machine import machine_info, measure_bandwidth, peak_rss_bytes, usable_cpus
 from lily.bench.protocol import parse_lengths
 from lily.bench.workers import make_prompt
@@ -75,20 +76,7 @@ def _llama_bench(binary: str, gguf: str, depths: list[int], threads: int, steps:
     """llama-bench's prefill (pp = depth, from an empty cache) and decode at that depth (tg with -d)."""
     if not depths:
         return {}
-    ds = ",".join(str(d) for d in depths)
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-o", "json", "-r", str(reps)]
-    out: dict[int, dict] = {d: {} for d in depths}
-    for extra in (["-p", ds, "-n", "0"], ["-p", "0", "-n", str(steps), "-d", ds]):
-        res = subprocess.run(cmd + extra, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise CommandError(f"llama-bench failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-        for r in json.loads(res.stdout):
-            if r.get("n_prompt", 0) > 0:
-                out.setdefault(int(r["n_prompt"]), {})["prefill_tok_s"] = float(r["avg_ts"])
-            elif r.get("n_gen", 0) > 0:
-                out.setdefault(int(r.get("n_depth", 0)), {})["decode_tok_s"] = float(r["avg_ts"])
-        print("llama.cpp: " + " ".join(extra), file=sys.stderr)
-    return out
+    return llama_bench(Path(binary), Path(gguf), depths, steps, threads, reps=reps)
 
 
 def _worker(spec: str) -> int:

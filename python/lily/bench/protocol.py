@@ -16,7 +16,8 @@ from lily.bench.accounting import (
     read_config,
     text_config,
 )
-from lily.bench.machine import available_memory_bytes, machine_info, measure_bandwidth, measure_peak_flops
+from lily.bench.llamacpp import GgufFile, find_llama_bench, llama_bench_records
+from lily.bench.machine import available_memory_bytes, machine_info, measure_bandwidth, measure_peak_flops, usable_cpus
 from lily.bench.report import format_table, summarize, write_plot
 from lily.bench.workers import RESULT_TAG
 from lily.command import CommandError, worker_env
@@ -64,12 +65,12 @@ def _worker_cmd(spec: dict) -> list[str]:
     return [sys.executable, "-m", "lily.bench", "--worker", json.dumps(spec)]
 
 
-def run_subprocess(spec: dict, timeout: float | None = None, tick=None) -> list[dict]:
+def run_subprocess(spec: dict, timeout: float | None = None, tick=None, env: dict | None = None) -> list[dict]:
     """Run one worker process for ``spec``; its records. ``tick(seconds)`` is called about once a second while
     it runs."""
     t0 = time.perf_counter()
     with subprocess.Popen(_worker_cmd(spec), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=worker_env()) as proc:
+                          env={**worker_env(), **(env or {})}) as proc:
         while True:
             try:
                 out, err = proc.communicate(timeout=1.0)
@@ -188,6 +189,10 @@ def run_bench(args) -> int:
     if getattr(args, "concurrency", None):
         return _run_concurrency(args, model, vocab, bm, keep)
     engines = [args.engine] + ([args.compare] if args.compare else [])
+    threads = getattr(args, "threads", None)
+    llama = find_llama_bench(getattr(args, "llama_bench", None)) if "llama.cpp" in engines else None
+    if llama is not None:
+        threads = threads or usable_cpus()  # llama-bench's own default counts cores differently: say it
     mlx_dtype = _mlx_dtype(args.mlx_dtype) if "mlx-lm" in engines else None
     method = args.bandwidth_method
     if method == "auto":
@@ -207,25 +212,13 @@ def run_bench(args) -> int:
         engs = engines if rnd % 2 == 0 else engines[::-1]
         runs += [(eng, group) for group in ([[x] for x in order] if per_proc else [order]) for eng in engs]
     status = Status(runs, steps, args.warmup_steps, enabled=not args.quiet)
-    raw: dict = {}
-    backend_seen = None
-    for eng, group in runs:
-        spec = {"engine": eng, "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
-                "kv_dtype": getattr(args, "kv_dtype", "bf16"),
-                "lengths": group, "decode_steps": steps, "warmup_steps": args.warmup_steps,
-                "seed": args.seed, "vocab": vocab, "mlx_dtype": mlx_dtype}
-        t0 = time.perf_counter()
-        status.running(eng, group, 0.0)
-        try:
-            recs = run_subprocess(spec, args.timeout, tick=lambda s, e=eng, g=group: status.running(e, g, s))
-        except CommandError as e:
-            status.bar.write(f"lily bench: {e}", file=sys.stderr)
-            recs = [{"prompt_tokens": x, "error": str(e)} for x in group]
-        for r in recs:
-            raw.setdefault((eng, r["prompt_tokens"]), []).append(r)
-            if eng == args.engine and "backend" in r:
-                backend_seen = r["backend"]
-        status.finished(eng, group, time.perf_counter() - t0)
+    gguf = GgufFile(cfg, getattr(args, "gguf", None), args.seed, say=None if args.quiet else status.bar.write) \
+        if llama is not None else None
+    try:
+        raw, backend_seen = _measure(args, runs, status, model, steps, vocab, mlx_dtype, threads, llama, gguf)
+    finally:
+        if gguf is not None:
+            gguf.close()
     status.close()
     device_bw = [r["device_bandwidth_gbps"] for rs in raw.values() for r in rs if r.get("device_bandwidth_gbps")]
     if device_bw:
@@ -239,7 +232,8 @@ def run_bench(args) -> int:
     meta = {"model": str(model.resolve()), "engine": args.engine, "backend": backend_seen or args.backend,
             "machine": machine_info(), "decode_steps": steps, "warmup_steps": args.warmup_steps,
             "rounds": args.rounds, "fresh_process_per_measurement": per_proc,
-            "compare": args.compare, "mlx_dtype": mlx_dtype,
+            "compare": args.compare, "mlx_dtype": mlx_dtype, "threads": threads,
+            "llama_bench": str(llama) if llama else None,
             "bytes_model": bm, "config": {k: t.get(k) for k in ("num_hidden_layers", "hidden_size", "num_experts",
                                                                  "num_experts_per_tok", "vocab_size")},
             "quantization": {k: v for k, v in (cfg.get("quantization") or {}).items() if not isinstance(v, dict)},
@@ -325,3 +319,32 @@ def _run_concurrency(args, model: Path, vocab: int, bm: dict, lengths: list[int]
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "records": records}, indent=2) + "\n")
     return 1 if any("error" in r for r in records) else 0
+
+
+def _measure(args, runs, status, model, steps, vocab, mlx_dtype, threads, llama, gguf):
+    """Every (engine, lengths) run in order; the records by (engine, length) and the backend Lily reported."""
+    raw: dict = {}
+    backend_seen = None
+    env = {"LILY_THREADS": str(threads)} if threads else None
+    for eng, group in runs:
+        spec = {"engine": eng, "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
+                "kv_dtype": getattr(args, "kv_dtype", "bf16"),
+                "lengths": group, "decode_steps": steps, "warmup_steps": args.warmup_steps,
+                "seed": args.seed, "vocab": vocab, "mlx_dtype": mlx_dtype}
+        t0 = time.perf_counter()
+        status.running(eng, group, 0.0)
+        try:
+            if eng == "llama.cpp":
+                recs = llama_bench_records(llama, gguf.path, group, steps, threads, args.timeout)
+            else:
+                recs = run_subprocess(spec, args.timeout, tick=lambda s, e=eng, g=group: status.running(e, g, s),
+                                      env=env)
+        except CommandError as e:
+            status.bar.write(f"lily bench: {e}", file=sys.stderr)
+            recs = [{"prompt_tokens": x, "error": str(e)} for x in group]
+        for r in recs:
+            raw.setdefault((eng, r["prompt_tokens"]), []).append(r)
+            if eng == args.engine and "backend" in r:
+                backend_seen = r["backend"]
+        status.finished(eng, group, time.perf_counter() - t0)
+    return raw, backend_seen

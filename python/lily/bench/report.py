@@ -9,9 +9,19 @@ from pathlib import Path
 from lily.bench.accounting import bytes_per_decoded_token
 from lily.command import CommandError
 
-__all__ = ["DRIFT_LIMIT", "format_table", "summarize", "write_plot"]
+__all__ = ["DRIFT_LIMIT", "engine_key", "format_table", "summarize", "write_plot"]
 
 DRIFT_LIMIT = 0.03
+COMPARED = ("mlx-lm", "llama.cpp")
+
+
+def engine_key(engine: str) -> str:
+    """The record key of a compared engine's numbers: "mlx-lm" -> "mlx_lm", "llama.cpp" -> "llama_cpp"."""
+    return engine.replace("-", "_").replace(".", "_")
+
+
+def _compared(records: list[dict]) -> str | None:
+    return next((e for e in COMPARED if any(engine_key(e) in r for r in records)), None)
 
 
 def _mean(xs):
@@ -49,7 +59,8 @@ def summarize(
             dec = [r["decode_tok_s"] for r in ok]
             d = {"prefill_tok_s": _mean(pre), "decode_tok_s": _mean(dec), "prefill_tok_s_rounds": pre,
                  "decode_tok_s_rounds": dec, "prefill_drift": _drift(pre), "decode_drift": _drift(dec),
-                 "peak_memory_bytes": max([r["peak_memory_bytes"] for r in ok], default=None),
+                 "peak_memory_bytes": max([r["peak_memory_bytes"] for r in ok if r.get("peak_memory_bytes")],
+                                          default=None),
                  "backend": ok[0]["backend"] if ok else None}
             d["drift_ok"] = d["prefill_drift"] < DRIFT_LIMIT and d["decode_drift"] < DRIFT_LIMIT
             if errs:
@@ -71,7 +82,7 @@ def summarize(
                 rec.update(d)
                 rec["engine"] = eng
             else:
-                rec[eng.replace("-", "_")] = d
+                rec[engine_key(eng)] = d
                 rec["prefill_ratio"] = rec["prefill_tok_s"] / d["prefill_tok_s"] if d["prefill_tok_s"] else None
                 rec["decode_ratio"] = rec["decode_tok_s"] / d["decode_tok_s"] if d["decode_tok_s"] else None
         records.append(rec)
@@ -85,11 +96,12 @@ def _fmt(x, spec=",.1f"):
 
 
 def format_table(records: list[dict], meta: dict) -> str:
-    cmp_key = "mlx_lm" if any("mlx_lm" in r for r in records) else None
+    cmp = _compared(records)
+    cmp_key = engine_key(cmp) if cmp else None
     head = ["prompt", "prefill tok/s", "of peak", "decode tok/s", "drift", "MB/token", "eff GB/s", "of read BW",
             "of copy BW", "peak mem"]
     if cmp_key:
-        head += ["mlx-lm prefill", "mlx-lm decode", "prefill x", "decode x"]
+        head += [f"{cmp} prefill", f"{cmp} decode", "prefill x", "decode x"]
     rows = [head]
     for r in records:
         drift = max(r.get("prefill_drift", 0.0), r.get("decode_drift", 0.0))
@@ -116,7 +128,10 @@ def format_table(records: list[dict], meta: dict) -> str:
             f"a read stream), {m['memory_bandwidth_gbps']:.1f} GB/s copy (read + write), by {m['bandwidth_method']}; "
             f"f32 matmul peak {m.get('peak_gflops', float('nan')):,.0f} GFLOP/s ({m.get('peak_method')}); "
             f"{m['decode_steps']} decode steps; drift = max spread of the {m['rounds']} rounds"
-            + (" (! = 3 % or more)" if any(not r.get("drift_ok", True) for r in records) else ""))
+            + (" (! = 3 % or more)" if any(not r.get("drift_ok", True) for r in records) else "")
+            + (f"; {m['threads']} threads" if m.get("threads") else "")
+            + (f"; {cmp}: {m['llama_bench']} on a random-weight GGUF of the same shapes (Q4_0, 4.5 bits per weight)"
+               if cmp == "llama.cpp" and m.get("llama_bench") else ""))
     return "\n".join(lines) + "\n" + foot
 
 
@@ -132,8 +147,9 @@ def write_plot(path: Path, records: list[dict], meta: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "prefill_tok_s", "prefill"), (axes[1], "decode_tok_s", "decode")):
         ax.plot(xs, [r.get(key) for r in records], "o-", label=f"lily ({meta.get('backend')})")
-        if any("mlx_lm" in r for r in records):
-            ax.plot(xs, [r.get("mlx_lm", {}).get(key) for r in records], "s--", label="mlx-lm")
+        cmp = _compared(records)
+        if cmp:
+            ax.plot(xs, [r.get(engine_key(cmp), {}).get(key) for r in records], "s--", label=cmp)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens (context)")
         ax.set_ylabel("tokens / s")

@@ -4,7 +4,9 @@
 //! Primitives (all f32 accumulation):
 //! - dot products of an activation with one weight row in every format, dequantizing in
 //!   registers (4-bit, 8-bit affine; bf16, f16, f32), each weight byte read once;
-//! - a 4 x 4 register-blocked dot tile (4 weight rows x 4 activation rows) for prefill GEMM;
+//! - prefill GEMM tiles: an outer-product kernel on a K-major weight tile (32 or 16 rows x up to 6
+//!   activation rows, AVX-512 / AVX2) with the dequantization straight into that layout, and a
+//!   4 x 4 register-blocked dot tile (4 weight rows x 4 activation rows) elsewhere;
 //! - fast row dequantization into f32 (GEMM tiles, embedding rows).
 //!
 //! 4-bit rows are multiplied by x written as integer planes, with the CPU's byte dot products
@@ -411,24 +413,75 @@ pub fn dot4x4(isa: Isa, w: [&[f32]; 4], x: [&[f32]; 4], k: usize) -> [[f32; 4]; 
     }
 }
 
-/// Rows per K-major tile of [`tile32x6`].
-pub const TILE_T_ROWS: usize = 32;
-
-/// Whether [`tile32x6`] has a kernel for `isa` (else use [`dot4x4`]).
-pub fn has_tile32x6(isa: Isa) -> bool {
-    cfg!(target_arch = "x86_64") && isa == Isa::Avx512
+/// Rows of the K-major weight tile that [`tile_kxn`] multiplies: 32 (two zmm) with AVX-512, 16 (two
+/// ymm) with AVX2; 0 where there is no outer-product kernel (use [`dot4x4`]).
+pub fn kmajor_rows(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 if cfg!(target_arch = "x86_64") => 32,
+        Isa::Avx2 if cfg!(target_arch = "x86_64") => 16,
+        _ => 0,
+    }
 }
 
-/// out[t][r] = sum_j wt[j][r] x[t][j] for a K-major tile wt [k][32] and 6 activation rows.
-/// Only for ISAs where [`has_tile32x6`]; others get zeros.
+/// out[t][r] = sum_j wt[j][r] x[t][j] for r < [`kmajor_rows`]`(isa)` and t < `n` (1..=6): a K-major
+/// tile wt [k][R] (R weight rows side by side) against n activation rows, by outer products (no
+/// horizontal sums), compiled per n so a short pass spends no FMAs on absent rows.
+/// Only for ISAs where `kmajor_rows(isa) > 0`; others get zeros.
 #[inline]
-pub fn tile32x6(isa: Isa, wt: &[f32], x: [&[f32]; 6], k: usize, out: &mut [[f32; 32]; 6]) {
-    assert!(wt.len() >= 32 * k && x.iter().all(|r| r.len() >= k));
-    match isa {
-        // SAFETY: ISA available; tile and rows hold k columns.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::tile32x6_avx512(wt.as_ptr(), x.map(|r| r.as_ptr()), k, out) },
-        _ => *out = [[0.0; 32]; 6],
+pub fn tile_kxn(isa: Isa, wt: &[f32], x: [&[f32]; 6], n: usize, k: usize, out: &mut [[f32; 32]; 6]) {
+    assert!(wt.len() >= kmajor_rows(isa) * k && (1..=6).contains(&n) && x[..n].iter().all(|r| r.len() >= k));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let xp = x.map(|r| r.as_ptr());
+        macro_rules! by_n {
+            ($f:ident) => {
+                // SAFETY: ISA available; the tile and the first n rows hold k columns.
+                unsafe {
+                    match n {
+                        1 => x86::$f::<1>(wt.as_ptr(), xp, k, out),
+                        2 => x86::$f::<2>(wt.as_ptr(), xp, k, out),
+                        3 => x86::$f::<3>(wt.as_ptr(), xp, k, out),
+                        4 => x86::$f::<4>(wt.as_ptr(), xp, k, out),
+                        5 => x86::$f::<5>(wt.as_ptr(), xp, k, out),
+                        _ => x86::$f::<6>(wt.as_ptr(), xp, k, out),
+                    }
+                }
+            };
+        }
+        match isa {
+            Isa::Avx512 => return by_n!(tile32xn_avx512),
+            Isa::Avx2 => return by_n!(tile16xn_avx2),
+            Isa::Portable => {}
+        }
+    }
+    *out = [[0.0; 32]; 6];
+}
+
+/// The K-major tile of rows `rows` of expert `e` of `m`: wt[j * R + i] = W[rows.start + i][j] for
+/// R = [`kmajor_rows`]`(isa)` > 0 (columns i >= rows.len() are left as they were). 4-bit affine rows
+/// with groups of a multiple of 32 are dequantized straight into that layout, 8 rows at a time
+/// (transposed as packed words, then one nibble position per output vector: as few instructions
+/// per weight as the row-major dequantization); other formats go through `row` ([cols] floats).
+pub fn dequant_kmajor(isa: Isa, m: &Matrix, e: usize, rows: std::ops::Range<usize>, wt: &mut [f32], row: &mut [f32]) {
+    let (r_n, k) = (kmajor_rows(isa), m.cols);
+    assert!(r_n > 0 && rows.len() <= r_n && wt.len() >= r_n * k && row.len() >= k);
+    // Whole 8-row blocks of 4-bit rows go straight into the layout (x86: r_n > 0 only there).
+    let q4 = matches!(m.format, Format::Affine { bits: 4, group } if group % 32 == 0 && k % group == 0);
+    let fast = if cfg!(target_arch = "x86_64") && q4 {
+        rows.len() / 8 * 8
+    } else {
+        0
+    };
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..fast).step_by(8) {
+        // SAFETY: AVX2 is part of every ISA with r_n > 0; 8 stored rows exist; wt holds r_n * k.
+        unsafe { x86::dequant8_kmajor_q4(m, m.stored_row(e, rows.start + i), wt.as_mut_ptr().add(i), r_n) };
+    }
+    for i in fast..rows.len() {
+        dequant_row(isa, m, m.stored_row(e, rows.start + i), row);
+        for (j, &v) in row[..k].iter().enumerate() {
+            wt[j * r_n + i] = v;
+        }
     }
 }
 
@@ -491,7 +544,7 @@ mod x86 {
     //! safe wrappers check.
     use std::arch::x86_64::*;
 
-    use crate::quant::Matrix;
+    use crate::quant::{read_scalar, Format, Matrix};
 
     /// Bytes ahead of the current weight read to prefetch: the 4/8-bit kernels spend enough
     /// instructions per byte that the out-of-order window alone may keep too few cache-line
@@ -832,43 +885,108 @@ mod x86 {
         }
     }
 
-    /// Outer-product GEMM micro-kernel: wt is a K-major tile [k][32] (32 weight rows side by side),
-    /// x 6 activation rows. Per k: two 16-row weight vectors times 6 broadcast activations into
-    /// 12 zmm accumulators (8 loads per 12 FMAs, no horizontal sums). out[t][r] = row r . x[t].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn tile32x6_avx512(wt: *const f32, x: [*const f32; 6], k: usize, out: &mut [[f32; 32]; 6]) {
-        unsafe {
-            let z = _mm512_setzero_ps();
-            let (mut c00, mut c01, mut c10, mut c11, mut c20, mut c21) = (z, z, z, z, z, z);
-            let (mut c30, mut c31, mut c40, mut c41, mut c50, mut c51) = (z, z, z, z, z, z);
-            for j in 0..k {
-                let w0 = _mm512_loadu_ps(wt.add(32 * j));
-                let w1 = _mm512_loadu_ps(wt.add(32 * j + 16));
-                let b = _mm512_set1_ps(*x[0].add(j));
-                c00 = _mm512_fmadd_ps(w0, b, c00);
-                c01 = _mm512_fmadd_ps(w1, b, c01);
-                let b = _mm512_set1_ps(*x[1].add(j));
-                c10 = _mm512_fmadd_ps(w0, b, c10);
-                c11 = _mm512_fmadd_ps(w1, b, c11);
-                let b = _mm512_set1_ps(*x[2].add(j));
-                c20 = _mm512_fmadd_ps(w0, b, c20);
-                c21 = _mm512_fmadd_ps(w1, b, c21);
-                let b = _mm512_set1_ps(*x[3].add(j));
-                c30 = _mm512_fmadd_ps(w0, b, c30);
-                c31 = _mm512_fmadd_ps(w1, b, c31);
-                let b = _mm512_set1_ps(*x[4].add(j));
-                c40 = _mm512_fmadd_ps(w0, b, c40);
-                c41 = _mm512_fmadd_ps(w1, b, c41);
-                let b = _mm512_set1_ps(*x[5].add(j));
-                c50 = _mm512_fmadd_ps(w0, b, c50);
-                c51 = _mm512_fmadd_ps(w1, b, c51);
+    /// Outer-product GEMM micro-kernels: wt is a K-major tile [k][2 L] (2 L weight rows side by
+    /// side, L lanes per register), x N <= 6 activation rows. Per k: two weight vectors times N
+    /// broadcast activations into 2 N accumulators (at N = 6: 2 loads + 6 broadcasts per 12 FMAs,
+    /// 15 of AVX2's 16 registers; no horizontal sums). out[t][r] = row r . x[t].
+    macro_rules! tile_kernel {
+        ($name:ident, $feat:literal, $l:literal, $zero:ident, $load:ident, $bcast:ident, $fma:ident, $store:ident) => {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name<const N: usize>(
+                wt: *const f32,
+                x: [*const f32; 6],
+                k: usize,
+                out: &mut [[f32; 32]; 6],
+            ) {
+                unsafe {
+                    let mut c = [[$zero(); 2]; N];
+                    for j in 0..k {
+                        let w0 = $load(wt.add(2 * $l * j));
+                        let w1 = $load(wt.add(2 * $l * j + $l));
+                        for (t, ct) in c.iter_mut().enumerate() {
+                            let b = $bcast(*x[t].add(j));
+                            ct[0] = $fma(w0, b, ct[0]);
+                            ct[1] = $fma(w1, b, ct[1]);
+                        }
+                    }
+                    for (t, ct) in c.iter().enumerate() {
+                        $store(out[t].as_mut_ptr(), ct[0]);
+                        $store(out[t].as_mut_ptr().add($l), ct[1]);
+                    }
+                }
             }
-            for (t, (lo, hi)) in [(c00, c01), (c10, c11), (c20, c21), (c30, c31), (c40, c41), (c50, c51)]
-                .into_iter()
-                .enumerate()
-            {
-                _mm512_storeu_ps(out[t].as_mut_ptr(), lo);
-                _mm512_storeu_ps(out[t].as_mut_ptr().add(16), hi);
+        };
+    }
+
+    tile_kernel!(
+        tile32xn_avx512,
+        "avx512f,avx512bw,avx512vl,avx2,fma",
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_storeu_ps
+    );
+    tile_kernel!(
+        tile16xn_avx2,
+        "avx2,fma",
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_storeu_ps
+    );
+
+    /// 8 consecutive stored 4-bit affine rows (groups a multiple of 32) into 8 columns of a K-major
+    /// tile: wt[j * stride + i] = s_i,g q_i,j + b_i,g for i < 8, j < cols. Per 32 columns: the 16
+    /// bytes of each row (four 32-bit words of 8 nibbles) are transposed so that word c of all 8 rows
+    /// sits in one register (lane i = row i); nibble n of that word is column 8 c + n of every row:
+    /// shift, mask, convert, scale and bias (the rows' vectors), one store.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequant8_kmajor_q4(m: &Matrix, stored: usize, wt: *mut f32, stride: usize) {
+        let Format::Affine { group, .. } = m.format else {
+            unreachable!("dequant8_kmajor_q4 takes 4-bit affine rows")
+        };
+        let (sd, cols) = (m.scale_dtype(), m.cols);
+        let parts: [(&[u8], &[u8], &[u8]); 8] = std::array::from_fn(|i| m.row_parts(stored + i));
+        unsafe {
+            let mask = _mm256_set1_epi32(15);
+            let mut c0 = 0;
+            while c0 < cols {
+                let g = c0 / group;
+                // The 8 rows' scale and bias of group g, one vector each.
+                let (sv, bv): ([f32; 8], [f32; 8]) = (
+                    std::array::from_fn(|i| read_scalar(sd, parts[i].1, g)),
+                    std::array::from_fn(|i| read_scalar(sd, parts[i].2, g)),
+                );
+                let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
+                // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
+                let v: [__m256i; 4] = std::array::from_fn(|r| {
+                    let lo = _mm_loadu_si128(parts[r].0[c0 / 2..][..16].as_ptr() as *const __m128i);
+                    let hi = _mm_loadu_si128(parts[r + 4].0[c0 / 2..][..16].as_ptr() as *const __m128i);
+                    _mm256_set_m128i(hi, lo)
+                });
+                let (a0, a1) = (_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+                let (a2, a3) = (_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+                let words = [
+                    _mm256_unpacklo_epi64(a0, a2),
+                    _mm256_unpackhi_epi64(a0, a2),
+                    _mm256_unpacklo_epi64(a1, a3),
+                    _mm256_unpackhi_epi64(a1, a3),
+                ];
+                for (c, &w) in words.iter().enumerate() {
+                    let mut w = w;
+                    for n in 0..8 {
+                        let q = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+                        // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
+                        let v = _mm256_add_ps(_mm256_mul_ps(s, q), b);
+                        _mm256_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
+                        w = _mm256_srli_epi32::<4>(w);
+                    }
+                }
+                c0 += 32;
             }
         }
     }

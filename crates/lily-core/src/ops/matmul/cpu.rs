@@ -6,10 +6,11 @@
 //!   matrices reading the same x as one pool loop (`matmuls`).
 //! - [`gemv_batch`] (a batched decode step, up to [`GEMV_BATCH_MAX`] rows): the GEMV per row,
 //!   each block of weight rows dotted with every activation row while it is in cache.
-//! - [`gemm`] (prefill, many activation rows): a block of [`TILE_ROWS`] weight rows is
-//!   dequantized once into an f32 tile (per-thread scratch), then multiplied against the
-//!   activation rows 4 x 4 at a time ([`simd::dot4x4`]); row blocks are the parallel tasks.
-//!   The MoE experts and the chunked DeltaNet reuse its tile sweep ([`tile_products`]).
+//! - [`gemm`] (prefill, many activation rows): a block of weight rows is dequantized once into
+//!   an f32 tile (per-thread scratch), K-major for the outer-product kernel where the ISA has one
+//!   (32 or 16 rows x up to 6 activation rows per pass), else row-major for 4 x 4 dot tiles
+//!   ([`simd::dot4x4`]); row blocks are the parallel tasks ([`tile_sweep`]). The MoE experts
+//!   reuse the sweep, the chunked DeltaNet the 4 x 4 tiles ([`tile_products`]).
 
 use crate::{
     backend::{
@@ -204,59 +205,83 @@ pub fn tile_products<'x>(
     }
 }
 
+/// Weight rows per prefill task ([`tile_sweep`]): the K-major tile's rows where the ISA has the
+/// outer-product kernel (32 on AVX-512, 16 on AVX2), else [`TILE_ROWS`].
+pub fn sweep_rows(isa: Isa) -> usize {
+    match simd::kmajor_rows(isa) {
+        0 => TILE_ROWS,
+        r => r,
+    }
+}
+
+/// Scratch floats [`tile_sweep`] needs for `k` columns.
+pub fn sweep_scratch_len(isa: Isa, k: usize) -> usize {
+    sweep_rows(isa) * k + k
+}
+
+/// The prefill sweep of one block of weight rows: dequantize rows `rows` (at most [`sweep_rows`])
+/// of expert `e` of `m` once, then call `emit(item, i, W[rows.start + i] . xrow(item))` for every
+/// item < items and i < rows.len(). `scr` holds [`sweep_scratch_len`] floats.
+/// With the outer-product kernel: a K-major tile, 6 activation rows per pass and a last pass of
+/// exactly the rows left (an expert sees ~8 tokens of a 256-token prompt: 6 + 2, not 6 + 6);
+/// otherwise a row-major tile and 4 x 4 dot tiles ([`tile_products`]). Accumulation f32.
+#[inline]
+pub fn tile_sweep<'x>(
+    isa: Isa,
+    m: &Matrix,
+    e: usize,
+    rows: std::ops::Range<usize>,
+    items: usize,
+    xrow: impl Fn(usize) -> &'x [f32],
+    scr: &mut [f32],
+    mut emit: impl FnMut(usize, usize, f32),
+) {
+    let (r_n, k, rn) = (simd::kmajor_rows(isa), m.cols, rows.len());
+    if r_n == 0 {
+        let tile = &mut scr[..rn * k];
+        dequant_tile(isa, m, e, rows, tile);
+        tile_products(isa, tile, rn, k, items, xrow, emit);
+        return;
+    }
+    let (wt, row) = scr.split_at_mut(r_n * k);
+    simd::dequant_kmajor(isa, m, e, rows, wt, row);
+    let mut acc = [[0f32; 32]; 6];
+    let mut t0 = 0;
+    while t0 < items {
+        let tn = (items - t0).min(6);
+        let xs = [0, 1, 2, 3, 4, 5].map(|j| xrow(t0 + j.min(tn - 1)));
+        simd::tile_kxn(isa, wt, xs, tn, k, &mut acc);
+        for (j, a) in acc[..tn].iter().enumerate() {
+            for (i, &v) in a[..rn].iter().enumerate() {
+                emit(t0 + j, i, v);
+            }
+        }
+        t0 += 6;
+    }
+}
+
 /// out[t * n + r] = W[r] . x[t] for t < tokens (prefill GEMM), W = expert e of `m` [n, k].
-/// Threads: one task per block of weight rows; each dequantizes its rows once.
-/// AVX-512 with at least 6 tokens: a K-major tile of 32 rows and the outer-product micro-kernel
-/// (32 rows x 6 tokens of f32 accumulators); otherwise TILE_ROWS rows and 4 x 4 dot tiles.
+/// Threads: one task per block of [`sweep_rows`] weight rows; each dequantizes its rows once
+/// ([`tile_sweep`]).
 pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (n, k) = (m.rows, m.cols);
     let o = Out(out.as_mut_ptr());
-    if simd::has_tile32x6(isa) && tokens >= 6 {
-        const R: usize = simd::TILE_T_ROWS;
-        pool::for_each(n.div_ceil(R), |b| {
-            let rows = b * R..((b + 1) * R).min(n);
-            let rn = rows.len();
-            with_task(R * k + k, |scr| {
-                let (wt, row) = scr.split_at_mut(R * k);
-                for (i, r) in rows.clone().enumerate() {
-                    simd::dequant_row(isa, m, m.stored_row(e, r), row);
-                    for (j, &v) in row.iter().enumerate() {
-                        wt[j * R + i] = v;
-                    }
-                }
-                let mut acc = [[0f32; R]; 6];
-                let mut t0 = 0;
-                while t0 < tokens {
-                    let tn = (tokens - t0).min(6);
-                    let xs = [0, 1, 2, 3, 4, 5].map(|j| &x[(t0 + j.min(tn - 1)) * k..][..k]);
-                    simd::tile32x6(isa, wt, xs, k, &mut acc);
-                    for (j, a) in acc[..tn].iter().enumerate() {
-                        for (i, &v) in a[..rn].iter().enumerate() {
-                            // SAFETY: (token, row) pairs of this row block are written by this task only.
-                            unsafe { o.set((t0 + j) * n + rows.start + i, v) }
-                        }
-                    }
-                    t0 += 6;
-                }
-            });
-        });
-        return;
-    }
-    pool::for_each(n.div_ceil(TILE_ROWS), |b| {
-        let rows = b * TILE_ROWS..((b + 1) * TILE_ROWS).min(n);
-        let rn = rows.len();
-        with_task(rn * k, |tile| {
-            dequant_tile(isa, m, e, rows.clone(), tile);
-            tile_products(
+    let block = sweep_rows(isa);
+    pool::for_each(n.div_ceil(block), |b| {
+        let rows = b * block..((b + 1) * block).min(n);
+        let r0 = rows.start;
+        with_task(sweep_scratch_len(isa, k), |scr| {
+            tile_sweep(
                 isa,
-                tile,
-                rn,
-                k,
+                m,
+                e,
+                rows,
                 tokens,
                 |t| &x[t * k..][..k],
+                scr,
                 |t, i, v| {
-                    // SAFETY: (t, row) pairs of this row block are written by this task only.
-                    unsafe { o.set(t * n + rows.start + i, v) }
+                    // SAFETY: (token, row) pairs of this row block are written by this task only.
+                    unsafe { o.set(t * n + r0 + i, v) }
                 },
             );
         });

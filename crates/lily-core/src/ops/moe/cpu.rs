@@ -29,7 +29,7 @@ const MOE_DECODE_ROWS: usize = 256;
 /// Decode (one token): GEMV straight from the packed bytes, tasks = (expert slot, block of rows).
 /// Prefill: the (token, slot) pairs are grouped by expert (counting sort), and each task
 /// dequantizes a tile of one expert's rows once and multiplies it against all of that expert's
-/// tokens (4 x 4 register tiles). Accumulation f32; the K outputs are summed in slot order.
+/// tokens (the matmul family's [`matmul::tile_sweep`]). Accumulation f32; the K outputs are summed in slot order.
 pub fn moe_experts(
     p: &MoeParams,
     x: &[f32],
@@ -317,43 +317,36 @@ fn moe_grouped(
     with_groups(&ids[..pairs], e_n, |groups| {
         let (ng, group) = (groups.len(), |g: usize| groups.get(g));
 
-        let blocks = inter.div_ceil(matmul::TILE_ROWS);
+        let block = matmul::sweep_rows(isa);
+        let blocks = inter.div_ceil(block);
         pool::for_each(ng * blocks, |task| {
             let (g, blk) = (task / blocks, task % blocks);
             let (e, members) = group(g);
-            let rows = blk * matmul::TILE_ROWS..((blk + 1) * matmul::TILE_ROWS).min(inter);
-            let rn = rows.len();
-            with_task(2 * rn * d + members.len() * rn, |scr| {
-                let (gt, rest) = scr.split_at_mut(rn * d);
-                let (ut, gv) = rest.split_at_mut(rn * d);
-                matmul::dequant_tile(isa, gate, e, rows.clone(), gt);
-                matmul::dequant_tile(isa, up, e, rows.clone(), ut);
+            let rows = blk * block..((blk + 1) * block).min(inter);
+            let (r0, rn, sweep) = (rows.start, rows.len(), matmul::sweep_scratch_len(isa, d));
+            with_task(sweep + members.len() * rn, |scr| {
+                let (scr, gv) = scr.split_at_mut(sweep);
                 let xrow = |m: usize| &x[(members[m] as usize / k_n) * d..][..d];
-                matmul::tile_products(isa, gt, rn, d, members.len(), xrow, |m, i, v| gv[m * rn + i] = v);
-                matmul::tile_products(isa, ut, rn, d, members.len(), xrow, |m, i, u| {
+                let n = members.len();
+                matmul::tile_sweep(isa, gate, e, rows.clone(), n, xrow, scr, |m, i, v| gv[m * rn + i] = v);
+                matmul::tile_sweep(isa, up, e, rows, n, xrow, scr, |m, i, u| {
                     // SAFETY: (pair, row) of this expert's row block is written by this task only.
-                    unsafe {
-                        act_o.set(
-                            members[m] as usize * inter + rows.start + i,
-                            simd::silu(gv[m * rn + i]) * u,
-                        )
-                    };
+                    unsafe { act_o.set(members[m] as usize * inter + r0 + i, simd::silu(gv[m * rn + i]) * u) };
                 });
             });
         });
         let act: &[f32] = act;
-        let blocks = d.div_ceil(matmul::TILE_ROWS);
+        let blocks = d.div_ceil(block);
         pool::for_each(ng * blocks, |task| {
             let (g, blk) = (task / blocks, task % blocks);
             let (e, members) = group(g);
-            let rows = blk * matmul::TILE_ROWS..((blk + 1) * matmul::TILE_ROWS).min(d);
-            let rn = rows.len();
-            with_task(rn * inter, |tile| {
-                matmul::dequant_tile(isa, down, e, rows.clone(), tile);
+            let rows = blk * block..((blk + 1) * block).min(d);
+            let r0 = rows.start;
+            with_task(matmul::sweep_scratch_len(isa, inter), |scr| {
                 let xrow = |m: usize| &act[members[m] as usize * inter..][..inter];
-                matmul::tile_products(isa, tile, rn, inter, members.len(), xrow, |m, i, y| {
+                matmul::tile_sweep(isa, down, e, rows, members.len(), xrow, scr, |m, i, y| {
                     // SAFETY: (pair, row) of this expert's row block is written by this task only.
-                    unsafe { ys_o.set(members[m] as usize * d + rows.start + i, y) };
+                    unsafe { ys_o.set(members[m] as usize * d + r0 + i, y) };
                 });
             });
         });
