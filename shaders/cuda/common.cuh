@@ -197,8 +197,9 @@ template <int KIND> struct DenseW {
     return KIND == 1 ? bf16_float(b) : f16_float(b);
   }
   __device__ __forceinline__ float at(size_t row, uint j) const { return elem(w + row * m.row_bytes, j); }
-  // Dot product of chunk c (columns c * EPC ..) of stored row `row` with xc[0..EPC).
-  __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
+  // Dot product of chunk c (columns c * EPC ..) of stored row `row` with the chunk's x, whose
+  // q-th 4 floats are at xc + q * step (step 4: x contiguous; rows_dot_chunks: a staged layout).
+  __device__ __forceinline__ float dot(size_t row, uint c, const float* xc, uint step) const {
     const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
     const uint u[4] = {v.x, v.y, v.z, v.w};
     float acc = 0.0f;
@@ -208,7 +209,7 @@ template <int KIND> struct DenseW {
             __uint_as_float(u[3]) * x.w;
     } else {
       for (int i = 0; i < 4; i += 2) {
-        const float4 x = load_f4(xc + 2 * i);
+        const float4 x = load_f4(xc + (i / 2) * step);
         const ushort h[4] = {(ushort)u[i], (ushort)(u[i] >> 16), (ushort)u[i + 1], (ushort)(u[i + 1] >> 16)};
         float w4[4];
         for (int e = 0; e < 4; ++e) w4[e] = KIND == 1 ? bf16_float(h[e]) : f16_float(h[e]);
@@ -254,8 +255,8 @@ template <int BITS, typename S> struct AffineW {
   // s * sum(q x) + b * sum(x) per group: no dequantized weight is formed. A code becomes a float
   // by the exponent trick (2^23 + q has q in its mantissa; minus 2^23 is exact): the int-to-float
   // instruction runs at a quarter of the FMA rate and the H200 profile had the GEMVs bound by it.
-  // With a power-of-two group, the group index is a shift (no division per chunk).
-  __device__ __forceinline__ float dot(size_t row, uint c, const float* __restrict__ xc) const {
+  // With a power-of-two group, the group index is a shift (no division per chunk). x as DenseW::dot.
+  __device__ __forceinline__ float dot(size_t row, uint c, const float* xc, uint step) const {
     const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
     const uint u[4] = {v.x, v.y, v.z, v.w};
     constexpr int PW = 32 / BITS;  // codes per word
@@ -265,7 +266,7 @@ template <int BITS, typename S> struct AffineW {
     float qx[EPC / 8], xs[EPC / 8];
     for (int k = 0; k < EPC / 8; ++k) qx[k] = xs[k] = 0.0f;
     for (int j = 0; j < EPC; j += 4) {
-      const float4 x = load_f4(xc + j);
+      const float4 x = load_f4(xc + (j / 4) * step);
       const uint word = u[j / PW], sh = (j % PW) * BITS;
       qx[j / 8] += code_float((word >> sh) & MASK) * x.x + code_float((word >> (sh + BITS)) & MASK) * x.y +
                    code_float((word >> (sh + 2 * BITS)) & MASK) * x.z +
@@ -362,12 +363,22 @@ AFFINE_MAKE(W_q4_f32)
 AFFINE_MAKE(W_q8_f32)
 
 // Dot products of R stored rows rows[r] with x[0..K) over the 32 lanes of a warp (every lane
-// gets every sum). The R rows' 16-byte chunks form one list of R * K / EPC items that the lanes
-// take in turn (item i: row i / chunks, chunk i % chunks), so a short row (the 512 columns of an
-// expert's down projection: 16 chunks at 4 bits) still keeps every lane busy; each item is one
-// 16-byte weight load and the x chunk it multiplies (L1-resident), and the loop is unrolled so a
-// lane has several weight loads in flight. No dequantized weight is formed (`W::dot`). A row that
-// is not 16-byte aligned (m.vec == 0) or a K tail goes element by element.
+// gets every sum), x read from global memory (the MoE expert kernels). The R rows' 16-byte chunks
+// form one list of R * K / EPC items that the lanes take in turn (item i: row i / chunks, chunk
+// i % chunks), so a short row (the 512 columns of an expert's down projection: 16 chunks at 4 bits)
+// still keeps every lane busy; each item is one 16-byte weight load and the x chunk it multiplies
+// (L1-resident), and the loop is unrolled so a lane has several weight loads in flight. No
+// dequantized weight is formed (`W::dot`). A row that is not 16-byte aligned (m.vec == 0) or a K
+// tail goes element by element (rows_dot_tail).
+template <typename W, int R>
+__device__ __forceinline__ void rows_dot_tail(const W& wr, const size_t* rows, uint done, uint K,
+                                              const float* __restrict__ x, float* acc) {
+  for (uint j = done + threadIdx.x % 32; j < K; j += 32) {
+    const float xj = x[j];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
+  }
+}
 template <typename W, int R>
 __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K, const float* __restrict__ x,
                                          float* out) {
@@ -384,7 +395,7 @@ __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K
       size_t row = rows[0];
       for (int k = 1; k < R; ++k)
         if (r == (uint)k) row = rows[k];
-      const float d = wr.dot(row, c, x + (size_t)c * W::EPC);
+      const float d = wr.dot(row, c, x + (size_t)c * W::EPC, 4);
       for (int k = 0; k < R; ++k)
         if (r == (uint)k) acc[k] += d;
       c += 32;
@@ -392,11 +403,24 @@ __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K
     }
     done = chunks * W::EPC;
   }
-  for (uint j = done + lane; j < K; j += 32) {
-    const float xj = x[j];
-    for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
-  }
+  rows_dot_tail<W, R>(wr, rows, done, K, x, acc);
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// acc[r] += the dot products of chunks c0 .. c1 - 1 of the R stored rows rows[r] with x, lane l
+// taking chunks c0 + l, c0 + l + 32, ..: the warp reads 32 consecutive 16-byte chunks (512 bytes)
+// of a row per step, coalesced, and each lane's x chunk (x_at(c), its q-th 4 floats at + q * step)
+// serves all R rows. R is a compile-time constant and the row loop unrolled: rows[] and acc[]
+// live in registers.
+template <typename W, int R, typename XAt>
+__device__ __forceinline__ void rows_dot_chunks(const W& wr, const size_t* rows, uint c0, uint c1, XAt x_at,
+                                                uint step, float* acc) {
+#pragma unroll 1
+  for (uint c = c0 + threadIdx.x % 32; c < c1; c += 32) {
+    const float* xc = x_at(c);
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += wr.dot(rows[r], c, xc, step);
+  }
 }
 
 // ---------------------------------------------------------------- tensor-core tiles

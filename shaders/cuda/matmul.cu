@@ -7,25 +7,81 @@
 #include "common.cuh"
 
 // matmul_gemv_<w>: grid (ceil(N / 32), T), 256 threads = 8 warps; warp w of block b owns the
-// GEMV_ROWS = 4 output rows (8 b + w) 4 .. + 4 of token blockIdx.y (rows_dot in common.cuh:
-// lanes over 16-byte chunks of K, the 4 rows' loads in flight together). A partial last group
-// repeats its last row and stores only the valid ones. Accumulation: f32.
+// GEMV_ROWS = 4 output rows (8 b + w) 4 .. + 4 of token blockIdx.y. The block stages x in shared
+// memory (gemv_rows, GEMV_XS floats a pass), then each lane takes 16-byte chunks c = lane, lane + 32,
+// .. of K and multiplies its x chunk with the chunk of all 4 rows (rows_dot_chunks in common.cuh):
+// a warp's weight reads are 512 contiguous bytes of a row, x is read from global memory once per
+// block and from shared memory once per 4 rows. A partial last group repeats its last row and
+// stores only the valid ones. Accumulation: f32.
 #define GEMV_ROWS 4
+// Floats of x a block stages per pass: 32 KiB, a multiple of 32 chunks of every format (EPC <= 64),
+// so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
+#define GEMV_XS 8192
+
+// The GEMV_ROWS dot products of the stored rows rows[r] with x[0..K) for the calling warp (every
+// lane gets every sum in out); reached by every thread of the block (it synchronizes), `active`
+// false for a warp without rows. Per pass, x's chunks s0 .. s0 + n (EPC floats each, Q = EPC / 4
+// float4 pieces) are staged transposed: piece q of chunk c at xs[(c / 32) * 32 Q + 32 q + c % 32],
+// so the 32 lanes reading piece q of chunks c .. c + 31 read 512 consecutive bytes (no bank
+// conflict). A K tail or unaligned rows go element by element from global memory.
+template <typename W>
+__device__ __forceinline__ void gemv_rows(const W& wr, const size_t* rows, bool active, uint K,
+                                          const float* __restrict__ x, float4* xs, float* out) {
+  constexpr uint Q = W::EPC / 4, SEG = GEMV_XS / W::EPC;
+  float acc[GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
+  uint done = 0;
+  if (wr.m.vec) {
+    const uint chunks = K / W::EPC;
+    for (uint s0 = 0; s0 < chunks; s0 += SEG) {
+      const uint n = min(SEG, chunks - s0);
+      for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
+        const uint c = f / Q, q = f % Q;
+        xs[(c / 32) * 32 * Q + 32 * q + c % 32] = load_f4(x + (size_t)(s0 + c) * W::EPC + 4 * q);
+      }
+      __syncthreads();
+      if (active) {
+        const float* xf = reinterpret_cast<const float*>(xs);
+        const auto x_at = [&](uint c) { return xf + 4 * (((c - s0) / 32) * 32 * Q + (c - s0) % 32); };
+        rows_dot_chunks<W, GEMV_ROWS>(wr, rows, s0, s0 + n, x_at, 128, acc);
+      }
+      __syncthreads();  // xs is refilled by the next pass
+    }
+    done = chunks * W::EPC;
+  }
+  if (!active) return;
+  rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, K, x, acc);
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// The body of both GEMV kernels: matrix m's block b, token blockIdx.y, into out.
+template <typename W>
+__device__ __forceinline__ void gemv_block(const MatmulParams p, const CudaMatrix m, uint b, const W& wr,
+                                           const float* __restrict__ x, float* __restrict__ out) {
+  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = blockIdx.y;
+  const uint r0 = (b * 8 + warp) * GEMV_ROWS;
+  const bool active = r0 < m.rows;  // whole warp
+  const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
+  size_t rows[GEMV_ROWS];
+#pragma unroll
+  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = m.row_offset + r0 + min(r, nr - 1);
+  float dots[GEMV_ROWS];
+  gemv_rows<W>(wr, rows, active, m.cols, x + (size_t)(p.x_row0 + t) * m.cols, xs, dots);
+  if (active && lane == 0) {
+#pragma unroll
+    for (uint r = 0; r < GEMV_ROWS; ++r)
+      if (r < nr) out[(size_t)t * m.rows + r0 + r] = dots[r];
+  }
+}
+
 template <typename W>
 __device__ __forceinline__ void matmul_gemv(const MatmulParams p, const CudaMatrix m, const uchar* w,
                                             const uchar* scales, const uchar* biases, const float* __restrict__ x,
                                             float* __restrict__ out) {
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = blockIdx.y;
-  const uint r0 = (blockIdx.x * 8 + warp) * GEMV_ROWS;
-  if (r0 >= m.rows) return;  // whole warp: no collective is left waiting
-  const uint nr = min((uint)GEMV_ROWS, m.rows - r0);
-  const W wr = make_w<W>(w, scales, biases, m);
-  size_t rows[GEMV_ROWS];
-  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = m.row_offset + r0 + min(r, nr - 1);
-  float dots[GEMV_ROWS];
-  rows_dot<W, GEMV_ROWS>(wr, rows, m.cols, x + (size_t)(p.x_row0 + t) * m.cols, dots);
-  if (lane == 0)
-    for (uint r = 0; r < nr; ++r) out[(size_t)t * m.rows + r0 + r] = dots[r];
+  gemv_block<W>(p, m, blockIdx.x, make_w<W>(w, scales, biases, m), x, out);
 }
 
 // matmul_gemv_multi_<w>: the GEMV of up to 4 matrices (one weight format, one K) reading the same x,
@@ -33,25 +89,25 @@ __device__ __forceinline__ void matmul_gemv(const MatmulParams p, const CudaMatr
 // MatmulParams p, GemvMulti g, CudaMatrix m0..m3, (w, scales, biases) x 4, x, out0..out3 (unused
 // slots: any valid values). Grid (g.ends[g.count - 1], T), 256 threads: block b belongs to the
 // first matrix i with b < ends[i] and runs matmul_gemv's body on that matrix's block b - ends[i - 1].
+// The matrix is picked by selects, not by indexing an array (which would live in local memory).
+template <typename T> __device__ __forceinline__ T pick4(uint i, T a, T b, T c, T d) {
+  return i == 0 ? a : i == 1 ? b : i == 2 ? c : d;
+}
 template <typename W>
-__device__ __forceinline__ void matmul_gemv_multi(const MatmulParams p, const GemvMulti g, const CudaMatrix* ms,
-                                                  const uchar* const* ws, const float* __restrict__ x,
-                                                  float* const* outs) {
-  uint i = 0;
-  while (i + 1 < g.count && blockIdx.x >= g.ends[i]) ++i;
-  const uint b = blockIdx.x - (i == 0 ? 0 : g.ends[i - 1]);
-  const CudaMatrix m = ms[i];
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = blockIdx.y;
-  const uint r0 = (b * 8 + warp) * GEMV_ROWS;
-  if (r0 >= m.rows) return;  // whole warp
-  const uint nr = min((uint)GEMV_ROWS, m.rows - r0);
-  const W wr = make_w<W>(ws[3 * i], ws[3 * i + 1], ws[3 * i + 2], m);
-  size_t rows[GEMV_ROWS];
-  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = m.row_offset + r0 + min(r, nr - 1);
-  float dots[GEMV_ROWS];
-  rows_dot<W, GEMV_ROWS>(wr, rows, m.cols, x + (size_t)(p.x_row0 + t) * m.cols, dots);
-  if (lane == 0)
-    for (uint r = 0; r < nr; ++r) outs[i][(size_t)t * m.rows + r0 + r] = dots[r];
+__device__ __forceinline__ void matmul_gemv_multi(const MatmulParams p, const GemvMulti g, const CudaMatrix m0,
+                                                  const CudaMatrix m1, const CudaMatrix m2, const CudaMatrix m3,
+                                                  const uchar* w0, const uchar* s0, const uchar* b0, const uchar* w1,
+                                                  const uchar* s1, const uchar* b1, const uchar* w2, const uchar* s2,
+                                                  const uchar* b2, const uchar* w3, const uchar* s3, const uchar* b3,
+                                                  const float* __restrict__ x, float* out0, float* out1,
+                                                  float* out2, float* out3) {
+  const uint i = blockIdx.x >= g.ends[0] && g.count > 1
+                     ? (blockIdx.x >= g.ends[1] && g.count > 2 ? (blockIdx.x >= g.ends[2] && g.count > 3 ? 3 : 2) : 1)
+                     : 0;
+  const uint b = blockIdx.x - pick4(i, 0u, g.ends[0], g.ends[1], g.ends[2]);
+  const CudaMatrix m = pick4(i, m0, m1, m2, m3);
+  const W wr = make_w<W>(pick4(i, w0, w1, w2, w3), pick4(i, s0, s1, s2, s3), pick4(i, b0, b1, b2, b3), m);
+  gemv_block<W>(p, m, b, wr, x, pick4(i, out0, out1, out2, out3));
 }
 
 // matmul_mma_<w>: output tiles of 64 tokens x 64 weight rows (mma_tile in common.cuh: bf16 tensor
@@ -95,10 +151,8 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
       const CudaMatrix m3, const uchar* w0, const uchar* s0, const uchar* b0, const uchar* w1, const uchar* s1, \
       const uchar* b1, const uchar* w2, const uchar* s2, const uchar* b2, const uchar* w3, const uchar* s3,      \
       const uchar* b3, const float* __restrict__ x, float* out0, float* out1, float* out2, float* out3) {      \
-    const CudaMatrix ms[4] = {m0, m1, m2, m3};                                                                 \
-    const uchar* const ws[12] = {w0, s0, b0, w1, s1, b1, w2, s2, b2, w3, s3, b3};                              \
-    float* const outs[4] = {out0, out1, out2, out3};                                                           \
-    matmul_gemv_multi<W_##sfx>(p, g, ms, ws, x, outs);                                                         \
+    matmul_gemv_multi<W_##sfx>(p, g, m0, m1, m2, m3, w0, s0, b0, w1, s1, b1, w2, s2, b2, w3, s3, b3, x, out0,   \
+                               out1, out2, out3);                                                              \
   }                                                                                                            \
   SIM_EXPORT(matmul_gemv_multi_##sfx)
 FOR_EACH_WEIGHT(MATMUL)

@@ -207,9 +207,17 @@ fn matmul_cases() -> Vec<(Matrix, usize)> {
         .collect()
 }
 
-/// The decode GEMV (T <= 8): f32 throughout, 2e-5 of the reference.
+/// The decode GEMV (T <= 8): f32 throughout, 2e-5 of the reference. Besides matmul_cases, two
+/// rows wider than one x staging pass of the kernel (8192 floats: a second, partial pass).
 pub fn matmul_gemv_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    for (i, (m, cols)) in matmul_cases().into_iter().enumerate() {
+    let mut cases = matmul_cases();
+    for (i, (format, cols)) in [(Format::F32, 8200), (Format::Affine { bits: 4, group: 64 }, 8256)]
+        .into_iter()
+        .enumerate()
+    {
+        cases.push((matrix(1, 9, cols, format, DType::BF16, 40 + i as u64), cols));
+    }
+    for (i, (m, cols)) in cases.into_iter().enumerate() {
         for (tokens, x_row0) in [(1, 2), (5, 0)] {
             let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
             let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
