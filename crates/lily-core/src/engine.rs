@@ -818,7 +818,10 @@ pub fn auto_choice() -> AutoChoice {
         }
         AutoChoice {
             backend: BackendKind::Cpu,
-            reason: "CPU: no NVIDIA GPU driver is loaded (CUDA needs one)".into(),
+            reason: format!(
+                "CPU: no NVIDIA GPU driver is loaded on this {} machine (the CUDA backend needs one)",
+                std::env::consts::OS
+            ),
             fallback: false,
         }
     }
