@@ -33,6 +33,11 @@
 #   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
 #   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
 #            both speeds without profiling, one engine each (after synth)
+#   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): a 4-layer full-width checkpoint and its
+#            GGUF; lily bench --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 /
+#            4096 and decode at those depths; python -m lily.bench.depth at 4K, 32K (prefilled, beside
+#            llama-bench -d) and 128K, 256K (fill_context): decode tok/s, bytes per token, peak memory
+#            (after llama, which builds llama-bench)
 # Step 1 (installing the carried wheels) runs first in every call.
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
 # back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
@@ -205,5 +210,25 @@ eng.prefill([1])
 tok = 1
 for _ in range(64):
     tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -45
+fi
+if want cpu; then
+    SYNTH4="$WORK/synth4"
+    GGUF4="$WORK/synth4.gguf"
+    step "the 4-layer full-width checkpoint for the CPU measurements"
+    [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
+    cores=$(nproc)
+    step "CPU, 2 threads (taskset -c 0,1): Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
+    CUDA_VISIBLE_DEVICES= taskset -c 0,1 python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
+        --decode-steps 32 --rounds 2 --threads 2 --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
+        --json "$WORK/cpu2.json" || fail=1
+    step "CPU, $cores threads: Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
+    CUDA_VISIBLE_DEVICES= python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
+        --decode-steps 32 --rounds 2 --threads "$cores" --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
+        --json "$WORK/cpu$cores.json" || fail=1
+    step "CPU, $cores threads: long context (4K, 32K prefilled beside llama-bench -d; 128K, 256K by fill_context)"
+    CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores python3 -m lily.bench.depth "$SYNTH4" --backend cpu \
+        --depths 4K,32K,128K,256K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
+        --llama-reps 1 --json "$WORK/depth.json" || fail=1
+    [ -n "${OUT:-}" ] && cp "$WORK"/cpu*.json "$WORK/depth.json" "$OUT/" 2>/dev/null
 fi
 exit $fail
