@@ -36,7 +36,7 @@
 #   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): a 4-layer full-width checkpoint and its
 #            GGUF; lily bench --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 /
 #            4096 and decode at those depths; python -m lily.bench.depth at 4K, 32K (prefilled, beside
-#            llama-bench -d) and 128K, 256K (fill_context): decode tok/s, bytes per token, peak memory
+#            llama-bench -d) and 128K, 255K (fill_context): decode tok/s, bytes per token, peak memory
 #            (after llama, which builds llama-bench)
 # Step 1 (installing the carried wheels) runs first in every call.
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
@@ -225,9 +225,9 @@ if want cpu; then
     CUDA_VISIBLE_DEVICES= python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
         --decode-steps 32 --rounds 2 --threads "$cores" --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
         --json "$WORK/cpu$cores.json" || fail=1
-    step "CPU, $cores threads: long context (4K, 32K prefilled beside llama-bench -d; 128K, 256K by fill_context)"
+    step "CPU, $cores threads: long context (4K, 32K prefilled beside llama-bench -d; 128K, 255K by fill_context)"
     CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores python3 -m lily.bench.depth "$SYNTH4" --backend cpu \
-        --depths 4K,32K,128K,256K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
+        --depths 4K,32K,128K,255K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
         --llama-reps 1 --json "$WORK/depth.json" || fail=1
     [ -n "${OUT:-}" ] && cp "$WORK"/cpu*.json "$WORK/depth.json" "$OUT/" 2>/dev/null
 fi
