@@ -72,13 +72,6 @@ def measure_depth(model: str, depth: int, *, backend: str, kv_dtype: str, steps:
     return rec
 
 
-def _llama_bench(binary: str, gguf: str, depths: list[int], threads: int, steps: int, reps: int) -> dict[int, dict]:
-    """llama-bench's prefill (pp = depth, from an empty cache) and decode at that depth (tg with -d)."""
-    if not depths:
-        return {}
-    return llama_bench(Path(binary), Path(gguf), depths, steps, threads, reps=reps)
-
-
 def _worker(spec: str) -> int:
     s = json.loads(spec)
     rec = measure_depth(s["model"], s["depth"], backend=s["backend"], kv_dtype=s["kv_dtype"], steps=s["steps"],
@@ -130,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
     if args.llama_bench:
         if not args.gguf:
             raise CommandError("--llama-bench needs --gguf (a GGUF of the same weights)")
-        llama = _llama_bench(args.llama_bench, args.gguf, [r["depth"] for r in recs if r["reached_by"] == "prefill"],
-                             threads, args.decode_steps, args.llama_reps)
+        prefilled = [r["depth"] for r in recs if r["reached_by"] == "prefill"]
+        if prefilled:
+            llama = llama_bench(Path(args.llama_bench), Path(args.gguf), prefilled, args.decode_steps, threads,
+                                reps=args.llama_reps)
     print(f"\n{model} · {recs[0]['backend']} · KV {recs[0]['kv_dtype']} · {threads} threads · read bandwidth "
           f"{bw / 1e9:.1f} GB/s · {args.decode_steps} decode steps")
     head = ("| depth | reached by | prefill tok/s | decode tok/s | MB read / token | of bandwidth | KV GB | "
