@@ -115,6 +115,11 @@ impl Snapshot {
 
 /// The logits of rows 0..t of the last forward call into `out` [t, vocab], `logit_rows` rows
 /// per lm_head call (ends the command stream).
+/// A sequence by id, borrowed apart from the runner's other fields.
+fn seq_mut<B: Backend>(seqs: &mut BTreeMap<SeqId, Seq<B>>, id: SeqId) -> Result<&mut Seq<B>> {
+    seqs.get_mut(&id).ok_or(Error::NoSequence(id))
+}
+
 fn read_logits<B: Backend>(b: &B, model: &Model<B>, s: &mut Scratch<B>, t: usize, out: &mut [f32]) -> Result<()> {
     let vocab = model.vocab();
     let mut row = 0;
@@ -302,7 +307,7 @@ impl<B: Backend> Runner<B> {
         self.check(id, tokens)?;
         // KV rows for the whole prompt before any state changes (an allocation failure leaves
         // the sequence as it was).
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         seq.state.reserve(&self.b, seq.pos + tokens.len())?;
         let vocab = self.model.vocab();
         let mut out = vec![0f32; if all_logits { tokens.len() * vocab } else { vocab }];
@@ -331,7 +336,7 @@ impl<B: Backend> Runner<B> {
     /// or of the last one, unless it is empty.
     fn forward_chunk(&mut self, id: SeqId, chunk: &[u32], all: bool, logits: &mut [f32]) -> Result<()> {
         let t = chunk.len();
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         self.b.begin(StreamKind::Prefill)?;
         self.b.write_ids(&mut self.scratch.ids, chunk)?;
         self.model
@@ -379,7 +384,7 @@ impl<B: Backend> Runner<B> {
     fn before_decode(&mut self, id: SeqId, token: u32) -> Result<()> {
         self.trusted(id)?;
         self.check(id, &[token])?;
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         if seq.pos >= seq.state.kv_rows(&self.b) {
             seq.state.reserve(&self.b, seq.pos + 1)?;
         }
@@ -388,7 +393,7 @@ impl<B: Backend> Runner<B> {
 
     /// One decode step of `token` on sequence `id` up to its logits (on the device).
     fn decode_step(&mut self, id: SeqId, token: u32) -> Result<()> {
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &[token])?;
         self.model
@@ -399,7 +404,7 @@ impl<B: Backend> Runner<B> {
 
     /// `token` is in sequence `id`'s cache now.
     fn advance(&mut self, id: SeqId, token: u32) -> Result<()> {
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         seq.cached.truncate(seq.pos);
         seq.cached.push(token);
         seq.pos += 1;
@@ -412,7 +417,7 @@ impl<B: Backend> Runner<B> {
     /// lets a benchmark measure long-context decode without paying for the prefill.
     fn fill_context(&mut self, id: SeqId, n: usize, seed: u64) -> Result<()> {
         self.trusted(id)?;
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         if seq.pos.checked_add(n).is_none_or(|end| end > self.max_seq) {
             return Err(Error::ContextFull {
                 used: seq.pos,
@@ -481,7 +486,7 @@ impl<B: Backend> Runner<B> {
             self.check(id, &[token])?;
         }
         for &(id, _) in batch {
-            let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+            let seq = seq_mut(&mut self.seqs, id)?;
             if seq.pos >= seq.state.kv_rows(&self.b) {
                 seq.state.reserve(&self.b, seq.pos + 1)?;
             }
@@ -561,7 +566,7 @@ impl<B: Backend> Runner<B> {
         }
         let r = self.copy_states(id, bufs);
         self.guard(&[id], r)?;
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         // Rows below `n` were written by calls that completed: the state is whole again.
         seq.error = None;
         seq.pos = n;
@@ -569,7 +574,7 @@ impl<B: Backend> Runner<B> {
     }
 
     fn copy_states(&mut self, id: SeqId, bufs: &[B::Buf]) -> Result<()> {
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         let mut it = bufs.iter();
         self.b.begin(StreamKind::Other)?;
         for layer in &mut seq.state.layers {
@@ -585,10 +590,10 @@ impl<B: Backend> Runner<B> {
     }
 
     fn reset(&mut self, id: SeqId) -> Result<()> {
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         let r = seq.state.reset(&self.b);
         self.guard(&[id], r)?;
-        let seq = self.seqs.get_mut(&id).ok_or(Error::NoSequence(id))?;
+        let seq = seq_mut(&mut self.seqs, id)?;
         seq.error = None;
         // The KV rows past the retained first segment are gone: so is what they could be reused for.
         let kept = seq.state.kv_rows(&self.b);
