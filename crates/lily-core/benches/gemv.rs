@@ -5,27 +5,15 @@
 //! (`--only`: just the cases whose name contains TEXT).
 //! Each figure is the median of several runs (the machine may be shared).
 
-use std::time::Instant;
+mod common;
 
+use common::{copy_bandwidth, peak_gflops, rand_bytes, read_bandwidth, time};
 use lily_core::{
     backend::cpu::{isa::Isa, pool},
     ops::matmul,
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
 };
-
-fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n.div_ceil(8))
-        .flat_map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s.to_le_bytes()
-        })
-        .take(n)
-        .collect()
-}
 
 /// A random [experts, rows, cols] matrix: 4/8-bit affine group 64 (bf16 scales) or bf16.
 fn matrix(experts: usize, rows: usize, cols: usize, format: Format) -> Matrix {
@@ -57,145 +45,6 @@ fn matrix(experts: usize, rows: usize, cols: usize, format: Format) -> Matrix {
         data: Bytes::from_slice(&data),
         groups,
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Median seconds of `f` over `reps` runs after one warm-up.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    median(
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
-}
-
-/// Read bandwidth: every pool thread takes the max of its half of a 1 GiB byte buffer (a SIMD
-/// reduction that does nothing but stream loads, AVX2 where there is one: SSE2 alone is
-/// compute-bound on one core; GB/s, median).
-fn read_bandwidth(reps: usize) -> f64 {
-    let buf: Vec<u8> = (0..1usize << 30).map(|i| i as u8).collect();
-    let threads = pool::threads();
-    let chunk = buf.len().div_ceil(threads);
-    let mut maxes = vec![0u8; threads];
-    let s = time(reps, || {
-        pool::for_chunks(&mut maxes, 1, |t, m| {
-            m[0] = byte_max(&buf[t * chunk..((t + 1) * chunk).min(buf.len())])
-        });
-        std::hint::black_box(&maxes);
-    });
-    buf.len() as f64 / s / 1e9
-}
-
-/// The largest byte, 64 lanes at a time (independent lanes, so the loop is nothing but loads).
-fn byte_max(c: &[u8]) -> u8 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") {
-        #[target_feature(enable = "avx2")]
-        fn avx2(c: &[u8]) -> u8 {
-            byte_max_body(c)
-        }
-        // SAFETY: AVX2 detected.
-        return unsafe { avx2(c) };
-    }
-    byte_max_body(c)
-}
-
-#[inline(always)]
-fn byte_max_body(c: &[u8]) -> u8 {
-    let mut m = [0u8; 64];
-    for v in c.chunks_exact(64) {
-        for (a, &b) in m.iter_mut().zip(v) {
-            *a = (*a).max(b);
-        }
-    }
-    m.into_iter().max().unwrap_or(0)
-}
-
-/// Copy bandwidth as `lily bench` measures it: (read + write bytes) / time, 2 x 512 MiB.
-fn copy_bandwidth(reps: usize) -> f64 {
-    let src = vec![1f64; (1 << 29) / 8];
-    let mut dst = vec![0f64; src.len()];
-    let chunk = src.len().div_ceil(pool::threads());
-    let s = time(reps, || {
-        pool::for_chunks(&mut dst, chunk, |c, d| d.copy_from_slice(&src[c * chunk..][..d.len()]));
-    });
-    (2 * src.len() * 8) as f64 / s / 1e9
-}
-
-/// f32 FMA peak: independent register-resident FMA chains on every pool thread (GFLOP/s).
-fn peak_gflops(isa: Isa, reps: usize) -> f64 {
-    let threads = pool::threads();
-    let iters = 2_000_000;
-    let lanes = match isa {
-        Isa::Avx512 => 16,
-        Isa::Avx2 => 8,
-        Isa::Portable => 4,
-    };
-    let s = time(reps, || {
-        pool::for_each(threads, |_| {
-            std::hint::black_box(fma_chains(isa, std::hint::black_box(iters)));
-        })
-    });
-    (threads * iters * 16 * lanes * 2) as f64 / s / 1e9
-}
-
-/// 16 independent FMA chains (enough to cover latency x ports) for `iters` rounds.
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-fn fma_chains(isa: Isa, iters: usize) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::*;
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn v512(iters: usize) -> f32 {
-            let mut a = [_mm512_set1_ps(1.0); 16];
-            let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-            for _ in 0..iters {
-                for v in a.iter_mut() {
-                    *v = _mm512_fmadd_ps(*v, m, c);
-                }
-            }
-            a.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn v256(iters: usize) -> f32 {
-            let mut a = [_mm256_set1_ps(1.0); 16];
-            let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-            for _ in 0..iters {
-                for v in a.iter_mut() {
-                    *v = _mm256_fmadd_ps(*v, m, c);
-                }
-            }
-            let mut o = [0f32; 8];
-            let sum = a.iter().fold(_mm256_setzero_ps(), |s, v| _mm256_add_ps(s, *v));
-            // SAFETY: o holds 8 floats.
-            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), sum) };
-            o.iter().sum()
-        }
-        match isa {
-            // SAFETY: the ISA was checked available.
-            Isa::Avx512 => return unsafe { v512(iters) },
-            Isa::Avx2 => return unsafe { v256(iters) },
-            Isa::Portable => {}
-        }
-    }
-    let mut a = [[1f32; 4]; 16];
-    for _ in 0..iters {
-        for v in a.iter_mut() {
-            for x in v.iter_mut() {
-                *x = x.mul_add(0.999_999, 1e-7);
-            }
-        }
-    }
-    a.iter().flatten().sum()
 }
 
 fn main() {

@@ -92,8 +92,9 @@ impl CpuKv {
         }
     }
 
-    /// Columns c0..c0 + out.len() of row r, widened to f32.
-    #[inline]
+    /// Columns c0..c0 + out.len() of row r, widened to f32 (inlined into the caller's
+    /// multiversioned kernel, so the widening vectorizes at its ISA's width).
+    #[inline(always)]
     pub fn row_f32(&self, r: usize, c0: usize, out: &mut [f32]) {
         let (s, o) = self.at(r);
         let o = o + c0;
@@ -192,7 +193,7 @@ pub fn check_copy(dst: (usize, KvDtype, u32, usize), src: (usize, KvDtype, u32, 
 }
 
 /// 16-bit patterns of `dtype` to f32 (exact).
-#[inline]
+#[inline(always)]
 pub fn widen(dtype: KvDtype, src: &[u16], dst: &mut [f32]) {
     match dtype {
         KvDtype::BF16 => {

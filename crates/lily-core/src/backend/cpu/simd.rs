@@ -365,10 +365,10 @@ pub fn prefetch_bytes(data: &[u8]) {
 }
 
 /// acc[r][..] += sum over s < kn of p[r * kn + s] * v[s * stride..][..32], for 8 rows r: the
-/// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` floats apart). AVX-512
-/// only (the caller picks it for that ISA).
+/// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` floats apart). AVX-512 and
+/// AVX2 (the caller picks it for those ISAs: the portable loop does not vectorize into registers).
 pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mut [[f32; 32]; 8]) {
-    assert!(isa == Isa::Avx512, "pv8x32: AVX-512 only");
+    assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "pv8x32: AVX-512 or AVX2 only");
     if kn == 0 {
         return;
     }
@@ -379,16 +379,14 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mu
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX-512 available; the reads stay inside p and v (checked above).
     unsafe {
-        x86::pv8x32_avx512(
-            std::array::from_fn(|r| p.as_ptr().add(r * kn)),
-            v.as_ptr(),
-            stride,
-            kn,
-            acc,
-        )
+        let rows = std::array::from_fn(|r| p.as_ptr().add(r * kn));
+        match isa {
+            Isa::Avx512 => x86::pv8x32_avx512(rows, v.as_ptr(), stride, kn, acc),
+            _ => x86::pv8x32_avx2(rows, v.as_ptr(), stride, kn, acc),
+        }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = acc; // Isa::Avx512 exists only on x86_64
+    let _ = acc; // Isa::Avx512 and Avx2 exist only on x86_64
 }
 
 /// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
@@ -881,6 +879,38 @@ mod x86 {
             for r in 0..8 {
                 _mm512_storeu_ps(acc[r].as_mut_ptr(), a[r][0]);
                 _mm512_storeu_ps(acc[r].as_mut_ptr().add(16), a[r][1]);
+            }
+        }
+    }
+
+    /// [`pv8x32_avx512`] in AVX2's 16 ymm registers: four passes of 4 rows x 16 dims (8
+    /// accumulators; per key 2 V loads and 4 broadcasts feed 8 FMAs), each over all kn keys (the
+    /// kn x 32 V tile stays in L1 between passes).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn pv8x32_avx2(p: [*const f32; 8], v: *const f32, stride: usize, kn: usize, acc: &mut [[f32; 32]; 8]) {
+        unsafe {
+            for r0 in [0, 4] {
+                for d0 in [0, 16] {
+                    let mut a: [[__m256; 2]; 4] = std::array::from_fn(|r| {
+                        [
+                            _mm256_loadu_ps(acc[r0 + r].as_ptr().add(d0)),
+                            _mm256_loadu_ps(acc[r0 + r].as_ptr().add(d0 + 8)),
+                        ]
+                    });
+                    for s in 0..kn {
+                        let row = v.add(s * stride + d0);
+                        let (v0, v1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
+                        for r in 0..4 {
+                            let b = _mm256_set1_ps(*p[r0 + r].add(s));
+                            a[r][0] = _mm256_fmadd_ps(v0, b, a[r][0]);
+                            a[r][1] = _mm256_fmadd_ps(v1, b, a[r][1]);
+                        }
+                    }
+                    for r in 0..4 {
+                        _mm256_storeu_ps(acc[r0 + r].as_mut_ptr().add(d0), a[r][0]);
+                        _mm256_storeu_ps(acc[r0 + r].as_mut_ptr().add(d0 + 8), a[r][1]);
+                    }
+                }
             }
         }
     }

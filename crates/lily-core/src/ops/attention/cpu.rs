@@ -268,7 +268,7 @@ const SPLIT_BLOCK: usize = 64;
 /// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores by 4 x 4 register tiles
 /// into sc [rows8, SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are
 /// prefetched; then each row's running max / sum rescale its accumulator and acc [group, hd] +=
-/// P V by register tiles (8 rows x 32 dims on AVX-512, [`simd::pv8x32`]; else [`pv_rows`]), each
+/// P V by register tiles (8 rows x 32 dims on AVX-512 and AVX2, [`simd::pv8x32`]; else [`pv_rows`]), each
 /// V row loaded once per tile for all its rows. dst = acc | m [group] | l [group] (sc needs
 /// rows8 * SPLIT_BLOCK floats, then room for a block of K and of V widened from a 16-bit cache).
 #[inline(always)]
@@ -300,10 +300,14 @@ fn attend_split_body(
         let kn = block_len(kc, kb, k1, SPLIT_BLOCK);
         let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
         let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
-        // V rows of the keys scored, for the P.V pass (interleaved with the K stream; a 16-bit
-        // cache's rows are widened after the scores, from cache lines fetched meanwhile).
+        // V rows of the keys scored, for the P.V pass, and K rows of the next block (interleaved
+        // with the K stream; a 16-bit cache's rows are widened after the scores, from cache lines
+        // fetched meanwhile).
         scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, |s| {
-            vc.prefetch_row(s, kvh * hd, hd)
+            vc.prefetch_row(s, kvh * hd, hd);
+            if s + kn < k1 {
+                kc.prefetch_row(s + kn, kvh * hd, hd);
+            }
         });
         let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
         let vrow = |s: usize| &vblk[(s - kb) * vstride..][..hd];
@@ -325,7 +329,7 @@ fn attend_split_body(
             let sc = &sc[i0 * kn..];
             let v = |s: usize| vrow(kb + s);
             let rows = (group - i0).min(8);
-            if isa == Isa::Avx512 && hd % 32 == 0 {
+            if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd % 32 == 0 {
                 let vb = vblk;
                 for j0 in (0..hd).step_by(32) {
                     let mut a = [[0f32; 32]; 8];
