@@ -2,8 +2,9 @@
 //! head_dim 256: architecture.md section 5), against this machine's read bandwidth and f32 FMA
 //! peak measured in the same run. One decode step of one attention layer reads every K and V
 //! row once: 2 x context x 512 values in the cache's dtype, and does 2 x 16 x 256 multiply-adds
-//! per key (scores and P.V). A plain binary:
-//! `cargo bench -p lily-core --bench attention [-- --context 4096,32768,131072] [--dtype bf16,f32] [--isa avx2|portable]`.
+//! per key (scores and P.V). `--tokens T` times a prefill chunk of T tokens ending at the context
+//! instead (token t sees pos0 + t + 1 keys; KV GB/s then counts each row once). A plain binary:
+//! `cargo bench -p lily-core --bench attention [-- --context 4096,32768,131072] [--dtype bf16,f32] [--tokens 1] [--isa avx2|portable]`.
 
 mod common;
 
@@ -64,24 +65,26 @@ fn bench() {
         .split(',')
         .map(|d| KvDtype::parse(d.trim()).expect("--dtype"))
         .collect();
+    let tokens: usize = arg("--tokens").map_or(1, |t| t.parse().expect("--tokens: an integer"));
     let bw = read_bandwidth(5);
     let peak = peak_gflops(isa, 5);
     println!(
         "isa {isa:?}, {} threads: read {bw:.1} GB/s, f32 FMA peak {peak:.0} GFLOP/s",
         pool::threads()
     );
+    println!("{tokens} token(s) per step");
     println!("| dtype | context | ms/step | KV GB/s | % of read BW | GFLOP/s | % of FMA peak |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    let qg: Vec<f32> = (0..HEADS * 2 * HEAD_DIM)
+    let qg: Vec<f32> = (0..tokens * HEADS * 2 * HEAD_DIM)
         .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
-    let mut out = vec![0f32; HEADS * HEAD_DIM];
+    let mut out = vec![0f32; tokens * HEADS * HEAD_DIM];
     for &dtype in &dtypes {
-        for &ctx in &contexts {
+        for &ctx in contexts.iter().filter(|&&c| c >= tokens) {
             let (k, v) = (cache(dtype, ctx, 1), cache(dtype, ctx, 2));
             let p = AttentionParams {
-                tokens: 1,
-                pos0: (ctx - 1) as u32,
+                tokens: tokens as u32,
+                pos0: (ctx - tokens) as u32,
                 heads: HEADS as u32,
                 kv_heads: KV_HEADS as u32,
                 head_dim: HEAD_DIM as u32,
@@ -89,7 +92,8 @@ fn bench() {
             };
             let s = time(9, || attention::cpu::attention_with(isa, &p, &qg, &k, &v, &mut out));
             let bytes = 2.0 * ctx as f64 * (KV_HEADS * HEAD_DIM) as f64 * dtype.size() as f64;
-            let flops = 2.0 * 2.0 * (ctx * HEADS * HEAD_DIM) as f64;
+            let keys: usize = (ctx - tokens + 1..=ctx).sum();
+            let flops = 2.0 * 2.0 * (keys * HEADS * HEAD_DIM) as f64;
             let (gbs, gfl) = (bytes / s / 1e9, flops / s / 1e9);
             println!(
                 "| {} | {ctx} | {:.3} | {gbs:.1} | {:.0} % | {gfl:.0} | {:.0} % |",

@@ -74,9 +74,10 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &CpuKv
         let (qb, kvh) = (task / kv_n, task % kv_n);
         let (t0, t1) = (qb * bq, ((qb + 1) * bq).min(t_n));
         let rows = (t1 - t0) * group;
-        with_task(rows * (hd + 2 + KEY_BLOCK) + 2 * KEY_BLOCK * hd, |scr| {
-            attend_block(isa, p, qg, k_cache, v_cache, t0, t1, kvh, scr, o)
-        });
+        with_task(
+            rows * (hd + 2) + rows.next_multiple_of(8) * KEY_BLOCK + 2 * KEY_BLOCK * hd,
+            |scr| attend_block(isa, p, qg, k_cache, v_cache, t0, t1, kvh, scr, o),
+        );
     };
     pool::for_each(tasks, run);
 }
@@ -146,10 +147,11 @@ fn attend_block_body(
     let head = |i: usize| (t0 + i / group) * h_n + kvh * group + i % group;
     let q_of = |i: usize| &qg[head(i) * 2 * hd..][..hd];
     let visible = |i: usize| pos0 + t0 + i / group + 1; // keys 0..visible (causal)
+    let rows8 = nr.next_multiple_of(8);
     let (acc, rest) = scr.split_at_mut(nr * hd);
     let (mx, rest) = rest.split_at_mut(nr);
     let (l, rest) = rest.split_at_mut(nr);
-    let (sc, rest) = rest.split_at_mut(nr * KEY_BLOCK);
+    let (sc, rest) = rest.split_at_mut(rows8 * KEY_BLOCK);
     let (kbuf, vbuf) = rest.split_at_mut(KEY_BLOCK * hd);
     acc.fill(0.0);
     mx.fill(f32::NEG_INFINITY);
@@ -159,33 +161,30 @@ fn attend_block_body(
     while kb < kmax {
         let kn = block_len(kc, kb, kmax, KEY_BLOCK);
         let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
-        let (vblk, vs) = kv_block(vc, kb, kn, kvh, hd, vbuf);
         let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
-        let vrow = |s: usize| &vblk[(s - kb) * vs..][..hd];
-        scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, KEY_BLOCK, |_| {});
-        // Online softmax per row over its visible keys of this block.
-        for i in 0..nr {
-            let vis = visible(i).saturating_sub(kb).min(kn);
-            if vis == 0 {
-                continue;
+        // Scores [rows8, kn] (rows past nr zero, so P.V tiles of 8 rows read zeros there).
+        scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, kn, |_| {});
+        sc[nr * kn..rows8 * kn].fill(0.0);
+        let vblk = kv_block(vc, kb, kn, kvh, hd, vbuf);
+        for i0 in (0..nr).step_by(8) {
+            // Online softmax per row over its visible keys of this block; the causally hidden
+            // keys get weight 0 (so each 8-row tile runs one P.V over the whole block).
+            let mut corr = [1f32; 8];
+            for (r, c) in corr.iter_mut().enumerate().take(nr - i0) {
+                let i = i0 + r;
+                let vis = visible(i).saturating_sub(kb).min(kn);
+                let sr = &mut sc[i * kn..][..kn];
+                sr[vis..].fill(0.0);
+                if vis == 0 {
+                    continue;
+                }
+                let m = sr[..vis].iter().fold(mx[i], |m, &x| m.max(x));
+                sr[..vis].iter_mut().for_each(|x| *x = simd::exp(*x - m));
+                *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
+                (mx[i], l[i]) = (m, l[i] * *c + simd::sum(&sr[..vis]));
             }
-            let sr = &mut sc[i * KEY_BLOCK..][..vis];
-            let m_new = sr.iter().fold(mx[i], |m, &x| m.max(x));
-            let corr = (mx[i] - m_new).exp(); // 0 on the first block (mx = -inf)
-            let mut sum = 0f32;
-            for x in sr.iter_mut() {
-                *x = simd::exp(*x - m_new);
-                sum += *x;
-            }
-            l[i] = l[i] * corr + sum;
-            mx[i] = m_new;
-            let a = &mut acc[i * hd..][..hd];
-            if corr != 1.0 {
-                a.iter_mut().for_each(|v| *v *= corr);
-            }
-            for (s, &pw) in sr.iter().enumerate() {
-                a.iter_mut().zip(vrow(kb + s)).for_each(|(v, x)| *v += pw * x);
-            }
+            let rows = (nr - i0).min(8);
+            pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vblk, &mut acc[i0 * hd..]);
         }
         kb += kn;
     }
@@ -310,7 +309,6 @@ fn attend_split_body(
             }
         });
         let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
-        let vrow = |s: usize| &vblk[(s - kb) * vstride..][..hd];
         sc[group * kn..rows8 * kn].fill(0.0);
         for i0 in (0..group).step_by(8) {
             for (r, c) in corr.iter_mut().enumerate() {
@@ -325,30 +323,53 @@ fn attend_split_body(
                 *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
                 (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
             }
-            let acc = &mut acc[i0 * hd..];
-            let sc = &sc[i0 * kn..];
-            let v = |s: usize| vrow(kb + s);
             let rows = (group - i0).min(8);
-            if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd % 32 == 0 {
-                let vb = vblk;
-                for j0 in (0..hd).step_by(32) {
-                    let mut a = [[0f32; 32]; 8];
-                    for (r, ar) in a.iter_mut().enumerate().take(rows) {
-                        let src = &acc[r * hd + j0..][..32];
-                        ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
-                    }
-                    simd::pv8x32(isa, sc, kn, &vb[j0..], vstride, &mut a);
-                    for (r, ar) in a.iter().enumerate().take(rows) {
-                        acc[r * hd + j0..][..32].copy_from_slice(ar);
-                    }
-                }
-            } else if isa != Isa::Portable || cfg!(target_arch = "aarch64") {
-                pv_rows::<4, 16, true>(sc, kn, rows, hd, &corr, v, acc);
-            } else {
-                pv_rows::<4, 16, false>(sc, kn, rows, hd, &corr, v, acc);
-            }
+            pv_tile(
+                isa,
+                &sc[i0 * kn..],
+                kn,
+                rows,
+                hd,
+                &corr,
+                (vblk, vstride),
+                &mut acc[i0 * hd..],
+            );
         }
         kb += kn;
+    }
+}
+
+/// acc [rows, hd] = corr * acc + P [rows, kn] . V [kn, hd] for up to 8 query rows: P has 8 rows
+/// of kn scores (zero past `rows`), V rows `stride` floats apart. Register tiles of 8 rows x 32
+/// dims where the ISA has them ([`simd::pv8x32`]), else [`pv_rows`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pv_tile(
+    isa: Isa,
+    p: &[f32],
+    kn: usize,
+    rows: usize,
+    hd: usize,
+    corr: &[f32; 8],
+    (v, stride): (&[f32], usize),
+    acc: &mut [f32],
+) {
+    if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd % 32 == 0 {
+        for j0 in (0..hd).step_by(32) {
+            let mut a = [[0f32; 32]; 8];
+            for (r, ar) in a.iter_mut().enumerate().take(rows) {
+                let src = &acc[r * hd + j0..][..32];
+                ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
+            }
+            simd::pv8x32(isa, p, kn, &v[j0..], stride, &mut a);
+            for (r, ar) in a.iter().enumerate().take(rows) {
+                acc[r * hd + j0..][..32].copy_from_slice(ar);
+            }
+        }
+    } else if isa != Isa::Portable || cfg!(target_arch = "aarch64") {
+        pv_rows::<4, 16, true>(p, kn, rows, hd, corr, |s| &v[s * stride..][..hd], acc);
+    } else {
+        pv_rows::<4, 16, false>(p, kn, rows, hd, corr, |s| &v[s * stride..][..hd], acc);
     }
 }
 
