@@ -203,11 +203,16 @@ class Scheduler:
                 while self._waiting and len(self._running) + len(admitted) < self.max_sequences:
                     admitted.append(self._waiting.popleft())
             with self.model.prefix.turn:  # the prefix cache is shared with the model's other users
-                for r in [r for r in self._running if r.job.cancelled]:
-                    self._finish(r)
-                for job in admitted:
-                    self._admit(job)
-                self._step()
+                try:
+                    for r in [r for r in self._running if r.job.cancelled]:
+                        self._finish(r)
+                    for job in admitted:
+                        self._admit(job)
+                    self._step()
+                except BaseException as e:  # a bug here: fail the running requests rather than leave them hanging
+                    for r in list(self._running):
+                        r.job._put(Failed(e), force=True)
+                        self._finish(r)
 
     def _admit(self, job: Job) -> None:
         """Start ``job``: its prompt, and a sequence resumed from the longest cached prefix of it."""
@@ -242,17 +247,18 @@ class Scheduler:
             if budget <= 0:
                 break
             end = min(r.done + budget, len(r.ids), *(c for c in r.cuts if c > r.done))
+            budget -= end - r.done
             try:
                 logits = self.engine.prefill(r.ids[r.done:end], seq=r.seq)
-            except Exception as e:
+                r.done = r.length = end
+                if end in r.cuts and not self.cache.holds(r.ids[:end]):
+                    self.cache.add(r.ids[:end], r.seq)
+                if end == len(r.ids):
+                    self.cache.add(list(r.ids), r.seq, logits.copy())
+            except Exception as e:  # this request fails; the others go on
                 self._answer(r, error=e)
                 continue
-            budget -= end - r.done
-            r.done = r.length = end
-            if end in r.cuts and not self.cache.holds(r.ids[:end]):
-                self.cache.add(r.ids[:end], r.seq)
             if end == len(r.ids):
-                self.cache.add(list(r.ids), r.seq, logits.copy())
                 self._answer(r, (logits, r.reused))
         batch = [r for r in self._running if r.token is not None]
         for r in [r for r in batch if r.length >= self.max_seq]:  # no room for its token: the generation ends
