@@ -10,7 +10,7 @@ from typing import Any
 
 from lily._lily import Constraint, Engine, ModelLoadError, Vocab
 from lily.arguments import flag, integer, mapping, strings, text, token_ids
-from lily.generate import Steps, chat_chunks, echo, generation, run_steps
+from lily.generate import chat_chunks, echo, generation, run_steps
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
 from lily.prefix import CacheInfo, PrefixCache, PrefixReuse
 from lily.sampling import Sampler, SamplingDefaults
@@ -188,28 +188,6 @@ class Model:
         ``grammar`` (a ``lily.Grammar``, a Lark grammar as a str, or a compiled regex) is enforced
         token by token; generation ends when it is complete.
         """
-        steps = self.steps(prompt, max_tokens=max_tokens, stop=stop, logprobs=logprobs, top_logprobs=top_logprobs,
-                           json_schema=json_schema, grammar=grammar, sampler=sampler, **sampling)
-        ticket = object()
-        return run_steps(steps, lambda ids: self.prefix.prefill(ids, ticket),
-                         lambda token: self.prefix.decode(ticket, token))
-
-    def steps(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        json_schema: Mapping[str, Any] | str | bool | None = None,
-        grammar: GrammarLike | None = None,
-        sampler: Sampler | None = None,
-        **sampling: Any,
-    ) -> Steps:
-        """``stream``'s generation with its engine calls left to the caller (arguments checked now): it yields
-        ``Chunk``s and ``lily.generate.Prefill`` / ``Decode`` requests whose answers are sent back. For a
-        scheduler that runs many generations in one batch (``lily serve``)."""
         if sampler is None:
             sampler = self.sampler(**sampling)
         elif sampling:
@@ -222,8 +200,11 @@ class Model:
         ids = self._prompt_ids(prompt)
         rule = as_grammar(json_schema, grammar)
         constraint = None if rule is None else self.constrain(rule)
-        return generation(self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs), top_logprobs,
-                          constraint)
+        steps = generation(self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs), top_logprobs,
+                           constraint)
+        ticket = object()
+        return run_steps(steps, lambda ids: self.prefix.prefill(ids, ticket),
+                         lambda token: self.prefix.decode(ticket, token))
 
     def generate(
         self,

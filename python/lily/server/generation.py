@@ -16,7 +16,7 @@ from typing import Any
 
 from lily._lily import ContextFullError, LilyError
 from lily.arguments import strings
-from lily.generate import Steps
+from lily.generate import Steps, generation
 from lily.model import Model
 from lily.outputs import Chunk
 from lily.sampling import Sampler
@@ -187,13 +187,15 @@ class Service:
 
     def generation(self, plan: Plan) -> Steps:
         """The one place where the server asks the model for a generation. Called off the engine thread, it
-        checks the request as the model sees it and returns the generation unstarted (``Model.steps``); the
-        scheduler (``worker.py``) runs it in its batch, resuming the longest prefix of ``plan.ids`` that the
-        model's prefix cache holds, and reports how many prompt tokens it reused in the last chunk's
+        compiles the plan's grammar (what the model refuses is a 400 before any stream starts) and returns the
+        generation unstarted (``lily.generate.generation``, the loop ``Model.stream`` runs too); the scheduler
+        (``worker.py``) runs it in its batch, resuming the longest prefix of ``plan.ids`` that the model's prefix
+        cache holds, and reports how many prompt tokens it reused in the last chunk's
         ``stats.cached_prompt_tokens``: that number, and only that, is what the APIs report (``cached_tokens``,
         ``cache_read_input_tokens``)."""
-        return self.model.steps(plan.ids, max_tokens=plan.max_tokens, stop=plan.stop, logprobs=plan.logprobs,
-                                top_logprobs=plan.top_logprobs, grammar=plan.grammar, sampler=plan.sampler)
+        constraint = None if plan.grammar is None else self.model.constrain(plan.grammar)
+        return generation(self.model.tokenizer, plan.ids, plan.sampler, plan.max_tokens, plan.stop, plan.logprobs,
+                          plan.top_logprobs, constraint)
 
 
 def _strict(tool: Mapping[str, Any]) -> bool:
