@@ -183,12 +183,13 @@ class Scheduler:
     @property
     def running(self) -> list[Job]:
         """The jobs in the batch now."""
-        return [r.job for r in self._running]
+        return [r.job for r in list(self._running)]  # a copy first: the engine thread changes the list
 
     @property
     def waiting(self) -> list[Job]:
         """The jobs waiting for a place in the batch, first come first."""
-        return list(self._waiting)
+        with self._wake:  # a deque changed while it is copied raises
+            return list(self._waiting)
 
     # ---- the engine thread
 
