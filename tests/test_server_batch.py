@@ -262,3 +262,51 @@ def test_a_conversation_resumes_its_cached_prefix_after_another_ran(tiny):
     assert cached_b < last_message
     assert cached_a2 >= last_message, (cached_a2, last_message)
     assert after.hits == before.hits + 1 and after.tokens_saved - before.tokens_saved == cached_a2
+
+
+def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
+    """A JSON-schema request, one with a stop string, one with a forced tool call and a plain one, run
+    together, each answer exactly what it is alone."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"],
+        "additionalProperties": False}, "strict": True}}
+    user = [{"role": "user", "content": "Answer me"}]
+    base = {"temperature": 0, "max_tokens": 40, "chat_template_kwargs": {"enable_thinking": False}}
+    bodies = [{**base, "messages": user, "response_format": {"type": "json_schema", "json_schema": {
+                   "name": "answer", "schema": schema, "strict": True}}},
+              {**base, "messages": [{"role": "user", "content": "Tell a story"}], "stop": ["e"]},
+              {**base, "max_tokens": 80, "messages": user, "tools": [tool], "tool_choice": "required"},
+              {**base, "messages": [{"role": "user", "content": "Say something"}]}]
+
+    def answers(server, together: bool):
+        out: list = [None] * len(bodies)
+
+        def one(i):
+            status, _, text = request(server, "POST", "/v1/chat/completions", bodies[i])
+            assert status == 200, text
+            choice = json.loads(text)["choices"][0]
+            calls = [c["function"] for c in choice["message"].get("tool_calls") or []]  # ids are random
+            out[i] = (choice["message"].get("content"), calls, choice["finish_reason"])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+            if not together:
+                t.join()
+        for t in threads:
+            t.join()
+        return out
+
+    with running(load(tiny, prefix_cache_bytes=0), max_sequences=1) as server:
+        want = answers(server, together=False)
+    model = load(tiny, prefix_cache_bytes=0)
+    with running(model, max_sequences=4) as server:
+        got = answers(server, together=True)
+    assert got == want
+    assert max(len(b) for b in model.engine.batches) > 1, "the requests never decoded together"
+    content, _, _ = want[0]
+    assert set(json.loads(content)) == {"n", "ok"}
+    assert "e" not in want[1][0] and want[1][2] == "stop"
+    assert want[2][1][0]["name"] == "lookup" and want[2][2] == "tool_calls"
