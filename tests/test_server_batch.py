@@ -1,8 +1,8 @@
 """``lily serve``'s scheduler over loopback: concurrent requests run as one batch (each produces exactly what
 it produces alone), a request joins streams already running, a client that leaves during a long prefill
 frees its sequence between two prefill chunks, a full queue answers 429, and a conversation resumes its own
-cached prefix after another conversation ran in between. The evidence is the engine's own calls, recorded
-by a wrapper around it, not timing."""
+cached prefix after another conversation ran in between; grammars, stop strings and tool calls stay per request
+in a batch. The evidence is the engine's own calls, recorded by a wrapper around it, not timing."""
 
 from __future__ import annotations
 
