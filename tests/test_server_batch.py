@@ -303,6 +303,13 @@ def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
         want = answers(server, together=False)
     model = load(tiny, prefix_cache_bytes=0)
     with running(model, max_sequences=4) as server:
+        worker = server.worker
+
+        def hold(event):  # the first prefill waits until the four requests are in
+            model.engine.hold = None
+            wait_for(lambda: len(worker.running) + len(worker.waiting) == len(bodies), "the four requests")
+
+        model.engine.hold = hold
         got = answers(server, together=True)
     assert got == want
     assert max(len(b) for b in model.engine.batches) > 1, "the requests never decoded together"

@@ -305,6 +305,8 @@ class Scheduler:
 
     def _finish(self, r: _Running) -> None:
         """``r`` leaves the batch: its generation is closed, its sequence dropped, its request told."""
+        if r not in self._running:  # already gone (a step that failed half way through finishing it)
+            return
         self._running.remove(r)
         try:
             r.steps.close()
