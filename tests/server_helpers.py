@@ -39,32 +39,42 @@ def scripted(text: str, **engine_kw) -> lily.Model:
 
 
 class SlowEngine:
-    """Generates ``token`` forever, ``delay`` seconds per step; counts its decodes."""
+    """Generates ``token`` forever, ``delay`` seconds per decode step (of any number of sequences); counts the
+    tokens it decodes. Its sequences are positions (the logits never depend on the sequence)."""
 
-    def __init__(self, token: int, delay: float = 0.002, max_seq: int = 1 << 20):
-        self.token, self.delay, self.max_seq = token, delay, max_seq
-        self.position, self.decodes = 0, 0
+    def __init__(self, token: int, delay: float = 0.002, max_seq: int = 1 << 20, prefill_chunk: int = 512):
+        self.token, self.delay, self.max_seq, self.prefill_chunk = token, delay, max_seq, prefill_chunk
+        self.decodes = 0
+        self.positions = {0: 0}
         self.backend, self.config, self.vocab_size = "slow", {}, VOCAB
+
+    @property
+    def position(self):
+        return self.positions[0]
 
     def _row(self):
         row = np.full(VOCAB, -30.0, dtype=np.float32)
         row[self.token] = 30.0
         return row
 
-    def prefill(self, tokens, *, all_logits=False):
-        self.position += len(tokens)
+    def prefill(self, tokens, *, all_logits=False, seq=0):
+        self.positions[seq] += len(tokens)
         return self._row()
 
-    def decode(self, token):
+    def decode(self, token, *, seq=0):
+        return self.decode_batch([(seq, token)])[0]
+
+    def decode_batch(self, batch):
         time.sleep(self.delay)
-        self.decodes += 1
-        self.position += 1
-        return self._row()
+        for seq, _ in batch:
+            self.decodes += 1
+            self.positions[seq] += 1
+        return np.stack([self._row() for _ in batch])
 
-    def reset(self):
-        self.position = 0
+    def reset(self, seq=0):
+        self.positions[seq] = 0
 
-    def cached_prefix(self, tokens):
+    def cached_prefix(self, tokens, seq=0):
         return 0
 
     def snapshot(self):
@@ -73,21 +83,28 @@ class SlowEngine:
     def restore(self, snap):
         raise ValueError("no snapshots")
 
-    # The prefix cache's copies of the sequence: a position (the logits never depend on the sequence).
+    def new_sequence(self):
+        n = self._next_seq = getattr(self, "_next_seq", 0) + 1
+        self.positions[n] = 0
+        return n
+
     def fork(self, seq=0):
-        self.copies = getattr(self, "copies", {})
-        n = max(self.copies, default=0) + 1
-        self.copies[n] = self.position
+        n = self.new_sequence()
+        self.positions[n] = self.positions[seq]
         return n
 
     def copy_sequence(self, src, dst):
-        self.position = self.copies[src]
+        self.positions[dst] = self.positions[src]
 
     def drop_sequence(self, seq):
-        del self.copies[seq]
+        del self.positions[seq]
+
+    @property
+    def sequences(self):
+        return list(self.positions)
 
     def sequence_bytes(self, seq):
-        return 1 + self.copies[seq]
+        return 1 + self.positions[seq]
 
 
 @contextlib.contextmanager

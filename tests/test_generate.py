@@ -6,6 +6,7 @@ real vocabulary size); the last ones run ``lily.load`` -> ``chat`` on a tiny ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 
@@ -26,12 +27,16 @@ GEN_CONFIG = json.loads((QWEN / "generation_config.json").read_text())
 
 
 class FakeEngine:
-    """Engine stand-in: the logits after the n-th generated position make ``script[n]`` the argmax
-    (and leave some mass elsewhere so that sampling with top-k keeps it likely but not certain)."""
+    """Engine stand-in: the logits after the n-th generated position of a sequence make ``script[n]`` the argmax
+    (and leave some mass elsewhere so that sampling with top-k keeps it likely but not certain). Sequences as
+    the real engine has them (``new_sequence``, ``fork``, ``decode_batch``, ...); each runs the script from its
+    own position in it. The attributes ``position``, ``cached``, ``step`` are the default sequence's."""
 
-    def __init__(self, script, vocab=VOCAB, max_seq=1 << 20, pad_trap=True):
+    _STATE = ("position", "cached", "step", "last_prefill")
+
+    def __init__(self, script, vocab=VOCAB, max_seq=1 << 20, pad_trap=True, prefill_chunk=512):
         self.script = list(script)
-        self.vocab, self.max_seq = vocab, max_seq
+        self.vocab, self.max_seq, self.prefill_chunk = vocab, max_seq, prefill_chunk
         self.vocab_size = vocab
         self.pad_trap = pad_trap
         self.position, self.step = 0, 0
@@ -41,7 +46,28 @@ class FakeEngine:
         self.backend, self.config = "fake", {}
         self.cached: list[int] = []  # the token behind each KV row (as the real engine tracks it)
         self.last_prefill = False  # whether the last call was a prefill (whose logits may go unsampled)
-        self.copies: dict[int, tuple[int, list[int], int]] = {}  # forked sequences: position, tokens, step
+        self.others: dict[int, dict] = {}  # sequences other than 0: their state
+        self._next_seq = 1
+
+    @contextlib.contextmanager
+    def _on(self, seq):
+        """The attributes hold sequence ``seq``'s state while inside."""
+        if seq == 0:
+            yield
+            return
+        saved = {k: getattr(self, k) for k in self._STATE}
+        for k, v in self.others[seq].items():
+            setattr(self, k, v)
+        try:
+            yield
+        finally:
+            self.others[seq] = {k: getattr(self, k) for k in self._STATE}
+            for k, v in saved.items():
+                setattr(self, k, v)
+
+    def _state(self, seq):
+        with self._on(seq):
+            return {"position": self.position, "cached": list(self.cached), "step": self.step, "last_prefill": False}
 
     def _logits(self):
         row = np.full(self.vocab, -30.0, dtype=np.float32)
@@ -52,55 +78,70 @@ class FakeEngine:
         self.step += 1
         return row
 
-    def prefill(self, tokens, *, all_logits=False):
-        if self.position + len(tokens) > self.max_seq:
-            raise lily.ContextFullError("full")
-        if self.last_prefill:  # a prompt prefilled in pieces: only the last piece's logits are sampled
-            self.step -= 1
-        self.last_prefill = True
-        self.prefilled.append(list(tokens))
-        self.cached = self.cached[: self.position] + list(tokens)
-        self.position += len(tokens)
-        return self._logits()
+    def prefill(self, tokens, *, all_logits=False, seq=0):
+        with self._on(seq):
+            if self.position + len(tokens) > self.max_seq:
+                raise lily.ContextFullError("full")
+            if self.last_prefill:  # a prompt prefilled in pieces: only the last piece's logits are sampled
+                self.step -= 1
+            self.last_prefill = True
+            self.prefilled.append(list(tokens))
+            self.cached = self.cached[: self.position] + list(tokens)
+            self.position += len(tokens)
+            return self._logits()
 
-    def decode(self, token):
-        if self.position + 1 > self.max_seq:
-            raise lily.ContextFullError("full")
-        self.last_prefill = False
-        self.decoded.append(token)
-        self.cached = self.cached[: self.position] + [token]
-        self.position += 1
-        return self._logits()
+    def decode(self, token, *, seq=0):
+        with self._on(seq):
+            if self.position + 1 > self.max_seq:
+                raise lily.ContextFullError("full")
+            self.last_prefill = False
+            self.decoded.append(token)
+            self.cached = self.cached[: self.position] + [token]
+            self.position += 1
+            return self._logits()
 
-    def reset(self):
-        self.position, self.step = 0, 0  # the script starts over with a new sequence
-        self.last_prefill = False
-        self.resets += 1
+    def decode_batch(self, batch):
+        assert len({s for s, _ in batch}) == len(batch) <= self.prefill_chunk
+        return np.stack([self.decode(token, seq=seq) for seq, token in batch])
 
-    # The prefix cache's copies of the (default) sequence.
+    def reset(self, seq=0):
+        with self._on(seq):
+            self.position, self.step = 0, 0  # the script starts over with a new sequence
+            self.last_prefill = False
+            self.resets += 1
+
+    def new_sequence(self):
+        n, self._next_seq = self._next_seq, self._next_seq + 1
+        self.others[n] = {"position": 0, "cached": [], "step": 0, "last_prefill": False}
+        return n
+
     def fork(self, seq=0):
-        assert seq == 0
-        n = max(self.copies, default=0) + 1
-        self.copies[n] = (self.position, self.cached[: self.position], self.step)
+        n = self.new_sequence()
+        self.others[n] = self._state(seq)
         return n
 
     def copy_sequence(self, src, dst):
-        assert dst == 0
-        self.position, tokens, self.step = self.copies[src]
-        self.cached = list(tokens)
-        self.last_prefill = False
+        state = self._state(src)
+        with self._on(dst):
+            for k, v in state.items():
+                setattr(self, k, v)
 
     def drop_sequence(self, seq):
-        del self.copies[seq]
+        del self.others[seq]
+
+    @property
+    def sequences(self):
+        return [0, *self.others]
 
     def sequence_bytes(self, seq):
-        return 1 + self.copies[seq][0]
+        return 1 + self._state(seq)["position"]
 
-    def cached_prefix(self, tokens):
-        n = 0
-        while n < min(len(tokens), len(self.cached)) and tokens[n] == self.cached[n]:
-            n += 1
-        return n
+    def cached_prefix(self, tokens, seq=0):
+        with self._on(seq):
+            n = 0
+            while n < min(len(tokens), len(self.cached)) and tokens[n] == self.cached[n]:
+                n += 1
+            return n
 
     def snapshot(self):
         return FakeSnapshot(self.position, self.cached[: self.position], self.step)

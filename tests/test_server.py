@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from lily.generate import Prefill
 from server_helpers import FakeEngine, http, model_for, running, scripted, sse, tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
@@ -269,13 +270,23 @@ def test_end_to_end_on_a_tiny_checkpoint_reuses_the_prefix(tmp_path_factory):
 
 
 def test_usage_reports_the_models_prefix_reuse():
-    """Both APIs report as cached exactly what the model's prefix reuse reports (``stats.cached_prompt_tokens``
-    from ``PrefixReuse.prefill``, or the cache that takes its place), streaming and not."""
-    model = scripted("ok")
-    real = model.prefix.prefill
-    model.prefix.prefill = lambda ids, ticket=None: (real(ids, ticket)[0], 7)
+    """Both APIs report as cached exactly what the generation reports (``stats.cached_prompt_tokens``, from the
+    scheduler's answer to its ``Prefill``), streaming and not."""
+    def reports_seven(steps):  # the generation is told 7 prompt tokens were reused
+        reply = None
+        while True:
+            try:
+                item = steps.send(reply)
+            except StopIteration:
+                return
+            reply = yield item
+            if isinstance(item, Prefill):
+                reply = (reply[0], 7)
+
     body = {"messages": USER, "max_tokens": 5, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
-    with running(model) as server:
+    with running(scripted("ok")) as server:
+        real = server.service.generation
+        server.service.generation = lambda plan: reports_seven(real(plan))
         status, _, text = chat(server, body)
         usage = json.loads(text)["usage"]
         assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] == 7 and usage["prompt_tokens"] > 7

@@ -2,39 +2,81 @@
 split off and tool calls parsed.
 
 Per token: sample from the logits (native), stop on an eos id, detokenize (streaming, whole UTF-8
-characters only), check the stop strings, then ``engine.decode(token)``.
+characters only), check the stop strings, then ask for the next logits. The loop (``generation``) does not
+call the engine itself: it yields ``Prefill`` / ``Decode`` requests, answered one generation at a time by
+``run_steps`` (``Model.stream``) or for a batch of generations by the server's scheduler.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from lily._lily import Constraint, ContextFullError
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, GenerationStats
-from lily.prefix import PrefixReuse
 from lily.reasoning import ThinkSplitter, split_reasoning
 from lily.sampling import Sampler
 from lily.stop import StopStrings
 from lily.tokenizer import Tokenizer
 from lily.tools import parse_tool_calls
 
-__all__ = ["chat_chunks", "echo", "token_stream"]
+__all__ = ["Decode", "Prefill", "Steps", "chat_chunks", "echo", "generation", "run_steps"]
 
 
-def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], sampler: Sampler, max_tokens: int,
-           stops: list[str], logprobs: bool, top_logprobs: int = 0,
-           constraint: Constraint | None = None) -> Iterator[Chunk]:
-    """Chunks of the reply to ``ids``: one per token; the last one carries ``finish_reason`` and ``stats``.
-    With a ``constraint`` only the ids its grammar allows are sampled (structured output). Owns the model's
-    sequence from its first step until another generation takes it (then it raises ``SequenceEvictedError``
-    when resumed)."""
+@dataclass(frozen=True)
+class Prefill:
+    """A generation's request to the engine: the logits after the prompt ``ids`` and how many of its leading
+    tokens were reused (sent back as ``(logits, reused)``)."""
+
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A generation's request to the engine: the logits after appending ``token`` (sent back; a
+    ``ContextFullError`` thrown in ends the generation with ``finish_reason="length"``)."""
+
+    token: int
+
+
+Steps = Generator["Chunk | Prefill | Decode", Any, None]
+
+
+def run_steps(steps: Steps, prefill: Callable[[list[int]], tuple[Any, int]],
+              decode: Callable[[int], Any]) -> Iterator[Chunk]:
+    """The ``Chunk``s of ``steps``, answering its engine requests with ``prefill`` and ``decode`` one at a time
+    (a batching scheduler answers the requests of many generations together instead)."""
+    reply: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                item = steps.throw(error) if error is not None else steps.send(reply)
+            except StopIteration:
+                return
+            reply = error = None
+            if isinstance(item, Chunk):
+                yield item
+                continue
+            try:
+                reply = prefill(item.ids) if isinstance(item, Prefill) else decode(item.token)
+            except Exception as e:  # the generation decides: a full context ends it, anything else goes on up
+                error = e
+    finally:
+        steps.close()
+
+
+def generation(tokenizer: Tokenizer, ids: list[int], sampler: Sampler, max_tokens: int, stops: list[str],
+               logprobs: bool, top_logprobs: int = 0, constraint: Constraint | None = None) -> Steps:
+    """The one generation loop, apart from the engine: yields ``Chunk``s for the caller and ``Prefill`` /
+    ``Decode`` requests whose answers are sent back (``run_steps`` answers them for one sequence, the
+    server's scheduler for a batch of them)."""
     stats = GenerationStats(prompt_tokens=len(ids))
     detok = tokenizer.detokenizer()
-    ticket = object()
     t0 = time.perf_counter()
-    logits, stats.cached_prompt_tokens = prefix.prefill(ids, ticket)
+    logits, stats.cached_prompt_tokens = yield Prefill(ids)
     stats.prefill_s = time.perf_counter() - t0
     sampler.reset(ids)
     stop_strings = StopStrings(stops)
@@ -62,7 +104,7 @@ def token_stream(prefix: PrefixReuse, tokenizer: Tokenizer, ids: list[int], samp
         yield Chunk(text, token, lp, top_logprobs=top)
         text = ""
         try:
-            logits = prefix.decode(ticket, token)
+            logits = yield Decode(token)
         except ContextFullError:
             token = lp = top = None
             break

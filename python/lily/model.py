@@ -10,7 +10,7 @@ from typing import Any
 
 from lily._lily import Constraint, Engine, ModelLoadError, Vocab
 from lily.arguments import flag, integer, mapping, strings, text, token_ids
-from lily.generate import chat_chunks, echo, token_stream
+from lily.generate import chat_chunks, echo, generation, run_steps
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
 from lily.prefix import CacheInfo, PrefixCache, PrefixReuse
 from lily.sampling import Sampler, SamplingDefaults
@@ -200,8 +200,11 @@ class Model:
         ids = self._prompt_ids(prompt)
         rule = as_grammar(json_schema, grammar)
         constraint = None if rule is None else self.constrain(rule)
-        return token_stream(self.prefix, self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs),
-                            top_logprobs, constraint)
+        steps = generation(self.tokenizer, ids, sampler, max_tokens, stops, flag("logprobs", logprobs), top_logprobs,
+                           constraint)
+        ticket = object()
+        return run_steps(steps, lambda ids: self.prefix.prefill(ids, ticket),
+                         lambda token: self.prefix.decode(ticket, token))
 
     def generate(
         self,

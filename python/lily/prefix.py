@@ -116,6 +116,25 @@ class PrefixCache:
             self._lru.move_to_end(best.seq)
         return best
 
+    def record(self, reused: int) -> None:
+        """Count a prompt that resumed ``reused`` tokens (0: a miss)."""
+        if reused:
+            self.hits += 1
+            self.tokens_saved += reused
+        else:
+            self.misses += 1
+
+    def cuts(self, tokens: list[int], start: int, boundary_id: int | None) -> list[int]:
+        """Where a prefill of ``tokens`` from ``start`` keeps copies (before the end of the prompt, which is kept
+        too): every ``snapshot_every`` tokens and the start of the last message (its ``boundary_id``)."""
+        n, every = len(tokens), self.snapshot_every
+        cuts = set(range((start // every + 1) * every, n, every)) if every > 0 else set()
+        if boundary_id is not None:
+            cut = next((i for i in range(n - 1, start, -1) if tokens[i] == boundary_id), None)
+            if cut is not None:
+                cuts.add(cut)
+        return sorted(cuts)
+
     def holds(self, tokens: list[int]) -> bool:
         node = self._find(tokens)
         return node is not None and node.entry is not None
@@ -255,23 +274,12 @@ class PrefixReuse:
         else:
             eng.reset()
             start = 0
-        if start:
-            cache.hits += 1
-            cache.tokens_saved += start
-        else:
-            cache.misses += 1
+        cache.record(start)
         if start == n:  # the identical prompt again: its end-of-prompt state and logits
             assert entry is not None
             return entry.logits.copy(), start
-        # Where to keep copies: every snapshot_every tokens, the start of the last message, the end.
-        every = cache.snapshot_every
-        cuts = set(range((start // every + 1) * every, n, every)) if every > 0 else set()
-        if self.boundary_id is not None:
-            cut = next((i for i in range(n - 1, start, -1) if tokens[i] == self.boundary_id), None)
-            if cut is not None:
-                cuts.add(cut)
         pos = start
-        for cut in sorted(cuts):
+        for cut in cache.cuts(tokens, start, self.boundary_id):
             eng.prefill(tokens[pos:cut])
             pos = cut
             if not cache.holds(tokens[:cut]):

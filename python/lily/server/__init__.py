@@ -42,8 +42,8 @@ class Server:
     (``url`` says where; ``stop()`` ends it). Port 0 picks a free port."""
 
     def __init__(self, model: Any, host: str = "127.0.0.1", port: int = 8000, *, model_id: str | None = None,
-                 aliases: Sequence[str] = (), limits: Any = None, max_waiting: int = 256, verbose: bool = False,
-                 sock: socket.socket | None = None):
+                 aliases: Sequence[str] = (), limits: Any = None, max_waiting: int = 256, max_sequences: int = 4,
+                 max_batch_tokens: int | None = None, verbose: bool = False, sock: socket.socket | None = None):
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
@@ -51,13 +51,14 @@ class Server:
         from lily.server.app import Limits, bind, make_starlette, run_uvicorn
         from lily.server.generation import Service
         from lily.server.openai import OpenAI
-        from lily.server.worker import EngineWorker
+        from lily.server.worker import Scheduler
 
         self.limits = limits or Limits()
         if not _is_loopback(host):
             self.limits.opened = True  # --host opened the server: any Host header is accepted
         name = model_id or (model.path.name if getattr(model, "path", None) is not None else "lily")
-        self.worker = EngineWorker(max_waiting=max_waiting)
+        self.worker = Scheduler(model, max_sequences=max_sequences, max_batch_tokens=max_batch_tokens,
+                                max_waiting=max_waiting)
         self.service = Service(model, name, aliases=aliases, worker=self.worker)
         self.openai = OpenAI(self.service, self.limits)
         self.anthropic = Anthropic(self.service, self.limits)
@@ -122,8 +123,13 @@ def build_parser() -> Any:
                     help="time to send a request body")
     ap.add_argument("--write-timeout", type=command.number(0.001), default=30.0, metavar="S",
                     help="a client that reads nothing for this long is disconnected")
+    ap.add_argument("--max-sequences", type=command.integer(1), default=4,
+                    help="requests generating at once, in one batch (default 4; more wait in order)")
+    ap.add_argument("--max-batch-tokens", type=command.integer(1), default=None, metavar="TOKENS",
+                    help="prompt tokens prefilled per step across requests, between decode steps of the running "
+                         "ones (default: the engine's prefill chunk)")
     ap.add_argument("--max-queue", type=command.integer(1), default=256,
-                    help="requests waiting for the model before a 503")
+                    help="requests waiting for a place in the batch before a 429")
     ap.add_argument("--verbose", action="store_true", help="log every request")
     return ap
 
@@ -152,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype)
             server = Server(model, args.host, args.port, model_id=args.model_id, aliases=args.alias, limits=limits,
-                            max_waiting=args.max_queue, verbose=args.verbose, sock=sock)
+                            max_waiting=args.max_queue, max_sequences=args.max_sequences,
+                            max_batch_tokens=args.max_batch_tokens, verbose=args.verbose, sock=sock)
         except BaseException:
             sock.close()
             raise

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lily._lily import ContextFullError, LilyError
 from lily.arguments import strings
+from lily.generate import Steps, generation
 from lily.model import Model
 from lily.outputs import Chunk
 from lily.sampling import Sampler
 from lily.server.errors import ApiError
 from lily.server.output import Delta, OutputParser
-from lily.server.worker import EngineWorker, Job
+from lily.server.worker import Job, Scheduler
 from lily.structured import Grammar, tool_call_grammar
 from lily.tools import tool_call_arguments_as_mappings
 
@@ -41,7 +42,7 @@ class Plan:
     grammar: Grammar | None
     logprobs: bool = False
     top_logprobs: int = 0
-    chunks: Iterator[Chunk] | None = None  # the generation, checked and not started (``Service.generation``)
+    chunks: Steps | None = None  # the generation, checked and not started (``Service.generation``)
 
 
 def openai_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -55,7 +56,7 @@ class Service:
     """The model behind the endpoints. ``prepare_*`` run off the event loop (they tokenize); ``start``
     queues a plan on the engine thread."""
 
-    def __init__(self, model: Model, model_id: str, *, aliases: Sequence[str] = (), worker: EngineWorker):
+    def __init__(self, model: Model, model_id: str, *, aliases: Sequence[str] = (), worker: Scheduler):
         self.model, self.model_id, self.aliases, self.worker = model, model_id, list(aliases), worker
         self.max_seq = int(model.engine.max_seq)
         self._max_token_chars: int | None = None
@@ -184,16 +185,17 @@ class Service:
         assert chunks is not None, "a plan is made by Service.plan"
         return self.worker.submit(lambda: chunks)
 
-    def generation(self, plan: Plan) -> Iterator[Chunk]:
-        """The one place where the server asks the model for a generation, and so for prefix reuse. Called off
-        the engine thread, it checks the request as the model sees it and returns the generation unstarted; its
-        first step, on the engine thread, prefills. The model resumes from the longest prefix of ``plan.ids`` it
-        holds (today ``Model.prefix``: the engine's sequence and the snapshots at recent message starts; a prefix
-        cache across conversations plugs in here or behind ``Model.stream``) and reports how many prompt tokens it
-        reused in the last chunk's ``stats.cached_prompt_tokens``: that number, and only that, is what the APIs
-        report (``cached_tokens``, ``cache_read_input_tokens``)."""
-        return self.model.stream(plan.ids, max_tokens=plan.max_tokens, stop=plan.stop, logprobs=plan.logprobs,
-                                 top_logprobs=plan.top_logprobs, grammar=plan.grammar, sampler=plan.sampler)
+    def generation(self, plan: Plan) -> Steps:
+        """The one place where the server asks the model for a generation. Called off the engine thread, it
+        compiles the plan's grammar (what the model refuses is a 400 before any stream starts) and returns the
+        generation unstarted (``lily.generate.generation``, the loop ``Model.stream`` runs too); the scheduler
+        (``worker.py``) runs it in its batch, resuming the longest prefix of ``plan.ids`` that the model's prefix
+        cache holds, and reports how many prompt tokens it reused in the last chunk's
+        ``stats.cached_prompt_tokens``: that number, and only that, is what the APIs report (``cached_tokens``,
+        ``cache_read_input_tokens``)."""
+        constraint = None if plan.grammar is None else self.model.constrain(plan.grammar)
+        return generation(self.model.tokenizer, plan.ids, plan.sampler, plan.max_tokens, plan.stop, plan.logprobs,
+                          plan.top_logprobs, constraint)
 
 
 def _strict(tool: Mapping[str, Any]) -> bool:

@@ -1,28 +1,38 @@
-"""The engine thread: generation runs here, apart from the sockets.
+"""The engine thread: every generation runs here, apart from the sockets, as one continuous batch.
 
-Requests hand it jobs through a queue; one thread runs them one at a time (the engine holds one
-sequence), each as an iterator it advances one token at a time. Between tokens it checks whether the
-job was cancelled (its client went away, or stopped reading), so a cancelled generation stops within
-one decode step. Each job's events reach its request through a bounded buffer that the engine thread
-never waits on: a reader that falls behind by more than ``max_buffered`` events is cancelled rather
-than allowed to hold the engine.
+Requests hand it jobs (each a ``lily.generate`` generation: a generator of chunks and engine requests). The
+thread owns the engine; each step it
 
-This is the seam for a batching scheduler (many sequences per engine step): it would take the same
-jobs and step several of them per engine call; requests only see ``submit`` and the job's events.
+1. drops the jobs that were cancelled (their client went away or stopped reading): their sequences are freed
+   at the next step boundary, which falls between two chunks of a long prefill as well as between tokens;
+2. admits waiting jobs, first come first served, while fewer than ``max_sequences`` run: each gets its own
+   engine sequence, a copy of the longest prefix of its prompt that the model's prefix cache holds (from
+   any earlier conversation), and prefills the rest;
+3. advances prefills by at most ``max_batch_tokens`` prompt tokens in all, oldest job first, keeping copies in
+   the prefix cache where ``PrefixCache.cuts`` says (message starts, every ``snapshot_every`` tokens) and at
+   the end of each prompt;
+4. decodes one token of every generating job with one ``decode_batch`` call, and hands each its row of logits.
+
+So a long prompt does not stop the streams already running (they get a token every step), and per-request
+work (sampling, stop strings, grammars, tool-call parsing) stays in each job's own generation. Each job's
+events reach its request through a bounded buffer that the engine thread never waits on: a reader that
+falls behind by more than ``max_buffered`` events is cancelled rather than allowed to hold the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from lily._lily import ContextFullError
+from lily.generate import Decode, Prefill, Steps
+from lily.outputs import Chunk
 from lily.server.errors import ApiError
 
-__all__ = ["HEARTBEAT", "EngineWorker", "Job"]
+__all__ = ["HEARTBEAT", "Job", "Scheduler"]
 
 _END = object()
 #: yielded by ``Job.events(heartbeat=...)`` when nothing happened for that long (a cue to send a ping)
@@ -37,9 +47,10 @@ class Failed:
 
 
 class Job:
-    """One generation: ``run()`` is called on the engine thread and returns an iterator of events."""
+    """One generation: ``run()`` is called on the engine thread and returns its steps
+    (``lily.generate.generation``)."""
 
-    def __init__(self, run: Callable[[], Iterator[Any]], loop: asyncio.AbstractEventLoop, max_buffered: int):
+    def __init__(self, run: Callable[[], Steps], loop: asyncio.AbstractEventLoop, max_buffered: int):
         self.run, self.loop, self.max_buffered = run, loop, max_buffered
         self._buffer: collections.deque[Any] = collections.deque()
         self._lock = threading.Lock()
@@ -74,29 +85,6 @@ class Job:
             self.cancel("server stopping")
         return True
 
-    def _execute(self) -> None:
-        iterator: Iterator[Any] | None = None
-        try:
-            if not self.cancelled:
-                iterator = self.run()
-                for event in iterator:
-                    self.steps += 1
-                    if self.cancelled:
-                        break
-                    if not self._put(event):
-                        self.cancel("the client is not reading its stream")
-                        break
-        except BaseException as e:  # delivered to the request, which decides the status
-            self._put(Failed(e), force=True)
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except Exception as e:  # the generator's cleanup failed: report it rather than lose it
-                    self._put(Failed(e), force=True)
-            self._put(_END, force=True)
-
     # ---- the request's event loop
 
     async def events(self, heartbeat: float | None = None) -> AsyncIterator[Any]:
@@ -123,48 +111,209 @@ class Job:
                 yield item
 
 
-class EngineWorker:
-    """One thread that runs jobs in order. ``max_waiting`` bounds the queue (more is a 503)."""
 
-    def __init__(self, *, max_waiting: int = 256, max_buffered: int = 512):
+
+class _Running:
+    """A job admitted to the batch: its steps, its engine sequence, how much of its prompt that holds."""
+
+    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "length", "token")
+
+    def __init__(self, job: Job, steps: Steps, ids: list[int], seq: int, reused: int, cuts: list[int]):
+        self.job, self.steps, self.ids, self.seq = job, steps, ids, seq
+        self.reused = reused  # prompt tokens resumed from the prefix cache
+        self.done = reused  # prompt tokens in the sequence
+        self.cuts = cuts  # where the prefill keeps copies in the prefix cache
+        self.length = reused  # tokens in the sequence
+        self.token: int | None = None  # the token to decode at the next step (None: prefilling or finished)
+
+
+class Scheduler:
+    """The engine thread over ``model``: at most ``max_sequences`` generations in one batch, the rest waiting
+    in order (``max_waiting`` of them; one more is a 429); prefills advance ``max_batch_tokens`` prompt
+    tokens per step (default: the engine's ``prefill_chunk``)."""
+
+    def __init__(self, model: Any, *, max_sequences: int = 4, max_batch_tokens: int | None = None,
+                 max_waiting: int = 256, max_buffered: int = 512):
+        self.model, self.engine = model, model.engine
+        self.cache, self.boundary_id = model.prefix.cache, model.prefix.boundary_id
+        chunk = int(self.engine.prefill_chunk)
+        if not 1 <= max_sequences <= chunk:  # decode_batch takes at most prefill_chunk rows
+            raise ValueError(f"max_sequences must be between 1 and the engine's prefill_chunk ({chunk}), "
+                             f"got {max_sequences}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+        self.max_sequences, self.max_batch_tokens = max_sequences, max_batch_tokens or chunk
         self.max_waiting, self.max_buffered = max_waiting, max_buffered
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._current: Job | None = None
+        self.max_seq = int(self.engine.max_seq)
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[_Running] = []
+        self._wake = threading.Condition()
         self._closing = False
+        self.steps = 0  # engine steps run (read by tests and logs)
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, run: Callable[[], Iterator[Any]]) -> Job:
+    # ---- the event loop's side
+
+    def submit(self, run: Callable[[], Steps]) -> Job:
         """Queue a generation; call from the event loop. Its events: ``job.events()``."""
-        if self._queue.qsize() >= self.max_waiting:
-            raise ApiError(f"{self.max_waiting} requests are already waiting for the model; try again later",
-                           status=503, type="server_error", code="overloaded")
-        job = Job(run, asyncio.get_running_loop(), self.max_buffered)
-        self._queue.put(job)
+        with self._wake:
+            waiting = sum(not j.cancelled for j in self._waiting)
+            if waiting >= self.max_waiting:
+                raise ApiError(f"{self.max_waiting} requests are already waiting for the model; try again later",
+                               status=429, type="rate_limit_error", code="overloaded")
+            job = Job(run, asyncio.get_running_loop(), self.max_buffered)
+            self._waiting.append(job)
+            self._wake.notify()
         return job
 
     def close(self) -> None:
         """Cancel the running and waiting jobs and end the thread."""
-        self._closing = True
-        current = self._current
-        if current is not None:
-            current.cancel("server stopping")
-        self._queue.put(None)
+        with self._wake:
+            self._closing = True
+            for job in [*self._waiting, *(r.job for r in self._running)]:
+                job.cancel("server stopping")
+            self._wake.notify()
         self._thread.join(timeout=30)
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._running or self._waiting)
+
+    @property
+    def running(self) -> list[Job]:
+        """The jobs in the batch now."""
+        return [r.job for r in list(self._running)]  # a copy first: the engine thread changes the list
+
+    @property
+    def waiting(self) -> list[Job]:
+        """The jobs waiting for a place in the batch, first come first."""
+        with self._wake:  # a deque changed while it is copied raises
+            return list(self._waiting)
+
+    # ---- the engine thread
 
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._closing:
-                job.cancel("server stopping")
-            self._current = job
+            with self._wake:
+                while not self._running and not self._waiting and not self._closing:
+                    self._wake.wait()
+                if self._closing and not self._running and not self._waiting:
+                    return
+                admitted = []
+                while self._waiting and len(self._running) + len(admitted) < self.max_sequences:
+                    admitted.append(self._waiting.popleft())
+            with self.model.prefix.turn:  # the prefix cache is shared with the model's other users
+                try:
+                    for r in [r for r in self._running if r.job.cancelled]:
+                        self._finish(r)
+                    for job in admitted:
+                        self._admit(job)
+                    self._step()
+                except BaseException as e:  # a bug here: fail the running requests rather than leave them hanging
+                    for r in list(self._running):
+                        r.job._put(Failed(e), force=True)
+                        self._finish(r)
+
+    def _admit(self, job: Job) -> None:
+        """Start ``job``: its prompt, and a sequence resumed from the longest cached prefix of it."""
+        if job.cancelled:
+            job._put(_END, force=True)
+            return
+        steps: Steps | None = None
+        try:
+            steps = job.run()
+            request = next(steps)
+            assert isinstance(request, Prefill), "a generation starts with its prompt"
+            ids = request.ids
+            entry = self.cache.longest(ids, len(ids))
+            reused = entry.length if entry is not None else 0
+            seq = self.engine.fork(entry.seq) if entry is not None else self.engine.new_sequence()
+        except BaseException as e:  # delivered to the request, which decides the status
+            job._put(Failed(e), force=True)
+            if steps is not None:
+                steps.close()
+            job._put(_END, force=True)
+            return
+        self.cache.record(reused)
+        r = _Running(job, steps, ids, seq, reused, self.cache.cuts(ids, reused, self.boundary_id))
+        self._running.append(r)
+        if entry is not None and reused == len(ids):  # the identical prompt again: its end-of-prompt logits
+            self._answer(r, (entry.logits.copy(), reused))
+
+    def _step(self) -> None:
+        self.steps += 1
+        budget = self.max_batch_tokens
+        for r in [r for r in self._running if r.done < len(r.ids)]:
+            if budget <= 0:
+                break
+            end = min(r.done + budget, len(r.ids), *(c for c in r.cuts if c > r.done))
+            budget -= end - r.done
             try:
-                job._execute()
-            finally:
-                self._current = None
+                logits = self.engine.prefill(r.ids[r.done:end], seq=r.seq)
+                r.done = r.length = end
+                if end in r.cuts and not self.cache.holds(r.ids[:end]):
+                    self.cache.add(r.ids[:end], r.seq)
+                if end == len(r.ids):
+                    self.cache.add(list(r.ids), r.seq, logits.copy())
+            except Exception as e:  # this request fails; the others go on
+                self._answer(r, error=e)
+                continue
+            if end == len(r.ids):
+                self._answer(r, (logits, r.reused))
+        batch = [r for r in self._running if r.token is not None]
+        for r in [r for r in batch if r.length >= self.max_seq]:  # no room for its token: the generation ends
+            batch.remove(r)
+            self._answer(r, error=ContextFullError(f"the context of {self.max_seq} tokens is full"))
+        if not batch:
+            return
+        try:  # one sequence alone takes the single-sequence path (a backend's fastest, e.g. CUDA's graphs)
+            rows = ([self.engine.decode(batch[0].token, seq=batch[0].seq)] if len(batch) == 1 else
+                    self.engine.decode_batch([(r.seq, r.token) for r in batch]))
+        except Exception as e:
+            for r in batch:
+                self._answer(r, error=e)
+            return
+        for r, row in zip(batch, rows):
+            r.length += 1
+            self._answer(r, row)
+
+    def _answer(self, r: _Running, reply: Any = None, error: BaseException | None = None) -> None:
+        """Send ``r``'s generation the engine's answer (or error) and run it to its next request, passing its
+        chunks to the request; a finished, failed or cancelled generation leaves the batch."""
+        r.token = None
+        job = r.job
+        try:
+            item = r.steps.throw(error) if error is not None else r.steps.send(reply)
+            while isinstance(item, Chunk):
+                job.steps += 1
+                if job.cancelled:
+                    break
+                if not job._put(item):
+                    job.cancel("the client is not reading its stream")
+                    break
+                item = next(r.steps)
+            else:
+                assert isinstance(item, Decode), "a generation asks for its prompt once"
+                r.token = item.token
+                return
+        except StopIteration:
+            pass
+        except BaseException as e:  # delivered to the request, which decides the status
+            job._put(Failed(e), force=True)
+        self._finish(r)
+
+    def _finish(self, r: _Running) -> None:
+        """``r`` leaves the batch: its generation is closed, its sequence dropped, its request told."""
+        if r not in self._running:  # already gone (a step that failed half way through finishing it)
+            return
+        self._running.remove(r)
+        try:
+            r.steps.close()
+        except Exception as e:  # the generation's cleanup failed: report it rather than lose it
+            r.job._put(Failed(e), force=True)
+        try:
+            self.engine.drop_sequence(r.seq)
+        except Exception as e:
+            r.job._put(Failed(e), force=True)
+        r.job._put(_END, force=True)
