@@ -264,6 +264,32 @@ def test_a_conversation_resumes_its_cached_prefix_after_another_ran(tiny):
     assert after.hits == before.hits + 1 and after.tokens_saved - before.tokens_saved == cached_a2
 
 
+def test_a_finished_reply_is_kept_for_the_next_turn(tiny):
+    """A finished request's sequence stays in the prefix cache under its prompt and the reply tokens it
+    decoded: a next prompt that re-sends them resumes after the reply, not at the end of the old prompt."""
+    model = load(tiny)
+    prompt = list(range(40, 90))
+    eng, reply = model.engine, []  # the greedy reply, computed on a sequence of its own
+    seq = eng.new_sequence()
+    logits = eng.prefill(prompt, seq=seq)
+    while len(reply) < 8:
+        reply.append(int(logits.argmax()))
+        if reply[-1] in model.eos_ids:
+            break
+        logits = eng.decode(reply[-1], seq=seq)
+    eng.drop_sequence(seq)
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    with running(model, model_id="tiny") as server:
+        status, _, text = request(server, "POST", "/v1/completions", {**body, "prompt": prompt})
+        assert status == 200, text
+        assert json.loads(text)["usage"]["completion_tokens"] == len(reply)
+        status, _, text = request(server, "POST", "/v1/completions", {**body, "prompt": prompt + reply + [7, 8]})
+        assert status == 200, text
+        cached = json.loads(text)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The last sampled token was never decoded into the sequence: the kept state ends one before it.
+    assert cached == len(prompt) + len(reply) - 1, (cached, len(prompt), reply)
+
+
 def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
     """A JSON-schema request, one with a stop string, one with a forced tool call and a plain one, run
     together, each answer exactly what it is alone."""

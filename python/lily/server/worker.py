@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -116,7 +117,7 @@ class Job:
 class _Running:
     """A job admitted to the batch: its steps, its engine sequence, how much of its prompt that holds."""
 
-    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "length", "token")
+    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "length", "token", "fed")
 
     def __init__(self, job: Job, steps: Steps, ids: list[int], seq: int, reused: int, cuts: list[int]):
         self.job, self.steps, self.ids, self.seq = job, steps, ids, seq
@@ -125,6 +126,7 @@ class _Running:
         self.cuts = cuts  # where the prefill keeps copies in the prefix cache
         self.length = reused  # tokens in the sequence
         self.token: int | None = None  # the token to decode at the next step (None: prefilling or finished)
+        self.fed: list[int] = []  # generated tokens decoded into the sequence (after the prompt)
 
 
 class Scheduler:
@@ -276,6 +278,7 @@ class Scheduler:
             return
         for r, row in zip(batch, rows):
             r.length += 1
+            r.fed.append(r.token)
             self._answer(r, row)
 
     def _answer(self, r: _Running, reply: Any = None, error: BaseException | None = None) -> None:
@@ -297,17 +300,27 @@ class Scheduler:
                 assert isinstance(item, Decode), "a generation asks for its prompt once"
                 r.token = item.token
                 return
-        except StopIteration:
-            pass
+        except StopIteration:  # finished: its conversation's next turn may resume after this reply
+            self._finish(r, keep=not job.cancelled)
+            return
         except BaseException as e:  # delivered to the request, which decides the status
             job._put(Failed(e), force=True)
         self._finish(r)
 
-    def _finish(self, r: _Running) -> None:
-        """``r`` leaves the batch: its generation is closed, its sequence dropped, its request told."""
+    def _finish(self, r: _Running, keep: bool = False) -> None:
+        """``r`` leaves the batch: its generation is closed, its sequence dropped (``keep``: first copied into
+        the prefix cache, keyed by its prompt and the reply tokens it decoded, so that a next turn re-sending
+        this reply resumes after it), its request told."""
         if r not in self._running:  # already gone (a step that failed half way through finishing it)
             return
         self._running.remove(r)
+        tokens = r.ids + r.fed
+        if keep and r.fed and r.length == len(tokens) and not self.cache.holds(tokens):
+            try:
+                self.cache.add(tokens, r.seq)
+            except Exception as e:  # the answer stands: a copy the cache could not make costs only the reuse
+                warnings.warn(f"prefix cache: a finished reply was not kept ({e}); its next turn re-prefills it",
+                              RuntimeWarning, stacklevel=1)
         try:
             r.steps.close()
         except Exception as e:  # the generation's cleanup failed: report it rather than lose it
