@@ -199,3 +199,29 @@ def test_a_new_process_resumes_from_the_directory(lily, ckpts, tmp_path):
     assert (start, hits, saved, disk_hits) == (100, 1, 100, 1)
     cold = _engine(lily, ckpts)
     assert np.abs(logits - cold.prefill(second)).max() <= 1e-4
+
+
+def test_load_with_prefix_cache_dir_resumes_in_a_new_process(ckpts, tmp_path):
+    # The user's path: lily.load(prefix_cache_dir=...), generate, exit; a new process sends the
+    # conversation with one more message.
+    script = textwrap.dedent(f"""
+        import json, sys
+        import lily
+        model = lily.load({str(ckpts.path(CKPT))!r}, backend="cpu", max_seq=512, progress=False,
+                          prefix_cache_dir={str(tmp_path / "cache")!r})
+        out = model.generate(json.loads(sys.argv[1]), max_tokens=4, temperature=0)
+        i = model.cache_info()
+        print(json.dumps([out.tokens, out.stats.cached_prompt_tokens, i.hits, i.tokens_saved, i.disk_hits]))
+    """)
+
+    def run(tokens):
+        p = subprocess.run([sys.executable, "-c", script, json.dumps(tokens)], capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    ids = toks(7, 90)
+    first = run(ids)
+    assert first[1:] == [0, 0, 0, 0]
+    again = run(ids)  # the identical prompt: its end-of-prompt state and logits, from disk
+    assert again == [first[0], 90, 1, 90, 1]
