@@ -152,7 +152,7 @@ class Model:
         return self._vocab.constrain(grammar.kind, grammar.source)
 
     def reset(self) -> None:
-        """Empty the engine's sequence and forget the saved prefixes."""
+        """Empty the engine's sequence and forget the saved prefixes in memory (disk tier files stay)."""
         self.prefix.reset()
 
     def cache_info(self) -> CacheInfo:
