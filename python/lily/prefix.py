@@ -386,6 +386,9 @@ class PrefixCache:
             log.warning("prefix cache: ignoring %s: its state does not fit this engine (%s)", on_disk.path, err)
             self.disk._forget(on_disk)
             return None
+        except BaseException:  # a device error, an interrupt: not the file's fault, but free the sequence
+            self.engine.drop_sequence(seq)
+            raise
         node = self._insert(tokens)
         if node.entry is not None:  # held in memory too, but not found above: keep the memory copy
             self.engine.drop_sequence(seq)
