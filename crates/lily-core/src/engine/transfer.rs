@@ -104,7 +104,11 @@ impl<B: Backend> Runner<B> {
     }
 
     fn check_import(&self, st: &SequenceState) -> Result<()> {
-        let bad = |what: String| Err(Error::InvalidArgument(format!("sequence state does not fit this engine: {what}")));
+        let bad = |what: String| {
+            Err(Error::InvalidArgument(format!(
+                "sequence state does not fit this engine: {what}"
+            )))
+        };
         let pos = st.position();
         if st.kv_dtype != self.kv_dtype {
             return bad(format!(
@@ -122,7 +126,11 @@ impl<B: Backend> Runner<B> {
         }
         let ours = &self.seq(super::DEFAULT_SEQ)?.state;
         if st.layers.len() != ours.layers.len() {
-            return bad(format!("{} layers, the model has {}", st.layers.len(), ours.layers.len()));
+            return bad(format!(
+                "{} layers, the model has {}",
+                st.layers.len(),
+                ours.layers.len()
+            ));
         }
         let width = ours.kv_width;
         let kv_len = pos * width * self.kv_dtype.size();
@@ -150,8 +158,12 @@ impl<B: Backend> Runner<B> {
                         ));
                     }
                 }
-                (LayerData::Attention { .. }, _) => return bad(format!("layer {i} is attention, the model's is DeltaNet")),
-                (LayerData::DeltaNet { .. }, _) => return bad(format!("layer {i} is DeltaNet, the model's is attention")),
+                (LayerData::Attention { .. }, _) => {
+                    return bad(format!("layer {i} is attention, the model's is DeltaNet"))
+                }
+                (LayerData::DeltaNet { .. }, _) => {
+                    return bad(format!("layer {i} is DeltaNet, the model's is attention"))
+                }
             }
         }
         Ok(())
@@ -244,6 +256,37 @@ fn widen(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
         KvDtype::F16 => {
             for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every 16-bit pattern (but NaNs, whose payload f16 may quieten) survives widen + narrow, and
+    /// `kv_store`'s rounding (the CPU's `narrow`) of a widened value gives the pattern back.
+    #[test]
+    fn sixteen_bit_patterns_survive_the_round_trip() {
+        for dtype in [KvDtype::BF16, KvDtype::F16] {
+            let bits: Vec<u16> = (0..=u16::MAX).collect();
+            let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let mut wide = vec![0f32; bits.len()];
+            widen(dtype, &bytes, &mut wide);
+            let mut back = Vec::new();
+            narrow(dtype, &wide, &mut back);
+            let mut stored = vec![0u16; bits.len()];
+            crate::backend::cpu::kv::narrow(dtype, &wide, &mut stored);
+            for (i, &b) in bits.iter().enumerate() {
+                if !wide[i].is_nan() {
+                    assert_eq!(
+                        u16::from_le_bytes([back[2 * i], back[2 * i + 1]]),
+                        b,
+                        "{dtype:?} {b:#06x}"
+                    );
+                    assert_eq!(stored[i], b, "{dtype:?} {b:#06x} through kv_store's rounding");
+                }
             }
         }
     }
