@@ -111,6 +111,15 @@ class Engine:
         """A new sequence holding a copy of ``seq`` (KV rows, DeltaNet states, position, tokens)."""
     def copy_sequence(self, src: int, dst: int) -> None:
         """Sequence ``dst`` becomes a copy of ``src``; what it held before is gone."""
+    def export_sequence(self, seq: int = 0) -> tuple[list[int], str, dict[str, npt.NDArray[Any]]]:
+        """Sequence ``seq``'s whole state: ``(tokens, kv_dtype, tensors)``, the tensors ``layers.{i}.k`` /
+        ``.v`` ([position, Hkv * hd]: uint16 bit patterns of a bf16 / f16 cache, float32 of an f32 one) and
+        ``layers.{i}.conv`` / ``.ssm`` (float32 DeltaNet states)."""
+    def import_sequence(
+        self, tokens: Sequence[int], kv_dtype: str, tensors: dict[str, npt.NDArray[Any]], *, seq: int = 0
+    ) -> None:
+        """Sequence ``seq`` becomes a state from ``export_sequence`` (of an engine of the same model and
+        kv_dtype); a state that does not fit raises ``ValueError`` / ``TypeError`` and changes nothing."""
     def drop_sequence(self, seq: int) -> None:
         """Free sequence ``seq`` (``ValueError`` for sequence 0, which always exists: reset it)."""
     @property

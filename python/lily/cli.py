@@ -45,6 +45,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="context length (default: the engine's)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                    help="element type of the stored keys and values (default bf16; f32 doubles the KV memory)")
+    command.prefix_cache_args(p)
     p.add_argument("--max-tokens", type=command.integer(1), default=None,
                    help=f"tokens to generate at most per reply (default {DEFAULT_MAX_TOKENS})")
     s = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
@@ -285,7 +286,8 @@ def _run(args: argparse.Namespace) -> int:
             strings("the prompt", args.prompt)
     except (TypeError, ValueError) as e:
         raise CommandError(str(e)) from None
-    model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype)
+    model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype,
+                 prefix_cache_dir=args.prefix_cache_dir, prefix_cache_dir_bytes=args.prefix_cache_dir_bytes)
     if args.command == "generate":
         return _cmd_generate(model, args)
     return _cmd_chat(model, args)

@@ -77,6 +77,14 @@ PORT = integer(0, 65535)
 MAX_SEQ = integer(1, 2**32 - 1)
 
 
+def prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    """The prefix cache's disk tier flags (``lily chat``, ``lily serve``)."""
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep the prefix cache's entries as files in DIR: a later run resumes from them")
+    p.add_argument("--prefix-cache-dir-bytes", type=integer(0), default=None, metavar="BYTES",
+                   help="bound of --prefix-cache-dir (default: a quarter of the disk's free space)")
+
+
 def run(prog: str, body: Callable[[], int | None]) -> int:
     """``body()``'s exit status, or the one-line report of what it raised."""
     try:

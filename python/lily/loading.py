@@ -32,6 +32,8 @@ def load(
     revision: str | None = None,
     progress: bool = True,
     prefix_cache_bytes: int | None = None,
+    prefix_cache_dir: str | os.PathLike[str] | None = None,
+    prefix_cache_dir_bytes: int | None = None,
 ) -> Model:
     """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
 
@@ -39,7 +41,9 @@ def load(
     the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
     backend's; smaller saves memory); ``kv_dtype`` the element type of the stored keys and values
     ("bf16", "f16" or "f32"); ``prefix_cache_bytes`` bounds the copies of earlier prompts' states that
-    new prompts resume from (default: a quarter of the free memory; 0 keeps none). Raises
+    new prompts resume from (default: a quarter of the free memory; 0 keeps none); ``prefix_cache_dir`` keeps
+them also as files in that folder, so a later process resumes from them (``prefix_cache_dir_bytes`` bounds
+the folder; default a quarter of the disk's free space). Raises
     ``ModelLoadError`` with what to do when the model cannot be found or read.
     """
     if not isinstance(model, (str, os.PathLike)):
@@ -52,6 +56,10 @@ def load(
         integer("prefill_chunk", prefill_chunk, low=1)
     if prefix_cache_bytes is not None:
         integer("prefix_cache_bytes", prefix_cache_bytes, low=0)
+    if prefix_cache_dir_bytes is not None:
+        integer("prefix_cache_dir_bytes", prefix_cache_dir_bytes, low=0)
+    if prefix_cache_dir is not None and not isinstance(prefix_cache_dir, (str, os.PathLike)):
+        raise TypeError(f"prefix_cache_dir must be a folder path, got {type(prefix_cache_dir).__name__}")
     if revision is not None and not isinstance(revision, str):
         raise TypeError(f"revision must be a str, got {type(revision).__name__}")
     progress = flag("progress", progress)
@@ -67,7 +75,8 @@ def load(
     if backend == "auto":
         _warn_on_fallback()
     engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress)
-    return Model(engine, tokenizer, template, generation_config, folder, prefix_cache_bytes)
+    return Model(engine, tokenizer, template, generation_config, folder, prefix_cache_bytes, prefix_cache_dir,
+                 prefix_cache_dir_bytes)
 
 
 _warned_fallback = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from lily._lily import Constraint, Engine, ModelLoadError, Vocab
 from lily.arguments import flag, integer, mapping, strings, text, token_ids
 from lily.generate import chat_chunks, echo, generation, run_steps
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
-from lily.prefix import CacheInfo, PrefixCache, PrefixReuse
+from lily.prefix import CacheInfo, DiskTier, PrefixCache, PrefixReuse, model_fingerprint
 from lily.sampling import Sampler, SamplingDefaults
 from lily.structured import Grammar, GrammarLike, as_grammar
 from lily.template import ChatTemplate
@@ -69,6 +70,8 @@ class Model:
         generation_config: Mapping[str, Any] | None = None,
         path: Path | None = None,
         prefix_cache_bytes: int | None = None,
+        prefix_cache_dir: str | os.PathLike[str] | None = None,
+        prefix_cache_dir_bytes: int | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -76,7 +79,13 @@ class Model:
         self.generation_config = dict(generation_config or {})
         self.defaults = SamplingDefaults.from_generation_config(self.generation_config)
         self.path = path
-        cache = PrefixCache(engine, prefix_cache_bytes)
+        disk = None
+        if prefix_cache_dir is not None:
+            if path is None:
+                raise ValueError("prefix_cache_dir needs the checkpoint's path (to tell its files from other models')")
+            disk = DiskTier(prefix_cache_dir, model_fingerprint(path, engine.config), engine.kv_dtype,
+                            prefix_cache_dir_bytes)
+        cache = PrefixCache(engine, prefix_cache_bytes, disk=disk)
         self.prefix = PrefixReuse(engine, tokenizer.token_to_id("<|im_start|>"), cache)
         self._vocab: Vocab | None = None
 
@@ -143,7 +152,7 @@ class Model:
         return self._vocab.constrain(grammar.kind, grammar.source)
 
     def reset(self) -> None:
-        """Empty the engine's sequence and forget the saved prefixes."""
+        """Empty the engine's sequence and forget the saved prefixes in memory (disk tier files stay)."""
         self.prefix.reset()
 
     def cache_info(self) -> CacheInfo:

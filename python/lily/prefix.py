@@ -15,6 +15,12 @@ Why here and not in Rust: where to take a copy is a matter of the chat format (m
 policy may change with the server's scheduler; the engine gives the mechanisms (``fork``,
 ``copy_sequence``, ``drop_sequence``, ``sequence_bytes``), the cache is a few dozen lines of bookkeeping.
 
+The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps every entry also as a safetensors file (the state
+from ``Engine.export_sequence``, its tokens and logits, a model fingerprint and a checksum), bounded in bytes
+with the least recently used file deleted first, so a restarted process resumes a long conversation from
+disk. A lookup takes the longest prefix over both tiers; a file read back becomes a memory entry. A file
+that is corrupt, truncated, of another model or of another KV dtype is ignored (logged), never loaded.
+
 The working sequence is the engine's default sequence, so one generation owns it at a time: ``prefill``
 gives it to a new generation, and an older one that tries to go on (``decode``) raises
 ``SequenceEvictedError``. ``turn`` is held by a generation step (and by a whole non-streaming generation)
@@ -23,15 +29,28 @@ so that threads sharing a model take turns instead of evicting each other.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+import safetensors.numpy
 
 from lily._lily import Engine, SequenceEvictedError
 
-__all__ = ["CacheInfo", "PrefixCache", "PrefixReuse", "default_cache_bytes"]
+__all__ = ["CacheInfo", "DiskTier", "PrefixCache", "PrefixReuse", "default_cache_bytes", "model_fingerprint"]
+
+log = logging.getLogger("lily.prefix")
+
+#: Layout tag of a disk entry: a file of another layout is ignored.
+DISK_FORMAT = "lily-prefix-1"
 
 #: Tokens between snapshots of a long prefill.
 SNAPSHOT_EVERY = 4096
@@ -60,6 +79,11 @@ class CacheInfo:
     misses: int
     tokens_saved: int
     evictions: int
+    #: The disk tier (0 without one): files, their bytes and bound, and entries read back from it.
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_max_bytes: int = 0
+    disk_hits: int = 0
 
 
 class _Entry:
@@ -81,22 +105,224 @@ class _Node:
         self.entry: _Entry | None = None
 
 
+def model_fingerprint(checkpoint: str | os.PathLike[str], config: dict[str, Any]) -> str:
+    """A hash that tells this model's weights from any other's: the config, and for each safetensors file
+    its name, size, header and 16 samples of 4 KiB of its tensor bytes (two random checkpoints of one shape
+    have identical headers, so the header alone would not do)."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            n = min(int.from_bytes(fh.read(8), "little"), max(size - 8, 0))
+            h.update(fh.read(n))
+            data = size - 8 - n
+            for i in range(16):
+                fh.seek(8 + n + data * i // 16)
+                h.update(fh.read(4096))
+    return h.hexdigest()
+
+
+def _checksum(tensors: dict[str, np.ndarray]) -> str:
+    """blake2b over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _name(owner: str, tokens: list[int]) -> str:
+    """A file's name: models (and KV dtypes) sharing a directory never write each other's files."""
+    h = hashlib.sha256(owner.encode())
+    h.update(np.asarray(tokens, dtype=np.uint32).tobytes())
+    return h.hexdigest()[:40] + ".safetensors"
+
+
+class _DiskEntry:
+    __slots__ = ("path", "tokens", "bytes", "has_logits")
+
+    def __init__(self, path: Path, tokens: list[int], nbytes: int, has_logits: bool):
+        self.path, self.tokens, self.bytes, self.has_logits = path, tokens, nbytes, has_logits
+
+
+class DiskTier:
+    """Prefix-cache entries as safetensors files in ``directory``: at most ``max_bytes`` of this model's
+    files (default a quarter of the disk's free space), the least recently used (by mtime, touched on
+    every hit, so processes sharing the directory agree) deleted first. Files of other models in the
+    directory are left alone and not counted.
+
+    A file: the tensors of ``Engine.export_sequence``, ``tokens`` (uint32) and, for an end-of-prompt entry,
+    ``logits``; metadata: the layout tag, the position, the KV dtype, the model ``fingerprint`` and a
+    checksum of the tensor bytes. Written to a temporary file and renamed, so a crash leaves no partial
+    entry; checked whole (fingerprint, dtype, checksum) before anything of it reaches the engine."""
+
+    def __init__(self, directory: str | os.PathLike[str], fingerprint: str, kv_dtype: str,
+                 max_bytes: int | None = None):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.kv_dtype = kv_dtype
+        self.max_bytes = shutil.disk_usage(self.dir).free // 4 if max_bytes is None else max_bytes
+        self._files: OrderedDict[str, _DiskEntry] = OrderedDict()  # by file name, least recent first
+        self.bytes = 0
+        self.evictions = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        for tmp in self.dir.glob(".*.tmp"):  # left by a writer that died before its rename
+            try:
+                pid = int(tmp.name.rsplit(".", 2)[-2])
+                os.kill(pid, 0)
+            except (ValueError, IndexError, ProcessLookupError):
+                tmp.unlink(missing_ok=True)
+            except PermissionError:  # a live process of another user
+                pass
+        found = []
+        for f in self.dir.glob("*.safetensors"):
+            e = self._read_header(f)
+            if e is not None:
+                found.append((f.stat().st_mtime, e))
+        for _, e in sorted(found, key=lambda x: x[0]):
+            self._files[e.path.name] = e
+            self.bytes += e.bytes
+
+    def _why_not(self, meta: dict[str, str]) -> str | None:
+        """Why a file with this metadata cannot be used here (None: it can, once its checksum holds)."""
+        if meta.get("format") != DISK_FORMAT:
+            return f"not a {DISK_FORMAT} file (format {meta.get('format')!r})"
+        if meta.get("fingerprint") != self.fingerprint:
+            return "written for another model (fingerprint differs)"
+        if meta.get("kv_dtype") != self.kv_dtype:
+            return f"its KV rows are {meta.get('kv_dtype')}, this engine's cache is {self.kv_dtype}"
+        return None
+
+    def _read_header(self, path: Path) -> _DiskEntry | None:
+        try:
+            with safetensors.safe_open(str(path), "numpy") as f:
+                meta = f.metadata() or {}
+                why = self._why_not(meta)
+                if why is not None:
+                    log.debug("prefix cache: ignoring %s: %s", path, why)
+                    return None
+                tokens = [int(t) for t in f.get_tensor("tokens")]
+                has_logits = "logits" in f.keys()  # noqa: SIM118 (safe_open is not a mapping)
+            if len(tokens) != int(meta.get("position", -1)):
+                raise ValueError(f"{len(tokens)} tokens for position {meta.get('position')}")
+            return _DiskEntry(path, tokens, path.stat().st_size, has_logits)
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own errors, and anything may be in a file)
+            log.warning("prefix cache: ignoring %s: unreadable (%s)", path, e)
+            return None
+
+    def holds(self, tokens: list[int]) -> bool:
+        return _name(f"{self.fingerprint}:{self.kv_dtype}", tokens) in self._files
+
+    def longest(self, tokens: list[int], limit: int) -> _DiskEntry | None:
+        """The file with the longest prefix of ``tokens`` of at most ``limit`` tokens (one of all of
+        ``tokens`` only if it has logits)."""
+        best = None
+        for e in self._files.values():
+            n = len(e.tokens)
+            if (n <= limit and (best is None or n > len(best.tokens)) and (n < len(tokens) or e.has_logits)
+                    and tokens[:n] == e.tokens):
+                best = e
+        return best
+
+    def load(self, e: _DiskEntry) -> tuple[list[int], dict[str, np.ndarray], np.ndarray | None] | None:
+        """The entry's tokens, state tensors and logits, checked whole; None (logged, and the file dropped
+        from the index) when it cannot be used."""
+        try:
+            data = e.path.read_bytes()  # one read: what is checked is what is loaded
+            n = int.from_bytes(data[:8], "little")
+            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+            why = self._why_not(meta)
+            tensors = safetensors.numpy.load(data) if why is None else {}
+            if why is None and _checksum(tensors) != meta.get("checksum"):
+                why = "checksum mismatch (the file is corrupt)"
+            if why is None and [int(t) for t in tensors.get("tokens", [])] != e.tokens:
+                why = "its tokens changed since the directory was read"
+        except Exception as err:  # noqa: BLE001 (a truncated or garbled file raises anything)
+            why = f"unreadable ({err})"
+        if why is not None:
+            log.warning("prefix cache: ignoring %s: %s", e.path, why)
+            self._forget(e)
+            return None
+        try:
+            os.utime(e.path)
+        except OSError:
+            pass
+        self._files.move_to_end(e.path.name)
+        tensors.pop("tokens")
+        logits = tensors.pop("logits", None)
+        return e.tokens, tensors, logits
+
+    def store(self, tokens: list[int], tensors: dict[str, np.ndarray], logits: np.ndarray | None) -> None:
+        """Write an entry (atomically), evicting the least recently used files past ``max_bytes``; an
+        entry larger than the bound, or one already held, is not written. An OSError is logged, not raised:
+        the disk tier only saves time."""
+        name = _name(f"{self.fingerprint}:{self.kv_dtype}", tokens)
+        if name in self._files:
+            return
+        full = dict(tensors)
+        full["tokens"] = np.asarray(tokens, dtype=np.uint32)
+        if logits is not None:
+            full["logits"] = np.asarray(logits, dtype=np.float32)
+        meta = {"format": DISK_FORMAT, "position": str(len(tokens)), "kv_dtype": self.kv_dtype,
+                "fingerprint": self.fingerprint, "checksum": _checksum(full)}
+        data = safetensors.numpy.save(full, metadata=meta)
+        if len(data) > self.max_bytes:
+            return
+        while self._files and self.bytes + len(data) > self.max_bytes:
+            old = next(iter(self._files.values()))
+            self._forget(old)
+            old.path.unlink(missing_ok=True)
+            self.evictions += 1
+        path = self.dir / name
+        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as err:
+            log.warning("prefix cache: could not write %s: %s", path, err)
+            tmp.unlink(missing_ok=True)
+            return
+        self._files[name] = _DiskEntry(path, list(tokens), len(data), logits is not None)
+        self.bytes += len(data)
+
+    def _forget(self, e: _DiskEntry) -> None:
+        if self._files.pop(e.path.name, None) is not None:
+            self.bytes -= e.bytes
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 class PrefixCache:
     """Copies of an engine's sequences at known token prefixes, at most ``max_bytes`` of them
-    (least recently used evicted first; one copy larger than the bound is not kept)."""
+    (least recently used evicted first; one copy larger than the bound is not kept), and with ``disk`` each
+    also as a file there: a lookup that finds a longer prefix on disk than in memory reads it back."""
 
-    def __init__(self, engine: Engine, max_bytes: int | None = None, snapshot_every: int = SNAPSHOT_EVERY):
+    def __init__(self, engine: Engine, max_bytes: int | None = None, snapshot_every: int = SNAPSHOT_EVERY,
+                 disk: DiskTier | None = None):
         self.engine = engine
+        self.disk = disk
         self.max_bytes = default_cache_bytes() if max_bytes is None else max_bytes
         self.snapshot_every = snapshot_every
         self._root = _Node((), None)
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # by sequence id, least recent first
         self.bytes = 0
         self.hits = self.misses = self.tokens_saved = self.evictions = 0
+        self.disk_hits = 0
 
     def info(self) -> CacheInfo:
+        d = self.disk
         return CacheInfo(len(self._lru), self.bytes, self.max_bytes, self.hits, self.misses, self.tokens_saved,
-                         self.evictions)
+                         self.evictions, len(d) if d else 0, d.bytes if d else 0, d.max_bytes if d else 0,
+                         self.disk_hits)
 
     def longest(self, tokens: list[int], limit: int) -> _Entry | None:
         """The entry with the longest prefix of ``tokens`` of at most ``limit`` tokens (one of exactly
@@ -112,6 +338,14 @@ class PrefixCache:
             if child is None or tuple(tokens[i:i + len(child.edge)]) != child.edge:
                 break
             node, i = child, i + len(child.edge)
+        while self.disk is not None:
+            on_disk = self.disk.longest(tokens, limit)
+            if on_disk is None or (best is not None and len(on_disk.tokens) <= best.length):
+                break
+            loaded = self._from_disk(on_disk)
+            if loaded is not None:
+                best = loaded
+                break
         if best is not None:
             self._lru.move_to_end(best.seq)
         return best
@@ -135,12 +369,50 @@ class PrefixCache:
                 cuts.add(cut)
         return sorted(cuts)
 
+    def _from_disk(self, on_disk: _DiskEntry) -> _Entry | None:
+        """A memory entry made from a disk file (None if the file or its state cannot be used). It is
+        the most recent entry, so the bound evicts others first; alone over the bound, it goes with the
+        next ``add``."""
+        assert self.disk is not None
+        got = self.disk.load(on_disk)
+        if got is None:
+            return None
+        tokens, tensors, logits = got
+        seq = self.engine.new_sequence()
+        try:
+            self.engine.import_sequence(tokens, self.disk.kv_dtype, tensors, seq=seq)
+        except (ValueError, TypeError) as err:
+            self.engine.drop_sequence(seq)
+            log.warning("prefix cache: ignoring %s: its state does not fit this engine (%s)", on_disk.path, err)
+            self.disk._forget(on_disk)
+            return None
+        except BaseException:  # a device error, an interrupt: not the file's fault, but free the sequence
+            self.engine.drop_sequence(seq)
+            raise
+        node = self._insert(tokens)
+        if node.entry is not None:  # held in memory too, but not found above: keep the memory copy
+            self.engine.drop_sequence(seq)
+            return node.entry
+        e = _Entry(seq, len(tokens), self.engine.sequence_bytes(seq), logits, node)
+        node.entry = e
+        self._lru[seq] = e
+        self.bytes += e.bytes
+        while self.bytes > self.max_bytes and next(iter(self._lru.values())) is not e:
+            self._evict(next(iter(self._lru.values())))
+        self.disk_hits += 1
+        return e
+
     def holds(self, tokens: list[int]) -> bool:
         node = self._find(tokens)
         return node is not None and node.entry is not None
 
     def add(self, tokens: list[int], seq: int, logits: Any = None) -> None:
-        """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry."""
+        """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry (and a file of it in
+        the disk tier)."""
+        if self.disk is not None and not self.disk.holds(tokens):
+            got, _, tensors = self.engine.export_sequence(seq)
+            if got == list(tokens):
+                self.disk.store(got, tensors, logits)
         node = self._insert(tokens)
         if node.entry is not None:  # the same prefix again: keep the newer logits, touch it
             if logits is not None:

@@ -52,6 +52,9 @@ use crate::{
     weights::Loader,
 };
 
+mod transfer;
+pub use transfer::{LayerData, SequenceState};
+
 /// Rows of logits computed per lm_head call when all logits are requested.
 const LOGIT_ROWS: usize = 16;
 
@@ -1166,6 +1169,20 @@ impl Engine {
     /// Free a sequence's memory; its id is not used again. The default sequence stays.
     pub fn drop_sequence(&mut self, seq: SeqId) -> Result<()> {
         each!(self, r => r.drop_sequence(seq))
+    }
+
+    /// Sequence `seq`'s whole state at its position in host memory (tokens, K/V rows in the
+    /// cache dtype, DeltaNet states): to be written back with [`Engine::import_sequence`] here or
+    /// in an engine of the same model in another process.
+    pub fn export_sequence(&self, seq: SeqId) -> Result<SequenceState> {
+        each!(self, r => r.export(seq))
+    }
+
+    /// Sequence `seq` becomes `state` (what it held before is gone; its KV memory is that of the
+    /// state's rows). A state that does not fit this model or cache is an `InvalidArgument` error
+    /// that changes nothing.
+    pub fn import_sequence(&mut self, seq: SeqId, state: &SequenceState) -> Result<()> {
+        each!(self, r => r.import(seq, state))
     }
 
     /// The live sequences' ids, in creation order.

@@ -14,10 +14,13 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::{
     exceptions::{PyOverflowError, PyRuntimeError, PyTypeError, PyValueError},
     prelude::*,
-    types::PyAny,
+    types::{PyAny, PyDict},
 };
 
-use crate::errors::{LilyError, PyLilyError};
+use crate::{
+    errors::{LilyError, PyLilyError},
+    transfer,
+};
 use lily_core::{
     backend::KvDtype,
     engine::{Options, Snapshot as CoreSnapshot},
@@ -320,6 +323,42 @@ impl Engine {
         let (src, dst) = (seq_id(src)?, seq_id(dst)?);
         Ok(self
             .with(py, |e| e.copy_sequence(src, dst))?
+            .map_err(PyLilyError::from)?)
+    }
+
+    /// Sequence `seq`'s whole state at its position: `(tokens, kv_dtype, tensors)`, the tensors
+    /// K/V rows and DeltaNet states by layer (see `import_sequence`).
+    #[pyo3(signature = (seq = 0))]
+    fn export_sequence<'py>(
+        &self,
+        py: Python<'py>,
+        seq: i64,
+    ) -> PyResult<(Vec<u32>, &'static str, Bound<'py, PyDict>)> {
+        let seq = seq_id(seq)?;
+        let (st, width) = self.with(py, |e| {
+            let c = e.config();
+            (e.export_sequence(seq), c.num_key_value_heads * c.head_dim)
+        })?;
+        transfer::to_python(py, st.map_err(PyLilyError::from)?, width)
+    }
+
+    /// Sequence `seq` becomes a state from `export_sequence` (of this engine or another of the
+    /// same model and kv_dtype); a state that does not fit is a ValueError / TypeError that
+    /// changes nothing.
+    #[pyo3(signature = (tokens, kv_dtype, tensors, *, seq = 0))]
+    fn import_sequence(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<i64>,
+        kv_dtype: &str,
+        tensors: &Bound<'_, PyDict>,
+        seq: i64,
+    ) -> PyResult<()> {
+        let seq = seq_id(seq)?;
+        let kinds = self.peek(py, |e| e.config().layer_types.clone())?;
+        let st = transfer::from_python(tokens, kv_dtype, tensors, &kinds)?;
+        Ok(self
+            .with(py, |e| e.import_sequence(seq, &st))?
             .map_err(PyLilyError::from)?)
     }
 

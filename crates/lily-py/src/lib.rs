@@ -5,6 +5,7 @@ mod engine;
 mod errors;
 mod info;
 mod sampling;
+mod transfer;
 
 use pyo3::prelude::*;
 

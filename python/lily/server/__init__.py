@@ -112,6 +112,7 @@ def build_parser() -> Any:
     ap.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="context length (default: the engine's)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                     help="element type of the stored keys and values (default bf16; f32 doubles the KV memory)")
+    command.prefix_cache_args(ap)
     ap.add_argument("--model-id", default=None, help="name reported by /v1/models (default: the folder name)")
     ap.add_argument("--alias", action="append", default=[], metavar="NAME",
                     help="another model name to answer to (repeatable; globs such as 'claude-*' allowed)")
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise command.CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         try:
-            model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype)
+            model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype,
+                         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_dir_bytes=args.prefix_cache_dir_bytes)
             server = Server(model, args.host, args.port, model_id=args.model_id, aliases=args.alias, limits=limits,
                             max_waiting=args.max_queue, max_sequences=args.max_sequences,
                             max_batch_tokens=args.max_batch_tokens, verbose=args.verbose, sock=sock)

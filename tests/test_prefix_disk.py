@@ -1,0 +1,227 @@
+"""The prefix cache's disk tier: a prompt resumed from a file (a prefix ending mid-chunk, and one at a
+snapshot) gives the logits of a cold run; corrupt, truncated, foreign-model and wrong-KV-dtype files are
+ignored, never loaded; the directory stays within its byte bound, least recently used files deleted
+first; a new process resumes from the directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from lily.prefix import DiskTier, PrefixCache, PrefixReuse, model_fingerprint
+
+BOUNDARY = 3
+CKPT = "real-s0-q4g64"
+
+
+def toks(seed, n, vocab=512):
+    return [int(t) + 4 for t in np.random.default_rng(seed).integers(0, vocab - 4, n)]
+
+
+def _engine(lily, ckpts, name=CKPT, kv_dtype="f32"):
+    return lily.Engine(ckpts.path(name), backend="cpu", max_seq=1024, kv_dtype=kv_dtype, prefill_chunk=32)
+
+
+@pytest.fixture(scope="module")
+def cold(lily, ckpts):
+    return _engine(lily, ckpts)
+
+
+def reuse(engine, ckpts, directory, name=CKPT, max_bytes=1 << 40, memory_bytes=1 << 40):
+    disk = DiskTier(directory, model_fingerprint(ckpts.path(name), engine.config), engine.kv_dtype, max_bytes)
+    return PrefixReuse(engine, BOUNDARY, PrefixCache(engine, memory_bytes, snapshot_every=48, disk=disk))
+
+
+def cold_logits(cold, tokens):
+    cold.reset()
+    return cold.prefill(tokens)
+
+
+@pytest.mark.parametrize("first_len", [
+    40,  # ends mid-chunk (chunks of 32), before any snapshot
+    96,  # ends at a snapshot point (2 x 48)
+])
+def test_resumed_from_disk_equals_a_cold_run(lily, ckpts, cold, tmp_path, first_len):
+    first = toks(1, first_len)
+    reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(first)
+    # A new engine and cache (nothing in memory): only the files can give the prefix.
+    engine = _engine(lily, ckpts)
+    r = reuse(engine, ckpts, tmp_path)
+    second = first + [BOUNDARY] + toks(2, 25)
+    logits, start = r.prefill(second)
+    assert start == first_len
+    assert np.abs(logits - cold_logits(cold, second)).max() <= 1e-4
+    info = r.cache.info()
+    assert (info.hits, info.tokens_saved, info.disk_hits) == (1, first_len, 1)
+    # The identical prompt again, from a third cache: its end-of-prompt file holds the logits.
+    r3 = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    again, start = r3.prefill(second)
+    assert start == len(second) and np.abs(again - logits).max() <= 1e-6
+
+
+def _entry_files(directory):
+    return sorted(directory.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+
+
+def _assert_ignored(lily, ckpts, directory, caplog, why):
+    engine = _engine(lily, ckpts)
+    with caplog.at_level(logging.DEBUG, logger="lily.prefix"):
+        r = reuse(engine, ckpts, directory)
+        logits, start = r.prefill(toks(1, 40) + [BOUNDARY] + toks(2, 5))
+    assert start == 0 and r.cache.info().disk_hits == 0
+    assert why in caplog.text, caplog.text
+    return r
+
+
+def test_corrupt_file_is_ignored(lily, ckpts, tmp_path, caplog):
+    reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(toks(1, 40))
+    (f,) = _entry_files(tmp_path)
+    data = bytearray(f.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    offsets = json.loads(data[8:8 + n])["layers.0.ssm"]["data_offsets"]
+    data[8 + n + offsets[0] + 100] ^= 0x40  # one bit of a DeltaNet state
+    f.write_bytes(bytes(data))
+    _assert_ignored(lily, ckpts, tmp_path, caplog, "checksum mismatch")
+
+
+def test_truncated_file_is_ignored(lily, ckpts, tmp_path, caplog):
+    reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(toks(1, 40))
+    (f,) = _entry_files(tmp_path)
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) // 2])
+    _assert_ignored(lily, ckpts, tmp_path, caplog, "unreadable")
+    for g in _entry_files(tmp_path):  # what the first check wrote
+        g.unlink()
+    f.write_bytes(data[:5])  # not even a header length
+    _assert_ignored(lily, ckpts, tmp_path, caplog, "unreadable")
+
+
+def test_foreign_model_file_is_ignored(lily, ckpts, tmp_path, caplog):
+    # Another random checkpoint of the same architecture and shapes writes the directory.
+    other = "real-s1-q4g64"
+    reuse(_engine(lily, ckpts, other), ckpts, tmp_path, name=other).prefill(toks(1, 40))
+    (theirs,) = _entry_files(tmp_path)
+    data = theirs.read_bytes()
+    _assert_ignored(lily, ckpts, tmp_path, caplog, "another model")
+    assert theirs.read_bytes() == data  # left alone: it is the other model's
+
+
+def test_fingerprint_tells_checkpoints_of_identical_headers_apart(ckpts, tmp_path):
+    # Same config, same safetensors headers and sizes, other weight bytes: what two random checkpoints
+    # of one shape (or a fine-tune) look like.
+    src = ckpts.path(CKPT)
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    config = json.loads((src / "config.json").read_text())
+    assert model_fingerprint(copy, config) == model_fingerprint(src, config)
+    for f in sorted(copy.glob("*.safetensors")):
+        data = bytearray(f.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        body = np.frombuffer(data, np.uint8, offset=8 + n)
+        data[8 + n:] = np.random.default_rng(0).permutation(body).tobytes()
+        f.write_bytes(bytes(data))
+    assert model_fingerprint(copy, config) != model_fingerprint(src, config)
+
+
+def test_wrong_kv_dtype_file_is_ignored(lily, ckpts, tmp_path, caplog):
+    bf16 = _engine(lily, ckpts, kv_dtype="bf16")
+    reuse(bf16, ckpts, tmp_path).prefill(toks(1, 40))
+    _assert_ignored(lily, ckpts, tmp_path, caplog, "KV rows are bf16")
+
+
+def test_a_crashed_write_leaves_no_entry(lily, ckpts, tmp_path):
+    reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(toks(1, 40))
+    (f,) = _entry_files(tmp_path)
+    # What a writer that died before its rename leaves: a temporary file (of a pid that is not running).
+    tmp = tmp_path / f".{f.name}.999999999.tmp"
+    tmp.write_bytes(f.read_bytes()[:1000])
+    f.unlink()
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    assert len(r.cache.disk) == 0 and not tmp.exists()
+
+
+def test_eviction_under_a_small_directory_bound(lily, ckpts, tmp_path):
+    engine = _engine(lily, ckpts)
+    r = reuse(engine, ckpts, tmp_path)
+    r.prefill(toks(1, 20))
+    one = r.cache.disk.bytes
+    assert one > 0
+    bound = int(2.5 * one)
+    r = reuse(engine, ckpts, tmp_path, max_bytes=bound)
+    for seed in (2, 3, 4):  # same length: same file size
+        r.prefill(toks(seed, 20))
+        assert r.cache.disk.bytes <= bound
+    assert r.cache.disk.evictions == 2
+    names = {f.name for f in _entry_files(tmp_path)}
+    assert len(names) == 2 and sum(f.stat().st_size for f in _entry_files(tmp_path)) <= bound
+    assert not r.cache.disk.holds(toks(1, 20)) and not r.cache.disk.holds(toks(2, 20))
+    assert r.cache.disk.holds(toks(3, 20)) and r.cache.disk.holds(toks(4, 20))
+    # A file too large for the bound is not written at all.
+    tiny = reuse(engine, ckpts, tmp_path / "tiny", max_bytes=one // 2)
+    tiny.prefill(toks(5, 20))
+    assert len(tiny.cache.disk) == 0 and not _entry_files(tmp_path / "tiny")
+
+
+def test_a_new_process_resumes_from_the_directory(lily, ckpts, tmp_path):
+    first = toks(1, 100)
+    model_dir, cache_dir = ckpts.path(CKPT), tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import json, sys
+        import numpy as np
+        import lily
+        from lily.prefix import DiskTier, PrefixCache, PrefixReuse, model_fingerprint
+        engine = lily.Engine({str(model_dir)!r}, backend="cpu", max_seq=1024, kv_dtype="f32", prefill_chunk=32)
+        disk = DiskTier({str(cache_dir)!r}, model_fingerprint({str(model_dir)!r}, engine.config), "f32")
+        r = PrefixReuse(engine, {BOUNDARY}, PrefixCache(engine, 1 << 40, snapshot_every=48, disk=disk))
+        logits, start = r.prefill(json.loads(sys.argv[1]))
+        i = r.cache.info()
+        np.save(sys.argv[2], logits)
+        print(json.dumps([start, i.hits, i.tokens_saved, i.disk_hits, i.disk_entries]))
+    """)
+
+    def run(tokens, out):
+        p = subprocess.run([sys.executable, "-c", script, json.dumps(tokens), str(out)], capture_output=True,
+                           text=True, timeout=600, env={**os.environ})
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1]), np.load(out)
+
+    (start, hits, saved, disk_hits, entries), _ = run(first, tmp_path / "a.npy")
+    assert (start, hits, disk_hits) == (0, 0, 0) and entries == 3  # snapshots at 48, 96 and the end
+    second = first + [BOUNDARY] + toks(2, 30)
+    (start, hits, saved, disk_hits, _), logits = run(second, tmp_path / "b.npy")
+    assert (start, hits, saved, disk_hits) == (100, 1, 100, 1)
+    cold = _engine(lily, ckpts)
+    assert np.abs(logits - cold.prefill(second)).max() <= 1e-4
+
+
+def test_load_with_prefix_cache_dir_resumes_in_a_new_process(ckpts, tmp_path):
+    # The user's path: lily.load(prefix_cache_dir=...), generate, exit; a new process sends the
+    # conversation with one more message.
+    script = textwrap.dedent(f"""
+        import json, sys
+        import lily
+        model = lily.load({str(ckpts.path(CKPT))!r}, backend="cpu", max_seq=512, progress=False,
+                          prefix_cache_dir={str(tmp_path / "cache")!r})
+        out = model.generate(json.loads(sys.argv[1]), max_tokens=4, temperature=0)
+        i = model.cache_info()
+        print(json.dumps([out.tokens, out.stats.cached_prompt_tokens, i.hits, i.tokens_saved, i.disk_hits]))
+    """)
+
+    def run(tokens):
+        p = subprocess.run([sys.executable, "-c", script, json.dumps(tokens)], capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    ids = toks(7, 90)
+    first = run(ids)
+    assert first[1:] == [0, 0, 0, 0]
+    again = run(ids)  # the identical prompt: its end-of-prompt state and logits, from disk
+    assert again == [first[0], 90, 1, 90, 1]
