@@ -536,11 +536,14 @@ pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
     }
 }
 
+/// The decode path of `moe_experts`; the f32 case (D = 1024: 256 chunks a row, 20 rows) has K split
+/// across 8 warps of a row group (`gemv_split`), with a partial last group.
 pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    let (e, d, inter, k) = (6usize, 256usize, 192usize, 2usize);
-    for (format, sd) in [
-        (Format::Affine { bits: 4, group: 64 }, DType::BF16),
-        (Format::BF16, DType::F32),
+    let (e, k) = (6usize, 2usize);
+    for (format, sd, d, inter) in [
+        (Format::Affine { bits: 4, group: 64 }, DType::BF16, 256usize, 192usize),
+        (Format::BF16, DType::F32, 256, 192),
+        (Format::F32, DType::F32, 1024, 20),
     ] {
         let gate = matrix(e, inter, d, format, sd, 100);
         let up = matrix(e, inter, d, format, sd, 101);

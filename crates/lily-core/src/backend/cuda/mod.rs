@@ -57,9 +57,28 @@ use crate::{
 /// Tokens up to which `matmul` runs the GEMV kernel (f32; weights re-read per token from L2);
 /// above, the tensor-core GEMM (bf16 inputs, f32 accumulation).
 pub const GEMV_TOKENS: usize = 8;
+/// Blocks a decode GEMV launch should have at least: two for each of the ~132 SMs of an H100 / H200
+/// (a GEMV's time is the latency of its loads unless enough of them are in flight on every SM).
+pub const GEMV_BLOCKS: usize = 264;
+
+/// The warps per row group of the staged GEMV (`gemv_staged` in common.cuh: 1, 2, 4 or 8; a block
+/// then covers 32 / ks rows) for `rows` rows of `chunks` 16-byte chunks in a grid of `grid_y`
+/// block rows: doubled while the grid has fewer than [`GEMV_BLOCKS`] blocks and each warp keeps at
+/// least one 32-chunk step of K.
+pub(crate) fn gemv_split(rows: usize, chunks: usize, grid_y: usize) -> u32 {
+    let mut ks = 1;
+    while ks < 8 && rows.div_ceil(32 / ks) * grid_y < GEMV_BLOCKS && chunks >= 64 * ks {
+        ks *= 2;
+    }
+    ks as u32
+}
+
 /// Key splits of single-token attention (flash-decoding): fixed, so a decode graph does not
-/// depend on the position; each split covers ceil(len / splits) rows.
-pub const DECODE_SPLITS: u32 = 32;
+/// depend on the position; each split covers ceil(len / splits) rows, rounded up to the 16-row
+/// tile (64 splits: 4 tiles a split at 4K rows, 128 blocks for 2 KV heads; at most
+/// ATT_SPLITS_MAX = 256 in attention.cu).
+pub const DECODE_SPLITS: u32 = 64;
+const _: () = assert!(DECODE_SPLITS <= 256);
 
 /// Tokens per forward call during prefill: enough rows for the tensor-core GEMMs to pay.
 pub const PREFILL_CHUNK: usize = 1024;
@@ -761,5 +780,26 @@ impl<X: Executor> Backend for Cuda<X> {
 
     fn sigmoid_gate_add(&self, p: &RowsParams, y: &CudaBuf<X>, gate: &CudaBuf<X>, out: &mut CudaBuf<X>) {
         elementwise::cuda::sigmoid_gate_add(self, p, y, gate, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_split;
+
+    #[test]
+    fn gemv_split_fills_the_gpu_only_when_rows_are_few() {
+        // The vocabulary projection has blocks to spare: no split.
+        assert_eq!(gemv_split(248_320, 64, 1), 1);
+        // 2048 rows of K = 2048 at 4 bits (64 chunks): 64 blocks, split once (32 chunks a warp).
+        assert_eq!(gemv_split(2048, 64, 1), 2);
+        // K = 4096 at 4 bits (128 chunks): split twice.
+        assert_eq!(gemv_split(2048, 128, 1), 4);
+        // 20 rows of 256 chunks: all 8 warps on one group.
+        assert_eq!(gemv_split(20, 256, 1), 8);
+        // A short row (16 chunks) is never split, however few its rows.
+        assert_eq!(gemv_split(512, 16, 1), 1);
+        // Enough blocks through the token / pair dimension: no split.
+        assert_eq!(gemv_split(512, 64, 32), 1);
     }
 }

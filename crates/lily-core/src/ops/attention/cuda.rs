@@ -91,6 +91,11 @@ pub fn attention<X: Executor>(
         return;
     }
     let (kd, vd) = (k.desc(), v.desc());
+    // The kernel stages K and V rows with one offset computation (attention.cu: kv_stage).
+    if (kd.dtype, kd.seg_shift) != (vd.dtype, vd.seg_shift) {
+        c.fail("attention: the K and V caches differ in dtype or segment size".into());
+        return;
+    }
     c.at_pos(p.pos0);
     let splits = if t == 1 { DECODE_SPLITS } else { 1 };
     let target = if splits > 1 {

@@ -1,10 +1,10 @@
 //! `matmul` on CUDA (`shaders/cuda/matmul.cu`): the f32 GEMV up to `Cuda::gemv_tokens` tokens
-//! (one launch for up to 4 matrices reading the same x: `matmuls`), above it the bf16
-//! tensor-core GEMM.
+//! (one launch for up to 4 matrices reading the same x: `matmuls`; K split across warps when rows
+//! are too few to fill the GPU: `gemv_split`), above it the bf16 tensor-core GEMM.
 
 use crate::backend::{
     cuda::{
-        div,
+        div, gemv_split,
         kernels::{Kernel, WeightOp},
         shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti,
     },
@@ -21,18 +21,14 @@ pub fn matmul<X: Executor>(c: &Cuda<X>, p: &MatmulParams, w: &CudaMat<X>, x: &Cu
         return;
     }
     let [wp, s, b] = w.ptrs();
-    let args = Args::new()
-        .push(*p)
-        .push(w.desc)
-        .ptr(wp)
-        .ptr(s)
-        .ptr(b)
-        .ptr(x.ptr())
-        .ptr(out.ptr());
+    let args = Args::new().push(*p).push(w.desc).ptr(wp).ptr(s).ptr(b);
     if t <= c.gemv_tokens {
-        let launch = shape([div(n, 32), t as u32, 1], 256);
+        let ks = gemv_split(n, w.desc.row_bytes as usize / 16, t);
+        let args = args.push(ks).ptr(x.ptr()).ptr(out.ptr());
+        let launch = shape([div(n, 32 / ks as usize), t as u32, 1], 256);
         c.launch(Kernel::weight(WeightOp::MatmulGemv, w.weight), launch, args);
     } else {
+        let args = args.ptr(x.ptr()).ptr(out.ptr());
         let launch = shape([div(n, 64), div(t, 64), 1], 128);
         c.launch(Kernel::weight(WeightOp::MatmulMma, w.weight), launch, args);
     }
@@ -79,9 +75,17 @@ pub fn matmuls<X: Executor>(
             count: n as u32,
             ..Default::default()
         };
+        let rows: usize = ws[i..i + n].iter().map(|w| w.desc.rows as usize).sum();
+        let chunks = ws[i..i + n]
+            .iter()
+            .map(|w| w.desc.row_bytes as usize / 16)
+            .min()
+            .unwrap_or(0);
+        let ks = gemv_split(rows, chunks, t);
+        g.ks = ks;
         let mut end = 0;
         for j in 0..n {
-            end += div(ws[i + j].desc.rows as usize, 32);
+            end += div(ws[i + j].desc.rows as usize, 32 / ks as usize);
             g.ends[j] = end;
         }
         let pick = |j: usize| ws[i + j.min(n - 1)];

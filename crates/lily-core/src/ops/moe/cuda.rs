@@ -3,7 +3,7 @@
 
 use crate::backend::{
     cuda::{
-        div,
+        div, gemv_split,
         kernels::{Fixed as F, Kernel, WeightOp},
         rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, MoeSortArgs,
     },
@@ -80,6 +80,8 @@ pub fn moe_experts<X: Executor>(
     let y = tmp.ptr() + (pairs * i * 4) as u64;
     let [gw, gs, gb] = gate.ptrs();
     let [uw, us, ub] = up.ptrs();
+    let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
+    let ks = gemv_split(i, chunks, pairs);
     let args = Args::new()
         .push(*p)
         .push(gate.desc)
@@ -90,10 +92,11 @@ pub fn moe_experts<X: Executor>(
         .ptr(uw)
         .ptr(us)
         .ptr(ub)
+        .push(ks)
         .ptr(x.ptr())
         .ptr(ids.ptr())
         .ptr(act);
-    let launch = shape([div(i, 32), pairs as u32, 1], 256);
+    let launch = shape([div(i, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
     let [dw, ds, db] = down.ptrs();
     let args = Args::new()
