@@ -144,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(512) attention(const AttentionParam
 extern "C" __global__ void attention_reduce(const AttentionParams p, const uint splits,
                                             const float* __restrict__ part, const float* __restrict__ qg,
                                             float* __restrict__ out) {
-  __shared__ float wz[ATT_SPLITS_MAX];  // exp(max_z - max): each split's weight, computed once
+  // exp(max_z - max): each split's weight, computed once.
+  __shared__ float wz[ATT_SPLITS_MAX];
   const uint h = blockIdx.x, t = blockIdx.y, hd = p.head_dim, n = min(splits, (uint)ATT_SPLITS_MAX);
   const float* ph = part + ((size_t)t * p.heads + h) * splits * (hd + 2);
   float m = NEG_BIG;
