@@ -4,14 +4,6 @@
 // call, in device memory so a captured decode graph replays at any position).
 #include "common.cuh"
 
-__device__ __forceinline__ float kv_load(const KvDesc d, uint row, uint i) {
-  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
-  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
-  if (d.dtype == 0) return reinterpret_cast<const float*>(base)[at];
-  const ushort b = reinterpret_cast<const ushort*>(base)[at];
-  return d.dtype == 1 ? bf16_float(b) : f16_float(b);
-}
-
 // kv_store: cache[pos0 + t, :] = x[t, :] in the cache dtype; x [T, width] f32. Arguments:
 // KvStoreParams p (pos0 unused: step[0]), step, KvDesc cache, x. Grid (ceil(width / 256), T).
 extern "C" __global__ void kv_store(const KvStoreParams p, const uint* __restrict__ step, const KvDesc d,
@@ -28,11 +20,60 @@ extern "C" __global__ void kv_store(const KvStoreParams p, const uint* __restric
     reinterpret_cast<ushort*>(base)[at] = d.dtype == 1 ? float_bf16(v) : float_f16(v);
 }
 
+// 16 bytes of a cache row (4 f32 or 8 16-bit values) widened to f32 into dst.
+__device__ __forceinline__ void kv_widen(uint dtype, const uint4 v, float* dst) {
+  const uint w[4] = {v.x, v.y, v.z, v.w};
+  if (dtype == 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dst[j] = __uint_as_float(w[j]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const ushort lo = (ushort)(w[j] & 0xffffu), hi = (ushort)(w[j] >> 16);
+    dst[2 * j] = dtype == 1 ? bf16_float(lo) : f16_float(lo);
+    dst[2 * j + 1] = dtype == 1 ? bf16_float(hi) : f16_float(hi);
+  }
+}
+
+// Stage columns col0 .. col0 + hd of cache rows base .. base + n of K and V as f32 into ks / vs
+// ([n][hd]): 16-byte loads (a row's hd values are 16-byte aligned: hd % 32 == 0), issued in batches
+// of KV_BATCH per thread and tensor before any is widened, so a thread has 2 KV_BATCH loads in
+// flight instead of one dependent (segment table, element) pair at a time.
+#define KV_BATCH 4
+__device__ __forceinline__ void kv_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
+                                         float* ks, float* vs) {
+  const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row, esize = kd.dtype == 0 ? 4 : 2;
+  const uint mask = (1u << kd.seg_shift) - 1;
+  for (uint b0 = 0; b0 < total; b0 += KV_BATCH * blockDim.x) {
+    uint4 kv[KV_BATCH], vv[KV_BATCH];
+#pragma unroll
+    for (int j = 0; j < KV_BATCH; ++j) {
+      const uint idx = b0 + j * blockDim.x + threadIdx.x;
+      if (idx < total) {
+        const uint row = base + idx / per_row, c = col0 + (idx % per_row) * epv;
+        const size_t at = ((size_t)(row & mask) * kd.width + c) * esize;
+        kv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at);
+        vv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < KV_BATCH; ++j) {
+      const uint idx = b0 + j * blockDim.x + threadIdx.x;
+      if (idx < total) {
+        const uint o = (idx / per_row) * hd + (idx % per_row) * epv;
+        kv_widen(kd.dtype, kv[j], ks + o);
+        kv_widen(vd.dtype, vv[j], vs + o);
+      }
+    }
+  }
+}
+
 // attention: out = softmax(q K^T * scale, causal) V * sigmoid(gate) with q / gate from
 // qg [T, H, 2*hd] (q then gate per head); token t sees cache rows 0 .. pos0 + t.
 // GQA packing: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
-// sharing that KV head; each tile of ATT_TILE K/V rows is staged once in shared memory (f32) and
-// read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). Online softmax in
+// sharing that KV head; each tile of ATT_TILE K/V rows is staged once in shared memory (f32,
+// kv_stage) and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). Online softmax in
 // f32. Split-KV (flash-decoding): split z of `splits` covers rows [z * rows, (z + 1) * rows) of
 // the causal range, rows = ceil(len / splits) rounded up to the tile, so the grid does not depend
 // on the position (a decode graph stays valid); with splits > 1, out is the partials buffer
@@ -64,11 +105,7 @@ extern "C" __global__ void __launch_bounds__(512) attention(const AttentionParam
   float mx = NEG_BIG, l = 0.0f;
   for (uint base = s0; base < s1; base += ATT_TILE) {
     const uint n = min((uint)ATT_TILE, s1 - base);
-    for (uint idx = threadIdx.x; idx < n * hd; idx += blockDim.x) {
-      const uint r = base + idx / hd, i = kvh * hd + idx % hd;
-      ks[idx] = kv_load(kd, r, i);
-      vs[idx] = kv_load(vd, r, i);
-    }
+    kv_stage(kd, vd, base, n, kvh * hd, hd, ks, vs);
     __syncthreads();
     for (uint r = 0; r < n; ++r) {
       float s = 0.0f;
@@ -100,21 +137,27 @@ extern "C" __global__ void __launch_bounds__(512) attention(const AttentionParam
 }
 
 // attention_reduce: combine the split partials [T, H, splits, 2 + hd] into out [T, H * hd] and
-// apply the sigmoid gate from qg; an empty split (l = 0, max -FLT_MAX) weighs nothing.
+// apply the sigmoid gate from qg; an empty split (l = 0, max -FLT_MAX) weighs nothing. At most
+// ATT_SPLITS_MAX splits (the host's DECODE_SPLITS is checked against it).
 // Arguments: AttentionParams p, uint splits, partials, qg, out. Grid (H, T), 256 threads over hd.
+#define ATT_SPLITS_MAX 256
 extern "C" __global__ void attention_reduce(const AttentionParams p, const uint splits,
                                             const float* __restrict__ part, const float* __restrict__ qg,
                                             float* __restrict__ out) {
-  const uint h = blockIdx.x, t = blockIdx.y, hd = p.head_dim;
+  // exp(max_z - max): each split's weight, computed once.
+  __shared__ float wz[ATT_SPLITS_MAX];
+  const uint h = blockIdx.x, t = blockIdx.y, hd = p.head_dim, n = min(splits, (uint)ATT_SPLITS_MAX);
   const float* ph = part + ((size_t)t * p.heads + h) * splits * (hd + 2);
   float m = NEG_BIG;
-  for (uint z = 0; z < splits; ++z) m = fmaxf(m, ph[z * (hd + 2)]);
+  for (uint z = 0; z < n; ++z) m = fmaxf(m, ph[z * (hd + 2)]);
+  for (uint z = threadIdx.x; z < n; z += blockDim.x) wz[z] = expf(ph[z * (hd + 2)] - m);
+  __syncthreads();
   float l = 0.0f;
-  for (uint z = 0; z < splits; ++z) l += ph[z * (hd + 2) + 1] * expf(ph[z * (hd + 2)] - m);
+  for (uint z = 0; z < n; ++z) l += ph[z * (hd + 2) + 1] * wz[z];
   const float* gate = qg + ((size_t)t * p.heads + h) * 2 * hd + hd;
   for (uint d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.0f;
-    for (uint z = 0; z < splits; ++z) acc += ph[z * (hd + 2) + 2 + d] * expf(ph[z * (hd + 2)] - m);
+    for (uint z = 0; z < n; ++z) acc += ph[z * (hd + 2) + 2 + d] * wz[z];
     out[((size_t)t * p.heads + h) * hd + d] = acc / l * sigmoid(gate[d]);
   }
 }

@@ -37,7 +37,7 @@ struct KvDesc { u64 seg; uint width; uint dtype; uint seg_shift; uint pad; };
 static_assert(sizeof(KvDesc) == 24, "KvDesc");
 // Up to 4 matrices of one weight format and one K multiplied with the same x in one launch
 // (matmul_gemv_multi): matrix i owns the blocks ends[i - 1] .. ends[i] - 1 of the grid.
-struct GemvMulti { uint count; uint ends[4]; uint pad[3]; };
+struct GemvMulti { uint count; uint ends[4]; uint ks; uint pad[2]; };
 static_assert(sizeof(GemvMulti) == 32, "GemvMulti");
 // The expert-sorted prefill path of moe.cu: E experts, room for `max_tiles` 64-row tiles.
 struct MoeSortArgs { uint experts; uint max_tiles; };
@@ -407,20 +407,82 @@ __device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
-// acc[r] += the dot products of chunks c0 .. c1 - 1 of the R stored rows rows[r] with x, lane l
-// taking chunks c0 + l, c0 + l + 32, ..: the warp reads 32 consecutive 16-byte chunks (512 bytes)
+// acc[r] += the dot products of chunks c0 + l, c0 + l + stride, .. (below c1) of the R stored rows
+// rows[r] with x, for lane l: with stride 32 the warp reads 32 consecutive 16-byte chunks (512 bytes)
 // of a row per step, coalesced, and each lane's x chunk (x_at(c), its q-th 4 floats at + q * step)
-// serves all R rows. R is a compile-time constant and the row loop unrolled: rows[] and acc[]
-// live in registers.
+// serves all R rows. R is a compile-time constant and the row loop unrolled: rows[] and acc[] live
+// in registers.
 template <typename W, int R, typename XAt>
 __device__ __forceinline__ void rows_dot_chunks(const W& wr, const size_t* rows, uint c0, uint c1, XAt x_at,
-                                                uint step, float* acc) {
+                                                uint step, float* acc, uint stride) {
 #pragma unroll 1
-  for (uint c = c0 + threadIdx.x % 32; c < c1; c += 32) {
+  for (uint c = c0 + threadIdx.x % 32; c < c1; c += stride) {
     const float* xc = x_at(c);
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] += wr.dot(rows[r], c, xc, step);
   }
+}
+
+// ---------------------------------------------------------------- staged GEMV (decode)
+// The GEMV layout shared by matmul_gemv(_multi) and moe_gate_up: a block of 8 warps forms 8 / ks
+// groups of GEMV_ROWS rows (ks = 1, 2, 4 or 8, the host's choice: enough blocks to fill the GPU
+// when rows are few); the ks warps of a group split K in steps of 32 16-byte chunks (warp s of the
+// group takes steps s, s + ks, ..), and their partial sums meet in shared memory (gemv_combine).
+// The block stages x once in shared memory (GEMV_XS floats a pass), transposed: piece q (4 floats)
+// of chunk c at xs[(c / 32) * 32 Q + 32 q + c % 32] (Q = EPC / 4), so the 32 lanes reading piece q of
+// chunks c .. c + 31 read 512 consecutive bytes (no bank conflict).
+#define GEMV_ROWS 4
+// Floats of x a block stages per pass: 32 KiB, a multiple of 32 chunks of every format (EPC <= 64),
+// so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
+#define GEMV_XS 8192
+
+// For each pass over x [0, K) (only when `vec`: 16-byte aligned rows): stage it, then (when
+// `active`) body(c0, c1, x_at, stride) with this warp's first chunk c0, the pass end c1 and the
+// chunk stride of its share (warp slice s of ks). Reached by every thread of the block (it
+// synchronizes). Returns the columns done (the caller does the tail K % EPC, or all of K when
+// !vec, element by element: rows_dot_tail).
+template <int EPC, typename Body>
+__device__ __forceinline__ uint gemv_staged(bool vec, uint K, const float* __restrict__ x, float4* xs, bool active,
+                                            uint s, uint ks, Body body) {
+  constexpr uint Q = EPC / 4, SEG = GEMV_XS / EPC;
+  if (!vec) return 0;
+  const uint chunks = K / EPC;
+  for (uint s0 = 0; s0 < chunks; s0 += SEG) {
+    const uint n = min(SEG, chunks - s0);
+    for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
+      const uint c = f / Q, q = f % Q;
+      xs[(c / 32) * 32 * Q + 32 * q + c % 32] = load_f4(x + (size_t)(s0 + c) * EPC + 4 * q);
+    }
+    __syncthreads();
+    if (active) {
+      const float* xf = reinterpret_cast<const float*>(xs);
+      const auto x_at = [&](uint c) { return xf + 4 * (((c - s0) / 32) * 32 * Q + (c - s0) % 32); };
+      body(s0 + 32 * s, s0 + n, x_at, 32 * ks);
+    }
+    __syncthreads();  // xs is refilled by the next pass
+  }
+  return chunks * EPC;
+}
+
+// The warp-summed partials v[0..R) of every warp into part[warp][..]; returns, for the first warp
+// of each group (warp % ks == 0), the group's sums in v (the ks slices added in warp order).
+// Reached by every thread of the block.
+template <int R>
+__device__ __forceinline__ void gemv_combine(float* v, float (*part)[R], uint ks) {
+  const uint warp = threadIdx.x / 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = warp_sum(v[r]);
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int r = 0; r < R; ++r) part[warp][r] = v[r];
+  __syncthreads();
+  if (warp % ks == 0)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float a = part[warp][r];
+      for (uint j = 1; j < ks; ++j) a += part[warp + j][r];
+      v[r] = a;
+    }
 }
 
 // ---------------------------------------------------------------- tensor-core tiles

@@ -3,6 +3,8 @@
 //   add:              x += y                                  args RowsParams, x (in/out), y
 //   swiglu:           out = silu(gate) * up                   args RowsParams, gate, up, out
 //   sigmoid_gate_add: out[t, :] += sigmoid(gate[t]) * y[t, :] args RowsParams, y, gate [T], out
+//   copy_rows:        dst = src                               args RowsParams, src, dst (each already at its
+//                     offset: a batched decode moves one sequence's rows in and out of the batch in-stream)
 #include "common.cuh"
 
 extern "C" __global__ void add(const RowsParams p, float* __restrict__ x, const float* __restrict__ y) {
@@ -26,6 +28,13 @@ extern "C" __global__ void sigmoid_gate_add(const RowsParams p, const float* __r
   if (j >= p.dim) return;
   const size_t i = (size_t)blockIdx.y * p.dim + j;
   out[i] = out[i] + sigmoid(gate[blockIdx.y]) * y[i];
+}
+
+extern "C" __global__ void copy_rows(const RowsParams p, const float* __restrict__ src, float* __restrict__ dst) {
+  const uint j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.dim) return;
+  const size_t i = (size_t)blockIdx.y * p.dim + j;
+  dst[i] = src[i];
 }
 
 // argmax: out[0] = the index of the largest of x[0..n) (the lowest index among equal values; NaN

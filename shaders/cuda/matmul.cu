@@ -3,91 +3,58 @@
 //  - matmul_gemv_<w> (T <= GEMV_TOKENS, decode): f32 throughout;
 //  - matmul_mma_<w> (T > GEMV_TOKENS, prefill): bf16 tensor cores, f32 accumulation.
 // Arguments (both): MatmulParams p, CudaMatrix m (N = rows, K = cols), w, scales, biases
-// (dense formats: any valid pointer), x [*, K] f32, out [T, N] f32.
+// (dense formats: any valid pointer), [the GEMV only: uint ks, warps per row group], x [*, K] f32,
+// out [T, N] f32.
 #include "common.cuh"
 
-// matmul_gemv_<w>: grid (ceil(N / 32), T), 256 threads = 8 warps; warp w of block b owns the
-// GEMV_ROWS = 4 output rows (8 b + w) 4 .. + 4 of token blockIdx.y. The block stages x in shared
-// memory (gemv_rows, GEMV_XS floats a pass), then each lane takes 16-byte chunks c = lane, lane + 32,
-// .. of K and multiplies its x chunk with the chunk of all 4 rows (rows_dot_chunks in common.cuh):
-// a warp's weight reads are 512 contiguous bytes of a row, x is read from global memory once per
-// block and from shared memory once per 4 rows. A partial last group repeats its last row and
-// stores only the valid ones. Accumulation: f32.
-#define GEMV_ROWS 4
-// Floats of x a block stages per pass: 32 KiB, a multiple of 32 chunks of every format (EPC <= 64),
-// so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
-#define GEMV_XS 8192
-
-// The GEMV_ROWS dot products of the stored rows rows[r] with x[0..K) for the calling warp (every
-// lane gets every sum in out); reached by every thread of the block (it synchronizes), `active`
-// false for a warp without rows. Per pass, x's chunks s0 .. s0 + n (EPC floats each, Q = EPC / 4
-// float4 pieces) are staged transposed: piece q of chunk c at xs[(c / 32) * 32 Q + 32 q + c % 32],
-// so the 32 lanes reading piece q of chunks c .. c + 31 read 512 consecutive bytes (no bank
-// conflict). A K tail or unaligned rows go element by element from global memory.
-template <typename W>
-__device__ __forceinline__ void gemv_rows(const W& wr, const size_t* rows, bool active, uint K,
-                                          const float* __restrict__ x, float4* xs, float* out) {
-  constexpr uint Q = W::EPC / 4, SEG = GEMV_XS / W::EPC;
-  float acc[GEMV_ROWS];
-#pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
-  uint done = 0;
-  if (wr.m.vec) {
-    const uint chunks = K / W::EPC;
-    for (uint s0 = 0; s0 < chunks; s0 += SEG) {
-      const uint n = min(SEG, chunks - s0);
-      for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
-        const uint c = f / Q, q = f % Q;
-        xs[(c / 32) * 32 * Q + 32 * q + c % 32] = load_f4(x + (size_t)(s0 + c) * W::EPC + 4 * q);
-      }
-      __syncthreads();
-      if (active) {
-        const float* xf = reinterpret_cast<const float*>(xs);
-        const auto x_at = [&](uint c) { return xf + 4 * (((c - s0) / 32) * 32 * Q + (c - s0) % 32); };
-        rows_dot_chunks<W, GEMV_ROWS>(wr, rows, s0, s0 + n, x_at, 128, acc);
-      }
-      __syncthreads();  // xs is refilled by the next pass
-    }
-    done = chunks * W::EPC;
-  }
-  if (!active) return;
-  rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, K, x, acc);
-#pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r) out[r] = warp_sum(acc[r]);
-}
+// matmul_gemv_<w>: grid (ceil(N / (32 / ks)), T), 256 threads = 8 warps (the staged GEMV layout of
+// common.cuh): warp w of block b owns, with the other ks - 1 warps of its group, the GEMV_ROWS = 4
+// output rows (b (8 / ks) + w / ks) 4 .. + 4 of token blockIdx.y; lane l of it takes 16-byte chunks
+// of K and multiplies its x chunk (staged in shared memory) with the chunk of all 4 rows
+// (rows_dot_chunks): a warp's weight reads are 512 contiguous bytes of a row. A partial last group
+// repeats its last row and stores only the valid ones. Accumulation: f32.
 
 // The body of both GEMV kernels: matrix m's block b, token blockIdx.y, into out.
 template <typename W>
-__device__ __forceinline__ void gemv_block(const MatmulParams p, const CudaMatrix m, uint b, const W& wr,
+__device__ __forceinline__ void gemv_block(const MatmulParams p, const CudaMatrix m, uint b, uint ks, const W& wr,
                                            const float* __restrict__ x, float* __restrict__ out) {
   __shared__ __align__(16) float4 xs[GEMV_XS / 4];
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = blockIdx.y;
-  const uint r0 = (b * 8 + warp) * GEMV_ROWS;
+  __shared__ float part[8][GEMV_ROWS];
+  const uint warp = threadIdx.x / 32, t = blockIdx.y, s = warp % ks;
+  const uint r0 = (b * (8 / ks) + warp / ks) * GEMV_ROWS;
   const bool active = r0 < m.rows;  // whole warp
   const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
   size_t rows[GEMV_ROWS];
 #pragma unroll
   for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = m.row_offset + r0 + min(r, nr - 1);
-  float dots[GEMV_ROWS];
-  gemv_rows<W>(wr, rows, active, m.cols, x + (size_t)(p.x_row0 + t) * m.cols, xs, dots);
-  if (active && lane == 0) {
+  float acc[GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
+  const float* xt = x + (size_t)(p.x_row0 + t) * m.cols;
+  const uint done = gemv_staged<W::EPC>(m.vec, m.cols, xt, xs, active, s, ks,
+                                        [&](uint c0, uint c1, auto x_at, uint stride) {
+                                          rows_dot_chunks<W, GEMV_ROWS>(wr, rows, c0, c1, x_at, 128, acc, stride);
+                                        });
+  if (active && s == 0) rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, m.cols, xt, acc);
+  gemv_combine<GEMV_ROWS>(acc, part, ks);
+  if (active && s == 0 && threadIdx.x % 32 == 0) {
 #pragma unroll
     for (uint r = 0; r < GEMV_ROWS; ++r)
-      if (r < nr) out[(size_t)t * m.rows + r0 + r] = dots[r];
+      if (r < nr) out[(size_t)t * m.rows + r0 + r] = acc[r];
   }
 }
 
 template <typename W>
 __device__ __forceinline__ void matmul_gemv(const MatmulParams p, const CudaMatrix m, const uchar* w,
-                                            const uchar* scales, const uchar* biases, const float* __restrict__ x,
-                                            float* __restrict__ out) {
-  gemv_block<W>(p, m, blockIdx.x, make_w<W>(w, scales, biases, m), x, out);
+                                            const uchar* scales, const uchar* biases, const uint ks,
+                                            const float* __restrict__ x, float* __restrict__ out) {
+  gemv_block<W>(p, m, blockIdx.x, ks, make_w<W>(w, scales, biases, m), x, out);
 }
 
 // matmul_gemv_multi_<w>: the GEMV of up to 4 matrices (one weight format, one K) reading the same x,
 // in one launch (a layer's input projections: fewer launches per decode step). Arguments:
-// MatmulParams p, GemvMulti g, CudaMatrix m0..m3, (w, scales, biases) x 4, x, out0..out3 (unused
-// slots: any valid values). Grid (g.ends[g.count - 1], T), 256 threads: block b belongs to the
+// MatmulParams p, GemvMulti g (g.ks: warps per row group), CudaMatrix m0..m3, (w, scales, biases) x 4,
+// x, out0..out3 (unused slots: any valid values). Grid (g.ends[g.count - 1], T), 256 threads: block b belongs to the
 // first matrix i with b < ends[i] and runs matmul_gemv's body on that matrix's block b - ends[i - 1].
 // The matrix is picked by selects, not by indexing an array (which would live in local memory).
 template <typename T> __device__ __forceinline__ T pick4(uint i, T a, T b, T c, T d) {
@@ -107,7 +74,7 @@ __device__ __forceinline__ void matmul_gemv_multi(const MatmulParams p, const Ge
   const uint b = blockIdx.x - pick4(i, 0u, g.ends[0], g.ends[1], g.ends[2]);
   const CudaMatrix m = pick4(i, m0, m1, m2, m3);
   const W wr = make_w<W>(pick4(i, w0, w1, w2, w3), pick4(i, s0, s1, s2, s3), pick4(i, b0, b1, b2, b3), m);
-  gemv_block<W>(p, m, b, wr, x, pick4(i, out0, out1, out2, out3));
+  gemv_block<W>(p, m, b, g.ks, wr, x, pick4(i, out0, out1, out2, out3));
 }
 
 // matmul_mma_<w>: output tiles of 64 tokens x 64 weight rows (mma_tile in common.cuh: bf16 tensor
@@ -135,9 +102,9 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
 
 #define MATMUL(sfx)                                                                                            \
   extern "C" __global__ void __launch_bounds__(256) matmul_gemv_##sfx(                                         \
-      const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                \
+      const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,  \
       const float* __restrict__ x, float* __restrict__ out) {                                                  \
-    matmul_gemv<W_##sfx>(p, m, w, s, b, x, out);                                                               \
+    matmul_gemv<W_##sfx>(p, m, w, s, b, ks, x, out);                                                               \
   }                                                                                                            \
   SIM_EXPORT(matmul_gemv_##sfx)                                                                                \
   extern "C" __global__ void __launch_bounds__(128) matmul_mma_##sfx(                                          \

@@ -85,34 +85,57 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p,
 
 // moe_gate_up_<w>: act [T*K, I], act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
 // e = ids[t*K + k]; gate / up [E, I, D] in one weight format. Arguments: MoeParams p,
-// CudaMatrix gate, CudaMatrix up, gate w / scales / biases, up w / scales / biases, x [T, D],
-// ids [T*K], act. Grid (ceil(I / 32), T*K), 256 threads = 8 warps; warp w owns the 4 rows
-// (8 bx + w) 4 .. + 4 of pair blockIdx.y (rows_dot for the gate rows, then the up rows; lanes over
-// 16-byte chunks of D). Accumulation: f32.
+// CudaMatrix gate, CudaMatrix up, gate w / scales / biases, up w / scales / biases, uint ks, x [T, D],
+// ids [T*K], act. Grid (ceil(I / (32 / ks)), T*K), 256 threads = 8 warps in the staged GEMV layout
+// of common.cuh (x[t] staged in shared memory; groups of ks warps split D), a group owning the 4 gate
+// and the 4 up rows (b (8 / ks) + w / ks) 4 .. + 4 of pair blockIdx.y: each lane's x chunk serves 8
+// rows, 8 independent 16-byte weight loads per step. Accumulation: f32.
 #define MOE_ROWS 4
 template <typename W>
 __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
                                             const uchar* gw, const uchar* gs, const uchar* gb, const uchar* uw,
-                                            const uchar* us, const uchar* ub, const float* __restrict__ x,
-                                            const uint* __restrict__ ids, float* __restrict__ act) {
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, tk = blockIdx.y;
-  const uint r0 = (blockIdx.x * 8 + warp) * MOE_ROWS;
-  if (r0 >= gm.rows) return;  // whole warp
-  const uint nr = min((uint)MOE_ROWS, gm.rows - r0);
+                                            const uchar* us, const uchar* ub, const uint ks,
+                                            const float* __restrict__ x, const uint* __restrict__ ids,
+                                            float* __restrict__ act) {
+  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
+  __shared__ float part[8][2 * MOE_ROWS];
+  const uint warp = threadIdx.x / 32, tk = blockIdx.y, s = warp % ks;
+  const uint r0 = (blockIdx.x * (8 / ks) + warp / ks) * MOE_ROWS;
+  const bool active = r0 < gm.rows;  // whole warp
+  const uint nr = active ? min((uint)MOE_ROWS, gm.rows - r0) : 1;
   const uint t = tk / p.top_k, D = gm.cols;
   const uint e = ids[tk];
   const W g = make_w<W>(gw, gs, gb, gm);
   const W u = make_w<W>(uw, us, ub, um);
   size_t grows[MOE_ROWS], urows[MOE_ROWS];
+#pragma unroll
   for (uint r = 0; r < MOE_ROWS; ++r) {
     grows[r] = (size_t)e * gm.expert_stride + gm.row_offset + r0 + min(r, nr - 1);
     urows[r] = (size_t)e * um.expert_stride + um.row_offset + r0 + min(r, nr - 1);
   }
-  float gv[MOE_ROWS], uv[MOE_ROWS];
-  rows_dot<W, MOE_ROWS>(g, grows, D, x + (size_t)t * D, gv);
-  rows_dot<W, MOE_ROWS>(u, urows, D, x + (size_t)t * D, uv);
-  if (lane == 0)
-    for (uint r = 0; r < nr; ++r) act[(size_t)tk * gm.rows + r0 + r] = silu(gv[r]) * uv[r];
+  float acc[2 * MOE_ROWS];  // gate sums, then up sums
+#pragma unroll
+  for (int r = 0; r < 2 * MOE_ROWS; ++r) acc[r] = 0.0f;
+  const float* xt = x + (size_t)t * D;
+  const uint done = gemv_staged<W::EPC>(gm.vec && um.vec, D, xt, xs, active, s, ks,
+                                        [&](uint c0, uint c1, auto x_at, uint stride) {
+#pragma unroll 1
+                                          for (uint c = c0 + threadIdx.x % 32; c < c1; c += stride) {
+                                            const float* xc = x_at(c);
+#pragma unroll
+                                            for (int r = 0; r < MOE_ROWS; ++r) {
+                                              acc[r] += g.dot(grows[r], c, xc, 128);
+                                              acc[MOE_ROWS + r] += u.dot(urows[r], c, xc, 128);
+                                            }
+                                          }
+                                        });
+  if (active && s == 0) {
+    rows_dot_tail<W, MOE_ROWS>(g, grows, done, D, xt, acc);
+    rows_dot_tail<W, MOE_ROWS>(u, urows, done, D, xt, acc + MOE_ROWS);
+  }
+  gemv_combine<2 * MOE_ROWS>(acc, part, ks);
+  if (active && s == 0 && threadIdx.x % 32 == 0)
+    for (uint r = 0; r < nr; ++r) act[(size_t)tk * gm.rows + r0 + r] = silu(acc[r]) * acc[MOE_ROWS + r];
 }
 
 // moe_down_<w>: y [T*K, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Arguments:
@@ -275,9 +298,9 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
 #define MOE(sfx)                                                                                                 \
   extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##sfx(                                           \
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
-      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const float* __restrict__ x,            \
-      const uint* __restrict__ ids, float* __restrict__ act) {                                                   \
-    moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, x, ids, act);                                        \
+      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                         \
+      const float* __restrict__ x, const uint* __restrict__ ids, float* __restrict__ act) {                     \
+    moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, ids, act);                                        \
   }                                                                                                              \
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256) moe_down_##sfx(                                              \

@@ -7,13 +7,15 @@
 //!                            every kernel is tested against it (Cpu::reference() runs it)
 //! ops/<family>/cpu.rs        the production CPU kernels (SIMD, thread pool, in-kernel dequant)
 //! ops/<family>/metal.rs      the Metal encoders: which kernel, bindings, grid, scratch
-//! shaders/metal/<family>.metal  the Metal kernels
+//! ops/<family>/cuda.rs       the CUDA encoders: which kernel, arguments, grid, scratch
+//! shaders/metal/<family>.metal  the Metal kernels; shaders/cuda/*.cu the CUDA kernels
 //! tests/ops_<family>.rs      reference, CPU and Metal (simulator; device on macOS) against each other
 //! ```
 //!
-//! The `Backend` impls (`backend/cpu/mod.rs`, `backend/metal/mod.rs`) are one line per op into
-//! these files; the plumbing they share (CPU pool, ISA choice, SIMD primitives; Metal command
-//! stream, buffers, kernel table, executors) stays in `backend/`. Families: [`embed`],
+//! The `Backend` impls (`backend/cpu/mod.rs`, `backend/metal/mod.rs`, `backend/cuda/mod.rs`) are
+//! one line per op into these files; the plumbing they share (CPU pool, ISA choice, SIMD
+//! primitives; Metal and CUDA command streams, buffers, kernel tables, executors) stays in
+//! `backend/`. Families: [`embed`],
 //! [`norm`] (rms_norm, rms_norm_gated), [`matmul`], [`attention`] (qk_norm_rope, kv_store,
 //! attention), [`delta_net`] (delta_net_conv, delta_net), [`moe`] (moe_route, moe_experts),
 //! [`elementwise`] (add, swiglu, sigmoid_gate_add).

@@ -43,6 +43,8 @@ macro_rules! all_cuda_tests {
         $crate::cuda_tests!($dev, $tolx;
             rms_norm_matches_cpu,
             elementwise_matches_cpu,
+            copy_rows_moves_rows_in_the_stream,
+            kv_copy_matches_cpu,
             argmax_matches_cpu,
             matmul_gemv_matches_cpu,
             matmul_mma_matches_cpu,
@@ -341,6 +343,54 @@ pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
 
 /// Rows 6..11 in segments of 4 (the chunk spans three segments) in every dtype, NaN, -0 and a
 /// subnormal included; read back through kv_read.
+/// copy_rows: a row into the middle of another buffer and back out, between kernels of one stream
+/// (the second copy reads what the first wrote); out-of-bounds copies are errors.
+pub fn copy_rows_moves_rows_in_the_stream<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    let _ = tolx; // exact: copies
+    let (w, rows) = (300, 4);
+    let src = rand_vec(rows * w, 9, -1.0, 1.0);
+    both!(dev, 0.0, "copy_rows", b => {
+        let s = b.upload(&src).unwrap();
+        let mut one = b.alloc(w).unwrap();
+        let mut back = b.alloc(rows * w).unwrap();
+        b.fill_zero(&mut back).unwrap();
+        b.begin(lily_core::backend::StreamKind::Other).unwrap();
+        b.copy_rows(&s, 2 * w, &mut one, 0, w).unwrap();
+        b.copy_rows(&one, 0, &mut back, w, w).unwrap();
+        b.copy_rows(&s, 3 * w + 5, &mut back, 3 * w, w - 5).unwrap();
+        assert!(b.copy_rows(&s, 3 * w + 1, &mut one, 0, w).is_err(), "past the source");
+        assert!(b.copy_rows(&s, 0, &mut one, 1, w).is_err(), "past the destination");
+        b.finish().unwrap();
+        vec![read_all(b, &back, rows * w)]
+    });
+}
+
+/// kv_copy: rows 0..11 of a cache in segments of 4 (three segments, the last partly) copied into
+/// a fresh cache bit for bit, in every dtype; the rows past them are left alone; a copy between
+/// different layouts or of rows the source lacks is an error.
+pub fn kv_copy_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    let _ = tolx; // exact: a copy
+    let w = 24;
+    for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
+        both!(dev, 0.0, format!("kv_copy {dtype:?}"), b => {
+            let src = filled_cache(b, w, 14, 32, dtype, 4, 60);
+            let mut dst = filled_cache(b, w, 16, 32, dtype, 4, 61);
+            b.kv_copy(&src, &mut dst, 11).unwrap();
+            let (mut got, mut want, mut kept) = (vec![0f32; 11 * w], vec![0f32; 11 * w], vec![0f32; 5 * w]);
+            b.kv_read(&dst, 0, &mut got).unwrap();
+            b.kv_read(&src, 0, &mut want).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want));
+            b.kv_read(&dst, 11, &mut kept).unwrap();
+            let mut other = b.kv_new(w + 1, dtype, 32, 4).unwrap();
+            b.kv_reserve(&mut other, 11).unwrap();
+            assert!(b.kv_copy(&src, &mut other, 11).is_err(), "different widths");
+            assert!(b.kv_copy(&src, &mut dst, 17).is_err(), "rows the source lacks");
+            vec![got, kept]
+        });
+    }
+}
+
 pub fn kv_store_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
     let _ = tolx; // exact: both round to nearest even
     let (t, w, max) = (5, 40, 24);
@@ -486,11 +536,14 @@ pub fn moe_route_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
     }
 }
 
+/// The decode path of `moe_experts`; the f32 case (D = 1024: 256 chunks a row, 20 rows) has K split
+/// across 8 warps of a row group (`gemv_split`), with a partial last group.
 pub fn moe_experts_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    let (e, d, inter, k) = (6usize, 256usize, 192usize, 2usize);
-    for (format, sd) in [
-        (Format::Affine { bits: 4, group: 64 }, DType::BF16),
-        (Format::BF16, DType::F32),
+    let (e, k) = (6usize, 2usize);
+    for (format, sd, d, inter) in [
+        (Format::Affine { bits: 4, group: 64 }, DType::BF16, 256usize, 192usize),
+        (Format::BF16, DType::F32, 256, 192),
+        (Format::F32, DType::F32, 1024, 20),
     ] {
         let gate = matrix(e, inter, d, format, sd, 100);
         let up = matrix(e, inter, d, format, sd, 101);

@@ -56,7 +56,9 @@ pub struct KvDesc {
 pub struct GemvMulti {
     pub count: u32,
     pub ends: [u32; 4],
-    pub pad: [u32; 3],
+    /// Warps per row group (`gemv_split`).
+    pub ks: u32,
+    pub pad: [u32; 2],
 }
 
 /// The expert-sorted prefill path of `moe_experts` (`MoeSortArgs` in common.cuh): E experts,

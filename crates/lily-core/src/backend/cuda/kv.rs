@@ -4,7 +4,10 @@
 
 use super::{Alloc, Cuda, Executor, KvDesc, KvElem};
 use crate::{
-    backend::{cpu::kv::widen, KvDtype},
+    backend::{
+        cpu::kv::{check_copy, widen},
+        KvDtype,
+    },
     error::{Error, Result},
 };
 
@@ -101,6 +104,23 @@ impl<X: Executor> Cuda<X> {
             }
             kv.segs.truncate(keep);
         }
+    }
+
+    /// Rows 0..rows of `src` into `dst` bit for bit, one device copy per segment (pending work
+    /// first: it may write the source rows).
+    pub(super) fn kv_copy(&self, src: &CudaKv<X>, dst: &mut CudaKv<X>, rows: usize) -> Result<()> {
+        check_copy(
+            (dst.width, dst.dtype, dst.shift, dst.rows()),
+            (src.width, src.dtype, src.shift, src.rows()),
+            rows,
+        )?;
+        self.flush()?;
+        let seg = 1usize << src.shift;
+        for (s, (from, to)) in src.segs.iter().zip(&dst.segs).enumerate().take(rows.div_ceil(seg)) {
+            let bytes = (rows - s * seg).min(seg) * src.width * src.dtype.size();
+            self.x.copy(from.ptr, to.ptr, bytes)?;
+        }
+        self.x.sync()
     }
 
     /// Rows row0.. of `kv` widened to f32 (pending work first: it may write them).

@@ -1,5 +1,6 @@
-//! The CUDA backend. The encoding logic (which kernel, which arguments, grid and block sizes,
-//! buffer plan, graph reuse) lives here once, generic over an [`Executor`]: the real GPU
+//! The CUDA backend: the plumbing the per-op encoders (`ops/<family>/cuda.rs`: which kernel,
+//! which arguments, grid and block sizes) share: buffers, the command stream, scratch growth and
+//! graph reuse, generic over an [`Executor`]: the real GPU
 //! (`device.rs`: driver API through cudarc, kernels compiled by NVRTC to a cubin for the
 //! device's architecture), the simulator ([`sim::Sim`]: the same `.cu` sources compiled by
 //! clang against tools/cuda-sim and run on the CPU, bounds-checked) and [`executor::Null`]
@@ -42,10 +43,11 @@ use std::{
 
 pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs};
 pub use executor::{Executor, Launch, Null};
-use kernels::{Fixed as F, Kernel, Weight, WeightOp};
+use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
-use super::{params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
+use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
     error::{Error, Result},
     quant::{Format, Matrix},
@@ -55,9 +57,28 @@ use crate::{
 /// Tokens up to which `matmul` runs the GEMV kernel (f32; weights re-read per token from L2);
 /// above, the tensor-core GEMM (bf16 inputs, f32 accumulation).
 pub const GEMV_TOKENS: usize = 8;
+/// Blocks a decode GEMV launch should have at least: two for each of the ~132 SMs of an H100 / H200
+/// (a GEMV's time is the latency of its loads unless enough of them are in flight on every SM).
+pub const GEMV_BLOCKS: usize = 264;
+
+/// The warps per row group of the staged GEMV (`gemv_staged` in common.cuh: 1, 2, 4 or 8; a block
+/// then covers 32 / ks rows) for `rows` rows of `chunks` 16-byte chunks in a grid of `grid_y`
+/// block rows: doubled while the grid has fewer than [`GEMV_BLOCKS`] blocks and each warp keeps at
+/// least one 32-chunk step of K.
+pub(crate) fn gemv_split(rows: usize, chunks: usize, grid_y: usize) -> u32 {
+    let mut ks = 1;
+    while ks < 8 && rows.div_ceil(32 / ks) * grid_y < GEMV_BLOCKS && chunks >= 64 * ks {
+        ks *= 2;
+    }
+    ks as u32
+}
+
 /// Key splits of single-token attention (flash-decoding): fixed, so a decode graph does not
-/// depend on the position; each split covers ceil(len / splits) rows.
-pub const DECODE_SPLITS: u32 = 32;
+/// depend on the position; each split covers ceil(len / splits) rows, rounded up to the 16-row
+/// tile (64 splits: 4 tiles a split at 4K rows, 128 blocks for 2 KV heads; at most
+/// ATT_SPLITS_MAX = 256 in attention.cu).
+pub const DECODE_SPLITS: u32 = 64;
+const _: () = assert!(DECODE_SPLITS <= 256);
 
 /// Tokens per forward call during prefill: enough rows for the tensor-core GEMMs to pay.
 pub const PREFILL_CHUNK: usize = 1024;
@@ -65,7 +86,7 @@ pub const PREFILL_CHUNK: usize = 1024;
 /// A device allocation, given back when the last handle drops.
 pub struct Alloc<X: Executor> {
     x: Arc<X>,
-    ptr: DevPtr,
+    pub(crate) ptr: DevPtr,
 }
 
 impl<X: Executor> Drop for Alloc<X> {
@@ -77,7 +98,7 @@ impl<X: Executor> Drop for Alloc<X> {
 /// A device buffer of `len` 4-byte elements (f32 values or u32 ids).
 pub struct CudaBuf<X: Executor> {
     mem: Arc<Alloc<X>>,
-    len: usize,
+    pub(crate) len: usize,
 }
 
 impl<X: Executor> CudaBuf<X> {
@@ -94,15 +115,15 @@ impl<X: Executor> CudaBuf<X> {
 
 /// A weight matrix on the device.
 pub struct CudaMat<X: Executor> {
-    desc: CudaMatrix,
-    weight: Weight,
-    experts: u32,
+    pub(crate) desc: CudaMatrix,
+    pub(crate) weight: Weight,
+    pub(crate) experts: u32,
     data: Arc<Alloc<X>>,
     groups: Option<[Arc<Alloc<X>>; 2]>,
 }
 
 impl<X: Executor> CudaMat<X> {
-    fn ptrs(&self) -> [DevPtr; 3] {
+    pub(crate) fn ptrs(&self) -> [DevPtr; 3] {
         match &self.groups {
             Some([s, b]) => [self.data.ptr, s.ptr, b.ptr],
             None => [self.data.ptr; 3],
@@ -118,7 +139,7 @@ struct Cmd {
     args: Args,
 }
 
-struct Stream<X: Executor> {
+pub(crate) struct Stream<X: Executor> {
     cmds: Vec<Cmd>,
     /// The position written to `step` before the commands run (set by the ops that use it).
     pos: Option<u32>,
@@ -128,11 +149,11 @@ struct Stream<X: Executor> {
     /// The captured graph and the commands it holds.
     graph: Option<(Vec<Cmd>, X::Graph)>,
     /// Split-attention partials [H, splits, 2 + hd], grown to the largest need seen.
-    partials: Option<(Arc<Alloc<X>>, usize)>,
+    pub(crate) partials: Option<(Arc<Alloc<X>>, usize)>,
     /// u32 routing scratch of the expert-sorted MoE prefill, grown to the largest need seen.
-    moe_scratch: Option<(Arc<Alloc<X>>, usize)>,
+    pub(crate) moe_scratch: Option<(Arc<Alloc<X>>, usize)>,
     /// f32 per-token q, k and gates of the DeltaNet prefill scan, grown to the largest need seen.
-    delta_scratch: Option<(Arc<Alloc<X>>, usize)>,
+    pub(crate) delta_scratch: Option<(Arc<Alloc<X>>, usize)>,
 }
 
 /// Weight tensors on the device by host (address, length).
@@ -145,7 +166,7 @@ pub struct Cuda<X: Executor> {
     stream: Mutex<Stream<X>>,
     /// [4] u32: [0] the position of the call's first token, read by qk_norm_rope, kv_store and
     /// attention; [1] the result of `argmax`.
-    step: Arc<Alloc<X>>,
+    pub(crate) step: Arc<Alloc<X>>,
     /// Weight tensors uploaded so far, by host address and length (a tensor two matrices share
     /// is uploaded once).
     uploads: Mutex<Uploads<X>>,
@@ -201,11 +222,11 @@ fn weight_format(m: &Matrix) -> Result<Weight> {
         .ok_or_else(|| Error::weight(&m.name, format!("no CUDA kernel for weight format {suffix}")))
 }
 
-fn div(a: usize, b: usize) -> u32 {
+pub(crate) fn div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
 }
 
-fn shape(grid: [u32; 3], block: u32) -> Launch {
+pub(crate) fn shape(grid: [u32; 3], block: u32) -> Launch {
     Launch {
         grid,
         block: [block, 1, 1],
@@ -264,7 +285,7 @@ impl<X: Executor> Cuda<X> {
     }
 
     /// Remember the first encoding error; `finish` returns it.
-    fn fail(&self, msg: String) {
+    pub(crate) fn fail(&self, msg: String) {
         let mut s = self.lock();
         if s.error.is_none() {
             s.error = Some(Error::Device(msg));
@@ -272,7 +293,7 @@ impl<X: Executor> Cuda<X> {
     }
 
     /// Record one launch of kernel `k`.
-    fn launch(&self, k: impl Into<Kernel>, shape: Launch, args: Args) {
+    pub(crate) fn launch(&self, k: impl Into<Kernel>, shape: Launch, args: Args) {
         let mut s = self.lock();
         if s.error.is_none() {
             s.cmds.push(Cmd {
@@ -284,7 +305,7 @@ impl<X: Executor> Cuda<X> {
     }
 
     /// Note the position of this call's first token (written to `step` before the launches).
-    fn at_pos(&self, pos0: u32) {
+    pub(crate) fn at_pos(&self, pos0: u32) {
         let mut s = self.lock();
         match s.pos {
             Some(p) if p != pos0 && s.error.is_none() => {
@@ -392,7 +413,7 @@ impl<X: Executor> Cuda<X> {
     }
 
     /// Check buffers hold at least the given element counts; record an error otherwise.
-    fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
+    pub(crate) fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
         for &(what, have, need) in checks {
             if have < need {
                 self.fail(format!("{op}: {what} has {have} elements, needs {need}"));
@@ -403,7 +424,7 @@ impl<X: Executor> Cuda<X> {
     }
 
     /// Check that `cache` holds rows 0..rows of `width` values; record an error otherwise.
-    fn cache_fits(&self, op: &str, what: &str, cache: &CudaKv<X>, rows: usize, width: usize) -> bool {
+    pub(crate) fn cache_fits(&self, op: &str, what: &str, cache: &CudaKv<X>, rows: usize, width: usize) -> bool {
         if cache.width != width || cache.rows() < rows {
             self.fail(format!(
                 "{op}: {what} holds {} rows of {} values, needs {rows} of {width}",
@@ -417,7 +438,7 @@ impl<X: Executor> Cuda<X> {
 
     /// A scratch buffer of the stream (`slot` picks it), at least `need` 4-byte elements: grown
     /// to the largest need seen, never per step. `None` with the allocation error recorded.
-    fn scratch(
+    pub(crate) fn scratch(
         &self,
         need: usize,
         label: &str,
@@ -473,99 +494,7 @@ impl<X: Executor> Cuda<X> {
     }
 }
 
-impl<X: Executor> Cuda<X> {
-    /// `moe_experts` for prefill: route-sorted expert GEMMs on the tensor cores, with no host
-    /// round trip. `moe_sort` groups the pairs t*K + k by expert into 64-row tiles (u32 scratch:
-    /// count | tiles | order | pos); `moe_gemm_gate_up` (act = SwiGLU over each tile's gathered
-    /// token rows, into tmp [T*K, I] in sorted order) and `moe_gemm_down` (y, tmp [T*K, D] after
-    /// act) run one block row per tile, the grid sized for the most tiles there can be
-    /// (`max_tiles`; blocks past the count return at once); `moe_combine_sorted` sums each token's
-    /// K rows in slot order. The caller has checked shapes and sizes.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_experts_sorted(
-        &self,
-        p: &MoeParams,
-        x: &CudaBuf<X>,
-        ids: &CudaBuf<X>,
-        weights: &CudaBuf<X>,
-        gate: &CudaMat<X>,
-        up: &CudaMat<X>,
-        down: &CudaMat<X>,
-        tmp: &mut CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        let (t, k) = (p.tokens as usize, p.top_k as usize);
-        let (i, d, e) = (gate.desc.rows as usize, gate.desc.cols as usize, gate.experts as usize);
-        let pairs = t * k;
-        if e == 0 || e > 1024 {
-            self.fail(format!(
-                "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
-            ));
-            return;
-        }
-        let max_tiles = pairs.div_ceil(64) + e.min(pairs);
-        let Some(sc) = self.scratch(4 + 4 * max_tiles + 2 * pairs, "moe sort", |s| &mut s.moe_scratch) else {
-            return;
-        };
-        let sort = MoeSortArgs {
-            experts: e as u32,
-            max_tiles: max_tiles as u32,
-        };
-        self.launch(
-            F::MoeSort,
-            shape([1, 1, 1], 1024),
-            Args::new().push(*p).push(sort).ptr(ids.ptr()).ptr(sc),
-        );
-        let act = tmp.ptr();
-        let y = tmp.ptr() + (pairs * i * 4) as u64;
-        let [gw, gs, gb] = gate.ptrs();
-        let [uw, us, ub] = up.ptrs();
-        let args = Args::new()
-            .push(*p)
-            .push(gate.desc)
-            .push(up.desc)
-            .ptr(gw)
-            .ptr(gs)
-            .ptr(gb)
-            .ptr(uw)
-            .ptr(us)
-            .ptr(ub)
-            .ptr(x.ptr())
-            .ptr(sc)
-            .push(max_tiles as u32)
-            .ptr(act);
-        let launch = shape([div(i, 64), max_tiles as u32, 1], 128);
-        self.launch(Kernel::weight(WeightOp::MoeGemmGateUp, gate.weight), launch, args);
-        let [dw, ds, db] = down.ptrs();
-        let args = Args::new()
-            .push(*p)
-            .push(down.desc)
-            .ptr(dw)
-            .ptr(ds)
-            .ptr(db)
-            .ptr(sc)
-            .push(max_tiles as u32)
-            .ptr(act)
-            .ptr(y);
-        let launch = shape([div(d, 64), max_tiles as u32, 1], 128);
-        self.launch(Kernel::weight(WeightOp::MoeGemmDown, down.weight), launch, args);
-        let rows = RowsParams {
-            tokens: p.tokens,
-            dim: d as u32,
-        };
-        let args = Args::new()
-            .push(*p)
-            .push(rows)
-            .ptr(weights.ptr())
-            .ptr(sc)
-            .push(max_tiles as u32)
-            .ptr(y)
-            .ptr(out.ptr());
-        self.launch(F::MoeCombineSorted, rows_launch(d, t), args);
-    }
-}
-
-fn rows_launch(dim: usize, tokens: usize) -> Launch {
+pub(crate) fn rows_launch(dim: usize, tokens: usize) -> Launch {
     shape([div(dim, 256), tokens as u32, 1], 256)
 }
 
@@ -600,6 +529,28 @@ impl<X: Executor> Backend for Cuda<X> {
     }
     fn kv_read(&self, kv: &CudaKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
         Cuda::kv_read(self, kv, row0, out)
+    }
+    fn kv_copy(&self, src: &CudaKv<X>, dst: &mut CudaKv<X>, rows: usize) -> Result<()> {
+        Cuda::kv_copy(self, src, dst, rows)
+    }
+    fn copy_rows(
+        &self,
+        src: &CudaBuf<X>,
+        src_off: usize,
+        dst: &mut CudaBuf<X>,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_rows(src.len, src_off, dst.len, dst_off, len)?;
+        if len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "copy_rows of {len} values: more than a grid row"
+            )));
+        }
+        if len > 0 {
+            elementwise::cuda::copy_rows(self, src, src_off, dst, dst_off, len);
+        }
+        Ok(())
     }
     fn alloc(&self, len: usize) -> Result<CudaBuf<X>> {
         self.new_buf(len, "buffer")
@@ -737,153 +688,27 @@ impl<X: Executor> Backend for Cuda<X> {
     }
 
     fn embed(&self, tokens: usize, table: &CudaMat<X>, ids: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        let d = table.desc.cols as usize;
-        if !self.fits("embed", &[("ids", ids.len, tokens), ("out", out.len, tokens * d)]) {
-            return;
-        }
-        let [w, s, b] = table.ptrs();
-        let args = Args::new()
-            .push(tokens as u32)
-            .push(table.desc)
-            .ptr(w)
-            .ptr(s)
-            .ptr(b)
-            .ptr(ids.ptr())
-            .ptr(out.ptr());
-        self.launch(
-            Kernel::weight(WeightOp::Embed, table.weight),
-            rows_launch(d, tokens),
-            args,
-        );
+        embed::cuda::embed(self, tokens, table, ids, out)
     }
 
     fn rms_norm(&self, p: &RmsNormParams, x: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        let n = (p.rows * p.dim) as usize;
-        if !self.fits(
-            "rms_norm",
-            &[("x", x.len, n), ("w", w.len, p.dim as usize), ("out", out.len, n)],
-        ) {
-            return;
-        }
-        let args = Args::new().push(*p).ptr(x.ptr()).ptr(w.ptr()).ptr(out.ptr());
-        self.launch(F::RmsNorm, shape([p.rows, 1, 1], 256), args);
+        norm::cuda::rms_norm(self, p, x, w, out)
     }
 
     fn rms_norm_gated(&self, p: &RmsNormParams, x: &CudaBuf<X>, z: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        let n = (p.rows * p.dim) as usize;
-        if !self.fits(
-            "rms_norm_gated",
-            &[
-                ("x", x.len, n),
-                ("z", z.len, n),
-                ("w", w.len, p.dim as usize),
-                ("out", out.len, n),
-            ],
-        ) {
-            return;
-        }
-        let args = Args::new()
-            .push(*p)
-            .ptr(x.ptr())
-            .ptr(z.ptr())
-            .ptr(w.ptr())
-            .ptr(out.ptr());
-        self.launch(F::RmsNormGated, shape([p.rows, 1, 1], 256), args);
+        norm::cuda::rms_norm_gated(self, p, x, z, w, out)
     }
 
     fn add(&self, p: &RowsParams, x: &mut CudaBuf<X>, y: &CudaBuf<X>) {
-        let n = (p.tokens * p.dim) as usize;
-        if !self.fits("add", &[("x", x.len, n), ("y", y.len, n)]) {
-            return;
-        }
-        let args = Args::new().push(*p).ptr(x.ptr()).ptr(y.ptr());
-        self.launch(F::Add, rows_launch(p.dim as usize, p.tokens as usize), args);
+        elementwise::cuda::add(self, p, x, y)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        let (t, n, k) = (p.tokens as usize, w.desc.rows as usize, w.desc.cols as usize);
-        if !self.fits(
-            "matmul",
-            &[("x", x.len, (p.x_row0 as usize + t) * k), ("out", out.len, t * n)],
-        ) || t == 0
-        {
-            return;
-        }
-        let [wp, s, b] = w.ptrs();
-        let args = Args::new()
-            .push(*p)
-            .push(w.desc)
-            .ptr(wp)
-            .ptr(s)
-            .ptr(b)
-            .ptr(x.ptr())
-            .ptr(out.ptr());
-        if t <= self.gemv_tokens {
-            let launch = shape([div(n, 32), t as u32, 1], 256);
-            self.launch(Kernel::weight(WeightOp::MatmulGemv, w.weight), launch, args);
-        } else {
-            let launch = shape([div(n, 64), div(t, 64), 1], 128);
-            self.launch(Kernel::weight(WeightOp::MatmulMma, w.weight), launch, args);
-        }
+        matmul::cuda::matmul(self, p, w, x, out)
     }
 
-    /// Several matrices reading the same x: at most `gemv_tokens` tokens, consecutive matrices of
-    /// one weight format and one K share a launch (up to 4: `matmul_gemv_multi`); otherwise, and
-    /// for a matrix alone, one `matmul` each.
     fn matmuls(&self, p: &MatmulParams, x: &CudaBuf<X>, ws: &[&CudaMat<X>], outs: &mut [&mut CudaBuf<X>]) {
-        let t = p.tokens as usize;
-        let mut i = 0;
-        while i < ws.len().min(outs.len()) {
-            let w0 = ws[i];
-            let mut n = 1;
-            while n < 4
-                && i + n < ws.len().min(outs.len())
-                && ws[i + n].weight == w0.weight
-                && ws[i + n].desc.cols == w0.desc.cols
-            {
-                n += 1;
-            }
-            if n == 1 || t == 0 || t > self.gemv_tokens {
-                for j in i..i + n {
-                    self.matmul(p, ws[j], x, outs[j]);
-                }
-                i += n;
-                continue;
-            }
-            let k = w0.desc.cols as usize;
-            let mut checks = [("x", x.len, (p.x_row0 as usize + t) * k); 5];
-            for j in 0..n {
-                checks[j + 1] = ("out", outs[i + j].len, t * ws[i + j].desc.rows as usize);
-            }
-            if !self.fits("matmuls", &checks[..n + 1]) {
-                return;
-            }
-            let mut g = GemvMulti {
-                count: n as u32,
-                ..Default::default()
-            };
-            let mut end = 0;
-            for j in 0..n {
-                end += div(ws[i + j].desc.rows as usize, 32);
-                g.ends[j] = end;
-            }
-            let pick = |j: usize| ws[i + j.min(n - 1)];
-            let mut args = Args::new().push(*p).push(g);
-            for j in 0..4 {
-                args = args.push(pick(j).desc);
-            }
-            for j in 0..4 {
-                let [w, s, b] = pick(j).ptrs();
-                args = args.ptr(w).ptr(s).ptr(b);
-            }
-            args = args.ptr(x.ptr());
-            for j in 0..4 {
-                args = args.ptr(outs[i + j.min(n - 1)].ptr());
-            }
-            let launch = shape([end, t as u32, 1], 256);
-            self.launch(Kernel::weight(WeightOp::MatmulGemvMulti, w0.weight), launch, args);
-            i += n;
-        }
+        matmul::cuda::matmuls(self, p, x, ws, outs)
     }
 
     fn qk_norm_rope(
@@ -894,109 +719,15 @@ impl<X: Executor> Backend for Cuda<X> {
         qg: &mut CudaBuf<X>,
         k: &mut CudaBuf<X>,
     ) {
-        let (t, hd) = (p.tokens as usize, p.head_dim as usize);
-        if hd > 1024 || p.rotary_dim > p.head_dim || p.rotary_dim % 2 != 0 {
-            self.fail(format!(
-                "qk_norm_rope: head_dim {hd} (at most 1024) with rotary_dim {} (even, <= head_dim)",
-                p.rotary_dim
-            ));
-            return;
-        }
-        if !self.fits(
-            "qk_norm_rope",
-            &[
-                ("qg", qg.len, t * p.heads as usize * 2 * hd),
-                ("k", k.len, t * p.kv_heads as usize * hd),
-                ("q_norm", q_norm.len, hd),
-                ("k_norm", k_norm.len, hd),
-            ],
-        ) {
-            return;
-        }
-        self.at_pos(p.pos0);
-        let args = Args::new()
-            .push(RopeParams { pos0: 0, ..*p })
-            .ptr(self.step.ptr)
-            .ptr(q_norm.ptr())
-            .ptr(k_norm.ptr())
-            .ptr(qg.ptr())
-            .ptr(k.ptr());
-        self.launch(F::QkNormRope, shape([p.heads + p.kv_heads, t as u32, 1], 128), args);
+        attention::cuda::qk_norm_rope(self, p, q_norm, k_norm, qg, k)
     }
 
     fn kv_store(&self, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>) {
-        let (t, w) = (p.tokens as usize, p.width as usize);
-        if !self.fits("kv_store", &[("x", x.len, t * w)])
-            || !self.cache_fits("kv_store", "cache", cache, p.pos0 as usize + t, w)
-        {
-            return;
-        }
-        let d = cache.desc();
-        self.at_pos(p.pos0);
-        let args = Args::new()
-            .push(KvStoreParams { pos0: 0, ..*p })
-            .ptr(self.step.ptr)
-            .push(d)
-            .ptr(x.ptr());
-        self.launch(F::KvStore, rows_launch(w, t), args);
+        attention::cuda::kv_store(self, p, x, cache)
     }
 
     fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>) {
-        let (t, h, kvh, hd) = (
-            p.tokens as usize,
-            p.heads as usize,
-            p.kv_heads as usize,
-            p.head_dim as usize,
-        );
-        if kvh == 0 || h % kvh != 0 || h / kvh > 32 || hd % 32 != 0 || hd == 0 || hd > 256 {
-            self.fail(format!(
-                "attention: {h} heads over {kvh} KV heads (at most 32 per KV head) of dim {hd} (a multiple of 32, at most 256) unsupported"
-            ));
-            return;
-        }
-        let width = kvh * hd;
-        let rows = p.pos0 as usize + t;
-        if !self.fits(
-            "attention",
-            &[("qg", qg.len, t * h * 2 * hd), ("out", out.len, t * h * hd)],
-        ) || !self.cache_fits("attention", "k_cache", k, rows, width)
-            || !self.cache_fits("attention", "v_cache", v, rows, width)
-        {
-            return;
-        }
-        let (kd, vd) = (k.desc(), v.desc());
-        self.at_pos(p.pos0);
-        let splits = if t == 1 { DECODE_SPLITS } else { 1 };
-        let target = if splits > 1 {
-            match self.scratch(h * splits as usize * (hd + 2), "attention partials", |s| {
-                &mut s.partials
-            }) {
-                Some(ptr) => ptr,
-                None => return,
-            }
-        } else {
-            out.ptr()
-        };
-        let pp = AttentionParams { pos0: 0, ..*p };
-        let args = Args::new()
-            .push(pp)
-            .push(splits)
-            .ptr(self.step.ptr)
-            .push(kd)
-            .push(vd)
-            .ptr(qg.ptr())
-            .ptr(target);
-        let launch = shape([kvh as u32, t as u32, splits], (h / kvh * 32) as u32);
-        self.launch(F::Attention, launch, args);
-        if splits > 1 {
-            let args = Args::new()
-                .push(pp)
-                .push(splits)
-                .ptr(target)
-                .ptr(qg.ptr())
-                .ptr(out.ptr());
-            self.launch(F::AttentionReduce, shape([h as u32, t as u32, 1], 256), args);
-        }
+        attention::cuda::attention(self, p, qg, k, v, out)
     }
 
     fn delta_net_conv(
@@ -1007,29 +738,7 @@ impl<X: Executor> Backend for Cuda<X> {
         x: &CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        let (t, c, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
-        if taps == 0 || taps > MAX_CONV_TAPS {
-            self.fail(format!("delta_net_conv: {taps} taps (1..={MAX_CONV_TAPS})"));
-            return;
-        }
-        if !self.fits(
-            "delta_net_conv",
-            &[
-                ("w", w.len, c * taps),
-                ("state", state.len, (taps - 1) * c),
-                ("x", x.len, t * c),
-                ("out", out.len, t * c),
-            ],
-        ) {
-            return;
-        }
-        let args = Args::new()
-            .push(*p)
-            .ptr(w.ptr())
-            .ptr(state.ptr())
-            .ptr(x.ptr())
-            .ptr(out.ptr());
-        self.launch(F::DeltaNetConv, shape([div(c, 256), 1, 1], 256), args);
+        delta_net::cuda::delta_net_conv(self, p, w, state, x, out)
     }
 
     fn delta_net(
@@ -1043,91 +752,11 @@ impl<X: Executor> Backend for Cuda<X> {
         state: &mut CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        let (t, hk, hv, dk, dv) = (
-            p.tokens as usize,
-            p.key_heads as usize,
-            p.value_heads as usize,
-            p.key_dim as usize,
-            p.value_dim as usize,
-        );
-        if hk == 0 || hv % hk != 0 || dk == 0 || dk > 256 || dv == 0 {
-            self.fail(format!(
-                "delta_net: {hv} value heads over {hk} key heads with key dim {dk} (at most 256) unsupported"
-            ));
-            return;
-        }
-        let width = 2 * hk * dk + hv * dv;
-        if !self.fits(
-            "delta_net",
-            &[
-                ("qkv", qkv.len, t * width),
-                ("a", a.len, t * hv),
-                ("b", b.len, t * hv),
-                ("a_log", a_log.len, hv),
-                ("dt_bias", dt_bias.len, hv),
-                ("state", state.len, hv * dk * dv),
-                ("out", out.len, t * hv * dv),
-            ],
-        ) {
-            return;
-        }
-        // Prefill (Dk <= 128): the per-token normalisation and gates in parallel, then the scan
-        // with each value column of S in one lane's registers. Decode: the one-kernel step.
-        if t > self.gemv_tokens && dk <= 128 {
-            let need = t * (2 * hk * dk + 2 * hv);
-            let Some(sc) = self.scratch(need, "delta_net scratch", |s| &mut s.delta_scratch) else {
-                return;
-            };
-            let args = Args::new()
-                .push(*p)
-                .ptr(qkv.ptr())
-                .ptr(a.ptr())
-                .ptr(b.ptr())
-                .ptr(a_log.ptr())
-                .ptr(dt_bias.ptr())
-                .ptr(sc);
-            self.launch(F::DeltaNetPrep, shape([t as u32, 1, 1], 256), args);
-            let args = Args::new()
-                .push(*p)
-                .ptr(qkv.ptr())
-                .ptr(sc)
-                .ptr(state.ptr())
-                .ptr(out.ptr());
-            self.launch(F::DeltaNetScan, shape([div(dv, 32), hv as u32, 1], 32), args);
-            return;
-        }
-        let args = Args::new()
-            .push(*p)
-            .ptr(qkv.ptr())
-            .ptr(a.ptr())
-            .ptr(b.ptr())
-            .ptr(a_log.ptr())
-            .ptr(dt_bias.ptr())
-            .ptr(state.ptr())
-            .ptr(out.ptr());
-        self.launch(F::DeltaNet, shape([div(dv, 32), hv as u32, 1], 128), args);
+        delta_net::cuda::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
     }
 
     fn moe_route(&self, p: &RouteParams, logits: &CudaBuf<X>, ids: &mut CudaBuf<X>, weights: &mut CudaBuf<X>) {
-        let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
-        if e == 0 || e > 1024 || k == 0 || k > e.min(64) {
-            self.fail(format!(
-                "moe_route: top {k} of {e} experts unsupported (E <= 1024, K <= min(E, 64))"
-            ));
-            return;
-        }
-        if !self.fits(
-            "moe_route",
-            &[
-                ("logits", logits.len, t * e),
-                ("ids", ids.len, t * k),
-                ("weights", weights.len, t * k),
-            ],
-        ) {
-            return;
-        }
-        let args = Args::new().push(*p).ptr(logits.ptr()).ptr(ids.ptr()).ptr(weights.ptr());
-        self.launch(F::MoeRoute, shape([t as u32, 1, 1], 256), args);
+        moe::cuda::moe_route(self, p, logits, ids, weights)
     }
 
     fn moe_experts(
@@ -1142,99 +771,35 @@ impl<X: Executor> Backend for Cuda<X> {
         tmp: &mut CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        let (t, k) = (p.tokens as usize, p.top_k as usize);
-        let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
-        let pairs = t * k;
-        if pairs > 65535
-            || up.desc.rows != gate.desc.rows
-            || down.desc.cols as usize != i
-            || down.desc.rows as usize != d
-        {
-            self.fail(format!(
-                "moe_experts: {pairs} token-expert pairs (at most 65535) or mismatched expert shapes"
-            ));
-            return;
-        }
-        if !self.fits(
-            "moe_experts",
-            &[
-                ("x", x.len, t * d),
-                ("ids", ids.len, pairs),
-                ("weights", weights.len, pairs),
-                ("tmp", tmp.len, pairs * (i + d)),
-                ("out", out.len, t * d),
-            ],
-        ) || pairs == 0
-        {
-            return;
-        }
-        if t > self.gemv_tokens {
-            return self.moe_experts_sorted(p, x, ids, weights, gate, up, down, tmp, out);
-        }
-        let act = tmp.ptr();
-        let y = tmp.ptr() + (pairs * i * 4) as u64;
-        let [gw, gs, gb] = gate.ptrs();
-        let [uw, us, ub] = up.ptrs();
-        let args = Args::new()
-            .push(*p)
-            .push(gate.desc)
-            .push(up.desc)
-            .ptr(gw)
-            .ptr(gs)
-            .ptr(gb)
-            .ptr(uw)
-            .ptr(us)
-            .ptr(ub)
-            .ptr(x.ptr())
-            .ptr(ids.ptr())
-            .ptr(act);
-        let launch = shape([div(i, 32), pairs as u32, 1], 256);
-        self.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
-        let [dw, ds, db] = down.ptrs();
-        let args = Args::new()
-            .push(*p)
-            .push(down.desc)
-            .ptr(dw)
-            .ptr(ds)
-            .ptr(db)
-            .ptr(ids.ptr())
-            .ptr(act)
-            .ptr(y);
-        let launch = shape([div(d, 32), pairs as u32, 1], 256);
-        self.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
-        let rows = RowsParams {
-            tokens: p.tokens,
-            dim: d as u32,
-        };
-        let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out.ptr());
-        self.launch(F::MoeCombine, rows_launch(d, t), args);
+        moe::cuda::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &CudaBuf<X>, up: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        let n = (p.tokens * p.dim) as usize;
-        if !self.fits(
-            "swiglu",
-            &[("gate", gate.len, n), ("up", up.len, n), ("out", out.len, n)],
-        ) {
-            return;
-        }
-        let args = Args::new().push(*p).ptr(gate.ptr()).ptr(up.ptr()).ptr(out.ptr());
-        self.launch(F::Swiglu, rows_launch(p.dim as usize, p.tokens as usize), args);
+        elementwise::cuda::swiglu(self, p, gate, up, out)
     }
 
     fn sigmoid_gate_add(&self, p: &RowsParams, y: &CudaBuf<X>, gate: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        let n = (p.tokens * p.dim) as usize;
-        if !self.fits(
-            "sigmoid_gate_add",
-            &[
-                ("y", y.len, n),
-                ("gate", gate.len, p.tokens as usize),
-                ("out", out.len, n),
-            ],
-        ) {
-            return;
-        }
-        let args = Args::new().push(*p).ptr(y.ptr()).ptr(gate.ptr()).ptr(out.ptr());
-        self.launch(F::SigmoidGateAdd, rows_launch(p.dim as usize, p.tokens as usize), args);
+        elementwise::cuda::sigmoid_gate_add(self, p, y, gate, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_split;
+
+    #[test]
+    fn gemv_split_fills_the_gpu_only_when_rows_are_few() {
+        // The vocabulary projection has blocks to spare: no split.
+        assert_eq!(gemv_split(248_320, 64, 1), 1);
+        // 2048 rows of K = 2048 at 4 bits (64 chunks): 64 blocks, split once (32 chunks a warp).
+        assert_eq!(gemv_split(2048, 64, 1), 2);
+        // K = 4096 at 4 bits (128 chunks): split twice.
+        assert_eq!(gemv_split(2048, 128, 1), 4);
+        // 20 rows of 256 chunks: all 8 warps on one group.
+        assert_eq!(gemv_split(20, 256, 1), 8);
+        // A short row (16 chunks) is never split, however few its rows.
+        assert_eq!(gemv_split(512, 16, 1), 1);
+        // Enough blocks through the token / pair dimension: no split.
+        assert_eq!(gemv_split(512, 64, 32), 1);
     }
 }

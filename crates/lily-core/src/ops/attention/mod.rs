@@ -10,5 +10,6 @@
 //!   h / (H / Hkv).
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod reference;

@@ -11,5 +11,6 @@
 //!   run the chunked form (section 6.1), the same result up to f32 rounding.
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod reference;

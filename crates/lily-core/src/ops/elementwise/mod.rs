@@ -5,5 +5,6 @@
 //!   y, out [T, dim], gate [T].
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod reference;

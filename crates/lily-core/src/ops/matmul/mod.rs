@@ -5,5 +5,6 @@
 //! launch. Decode (T = 1) is a GEMV, bound by reading W; prefill a GEMM.
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod reference;

@@ -10,6 +10,7 @@
 //!   expert's weights serve all of its tokens at once.
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod reference;
 

@@ -7,5 +7,6 @@
 //! The per-head q/k norm of attention is fused with RoPE: `ops::attention` (`qk_norm_rope`).
 
 pub mod cpu;
+pub mod cuda;
 pub mod metal;
 pub mod reference;

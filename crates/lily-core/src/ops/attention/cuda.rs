@@ -1,0 +1,131 @@
+//! The attention family on CUDA (`shaders/cuda/rope.cu`, `shaders/cuda/attention.cu`): q/k norm +
+//! RoPE, the KV store into the segmented cache, and attention (split-KV for one token).
+
+use crate::backend::{
+    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, Executor, DECODE_SPLITS},
+    params::{AttentionParams, KvStoreParams, RopeParams},
+};
+
+pub fn qk_norm_rope<X: Executor>(
+    c: &Cuda<X>,
+    p: &RopeParams,
+    q_norm: &CudaBuf<X>,
+    k_norm: &CudaBuf<X>,
+    qg: &mut CudaBuf<X>,
+    k: &mut CudaBuf<X>,
+) {
+    let (t, hd) = (p.tokens as usize, p.head_dim as usize);
+    if hd > 1024 || p.rotary_dim > p.head_dim || p.rotary_dim % 2 != 0 {
+        c.fail(format!(
+            "qk_norm_rope: head_dim {hd} (at most 1024) with rotary_dim {} (even, <= head_dim)",
+            p.rotary_dim
+        ));
+        return;
+    }
+    if !c.fits(
+        "qk_norm_rope",
+        &[
+            ("qg", qg.len, t * p.heads as usize * 2 * hd),
+            ("k", k.len, t * p.kv_heads as usize * hd),
+            ("q_norm", q_norm.len, hd),
+            ("k_norm", k_norm.len, hd),
+        ],
+    ) {
+        return;
+    }
+    c.at_pos(p.pos0);
+    let args = Args::new()
+        .push(RopeParams { pos0: 0, ..*p })
+        .ptr(c.step.ptr)
+        .ptr(q_norm.ptr())
+        .ptr(k_norm.ptr())
+        .ptr(qg.ptr())
+        .ptr(k.ptr());
+    c.launch(F::QkNormRope, shape([p.heads + p.kv_heads, t as u32, 1], 128), args);
+}
+
+pub fn kv_store<X: Executor>(c: &Cuda<X>, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>) {
+    let (t, w) = (p.tokens as usize, p.width as usize);
+    if !c.fits("kv_store", &[("x", x.len, t * w)]) || !c.cache_fits("kv_store", "cache", cache, p.pos0 as usize + t, w)
+    {
+        return;
+    }
+    let d = cache.desc();
+    c.at_pos(p.pos0);
+    let args = Args::new()
+        .push(KvStoreParams { pos0: 0, ..*p })
+        .ptr(c.step.ptr)
+        .push(d)
+        .ptr(x.ptr());
+    c.launch(F::KvStore, rows_launch(w, t), args);
+}
+
+pub fn attention<X: Executor>(
+    c: &Cuda<X>,
+    p: &AttentionParams,
+    qg: &CudaBuf<X>,
+    k: &CudaKv<X>,
+    v: &CudaKv<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let (t, h, kvh, hd) = (
+        p.tokens as usize,
+        p.heads as usize,
+        p.kv_heads as usize,
+        p.head_dim as usize,
+    );
+    if kvh == 0 || h % kvh != 0 || h / kvh > 32 || hd % 32 != 0 || hd == 0 || hd > 256 {
+        c.fail(format!(
+            "attention: {h} heads over {kvh} KV heads (at most 32 per KV head) of dim {hd} (a multiple of 32, at most 256) unsupported"
+        ));
+        return;
+    }
+    let width = kvh * hd;
+    let rows = p.pos0 as usize + t;
+    if !c.fits(
+        "attention",
+        &[("qg", qg.len, t * h * 2 * hd), ("out", out.len, t * h * hd)],
+    ) || !c.cache_fits("attention", "k_cache", k, rows, width)
+        || !c.cache_fits("attention", "v_cache", v, rows, width)
+    {
+        return;
+    }
+    let (kd, vd) = (k.desc(), v.desc());
+    // The kernel stages K and V rows with one offset computation (attention.cu: kv_stage).
+    if (kd.dtype, kd.seg_shift) != (vd.dtype, vd.seg_shift) {
+        c.fail("attention: the K and V caches differ in dtype or segment size".into());
+        return;
+    }
+    c.at_pos(p.pos0);
+    let splits = if t == 1 { DECODE_SPLITS } else { 1 };
+    let target = if splits > 1 {
+        match c.scratch(h * splits as usize * (hd + 2), "attention partials", |s| {
+            &mut s.partials
+        }) {
+            Some(ptr) => ptr,
+            None => return,
+        }
+    } else {
+        out.ptr()
+    };
+    let pp = AttentionParams { pos0: 0, ..*p };
+    let args = Args::new()
+        .push(pp)
+        .push(splits)
+        .ptr(c.step.ptr)
+        .push(kd)
+        .push(vd)
+        .ptr(qg.ptr())
+        .ptr(target);
+    let launch = shape([kvh as u32, t as u32, splits], (h / kvh * 32) as u32);
+    c.launch(F::Attention, launch, args);
+    if splits > 1 {
+        let args = Args::new()
+            .push(pp)
+            .push(splits)
+            .ptr(target)
+            .ptr(qg.ptr())
+            .ptr(out.ptr());
+        c.launch(F::AttentionReduce, shape([h as u32, t as u32, 1], 256), args);
+    }
+}

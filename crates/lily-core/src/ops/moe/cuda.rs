@@ -1,0 +1,209 @@
+//! The MoE on CUDA (`shaders/cuda/moe.cu`): routing (softmax + top-k per token) and the expert
+//! FFNs (GEMVs per token-expert pair for decode, route-sorted tensor-core GEMMs for prefill).
+
+use crate::backend::{
+    cuda::{
+        div, gemv_split,
+        kernels::{Fixed as F, Kernel, WeightOp},
+        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, MoeSortArgs,
+    },
+    params::{MoeParams, RouteParams, RowsParams},
+};
+
+pub fn moe_route<X: Executor>(
+    c: &Cuda<X>,
+    p: &RouteParams,
+    logits: &CudaBuf<X>,
+    ids: &mut CudaBuf<X>,
+    weights: &mut CudaBuf<X>,
+) {
+    let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
+    if e == 0 || e > 1024 || k == 0 || k > e.min(64) {
+        c.fail(format!(
+            "moe_route: top {k} of {e} experts unsupported (E <= 1024, K <= min(E, 64))"
+        ));
+        return;
+    }
+    if !c.fits(
+        "moe_route",
+        &[
+            ("logits", logits.len, t * e),
+            ("ids", ids.len, t * k),
+            ("weights", weights.len, t * k),
+        ],
+    ) {
+        return;
+    }
+    let args = Args::new().push(*p).ptr(logits.ptr()).ptr(ids.ptr()).ptr(weights.ptr());
+    c.launch(F::MoeRoute, shape([t as u32, 1, 1], 256), args);
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts<X: Executor>(
+    c: &Cuda<X>,
+    p: &MoeParams,
+    x: &CudaBuf<X>,
+    ids: &CudaBuf<X>,
+    weights: &CudaBuf<X>,
+    gate: &CudaMat<X>,
+    up: &CudaMat<X>,
+    down: &CudaMat<X>,
+    tmp: &mut CudaBuf<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let (t, k) = (p.tokens as usize, p.top_k as usize);
+    let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
+    let pairs = t * k;
+    if pairs > 65535 || up.desc.rows != gate.desc.rows || down.desc.cols as usize != i || down.desc.rows as usize != d {
+        c.fail(format!(
+            "moe_experts: {pairs} token-expert pairs (at most 65535) or mismatched expert shapes"
+        ));
+        return;
+    }
+    if !c.fits(
+        "moe_experts",
+        &[
+            ("x", x.len, t * d),
+            ("ids", ids.len, pairs),
+            ("weights", weights.len, pairs),
+            ("tmp", tmp.len, pairs * (i + d)),
+            ("out", out.len, t * d),
+        ],
+    ) || pairs == 0
+    {
+        return;
+    }
+    if t > c.gemv_tokens {
+        return experts_sorted(c, p, x, ids, weights, gate, up, down, tmp, out);
+    }
+    let act = tmp.ptr();
+    let y = tmp.ptr() + (pairs * i * 4) as u64;
+    let [gw, gs, gb] = gate.ptrs();
+    let [uw, us, ub] = up.ptrs();
+    let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
+    let ks = gemv_split(i, chunks, pairs);
+    let args = Args::new()
+        .push(*p)
+        .push(gate.desc)
+        .push(up.desc)
+        .ptr(gw)
+        .ptr(gs)
+        .ptr(gb)
+        .ptr(uw)
+        .ptr(us)
+        .ptr(ub)
+        .push(ks)
+        .ptr(x.ptr())
+        .ptr(ids.ptr())
+        .ptr(act);
+    let launch = shape([div(i, 32 / ks as usize), pairs as u32, 1], 256);
+    c.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
+    let [dw, ds, db] = down.ptrs();
+    let args = Args::new()
+        .push(*p)
+        .push(down.desc)
+        .ptr(dw)
+        .ptr(ds)
+        .ptr(db)
+        .ptr(ids.ptr())
+        .ptr(act)
+        .ptr(y);
+    let launch = shape([div(d, 32), pairs as u32, 1], 256);
+    c.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
+    let rows = RowsParams {
+        tokens: p.tokens,
+        dim: d as u32,
+    };
+    let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out.ptr());
+    c.launch(F::MoeCombine, rows_launch(d, t), args);
+}
+
+/// `moe_experts` for prefill: route-sorted expert GEMMs on the tensor cores, with no host
+/// round trip. `moe_sort` groups the pairs t*K + k by expert into 64-row tiles (u32 scratch:
+/// count | tiles | order | pos); `moe_gemm_gate_up` (act = SwiGLU over each tile's gathered
+/// token rows, into tmp [T*K, I] in sorted order) and `moe_gemm_down` (y, tmp [T*K, D] after
+/// act) run one block row per tile, the grid sized for the most tiles there can be
+/// (`max_tiles`; blocks past the count return at once); `moe_combine_sorted` sums each token's
+/// K rows in slot order. The caller has checked shapes and sizes.
+#[allow(clippy::too_many_arguments)]
+fn experts_sorted<X: Executor>(
+    c: &Cuda<X>,
+    p: &MoeParams,
+    x: &CudaBuf<X>,
+    ids: &CudaBuf<X>,
+    weights: &CudaBuf<X>,
+    gate: &CudaMat<X>,
+    up: &CudaMat<X>,
+    down: &CudaMat<X>,
+    tmp: &mut CudaBuf<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let (t, k) = (p.tokens as usize, p.top_k as usize);
+    let (i, d, e) = (gate.desc.rows as usize, gate.desc.cols as usize, gate.experts as usize);
+    let pairs = t * k;
+    if e == 0 || e > 1024 {
+        c.fail(format!(
+            "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
+        ));
+        return;
+    }
+    let max_tiles = pairs.div_ceil(64) + e.min(pairs);
+    let Some(sc) = c.scratch(4 + 4 * max_tiles + 2 * pairs, "moe sort", |s| &mut s.moe_scratch) else {
+        return;
+    };
+    let sort = MoeSortArgs {
+        experts: e as u32,
+        max_tiles: max_tiles as u32,
+    };
+    c.launch(
+        F::MoeSort,
+        shape([1, 1, 1], 1024),
+        Args::new().push(*p).push(sort).ptr(ids.ptr()).ptr(sc),
+    );
+    let act = tmp.ptr();
+    let y = tmp.ptr() + (pairs * i * 4) as u64;
+    let [gw, gs, gb] = gate.ptrs();
+    let [uw, us, ub] = up.ptrs();
+    let args = Args::new()
+        .push(*p)
+        .push(gate.desc)
+        .push(up.desc)
+        .ptr(gw)
+        .ptr(gs)
+        .ptr(gb)
+        .ptr(uw)
+        .ptr(us)
+        .ptr(ub)
+        .ptr(x.ptr())
+        .ptr(sc)
+        .push(max_tiles as u32)
+        .ptr(act);
+    let launch = shape([div(i, 64), max_tiles as u32, 1], 128);
+    c.launch(Kernel::weight(WeightOp::MoeGemmGateUp, gate.weight), launch, args);
+    let [dw, ds, db] = down.ptrs();
+    let args = Args::new()
+        .push(*p)
+        .push(down.desc)
+        .ptr(dw)
+        .ptr(ds)
+        .ptr(db)
+        .ptr(sc)
+        .push(max_tiles as u32)
+        .ptr(act)
+        .ptr(y);
+    let launch = shape([div(d, 64), max_tiles as u32, 1], 128);
+    c.launch(Kernel::weight(WeightOp::MoeGemmDown, down.weight), launch, args);
+    let rows = RowsParams {
+        tokens: p.tokens,
+        dim: d as u32,
+    };
+    let args = Args::new()
+        .push(*p)
+        .push(rows)
+        .ptr(weights.ptr())
+        .ptr(sc)
+        .push(max_tiles as u32)
+        .ptr(y)
+        .ptr(out.ptr());
+    c.launch(F::MoeCombineSorted, rows_launch(d, t), args);
+}
