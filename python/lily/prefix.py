@@ -15,10 +15,13 @@ Why here and not in Rust: where to take a copy is a matter of the chat format (m
 policy may change with the server's scheduler; the engine gives the mechanisms (``fork``,
 ``copy_sequence``, ``drop_sequence``, ``sequence_bytes``), the cache is a few dozen lines of bookkeeping.
 
-The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps every entry also as a safetensors file (the state
+The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps the turn ends (each end-of-prompt entry, and a server
+request's finished reply) also as a safetensors file (the state
 from ``Engine.export_sequence``, its tokens and logits, a model fingerprint and a checksum), bounded in bytes
 with the least recently used file deleted first, so a restarted process resumes a long conversation from
-disk. A lookup takes the longest prefix over both tiers; a file read back becomes a memory entry. A file
+disk. The snapshots taken inside a long prefill stay in memory only: written at every ``snapshot_every``
+tokens, a 100K-token prompt of the real model would write tens of GB on the engine's thread. A lookup takes
+the longest prefix over both tiers; a file read back becomes a memory entry. A file
 that is corrupt, truncated, of another model or of another KV dtype is ignored (logged), never loaded.
 
 The working sequence is the engine's default sequence, so one generation owns it at a time: ``prefill``
@@ -406,10 +409,11 @@ class PrefixCache:
         node = self._find(tokens)
         return node is not None and node.entry is not None
 
-    def add(self, tokens: list[int], seq: int, logits: Any = None) -> None:
-        """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry (and a file of it in
-        the disk tier)."""
-        if self.disk is not None and not self.disk.holds(tokens):
+    def add(self, tokens: list[int], seq: int, logits: Any = None, persist: bool | None = None) -> None:
+        """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry, and with ``persist``
+        (default: for an end-of-prompt entry, the one that has its ``logits``) a file of it in the disk tier."""
+        persist = logits is not None if persist is None else persist
+        if persist and self.disk is not None and not self.disk.holds(tokens):
             got, _, tensors = self.engine.export_sequence(seq)
             if got == list(tokens):
                 self.disk.store(got, tensors, logits)

@@ -317,7 +317,7 @@ class Scheduler:
         tokens = r.ids + r.fed
         if keep and r.fed and r.length == len(tokens) and not self.cache.holds(tokens):
             try:
-                self.cache.add(tokens, r.seq)
+                self.cache.add(tokens, r.seq, persist=True)
             except Exception as e:  # the answer stands: a copy the cache could not make costs only the reuse
                 warnings.warn(f"prefix cache: a finished reply was not kept ({e}); its next turn re-prefills it",
                               RuntimeWarning, stacklevel=1)
