@@ -155,7 +155,8 @@ fn kmajor_tiles_match_reference_exactly() {
     for isa in Isa::all_available().into_iter().filter(|&i| simd::kmajor_rows(i) > 0) {
         let r_n = simd::kmajor_rows(isa);
         for (fi, &(format, sd)) in FORMATS.iter().enumerate() {
-            let (k, rows) = (256, 2 * r_n + 8);
+            // 2304 columns: more groups of 32 (72) than the 4-bit path converts scales for at once (64).
+            let (k, rows) = (2304, 2 * r_n + 8);
             let m = matrix(2, rows, k, format, sd, 21 + fi as u64);
             let mut b = vec![0f32; k];
             // Whole 8-row blocks, a partial tail, a tile short of full, at an odd first row.

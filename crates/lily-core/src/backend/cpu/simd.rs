@@ -542,7 +542,7 @@ mod x86 {
     //! safe wrappers check.
     use std::arch::x86_64::*;
 
-    use crate::quant::{read_scalar, Format, Matrix};
+    use crate::quant::{Format, Matrix};
 
     /// Bytes ahead of the current weight read to prefetch: the 4/8-bit kernels spend enough
     /// instructions per byte that the out-of-order window alone may keep too few cache-line
@@ -973,50 +973,70 @@ mod x86 {
     /// tile: wt[j * stride + i] = s_i,g q_i,j + b_i,g for i < 8, j < cols. Per 32 columns: the 16
     /// bytes of each row (four 32-bit words of 8 nibbles) are transposed so that word c of all 8 rows
     /// sits in one register (lane i = row i); nibble n of that word is column 8 c + n of every row:
-    /// shift, mask, convert, scale and bias (the rows' vectors), one store.
+    /// shift, mask, convert, scale and bias (the rows' vectors), one store. The rows' scales and
+    /// biases are converted to f32 a piece of groups at a time (vectorized for bf16) and each
+    /// group's pair of vectors is built once (it was two dtype dispatches per row every 32
+    /// columns: by instruction count about as much as the vector work, which an expert's ~8
+    /// tokens do not amortize).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dequant8_kmajor_q4(m: &Matrix, stored: usize, wt: *mut f32, stride: usize) {
+        const PIECE: usize = 64;
         let Format::Affine { group, .. } = m.format else {
             unreachable!("dequant8_kmajor_q4 takes 4-bit affine rows")
         };
         let (sd, cols) = (m.scale_dtype(), m.cols);
+        let (sz, g_n) = (sd.size(), cols / group);
         let parts: [(&[u8], &[u8], &[u8]); 8] = std::array::from_fn(|i| m.row_parts(stored + i));
+        assert!(
+            parts
+                .iter()
+                .all(|p| p.0.len() >= cols / 2 && p.1.len() >= g_n * sz && p.2.len() >= g_n * sz),
+            "dequant8_kmajor_q4: row lengths"
+        );
+        let w: [*const u8; 8] = parts.map(|p| p.0.as_ptr());
+        let (mut sc, mut bi) = ([[0f32; PIECE]; 8], [[0f32; PIECE]; 8]);
         unsafe {
             let mask = _mm256_set1_epi32(15);
-            let mut c0 = 0;
-            while c0 < cols {
-                let g = c0 / group;
-                // The 8 rows' scale and bias of group g, one vector each.
-                let (sv, bv): ([f32; 8], [f32; 8]) = (
-                    std::array::from_fn(|i| read_scalar(sd, parts[i].1, g)),
-                    std::array::from_fn(|i| read_scalar(sd, parts[i].2, g)),
-                );
-                let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
-                // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
-                let v: [__m256i; 4] = std::array::from_fn(|r| {
-                    let lo = _mm_loadu_si128(parts[r].0[c0 / 2..][..16].as_ptr() as *const __m128i);
-                    let hi = _mm_loadu_si128(parts[r + 4].0[c0 / 2..][..16].as_ptr() as *const __m128i);
-                    _mm256_set_m128i(hi, lo)
-                });
-                let (a0, a1) = (_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
-                let (a2, a3) = (_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
-                let words = [
-                    _mm256_unpacklo_epi64(a0, a2),
-                    _mm256_unpackhi_epi64(a0, a2),
-                    _mm256_unpacklo_epi64(a1, a3),
-                    _mm256_unpackhi_epi64(a1, a3),
-                ];
-                for (c, &w) in words.iter().enumerate() {
-                    let mut w = w;
-                    for n in 0..8 {
-                        let q = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
-                        // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
-                        let v = _mm256_add_ps(_mm256_mul_ps(s, q), b);
-                        _mm256_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
-                        w = _mm256_srli_epi32::<4>(w);
+            for g0 in (0..g_n).step_by(PIECE) {
+                let gn = PIECE.min(g_n - g0);
+                for i in 0..8 {
+                    super::scalars_f32(sd, &parts[i].1[g0 * sz..][..gn * sz], &mut sc[i][..gn]);
+                    super::scalars_f32(sd, &parts[i].2[g0 * sz..][..gn * sz], &mut bi[i][..gn]);
+                }
+                for gi in 0..gn {
+                    // The 8 rows' scale and bias of group g0 + gi, one vector each.
+                    let (sv, bv): ([f32; 8], [f32; 8]) =
+                        (std::array::from_fn(|i| sc[i][gi]), std::array::from_fn(|i| bi[i][gi]));
+                    let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
+                    let first = (g0 + gi) * group;
+                    for c0 in (first..first + group).step_by(32) {
+                        // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
+                        let v: [__m256i; 4] = std::array::from_fn(|r| {
+                            // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
+                            let lo = _mm_loadu_si128(w[r].add(c0 / 2) as *const __m128i);
+                            let hi = _mm_loadu_si128(w[r + 4].add(c0 / 2) as *const __m128i);
+                            _mm256_set_m128i(hi, lo)
+                        });
+                        let (a0, a1) = (_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+                        let (a2, a3) = (_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+                        let words = [
+                            _mm256_unpacklo_epi64(a0, a2),
+                            _mm256_unpackhi_epi64(a0, a2),
+                            _mm256_unpacklo_epi64(a1, a3),
+                            _mm256_unpackhi_epi64(a1, a3),
+                        ];
+                        for (c, &w) in words.iter().enumerate() {
+                            let mut w = w;
+                            for n in 0..8 {
+                                let q = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+                                // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
+                                let v = _mm256_add_ps(_mm256_mul_ps(s, q), b);
+                                _mm256_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
+                                w = _mm256_srli_epi32::<4>(w);
+                            }
+                        }
                     }
                 }
-                c0 += 32;
             }
         }
     }
