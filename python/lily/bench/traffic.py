@@ -95,8 +95,8 @@ def _read_new(path: Path, offset: int) -> tuple[list[tuple[str, str, int, int]],
 
 def measure(model: str | Path, contexts: list[int], prefill: int, kv_dtype: str = "bf16") -> list[Step]:
     """Run the simulated Metal engine on ``model``: a decode step at each context length (the context
-    filled with synthetic K/V rows first, ``Engine.fill_context``, not reported) and one prefill of ``prefill`` tokens in one
-    chunk from an empty cache; the counted dispatches of each."""
+    filled with synthetic K/V rows first, ``Engine.fill_context``, not reported) and one prefill of
+    ``prefill`` tokens in one chunk from an empty cache; the counted dispatches of each."""
     import lily
 
     log = Path(tempfile.mkstemp(prefix="lily-traffic-", suffix=".tsv")[1])
