@@ -70,6 +70,7 @@ LILY_CONST uint DELTA_NET_COLS = 16;           // state columns per threadgroup 
 LILY_CONST uint KV_SEGMENT_ROWS = 1024;        // KV-cache rows per segment by default (a power of two)
 LILY_CONST uint ATTENTION_TILE = 8;            // attention: cache rows staged per step
 LILY_CONST uint ATTENTION_HEAD_DIM_MAX = 256;  // attention: K/V tiles in threadgroup memory
+LILY_CONST uint ATTENTION_SPLIT_ROWS = 256;    // attention: cache rows per split of the decode split layout
 LILY_CONST uint ROPE_HEAD_DIM_MAX = 1024;      // qk_norm_rope: the normed head in threadgroup memory
 LILY_CONST uint MOE_EXPERTS_MAX = 1024;        // moe_route keys, moe_scan threads
 LILY_CONST uint ROUTE_TOP_K_MAX = 64;          // moe_route picks

@@ -193,7 +193,8 @@ def test_a_new_process_resumes_from_the_directory(lily, ckpts, tmp_path):
         return json.loads(p.stdout.strip().splitlines()[-1]), np.load(out)
 
     (start, hits, saved, disk_hits, entries), _ = run(first, tmp_path / "a.npy")
-    assert (start, hits, disk_hits) == (0, 0, 0) and entries == 1  # the end of the prompt (not the snapshots at 48, 96)
+    # One file: the end of the prompt (the snapshots at 48 and 96 stay in memory).
+    assert (start, hits, disk_hits) == (0, 0, 0) and entries == 1
     second = first + [BOUNDARY] + toks(2, 30)
     (start, hits, saved, disk_hits, _), logits = run(second, tmp_path / "b.npy")
     assert (start, hits, saved, disk_hits) == (100, 1, 100, 1)

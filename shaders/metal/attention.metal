@@ -1,10 +1,35 @@
-// Gated full attention (host: ops/attention/metal.rs): q/k norm + RoPE, the KV-cache append and
-// gated GQA attention over the cache.
+// Gated full attention (host: ops/attention/metal.rs): q/k norm + RoPE, the KV-cache append (alone
+// or fused with the norm + RoPE: decode and prefill use the fused form) and gated GQA attention
+// over the cache.
 #include "common.h"
 
-// qk_norm_rope: per-head RMSNorm (weight already 1 + w) then partial rotate-half RoPE on dims
-// 0..rotary_dim at position pos0 + t, in place, for q inside qg [T, H, 2*hd] (q = first hd values
-// of each head) and k [T, Hkv, hd]. inv_freq_j = theta^(-2j/rotary_dim); angles in f32.
+// Per-head RMSNorm (weight already 1 + w) of x[0..hd) staged in v: the first half of
+// qk_norm_rope and qk_norm_rope_store, one threadgroup per head (ends with a barrier, so any
+// thread may then read any v[i]).
+inline void stage_normed(constant RopeParams& p, device const float* x, device const float* w, threadgroup float* v,
+                         threadgroup float* partial, uint tid, uint ntg, uint sg, uint lane, uint nsg) {
+  const uint hd = p.head_dim;
+  float ss = 0.0f;
+  for (uint i = tid; i < hd; i += ntg) ss += x[i] * x[i];
+  const float inv = 1.0f / metal::precise::sqrt(tg_sum(ss, partial, sg, lane, nsg) / float(hd) + p.eps);
+  for (uint i = tid; i < hd; i += ntg) v[i] = x[i] * inv * w[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// Value i of the staged head after partial rotate-half RoPE on dims 0..rotary_dim at position
+// pos: inv_freq_j = theta^(-2j/rotary_dim); angles in f32.
+inline float rope_at(constant RopeParams& p, threadgroup const float* v, uint i, float pos) {
+  if (i >= p.rotary_dim) return v[i];
+  const uint half_rot = p.rotary_dim / 2;
+  const uint j = i % half_rot;
+  const float inv_freq = metal::precise::pow(p.theta, -2.0f * float(j) / float(p.rotary_dim));
+  const float angle = pos * inv_freq;
+  const float c = metal::precise::cos(angle), s = metal::precise::sin(angle);
+  return i < half_rot ? v[i] * c - v[i + half_rot] * s : v[i] * c + v[i - half_rot] * s;
+}
+
+// qk_norm_rope: per-head RMSNorm then partial rotate-half RoPE at position pos0 + t, in place,
+// for q inside qg [T, H, 2*hd] (q = first hd values of each head) and k [T, Hkv, hd].
 // Bindings: 0 RopeParams, 1 q_norm [hd], 2 k_norm [hd], 3 qg (in/out), 4 k (in/out).
 // Grid: threadgroups (H + Hkv, T): heads 0..H-1 are q heads, then the k heads; hd rounded up to
 // whole simdgroups, 32 to 256 threads (norm_threads), striding over hd (<= ROPE_HEAD_DIM_MAX); normed values
@@ -20,25 +45,9 @@ kernel void qk_norm_rope_f32(constant RopeParams& p [[buffer(0)]], device const 
   const uint hh = tg.x, t = tg.y, hd = p.head_dim;
   const bool is_q = hh < p.heads;
   device float* x = is_q ? qg + ((ulong)t * p.heads + hh) * 2 * hd : k + ((ulong)t * p.kv_heads + (hh - p.heads)) * hd;
-  device const float* w = is_q ? q_norm : k_norm;
-  float ss = 0.0f;
-  for (uint i = tid; i < hd; i += ntg) ss += x[i] * x[i];
-  const float inv = 1.0f / metal::precise::sqrt(tg_sum(ss, partial, sg, lane, nsg) / float(hd) + p.eps);
-  for (uint i = tid; i < hd; i += ntg) v[i] = x[i] * inv * w[i];
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint half_rot = p.rotary_dim / 2;
+  stage_normed(p, x, is_q ? q_norm : k_norm, v, partial, tid, ntg, sg, lane, nsg);
   const float pos = float(p.pos0 + t);
-  for (uint i = tid; i < hd; i += ntg) {
-    float r = v[i];
-    if (i < p.rotary_dim) {
-      const uint j = i % half_rot;
-      const float inv_freq = metal::precise::pow(p.theta, -2.0f * float(j) / float(p.rotary_dim));
-      const float angle = pos * inv_freq;
-      const float c = metal::precise::cos(angle), s = metal::precise::sin(angle);
-      r = i < half_rot ? v[i] * c - v[i + half_rot] * s : v[i] * c + v[i - half_rot] * s;
-    }
-    x[i] = r;
-  }
+  for (uint i = tid; i < hd; i += ntg) x[i] = rope_at(p, v, i, pos);
 }
 
 // One entry of a cache's segment table: the GPU address of the segment's first row (the host
@@ -67,6 +76,49 @@ TKERNEL void kv_store(constant KvStoreParams& p [[buffer(0)]], constant KvLayout
 INSTANTIATE(kv_store_f32, kv_store, F32)
 INSTANTIATE(kv_store_bf16, kv_store, BF16)
 INSTANTIATE(kv_store_f16, kv_store, F16)
+
+// qk_norm_rope_store: qk_norm_rope fused with both kv_store's of an attention layer: q is normed
+// and roped in place in qg [T, H, 2*hd]; k [T, Hkv, hd] is normed and roped straight into cache
+// row pos0 + t of the K cache (k itself is left as it was); v [T, Hkv, hd] is copied into the V
+// cache; both rounded to the cache type K, reached through their segment tables (KvLayout; the
+// two caches share it).
+// Bindings: 0 RopeParams, 1 KvLayout, 2 q_norm [hd], 3 k_norm [hd], 4 qg (in/out), 5 k, 6 v,
+// 7 K table, 8 V table.
+// Grid: threadgroups (H + 2 Hkv, T): q heads, then k heads, then v heads; threads as qk_norm_rope.
+// Threadgroup memory (arguments: a template kernel cannot declare its own): 0, 32 floats of
+// partial sums; 1, the staged head, hd floats.
+template <typename K>
+TKERNEL void qk_norm_rope_store(constant RopeParams& p [[buffer(0)]], constant KvLayout& kl [[buffer(1)]],
+                                device const float* q_norm [[buffer(2)]], device const float* k_norm [[buffer(3)]],
+                                device float* qg [[buffer(4)]], device const float* k [[buffer(5)]],
+                                device const float* v [[buffer(6)]], device const KvSegment<K>* k_cache [[buffer(7)]],
+                                device const KvSegment<K>* v_cache [[buffer(8)]],
+                                uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                                uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]],
+                                threadgroup float* partial [[threadgroup(0)]],
+                                threadgroup float* staged [[threadgroup(1)]]) {
+  const uint hh = tg.x, t = tg.y, hd = p.head_dim, kvw = p.kv_heads * hd;
+  const float pos = float(p.pos0 + t);
+  if (hh < p.heads) {
+    device float* x = qg + ((ulong)t * p.heads + hh) * 2 * hd;
+    stage_normed(p, x, q_norm, staged, partial, tid, ntg, sg, lane, nsg);
+    for (uint i = tid; i < hd; i += ntg) x[i] = rope_at(p, staged, i, pos);
+  } else if (hh < p.heads + p.kv_heads) {
+    const uint kh = hh - p.heads;
+    stage_normed(p, k + (ulong)t * kvw + kh * hd, k_norm, staged, partial, tid, ntg, sg, lane, nsg);
+    device typename K::stored* row = kv_row(k_cache, kl, p.pos0 + t, kvw) + kh * hd;
+    for (uint i = tid; i < hd; i += ntg) row[i] = K::narrow(rope_at(p, staged, i, pos));
+  } else {
+    const uint vh = hh - p.heads - p.kv_heads;
+    device const float* x = v + (ulong)t * kvw + vh * hd;
+    device typename K::stored* row = kv_row(v_cache, kl, p.pos0 + t, kvw) + vh * hd;
+    for (uint i = tid; i < hd; i += ntg) row[i] = K::narrow(x[i]);
+  }
+}
+INSTANTIATE(qk_norm_rope_store_f32, qk_norm_rope_store, F32)
+INSTANTIATE(qk_norm_rope_store_bf16, qk_norm_rope_store, BF16)
+INSTANTIATE(qk_norm_rope_store_f16, qk_norm_rope_store, F16)
 
 
 // attention: out [T, H*hd] = softmax(q K^T * scale, causal) V * sigmoid(gate), q/gate from

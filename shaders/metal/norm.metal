@@ -36,3 +36,53 @@ kernel void rms_norm_gated_f32(constant RmsNormParams& p [[buffer(0)]], device c
     out[o] = xr[i] * inv * w[i] * silu(z[o]);
   }
 }
+
+// add_rms_norm / add_gated_rms_norm: a residual add fused with the norm after it (one pass
+// instead of an elementwise dispatch and a norm dispatch, and x read once instead of twice):
+//   x += y (gated: x += y + sigmoid(gate[row]) * shared), then out = x / sqrt(mean(x^2) + eps) * w.
+// x (in/out), y, shared, out [rows, dim] f32; gate [rows] f32 (one scalar per row: the shared
+// expert's gate); w [dim]. Each thread writes the new x at its indices and reads them back after
+// the reduction (its own writes: no barrier needed).
+// Bindings: 0 RmsNormParams, 1 x, 2 y, 3 w, 4 out (gated: 1 x, 2 y, 3 shared, 4 gate, 5 w, 6 out).
+// Grid: as rms_norm (one threadgroup per row, norm_threads threads striding over dim).
+kernel void add_rms_norm_f32(constant RmsNormParams& p [[buffer(0)]], device float* x [[buffer(1)]],
+                             device const float* y [[buffer(2)]], device const float* w [[buffer(3)]],
+                             device float* out [[buffer(4)]], uint row [[threadgroup_position_in_grid]],
+                             uint tid [[thread_index_in_threadgroup]], uint ntg [[threads_per_threadgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                             uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float partial[32];
+  device float* xr = x + (ulong)row * p.dim;
+  device const float* yr = y + (ulong)row * p.dim;
+  float ss = 0.0f;
+  for (uint i = tid; i < p.dim; i += ntg) {
+    const float v = xr[i] + yr[i];
+    xr[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.0f / metal::precise::sqrt(tg_sum(ss, partial, sg, lane, nsg) / float(p.dim) + p.eps);
+  for (uint i = tid; i < p.dim; i += ntg) out[(ulong)row * p.dim + i] = xr[i] * inv * w[i];
+}
+
+kernel void add_gated_rms_norm_f32(constant RmsNormParams& p [[buffer(0)]], device float* x [[buffer(1)]],
+                                   device const float* y [[buffer(2)]], device const float* shared [[buffer(3)]],
+                                   device const float* gate [[buffer(4)]], device const float* w [[buffer(5)]],
+                                   device float* out [[buffer(6)]], uint row [[threadgroup_position_in_grid]],
+                                   uint tid [[thread_index_in_threadgroup]], uint ntg [[threads_per_threadgroup]],
+                                   uint sg [[simdgroup_index_in_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]],
+                                   uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float partial[32];
+  device float* xr = x + (ulong)row * p.dim;
+  device const float* yr = y + (ulong)row * p.dim;
+  device const float* sr = shared + (ulong)row * p.dim;
+  const float g = sigmoid(gate[row]);
+  float ss = 0.0f;
+  for (uint i = tid; i < p.dim; i += ntg) {
+    const float v = xr[i] + g * sr[i] + yr[i];
+    xr[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.0f / metal::precise::sqrt(tg_sum(ss, partial, sg, lane, nsg) / float(p.dim) + p.eps);
+  for (uint i = tid; i < p.dim; i += ntg) out[(ulong)row * p.dim + i] = xr[i] * inv * w[i];
+}

@@ -225,6 +225,7 @@ mod cpu {
 
 metal_tests!(
     qk_norm_rope_matches_reference,
+    qk_norm_rope_store_matches_reference,
     kv_store_matches_reference,
     attention_matches_reference,
     unsupported_shape_is_an_error_not_a_panic,
@@ -254,6 +255,49 @@ fn qk_norm_rope_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             b.qk_norm_rope(&p, &qnb, &knb, &mut qb, &mut kb);
             b.finish().unwrap();
             vec![read_all(b, &qb, qg.len()), read_all(b, &kb, k.len())]
+        });
+    }
+}
+
+/// The fused norm + RoPE + cache append against the reference's three ops: q in place, the
+/// cache rows written (k normed and roped, v as given), in every cache dtype, a chunk that
+/// crosses segment boundaries (rows 6..11 in segments of 4) and a single decode row.
+fn qk_norm_rope_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (t, pos0, h, kv, hd, rot, dtype) in [
+        (5, 6, 4, 2, 64, 16, KvDtype::BF16),
+        (5, 6, 4, 2, 64, 16, KvDtype::F16),
+        (1, 9, 16, 2, 256, 64, KvDtype::F32),
+    ] {
+        let p = RopeParams {
+            tokens: t,
+            pos0,
+            heads: h,
+            kv_heads: kv,
+            head_dim: hd,
+            rotary_dim: rot,
+            eps: 1e-6,
+            theta: 100.0,
+        };
+        let (t, h, w, hd) = (t as usize, h as usize, (kv * hd) as usize, hd as usize);
+        let rows = pos0 as usize + t;
+        let qg = rand_vec(t * h * 2 * hd, 44, -2.0, 2.0);
+        let (k, v) = (rand_vec(t * w, 45, -2.0, 2.0), rand_vec(t * w, 46, -2.0, 2.0));
+        let (qn, kn) = (rand_vec(hd, 47, 0.5, 1.5), rand_vec(hd, 48, 0.5, 1.5));
+        // 16-bit caches round: a rounding step of the stored value is the tolerance there.
+        let tol = if dtype == KvDtype::F32 { tolx * 1e-4 } else { 1e-2 };
+        both!(dev, tol, format!("qk_norm_rope_store hd={hd} {dtype:?}"), b => {
+            let (qnb, knb, vb) = (b.upload(&qn).unwrap(), b.upload(&kn).unwrap(), b.upload(&v).unwrap());
+            let (mut qb, mut kb) = (b.upload(&qg).unwrap(), b.upload(&k).unwrap());
+            let mut kc = filled_cache(b, w, pos0 as usize, rows, dtype, 4, 49);
+            let mut vc = filled_cache(b, w, pos0 as usize, rows, dtype, 4, 50);
+            b.kv_reserve(&mut kc, rows).unwrap();
+            b.kv_reserve(&mut vc, rows).unwrap();
+            b.qk_norm_rope_store(&p, &qnb, &knb, &mut qb, &mut kb, &vb, &mut kc, &mut vc);
+            b.finish().unwrap();
+            let (mut ko, mut vo) = (vec![0f32; rows * w], vec![0f32; rows * w]);
+            b.kv_read(&kc, 0, &mut ko).unwrap();
+            b.kv_read(&vc, 0, &mut vo).unwrap();
+            vec![read_all(b, &qb, qg.len()), ko, vo]
         });
     }
 }

@@ -1,4 +1,5 @@
-//! The norm family (rms_norm, rms_norm_gated): the CPU kernels and the Metal kernels
+//! The norm family (rms_norm, rms_norm_gated, the fused add_rms_norm / add_gated_rms_norm):
+//! the CPU kernels and the Metal kernels
 //! (simulator; the device on macOS) against the reference twins.
 
 mod common;
@@ -39,7 +40,11 @@ mod cpu {
     }
 }
 
-metal_tests!(rms_norm_matches_reference, rms_norm_gated_matches_reference);
+metal_tests!(
+    rms_norm_matches_reference,
+    rms_norm_gated_matches_reference,
+    add_rms_norm_matches_reference
+);
 
 fn rms_norm_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
@@ -78,4 +83,43 @@ fn rms_norm_gated_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
         b.finish().unwrap();
         vec![read_all(b, &out, rows * dim)]
     });
+}
+
+/// The fused residual add + norm kernels against the reference's unfused add, sigmoid_gate_add
+/// and rms_norm: both outputs (the new residual x and the norm), at widths below, at and above
+/// one threadgroup's 256 threads.
+fn add_rms_norm_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    for (rows, dim) in [(3, 100), (2, 300), (1, 2048)] {
+        let n = rows * dim;
+        let x = rand_vec(n, 11, -2.0, 2.0);
+        let y = rand_vec(n, 12, -2.0, 2.0);
+        let shared = rand_vec(n, 13, -2.0, 2.0);
+        let gate = rand_vec(rows, 14, -4.0, 4.0);
+        let w = rand_vec(dim, 15, 0.5, 1.5);
+        let p = RmsNormParams {
+            rows: rows as u32,
+            dim: dim as u32,
+            eps: 1e-6,
+        };
+        both!(dev, tolx * TOL, format!("add_rms_norm {rows}x{dim}"), b => {
+            let (yb, sb, gb, wb) = (
+                b.upload(&y).unwrap(),
+                b.upload(&shared).unwrap(),
+                b.upload(&gate).unwrap(),
+                b.upload(&w).unwrap(),
+            );
+            let (mut x1, mut x2) = (b.upload(&x).unwrap(), b.upload(&x).unwrap());
+            let (mut out1, mut out2) = (b.alloc(n).unwrap(), b.alloc(n).unwrap());
+            b.begin(StreamKind::Other).unwrap();
+            b.add_rms_norm(&p, &mut x1, &yb, &wb, &mut out1);
+            b.add_gated_rms_norm(&p, &mut x2, &yb, &sb, &gb, &wb, &mut out2);
+            b.finish().unwrap();
+            vec![
+                read_all(b, &x1, n),
+                read_all(b, &out1, n),
+                read_all(b, &x2, n),
+                read_all(b, &out2, n),
+            ]
+        });
+    }
 }

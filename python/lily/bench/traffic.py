@@ -95,8 +95,8 @@ def _read_new(path: Path, offset: int) -> tuple[list[tuple[str, str, int, int]],
 
 def measure(model: str | Path, contexts: list[int], prefill: int, kv_dtype: str = "bf16") -> list[Step]:
     """Run the simulated Metal engine on ``model``: a decode step at each context length (the context
-    is filled by a prefill first, counted but not reported) and one prefill of ``prefill`` tokens in one
-    chunk from an empty cache; the counted dispatches of each."""
+    filled with synthetic K/V rows first, ``Engine.fill_context``, not reported) and one prefill of
+    ``prefill`` tokens in one chunk from an empty cache; the counted dispatches of each."""
     import lily
 
     log = Path(tempfile.mkstemp(prefix="lily-traffic-", suffix=".tsv")[1])
@@ -117,7 +117,9 @@ def measure(model: str | Path, contexts: list[int], prefill: int, kv_dtype: str 
             steps.append(Step(f"prefill {prefill} tokens (one chunk)", rows))
         for ctx in contexts:
             eng.reset()
-            eng.prefill([(7 * i + 3) % vocab for i in range(ctx)])
+            # Synthetic context (random K/V rows): a decode step at that depth reads and computes
+            # what it would after a real prompt, without the prefill's cost in the simulator.
+            eng.fill_context(ctx)
             _, offset = _read_new(log, offset)
             eng.decode(5 % vocab)
             rows, offset = _read_new(log, offset)

@@ -218,6 +218,30 @@ pub trait Backend: Send + Sized + 'static {
     fn rms_norm_gated(&self, p: &RmsNormParams, x: &Self::Buf, z: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf);
     /// x += y over [T, dim].
     fn add(&self, p: &RowsParams, x: &mut Self::Buf, y: &Self::Buf);
+    /// x += y, then out = rms_norm(x, w); x, y, out [rows, dim]: a residual add and the norm
+    /// after it. A backend may fuse them; by default, `add` then `rms_norm`.
+    fn add_rms_norm(&self, p: &RmsNormParams, x: &mut Self::Buf, y: &Self::Buf, w: &Self::Buf, out: &mut Self::Buf) {
+        self.add(&rows_of(p), x, y);
+        self.rms_norm(p, x, w, out);
+    }
+    /// x += y + sigmoid(gate[t]) * shared[t, :], then out = rms_norm(x, w); gate [rows]: the MoE
+    /// block's end (routed sum y, gated shared expert) folded into the residual and the next
+    /// norm. A backend may fuse them; by default, `sigmoid_gate_add`, `add`, `rms_norm`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_gated_rms_norm(
+        &self,
+        p: &RmsNormParams,
+        x: &mut Self::Buf,
+        y: &Self::Buf,
+        shared: &Self::Buf,
+        gate: &Self::Buf,
+        w: &Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        self.sigmoid_gate_add(&rows_of(p), shared, gate, x);
+        self.add(&rows_of(p), x, y);
+        self.rms_norm(p, x, w, out);
+    }
     /// out [T, N] = x[x_row0.., K] W^T with W [N, K] (in-kernel dequantization).
     fn matmul(&self, p: &MatmulParams, w: &Self::Matrix, x: &Self::Buf, out: &mut Self::Buf);
     /// outs[i] = x W_i^T for several matrices reading the same x (a layer's input projections).
@@ -238,6 +262,30 @@ pub trait Backend: Send + Sized + 'static {
     );
     /// cache[pos0 + t, :] = x[t, :] in the cache's dtype; x [T, width]; rows reserved before.
     fn kv_store(&self, p: &KvStoreParams, x: &Self::Buf, cache: &mut Self::Kv);
+    /// `qk_norm_rope`, then k and v appended to their caches at pos0 (`kv_store` of each; k may
+    /// be left un-normed: only the cache holds the result). A backend may fuse them; by default,
+    /// the three ops.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_store(
+        &self,
+        p: &RopeParams,
+        q_norm: &Self::Buf,
+        k_norm: &Self::Buf,
+        qg: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        k_cache: &mut Self::Kv,
+        v_cache: &mut Self::Kv,
+    ) {
+        self.qk_norm_rope(p, q_norm, k_norm, qg, k);
+        let store = KvStoreParams {
+            tokens: p.tokens,
+            pos0: p.pos0,
+            width: p.kv_heads * p.head_dim,
+        };
+        self.kv_store(&store, k, k_cache);
+        self.kv_store(&store, v, v_cache);
+    }
     /// out [T, H*hd] = softmax(q K^T * scale, causal) V, times sigmoid(gate) from qg.
     fn attention(
         &self,
@@ -280,4 +328,12 @@ pub trait Backend: Send + Sized + 'static {
     fn swiglu(&self, p: &RowsParams, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf);
     /// out[t, :] += sigmoid(gate[t]) * y[t, :] over [T, dim].
     fn sigmoid_gate_add(&self, p: &RowsParams, y: &Self::Buf, gate: &Self::Buf, out: &mut Self::Buf);
+}
+
+/// The rows of a norm as elementwise rows (`add_rms_norm`'s unfused form).
+fn rows_of(p: &RmsNormParams) -> RowsParams {
+    RowsParams {
+        tokens: p.rows,
+        dim: p.dim,
+    }
 }

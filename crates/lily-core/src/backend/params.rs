@@ -227,6 +227,14 @@ constants! {
     /// memory; a lane holds head_dim / 32 values).
     pub const ATTENTION_HEAD_DIM_MAX: usize = 256;
 
+    /// Cache rows per split of the Metal decode attention's split ("flash-decoding") layout: a
+    /// single-token attention over more rows than this runs one threadgroup per (KV head, split
+    /// of this many rows), each reading its rows once, then `attention_reduce`. Unsplit, a decode
+    /// step has only Hkv threadgroups (2 at Qwen3.6's shapes) for the whole context, which leaves
+    /// most of the GPU idle from a few thousand rows on; 256 rows keep the partials (2 + hd
+    /// floats per head and split) near 3 % of the bf16 K/V they summarise.
+    pub const ATTENTION_SPLIT_ROWS: usize = 256;
+
     /// The longest head of the Metal `qk_norm_rope` kernel (the normed head staged in
     /// threadgroup memory for the rotation).
     pub const ROPE_HEAD_DIM_MAX: usize = 1024;

@@ -7,7 +7,7 @@
 
 use super::state::{KvCache, Scratch};
 use crate::{
-    backend::{AttentionParams, Backend, KvStoreParams, MatmulParams, RopeParams},
+    backend::{AttentionParams, Backend, MatmulParams, RopeParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -109,14 +109,16 @@ impl<B: Backend> Attention<B> {
             eps: self.eps,
             theta: self.theta,
         };
-        b.qk_norm_rope(&rope, &self.q_norm, &self.k_norm, &mut s.proj, &mut s.k);
-        let store = KvStoreParams {
-            tokens: t as u32,
-            pos0: pos0 as u32,
-            width: (self.kv_heads * self.head_dim) as u32,
-        };
-        b.kv_store(&store, &s.k, &mut kv.k);
-        b.kv_store(&store, &s.v, &mut kv.v);
+        b.qk_norm_rope_store(
+            &rope,
+            &self.q_norm,
+            &self.k_norm,
+            &mut s.proj,
+            &mut s.k,
+            &s.v,
+            &mut kv.k,
+            &mut kv.v,
+        );
         let attn = AttentionParams {
             tokens: t as u32,
             pos0: pos0 as u32,

@@ -18,7 +18,7 @@ use moe::Moe;
 use state::{LayerState, Scratch, State};
 
 use crate::{
-    backend::{Backend, MatmulParams, RmsNormParams, RowsParams},
+    backend::{Backend, MatmulParams, RmsNormParams},
     config::{LayerKind, ModelConfig},
     error::Result,
     weights::Loader,
@@ -86,21 +86,32 @@ impl<B: Backend> Model<B> {
     /// Run `t` tokens (already in `s.ids`) at positions pos0..pos0+t; leaves the final-normed
     /// hidden states in `s.h`.
     pub fn forward(&self, b: &B, t: usize, pos0: usize, state: &mut State<B>, s: &mut Scratch<B>) {
-        let (norm, rows) = self.row_params(t);
+        let norm = self.norm_params(t);
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
-        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
-            b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
+        b.rms_norm(&norm, &s.x, self.input_norm(0), &mut s.h);
+        for (l, (layer, st)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             match (&layer.mixer, st) {
                 (Mixer::DeltaNet(m), LayerState::DeltaNet(st)) => m.forward(b, t, st, s),
                 (Mixer::Attention(m), LayerState::Attention(kv)) => m.forward(b, t, pos0, kv, s),
                 _ => unreachable!("state is built from the same layer kinds as the model"),
             }
-            b.add(&rows, &mut s.x, &s.mix);
-            b.rms_norm(&norm, &s.x, &layer.post_attention_layernorm, &mut s.h);
-            layer.mlp.forward(b, t, s);
-            b.add(&rows, &mut s.x, &s.mix);
+            self.moe_block(b, t, l, &norm, s);
         }
-        b.rms_norm(&norm, &s.x, &self.norm, &mut s.h);
+    }
+
+    /// The rest of layer `l` after its mixer (output in s.mix): x += mix, the MoE block on its
+    /// norm, x += moe; leaves the next layer's input norm (the final norm after the last layer)
+    /// in s.h. Each residual add is fused with the norm that reads its result.
+    fn moe_block(&self, b: &B, t: usize, l: usize, norm: &RmsNormParams, s: &mut Scratch<B>) {
+        let layer = &self.layers[l];
+        b.add_rms_norm(norm, &mut s.x, &s.mix, &layer.post_attention_layernorm, &mut s.h);
+        layer.mlp.forward(b, t, s);
+        layer.mlp.add_norm(b, norm, self.input_norm(l + 1), s);
+    }
+
+    /// The norm weight applied to the input of layer `l`: the final norm past the last layer.
+    fn input_norm(&self, l: usize) -> &B::Buf {
+        self.layers.get(l).map_or(&self.norm, |layer| &layer.input_layernorm)
     }
 
     /// One decode step of a batch: token i (in `s.ids`) appended to sequence i, `seqs[i]` = its
@@ -115,10 +126,10 @@ impl<B: Backend> Model<B> {
         one: &mut Scratch<B>,
     ) -> Result<()> {
         let t = seqs.len();
-        let (norm, rows) = self.row_params(t);
+        let norm = self.norm_params(t);
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
+        b.rms_norm(&norm, &s.x, self.input_norm(0), &mut s.h);
         for (l, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(&norm, &s.x, &layer.input_layernorm, &mut s.h);
             match &layer.mixer {
                 Mixer::DeltaNet(m) => {
                     m.project(b, t, s);
@@ -141,27 +152,18 @@ impl<B: Backend> Model<B> {
                     m.output(b, t, s);
                 }
             }
-            b.add(&rows, &mut s.x, &s.mix);
-            b.rms_norm(&norm, &s.x, &layer.post_attention_layernorm, &mut s.h);
-            layer.mlp.forward(b, t, s);
-            b.add(&rows, &mut s.x, &s.mix);
+            self.moe_block(b, t, l, &norm, s);
         }
-        b.rms_norm(&norm, &s.x, &self.norm, &mut s.h);
         Ok(())
     }
 
-    /// The norms' and the residual adds' parameters over `t` rows of the hidden size.
-    fn row_params(&self, t: usize) -> (RmsNormParams, RowsParams) {
-        let norm = RmsNormParams {
+    /// The norms' parameters over `t` rows of the hidden size.
+    fn norm_params(&self, t: usize) -> RmsNormParams {
+        RmsNormParams {
             rows: t as u32,
             dim: self.hidden as u32,
             eps: self.eps,
-        };
-        let rows = RowsParams {
-            tokens: t as u32,
-            dim: self.hidden as u32,
-        };
-        (norm, rows)
+        }
     }
 
     /// s.logits[..rows] = lm_head s.h[row0..row0 + rows].

@@ -5,7 +5,7 @@
 
 use super::state::Scratch;
 use crate::{
-    backend::{Backend, MatmulParams, MoeParams, RouteParams, RowsParams},
+    backend::{Backend, MatmulParams, MoeParams, RmsNormParams, RouteParams, RowsParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -23,7 +23,6 @@ pub struct Moe<B: Backend> {
     experts: usize,
     top_k: usize,
     renorm: bool,
-    hidden: usize,
     shared_inter: usize,
 }
 
@@ -44,12 +43,12 @@ impl<B: Backend> Moe<B> {
             experts: e,
             top_k: cfg.num_experts_per_tok,
             renorm: cfg.norm_topk_prob,
-            hidden: d,
             shared_inter: is,
         })
     }
 
-    /// s.mix = moe(s.h) for `t` tokens.
+    /// The MoE of s.h for `t` tokens, in parts: s.mix = the routed experts' weighted sum,
+    /// s.shared_y = the shared expert, s.shared_gate = its gate logit (`add_norm` combines them).
     pub fn forward(&self, b: &B, t: usize, s: &mut Scratch<B>) {
         let mm = MatmulParams {
             tokens: t as u32,
@@ -99,14 +98,11 @@ impl<B: Backend> Moe<B> {
             &mut s.shared_act,
         );
         b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
-        b.sigmoid_gate_add(
-            &RowsParams {
-                tokens: t as u32,
-                dim: self.hidden as u32,
-            },
-            &s.shared_y,
-            &s.shared_gate,
-            &mut s.mix,
-        );
+    }
+
+    /// x += the block's output (s.mix + sigmoid(s.shared_gate) s.shared_y, after `forward`), then
+    /// s.h = rms_norm(x, w): the residual add and the norm after it, fused.
+    pub fn add_norm(&self, b: &B, p: &RmsNormParams, w: &B::Buf, s: &mut Scratch<B>) {
+        b.add_gated_rms_norm(p, &mut s.x, &s.mix, &s.shared_y, &s.shared_gate, w, &mut s.h);
     }
 }

@@ -86,6 +86,8 @@ kernel_enum!(
     /// Kernels instantiated once (f32 activations, u32 routing indices).
     Fixed {
         Add = "add_f32",
+        AddGatedRmsNorm = "add_gated_rms_norm_f32",
+        AddRmsNorm = "add_rms_norm_f32",
         AttentionF32 = "attention_f32",
         AttentionBf16 = "attention_bf16",
         AttentionF16 = "attention_f16",
@@ -105,6 +107,9 @@ kernel_enum!(
         MoeScan = "moe_scan_u32",
         MoeScatter = "moe_scatter_u32",
         QkNormRope = "qk_norm_rope_f32",
+        QkNormRopeStoreF32 = "qk_norm_rope_store_f32",
+        QkNormRopeStoreBf16 = "qk_norm_rope_store_bf16",
+        QkNormRopeStoreF16 = "qk_norm_rope_store_f16",
         RmsNorm = "rms_norm_f32",
         RmsNormGated = "rms_norm_gated_f32",
         SigmoidGateAdd = "sigmoid_gate_add_f32",

@@ -76,8 +76,8 @@ pub struct Metal<X: Executor> {
     formats: AtomicU16,
     /// Bytes of weight tensors that could not be wrapped in place and were copied.
     copied: AtomicU64,
-    /// Single-token attention over more cache rows than this uses the split layout
-    /// (default 256; `LILY_METAL_SPLIT_ROWS` overrides it).
+    /// Single-token attention over more cache rows than this uses the split layout, this many
+    /// rows per split (default `ATTENTION_SPLIT_ROWS`; `LILY_METAL_SPLIT_ROWS` overrides it).
     pub split_rows: u32,
     /// `moe_experts` over more tokens than this runs the expert-sorted GEMM path (histogram,
     /// scan, scatter, block map and expert GEMMs, all on the GPU); otherwise the per-token
@@ -179,7 +179,7 @@ impl<X: Executor> Metal<X> {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
-            .unwrap_or(256);
+            .unwrap_or(ATTENTION_SPLIT_ROWS as u32);
         let moe_gemm_tokens = std::env::var("LILY_METAL_MOE_GEMM_TOKENS")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -443,6 +443,30 @@ impl<X: Executor> Backend for Metal<X> {
         elementwise::metal::add(self, p, x, y)
     }
 
+    fn add_rms_norm(
+        &self,
+        p: &RmsNormParams,
+        x: &mut MetalBuf<X>,
+        y: &MetalBuf<X>,
+        w: &MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        norm::metal::add_rms_norm(self, p, x, y, w, out)
+    }
+
+    fn add_gated_rms_norm(
+        &self,
+        p: &RmsNormParams,
+        x: &mut MetalBuf<X>,
+        y: &MetalBuf<X>,
+        shared: &MetalBuf<X>,
+        gate: &MetalBuf<X>,
+        w: &MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        norm::metal::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+    }
+
     fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
         matmul::metal::matmul(self, p, w, x, out)
     }
@@ -460,6 +484,20 @@ impl<X: Executor> Backend for Metal<X> {
 
     fn kv_store(&self, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalKv<X>) {
         attention::metal::kv_store(self, p, x, cache)
+    }
+
+    fn qk_norm_rope_store(
+        &self,
+        p: &RopeParams,
+        q_norm: &MetalBuf<X>,
+        k_norm: &MetalBuf<X>,
+        qg: &mut MetalBuf<X>,
+        k: &mut MetalBuf<X>,
+        v: &MetalBuf<X>,
+        k_cache: &mut MetalKv<X>,
+        v_cache: &mut MetalKv<X>,
+    ) {
+        attention::metal::qk_norm_rope_store(self, p, q_norm, k_norm, qg, k, v, [k_cache, v_cache])
     }
 
     fn attention(

@@ -49,13 +49,76 @@ pub fn qk_norm_rope<X: Executor>(
     );
 }
 
-/// The kernels of a cache dtype: (kv_store, attention).
-fn kernels(dtype: KvDtype) -> (Fixed, Fixed) {
+/// The kernels of a cache dtype: (kv_store, attention, qk_norm_rope_store).
+fn kernels(dtype: KvDtype) -> (Fixed, Fixed, Fixed) {
     match dtype {
-        KvDtype::F32 => (Fixed::KvStoreF32, Fixed::AttentionF32),
-        KvDtype::BF16 => (Fixed::KvStoreBf16, Fixed::AttentionBf16),
-        KvDtype::F16 => (Fixed::KvStoreF16, Fixed::AttentionF16),
+        KvDtype::F32 => (Fixed::KvStoreF32, Fixed::AttentionF32, Fixed::QkNormRopeStoreF32),
+        KvDtype::BF16 => (Fixed::KvStoreBf16, Fixed::AttentionBf16, Fixed::QkNormRopeStoreBf16),
+        KvDtype::F16 => (Fixed::KvStoreF16, Fixed::AttentionF16, Fixed::QkNormRopeStoreF16),
     }
+}
+
+/// `qk_norm_rope` + both `kv_store`s in one dispatch: k is normed and roped straight into its
+/// cache (the buffer k is left as it was), v copied into its cache.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_store<X: Executor>(
+    m: &Metal<X>,
+    p: &RopeParams,
+    q_norm: &MetalBuf<X>,
+    k_norm: &MetalBuf<X>,
+    qg: &mut MetalBuf<X>,
+    k: &MetalBuf<X>,
+    v: &MetalBuf<X>,
+    [k_cache, v_cache]: [&mut MetalKv<X>; 2],
+) {
+    let (t, hd) = (p.tokens as usize, p.head_dim as usize);
+    if hd > ROPE_HEAD_DIM_MAX || p.rotary_dim as usize > hd || p.rotary_dim % 2 != 0 {
+        return m.fail(format!(
+            "qk_norm_rope_store: head_dim {hd} / rotary_dim {} unsupported (hd <= {ROPE_HEAD_DIM_MAX}, even rotary_dim <= hd)",
+            p.rotary_dim
+        ));
+    }
+    let kvw = p.kv_heads as usize * hd;
+    let checks = [
+        ("q_norm", q_norm.len(), hd),
+        ("k_norm", k_norm.len(), hd),
+        ("qg", qg.len(), t * p.heads as usize * 2 * hd),
+        ("k", k.len(), t * kvw),
+        ("v", v.len(), t * kvw),
+    ];
+    let rows = p.pos0 as usize + t;
+    if !m.fits("qk_norm_rope_store", &checks)
+        || !cache_fits(m, "qk_norm_rope_store", "k_cache", k_cache, rows, kvw)
+        || !cache_fits(m, "qk_norm_rope_store", "v_cache", v_cache, rows, kvw)
+    {
+        return;
+    }
+    if k_cache.dtype != v_cache.dtype || k_cache.shift != v_cache.shift {
+        return m.fail("qk_norm_rope_store: the K and V caches differ in dtype or segment size".into());
+    }
+    let layout = k_cache.layout();
+    let grid = Grid::Groups {
+        count: [p.heads + 2 * p.kv_heads, p.tokens, 1],
+        size: [norm_threads(hd), 1, 1],
+    };
+    m.encode_resident(
+        kernels(k_cache.dtype).2,
+        &[
+            Arg::Bytes(bytes_of(p)),
+            Arg::Bytes(bytes_of(&layout)),
+            q_norm.arg(),
+            k_norm.arg(),
+            qg.arg(),
+            k.arg(),
+            v.arg(),
+            k_cache.arg(),
+            v_cache.arg(),
+        ],
+        grid,
+        &[32 * 4, hd * 4],
+        &[&k_cache.segs, &v_cache.segs],
+        Work::default(),
+    );
 }
 
 /// Check that `cache` holds rows 0..rows of `width` values.

@@ -5,6 +5,8 @@
 //!   [T, Hkv, hd];
 //! - `kv_store` (`KvStoreParams`): cache[pos0 + t, :] = x[t, :], x [T, width], a cache of
 //!   [max_seq, width] f32 rows (width = Hkv hd), one for K and one for V per attention layer;
+//! - `qk_norm_rope_store` (`RopeParams`): `qk_norm_rope` then `kv_store` of k and v at pos0,
+//!   fused (Metal: k normed and roped straight into its cache, one dispatch for the three);
 //! - `attention` (`AttentionParams`): out [T, H hd] = softmax(q K^T scale, causal) V times
 //!   sigmoid(gate), token t seeing cache rows 0..=pos0 + t; GQA: query head h reads KV head
 //!   h / (H / Hkv).

@@ -2,7 +2,10 @@
 //! - `rms_norm`: out = x / sqrt(mean(x^2) + eps) * w, x, out [rows, dim], w [dim] (the model
 //!   folds HF's 1 + w into w at load);
 //! - `rms_norm_gated`: out = rms_norm(x, w) * silu(z), z [rows, dim] (DeltaNet's output norm,
-//!   rows = tokens x value heads).
+//!   rows = tokens x value heads);
+//! - `add_rms_norm`: x += y, then out = rms_norm(x, w) (a residual add and the norm after it);
+//! - `add_gated_rms_norm`: x += y + sigmoid(gate[row]) * shared, then out = rms_norm(x, w)
+//!   (the MoE block's end: routed sum, gated shared expert, residual, next norm), gate [rows].
 //!
 //! The per-head q/k norm of attention is fused with RoPE: `ops::attention` (`qk_norm_rope`).
 
