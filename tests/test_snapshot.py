@@ -29,7 +29,9 @@ def test_restore_continues_like_a_recompute(lily, engine):
     reused = engine.prefill(turn2, all_logits=True)
     engine.reset()
     fresh = engine.prefill(system + turn2, all_logits=True)[70:]
-    assert np.abs(reused - fresh).max() <= 1e-5
+    # turn2's attention runs in other key blocks and chunks than in the recompute: equal up to fp32
+    # rounding (oracle.md, same engine, other order: 1e-4; seen 1.05e-5 with the register-tiled P.V).
+    assert np.abs(reused - fresh).max() <= 1e-4
 
 
 def test_restore_forward_to_a_later_snapshot(engine):
