@@ -151,9 +151,8 @@ impl CpuKv {
             (src.width, src.dtype, src.shift, src.rows()),
             rows,
         )?;
-        let seg = self.seg_rows();
-        for (s, (d, from)) in self.segs.iter_mut().zip(&src.segs).enumerate().take(rows.div_ceil(seg)) {
-            let n = (rows - s * seg).min(seg) * self.width;
+        for ((d, from), n) in self.segs.iter_mut().zip(&src.segs).zip(segment_rows(rows, self.shift)) {
+            let n = n * self.width;
             match (d, from) {
                 (Segment::F32(d), Segment::F32(f)) => d[..n].copy_from_slice(&f[..n]),
                 (Segment::Half(d), Segment::Half(f)) => d[..n].copy_from_slice(&f[..n]),
@@ -167,6 +166,13 @@ impl CpuKv {
     pub fn bytes(&self) -> usize {
         self.rows() * self.width * self.dtype.size()
     }
+}
+
+/// Rows 0..rows of a cache of segments of 2^shift rows, as the rows in each segment from the first:
+/// what a copy of those rows moves per segment.
+pub fn segment_rows(rows: usize, shift: u32) -> impl Iterator<Item = usize> {
+    let seg = 1usize << shift;
+    (0..rows.div_ceil(seg)).map(move |s| (rows - s * seg).min(seg))
 }
 
 /// Whether `rows` rows can be copied between caches of (width, dtype, segment shift, rows held):

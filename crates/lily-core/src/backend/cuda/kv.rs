@@ -5,7 +5,7 @@
 use super::{Alloc, Cuda, Executor, KvDesc, KvElem};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, widen},
+        cpu::kv::{check_copy, segment_rows, widen},
         KvDtype,
     },
     error::{Error, Result},
@@ -115,9 +115,8 @@ impl<X: Executor> Cuda<X> {
             rows,
         )?;
         self.flush()?;
-        let seg = 1usize << src.shift;
-        for (s, (from, to)) in src.segs.iter().zip(&dst.segs).enumerate().take(rows.div_ceil(seg)) {
-            let bytes = (rows - s * seg).min(seg) * src.width * src.dtype.size();
+        for ((from, to), n) in src.segs.iter().zip(&dst.segs).zip(segment_rows(rows, src.shift)) {
+            let bytes = n * src.width * src.dtype.size();
             self.x.copy(from.ptr, to.ptr, bytes)?;
         }
         self.x.sync()

@@ -5,7 +5,7 @@
 use super::{Arg, Executor, Metal, Weight};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, widen},
+        cpu::kv::{check_copy, segment_rows, widen},
         params::{KvLayout, MatrixDesc},
         KvDtype,
     },
@@ -267,10 +267,9 @@ impl<X: Executor> Metal<X> {
             rows,
         )?;
         self.flush()?;
-        let seg = 1usize << src.shift;
-        for (s, (from, to)) in src.segs.iter().zip(&dst.segs).enumerate().take(rows.div_ceil(seg)) {
-            let bytes = (rows - s * seg).min(seg) * src.width * src.dtype.size();
-            // SAFETY: both segments hold `seg` rows of the same width and dtype (checked), so
+        for ((from, to), n) in src.segs.iter().zip(&dst.segs).zip(segment_rows(rows, src.shift)) {
+            let bytes = n * src.width * src.dtype.size();
+            // SAFETY: both segments hold 2^shift rows of the same width and dtype (checked), so
             // `bytes` is inside each; distinct caches (&/&mut); no command stream in flight.
             unsafe { std::ptr::copy_nonoverlapping(self.x.contents(from), self.x.contents(to), bytes) };
         }
