@@ -11,7 +11,7 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, Metal},
-        params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, MAX_CONV_TAPS},
+        params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
         Backend,
     },
     ops::delta_net::{cpu::CHUNK, reference},
@@ -153,6 +153,7 @@ metal_tests!(
     delta_net_conv_matches_reference,
     delta_net_matches_reference,
     delta_net_chunked_matches_reference,
+    delta_net_rejects_unsupported_heads,
 );
 
 /// The chunked DeltaNet prefill again with the threads of each threadgroup run in reverse order
@@ -202,6 +203,26 @@ fn delta_net_conv_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
     dev.delta_net_conv(&p, &w, &mut state, &x, &mut out);
     let err = dev.finish().unwrap_err().to_string();
     assert!(err.contains("taps"), "{err}");
+}
+
+/// Head shapes no kernel handles (value heads not a multiple of the key heads, Dk past
+/// `DELTA_NET_KEY_DIM_MAX`, no key heads) are an error from `finish` naming the shape, before any
+/// dispatch; the same shared check (`ops::delta_net::delta_net_checks`) guards every GPU backend.
+fn delta_net_rejects_unsupported_heads<X: Executor>(dev: &mut Metal<X>, _tolx: f32) {
+    for (hk, hv, dk) in [(2, 3, 16), (1, 2, DELTA_NET_KEY_DIM_MAX + 32), (0, 2, 16)] {
+        let (t, dv) = (2, 16);
+        let p = params(t, hk, hv, dk, dv);
+        let qkv = dev.alloc(t * (2 * hk * dk + hv * dv)).unwrap();
+        let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
+        let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
+        let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
+        dev.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut state, &mut out);
+        let err = dev.finish().unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{hv} value heads on {hk} key heads of dim {dk}")),
+            "{err}"
+        );
+    }
 }
 
 fn delta_net_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {

@@ -3,7 +3,7 @@
 
 use crate::backend::{
     cuda::{div, kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
-    params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
+    params::{ConvParams, DeltaNetParams},
 };
 
 pub fn delta_net_conv<X: Executor>(
@@ -14,22 +14,14 @@ pub fn delta_net_conv<X: Executor>(
     x: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let (t, ch, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
-    if taps == 0 || taps > MAX_CONV_TAPS {
-        c.fail(format!("delta_net_conv: {taps} taps (1..={MAX_CONV_TAPS})"));
+    let checks = match super::conv_checks(p, [w.len, state.len, x.len, out.len]) {
+        Ok(checks) => checks,
+        Err(e) => return c.fail(e),
+    };
+    if !c.fits("delta_net_conv", &checks) {
         return;
     }
-    if !c.fits(
-        "delta_net_conv",
-        &[
-            ("w", w.len, ch * taps),
-            ("state", state.len, (taps - 1) * ch),
-            ("x", x.len, t * ch),
-            ("out", out.len, t * ch),
-        ],
-    ) {
-        return;
-    }
+    let ch = p.channels as usize;
     let args = Args::new()
         .push(*p)
         .ptr(w.ptr())
@@ -58,25 +50,12 @@ pub fn delta_net<X: Executor>(
         p.key_dim as usize,
         p.value_dim as usize,
     );
-    if hk == 0 || hv % hk != 0 || dk == 0 || dk > 256 || dv == 0 {
-        c.fail(format!(
-            "delta_net: {hv} value heads over {hk} key heads with key dim {dk} (at most 256) unsupported"
-        ));
-        return;
-    }
-    let width = 2 * hk * dk + hv * dv;
-    if !c.fits(
-        "delta_net",
-        &[
-            ("qkv", qkv.len, t * width),
-            ("a", a.len, t * hv),
-            ("b", b.len, t * hv),
-            ("a_log", a_log.len, hv),
-            ("dt_bias", dt_bias.len, hv),
-            ("state", state.len, hv * dk * dv),
-            ("out", out.len, t * hv * dv),
-        ],
-    ) {
+    let have = [qkv.len, a.len, b.len, a_log.len, dt_bias.len, state.len, out.len];
+    let checks = match super::delta_net_checks(p, have) {
+        Ok(checks) => checks,
+        Err(e) => return c.fail(e),
+    };
+    if !c.fits("delta_net", &checks) {
         return;
     }
     // Prefill (Dk <= 128): the per-token normalisation and gates in parallel, then the scan

@@ -3,7 +3,7 @@
 
 use crate::backend::{
     metal::{args::bytes_of, ceil_div, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
-    params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_COLS, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
+    params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_COLS},
 };
 
 pub fn delta_net_conv<X: Executor>(
@@ -14,19 +14,14 @@ pub fn delta_net_conv<X: Executor>(
     x: &MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let (t, c, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
-    if !(1..=MAX_CONV_TAPS).contains(&taps) {
-        return m.fail(format!("delta_net_conv: {taps} taps unsupported (1..={MAX_CONV_TAPS})"));
-    }
-    let checks = [
-        ("w", w.len(), c * taps),
-        ("state", state.len(), (taps - 1) * c),
-        ("x", x.len(), t * c),
-        ("out", out.len(), t * c),
-    ];
+    let checks = match super::conv_checks(p, [w.len(), state.len(), x.len(), out.len()]) {
+        Ok(checks) => checks,
+        Err(e) => return m.fail(e),
+    };
     if !m.fits("delta_net_conv", &checks) {
         return;
     }
+    let c = p.channels as usize;
     let grid = Grid::Threads {
         threads: [c as u32, 1, 1],
         size: [64, 1, 1],
@@ -49,27 +44,20 @@ pub fn delta_net<X: Executor>(
     state: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let (t, hk, hv, dk, dv) = (
-        p.tokens as usize,
-        p.key_heads as usize,
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-    );
-    if hk == 0 || hv % hk != 0 || dk > DELTA_NET_KEY_DIM_MAX {
-        return m.fail(format!(
-            "delta_net: {hv} value heads on {hk} key heads of dim {dk} unsupported (Dk <= {DELTA_NET_KEY_DIM_MAX})"
-        ));
-    }
-    let checks = [
-        ("qkv", qkv.len(), t * (2 * hk * dk + hv * dv)),
-        ("a", a.len(), t * hv),
-        ("b", b.len(), t * hv),
-        ("a_log", a_log.len(), hv),
-        ("dt_bias", dt_bias.len(), hv),
-        ("state", state.len(), hv * dk * dv),
-        ("out", out.len(), t * hv * dv),
+    let (t, hv, dv) = (p.tokens as usize, p.value_heads as usize, p.value_dim as usize);
+    let have = [
+        qkv.len(),
+        a.len(),
+        b.len(),
+        a_log.len(),
+        dt_bias.len(),
+        state.len(),
+        out.len(),
     ];
+    let checks = match super::delta_net_checks(p, have) {
+        Ok(checks) => checks,
+        Err(e) => return m.fail(e),
+    };
     if !m.fits("delta_net", &checks) {
         return;
     }

@@ -14,3 +14,48 @@ pub mod cpu;
 pub mod cuda;
 pub mod metal;
 pub mod reference;
+
+use crate::backend::params::{ConvParams, DeltaNetParams, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS};
+
+/// What a GPU encoder checks before a `delta_net_conv` dispatch, in one place for every backend:
+/// the taps it supports, then (name, have, need) per buffer (in elements, argument order) for
+/// the backend's `fits`. `have`: the lengths of w, state, x, out.
+pub fn conv_checks(p: &ConvParams, have: [usize; 4]) -> Result<[(&'static str, usize, usize); 4], String> {
+    let (t, c, taps) = (p.tokens as usize, p.channels as usize, p.taps as usize);
+    if !(1..=MAX_CONV_TAPS).contains(&taps) {
+        return Err(format!("delta_net_conv: {taps} taps unsupported (1..={MAX_CONV_TAPS})"));
+    }
+    let need = [c * taps, (taps - 1) * c, t * c, t * c];
+    let names = ["w", "state", "x", "out"];
+    Ok(std::array::from_fn(|i| (names[i], have[i], need[i])))
+}
+
+/// As [`conv_checks`] for `delta_net`: the head shapes every kernel supports (value heads a
+/// multiple of the key heads, Dk <= `DELTA_NET_KEY_DIM_MAX`), then the buffers. `have`: the
+/// lengths of qkv, a, b, a_log, dt_bias, state, out.
+pub fn delta_net_checks(p: &DeltaNetParams, have: [usize; 7]) -> Result<[(&'static str, usize, usize); 7], String> {
+    let (t, hk, hv, dk, dv) = (
+        p.tokens as usize,
+        p.key_heads as usize,
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+    );
+    if hk == 0 || hv % hk != 0 || dk == 0 || dk > DELTA_NET_KEY_DIM_MAX || dv == 0 {
+        return Err(format!(
+            "delta_net: {hv} value heads on {hk} key heads of dim {dk}, value dim {dv} unsupported \
+             (value heads a multiple of key heads, 1 <= Dk <= {DELTA_NET_KEY_DIM_MAX}, Dv >= 1)"
+        ));
+    }
+    let need = [
+        t * (2 * hk * dk + hv * dv),
+        t * hv,
+        t * hv,
+        hv,
+        hv,
+        hv * dk * dv,
+        t * hv * dv,
+    ];
+    let names = ["qkv", "a", "b", "a_log", "dt_bias", "state", "out"];
+    Ok(std::array::from_fn(|i| (names[i], have[i], need[i])))
+}
