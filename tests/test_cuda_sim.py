@@ -12,12 +12,10 @@ a message where it is absent unless ``LILY_REQUIRE_CUDA_SIM=1``.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
-from test_oracle import ORACLE_TOL, SELF_TOL, compare, tokens_for
+from gpu_sim import check_decode, require_clang
+from test_oracle import ORACLE_TOL, compare, tokens_for
 
 N_TOKENS = 40
 MAX_SEQ = 64
@@ -27,10 +25,7 @@ BF16_TOP1 = 0.98
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_clang():
-    if shutil.which(os.environ.get("LILY_CUDA_SIM_CXX", "clang++-19")) is None:
-        if os.environ.get("LILY_REQUIRE_CUDA_SIM") == "1":
-            pytest.fail("clang++-19 is required for the CUDA simulator tests (apt-get install -y clang-19)")
-        pytest.skip("clang++-19 not found: the CUDA simulator tests need it (apt-get install -y clang-19)")
+    require_clang("cuda")
 
 
 def _engine(lily, ckpts, name, backend="cuda-sim", kv_dtype="f32"):
@@ -81,18 +76,15 @@ def test_cuda_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeypa
     # A short prefill (T <= 8: the f32 GEMVs), then decode steps: split attention, step recurrence,
     # per-token MoE, and from the third step on the same command list every step.
     name, n_prefill = "tiny-s1-theta1e3", 6
-    toks = tokens_for(ckpts, name)[:N_TOKENS]
-    eng = _engine(lily, ckpts, name)
-    cpu = _engine(lily, ckpts, name, backend="cpu")
-    first = eng.prefill(toks[:n_prefill].tolist())
-    steps = [first] + [eng.decode(t) for t in toks[n_prefill:].tolist()]
-    got = np.stack(steps[:-1])
-    cpu_first = cpu.prefill(toks[:n_prefill].tolist())
-    want = np.stack([cpu_first] + [cpu.decode(t) for t in toks[n_prefill:-1].tolist()])
-    ref = oracle_cache.logits(name, tokens_for(ckpts, name))[n_prefill - 1:N_TOKENS - 1]
-    print(compare(got, want, SELF_TOL, f"{name} cuda-sim decode vs cpu decode"))
-    print(compare(got, ref, ORACLE_TOL, f"{name} cuda-sim decode vs MLX-LM"))
-    assert eng.position == N_TOKENS
+    check_decode(
+        _engine(lily, ckpts, name),
+        _engine(lily, ckpts, name, backend="cpu"),
+        oracle_cache,
+        ckpts,
+        name,
+        n_prefill,
+        N_TOKENS,
+    )
 
 
 def test_cuda_sim_reset_snapshot_and_errors(lily, ckpts):

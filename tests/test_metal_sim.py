@@ -13,11 +13,9 @@ family (the simulator's default) and with those of Apple7 (``LILY_METAL_FAMILY=7
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
+from gpu_sim import check_decode, require_clang
 from test_oracle import ORACLE_TOL, SELF_TOL, compare, tokens_for
 
 N_TOKENS = 40
@@ -26,10 +24,7 @@ MAX_SEQ = 64
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_clang():
-    if shutil.which(os.environ.get("LILY_METAL_SIM_CXX", "clang++-19")) is None:
-        if os.environ.get("LILY_REQUIRE_METAL_SIM") == "1":
-            pytest.fail("clang++-19 is required for the Metal simulator tests (apt-get install -y clang-19)")
-        pytest.skip("clang++-19 not found: the Metal simulator tests need it (apt-get install -y clang-19)")
+    require_clang("metal")
 
 
 def _engine(lily, ckpts, name, backend="metal-sim", kv_dtype="f32"):
@@ -59,18 +54,15 @@ def test_metal_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeyp
     else:
         monkeypatch.setenv("LILY_METAL_FAMILY", family)
     name, n_prefill = "tiny-s1-theta1e3", 24
-    toks = tokens_for(ckpts, name)[:N_TOKENS]
-    eng = _engine(lily, ckpts, name)
-    cpu = _engine(lily, ckpts, name, backend="cpu")
-    first = eng.prefill(toks[:n_prefill].tolist())
-    steps = [first] + [eng.decode(t) for t in toks[n_prefill:].tolist()]
-    got = np.stack(steps[:-1])
-    cpu_first = cpu.prefill(toks[:n_prefill].tolist())
-    want = np.stack([cpu_first] + [cpu.decode(t) for t in toks[n_prefill:-1].tolist()])
-    ref = oracle_cache.logits(name, tokens_for(ckpts, name))[n_prefill - 1:N_TOKENS - 1]
-    print(compare(got, want, SELF_TOL, f"{name} metal-sim decode vs cpu decode"))
-    print(compare(got, ref, ORACLE_TOL, f"{name} metal-sim decode vs MLX-LM"))
-    assert eng.position == N_TOKENS
+    check_decode(
+        _engine(lily, ckpts, name),
+        _engine(lily, ckpts, name, backend="cpu"),
+        oracle_cache,
+        ckpts,
+        name,
+        n_prefill,
+        N_TOKENS,
+    )
 
 
 def test_metal_sim_reset_and_errors(lily, ckpts):
