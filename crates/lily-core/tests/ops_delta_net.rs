@@ -223,6 +223,28 @@ fn delta_net_rejects_unsupported_heads<X: Executor>(dev: &mut Metal<X>, _tolx: f
             "{err}"
         );
     }
+    // A supported shape with a buffer one element short: the size check names it.
+    let (t, hk, hv, dk, dv) = (2, 1, 2, 16, 16);
+    let need = t * (2 * hk * dk + hv * dv);
+    let qkv = dev.alloc(need - 1).unwrap();
+    let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
+    let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
+    let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
+    dev.delta_net(
+        &params(t, hk, hv, dk, dv),
+        &qkv,
+        &a,
+        &b,
+        &a_log,
+        &dt_bias,
+        &mut state,
+        &mut out,
+    );
+    let err = dev.finish().unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("delta_net: qkv has {} elements, needs {need}", need - 1)),
+        "{err}"
+    );
 }
 
 fn delta_net_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {

@@ -34,6 +34,15 @@ pub mod matmul;
 pub mod moe;
 pub mod norm;
 
+/// The buffer-size check of every GPU encoder: `checks` holds (buffer name, elements it has,
+/// elements the op needs); the first one too small is an error naming the op and the buffer.
+pub fn check_sizes(op: &str, checks: &[(&str, usize, usize)]) -> Result<(), String> {
+    match checks.iter().find(|&&(_, have, need)| have < need) {
+        Some((what, have, need)) => Err(format!("{op}: {what} has {have} elements, needs {need}")),
+        None => Ok(()),
+    }
+}
+
 /// x sigmoid(x).
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())

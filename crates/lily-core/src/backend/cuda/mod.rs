@@ -414,13 +414,7 @@ impl<X: Executor> Cuda<X> {
 
     /// Check buffers hold at least the given element counts; record an error otherwise.
     pub(crate) fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
-        for &(what, have, need) in checks {
-            if have < need {
-                self.fail(format!("{op}: {what} has {have} elements, needs {need}"));
-                return false;
-            }
-        }
-        true
+        crate::ops::check_sizes(op, checks).map_err(|e| self.fail(e)).is_ok()
     }
 
     /// Check that `cache` holds rows 0..rows of `width` values; record an error otherwise.

@@ -126,13 +126,7 @@ impl<X: Executor> Metal<X> {
 
     /// Check `bufs` hold at least the given element counts; record an error otherwise.
     pub(crate) fn fits(&self, op: &str, checks: &[(&str, usize, usize)]) -> bool {
-        for &(what, have, need) in checks {
-            if have < need {
-                self.fail(format!("{op}: {what} has {have} elements, needs {need}"));
-                return false;
-            }
-        }
-        true
+        crate::ops::check_sizes(op, checks).map_err(|e| self.fail(e)).is_ok()
     }
 
     /// Encode one dispatch of kernel `k` into the open command stream (opened here if none is).
