@@ -38,6 +38,9 @@
 #            4096 and decode at those depths; python -m lily.bench.depth at 4K, 32K (prefilled, beside
 #            llama-bench -d) and 128K, 255K (fill_context): decode tok/s, bytes per token, peak memory
 #            (after llama, which builds llama-bench)
+#   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
+#            128K, all cores and 2) and batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2;
+#            after cpu, which writes the 4-layer checkpoint)
 # Step 1 (installing the carried wheels) runs first in every call.
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
 # back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
@@ -67,6 +70,9 @@ if [ "$PHASE" = pack ]; then
     bin=$(cargo test -p lily-core --release --locked --test cuda_device --no-run --message-format=json \
         | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
     cp "$bin" "$DEV/bin/cuda_device"
+    bin=$(cargo bench -p lily-core --bench attention --no-run --message-format=json \
+        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+    cp "$bin" "$DEV/bin/attention"
     cp tests/{conftest,fixtures,oracle,test_oracle,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
     # conftest.py keys its fixture caches on these sources, read beside the tests.
     mkdir -p "$DEV/python/lily" && cp python/lily/{tokenizer_files,mlx_reference}.py "$DEV/python/lily/"
@@ -230,5 +236,23 @@ if want cpu; then
         --depths 4K,32K,128K,255K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
         --llama-reps 1 --json "$WORK/depth.json" || fail=1
     [ -n "${OUT:-}" ] && cp "$WORK"/cpu*.json "$WORK/depth.json" "$OUT/" 2>/dev/null
+fi
+if want extras; then
+    SYNTH4="$WORK/synth4"
+    cores=$(nproc)
+    [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
+    for t in "$cores" 2; do
+        pin=""; [ "$t" = 2 ] && pin="taskset -c 0,1"
+        step "decode attention alone, $t threads: bf16 / f16 / f32 KV at 32K and 128K"
+        CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
+            --dtype bf16,f16,f32 || fail=1
+    done
+    for t in "$cores" 2; do
+        pin=""; [ "$t" = 2 ] && pin="taskset -c 0,1"
+        step "batched decode, $t threads: lily bench --concurrency 1,2,4,8 (prompts of 256)"
+        CUDA_VISIBLE_DEVICES= $pin python3 -m lily bench "$SYNTH4" --backend cpu --concurrency 1,2,4,8 \
+            --lengths 256 --decode-steps 32 --threads "$t" --json "$WORK/concurrency$t.json" || fail=1
+    done
+    [ -n "${OUT:-}" ] && cp "$WORK"/concurrency*.json "$OUT/" 2>/dev/null
 fi
 exit $fail
