@@ -10,14 +10,7 @@ extern "C" __global__ void kv_store(const KvStoreParams p, const uint* __restric
                                     const float* __restrict__ x) {
   const uint i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
   if (i >= p.width) return;
-  const uint row = step[0] + t;
-  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
-  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
-  const float v = x[(size_t)t * p.width + i];
-  if (d.dtype == 0)
-    reinterpret_cast<float*>(base)[at] = v;
-  else
-    reinterpret_cast<ushort*>(base)[at] = d.dtype == 1 ? float_bf16(v) : float_f16(v);
+  kv_put(d, step[0] + t, i, x[(size_t)t * p.width + i]);
 }
 
 // 16 bytes of a cache row (4 f32 or 8 16-bit values) widened to f32 into dst.

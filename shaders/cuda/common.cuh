@@ -96,6 +96,17 @@ __device__ __forceinline__ ushort float_f16(float f) {
 #endif
 }
 
+// Column i of row `row` of a segmented KV cache (KvDesc: row r is row r & (2^seg_shift - 1) of
+// segment r >> seg_shift) set to v in the cache dtype (0 f32, 1 bf16, 2 f16; rounded to nearest even).
+__device__ __forceinline__ void kv_put(const KvDesc d, uint row, uint i, float v) {
+  const u64 base = reinterpret_cast<const u64*>(d.seg)[row >> d.seg_shift];
+  const size_t at = (size_t)(row & ((1u << d.seg_shift) - 1)) * d.width + i;
+  if (d.dtype == 0)
+    reinterpret_cast<float*>(base)[at] = v;
+  else
+    reinterpret_cast<ushort*>(base)[at] = d.dtype == 1 ? float_bf16(v) : float_f16(v);
+}
+
 // D = A B + C on the tensor cores: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (one warp;
 // fragment layouts in tools/cuda-sim/include/cuda_sim.h, as the PTX ISA gives them).
 __device__ __forceinline__ void mma_bf16_16816(float d[4], const uint a[4], const uint b[2], const float c[4]) {

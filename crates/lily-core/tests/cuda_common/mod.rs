@@ -42,6 +42,7 @@ macro_rules! all_cuda_tests {
     ($dev:expr, $tolx:expr) => {
         $crate::cuda_tests!($dev, $tolx;
             rms_norm_matches_cpu,
+            add_rms_norm_matches_cpu,
             elementwise_matches_cpu,
             copy_rows_moves_rows_in_the_stream,
             kv_copy_matches_cpu,
@@ -51,6 +52,7 @@ macro_rules! all_cuda_tests {
             matmuls_match_cpu,
             embed_matches_cpu,
             qk_norm_rope_matches_cpu,
+            qk_norm_rope_store_matches_cpu,
             kv_store_matches_cpu,
             attention_matches_cpu,
             delta_net_conv_matches_cpu,
@@ -119,6 +121,45 @@ pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
             b.rms_norm_gated(&p, &xb, &zb, &wb, &mut gated);
             b.finish().unwrap();
             vec![read_all(b, &out, rows * dim), read_all(b, &gated, rows * dim)]
+        });
+    }
+}
+
+/// The fused residual add + norm kernels against the reference's unfused add, sigmoid_gate_add
+/// and rms_norm: both outputs (the new residual x and the norm), at widths below, at and above
+/// one block's 256 threads.
+pub fn add_rms_norm_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    for (rows, dim) in [(3, 100), (2, 300), (1, 2048)] {
+        let n = rows * dim;
+        let x = rand_vec(n, 11, -2.0, 2.0);
+        let y = rand_vec(n, 12, -2.0, 2.0);
+        let shared = rand_vec(n, 13, -2.0, 2.0);
+        let gate = rand_vec(rows, 14, -4.0, 4.0);
+        let w = rand_vec(dim, 15, 0.5, 1.5);
+        let p = RmsNormParams {
+            rows: rows as u32,
+            dim: dim as u32,
+            eps: 1e-6,
+        };
+        both!(dev, tolx * TOL, format!("add_rms_norm {rows}x{dim}"), b => {
+            let (yb, sb, gb, wb) = (
+                b.upload(&y).unwrap(),
+                b.upload(&shared).unwrap(),
+                b.upload(&gate).unwrap(),
+                b.upload(&w).unwrap(),
+            );
+            let (mut x1, mut x2) = (b.upload(&x).unwrap(), b.upload(&x).unwrap());
+            let (mut out1, mut out2) = (b.alloc(n).unwrap(), b.alloc(n).unwrap());
+            b.begin(lily_core::backend::StreamKind::Other).unwrap();
+            b.add_rms_norm(&p, &mut x1, &yb, &wb, &mut out1);
+            b.add_gated_rms_norm(&p, &mut x2, &yb, &sb, &gb, &wb, &mut out2);
+            b.finish().unwrap();
+            vec![
+                read_all(b, &x1, n),
+                read_all(b, &out1, n),
+                read_all(b, &x2, n),
+                read_all(b, &out2, n),
+            ]
         });
     }
 }
@@ -337,6 +378,49 @@ pub fn qk_norm_rope_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
             b.qk_norm_rope(&p, &qnb, &knb, &mut qb, &mut kb);
             b.finish().unwrap();
             vec![read_all(b, &qb, qg.len()), read_all(b, &kb, k.len())]
+        });
+    }
+}
+
+/// The fused norm + RoPE + cache append against the reference's three ops: q in place, the
+/// cache rows written (k normed and roped, v as given), in every cache dtype, a chunk that
+/// crosses segment boundaries (rows 6..11 in segments of 4) and a single decode row.
+pub fn qk_norm_rope_store_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
+    for (t, pos0, h, kv, hd, rot, dtype) in [
+        (5, 6, 4, 2, 64, 16, KvDtype::BF16),
+        (5, 6, 4, 2, 64, 16, KvDtype::F16),
+        (1, 9, 16, 2, 256, 64, KvDtype::F32),
+    ] {
+        let p = RopeParams {
+            tokens: t,
+            pos0,
+            heads: h,
+            kv_heads: kv,
+            head_dim: hd,
+            rotary_dim: rot,
+            eps: 1e-6,
+            theta: 100.0,
+        };
+        let (t, h, w, hd) = (t as usize, h as usize, (kv * hd) as usize, hd as usize);
+        let rows = pos0 as usize + t;
+        let qg = rand_vec(t * h * 2 * hd, 44, -2.0, 2.0);
+        let (k, v) = (rand_vec(t * w, 45, -2.0, 2.0), rand_vec(t * w, 46, -2.0, 2.0));
+        let (qn, kn) = (rand_vec(hd, 47, 0.5, 1.5), rand_vec(hd, 48, 0.5, 1.5));
+        // 16-bit caches round: a rounding step of the stored value is the tolerance there.
+        let tol = if dtype == KvDtype::F32 { tolx * 1e-4 } else { 1e-2 };
+        both!(dev, tol, format!("qk_norm_rope_store hd={hd} {dtype:?}"), b => {
+            let (qnb, knb, vb) = (b.upload(&qn).unwrap(), b.upload(&kn).unwrap(), b.upload(&v).unwrap());
+            let (mut qb, mut kb) = (b.upload(&qg).unwrap(), b.upload(&k).unwrap());
+            let mut kc = filled_cache(b, w, pos0 as usize, rows, dtype, 4, 49);
+            let mut vc = filled_cache(b, w, pos0 as usize, rows, dtype, 4, 50);
+            b.kv_reserve(&mut kc, rows).unwrap();
+            b.kv_reserve(&mut vc, rows).unwrap();
+            b.qk_norm_rope_store(&p, &qnb, &knb, &mut qb, &mut kb, &vb, &mut kc, &mut vc);
+            b.finish().unwrap();
+            let (mut ko, mut vo) = (vec![0f32; rows * w], vec![0f32; rows * w]);
+            b.kv_read(&kc, 0, &mut ko).unwrap();
+            b.kv_read(&vc, 0, &mut vo).unwrap();
+            vec![read_all(b, &qb, qg.len()), ko, vo]
         });
     }
 }

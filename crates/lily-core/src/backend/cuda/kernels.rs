@@ -56,6 +56,8 @@ impl Weight {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fixed {
     Add,
+    AddGatedRmsNorm,
+    AddRmsNorm,
     Argmax,
     Attention,
     AttentionReduce,
@@ -70,6 +72,7 @@ pub enum Fixed {
     MoeRoute,
     MoeSort,
     QkNormRope,
+    QkNormRopeStore,
     RmsNorm,
     RmsNormGated,
     SigmoidGateAdd,
@@ -79,6 +82,8 @@ pub enum Fixed {
 impl Fixed {
     pub const ALL: &'static [Fixed] = &[
         Fixed::Add,
+        Fixed::AddGatedRmsNorm,
+        Fixed::AddRmsNorm,
         Fixed::Argmax,
         Fixed::Attention,
         Fixed::AttentionReduce,
@@ -93,6 +98,7 @@ impl Fixed {
         Fixed::MoeRoute,
         Fixed::MoeSort,
         Fixed::QkNormRope,
+        Fixed::QkNormRopeStore,
         Fixed::RmsNorm,
         Fixed::RmsNormGated,
         Fixed::SigmoidGateAdd,
@@ -101,6 +107,8 @@ impl Fixed {
     pub fn name(self) -> &'static str {
         match self {
             Fixed::Add => "add",
+            Fixed::AddGatedRmsNorm => "add_gated_rms_norm",
+            Fixed::AddRmsNorm => "add_rms_norm",
             Fixed::Argmax => "argmax",
             Fixed::Attention => "attention",
             Fixed::AttentionReduce => "attention_reduce",
@@ -115,6 +123,7 @@ impl Fixed {
             Fixed::MoeRoute => "moe_route",
             Fixed::MoeSort => "moe_sort",
             Fixed::QkNormRope => "qk_norm_rope",
+            Fixed::QkNormRopeStore => "qk_norm_rope_store",
             Fixed::RmsNorm => "rms_norm",
             Fixed::RmsNormGated => "rms_norm_gated",
             Fixed::SigmoidGateAdd => "sigmoid_gate_add",

@@ -697,6 +697,30 @@ impl<X: Executor> Backend for Cuda<X> {
         elementwise::cuda::add(self, p, x, y)
     }
 
+    fn add_rms_norm(
+        &self,
+        p: &RmsNormParams,
+        x: &mut CudaBuf<X>,
+        y: &CudaBuf<X>,
+        w: &CudaBuf<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        norm::cuda::add_rms_norm(self, p, x, y, w, out)
+    }
+
+    fn add_gated_rms_norm(
+        &self,
+        p: &RmsNormParams,
+        x: &mut CudaBuf<X>,
+        y: &CudaBuf<X>,
+        shared: &CudaBuf<X>,
+        gate: &CudaBuf<X>,
+        w: &CudaBuf<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        norm::cuda::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+    }
+
     fn matmul(&self, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {
         matmul::cuda::matmul(self, p, w, x, out)
     }
@@ -718,6 +742,20 @@ impl<X: Executor> Backend for Cuda<X> {
 
     fn kv_store(&self, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>) {
         attention::cuda::kv_store(self, p, x, cache)
+    }
+
+    fn qk_norm_rope_store(
+        &self,
+        p: &RopeParams,
+        q_norm: &CudaBuf<X>,
+        k_norm: &CudaBuf<X>,
+        qg: &mut CudaBuf<X>,
+        k: &mut CudaBuf<X>,
+        v: &CudaBuf<X>,
+        k_cache: &mut CudaKv<X>,
+        v_cache: &mut CudaKv<X>,
+    ) {
+        attention::cuda::qk_norm_rope_store(self, p, q_norm, k_norm, qg, k, v, k_cache, v_cache)
     }
 
     fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>) {

@@ -1,5 +1,6 @@
 //! The attention family on CUDA (`shaders/cuda/rope.cu`, `shaders/cuda/attention.cu`): q/k norm +
-//! RoPE, the KV store into the segmented cache, and attention (split-KV for one token).
+//! RoPE, the KV store into the segmented cache (both fused in `qk_norm_rope_store`), and attention
+//! (split-KV for one token).
 
 use crate::backend::{
     cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, Executor, DECODE_SPLITS},
@@ -15,11 +16,7 @@ pub fn qk_norm_rope<X: Executor>(
     k: &mut CudaBuf<X>,
 ) {
     let (t, hd) = (p.tokens as usize, p.head_dim as usize);
-    if hd > 1024 || p.rotary_dim > p.head_dim || p.rotary_dim % 2 != 0 {
-        c.fail(format!(
-            "qk_norm_rope: head_dim {hd} (at most 1024) with rotary_dim {} (even, <= head_dim)",
-            p.rotary_dim
-        ));
+    if !rope_shape_ok(c, "qk_norm_rope", p) {
         return;
     }
     if !c.fits(
@@ -42,6 +39,67 @@ pub fn qk_norm_rope<X: Executor>(
         .ptr(qg.ptr())
         .ptr(k.ptr());
     c.launch(F::QkNormRope, shape([p.heads + p.kv_heads, t as u32, 1], 128), args);
+}
+
+/// The head shapes the rope kernels take (one block of 128 threads per head, the head staged in
+/// 1024 floats of shared memory); otherwise the backend's error.
+fn rope_shape_ok<X: Executor>(c: &Cuda<X>, op: &str, p: &RopeParams) -> bool {
+    let ok = p.head_dim <= 1024 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0;
+    if !ok {
+        c.fail(format!(
+            "{op}: head_dim {} (at most 1024) with rotary_dim {} (even, <= head_dim)",
+            p.head_dim, p.rotary_dim
+        ));
+    }
+    ok
+}
+
+/// `qk_norm_rope` and both `kv_store`s in one launch: q normed and roped in place, k normed and
+/// roped into the K cache (k itself untouched), v copied into the V cache.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_store<X: Executor>(
+    c: &Cuda<X>,
+    p: &RopeParams,
+    q_norm: &CudaBuf<X>,
+    k_norm: &CudaBuf<X>,
+    qg: &mut CudaBuf<X>,
+    k: &CudaBuf<X>,
+    v: &CudaBuf<X>,
+    k_cache: &mut CudaKv<X>,
+    v_cache: &mut CudaKv<X>,
+) {
+    let (t, hd) = (p.tokens as usize, p.head_dim as usize);
+    let w = p.kv_heads as usize * hd;
+    let rows = p.pos0 as usize + t;
+    if !rope_shape_ok(c, "qk_norm_rope_store", p)
+        || !c.fits(
+            "qk_norm_rope_store",
+            &[
+                ("qg", qg.len, t * p.heads as usize * 2 * hd),
+                ("k", k.len, t * w),
+                ("v", v.len, t * w),
+                ("q_norm", q_norm.len, hd),
+                ("k_norm", k_norm.len, hd),
+            ],
+        )
+        || !c.cache_fits("qk_norm_rope_store", "k_cache", k_cache, rows, w)
+        || !c.cache_fits("qk_norm_rope_store", "v_cache", v_cache, rows, w)
+    {
+        return;
+    }
+    c.at_pos(p.pos0);
+    let args = Args::new()
+        .push(RopeParams { pos0: 0, ..*p })
+        .ptr(c.step.ptr)
+        .push(k_cache.desc())
+        .push(v_cache.desc())
+        .ptr(q_norm.ptr())
+        .ptr(k_norm.ptr())
+        .ptr(qg.ptr())
+        .ptr(k.ptr())
+        .ptr(v.ptr());
+    let grid = [p.heads + 2 * p.kv_heads, t as u32, 1];
+    c.launch(F::QkNormRopeStore, shape(grid, 128), args);
 }
 
 pub fn kv_store<X: Executor>(c: &Cuda<X>, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>) {
