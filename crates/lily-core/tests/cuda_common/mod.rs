@@ -309,6 +309,9 @@ pub fn matmuls_match_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
         (q4, 9),
         (q4, 130),
         (Format::BF16, 20),
+        // Grouped with the q8 matrix 8 places before it (one launch, as the MoE block's router and
+        // shared-expert gate): groups {0, 1, 3, 4}, {2, 9}, {5, 6, 7}, {8}.
+        (q8, 17),
     ];
     let mats: Vec<Matrix> = specs
         .iter()

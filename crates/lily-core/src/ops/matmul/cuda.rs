@@ -34,9 +34,10 @@ pub fn matmul<X: Executor>(c: &Cuda<X>, p: &MatmulParams, w: &CudaMat<X>, x: &Cu
     }
 }
 
-/// Several matrices reading the same x: at most `gemv_tokens` tokens, consecutive matrices of
-/// one weight format and one K share a launch (up to 4: `matmul_gemv_multi`); otherwise, and
-/// for a matrix alone, one `matmul` each.
+/// Several matrices reading the same x: at most `gemv_tokens` tokens, matrices of one weight
+/// format and one K share a launch (up to 4: `matmul_gemv_multi`), wherever they stand in the
+/// list (the MoE block's router and shared-expert gate, both 8-bit, around two 4-bit matrices:
+/// two launches, not three); otherwise, and for a matrix alone, one `matmul` each.
 pub fn matmuls<X: Executor>(
     c: &Cuda<X>,
     p: &MatmulParams,
@@ -45,28 +46,34 @@ pub fn matmuls<X: Executor>(
     outs: &mut [&mut CudaBuf<X>],
 ) {
     let t = p.tokens as usize;
-    let mut i = 0;
-    while i < ws.len().min(outs.len()) {
+    let count = ws.len().min(outs.len());
+    // Bit j: matrix j is done (a layer passes at most a handful).
+    let mut done = 0u64;
+    for i in 0..count.min(64) {
+        if done & (1 << i) != 0 {
+            continue;
+        }
         let w0 = ws[i];
-        let mut n = 1;
-        while n < 4
-            && i + n < ws.len().min(outs.len())
-            && ws[i + n].weight == w0.weight
-            && ws[i + n].desc.cols == w0.desc.cols
-        {
-            n += 1;
+        let (mut group, mut n) = ([i; 4], 1);
+        for j in i + 1..count.min(64) {
+            if n < 4 && done & (1 << j) == 0 && ws[j].weight == w0.weight && ws[j].desc.cols == w0.desc.cols {
+                group[n] = j;
+                n += 1;
+            }
+        }
+        for &j in &group[..n] {
+            done |= 1 << j;
         }
         if n == 1 || t == 0 || t > c.gemv_tokens {
-            for j in i..i + n {
+            for &j in &group[..n] {
                 matmul(c, p, ws[j], x, outs[j]);
             }
-            i += n;
             continue;
         }
         let k = w0.desc.cols as usize;
         let mut checks = [("x", x.len, (p.x_row0 as usize + t) * k); 5];
-        for j in 0..n {
-            checks[j + 1] = ("out", outs[i + j].len, t * ws[i + j].desc.rows as usize);
+        for (check, &j) in checks[1..].iter_mut().zip(&group[..n]) {
+            *check = ("out", outs[j].len, t * ws[j].desc.rows as usize);
         }
         if !c.fits("matmuls", &checks[..n + 1]) {
             return;
@@ -75,34 +82,37 @@ pub fn matmuls<X: Executor>(
             count: n as u32,
             ..Default::default()
         };
-        let rows: usize = ws[i..i + n].iter().map(|w| w.desc.rows as usize).sum();
-        let chunks = ws[i..i + n]
+        let rows: usize = group[..n].iter().map(|&j| ws[j].desc.rows as usize).sum();
+        let chunks = group[..n]
             .iter()
-            .map(|w| w.desc.row_bytes as usize / 16)
+            .map(|&j| ws[j].desc.row_bytes as usize / 16)
             .min()
             .unwrap_or(0);
         let ks = gemv_split(rows, chunks, t);
         g.ks = ks;
         let mut end = 0;
-        for j in 0..n {
-            end += div(ws[i + j].desc.rows as usize, 32 / ks as usize);
-            g.ends[j] = end;
+        for (e, &j) in g.ends.iter_mut().zip(&group[..n]) {
+            end += div(ws[j].desc.rows as usize, 32 / ks as usize);
+            *e = end;
         }
-        let pick = |j: usize| ws[i + j.min(n - 1)];
+        // Unused slots repeat the group's last matrix (never reached: the grid ends at ends[n - 1]).
+        let pick = |slot: usize| group[slot.min(n - 1)];
         let mut args = Args::new().push(*p).push(g);
-        for j in 0..4 {
-            args = args.push(pick(j).desc);
+        for slot in 0..4 {
+            args = args.push(ws[pick(slot)].desc);
         }
-        for j in 0..4 {
-            let [w, s, b] = pick(j).ptrs();
+        for slot in 0..4 {
+            let [w, s, b] = ws[pick(slot)].ptrs();
             args = args.ptr(w).ptr(s).ptr(b);
         }
         args = args.ptr(x.ptr());
-        for j in 0..4 {
-            args = args.ptr(outs[i + j.min(n - 1)].ptr());
+        for slot in 0..4 {
+            args = args.ptr(outs[pick(slot)].ptr());
         }
         let launch = shape([end, t as u32, 1], 256);
         c.launch(Kernel::weight(WeightOp::MatmulGemvMulti, w0.weight), launch, args);
-        i += n;
+    }
+    for j in 64..count {
+        matmul(c, p, ws[j], x, outs[j]);
     }
 }
