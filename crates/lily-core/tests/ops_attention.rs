@@ -333,24 +333,30 @@ fn attention_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     // (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows): partial tiles of 8 rows; decode
     // past split_rows = 16 takes the split (flash-decoding) path; segments of 4 and 16 rows put
     // boundaries inside tiles and splits; the last case has the real head shapes (8 per KV head).
-    for (h, kv, hd, pos0, t, steps, dtype, seg) in [
-        (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
-        (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
-        (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
-        (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
-    ] {
-        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
-        let saved = dev.split_rows;
-        dev.split_rows = 16;
-        let got = run_attention(&*dev, h, kv, hd, pos0, t, steps, dtype, seg);
-        dev.split_rows = saved;
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_near(
-                g,
-                w,
-                tolx * TOL,
-                &format!("attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg} call {i}"),
-            );
+    // With at most 2 splits, the split rows grow past 16 (17 rows, not a multiple of the tile,
+    // at 34 rows).
+    for max_splits in [dev.max_splits, 2] {
+        for (h, kv, hd, pos0, t, steps, dtype, seg) in [
+            (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
+            (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
+            (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
+            (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
+        ] {
+            let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
+            let saved = (dev.split_rows, dev.max_splits);
+            (dev.split_rows, dev.max_splits) = (16, max_splits);
+            let got = run_attention(&*dev, h, kv, hd, pos0, t, steps, dtype, seg);
+            (dev.split_rows, dev.max_splits) = saved;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_near(
+                    g,
+                    w,
+                    tolx * TOL,
+                    &format!(
+                        "attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg} at most {max_splits} splits, call {i}"
+                    ),
+                );
+            }
         }
     }
 }

@@ -235,6 +235,14 @@ constants! {
     /// floats per head and split) near 3 % of the bf16 K/V they summarise.
     pub const ATTENTION_SPLIT_ROWS: usize = 256;
 
+    /// The most splits per KV head of that layout: past ATTENTION_SPLIT_ROWS x this many rows the
+    /// splits grow instead of multiplying. The partials are 2 + hd floats per query head and split,
+    /// written once and read once by `attention_reduce`: at 256 rows per split that is 6.3 % of the
+    /// bf16 K/V rows read (at Qwen3.6's 8 query heads per KV head of 256), which a decode step at
+    /// 32K would add to its traffic; 64 splits keep it under 3.2 % there and fall with the context,
+    /// while still giving 64 x Hkv threadgroups (128 at Qwen3.6's shapes, 3 per core of a 40-core GPU).
+    pub const ATTENTION_MAX_SPLITS: usize = 64;
+
     /// The longest head of the Metal `qk_norm_rope` kernel (the normed head staged in
     /// threadgroup memory for the rotation).
     pub const ROPE_HEAD_DIM_MAX: usize = 1024;

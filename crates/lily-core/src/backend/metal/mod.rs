@@ -79,6 +79,9 @@ pub struct Metal<X: Executor> {
     /// Single-token attention over more cache rows than this uses the split layout, this many
     /// rows per split (default `ATTENTION_SPLIT_ROWS`; `LILY_METAL_SPLIT_ROWS` overrides it).
     pub split_rows: u32,
+    /// At most this many splits per KV head: longer contexts get longer splits (default
+    /// `ATTENTION_MAX_SPLITS`; tests lower it to reach that case).
+    pub max_splits: u32,
     /// `moe_experts` over more tokens than this runs the expert-sorted GEMM path (histogram,
     /// scan, scatter, block map and expert GEMMs, all on the GPU); otherwise the per-token
     /// kernels (decode). Default 8; `LILY_METAL_MOE_GEMM_TOKENS` overrides it.
@@ -199,6 +202,7 @@ impl<X: Executor> Metal<X> {
             formats: AtomicU16::new(0),
             copied: AtomicU64::new(0),
             split_rows,
+            max_splits: ATTENTION_MAX_SPLITS as u32,
             moe_gemm_tokens,
             piece_seconds: stream::PIECE_SECONDS,
             delta_net_chunk_tokens,

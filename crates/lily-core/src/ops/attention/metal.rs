@@ -187,7 +187,10 @@ pub fn attention<X: Executor>(
     if k_cache.dtype != v_cache.dtype || k_cache.shift != v_cache.shift {
         return m.fail("attention: the K and V caches differ in dtype or segment size".into());
     }
-    let split_rows = m.split_rows.max(1) as usize;
+    // Rows per split: split_rows, or more where that would make more than max_splits splits
+    // (params.rs, ATTENTION_MAX_SPLITS, says why).
+    let max_splits = m.max_splits.max(1) as usize;
+    let split_rows = (m.split_rows.max(1) as usize).max(len.div_ceil(max_splits));
     let splits = if t == 1 && len > split_rows {
         len.div_ceil(split_rows)
     } else {
@@ -252,7 +255,8 @@ pub fn attention<X: Executor>(
     // step's: grown once, the first time a step splits, so later steps allocate nothing
     // as the context grows.
     let cache_rows = k_cache.max_rows.max(len);
-    let need = t * h * cache_rows.div_ceil(split_rows) * (hd + 2);
+    let most = cache_rows.div_ceil(m.split_rows.max(1) as usize).min(max_splits);
+    let need = t * h * most * (hd + 2);
     let Some(part) = m.scratch(Scratch::AttentionSplit, need) else {
         return;
     };
