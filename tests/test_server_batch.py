@@ -208,6 +208,68 @@ def test_a_client_leaving_during_a_long_prefill_frees_its_sequence_between_chunk
         "the other stream did not go on after the long request left"
 
 
+def test_a_short_prompt_gets_its_first_token_while_a_long_prefill_goes_on(tiny):
+    """A short request that arrives during a long prefill is prefilled first and decodes (here: finishes) while
+    the long prompt is still being prefilled, 32 tokens a step; the long one then completes."""
+    (want,) = alone(tiny, PROMPTS[:1], 4)
+    model = load(tiny, prefix_cache_bytes=0)
+    engine = model.engine
+    long_prompt = " ".join(f"word{i}" for i in range(400))
+    with running(model, max_sequences=2, max_batch_tokens=32) as server:
+        worker = server.worker
+        long_seq: list[int] = []
+
+        def hold(event):  # the long prompt's first chunk waits until the short request is in
+            long_seq.append(event[1])
+            engine.hold = None
+            wait_for(lambda: len(worker.running) + len(worker.waiting) >= 2, "the short request")
+
+        engine.hold = hold
+        long = Stream(server, long_prompt, 2)
+        long.start()
+        wait_for(lambda: long_seq, "the long prompt's first chunk")
+        short = Stream(server, PROMPTS[0], 4)
+        short.start()
+        assert short.result() == want
+        long.result()
+    log = engine.log
+    (short_seq,) = {e[1] for e in log if e[0] == "prefill"} - set(long_seq)
+    long_chunks = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == long_seq[0]]
+    short_prefill = [i for i, e in enumerate(log) if e[0] == "prefill" and e[1] == short_seq]
+    short_decodes = [i for i, e in enumerate(log) if e[0] == "decode" and short_seq in e[1]]
+    assert len(long_chunks) > 30 and max(log[i][2] for i in long_chunks) <= 32
+    assert long_chunks[0] < short_prefill[0] and short_decodes, (long_chunks[:3], short_prefill, short_decodes)
+    # Under first come, first served the short prompt would wait for all of the long one's chunks.
+    assert log.index(("drop", short_seq)) < long_chunks[-1], "the short request waited for the long prefill"
+
+
+def test_prefill_plan_serves_short_prompts_first_and_never_starves_a_long_one():
+    """A 1,000-token prompt, and a new 32-token prompt every step that alone would fill the step's budget:
+    the short ones go first, yet the long one gains priority as it waits and ends its prefill within about
+    twice the steps it needs alone."""
+    from types import SimpleNamespace
+
+    from lily.server.worker import prefill_plan
+
+    budget, n = 32, 1000
+    long = SimpleNamespace(arrived=0, done=0, ids=[0] * n)
+    jobs = [long]
+    for step in range(1, 10 * n // budget):
+        jobs.append(SimpleNamespace(arrived=step, done=0, ids=[0] * budget))
+        plan = prefill_plan([j for j in jobs if j.done < len(j.ids)], budget)
+        assert sum(k for _, k in plan) == budget
+        for r, k in plan:
+            r.done += k
+        if step == 1:
+            assert long.done == 0 and jobs[1].done == budget  # the short one first
+        if long.done == n:
+            break
+    assert long.done == n and step <= 2 * n // budget + 2, (long.done, step)
+    # Within a step the budget goes on to the next job: two short prompts share one.
+    a, b = (SimpleNamespace(arrived=0, done=0, ids=[0] * k) for k in (10, 30))
+    assert [(r, k) for r, k in prefill_plan([b, a], budget)] == [(a, 10), (b, 22)]
+
+
 def test_a_full_queue_answers_429_in_each_apis_shape():
     engine = SlowEngine(tokenizer().encode("a")[0], delay=0.01)
     with running(model_for(engine, prefix_cache_bytes=0), max_sequences=1, max_waiting=1) as server:

@@ -8,12 +8,14 @@ thread owns the engine; each step it
 2. admits waiting jobs, first come first served, while fewer than ``max_sequences`` run: each gets its own
    engine sequence, a copy of the longest prefix of its prompt that the model's prefix cache holds (from
    any earlier conversation), and prefills the rest;
-3. advances prefills by at most ``max_batch_tokens`` prompt tokens in all, oldest job first, keeping copies in
+3. advances prefills by at most ``max_batch_tokens`` prompt tokens in all, the job whose prefill could end
+   soonest first (``prefill_plan``: the fewest tokens left, aged by the steps it has waited), keeping copies in
    the prefix cache where ``PrefixCache.cuts`` says (message starts, every ``snapshot_every`` tokens) and at
    the end of each prompt;
 4. decodes one token of every generating job with one ``decode_batch`` call, and hands each its row of logits.
 
-So a long prompt does not stop the streams already running (they get a token every step), and per-request
+So a long prompt does not stop the streams already running (they get a token every step) nor the short prompts
+that arrive after it (their prefill goes first, then they decode while the long one goes on), and per-request
 work (sampling, stop strings, grammars, tool-call parsing) stays in each job's own generation. Each job's
 events reach its request through a bounded buffer that the engine thread never waits on: a reader that
 falls behind by more than ``max_buffered`` events is cancelled rather than allowed to hold the engine.
@@ -114,13 +116,33 @@ class Job:
 
 
 
+def prefill_plan(prefilling: list[Any], budget: int) -> list[tuple[Any, int]]:
+    """How many prompt tokens each prefilling job (``arrived``: the step it joined, ``done`` of its ``ids``)
+    advances this step, ``budget`` tokens in all: the job whose prefill could end first had it been given the
+    whole budget of every step since it arrived goes first (``arrived * budget + tokens left``), and what it
+    leaves of the budget goes to the next. So a short prompt that arrives during a long prefill is served at
+    once (its first token comes while the long one is still being prefilled) and a long prompt is never starved:
+    a job passed over for k steps gains k * budget on every later arrival, so a prompt of n tokens ends its
+    prefill at most about n / budget steps later than it would alone."""
+    plan = []
+    for r in sorted(prefilling, key=lambda r: r.arrived * budget + len(r.ids) - r.done):
+        if budget <= 0:
+            break
+        n = min(budget, len(r.ids) - r.done)
+        plan.append((r, n))
+        budget -= n
+    return plan
+
+
 class _Running:
     """A job admitted to the batch: its steps, its engine sequence, how much of its prompt that holds."""
 
-    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "length", "token", "fed")
+    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "length", "token", "fed", "arrived")
 
-    def __init__(self, job: Job, steps: Steps, ids: list[int], seq: int, reused: int, cuts: list[int]):
+    def __init__(self, job: Job, steps: Steps, ids: list[int], seq: int, reused: int, cuts: list[int],
+                 arrived: int = 0):
         self.job, self.steps, self.ids, self.seq = job, steps, ids, seq
+        self.arrived = arrived  # the scheduler step at which it joined the batch (the prefill order's aging)
         self.reused = reused  # prompt tokens resumed from the prefix cache
         self.done = reused  # prompt tokens in the sequence
         self.cuts = cuts  # where the prefill keeps copies in the prefix cache
@@ -132,7 +154,7 @@ class _Running:
 class Scheduler:
     """The engine thread over ``model``: at most ``max_sequences`` generations in one batch, the rest waiting
     in order (``max_waiting`` of them; one more is a 429); prefills advance ``max_batch_tokens`` prompt
-    tokens per step (default: the engine's ``prefill_chunk``)."""
+    tokens per step in all (default: the engine's ``prefill_chunk``), shared as ``prefill_plan`` says."""
 
     def __init__(self, model: Any, *, max_sequences: int = 4, max_batch_tokens: int | None = None,
                  max_waiting: int = 256, max_buffered: int = 512):
@@ -238,31 +260,15 @@ class Scheduler:
             job._put(_END, force=True)
             return
         self.cache.record(reused)
-        r = _Running(job, steps, ids, seq, reused, self.cache.cuts(ids, reused, self.boundary_id))
+        r = _Running(job, steps, ids, seq, reused, self.cache.cuts(ids, reused, self.boundary_id), self.steps)
         self._running.append(r)
         if entry is not None and reused == len(ids):  # the identical prompt again: its end-of-prompt logits
             self._answer(r, (entry.logits.copy(), reused))
 
     def _step(self) -> None:
         self.steps += 1
-        budget = self.max_batch_tokens
-        for r in [r for r in self._running if r.done < len(r.ids)]:
-            if budget <= 0:
-                break
-            end = min(r.done + budget, len(r.ids), *(c for c in r.cuts if c > r.done))
-            budget -= end - r.done
-            try:
-                logits = self.engine.prefill(r.ids[r.done:end], seq=r.seq)
-                r.done = r.length = end
-                if end in r.cuts and not self.cache.holds(r.ids[:end]):
-                    self.cache.add(r.ids[:end], r.seq)
-                if end == len(r.ids):
-                    self.cache.add(list(r.ids), r.seq, logits.copy())
-            except Exception as e:  # this request fails; the others go on
-                self._answer(r, error=e)
-                continue
-            if end == len(r.ids):
-                self._answer(r, (logits, r.reused))
+        for r, n in prefill_plan([r for r in self._running if r.done < len(r.ids)], self.max_batch_tokens):
+            self._prefill(r, r.done + n)
         batch = [r for r in self._running if r.token is not None]
         for r in [r for r in batch if r.length >= self.max_seq]:  # no room for its token: the generation ends
             batch.remove(r)
@@ -280,6 +286,24 @@ class Scheduler:
             r.length += 1
             r.fed.append(r.token)
             self._answer(r, row)
+
+    def _prefill(self, r: _Running, stop: int) -> None:
+        """Advance ``r``'s prefill to ``stop`` tokens of its prompt, in pieces ending at its cuts (a copy kept in
+        the prefix cache at each) and at the prompt's end (a copy with the logits; the generation is answered)."""
+        while r.done < stop:
+            end = min([stop, *(c for c in r.cuts if c > r.done)])
+            try:
+                logits = self.engine.prefill(r.ids[r.done:end], seq=r.seq)
+                r.done = r.length = end
+                if end in r.cuts and not self.cache.holds(r.ids[:end]):
+                    self.cache.add(r.ids[:end], r.seq)
+                if end == len(r.ids):
+                    self.cache.add(list(r.ids), r.seq, logits.copy())
+            except Exception as e:  # this request fails; the others go on
+                self._answer(r, error=e)
+                return
+            if end == len(r.ids):
+                self._answer(r, (logits, r.reused))
 
     def _answer(self, r: _Running, reply: Any = None, error: BaseException | None = None) -> None:
         """Send ``r``'s generation the engine's answer (or error) and run it to its next request, passing its
