@@ -370,13 +370,17 @@ def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
 
     def answers(server, together: bool):
         out: list = [None] * len(bodies)
+        errors: list[BaseException] = []
 
         def one(i):
-            status, _, text = request(server, "POST", "/v1/chat/completions", bodies[i])
-            assert status == 200, text
-            choice = json.loads(text)["choices"][0]
-            calls = [c["function"] for c in choice["message"].get("tool_calls") or []]  # ids are random
-            out[i] = (choice["message"].get("content"), calls, choice["finish_reason"])
+            try:  # a request that fails says why here, not only as a None in the answers compared below
+                status, _, text = request(server, "POST", "/v1/chat/completions", bodies[i], timeout=300)
+                assert status == 200, text
+                choice = json.loads(text)["choices"][0]
+                calls = [c["function"] for c in choice["message"].get("tool_calls") or []]  # ids are random
+                out[i] = (choice["message"].get("content"), calls, choice["finish_reason"])
+            except BaseException as e:
+                errors.append(e)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
         for t in threads:
@@ -385,6 +389,8 @@ def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
                 t.join()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
         return out
 
     with running(load(tiny, prefix_cache_bytes=0), max_sequences=1) as server:
@@ -395,7 +401,7 @@ def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
 
         def hold(event):  # the first prefill waits until the four requests are in
             model.engine.hold = None
-            wait_for(lambda: len(worker.running) + len(worker.waiting) == len(bodies), "the four requests")
+            wait_for(lambda: len(worker.running) + len(worker.waiting) == len(bodies), "the four requests", 300)
 
         model.engine.hold = hold
         got = answers(server, together=True)
