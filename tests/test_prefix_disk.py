@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -34,9 +35,18 @@ def cold(lily, ckpts):
     return _engine(lily, ckpts)
 
 
-def reuse(engine, ckpts, directory, name=CKPT, max_bytes=1 << 40, memory_bytes=1 << 40):
-    disk = DiskTier(directory, model_fingerprint(ckpts.path(name), engine.config), engine.kv_dtype, max_bytes)
-    return PrefixReuse(engine, BOUNDARY, PrefixCache(engine, memory_bytes, snapshot_every=48, disk=disk))
+class Written(PrefixReuse):
+    """A ``PrefixReuse`` whose prefill returns once its disk writes (made on the writer thread) are done."""
+
+    def prefill(self, tokens, ticket=None):
+        out = super().prefill(tokens, ticket)
+        assert self.cache.disk.flush(600)
+        return out
+
+
+def reuse(engine, ckpts, directory, name=CKPT, max_bytes=1 << 40, memory_bytes=1 << 40, kind=Written, **kw):
+    disk = DiskTier(directory, model_fingerprint(ckpts.path(name), engine.config), engine.kv_dtype, max_bytes, **kw)
+    return kind(engine, BOUNDARY, PrefixCache(engine, memory_bytes, snapshot_every=48, disk=disk))
 
 
 def cold_logits(cold, tokens):
@@ -181,6 +191,7 @@ def test_a_new_process_resumes_from_the_directory(lily, ckpts, tmp_path):
         disk = DiskTier({str(cache_dir)!r}, model_fingerprint({str(model_dir)!r}, engine.config), "f32")
         r = PrefixReuse(engine, {BOUNDARY}, PrefixCache(engine, 1 << 40, snapshot_every=48, disk=disk))
         logits, start = r.prefill(json.loads(sys.argv[1]))
+        disk.flush()  # the end-of-prompt file is written on the writer thread
         i = r.cache.info()
         np.save(sys.argv[2], logits)
         print(json.dumps([start, i.hits, i.tokens_saved, i.disk_hits, i.disk_entries]))
@@ -226,3 +237,85 @@ def test_load_with_prefix_cache_dir_resumes_in_a_new_process(ckpts, tmp_path):
     assert first[1:] == [0, 0, 0, 0]
     again = run(ids)  # the identical prompt: its end-of-prompt state and logits, from disk
     assert again == [first[0], 90, 1, 90, 1]
+
+
+def _held_writes(disk):
+    """Make ``disk``'s writer wait for the returned event before each write."""
+    release, write = threading.Event(), disk._write
+
+    def held(*args):
+        assert release.wait(600)
+        write(*args)
+
+    disk._write = held
+    return release
+
+
+def test_a_turn_end_does_not_wait_for_its_disk_write(lily, ckpts, tmp_path):
+    """The write runs on the writer thread: the prefill returns while it is held; a write beyond
+    ``max_pending`` queued ones is dropped and counted; ``flush`` waits for the rest."""
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path, kind=PrefixReuse, max_pending=1)
+    disk = r.cache.disk
+    release = _held_writes(disk)
+    first, second = toks(1, 40), toks(2, 40)
+    r.prefill(first)  # returns although its file is not written
+    assert disk.pending == 1 and disk.holds(first) and not _entry_files(tmp_path)
+    r.prefill(second)  # the queue is full: dropped, not waited for
+    assert r.cache.info().disk_dropped == 1 and not disk.holds(second)
+    release.set()
+    assert disk.flush(600) and disk.pending == 0
+    assert len(_entry_files(tmp_path)) == 1 and disk.holds(first) and len(disk) == 1
+    assert not list(tmp_path.glob(".*.tmp"))
+    info = r.cache.info()
+    assert (info.disk_entries, info.disk_dropped, info.disk_write_errors) == (1, 1, 0)
+
+
+def test_a_failed_write_is_logged_counted_and_leaves_nothing(lily, ckpts, tmp_path, caplog, monkeypatch):
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with caplog.at_level(logging.WARNING, logger="lily.prefix"):
+        r.prefill(toks(1, 40))
+    assert "could not write" in caplog.text and "No space left" in caplog.text
+    info = r.cache.info()
+    assert (info.disk_entries, info.disk_bytes, info.disk_write_errors) == (0, 0, 1)
+    assert not list(tmp_path.iterdir())  # no entry, no temporary file
+
+
+def test_closing_the_scheduler_flushes_the_disk_writes(ckpts, tmp_path):
+    import lily
+    from lily.server.worker import Scheduler
+
+    model = lily.load(ckpts.path(CKPT), backend="cpu", max_seq=512, progress=False, prefix_cache_dir=tmp_path)
+    disk = model.prefix.cache.disk
+    release = _held_writes(disk)
+    model.generate(toks(3, 30), max_tokens=2, temperature=0)
+    assert disk.pending == 1
+    scheduler = Scheduler(model)
+    closing = threading.Thread(target=scheduler.close)
+    closing.start()
+    closing.join(1.0)
+    assert closing.is_alive(), "the scheduler closed before the queued disk write was made"
+    release.set()
+    closing.join(600)
+    assert not closing.is_alive() and len(_entry_files(tmp_path)) == 1
+
+
+def test_a_process_that_exits_writes_its_queued_entries(ckpts, tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        import lily
+        model = lily.load({str(ckpts.path(CKPT))!r}, backend="cpu", max_seq=512, progress=False,
+                          prefix_cache_dir={str(tmp_path)!r})
+        disk = model.prefix.cache.disk
+        write = disk._write
+        disk._write = lambda *a: (time.sleep(2), write(*a))  # still writing when the script ends
+        model.generate({toks(4, 30)!r}, max_tokens=2, temperature=0)
+        assert disk.pending == 1
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert len(_entry_files(tmp_path)) == 1 and not list(tmp_path.glob(".*.tmp"))

@@ -19,7 +19,10 @@ The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps the turn ends (each end
 request's finished reply) also as a safetensors file (the state
 from ``Engine.export_sequence``, its tokens and logits, a model fingerprint and a checksum), bounded in bytes
 with the least recently used file deleted first, so a restarted process resumes a long conversation from
-disk. The snapshots taken inside a long prefill stay in memory only: written at every ``snapshot_every``
+disk. Only the export (a copy in memory) runs on the caller's thread: the checksum, the encoding and the write
+(seconds for a long conversation) run on a writer thread, ``max_pending`` entries queued at most (one more is
+dropped and counted, not waited for); a process that exits normally, and ``flush()``, wait for the queue.
+The snapshots taken inside a long prefill stay in memory only: written at every ``snapshot_every``
 tokens, a 100K-token prompt of the real model would write tens of GB on the engine's thread. A lookup takes
 the longest prefix over both tiers; a file read back becomes a memory entry. A file
 that is corrupt, truncated, of another model or of another KV dtype is ignored (logged), never loaded.
@@ -32,13 +35,16 @@ so that threads sharing a model take turns instead of evicting each other.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +93,9 @@ class CacheInfo:
     disk_bytes: int = 0
     disk_max_bytes: int = 0
     disk_hits: int = 0
+    #: Disk writes not made: dropped because ``max_pending`` writes were queued, and failed (logged).
+    disk_dropped: int = 0
+    disk_write_errors: int = 0
 
 
 class _Entry:
@@ -159,18 +168,30 @@ class DiskTier:
     A file: the tensors of ``Engine.export_sequence``, ``tokens`` (uint32) and, for an end-of-prompt entry,
     ``logits``; metadata: the layout tag, the position, the KV dtype, the model ``fingerprint`` and a
     checksum of the tensor bytes. Written to a temporary file and renamed, so a crash leaves no partial
-    entry; checked whole (fingerprint, dtype, checksum) before anything of it reaches the engine."""
+    entry; checked whole (fingerprint, dtype, checksum) before anything of it reaches the engine.
+
+    Writes run on a writer thread (``store`` queues, at most ``max_pending`` entries; ``flush`` waits for them);
+    the index is shared with it under a lock, held only for bookkeeping, never during a write."""
 
     def __init__(self, directory: str | os.PathLike[str], fingerprint: str, kv_dtype: str,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, max_pending: int = 2):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
         self.kv_dtype = kv_dtype
         self.max_bytes = shutil.disk_usage(self.dir).free // 4 if max_bytes is None else max_bytes
+        self.max_pending = max_pending
         self._files: OrderedDict[str, _DiskEntry] = OrderedDict()  # by file name, least recent first
-        self.bytes = 0
+        self.bytes = 0  # of the files, and of the write in progress (reserved before it starts)
         self.evictions = 0
+        self.dropped = 0  # entries not written: the queue was full
+        self.write_errors = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the writer has emptied the queue
+        self._pending: collections.deque[tuple[str, list[int], dict[str, np.ndarray], Any]] = collections.deque()
+        self._writer: threading.Thread | None = None
         self._scan()
 
     def _scan(self) -> None:
@@ -218,14 +239,22 @@ class DiskTier:
             log.warning("prefix cache: ignoring %s: unreadable (%s)", path, e)
             return None
 
+    def _name(self, tokens: list[int]) -> str:
+        return _name(f"{self.fingerprint}:{self.kv_dtype}", tokens)
+
     def holds(self, tokens: list[int]) -> bool:
-        return _name(f"{self.fingerprint}:{self.kv_dtype}", tokens) in self._files
+        """Whether a file of ``tokens`` is written or queued."""
+        name = self._name(tokens)
+        with self._lock:
+            return name in self._files or any(p[0] == name for p in self._pending)
 
     def longest(self, tokens: list[int], limit: int) -> _DiskEntry | None:
         """The file with the longest prefix of ``tokens`` of at most ``limit`` tokens (one of all of
         ``tokens`` only if it has logits)."""
         best = None
-        for e in self._files.values():
+        with self._lock:
+            files = list(self._files.values())
+        for e in files:
             n = len(e.tokens)
             if (n <= limit and (best is None or n > len(best.tokens)) and (n < len(tokens) or e.has_logits)
                     and tokens[:n] == e.tokens):
@@ -249,24 +278,79 @@ class DiskTier:
             why = f"unreadable ({err})"
         if why is not None:
             log.warning("prefix cache: ignoring %s: %s", e.path, why)
-            self._forget(e)
+            self.forget(e)
             return None
         try:
             os.utime(e.path)
         except OSError:
             pass
-        self._files.move_to_end(e.path.name)
+        with self._lock:
+            if e.path.name in self._files:
+                self._files.move_to_end(e.path.name)
         tensors.pop("tokens")
         logits = tensors.pop("logits", None)
         return e.tokens, tensors, logits
 
-    def store(self, tokens: list[int], tensors: dict[str, np.ndarray], logits: np.ndarray | None) -> None:
-        """Write an entry (atomically), evicting the least recently used files past ``max_bytes``; an
-        entry larger than the bound, or one already held, is not written. An OSError is logged, not raised:
-        the disk tier only saves time."""
-        name = _name(f"{self.fingerprint}:{self.kv_dtype}", tokens)
-        if name in self._files:
-            return
+    def store(self, tokens: list[int], export: Callable[[], tuple[list[int], dict[str, np.ndarray]]],
+              logits: np.ndarray | None) -> bool:
+        """Queue a file of the state ``export()`` gives (its tokens, which must be ``tokens``, and tensors),
+        called here only when the entry is queued. False when ``max_pending`` writes are queued already: the
+        entry is dropped and counted (``dropped``), not waited for. An entry held or queued already is not
+        written again. The writer thread writes it atomically, evicting the least recently used files past
+        ``max_bytes`` (an entry larger than the bound is not written); its errors are logged and counted."""
+        name = self._name(tokens)
+        with self._lock:
+            if name in self._files or any(p[0] == name for p in self._pending):
+                return True
+            if len(self._pending) >= self.max_pending:
+                self.dropped += 1
+                log.warning("prefix cache: %d disk writes are queued; an entry of %d tokens is not written",
+                            len(self._pending), len(tokens))
+                return False
+        got, tensors = export()
+        if got != list(tokens):  # not the state of these tokens: nothing to write
+            log.warning("prefix cache: the state of %d tokens was not written: the sequence holds %d others",
+                        len(tokens), len(got))
+            return False
+        with self._lock:
+            if name in self._files or any(p[0] == name for p in self._pending):  # queued meanwhile by another thread
+                return True
+            self._pending.append((name, list(tokens), tensors, logits))
+            if self._writer is None:  # not a daemon: a process that exits normally waits for its writes
+                self._writer = threading.Thread(target=self._drain, name="lily-prefix-writer")
+                self._writer.start()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the queued writes are done (False if ``timeout`` seconds passed first)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._writer is None, timeout)
+
+    @property
+    def pending(self) -> int:
+        """Entries queued or being written."""
+        with self._lock:
+            return len(self._pending)
+
+    def _drain(self) -> None:
+        """The writer thread: writes the queued entries in order, then ends."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._writer = None
+                    self._idle.notify_all()
+                    return
+                name, tokens, tensors, logits = self._pending[0]  # stays queued (``holds``) until written
+            try:
+                self._write(name, tokens, tensors, logits)
+            except Exception:  # noqa: BLE001 (the disk tier only saves time: a failed write must not stop the next)
+                log.exception("prefix cache: writing an entry of %d tokens failed", len(tokens))
+                with self._lock:
+                    self.write_errors += 1
+            with self._lock:
+                self._pending.popleft()
+
+    def _write(self, name: str, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any) -> None:
         full = dict(tensors)
         full["tokens"] = np.asarray(tokens, dtype=np.uint32)
         if logits is not None:
@@ -276,15 +360,20 @@ class DiskTier:
         data = safetensors.numpy.save(full, metadata=meta)
         if len(data) > self.max_bytes:
             return
-        while self._files and self.bytes + len(data) > self.max_bytes:
-            old = next(iter(self._files.values()))
-            self._forget(old)
-            old.path.unlink(missing_ok=True)
-            self.evictions += 1
+        with self._lock:  # evict, and reserve the bytes, before writing
+            if name in self._files:
+                return
+            while self._files and self.bytes + len(data) > self.max_bytes:
+                old = next(iter(self._files.values()))
+                self._forget(old)
+                old.path.unlink(missing_ok=True)
+                self.evictions += 1
+            self.bytes += len(data)
         path = self.dir / name
-        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
+        fd, tmp_name = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.", suffix=f".{os.getpid()}.tmp")
+        tmp = Path(tmp_name)
+        try:  # a temporary file renamed when whole: a reader never sees a partial entry
+            with open(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -292,16 +381,25 @@ class DiskTier:
         except OSError as err:
             log.warning("prefix cache: could not write %s: %s", path, err)
             tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.bytes -= len(data)
+                self.write_errors += 1
             return
-        self._files[name] = _DiskEntry(path, list(tokens), len(data), logits is not None)
-        self.bytes += len(data)
+        with self._lock:
+            self._files[name] = _DiskEntry(path, list(tokens), len(data), logits is not None)
 
     def _forget(self, e: _DiskEntry) -> None:
+        """Drop ``e`` from the index (call with the lock held: ``forget`` takes it)."""
         if self._files.pop(e.path.name, None) is not None:
             self.bytes -= e.bytes
 
+    def forget(self, e: _DiskEntry) -> None:
+        with self._lock:
+            self._forget(e)
+
     def __len__(self) -> int:
-        return len(self._files)
+        with self._lock:
+            return len(self._files)
 
 
 class PrefixCache:
@@ -322,10 +420,12 @@ class PrefixCache:
         self.disk_hits = 0
 
     def info(self) -> CacheInfo:
-        d = self.disk
+        if (d := self.disk) is None:  # (not ``if d``: an empty DiskTier is falsy)
+            disk = (0, 0, 0, 0, 0)
+        else:
+            disk = (len(d), d.bytes, d.max_bytes, d.dropped, d.write_errors)
         return CacheInfo(len(self._lru), self.bytes, self.max_bytes, self.hits, self.misses, self.tokens_saved,
-                         self.evictions, len(d) if d else 0, d.bytes if d else 0, d.max_bytes if d else 0,
-                         self.disk_hits)
+                         self.evictions, *disk[:3], self.disk_hits, *disk[3:])
 
     def longest(self, tokens: list[int], limit: int) -> _Entry | None:
         """The entry with the longest prefix of ``tokens`` of at most ``limit`` tokens (one of exactly
@@ -387,7 +487,7 @@ class PrefixCache:
         except (ValueError, TypeError) as err:
             self.engine.drop_sequence(seq)
             log.warning("prefix cache: ignoring %s: its state does not fit this engine (%s)", on_disk.path, err)
-            self.disk._forget(on_disk)
+            self.disk.forget(on_disk)
             return None
         except BaseException:  # a device error, an interrupt: not the file's fault, but free the sequence
             self.engine.drop_sequence(seq)
@@ -413,10 +513,12 @@ class PrefixCache:
         """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry, and with ``persist``
         (default: for an end-of-prompt entry, the one that has its ``logits``) a file of it in the disk tier."""
         persist = logits is not None if persist is None else persist
-        if persist and self.disk is not None and not self.disk.holds(tokens):
-            got, _, tensors = self.engine.export_sequence(seq)
-            if got == list(tokens):
-                self.disk.store(got, tensors, logits)
+        if persist and self.disk is not None:
+            def export() -> tuple[list[int], dict[str, np.ndarray]]:
+                got, _, tensors = self.engine.export_sequence(seq)
+                return got, tensors
+
+            self.disk.store(tokens, export, logits)
         node = self._insert(tokens)
         if node.entry is not None:  # the same prefix again: keep the newer logits, touch it
             if logits is not None:

@@ -199,6 +199,8 @@ class Scheduler:
                 job.cancel("server stopping")
             self._wake.notify()
         self._thread.join(timeout=30)
+        if self.cache.disk is not None:  # the turn ends queued for the disk tier are written before the server goes
+            self.cache.disk.flush()
 
     @property
     def busy(self) -> bool:
