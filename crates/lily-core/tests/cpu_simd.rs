@@ -216,7 +216,8 @@ fn moe_every_isa_matches_reference() {
 fn attention_every_isa_matches_reference_across_key_blocks() {
     let _g = serial();
     // Decode past DECODE_SPLIT keys runs split partials; (6 heads per KV head, hd 80) leaves a
-    // partial register tile in both rows and dims.
+    // partial register tile in both rows and dims; 16 heads per KV head take two tiles of 8 rows,
+    // 4 a tile with repeated rows; odd lengths leave an odd last key for the 2-key score tile.
     for &((h, kv, hd), t, pos0) in &[
         ((8, 2, 64), 1usize, 0usize),
         ((8, 2, 64), 1, 77),
@@ -224,13 +225,14 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
         ((8, 2, 64), 70, 3),
         ((8, 2, 64), 1, 300),
         ((16, 2, 256), 1, 2100),
+        ((16, 1, 64), 1, 332),
         ((6, 1, 80), 1, 700),
         ((6, 1, 80), 1, 5),
     ] {
-        // f32 and bf16 caches; segments of 64 rows cut key blocks and decode splits.
+        // Every dtype; segments of 64 rows cut key blocks and decode splits.
         for (isa, (dtype, seg)) in Isa::all_available()
             .into_iter()
-            .flat_map(|i| [(KvDtype::F32, 1024), (KvDtype::BF16, 64)].map(|d| (i, d)))
+            .flat_map(|i| [(KvDtype::F32, 1024), (KvDtype::BF16, 64), (KvDtype::F16, 64)].map(|d| (i, d)))
         {
             let len = pos0 + t;
             let qg = rand_vec(t * h * 2 * hd, 1, -1.0, 1.0);

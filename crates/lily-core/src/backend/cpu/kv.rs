@@ -16,6 +16,25 @@ pub enum Segment {
     Half(Vec<u16>),
 }
 
+/// Stored KV rows as a kernel reads them: f32 values, or the 16-bit patterns of a dtype (bf16,
+/// f16) widened in registers.
+#[derive(Clone, Copy)]
+pub enum KvRows<'a> {
+    F32(&'a [f32]),
+    Half(KvDtype, &'a [u16]),
+}
+
+impl<'a> KvRows<'a> {
+    /// The same rows from `n` values further on.
+    #[inline(always)]
+    pub fn skip(self, n: usize) -> KvRows<'a> {
+        match self {
+            KvRows::F32(v) => KvRows::F32(&v[n..]),
+            KvRows::Half(d, v) => KvRows::Half(d, &v[n..]),
+        }
+    }
+}
+
 pub struct CpuKv {
     pub width: usize,
     pub dtype: KvDtype,
@@ -89,6 +108,19 @@ impl CpuKv {
         match &self.segs[s] {
             Segment::F32(v) => Some(&v[o..o + n * self.width]),
             Segment::Half(_) => None,
+        }
+    }
+
+    /// Rows r0..r0 + n (within one segment) from column c0 on, as stored (f32 or 16-bit bit
+    /// patterns), rows `width` values apart: what the decode kernels read in place.
+    #[inline]
+    pub fn block(&self, r0: usize, n: usize, c0: usize) -> KvRows<'_> {
+        let (s, o) = self.at(r0);
+        debug_assert!((r0 & (self.seg_rows() - 1)) + n <= self.seg_rows() && n > 0);
+        let end = o + (n - 1) * self.width + self.width;
+        match &self.segs[s] {
+            Segment::F32(v) => KvRows::F32(&v[o + c0..end]),
+            Segment::Half(v) => KvRows::Half(self.dtype, &v[o + c0..end]),
         }
     }
 

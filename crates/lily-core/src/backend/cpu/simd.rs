@@ -19,7 +19,9 @@
 use super::{
     int8::{self, Dot, Planes},
     isa::Isa,
+    kv::KvRows,
 };
+use crate::backend::KvDtype;
 use crate::{
     quant::{read_scalar, Format, Matrix},
     safetensors::DType,
@@ -364,29 +366,99 @@ pub fn prefetch_bytes(data: &[u8]) {
     let _ = data;
 }
 
+/// Which of the kernels' element loaders reads `rows` (f32, bf16, f16), its base pointer as bytes
+/// and the values it holds.
+fn kv_elems(rows: KvRows) -> (u8, *const u8, usize) {
+    match rows {
+        KvRows::F32(v) => (x86_elem::F32, v.as_ptr().cast(), v.len()),
+        KvRows::Half(KvDtype::BF16, v) => (x86_elem::BF16, v.as_ptr().cast(), v.len()),
+        KvRows::Half(KvDtype::F16, v) => (x86_elem::F16, v.as_ptr().cast(), v.len()),
+        KvRows::Half(KvDtype::F32, _) => unreachable!("an f32 cache stores f32 rows"),
+    }
+}
+
+/// Element loaders of the attention kernels (a const generic: one kernel body per dtype).
+mod x86_elem {
+    pub const F32: u8 = 0;
+    pub const BF16: u8 = 1;
+    pub const F16: u8 = 2;
+}
+
 /// acc[r][..] += sum over s < kn of p[r * kn + s] * v[s * stride..][..32], for 8 rows r: the
-/// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` floats apart). AVX-512 and
-/// AVX2 (the caller picks it for those ISAs: the portable loop does not vectorize into registers).
-pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: &[f32], stride: usize, acc: &mut [[f32; 32]; 8]) {
+/// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` values apart, f32 or 16-bit
+/// widened in registers). AVX-512 and AVX2 (the caller picks it for those ISAs: the portable loop
+/// does not vectorize into registers).
+pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mut [[f32; 32]; 8]) {
     assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "pv8x32: AVX-512 or AVX2 only");
     if kn == 0 {
         return;
     }
+    let (elem, v, len) = kv_elems(v);
     assert!(
-        p.len() >= 8 * kn && v.len() >= (kn - 1) * stride + 32,
+        p.len() >= 8 * kn && len >= (kn - 1) * stride + 32,
         "pv8x32: short input"
     );
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512 available; the reads stay inside p and v (checked above).
+    // SAFETY: the ISA is available; the reads stay inside p and v (checked above).
     unsafe {
         let rows = std::array::from_fn(|r| p.as_ptr().add(r * kn));
-        match isa {
-            Isa::Avx512 => x86::pv8x32_avx512(rows, v.as_ptr(), stride, kn, acc),
-            _ => x86::pv8x32_avx2(rows, v.as_ptr(), stride, kn, acc),
+        match (isa, elem) {
+            (Isa::Avx512, x86_elem::F32) => x86::pv8x32_avx512::<{ x86_elem::F32 }>(rows, v, stride, kn, acc),
+            (Isa::Avx512, x86_elem::BF16) => x86::pv8x32_avx512::<{ x86_elem::BF16 }>(rows, v, stride, kn, acc),
+            (Isa::Avx512, _) => x86::pv8x32_avx512::<{ x86_elem::F16 }>(rows, v, stride, kn, acc),
+            (_, x86_elem::F32) => x86::pv8x32_avx2::<{ x86_elem::F32 }>(rows, v, stride, kn, acc),
+            (_, x86_elem::BF16) => x86::pv8x32_avx2::<{ x86_elem::BF16 }>(rows, v, stride, kn, acc),
+            _ => x86::pv8x32_avx2::<{ x86_elem::F16 }>(rows, v, stride, kn, acc),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = acc; // Isa::Avx512 and Avx2 exist only on x86_64
+    let _ = (acc, v, elem); // Isa::Avx512 and Avx2 exist only on x86_64
+}
+
+/// out[r * ostride + s] = scale * q[r] . k[s * stride..][..hd] for 8 query rows r and keys s < kn: the
+/// decode-attention scores of a GQA group (the query heads of one KV head), each K row (f32, or
+/// 16-bit widened in registers) loaded once for all 8 rows. AVX-512 and AVX2, hd a multiple of 16.
+pub fn qk8(
+    isa: Isa,
+    q: [&[f32]; 8],
+    (k, stride): (KvRows, usize),
+    kn: usize,
+    hd: usize,
+    scale: f32,
+    (out, ostride): (&mut [f32], usize),
+) {
+    assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "qk8: AVX-512 or AVX2 only");
+    if kn == 0 {
+        return;
+    }
+    let (elem, k, len) = kv_elems(k);
+    assert!(
+        hd % 16 == 0
+            && q.iter().all(|r| r.len() >= hd)
+            && len >= (kn - 1) * stride + hd
+            && ostride >= kn
+            && out.len() >= 7 * ostride + kn,
+        "qk8: short input"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the ISA is available; the reads and writes stay inside q, k and out (checked above).
+    unsafe {
+        let (q, o) = (q.map(|r| r.as_ptr()), out.as_mut_ptr());
+        match (isa, elem) {
+            (Isa::Avx512, x86_elem::F32) => {
+                x86::qk8_avx512::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride))
+            }
+            (Isa::Avx512, x86_elem::BF16) => {
+                x86::qk8_avx512::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride))
+            }
+            (Isa::Avx512, _) => x86::qk8_avx512::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
+            (_, x86_elem::F32) => x86::qk8_avx2::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
+            (_, x86_elem::BF16) => x86::qk8_avx2::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
+            _ => x86::qk8_avx2::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
+        }
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (q, k, elem, scale, out, ostride);
 }
 
 /// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
@@ -854,10 +926,57 @@ mod x86 {
         )
     }
 
+    /// 16 values at element j of a KV row as f32 (E: f32, bf16 widened by a shift into the high
+    /// half, f16 by F16C). Inlined into the kernels, which have the features.
+    #[inline(always)]
+    unsafe fn load16<const E: u8>(row: *const u8, j: usize) -> __m512 {
+        unsafe {
+            match E {
+                super::x86_elem::F32 => _mm512_loadu_ps(row.cast::<f32>().add(j)),
+                super::x86_elem::BF16 => {
+                    let h = _mm256_loadu_si256(row.add(2 * j).cast());
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                }
+                _ => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * j).cast())),
+            }
+        }
+    }
+
+    /// [`load16`] for 8 values (AVX2).
+    #[inline(always)]
+    unsafe fn load8<const E: u8>(row: *const u8, j: usize) -> __m256 {
+        unsafe {
+            match E {
+                super::x86_elem::F32 => _mm256_loadu_ps(row.cast::<f32>().add(j)),
+                super::x86_elem::BF16 => {
+                    let h = _mm_loadu_si128(row.add(2 * j).cast());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                }
+                _ => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * j).cast())),
+            }
+        }
+    }
+
+    /// Bytes per element of E.
+    const fn elem_size(e: u8) -> usize {
+        if e == super::x86_elem::F32 {
+            4
+        } else {
+            2
+        }
+    }
+
     /// Decode attention P.V tile: acc[r] += sum_s p[r][s] v[s][0..32] for 8 query rows, with V rows
-    /// `stride` floats apart. 16 zmm accumulators; per key 2 V loads and 8 broadcasts feed 16 FMAs.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn pv8x32_avx512(p: [*const f32; 8], v: *const f32, stride: usize, kn: usize, acc: &mut [[f32; 32]; 8]) {
+    /// `stride` values apart (E: their dtype). 16 zmm accumulators; per key 2 V loads (widened in
+    /// registers) and 8 broadcasts feed 16 FMAs.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn pv8x32_avx512<const E: u8>(
+        p: [*const f32; 8],
+        v: *const u8,
+        stride: usize,
+        kn: usize,
+        acc: &mut [[f32; 32]; 8],
+    ) {
         unsafe {
             let mut a: [[__m512; 2]; 8] = std::array::from_fn(|r| {
                 [
@@ -866,10 +985,8 @@ mod x86 {
                 ]
             });
             for s in 0..kn {
-                let (v0, v1) = (
-                    _mm512_loadu_ps(v.add(s * stride)),
-                    _mm512_loadu_ps(v.add(s * stride + 16)),
-                );
+                let row = v.add(s * stride * elem_size(E));
+                let (v0, v1) = (load16::<E>(row, 0), load16::<E>(row, 16));
                 for r in 0..8 {
                     let b = _mm512_set1_ps(*p[r].add(s));
                     a[r][0] = _mm512_fmadd_ps(v0, b, a[r][0]);
@@ -886,8 +1003,14 @@ mod x86 {
     /// [`pv8x32_avx512`] in AVX2's 16 ymm registers: four passes of 4 rows x 16 dims (8
     /// accumulators; per key 2 V loads and 4 broadcasts feed 8 FMAs), each over all kn keys (the
     /// kn x 32 V tile stays in L1 between passes).
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn pv8x32_avx2(p: [*const f32; 8], v: *const f32, stride: usize, kn: usize, acc: &mut [[f32; 32]; 8]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn pv8x32_avx2<const E: u8>(
+        p: [*const f32; 8],
+        v: *const u8,
+        stride: usize,
+        kn: usize,
+        acc: &mut [[f32; 32]; 8],
+    ) {
         unsafe {
             for r0 in [0, 4] {
                 for d0 in [0, 16] {
@@ -898,8 +1021,8 @@ mod x86 {
                         ]
                     });
                     for s in 0..kn {
-                        let row = v.add(s * stride + d0);
-                        let (v0, v1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
+                        let row = v.add(s * stride * elem_size(E));
+                        let (v0, v1) = (load8::<E>(row, d0), load8::<E>(row, d0 + 8));
                         for r in 0..4 {
                             let b = _mm256_set1_ps(*p[r0 + r].add(s));
                             a[r][0] = _mm256_fmadd_ps(v0, b, a[r][0]);
@@ -910,6 +1033,85 @@ mod x86 {
                         _mm256_storeu_ps(acc[r0 + r].as_mut_ptr().add(d0), a[r][0]);
                         _mm256_storeu_ps(acc[r0 + r].as_mut_ptr().add(d0 + 8), a[r][1]);
                     }
+                }
+            }
+        }
+    }
+
+    /// Decode attention scores of 8 query rows: two keys at a time into 16 zmm accumulators (per
+    /// 16 dims: 2 K loads widened in registers and 8 q loads feed 16 FMAs), then the 16 sums by
+    /// one transpose-and-add tree. An odd last key runs as a pair with itself.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn qk8_avx512<const E: u8>(
+        q: [*const f32; 8],
+        (k, stride): (*const u8, usize),
+        kn: usize,
+        hd: usize,
+        scale: f32,
+        (out, ostride): (*mut f32, usize),
+    ) {
+        unsafe {
+            let row = |s: usize| k.add(s * stride * elem_size(E));
+            for s in (0..kn).step_by(2) {
+                let pair = s + 1 < kn;
+                let (k0, k1) = (row(s), row(if pair { s + 1 } else { s }));
+                let mut a = [[_mm512_setzero_ps(); 2]; 8];
+                for j in (0..hd).step_by(16) {
+                    let (x0, x1) = (load16::<E>(k0, j), load16::<E>(k1, j));
+                    for r in 0..8 {
+                        let qv = _mm512_loadu_ps(q[r].add(j));
+                        a[r][0] = _mm512_fmadd_ps(qv, x0, a[r][0]);
+                        a[r][1] = _mm512_fmadd_ps(qv, x1, a[r][1]);
+                    }
+                }
+                // Element n of the sums: row n / 2, key s + n % 2.
+                let sums = hsum16(std::array::from_fn(|i| {
+                    std::array::from_fn(|t| a[(4 * i + t) / 2][t % 2])
+                }));
+                let mut o = [0f32; 16];
+                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+                for r in 0..8 {
+                    *out.add(r * ostride + s) = o[2 * r];
+                    if pair {
+                        *out.add(r * ostride + s + 1) = o[2 * r + 1];
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`qk8_avx512`] in AVX2's 16 ymm registers: one key at a time into 8 accumulators (per 8
+    /// dims: 1 K load widened in registers and 8 q loads feed 8 FMAs), the 8 sums by a hadd tree.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn qk8_avx2<const E: u8>(
+        q: [*const f32; 8],
+        (k, stride): (*const u8, usize),
+        kn: usize,
+        hd: usize,
+        scale: f32,
+        (out, ostride): (*mut f32, usize),
+    ) {
+        unsafe {
+            for s in 0..kn {
+                let kr = k.add(s * stride * elem_size(E));
+                let mut a = [_mm256_setzero_ps(); 8];
+                for j in (0..hd).step_by(8) {
+                    let x = load8::<E>(kr, j);
+                    for r in 0..8 {
+                        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r].add(j)), x, a[r]);
+                    }
+                }
+                // Per 128-bit half: u0 = [a0, a1, a2, a3] and u1 = [a4 .. a7] partial sums.
+                let t: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(a[2 * i], a[2 * i + 1]));
+                let (u0, u1) = (_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+                let sums = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(u0, u1),
+                    _mm256_permute2f128_ps::<0x31>(u0, u1),
+                );
+                let mut o = [0f32; 8];
+                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+                for (r, &x) in o.iter().enumerate() {
+                    *out.add(r * ostride + s) = x;
                 }
             }
         }

@@ -5,7 +5,7 @@ use super::reference::norm_rope_head;
 use crate::backend::{
     cpu::{
         isa::{multiversion, Isa},
-        kv::CpuKv,
+        kv::{CpuKv, KvRows},
         pool,
         scratch::{with_caller, with_task, Out},
         simd,
@@ -184,7 +184,8 @@ fn attend_block_body(
                 (mx[i], l[i]) = (m, l[i] * *c + simd::sum(&sr[..vis]));
             }
             let rows = (nr - i0).min(8);
-            pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vblk, &mut acc[i0 * hd..]);
+            let vrows = (KvRows::F32(vblk.0), vblk.1);
+            pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
         }
         kb += kn;
     }
@@ -264,12 +265,14 @@ multiversion! {
 const SPLIT_BLOCK: usize = 64;
 
 /// One decode-attention partial: keys k0..k1 of KV head kvh against its `group` query heads,
-/// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores by 4 x 4 register tiles
-/// into sc [rows8, SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are
-/// prefetched; then each row's running max / sum rescale its accumulator and acc [group, hd] +=
-/// P V by register tiles (8 rows x 32 dims on AVX-512 and AVX2, [`simd::pv8x32`]; else [`pv_rows`]), each
-/// V row loaded once per tile for all its rows. dst = acc | m [group] | l [group] (sc needs
-/// rows8 * SPLIT_BLOCK floats, then room for a block of K and of V widened from a 16-bit cache).
+/// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores into sc [rows8,
+/// SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are prefetched; then each row's
+/// running max / sum rescale its accumulator and acc [group, hd] += P V. On AVX-512 and AVX2
+/// (hd a multiple of 32) both read the cache in place, 16-bit rows widened in registers: scores
+/// by [`simd::qk8`] (each K row loaded once for 8 query rows), P.V by [`simd::pv8x32`] (8 rows x
+/// 32 dims, each V row loaded once per tile). Elsewhere the rows of a block are widened into
+/// scratch, scores by 4 x 4 tiles, P.V by [`pv_rows`]. dst = acc | m [group] | l [group] (sc
+/// needs rows8 * SPLIT_BLOCK floats, then room for a block of K and of V as f32).
 #[inline(always)]
 fn attend_split_body(
     isa: Isa,
@@ -297,18 +300,36 @@ fn attend_split_body(
     let mut kb = k0;
     while kb < k1 {
         let kn = block_len(kc, kb, k1, SPLIT_BLOCK);
-        let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
-        let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
-        // V rows of the keys scored, for the P.V pass, and K rows of the next block (interleaved
-        // with the K stream; a 16-bit cache's rows are widened after the scores, from cache lines
-        // fetched meanwhile).
-        scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, |s| {
+        let prefetch = |s: usize| {
             vc.prefetch_row(s, kvh * hd, hd);
             if s + kn < k1 {
                 kc.prefetch_row(s + kn, kvh * hd, hd);
             }
-        });
-        let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+        };
+        let vrows = if pv_in_registers(isa, hd) {
+            // K and V read in place, 16-bit rows widened in registers; each K row loaded once per
+            // 8 query rows. Runs of 8 keys, each after asking for the V rows of its keys (for the
+            // P.V pass) and the K rows of the next block.
+            let krows = kc.block(kb, kn, kvh * hd);
+            for s0 in (0..kn).step_by(8) {
+                let sn = (kn - s0).min(8);
+                (kb + s0..kb + s0 + sn).for_each(prefetch);
+                for i0 in (0..group).step_by(8) {
+                    let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(group - 1)));
+                    let k = (krows.skip(s0 * kc.width), kc.width);
+                    let out = &mut sc[i0 * kn + s0..];
+                    simd::qk8(isa, qs, k, sn, hd, p.scale, (out, kn));
+                }
+            }
+            (vc.block(kb, kn, kvh * hd), vc.width)
+        } else {
+            let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
+            let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
+            // A 16-bit cache's rows are widened after the scores, from cache lines fetched meanwhile.
+            scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, prefetch);
+            let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+            (KvRows::F32(vblk), vstride)
+        };
         sc[group * kn..rows8 * kn].fill(0.0);
         for i0 in (0..group).step_by(8) {
             for (r, c) in corr.iter_mut().enumerate() {
@@ -324,16 +345,7 @@ fn attend_split_body(
                 (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
             }
             let rows = (group - i0).min(8);
-            pv_tile(
-                isa,
-                &sc[i0 * kn..],
-                kn,
-                rows,
-                hd,
-                &corr,
-                (vblk, vstride),
-                &mut acc[i0 * hd..],
-            );
+            pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
         }
         kb += kn;
     }
@@ -351,26 +363,38 @@ fn pv_tile(
     rows: usize,
     hd: usize,
     corr: &[f32; 8],
-    (v, stride): (&[f32], usize),
+    (v, stride): (KvRows, usize),
     acc: &mut [f32],
 ) {
-    if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd % 32 == 0 {
+    if pv_in_registers(isa, hd) {
         for j0 in (0..hd).step_by(32) {
             let mut a = [[0f32; 32]; 8];
             for (r, ar) in a.iter_mut().enumerate().take(rows) {
                 let src = &acc[r * hd + j0..][..32];
                 ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
             }
-            simd::pv8x32(isa, p, kn, &v[j0..], stride, &mut a);
+            simd::pv8x32(isa, p, kn, v.skip(j0), stride, &mut a);
             for (r, ar) in a.iter().enumerate().take(rows) {
                 acc[r * hd + j0..][..32].copy_from_slice(ar);
             }
         }
-    } else if isa != Isa::Portable || cfg!(target_arch = "aarch64") {
+        return;
+    }
+    let KvRows::F32(v) = v else {
+        unreachable!("16-bit rows are read in place only by the register tiles")
+    };
+    if isa != Isa::Portable || cfg!(target_arch = "aarch64") {
         pv_rows::<4, 16, true>(p, kn, rows, hd, corr, |s| &v[s * stride..][..hd], acc);
     } else {
         pv_rows::<4, 16, false>(p, kn, rows, hd, corr, |s| &v[s * stride..][..hd], acc);
     }
+}
+
+/// Whether decode attention reads the cache in place (scores by [`simd::qk8`], P.V by
+/// [`simd::pv8x32`], 16-bit rows widened in registers), else through f32 blocks.
+#[inline(always)]
+fn pv_in_registers(isa: Isa, hd: usize) -> bool {
+    matches!(isa, Isa::Avx512 | Isa::Avx2) && hd % 32 == 0
 }
 
 /// acc [rows, hd] = corr * acc + P [rows, kn] . V [kn, hd] for up to 8 rows, in tiles of R rows x
