@@ -25,6 +25,15 @@ pub enum KvRows<'a> {
 }
 
 impl<'a> KvRows<'a> {
+    /// Values held.
+    #[inline(always)]
+    pub fn values(self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len(),
+            KvRows::Half(_, v) => v.len(),
+        }
+    }
+
     /// The same rows from `n` values further on.
     #[inline(always)]
     pub fn skip(self, n: usize) -> KvRows<'a> {

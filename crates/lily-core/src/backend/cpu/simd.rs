@@ -418,6 +418,11 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mu
 /// out[r * ostride + s] = scale * q[r] . k[s * stride..][..hd] for 8 query rows r and keys s < kn: the
 /// decode-attention scores of a GQA group (the query heads of one KV head), each K row (f32, or
 /// 16-bit widened in registers) loaded once for all 8 rows. AVX-512 and AVX2, hd a multiple of 16.
+/// `ahead`: two streams of rows (values `stride` apart, hd values each) whose row s is prefetched
+/// as key s is scored, where the stream has it: the caller passes K rows a few keys ahead and the
+/// V rows of the same keys, so the misses stay in flight at a steady rate (a burst of a block's
+/// prefetches overflows the core's miss buffers and is dropped or stalls).
+#[allow(clippy::too_many_arguments)]
 pub fn qk8(
     isa: Isa,
     q: [&[f32]; 8],
@@ -426,6 +431,7 @@ pub fn qk8(
     hd: usize,
     scale: f32,
     (out, ostride): (&mut [f32], usize),
+    ahead: [(KvRows, usize); 2],
 ) {
     assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "qk8: AVX-512 or AVX2 only");
     if kn == 0 {
@@ -441,24 +447,42 @@ pub fn qk8(
         "qk8: short input"
     );
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the ISA is available; the reads and writes stay inside q, k and out (checked above).
+    // SAFETY: the ISA is available; the reads and writes stay inside q, k and out (checked above),
+    // the prefetches inside the `ahead` rows (counted from their lengths).
     unsafe {
         let (q, o) = (q.map(|r| r.as_ptr()), out.as_mut_ptr());
+        let ahead = ahead.map(|(rows, stride)| {
+            let (e, ptr, len) = kv_elems(rows);
+            let size = if e == x86_elem::F32 { 4 } else { 2 };
+            let n = if len >= hd { (len - hd) / stride + 1 } else { 0 };
+            x86::Ahead {
+                ptr,
+                stride: stride * size,
+                bytes: hd * size,
+                n,
+            }
+        });
         match (isa, elem) {
             (Isa::Avx512, x86_elem::F32) => {
-                x86::qk8_avx512::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride))
+                x86::qk8_avx512::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
             }
             (Isa::Avx512, x86_elem::BF16) => {
-                x86::qk8_avx512::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride))
+                x86::qk8_avx512::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
             }
-            (Isa::Avx512, _) => x86::qk8_avx512::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
-            (_, x86_elem::F32) => x86::qk8_avx2::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
-            (_, x86_elem::BF16) => x86::qk8_avx2::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
-            _ => x86::qk8_avx2::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride)),
+            (Isa::Avx512, _) => {
+                x86::qk8_avx512::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
+            }
+            (_, x86_elem::F32) => {
+                x86::qk8_avx2::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
+            }
+            (_, x86_elem::BF16) => {
+                x86::qk8_avx2::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
+            }
+            _ => x86::qk8_avx2::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (q, k, elem, scale, out, ostride);
+    let _ = (q, k, elem, scale, out, ostride, ahead);
 }
 
 /// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
@@ -1038,9 +1062,32 @@ mod x86 {
         }
     }
 
+    /// Rows to prefetch alongside a kernel's own: row s (`bytes` long, `stride` bytes apart) for
+    /// s < n.
+    #[derive(Clone, Copy)]
+    pub struct Ahead {
+        pub ptr: *const u8,
+        pub stride: usize,
+        pub bytes: usize,
+        pub n: usize,
+    }
+
+    /// Prefetch row s of each stream that has it (into L1; a hint that never faults).
+    #[inline(always)]
+    unsafe fn prefetch_ahead(ahead: &[Ahead; 2], s: usize) {
+        for a in ahead {
+            if s < a.n {
+                for o in (0..a.bytes).step_by(64) {
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(a.ptr.add(s * a.stride + o).cast()) };
+                }
+            }
+        }
+    }
+
     /// Decode attention scores of 8 query rows: two keys at a time into 16 zmm accumulators (per
     /// 16 dims: 2 K loads widened in registers and 8 q loads feed 16 FMAs), then the 16 sums by
     /// one transpose-and-add tree. An odd last key runs as a pair with itself.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn qk8_avx512<const E: u8>(
         q: [*const f32; 8],
@@ -1049,11 +1096,14 @@ mod x86 {
         hd: usize,
         scale: f32,
         (out, ostride): (*mut f32, usize),
+        ahead: [Ahead; 2],
     ) {
         unsafe {
             let row = |s: usize| k.add(s * stride * elem_size(E));
             for s in (0..kn).step_by(2) {
                 let pair = s + 1 < kn;
+                prefetch_ahead(&ahead, s);
+                prefetch_ahead(&ahead, s + 1);
                 let (k0, k1) = (row(s), row(if pair { s + 1 } else { s }));
                 let mut a = [[_mm512_setzero_ps(); 2]; 8];
                 for j in (0..hd).step_by(16) {
@@ -1082,6 +1132,7 @@ mod x86 {
 
     /// [`qk8_avx512`] in AVX2's 16 ymm registers: one key at a time into 8 accumulators (per 8
     /// dims: 1 K load widened in registers and 8 q loads feed 8 FMAs), the 8 sums by a hadd tree.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn qk8_avx2<const E: u8>(
         q: [*const f32; 8],
@@ -1090,10 +1141,12 @@ mod x86 {
         hd: usize,
         scale: f32,
         (out, ostride): (*mut f32, usize),
+        ahead: [Ahead; 2],
     ) {
         unsafe {
             for s in 0..kn {
                 let kr = k.add(s * stride * elem_size(E));
+                prefetch_ahead(&ahead, s);
                 let mut a = [_mm256_setzero_ps(); 8];
                 for j in (0..hd).step_by(8) {
                     let x = load8::<E>(kr, j);

@@ -264,6 +264,10 @@ multiversion! {
 /// rows (64 KiB at hd 256) stay in L1/L2 between the score and P.V passes.
 const SPLIT_BLOCK: usize = 64;
 
+/// Keys ahead of the one being scored whose K row the decode kernel prefetches: enough misses in
+/// flight to cover the memory latency at one core's rate, few enough for its miss buffers.
+const K_AHEAD: usize = 8;
+
 /// One decode-attention partial: keys k0..k1 of KV head kvh against its `group` query heads,
 /// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores into sc [rows8,
 /// SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are prefetched; then each row's
@@ -300,32 +304,48 @@ fn attend_split_body(
     let mut kb = k0;
     while kb < k1 {
         let kn = block_len(kc, kb, k1, SPLIT_BLOCK);
-        let prefetch = |s: usize| {
-            vc.prefetch_row(s, kvh * hd, hd);
-            if s + kn < k1 {
-                kc.prefetch_row(s + kn, kvh * hd, hd);
-            }
-        };
         let vrows = if pv_in_registers(isa, hd) {
             // K and V read in place, 16-bit rows widened in registers; each K row loaded once per
-            // 8 query rows. Runs of 8 keys, each after asking for the V rows of its keys (for the
-            // P.V pass) and the K rows of the next block.
-            let krows = kc.block(kb, kn, kvh * hd);
-            for s0 in (0..kn).step_by(8) {
-                let sn = (kn - s0).min(8);
-                (kb + s0..kb + s0 + sn).for_each(prefetch);
-                for i0 in (0..group).step_by(8) {
-                    let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(group - 1)));
-                    let k = (krows.skip(s0 * kc.width), kc.width);
-                    let out = &mut sc[i0 * kn + s0..];
-                    simd::qk8(isa, qs, k, sn, hd, p.scale, (out, kn));
-                }
+            // 8 query rows. As key s is scored, K row s + K_AHEAD and V row s are prefetched (the
+            // first K_AHEAD rows of the next block at the end of this block's scores, so they
+            // arrive during its P.V pass).
+            let (krows, vrows) = (kc.block(kb, kn, kvh * hd), vc.block(kb, kn, kvh * hd));
+            for i0 in (0..group).step_by(8) {
+                let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(group - 1)));
+                // The second tile of 8 rows (16 query heads per KV head) finds them fetched.
+                let (none_k, none_v) = (krows.skip(krows.values()), vrows.skip(vrows.values()));
+                let ahead = match i0 == 0 && kn > K_AHEAD {
+                    true => [(krows.skip(K_AHEAD * kc.width), kc.width), (vrows, vc.width)],
+                    false => [(none_k, kc.width), (none_v, vc.width)],
+                };
+                simd::qk8(
+                    isa,
+                    qs,
+                    (krows, kc.width),
+                    kn,
+                    hd,
+                    p.scale,
+                    (&mut sc[i0 * kn..], kn),
+                    ahead,
+                );
             }
-            (vc.block(kb, kn, kvh * hd), vc.width)
+            if kb + kn < k1 {
+                let next = block_len(kc, kb + kn, k1, K_AHEAD);
+                (kb + kn..kb + kn + next).for_each(|s| kc.prefetch_row(s, kvh * hd, hd));
+            }
+            (vrows, vc.width)
         } else {
             let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
             let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
-            // A 16-bit cache's rows are widened after the scores, from cache lines fetched meanwhile.
+            // V rows of the keys scored, for the P.V pass, and K rows of the next block
+            // (interleaved with the K stream; a 16-bit cache's rows are widened after the scores,
+            // from cache lines fetched meanwhile).
+            let prefetch = |s: usize| {
+                vc.prefetch_row(s, kvh * hd, hd);
+                if s + kn < k1 {
+                    kc.prefetch_row(s + kn, kvh * hd, hd);
+                }
+            };
             scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, prefetch);
             let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
             (KvRows::F32(vblk), vstride)
