@@ -33,7 +33,8 @@
 #   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
 #   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
 #            both speeds without profiling, one engine each (after synth)
-#   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): a 4-layer full-width checkpoint and its
+#   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): the CPU kernel tests (test binaries' cpu
+#            cases, on the host's ISA), a 4-layer full-width checkpoint and its
 #            GGUF; lily bench --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 /
 #            4096 and decode at those depths; python -m lily.bench.depth at 4K, 32K (prefilled, beside
 #            llama-bench -d) and 128K, 255K (fill_context): decode tok/s, bytes per token, peak memory
@@ -67,12 +68,19 @@ if [ "$PHASE" = pack ]; then
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 -d "$DEV/whl" \
         mlx==0.32.4 mlx-cpu==0.32.4 mlx-lm==0.32.2 gguf==0.19.0
-    bin=$(cargo test -p lily-core --release --locked --test cuda_device --no-run --message-format=json \
-        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
-    cp "$bin" "$DEV/bin/cuda_device"
-    bin=$(cargo bench -p lily-core --bench attention --no-run --message-format=json \
-        | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
-    cp "$bin" "$DEV/bin/attention"
+    # Test binaries by target name: the GPU tests, and the CPU kernel tests for the host's ISA (AVX-512
+    # VNNI / bf16 paths that an AVX2-only development machine cannot run); the attention bench.
+    cargo test -p lily-core --release --locked --no-run --message-format=json --test cuda_device \
+        --test cpu_simd --test cpu_int8 --test ops_attention --test ops_matmul --test ops_moe --test ops_delta_net |
+        python3 -c 'import json, shutil, sys
+for m in map(json.loads, sys.stdin):
+    if m.get("executable"):
+        shutil.copy(m["executable"], sys.argv[1] + "/" + m["target"]["name"])' "$DEV/bin"
+    cargo bench -p lily-core --bench attention --no-run --message-format=json |
+        python3 -c 'import json, shutil, sys
+for m in map(json.loads, sys.stdin):
+    if m.get("executable"):
+        shutil.copy(m["executable"], sys.argv[1] + "/attention")' "$DEV/bin"
     cp tests/{conftest,fixtures,oracle,test_oracle,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
     # conftest.py keys its fixture caches on these sources, read beside the tests.
     mkdir -p "$DEV/python/lily" && cp python/lily/{tokenizer_files,mlx_reference}.py "$DEV/python/lily/"
@@ -223,6 +231,13 @@ if want cpu; then
     step "the 4-layer full-width checkpoint for the CPU measurements"
     [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
     cores=$(nproc)
+    step "CPU kernel tests on this host's ISA (its AVX-512 paths do not run on an AVX2-only machine)"
+    grep -o 'avx512[a-z_0-9]*\|amx[a-z_0-9]*\|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+    # cpu_simd and cpu_int8 whole (every ISA the host has against the reference); the ops files' cpu cases.
+    for t in cpu_simd cpu_int8 "ops_attention cpu::" "ops_matmul cpu::" "ops_moe cpu::" "ops_delta_net cpu::"; do
+        set -- $t
+        CUDA_VISIBLE_DEVICES= "$DEV/bin/$1" ${2:-} -q || { echo "FAILED: $t"; fail=1; }
+    done
     step "CPU, 2 threads (taskset -c 0,1): Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
     CUDA_VISIBLE_DEVICES= taskset -c 0,1 python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
         --decode-steps 32 --rounds 2 --threads 2 --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
