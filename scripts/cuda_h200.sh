@@ -37,7 +37,8 @@
 #            GGUF; lily bench --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 /
 #            4096 and decode at those depths; python -m lily.bench.depth at 4K, 32K (prefilled, beside
 #            llama-bench -d) and 128K, 255K (fill_context): decode tok/s, bytes per token, peak memory
-#            (after llama, which builds llama-bench)
+#            (after llama, which builds llama-bench). PRECISION=fast runs Lily's two bench --compare
+#            lines in the fast CPU precision (--precision fast; records cpu2-fast.json, cpuN-fast.json)
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
 #            128K, all cores and 2) and batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2;
 #            after cpu, which writes the 4-layer checkpoint)
@@ -223,14 +224,16 @@ if want cpu; then
     step "the 4-layer full-width checkpoint for the CPU measurements"
     [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
     cores=$(nproc)
+    prec="${PRECISION:-exact}"
+    sfx=$([ "$prec" = exact ] || echo "-$prec")
     step "CPU, 2 threads (taskset -c 0,1): Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
     CUDA_VISIBLE_DEVICES= taskset -c 0,1 python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
         --decode-steps 32 --rounds 2 --threads 2 --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
-        --json "$WORK/cpu2.json" || fail=1
+        --precision "$prec" --json "$WORK/cpu2$sfx.json" || fail=1
     step "CPU, $cores threads: Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
     CUDA_VISIBLE_DEVICES= python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
         --decode-steps 32 --rounds 2 --threads "$cores" --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
-        --json "$WORK/cpu$cores.json" || fail=1
+        --precision "$prec" --json "$WORK/cpu$cores$sfx.json" || fail=1
     step "CPU, $cores threads: long context (4K, 32K prefilled beside llama-bench -d; 128K, 255K by fill_context)"
     CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores python3 -m lily.bench.depth "$SYNTH4" --backend cpu \
         --depths 4K,32K,128K,255K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \

@@ -59,7 +59,7 @@ class Engine:
     is faster and takes more scratch memory (about 270 KB per token at the real shapes).
     ``precision`` is how the CPU backend's 4-bit matmuls round the activations: ``"exact"`` (default;
     fp32-exact) or ``"fast"`` (one int8 plane per weight group, as llama.cpp's q8 activations:
-    bf16-class accuracy, faster prefill and decode); the GPU backends ignore it.
+    a little below bf16 accuracy, faster prefill and decode); the GPU backends ignore it.
     ``progress(done, total)`` is called as layers load; an exception it raises stops the load and
     propagates, as does Ctrl-C (checked between layers).
 

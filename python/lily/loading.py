@@ -43,7 +43,8 @@ def load(
     the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
     backend's; smaller saves memory); ``kv_dtype`` the element type of the stored keys and values
     ("bf16", "f16" or "f32"); ``precision`` how the CPU's 4-bit matmuls round the activations ("exact", the
-    default, fp32-exact; "fast": one int8 plane per weight group, bf16-class accuracy, faster; GPUs ignore it);
+    default, fp32-exact; "fast": one int8 plane per weight group, faster, a little below bf16 accuracy; GPUs
+    ignore it);
     ``prefix_cache_bytes`` bounds the copies of earlier prompts' states that
     new prompts resume from (default: a quarter of the free memory; 0 keeps none); ``prefix_cache_dir`` keeps
 them also as files in that folder, so a later process resumes from them (``prefix_cache_dir_bytes`` bounds

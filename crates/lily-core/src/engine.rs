@@ -894,7 +894,7 @@ pub struct Options {
     /// Element type of the stored K/V rows (f32 for fp32-exact checks).
     pub kv_dtype: KvDtype,
     /// How the CPU backend's 4-bit matmuls round the activations ([`Precision`]: exact to f32, or
-    /// fast with one int8 plane, bf16-class accuracy); the GPU backends ignore it.
+    /// fast with one int8 plane, a little below bf16 accuracy); the GPU backends ignore it.
     pub precision: Precision,
 }
 

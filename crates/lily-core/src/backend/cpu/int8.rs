@@ -52,7 +52,7 @@ const fn unit(planes: usize) -> f32 {
 
 /// How the CPU's 4-bit matmuls round the activations (module docs): `Exact`, [`PLANES`] int8
 /// planes per element (below f32 rounding of x, the engine's fp32 numbers); `Fast`, one plane
-/// (q8 per weight group, as llama.cpp: bf16-class accuracy, a third of the dot work).
+/// (q8 per weight group, as llama.cpp: a little below bf16 accuracy, a third of the dot work).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
     #[default]
