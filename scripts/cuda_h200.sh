@@ -33,12 +33,14 @@
 #   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
 #   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
 #            both speeds without profiling, one engine each (after synth)
-#   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): the CPU kernel tests (test binaries' cpu
-#            cases, on the host's ISA), a 4-layer full-width checkpoint and its
-#            GGUF; lily bench --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 /
-#            4096 and decode at those depths; python -m lily.bench.depth at 4K, 32K (prefilled, beside
-#            llama-bench -d) and 128K, 255K (fill_context): decode tok/s, bytes per token, peak memory
-#            (after llama, which builds llama-bench)
+#   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): the CPU kernel tests (the test binaries'
+#            CPU cases, on the host's ISA), a 4-layer full-width checkpoint and its GGUF; lily bench
+#            --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 / 4096 and decode at
+#            those depths, once per CPU precision in PRECISION (default "exact"; PRECISION="exact fast"
+#            runs both, the fast records as cpu2-fast.json, cpuN-fast.json) (after llama, which builds
+#            llama-bench)
+#   depth    the host's CPU: python -m lily.bench.depth at 4K, 32K (prefilled, beside llama-bench -d) and
+#            128K, 255K (fill_context): decode tok/s, bytes per token, peak memory (after llama)
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
 #            128K, all cores and 2) and batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2;
 #            after cpu, which writes the 4-layer checkpoint)
@@ -238,19 +240,29 @@ if want cpu; then
         set -- $t
         CUDA_VISIBLE_DEVICES= "$DEV/bin/$1" ${2:-} -q || { echo "FAILED: $t"; fail=1; }
     done
-    step "CPU, 2 threads (taskset -c 0,1): Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
-    CUDA_VISIBLE_DEVICES= taskset -c 0,1 python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
-        --decode-steps 32 --rounds 2 --threads 2 --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
-        --json "$WORK/cpu2.json" || fail=1
-    step "CPU, $cores threads: Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
-    CUDA_VISIBLE_DEVICES= python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
-        --decode-steps 32 --rounds 2 --threads "$cores" --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
-        --json "$WORK/cpu$cores.json" || fail=1
+    for prec in ${PRECISION:-exact}; do
+        sfx=$([ "$prec" = exact ] || echo "-$prec")
+        step "CPU, 2 threads (taskset -c 0,1), precision $prec: Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
+        CUDA_VISIBLE_DEVICES= taskset -c 0,1 python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
+            --decode-steps 32 --rounds 2 --threads 2 --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
+            --precision "$prec" --json "$WORK/cpu2$sfx.json" || fail=1
+        step "CPU, $cores threads, precision $prec: Lily vs llama.cpp, prefill 256 / 4096, decode at those depths"
+        CUDA_VISIBLE_DEVICES= python3 -m lily bench "$SYNTH4" --backend cpu --lengths 256,4096 \
+            --decode-steps 32 --rounds 2 --threads "$cores" --compare llama.cpp --llama-bench "$LLAMA" --gguf "$GGUF4" \
+            --precision "$prec" --json "$WORK/cpu$cores$sfx.json" || fail=1
+    done
+    [ -n "${OUT:-}" ] && cp "$WORK"/cpu*.json "$OUT/" 2>/dev/null
+fi
+if want depth; then
+    SYNTH4="$WORK/synth4"
+    GGUF4="$WORK/synth4.gguf"
+    cores=$(nproc)
+    [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
     step "CPU, $cores threads: long context (4K, 32K prefilled beside llama-bench -d; 128K, 255K by fill_context)"
     CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores python3 -m lily.bench.depth "$SYNTH4" --backend cpu \
         --depths 4K,32K,128K,255K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
         --llama-reps 1 --json "$WORK/depth.json" || fail=1
-    [ -n "${OUT:-}" ] && cp "$WORK"/cpu*.json "$WORK/depth.json" "$OUT/" 2>/dev/null
+    [ -n "${OUT:-}" ] && cp "$WORK/depth.json" "$OUT/" 2>/dev/null
 fi
 if want extras; then
     SYNTH4="$WORK/synth4"

@@ -273,3 +273,50 @@ def test_last_logits_match_all_logits(lily, ckpts, name):
             compare(second, all_rows[-1], SELF_TOL, f"{name} last-only (after a split) vs all_logits"),
             compare(one[0], all_rows[0], SELF_TOL, f"{name} one-token prefill vs all_logits")]
     print("\n".join(msgs))
+
+
+# --------------------------------------------------------------------------------------------------
+# precision="fast": the CPU's 4-bit matmuls with x as one int8 plane per group
+
+Q4_CHECKPOINTS = [n for n, (_, bits, _) in MLX_CHECKPOINTS.items() if bits == 4]
+# The fast precision's stated tolerance (docs/2026-12-01-cpu-prefill.md): it does NOT meet oracle.md's bf16 row
+# (mean KL <= 2e-3, top-1 >= 98 %) on the tiny checkpoints (decode, where every 4-bit matmul including the lm_head
+# rounds x, measured mean KL 1.9e-3 to 4.6e-3 and top-1 94.3 % to 97.4 %), which is why the default stays "exact";
+# this bound holds the measured figures and catches a broken fast kernel (those move logits by >= 0.5).
+FAST_KL = 1e-2
+FAST_TOP1 = 0.93
+
+
+@pytest.mark.parametrize("name", Q4_CHECKPOINTS)
+def test_fast_precision_against_mlx(lily, ckpts, oracle_cache, name):
+    """Mean KL(oracle || engine) and top-1 agreement of precision="fast" within its stated tolerance, for the
+    prefill (the int8 prefill paths) and for step-by-step decode (the int8 GEMV); and the fast path is taken (its
+    logits are not the exact path's)."""
+    from test_kv_cache import kl_and_top1
+
+    toks = tokens_for(ckpts, name)
+    ref = oracle_cache.logits(name, toks)
+    fast = _engine(lily, ckpts, name, precision="fast")
+    assert fast.precision == "fast"
+    pre = fast.prefill(toks.tolist(), all_logits=True)
+    fast.reset()
+    dec = np.stack([fast.decode(t) for t in toks.tolist()])
+    exact = _engine(lily, ckpts, name).prefill(toks.tolist(), all_logits=True)
+    msgs, ok = [], True
+    for got, what in ((pre, "prefill"), (dec, "decode")):
+        kl, top1 = kl_and_top1(got, ref)
+        d = np.abs(got - ref).max()
+        msgs.append(f"{name} fast {what} vs MLX-LM: mean KL {kl:.2e}, top-1 {top1:.2%}, max|Δ| {d:.3e}")
+        ok &= bool(np.isfinite(got).all() and kl <= FAST_KL and top1 >= FAST_TOP1)
+    kl_e, top1_e = kl_and_top1(exact, ref)
+    msgs.append(f"{name} exact prefill vs MLX-LM: mean KL {kl_e:.2e}, top-1 {top1_e:.2%}")
+    print("\n".join(msgs))
+    assert ok, "\n".join(msgs)
+    assert np.abs(pre - exact).max() > ORACLE_TOL, "fast prefill equals the exact one: the fast path was not taken"
+    assert np.abs(dec - exact).max() > ORACLE_TOL, "fast decode equals the exact prefill: the fast path was not taken"
+
+
+def test_precision_is_checked(lily, ckpts):
+    with pytest.raises(ValueError, match="precision"):
+        _engine(lily, ckpts, "tiny-s0-q4g64", precision="int8")
+    assert _engine(lily, ckpts, "tiny-s0-q4g64").precision == "exact"

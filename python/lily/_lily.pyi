@@ -57,6 +57,9 @@ class Engine:
     or ``"f32"`` (twice the memory; exact fp32 attention, for checking). ``prefill_chunk`` is the
     number of tokens per forward call during prefill (default: the backend's, 1024 on the CPU): larger
     is faster and takes more scratch memory (about 270 KB per token at the real shapes).
+    ``precision`` is how the CPU backend's 4-bit matmuls round the activations: ``"exact"`` (default;
+    fp32-exact) or ``"fast"`` (one int8 plane per weight group, as llama.cpp's q8 activations:
+    a little below bf16 accuracy, faster prefill and decode); the GPU backends ignore it.
     ``progress(done, total)`` is called as layers load; an exception it raises stops the load and
     propagates, as does Ctrl-C (checked between layers).
 
@@ -79,6 +82,7 @@ class Engine:
         prefill_chunk: int | None = None,
         progress: Callable[[int, int], object] | None = None,
         kv_dtype: Literal["bf16", "f16", "f32"] | str = "bf16",
+        precision: Literal["exact", "fast"] | str = "exact",
     ) -> Self: ...
     def prefill(
         self, tokens: Sequence[int], *, all_logits: bool = False, seq: int = 0
@@ -151,6 +155,9 @@ class Engine:
     @property
     def kv_dtype(self) -> str:
         """Element type of the stored K/V rows: ``"bf16"``, ``"f16"`` or ``"f32"``."""
+    @property
+    def precision(self) -> str:
+        """How the CPU's 4-bit matmuls round the activations: ``"exact"`` or ``"fast"``."""
     @property
     def kv_bytes(self) -> int:
         """Bytes of KV cache held now (it grows in segments with the sequence; reset keeps one)."""

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from lily import command
 from lily.arguments import strings
 from lily.command import ArgParser, CommandError
-from lily.loading import BACKENDS, KV_DTYPES, load
+from lily.loading import BACKENDS, KV_DTYPES, PRECISIONS, load
 from lily.model import DEFAULT_MAX_TOKENS
 from lily.sampling import Sampler
 
@@ -45,6 +45,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="context length (default: the engine's)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                    help="element type of the stored keys and values (default bf16; f32 doubles the KV memory)")
+    p.add_argument("--precision", choices=PRECISIONS, default="exact",
+                   help="CPU 4-bit matmuls: exact (default, fp32) or fast (activations as int8: faster, "
+                        "a little below bf16 accuracy)")
     command.prefix_cache_args(p)
     p.add_argument("--max-tokens", type=command.integer(1), default=None,
                    help=f"tokens to generate at most per reply (default {DEFAULT_MAX_TOKENS})")
@@ -287,7 +290,8 @@ def _run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         raise CommandError(str(e)) from None
     model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype,
-                 prefix_cache_dir=args.prefix_cache_dir, prefix_cache_dir_bytes=args.prefix_cache_dir_bytes)
+                 precision=args.precision, prefix_cache_dir=args.prefix_cache_dir,
+                 prefix_cache_dir_bytes=args.prefix_cache_dir_bytes)
     if args.command == "generate":
         return _cmd_generate(model, args)
     return _cmd_chat(model, args)

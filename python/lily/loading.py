@@ -16,10 +16,11 @@ from lily.progress import progress_bar
 from lily.sampling import SamplingDefaults
 from lily.template import ChatTemplate
 
-__all__ = ["BACKENDS", "KV_DTYPES", "load"]
+__all__ = ["BACKENDS", "KV_DTYPES", "PRECISIONS", "load"]
 
 BACKENDS = ("auto", "cpu", "metal", "cuda", "cpu-reference", "metal-sim", "cuda-sim")
 KV_DTYPES = ("bf16", "f16", "f32")
+PRECISIONS = ("exact", "fast")
 
 
 def load(
@@ -29,6 +30,7 @@ def load(
     max_seq: int | None = None,
     prefill_chunk: int | None = None,
     kv_dtype: str = "bf16",
+    precision: str = "exact",
     revision: str | None = None,
     progress: bool = True,
     prefix_cache_bytes: int | None = None,
@@ -40,7 +42,10 @@ def load(
     ``backend`` is "auto", "cpu", "metal" or "cuda" (or "cpu-reference", "metal-sim", "cuda-sim"); ``max_seq`` caps
     the context (default: the engine's); ``prefill_chunk`` the tokens per prefill step (default: the
     backend's; smaller saves memory); ``kv_dtype`` the element type of the stored keys and values
-    ("bf16", "f16" or "f32"); ``prefix_cache_bytes`` bounds the copies of earlier prompts' states that
+    ("bf16", "f16" or "f32"); ``precision`` how the CPU's 4-bit matmuls round the activations ("exact", the
+    default, fp32-exact; "fast": one int8 plane per weight group, faster, a little below bf16 accuracy; GPUs
+    ignore it);
+    ``prefix_cache_bytes`` bounds the copies of earlier prompts' states that
     new prompts resume from (default: a quarter of the free memory; 0 keeps none); ``prefix_cache_dir`` keeps
 them also as files in that folder, so a later process resumes from them (``prefix_cache_dir_bytes`` bounds
 the folder; default a quarter of the disk's free space). Raises
@@ -50,6 +55,8 @@ the folder; default a quarter of the disk's free space). Raises
         raise TypeError(f"model must be a folder or a Hugging Face repo id (a str), got {type(model).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if max_seq is not None:
         integer("max_seq", max_seq, low=1)
     if prefill_chunk is not None:
@@ -74,7 +81,7 @@ the folder; default a quarter of the disk's free space). Raises
     warm_page_cache(folder, progress=progress)
     if backend == "auto":
         _warn_on_fallback()
-    engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress)
+    engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress, precision)
     return Model(engine, tokenizer, template, generation_config, folder, prefix_cache_bytes, prefix_cache_dir,
                  prefix_cache_dir_bytes)
 
@@ -94,9 +101,10 @@ def _warn_on_fallback() -> None:
 
 
 def _open_engine(folder: Path, backend: str, max_seq: int | None, prefill_chunk: int | None, kv_dtype: str,
-                 progress: bool) -> Engine:
+                 progress: bool, precision: str = "exact") -> Engine:
     """The engine, with a per-layer progress bar on stderr for large (>= 1 GiB) checkpoints."""
-    kw = {"backend": backend, "max_seq": max_seq, "prefill_chunk": prefill_chunk, "kv_dtype": kv_dtype}
+    kw = {"backend": backend, "max_seq": max_seq, "prefill_chunk": prefill_chunk, "kv_dtype": kv_dtype,
+          "precision": precision}
     if not progress or sum(f.stat().st_size for f in folder.glob("*.safetensors")) < 1 << 30:
         return Engine(str(folder), **kw)
     bar = None

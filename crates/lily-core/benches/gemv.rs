@@ -1,15 +1,16 @@
 //! GEMV / GEMM throughput of the CPU kernels at the real Qwen3.6-35B-A3B shapes (architecture.md
 //! §13), 4-bit group-64 with bf16 scales as in the MLX checkpoints, next to this machine's
 //! measured read bandwidth and f32 FMA peak. A plain binary (`harness = false`) so it needs no
-//! extra dependency: `cargo bench -p lily-core --bench gemv [-- --isa avx2|portable] [--quick] [--only TEXT]`
-//! (`--only`: just the cases whose name contains TEXT).
+//! extra dependency: `cargo bench -p lily-core --bench gemv [-- --isa avx2|portable] [--quick] [--only TEXT]
+//! [--precision exact|fast]` (`--only`: just the cases whose name contains TEXT; `--precision`: how
+//! the 4-bit matmuls round x, the engine's option of that name, default exact).
 //! Each figure is the median of several runs (the machine may be shared).
 
 mod common;
 
 use common::{copy_bandwidth, peak_gflops, rand_bytes, read_bandwidth, time};
 use lily_core::{
-    backend::cpu::{isa::Isa, pool},
+    backend::cpu::{isa::Isa, pool, Precision},
     ops::matmul,
     quant::{Format, Groups, Matrix},
     safetensors::{Bytes, DType},
@@ -73,8 +74,18 @@ fn bench() {
         _ => Isa::get(),
     };
     assert!(isa.available(), "{isa:?} is not available on this CPU");
+    let prec = args
+        .iter()
+        .position(|a| a == "--precision")
+        .and_then(|i| args.get(i + 1))
+        .map(|p| Precision::parse(p).expect("--precision"))
+        .unwrap_or_default();
     let reps = if quick { 5 } else { 11 };
-    println!("isa {isa:?}, {} pool threads", pool::threads());
+    println!(
+        "isa {isa:?}, precision {}, {} pool threads",
+        prec.name(),
+        pool::threads()
+    );
     let bw = read_bandwidth(reps);
     let cbw = copy_bandwidth(reps);
     let peak = peak_gflops(isa, reps);
@@ -105,7 +116,7 @@ fn bench() {
         let mut c = 0;
         let s = time(reps, || {
             c = (c + 1) % copies;
-            matmul::cpu::gemv(isa, &m, c, &x, &mut out)
+            matmul::cpu::gemv(isa, prec, &m, c, &x, &mut out)
         });
         let gbs = (m.bytes_per_row() * n) as f64 / s / 1e9;
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
@@ -122,7 +133,7 @@ fn bench() {
         let m = matrix(1, 512, 2048, f);
         let x: Vec<f32> = (0..2048).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut out = vec![0f32; 512];
-        let s = time(reps * 20, || matmul::cpu::gemv(isa, &m, 0, &x, &mut out));
+        let s = time(reps * 20, || matmul::cpu::gemv(isa, prec, &m, 0, &x, &mut out));
         let gbs = (m.bytes_per_row() * 512) as f64 / s / 1e9;
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
     }
@@ -146,7 +157,7 @@ fn bench() {
             step += 1;
             let ids: Vec<u32> = (0..8).map(|i| (step * 37 + i * 31) % 256).collect();
             let p = MoeParams { tokens: 1, top_k: 8 };
-            moe::cpu::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out);
+            moe::cpu::moe_experts_with(isa, prec, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out);
         });
         let bytes = 8 * (2 * inter * g.bytes_per_row() + d * dn.bytes_per_row());
         let gbs = bytes as f64 / s / 1e9;
@@ -215,7 +226,13 @@ fn bench() {
         let m = matrix(1, n, k, q4);
         let x: Vec<f32> = (0..t * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut out = vec![0f32; t * n];
-        let s = time(reps.min(5), || matmul::cpu::gemm(isa, &m, 0, &x, t, &mut out));
+        let p = lily_core::backend::params::MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
+        let s = time(reps.min(5), || {
+            matmul::cpu::matmul_with(isa, prec, &p, &m, &x, &mut out)
+        });
         let gf = (2 * n * k * t) as f64 / s / 1e9;
         println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
     }
@@ -244,7 +261,7 @@ fn bench() {
             top_k: 8,
         };
         let s = time(reps.min(5), || {
-            moe::cpu::moe_experts_with(isa, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out)
+            moe::cpu::moe_experts_with(isa, prec, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out)
         });
         let gf = (t * 8 * 3 * 2 * inter * d) as f64 / s / 1e9;
         println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);

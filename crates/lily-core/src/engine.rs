@@ -40,7 +40,11 @@ use crate::backend::metal::device::Device as MetalDevice;
 #[cfg(unix)]
 use crate::backend::metal::{sim::Sim, Metal};
 use crate::{
-    backend::{cpu::Cpu, params::KvStoreParams, Backend, KvDtype, StreamKind},
+    backend::{
+        cpu::{Cpu, Precision},
+        params::KvStoreParams,
+        Backend, KvDtype, StreamKind,
+    },
     config::ModelConfig,
     error::{Error, Result},
     memory::{gb, grouped, Footprint},
@@ -889,6 +893,9 @@ pub struct Options {
     pub prefill_chunk: Option<usize>,
     /// Element type of the stored K/V rows (f32 for fp32-exact checks).
     pub kv_dtype: KvDtype,
+    /// How the CPU backend's 4-bit matmuls round the activations ([`Precision`]: exact to f32, or
+    /// fast with one int8 plane, a little below bf16 accuracy); the GPU backends ignore it.
+    pub precision: Precision,
 }
 
 impl Default for Options {
@@ -898,6 +905,7 @@ impl Default for Options {
             max_seq: None,
             prefill_chunk: None,
             kv_dtype: KvDtype::default(),
+            precision: Precision::default(),
         }
     }
 }
@@ -973,7 +981,7 @@ impl Engine {
         };
         match backend {
             BackendKind::Cpu | BackendKind::Auto => Ok(Engine::Cpu(
-                Runner::new(Cpu::new(), dir, &cfg, opts, progress, notes)?,
+                Runner::new(Cpu::with_precision(opts.precision), dir, &cfg, opts, progress, notes)?,
                 cfg,
             )),
             BackendKind::CpuReference => Ok(Engine::Cpu(

@@ -1,5 +1,6 @@
 //! The integer-activation 4-bit dot ([`int8`]): every kernel this CPU has against the portable
-//! twin, the activation planes against their error bound, and the kernel choice per shape.
+//! twin, the activation planes against their error bound, and the kernel choice per shape; in
+//! both precisions (three planes: exact to f32; one plane: the fast mode, within half a step of x).
 //! On arm64 (CI runs this file under qemu) the `sdot` kernel is among them.
 
 mod common;
@@ -7,7 +8,7 @@ mod common;
 use common::{float_bytes, rand_vec};
 use lily_core::{
     backend::cpu::{
-        int8::{self, Dot, Planes, Rows, CHUNK_GROUPS, PLANES},
+        int8::{self, Dot, Planes, Precision, Rows, CHUNK_GROUPS, PLANES},
         isa::Isa,
     },
     quant::read_scalar,
@@ -36,37 +37,52 @@ fn lane_scales(s: &[f32], dx: &[f32], group: usize) -> Vec<f32> {
     s.iter().zip(dx).flat_map(|(s, d)| vec![s * d; group / 8]).collect()
 }
 
-/// Element i of x rebuilt from the planes of `dot`'s layout: d_g (q0 + q1 / 256 + q2 / 256^2).
-fn rebuilt(dot: Dot, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
+/// Both precisions' plane counts.
+const MODES: [usize; 2] = [PLANES, 1];
+
+/// Element i of x rebuilt from `n` planes of `dot`'s layout: d_g (q0 + q1 / 256 + q2 / 256^2).
+fn rebuilt(dot: Dot, n: usize, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
     let b = dot.block();
     let (blk, k) = (i / (2 * b), i % (2 * b));
-    let pos = blk * 2 * b * PLANES + (k % 2) * b + k / 2;
+    let pos = blk * 2 * b * n + (k % 2) * b + k / 2;
     let mut v = 0f64;
-    for p in 0..PLANES {
+    for p in 0..n {
         v += xq[pos + p * 2 * b] as f64 / 256f64.powi(p as i32);
     }
     (v * dx[i / group] as f64) as f32
 }
 
 #[test]
+fn precision_names_parse_and_bad_ones_are_typed_errors() {
+    for p in [Precision::Exact, Precision::Fast] {
+        assert_eq!(Precision::parse(p.name()).unwrap(), p);
+    }
+    assert_eq!((Precision::Exact.planes(), Precision::Fast.planes()), (PLANES, 1));
+    for bad in ["", "Fast", "int8", "exact "] {
+        let e = Precision::parse(bad).unwrap_err();
+        assert!(matches!(e, lily_core::Error::InvalidArgument(_)), "{bad:?}: {e}");
+    }
+}
+
+#[test]
 fn planes_rebuild_x_within_their_bound() {
-    for dot in Dot::all_available() {
+    for (dot, n) in Dot::all_available().into_iter().flat_map(|d| MODES.map(|n| (d, n))) {
         for group in [32, 64, 128] {
             let cols = 4 * 128;
             let x = activations(cols, group as u64);
-            let (mut dx, mut xq) = (vec![0f32; cols / group], vec![0i8; PLANES * cols]);
-            int8::quantize(Isa::get(), dot, &x, group, &mut dx, &mut xq);
+            let (mut dx, mut xq) = (vec![0f32; cols / group], vec![0i8; n * cols]);
+            int8::quantize(Isa::get(), dot, n, &x, group, &mut dx, &mut xq);
             for (g, xg) in x.chunks_exact(group).enumerate() {
                 let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
                 assert!((dx[g] - amax / 127.0).abs() <= 1e-7 * amax, "{dot:?} step of group {g}");
                 // Half a step of the last plane, plus f32 rounding of the rebuilt value.
-                let bound = amax / (127.0 * 2.0 * 256f32.powi(PLANES as i32 - 1)) + 1.2e-7 * amax;
+                let bound = amax / (127.0 * 2.0 * 256f32.powi(n as i32 - 1)) + 1.2e-7 * amax;
                 for (j, &v) in xg.iter().enumerate() {
                     let i = g * group + j;
-                    let err = (rebuilt(dot, &xq, &dx, group, i) - v).abs();
+                    let err = (rebuilt(dot, n, &xq, &dx, group, i) - v).abs();
                     assert!(
                         err <= bound,
-                        "{dot:?} group {group}: element {i} off by {err:e} (bound {bound:e})"
+                        "{dot:?} {n} planes, group {group}: element {i} off by {err:e} (bound {bound:e})"
                     );
                 }
             }
@@ -80,18 +96,18 @@ fn zero_and_tiny_groups_quantize_without_nan() {
     let mut x = vec![0f32; 256];
     x[64..128].iter_mut().for_each(|v| *v = 1e-30);
     let (mut dx, mut xq) = (vec![f32::NAN; 4], vec![1i8; PLANES * 256]);
-    int8::quantize(Isa::get(), dot, &x, 64, &mut dx, &mut xq);
+    int8::quantize(Isa::get(), dot, PLANES, &x, 64, &mut dx, &mut xq);
     assert_eq!(dx[0], 0.0);
     assert!(dx.iter().all(|d| d.is_finite()));
     let w = codes(128, 3);
     let cl = lane_scales(&[1.0; 4], &dx, 64);
-    let y = int8::dot(dot, &w, &xq, &cl);
+    let y = int8::dot(dot, PLANES, &w, &xq, &cl);
     assert!(y.is_finite() && y.abs() < 1e-25, "{y}");
 }
 
 #[test]
 fn every_dot_kernel_matches_the_portable_twin() {
-    for dot in Dot::all_available() {
+    for (dot, n) in Dot::all_available().into_iter().flat_map(|d| MODES.map(|n| (d, n))) {
         let b = dot.block();
         // One block, an odd number (the unrolled loop's tail), a real row (2048).
         for cols in [2 * b, 6 * b, 10 * b, 2048] {
@@ -100,21 +116,22 @@ fn every_dot_kernel_matches_the_portable_twin() {
                     continue;
                 }
                 let x = activations(cols, cols as u64);
-                let (mut dx, mut xq) = (vec![0f32; cols / group], vec![0i8; PLANES * cols]);
-                int8::quantize(Isa::get(), dot, &x, group, &mut dx, &mut xq);
+                let (mut dx, mut xq) = (vec![0f32; cols / group], vec![0i8; n * cols]);
+                int8::quantize(Isa::get(), dot, n, &x, group, &mut dx, &mut xq);
                 let w = codes(cols / 2, 7 + cols as u64);
                 let s = rand_vec(cols / group, 9, 0.001, 0.02);
                 let cl = lane_scales(&s, &dx, group);
-                let got = int8::dot(dot, &w, &xq, &cl);
-                let want = int8::dot_portable(&w, &xq, &cl, b);
+                let got = int8::dot(dot, n, &w, &xq, &cl);
+                let want = int8::dot_portable(n, &w, &xq, &cl, b);
                 // Same integer lane sums; only the f32 order of the lane totals differs.
                 let mag: f32 = cl.iter().map(|c| c.abs()).sum::<f32>() * 8.0 * 15.0 * 127.0;
                 assert!(
                     (got - want).abs() <= 1e-6 * mag,
-                    "{dot:?} cols {cols} group {group}: {got} vs {want}"
+                    "{dot:?} {n} planes, cols {cols} group {group}: {got} vs {want}"
                 );
                 // And the exact product of the codes with x, sum_j s_g q_j x_j (the affine
-                // bias term is added outside the kernel).
+                // bias term is added outside the kernel), within x's rounding: half a step of
+                // the last plane per element (one plane: sum_j s_g q_j d_g / 2).
                 let exact: f64 = (0..cols)
                     .map(|j| {
                         let q = if j % 2 == 0 { w[j / 2] & 15 } else { w[j / 2] >> 4 };
@@ -122,9 +139,15 @@ fn every_dot_kernel_matches_the_portable_twin() {
                     })
                     .sum();
                 let scale: f64 = (0..cols).map(|j| s[j / group] as f64 * 15.0 * x[j].abs() as f64).sum();
+                let rounding: f64 = (0..cols)
+                    .map(|j| {
+                        let q = if j % 2 == 0 { w[j / 2] & 15 } else { w[j / 2] >> 4 };
+                        s[j / group] as f64 * q as f64 * dx[j / group] as f64 / (2.0 * 256f64.powi(n as i32 - 1))
+                    })
+                    .sum();
                 assert!(
-                    (got as f64 - exact).abs() <= 1e-6 * scale,
-                    "{dot:?} cols {cols} group {group}: {got} vs exact {exact}"
+                    (got as f64 - exact).abs() <= 1e-6 * scale + rounding,
+                    "{dot:?} {n} planes, cols {cols} group {group}: {got} vs exact {exact}"
                 );
             }
         }
@@ -160,7 +183,7 @@ fn the_pick_fits_the_shape_and_the_isa() {
 fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
     // Quarters of 9 rows (the kernels run four streams) and a tail row.
     let n = 37;
-    for dot in Dot::all_available() {
+    for (dot, np) in Dot::all_available().into_iter().flat_map(|d| MODES.map(|n| (d, n))) {
         for dtype in [DType::BF16, DType::F16, DType::F32] {
             // Groups of MLX (fused on x86 and arm64) and a larger one (the lane-by-lane twin path); rows of
             // fewer groups than a chunk (512), whole chunks (2048), and a partial last chunk.
@@ -169,12 +192,12 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
                     if cols % group != 0 || cols % (2 * dot.block()) != 0 {
                         continue;
                     }
-                    let what = format!("{dot:?} {dtype:?} group {group} cols {cols}");
+                    let what = format!("{dot:?} {np} planes {dtype:?} group {group} cols {cols}");
                     let g_n = cols / group;
                     let g_pad = g_n.next_multiple_of(CHUNK_GROUPS);
                     let x = activations(cols, cols as u64 + group as u64);
-                    let (mut dx, mut xq) = (vec![0f32; g_pad], vec![0i8; PLANES * cols]);
-                    int8::quantize(Isa::get(), dot, &x, group, &mut dx[..g_n], &mut xq);
+                    let (mut dx, mut xq) = (vec![0f32; g_pad], vec![0i8; np * cols]);
+                    int8::quantize(Isa::get(), dot, np, &x, group, &mut dx[..g_n], &mut xq);
                     let mut gsum = vec![0f32; g_pad];
                     for (g, xg) in x.chunks_exact(group).enumerate() {
                         gsum[g] = xg.iter().sum();
@@ -192,6 +215,7 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
                     };
                     let planes = Planes {
                         dot,
+                        n: np,
                         dx: &dx,
                         gsum: &gsum,
                         xq: &xq,
@@ -200,8 +224,10 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
                     int8::rows(&rows, &planes, &mut got);
                     int8::rows_portable(&rows, &planes, &mut twin);
                     for r in 0..n {
-                        // The exact affine product in f64, and the scale of its terms.
-                        let (mut exact, mut mag) = (0f64, 0f64);
+                        // The exact affine product in f64, the scale of its terms, and the bound of
+                        // x's rounding (half a step of the last plane per element; the bias
+                        // term uses exact group sums).
+                        let (mut exact, mut mag, mut rounding) = (0f64, 0f64, 0f64);
                         for j in 0..cols {
                             let byte = w[r * cols / 2 + j / 2];
                             let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
@@ -209,10 +235,11 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
                             let b = read_scalar(dtype, &biases, r * g_n + j / group) as f64;
                             exact += (s * q + b) * x[j] as f64;
                             mag += (s * q + b.abs()) * x[j].abs() as f64;
+                            rounding += s * q * dx[j / group] as f64 / (2.0 * 256f64.powi(np as i32 - 1));
                         }
                         for (v, name) in [(got[r], "kernel"), (twin[r], "twin")] {
                             assert!(
-                                (v as f64 - exact).abs() <= 2e-6 * mag,
+                                (v as f64 - exact).abs() <= 2e-6 * mag + rounding,
                                 "{what} row {r}: {name} {v} vs exact {exact} (scale {mag})"
                             );
                         }
@@ -259,11 +286,11 @@ fn half_step_residuals_carry_into_the_plane_before() {
         x[0] = 127.0;
         x[1..1 + specials.len()].copy_from_slice(&specials);
         let (mut dx, mut xq) = (vec![0f32; cols / 64], vec![0i8; PLANES * cols]);
-        int8::quantize(Isa::get(), dot, &x, 64, &mut dx, &mut xq);
+        int8::quantize(Isa::get(), dot, PLANES, &x, 64, &mut dx, &mut xq);
         assert_eq!(dx[0], 1.0);
         for (i, &v) in x.iter().enumerate().take(64) {
             // Every value here is exact in three planes of 256x steps.
-            assert_eq!(rebuilt(dot, &xq, &dx, 64, i), v, "{dot:?} element {i}");
+            assert_eq!(rebuilt(dot, PLANES, &xq, &dx, 64, i), v, "{dot:?} element {i}");
         }
         assert!(xq.contains(&-128), "{dot:?}: no carry taken");
     }

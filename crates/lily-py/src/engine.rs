@@ -22,7 +22,7 @@ use crate::{
     transfer,
 };
 use lily_core::{
-    backend::KvDtype,
+    backend::{cpu::Precision, KvDtype},
     engine::{Options, Snapshot as CoreSnapshot},
     BackendKind, Engine as CoreEngine,
 };
@@ -72,6 +72,7 @@ pub struct Engine {
     backend: &'static str,
     config_json: String,
     kv_dtype: &'static str,
+    precision: &'static str,
     notes: Vec<String>,
     copied_weight_bytes: u64,
 }
@@ -187,7 +188,7 @@ fn seq_id(seq: i64) -> PyResult<usize> {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, prefill_chunk = None, progress = None, kv_dtype = "bf16"))]
+    #[pyo3(signature = (path, *, backend = "auto", max_seq = None, prefill_chunk = None, progress = None, kv_dtype = "bf16", precision = "exact"))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -196,9 +197,11 @@ impl Engine {
         prefill_chunk: Option<i64>,
         progress: Option<Py<PyAny>>,
         kv_dtype: &str,
+        precision: &str,
     ) -> PyResult<Self> {
         let kind = BackendKind::parse(backend).map_err(PyLilyError::from)?;
         let kv_dtype = KvDtype::parse(kv_dtype).map_err(PyLilyError::from)?;
+        let precision = Precision::parse(precision).map_err(PyLilyError::from)?;
         let max_seq = match max_seq {
             Some(n) if n < 1 => return Err(PyValueError::new_err(format!("max_seq must be at least 1, got {n}"))),
             Some(n) => Some(n as usize),
@@ -221,6 +224,7 @@ impl Engine {
                 max_seq,
                 prefill_chunk,
                 kv_dtype,
+                precision,
             };
             CoreEngine::load(&path, &opts, &mut report)
         });
@@ -232,6 +236,7 @@ impl Engine {
             backend: engine.backend_name(),
             config_json: engine.config().raw.to_string(),
             kv_dtype: engine.kv_dtype().name(),
+            precision: precision.name(),
             notes: engine.notes().to_vec(),
             copied_weight_bytes: engine.copied_weight_bytes(),
             inner: Mutex::new(engine),
@@ -470,6 +475,12 @@ impl Engine {
     #[getter]
     fn kv_dtype(&self) -> &'static str {
         self.kv_dtype
+    }
+
+    /// How the CPU's 4-bit matmuls round the activations: "exact" or "fast".
+    #[getter]
+    fn precision(&self) -> &'static str {
+        self.precision
     }
 
     /// What the engine chose at load, in words: the backend "auto" picked and why, a max_seq

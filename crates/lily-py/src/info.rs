@@ -53,6 +53,7 @@ pub fn checkpoint_fit<'py>(
         max_seq,
         prefill_chunk,
         kv_dtype: KvDtype::parse(kv_dtype).map_err(PyLilyError::from)?,
+        ..Options::default()
     };
     let fit = py.detach(|| info::fit(&path, &opts)).map_err(PyLilyError::from)?;
     let d = PyDict::new(py);

@@ -11,7 +11,7 @@ from lily import command
 from lily.bench.protocol import parse_concurrency, parse_lengths, run_bench
 from lily.bench.workers import run_worker
 from lily.command import ArgParser, CommandError
-from lily.loading import BACKENDS, KV_DTYPES
+from lily.loading import BACKENDS, KV_DTYPES, PRECISIONS
 
 __all__ = ["build_parser", "main"]
 
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-seq", type=command.MAX_SEQ, default=None, help="engine max_seq (default: the config's)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                     help="element type of Lily's stored keys and values (default bf16)")
+    ap.add_argument("--precision", choices=PRECISIONS, default="exact",
+                    help="Lily's CPU 4-bit matmuls: exact (default, fp32) or fast (activations as int8)")
     ap.add_argument("--decode-steps", type=command.integer(1), default=64,
                     help="decode steps timed after the first token (64)")
     ap.add_argument("--warmup-steps", type=command.integer(0), default=2, help="decode steps of the warm-up run (2)")

@@ -262,7 +262,8 @@ def _run_concurrency(args, model: Path, vocab: int, bm: dict, lengths: list[int]
     backend_seen = args.backend
     for c in runs:
         spec = {"engine": "lily", "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
-                "kv_dtype": args.kv_dtype, "lengths": lengths, "decode_steps": steps,
+                "kv_dtype": args.kv_dtype, "precision": getattr(args, "precision", "exact"),
+                "lengths": lengths, "decode_steps": steps,
                 "warmup_steps": args.warmup_steps, "seed": args.seed, "vocab": vocab, "concurrency": c}
         t0 = time.perf_counter()
         try:
@@ -328,7 +329,7 @@ def _measure(args, runs, status, model, steps, vocab, mlx_dtype, threads, llama,
     env = {"LILY_THREADS": str(threads)} if threads else None
     for eng, group in runs:
         spec = {"engine": eng, "model": str(model), "backend": args.backend, "max_seq": args.max_seq,
-                "kv_dtype": getattr(args, "kv_dtype", "bf16"),
+                "kv_dtype": getattr(args, "kv_dtype", "bf16"), "precision": getattr(args, "precision", "exact"),
                 "lengths": group, "decode_steps": steps, "warmup_steps": args.warmup_steps,
                 "seed": args.seed, "vocab": vocab, "mlx_dtype": mlx_dtype}
         t0 = time.perf_counter()

@@ -21,10 +21,10 @@ RESULT_TAG = "LILY_BENCH_RESULT "
 class LilyRunner:
     name = "lily"
 
-    def __init__(self, model, backend="auto", max_seq=None, kv_dtype="bf16"):
+    def __init__(self, model, backend="auto", max_seq=None, kv_dtype="bf16", precision="exact"):
         import lily
 
-        kw = {"backend": backend, "kv_dtype": kv_dtype}
+        kw = {"backend": backend, "kv_dtype": kv_dtype, "precision": precision}
         if max_seq:
             kw["max_seq"] = int(max_seq)
         self.eng = lily.Engine(str(model), **kw)
@@ -122,7 +122,7 @@ def run_worker(spec: dict, emit=print) -> None:
     t0 = time.perf_counter()
     if spec["engine"] == "lily":
         runner = LilyRunner(spec["model"], spec.get("backend", "auto"), spec.get("max_seq"),
-                            spec.get("kv_dtype", "bf16"))
+                            spec.get("kv_dtype", "bf16"), spec.get("precision", "exact"))
     elif spec["engine"] == "mlx-lm":
         runner = MlxLmRunner(spec["model"], spec.get("mlx_dtype", "native"))
     else:

@@ -6,19 +6,22 @@
 //! products (`vpdpbusd` on AVX-512 VNNI / AVX-VNNI, `pmaddubsw` on AVX2, `sdot` on arm64): one
 //! instruction per 64 (or 32, 16) weights, with the affine group form applied once per lane.
 //!
-//! Precision: x is not rounded to int8 (that would be a bf16-class error). Each group of x is
+//! Precision ([`Precision`]): in the exact mode x is not rounded to int8 (that would be a
+//! bf16-class error). Each group of x is
 //! written as [`PLANES`] int8 planes in fixed point, x ~= d_g (q0 + q1 / 256 + q2 / 256^2), with
 //! d_g = max|x_g| / 127: plane 0 is round(x / d_g), each next plane rounds what is left at 256x
 //! finer steps (a residual is within half a step, so |q1|, |q2| <= 128; a +128 carries into the
 //! plane before as -128, the same value, so every plane fits i8). The error per element is at
 //! most max|x_g| / (127 * 2 * 256^2) ~= 6e-8 max|x_g|, below f32 rounding of x itself, so the
 //! engine's numbers stay within the fp32 tolerances of the tests (two planes measured 3e-2 max
-//! |dlogit| between decode and prefill on a tiny model: an expert choice flipped). The bias term
-//! of the affine form, b_g sum_{j in g} x_j, uses the exact f32 group sums.
+//! |dlogit| between decode and prefill on a tiny model: an expert choice flipped). The fast mode
+//! keeps plane 0 only, x ~= d_g q0 (llama.cpp's q8 activations, per weight group): a third of the
+//! dot work, an error of up to d_g / 2 per element. The bias term of the affine form,
+//! b_g sum_{j in g} x_j, uses the exact f32 group sums in both modes.
 //!
 //! Layouts:
 //! - weights: the packed row as stored (byte j: element 2j in the low nibble, 2j+1 high);
-//! - `xq` [PLANES * cols] i8, in blocks of 2B elements (B = [`Dot::block`] weight bytes): per block
+//! - `xq` [planes * cols] i8, in blocks of 2B elements (B = [`Dot::block`] weight bytes): per block
 //!   and plane, the B even elements, then the B odd ones, so the low / high nibbles of B loaded
 //!   bytes meet their x values without a shuffle;
 //! - lanes: 4 weight bytes (8 elements) feed one i32 accumulator lane, so lane L always covers
@@ -30,14 +33,60 @@
 //! Result: sum_L cl[L] acc[L] / 256^2, one convert and one FMA per lane and block.
 
 use super::isa::{multiversion, Isa};
-use crate::{quant::read_scalar, safetensors::DType};
+use crate::{
+    error::{Error, Result},
+    quant::read_scalar,
+    safetensors::DType,
+};
 
-/// int8 planes per activation element.
+/// int8 planes per activation element in the exact mode (the most any mode writes: buffers are
+/// sized for it).
 pub const PLANES: usize = 3;
 /// log2 of the step ratio between consecutive planes.
 const SHIFT: i32 = 8;
-/// 256^(PLANES - 1): the weight of plane 0 in the combined lane sum.
-const UNIT: f32 = (1u32 << (SHIFT as u32 * (PLANES as u32 - 1))) as f32;
+
+/// 256^(planes - 1): the weight of plane 0 in the combined lane sum.
+const fn unit(planes: usize) -> f32 {
+    (1u32 << (SHIFT as u32 * (planes as u32 - 1))) as f32
+}
+
+/// How the CPU's 4-bit matmuls round the activations (module docs): `Exact`, [`PLANES`] int8
+/// planes per element (below f32 rounding of x, the engine's fp32 numbers); `Fast`, one plane
+/// (q8 per weight group, as llama.cpp: a little below bf16 accuracy, a third of the dot work).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    #[default]
+    Exact,
+    Fast,
+}
+
+impl Precision {
+    /// Int8 planes per activation element.
+    pub fn planes(self) -> usize {
+        match self {
+            Precision::Exact => PLANES,
+            Precision::Fast => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Exact => "exact",
+            Precision::Fast => "fast",
+        }
+    }
+
+    /// `"exact"` or `"fast"`; anything else is an [`Error::InvalidArgument`].
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "exact" => Ok(Precision::Exact),
+            "fast" => Ok(Precision::Fast),
+            _ => Err(Error::InvalidArgument(format!(
+                "precision must be \"exact\" or \"fast\", not {s:?}"
+            ))),
+        }
+    }
+}
 
 /// The byte dot-product instruction a kernel uses; each has its block width B.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,30 +174,31 @@ impl Dot {
     }
 }
 
-/// Quantize x [cols] (groups of `group` elements, a multiple of 8) into `PLANES` int8 planes in
-/// the block order of `dot`: `dx[g]` gets plane 0's step d_g, `xq[..PLANES * cols]` the planes.
-pub fn quantize(isa: Isa, dot: Dot, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) {
+/// Quantize x [cols] (groups of `group` elements, a multiple of 8) into `planes` (1 ..=
+/// [`PLANES`]) int8 planes in the block order of `dot`: `dx[g]` gets plane 0's step d_g,
+/// `xq[..planes * cols]` the planes.
+pub fn quantize(isa: Isa, dot: Dot, planes: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) {
     let (b, cols) = (dot.block(), x.len());
     assert!(
-        group % 8 == 0 && cols % group == 0 && cols % (2 * b) == 0,
+        group % 8 == 0 && cols % group == 0 && cols % (2 * b) == 0 && (1..=PLANES).contains(&planes),
         "int8: bad shape"
     );
     assert!(
-        dx.len() >= cols / group && xq.len() >= PLANES * cols,
+        dx.len() >= cols / group && xq.len() >= planes * cols,
         "int8: buffers too small"
     );
-    quantize_isa(isa, b, x, group, dx, xq)
+    quantize_isa(isa, b, planes, x, group, dx, xq)
 }
 
 multiversion! {
-    fn quantize_isa(b: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) = quantize_body;
+    fn quantize_isa(b: usize, planes: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) = quantize_body;
 }
 
 /// Steps per group first; then per block and half (even or odd elements): the half's elements
 /// gathered into a residual array, and per run of elements sharing a group and per plane, one
 /// vectorizable loop over contiguous values (round, store, subtract).
 #[inline(always)]
-fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) {
+fn quantize_body(_isa: Isa, b: usize, planes: usize, x: &[f32], group: usize, dx: &mut [f32], xq: &mut [i8]) {
     for (d, xg) in dx.iter_mut().zip(x.chunks_exact(group)) {
         // 8 lanes (groups are multiples of 8), so the loop vectorizes.
         let mut m = [0f32; 8];
@@ -164,7 +214,7 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
     let mut q = [[0f32; 64]; PLANES];
     for (blk, (xb, ob)) in x
         .chunks_exact(2 * b)
-        .zip(xq.chunks_exact_mut(2 * b * PLANES))
+        .zip(xq.chunks_exact_mut(2 * b * planes))
         .enumerate()
     {
         for h in 0..2 {
@@ -175,7 +225,7 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
                 let step = dx[(blk * 2 * b + 2 * i0) / group];
                 let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
                 let (mut stepp, mut invp) = (step, inv);
-                for (p, qp) in q.iter_mut().enumerate() {
+                for (p, qp) in q[..planes].iter_mut().enumerate() {
                     let lim = if p == 0 { 127.0 } else { 128.0 };
                     for (qi, ri) in qp[i0..i0 + run].iter_mut().zip(r[i0..i0 + run].iter_mut()) {
                         // f32::max / min drop a NaN (clamp would keep it), so q is finite and in range.
@@ -190,7 +240,7 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
                 // A plane at +128 (its residual was exactly half a step up) becomes -128 and
                 // carries one into the plane before: the same value, in i8 range. Plane 0 cannot
                 // carry past 127 (x <= 127 d_g leaves no positive residual there).
-                for p in (1..PLANES).rev() {
+                for p in (1..planes).rev() {
                     let (before, this) = q.split_at_mut(p);
                     for (a, b) in before[p - 1][i0..i0 + run]
                         .iter_mut()
@@ -201,7 +251,7 @@ fn quantize_body(_isa: Isa, b: usize, x: &[f32], group: usize, dx: &mut [f32], x
                         *a += c;
                     }
                 }
-                for (p, qp) in q.iter().enumerate() {
+                for (p, qp) in q[..planes].iter().enumerate() {
                     let o = &mut ob[p * 2 * b + h * b + i0..][..run];
                     for (oi, &v) in o.iter_mut().zip(&qp[i0..i0 + run]) {
                         // SAFETY: v is a finite integer in [-128, 127] (f32 rounding could only
@@ -230,11 +280,12 @@ pub struct Rows<'a> {
     pub group: usize,
 }
 
-/// x prepared once for every row: the planes in `dot`'s block order, plane-0 steps per group
-/// and exact f32 group sums (both zero-padded to a multiple of [`CHUNK_GROUPS`]).
+/// x prepared once for every row: `n` planes (1 or [`PLANES`]) in `dot`'s block order, plane-0
+/// steps per group and exact f32 group sums (both zero-padded to a multiple of [`CHUNK_GROUPS`]).
 #[derive(Clone, Copy)]
 pub struct Planes<'a> {
     pub dot: Dot,
+    pub n: usize,
     pub dx: &'a [f32],
     pub gsum: &'a [f32],
     pub xq: &'a [i8],
@@ -266,7 +317,8 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
             && m.biases.len() >= n * g_n * sz
             && x.dx.len() >= g_n.next_multiple_of(CHUNK_GROUPS)
             && x.gsum.len() >= g_n.next_multiple_of(CHUNK_GROUPS)
-            && x.xq.len() >= PLANES * m.cols,
+            && x.xq.len() >= x.n * m.cols
+            && (x.n == 1 || x.n == PLANES),
         "int8 rows: lengths"
     );
     #[cfg(target_arch = "x86_64")]
@@ -274,13 +326,22 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
         // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
         // the group size and dtype are the ones the kernels handle (`fused_rows`).
         unsafe {
-            match x.dot {
-                Dot::Vnni512 => x86::rows_vnni512(m, x, out),
-                Dot::Maddubs512 => x86::rows_maddubs512(m, x, out),
-                Dot::Vnni256 => x86::rows_vnni256(m, x, out),
-                Dot::AvxVnni256 => x86::rows_avxvnni256(m, x, out),
-                Dot::Maddubs256 => x86::rows_maddubs256(m, x, out),
-                _ => unreachable!("fused_rows"),
+            macro_rules! planes {
+                ($p:expr) => {
+                    match x.dot {
+                        Dot::Vnni512 => x86::rows_vnni512::<{ $p }>(m, x, out),
+                        Dot::Maddubs512 => x86::rows_maddubs512::<{ $p }>(m, x, out),
+                        Dot::Vnni256 => x86::rows_vnni256::<{ $p }>(m, x, out),
+                        Dot::AvxVnni256 => x86::rows_avxvnni256::<{ $p }>(m, x, out),
+                        Dot::Maddubs256 => x86::rows_maddubs256::<{ $p }>(m, x, out),
+                        _ => unreachable!("fused_rows"),
+                    }
+                };
+            }
+            if x.n == 1 {
+                planes!(1)
+            } else {
+                planes!(PLANES)
             }
         }
         return;
@@ -288,7 +349,13 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
     #[cfg(target_arch = "aarch64")]
     if x.dot == Dot::NeonSdot && x.dot.fused_rows(m.group, m.dtype) && x.dot.available() {
         // SAFETY: lengths checked above; `dotprod` checked by `available`; groups of 32k.
-        unsafe { neon::rows_sdot(m, x, out) };
+        unsafe {
+            if x.n == 1 {
+                neon::rows_sdot::<1>(m, x, out)
+            } else {
+                neon::rows_sdot::<PLANES>(m, x, out)
+            }
+        };
         return;
     }
     rows_portable(m, x, out)
@@ -315,33 +382,37 @@ pub fn rows_portable(m: &Rows, x: &Planes, out: &mut [f32]) {
                 cl[(e - p0) / 8..(end - p0) / 8].fill(read_scalar(m.dtype, sc, g) * x.dx[g]);
                 e = end;
             }
-            tot += dot(x.dot, &w[p0 / 2..][..pl / 2], &x.xq[p0 * PLANES..], &cl[..pl / 8]);
+            tot += dot(x.dot, x.n, &w[p0 / 2..][..pl / 2], &x.xq[p0 * x.n..], &cl[..pl / 8]);
         }
         *o = tot;
     }
 }
 
-/// The row's sum over lanes (module docs) for a 4-bit row `w` [cols / 2] and `xq`, `cl` prepared
-/// for `dot`.
+/// The row's sum over lanes (module docs) for a 4-bit row `w` [cols / 2] and `xq` (`planes`
+/// planes), `cl` prepared for `dot`.
 #[inline]
-pub fn dot(dot: Dot, w: &[u8], xq: &[i8], cl: &[f32]) -> f32 {
+pub fn dot(dot: Dot, planes: usize, w: &[u8], xq: &[i8], cl: &[f32]) -> f32 {
     let b = dot.block();
     let blocks = w.len() / b;
     assert!(
-        w.len() % b == 0 && xq.len() >= PLANES * 2 * w.len() && cl.len() >= w.len() / 4,
+        w.len() % b == 0
+            && (1..=PLANES).contains(&planes)
+            && xq.len() >= planes * 2 * w.len()
+            && cl.len() >= w.len() / 4,
         "int8 dot: lengths"
     );
     let (w, xq, cl) = (w.as_ptr(), xq.as_ptr(), cl.as_ptr());
-    // SAFETY: each kernel reads blocks * B weight bytes, blocks * 2B * PLANES x bytes and
+    // SAFETY: each kernel reads blocks * B weight bytes, blocks * 2B * planes x bytes and
     // blocks * B / 4 lane scales, all checked above; the kernel's CPU features were checked
     // by `available` when `dot` was picked.
     unsafe {
         match dot {
             #[cfg(target_arch = "aarch64")]
-            Dot::NeonSdot => neon::sdot16(w, xq, cl, blocks),
+            Dot::NeonSdot => neon::sdot16(planes, w, xq, cl, blocks),
             _ => dot_portable(
+                planes,
                 std::slice::from_raw_parts(w, blocks * b),
-                std::slice::from_raw_parts(xq, blocks * 2 * b * PLANES),
+                std::slice::from_raw_parts(xq, blocks * 2 * b * planes),
                 std::slice::from_raw_parts(cl, blocks * b / 4),
                 b,
             ),
@@ -350,13 +421,13 @@ pub fn dot(dot: Dot, w: &[u8], xq: &[i8], cl: &[f32]) -> f32 {
 }
 
 /// The twin every kernel is tested against: the same sums with plain integer loops, any B.
-pub fn dot_portable(w: &[u8], xq: &[i8], cl: &[f32], b: usize) -> f32 {
+pub fn dot_portable(planes: usize, w: &[u8], xq: &[i8], cl: &[f32], b: usize) -> f32 {
     let mut tot = 0f32;
     for (blk, wb) in w.chunks_exact(b).enumerate() {
-        let xb = &xq[blk * 2 * b * PLANES..][..2 * b * PLANES];
+        let xb = &xq[blk * 2 * b * planes..][..2 * b * planes];
         for (l, wl) in wb.chunks_exact(4).enumerate() {
             let mut acc = 0i32;
-            for p in 0..PLANES {
+            for p in 0..planes {
                 let (even, odd) = xb[p * 2 * b..][..2 * b].split_at(b);
                 acc <<= SHIFT;
                 for (i, &byte) in wl.iter().enumerate() {
@@ -367,7 +438,7 @@ pub fn dot_portable(w: &[u8], xq: &[i8], cl: &[f32], b: usize) -> f32 {
             tot += cl[blk * b / 4 + l] * acc as f32;
         }
     }
-    tot / UNIT
+    tot / unit(planes)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -376,7 +447,7 @@ mod x86 {
     //! (`rows_kernel!`) over the vector operations of each width (`width!`).
     use std::arch::x86_64::*;
 
-    use super::{Planes, Rows, PLANES, SHIFT, UNIT};
+    use super::{unit, Planes, Rows, SHIFT};
     use crate::safetensors::DType;
 
     /// Weight bytes ahead of the current block to prefetch. A core streams rows faster than the
@@ -629,13 +700,13 @@ mod x86 {
     macro_rules! rows_kernel {
         ($name:ident, $feat:literal, $w:ident, $dot2:ident) => {
             #[target_feature(enable = $feat)]
-            pub unsafe fn $name(m: &Rows, x: &Planes, out: &mut [f32]) {
+            pub unsafe fn $name<const P: usize>(m: &Rows, x: &Planes, out: &mut [f32]) {
                 use $w::*;
 
                 /// Rows `rows` of the run into `out[rows[i]]`.
                 #[target_feature(enable = $feat)]
                 #[inline]
-                unsafe fn run<const R: usize>(
+                unsafe fn run<const R: usize, const P: usize>(
                     m: &Rows,
                     x: &Planes,
                     idx: &[[i32; LANES]; 16],
@@ -645,7 +716,7 @@ mod x86 {
                     unsafe {
                         let (g_n, sz) = (m.cols / m.group, m.dtype.size());
                         let (row_w, row_s) = (m.cols / 2, g_n * sz);
-                        let unit = set1f(1.0 / UNIT);
+                        let unit = set1f(1.0 / unit(P));
                         // Scales and biases are prefetched about as far ahead as the weights.
                         let ahead = (PREFETCH / row_w).max(1) * row_s;
                         let xq = x.xq.as_ptr();
@@ -679,16 +750,15 @@ mod x86 {
                                 t[i] = fma(b, gsum, t[i]);
                             }
                             for ix in idx.iter().take(ng * m.group / (2 * B)) {
-                                let xb = xq.add(blk * 2 * B * PLANES);
-                                let xp: [(I, I); PLANES] =
+                                let xb = xq.add(blk * 2 * B * P);
+                                let xp: [(I, I); P] =
                                     std::array::from_fn(|p| (load(xb.add(p * 2 * B)), load(xb.add(p * 2 * B + B))));
                                 for i in 0..R {
                                     _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(blk * B + PREFETCH) as *const i8);
                                     let (lo, hi) = nibbles(load(w[i].add(blk * B) as *const i8));
                                     // The planes' dots side by side (short dependency chains), then
                                     // ((a0 << 8) + a1) << 8 + a2.
-                                    let a: [I; PLANES] =
-                                        std::array::from_fn(|p| $dot2(zero(), lo, xp[p].0, hi, xp[p].1));
+                                    let a: [I; P] = std::array::from_fn(|p| $dot2(zero(), lo, xp[p].0, hi, xp[p].1));
                                     let acc = a[1..].iter().fold(a[0], |acc, &ap| add(shift(acc), ap));
                                     t[i] = fma_i(acc, perm(ix.as_ptr(), table[i]), t[i]);
                                 }
@@ -713,10 +783,10 @@ mod x86 {
                     // forward stream for the hardware prefetcher.
                     let q = out.len() / 4;
                     for k in 0..q {
-                        run::<4>(m, x, &idx, [k, k + q, k + 2 * q, k + 3 * q], out);
+                        run::<4, P>(m, x, &idx, [k, k + q, k + 2 * q, k + 3 * q], out);
                     }
                     for r in 4 * q..out.len() {
-                        run::<1>(m, x, &idx, [r], out);
+                        run::<1, P>(m, x, &idx, [r], out);
                     }
                 }
             }
@@ -752,7 +822,7 @@ mod neon {
     //! scales. `sdot` is written as inline assembly because its intrinsic is not stable Rust yet.
     use std::arch::{aarch64::*, asm};
 
-    use super::{Planes, Rows, PLANES, SHIFT, UNIT};
+    use super::{unit, Planes, Rows, SHIFT};
     use crate::quant::read_scalar;
 
     /// Weight bytes ahead of the current read to prefetch (as the x86 kernels).
@@ -771,7 +841,7 @@ mod neon {
     }
 
     #[target_feature(enable = "neon,dotprod")]
-    pub unsafe fn sdot16(w: *const u8, xq: *const i8, cl: *const f32, blocks: usize) -> f32 {
+    pub unsafe fn sdot16(planes: usize, w: *const u8, xq: *const i8, cl: *const f32, blocks: usize) -> f32 {
         unsafe {
             let m = vdupq_n_u8(15);
             let mut t = vdupq_n_f32(0.0);
@@ -779,9 +849,9 @@ mod neon {
                 let v = vld1q_u8(w.add(i * 16));
                 let lo = vreinterpretq_s8_u8(vandq_u8(v, m));
                 let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
-                let x = xq.add(i * 32 * PLANES);
+                let x = xq.add(i * 32 * planes);
                 let mut acc = vdupq_n_s32(0);
-                for p in 0..PLANES {
+                for p in 0..planes {
                     if p > 0 {
                         acc = vshlq_n_s32::<SHIFT>(acc);
                     }
@@ -789,34 +859,34 @@ mod neon {
                 }
                 t = vfmaq_f32(t, vcvtq_f32_s32(acc), vld1q_f32(cl.add(i * 4)));
             }
-            vaddvq_f32(t) / UNIT
+            vaddvq_f32(t) / unit(planes)
         }
     }
 
     /// [`super::rows`] on arm64, the shape of the x86 fused kernels: four rows at a time, one from
     /// each quarter of the run (each a plain forward stream for the prefetcher), x's plane loads
     /// (six per 32-weight block) shared by the four. Groups are whole blocks (32 | group), so a
-    /// block's lane scale is one scalar per row and group, s_g d_g / UNIT, applied by one
+    /// block's lane scale is one scalar per row and group, s_g d_g / unit(P), applied by one
     /// `fmla` by element; the biases meet x's group sums in a scalar FMA per group.
     /// Per block and row: 1 load, `and` + `ushr`, 6 `sdot`, 2 `shl`, `scvtf`, `fmla` (12 + 1.5
     /// shared loads), where [`sdot16`] after the lane-table fill of [`super::rows_portable`] spends
     /// ~23 (its own 6 plane loads, a table load and ~4 table stores per block).
     #[target_feature(enable = "neon,dotprod")]
-    pub unsafe fn rows_sdot(m: &Rows, x: &Planes, out: &mut [f32]) {
+    pub unsafe fn rows_sdot<const P: usize>(m: &Rows, x: &Planes, out: &mut [f32]) {
         let q = out.len() / 4;
         unsafe {
             for k in 0..q {
-                run::<4>(m, x, [k, k + q, k + 2 * q, k + 3 * q], out);
+                run::<4, P>(m, x, [k, k + q, k + 2 * q, k + 3 * q], out);
             }
             for r in 4 * q..out.len() {
-                run::<1>(m, x, [r], out);
+                run::<1, P>(m, x, [r], out);
             }
         }
     }
 
     #[target_feature(enable = "neon,dotprod")]
     #[inline]
-    unsafe fn run<const R: usize>(m: &Rows, x: &Planes, rows: [usize; R], out: &mut [f32]) {
+    unsafe fn run<const R: usize, const P: usize>(m: &Rows, x: &Planes, rows: [usize; R], out: &mut [f32]) {
         let (g_n, sz) = (m.cols / m.group, m.dtype.size());
         let (row_w, row_s, bpg) = (m.cols / 2, g_n * sz, m.group / 32);
         unsafe {
@@ -828,14 +898,14 @@ mod neon {
             );
             let (mut t, mut bias) = ([vdupq_n_f32(0.0); R], [0f32; R]);
             for g in 0..g_n {
-                let step = x.dx[g] / UNIT;
+                let step = x.dx[g] / unit(P);
                 let ls: [f32; R] = std::array::from_fn(|i| read_scalar(m.dtype, sc[i], g) * step);
                 for i in 0..R {
                     bias[i] = read_scalar(m.dtype, bi[i], g).mul_add(x.gsum[g], bias[i]);
                 }
                 for blk in g * bpg..(g + 1) * bpg {
-                    let xb = x.xq.as_ptr().add(blk * 32 * PLANES);
-                    let xp: [(int8x16_t, int8x16_t); PLANES] =
+                    let xb = x.xq.as_ptr().add(blk * 32 * P);
+                    let xp: [(int8x16_t, int8x16_t); P] =
                         std::array::from_fn(|p| (vld1q_s8(xb.add(p * 32)), vld1q_s8(xb.add(p * 32 + 16))));
                     for i in 0..R {
                         let at = w[i].wrapping_add(blk * 16 + PREFETCH);

@@ -16,6 +16,8 @@ mod profile;
 pub mod scratch;
 pub mod simd;
 
+pub use int8::Precision;
+
 use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
 use crate::{
     error::{Error, Result},
@@ -26,14 +28,26 @@ use kv::CpuKv;
 
 pub struct Cpu {
     reference: bool,
+    /// How the quantized matmuls round the activations ([`Precision`]); the reference twins are exact.
+    precision: Precision,
 }
 
 impl Cpu {
     pub fn new() -> Self {
-        Cpu { reference: false }
+        Self::with_precision(Precision::Exact)
+    }
+    /// The production kernels with the quantized matmuls in precision `precision`.
+    pub fn with_precision(precision: Precision) -> Self {
+        Cpu {
+            reference: false,
+            precision,
+        }
     }
     pub fn reference() -> Self {
-        Cpu { reference: true }
+        Cpu {
+            reference: true,
+            precision: Precision::Exact,
+        }
     }
 }
 
@@ -195,7 +209,13 @@ impl Backend for Cpu {
         dispatch!(self, elementwise::add(p, x, y))
     }
     fn matmul(&self, p: &MatmulParams, w: &Matrix, x: &Vec<f32>, out: &mut Vec<f32>) {
-        profile::timed_matrices(&[w], || call!(self, matmul::matmul(p, w, x, out)))
+        profile::timed_matrices(&[w], || {
+            if self.reference {
+                ops::matmul::reference::matmul(p, w, x, out)
+            } else {
+                ops::matmul::cpu::matmul_with(isa::Isa::get(), self.precision, p, w, x, out)
+            }
+        })
     }
     fn matmuls(&self, p: &MatmulParams, x: &Vec<f32>, ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
         if self.reference || !ops::matmul::cpu::fuses(p, ws) {
@@ -204,7 +224,7 @@ impl Backend for Cpu {
             }
             return;
         }
-        profile::timed_matrices(ws, || ops::matmul::cpu::matmuls(p, x, ws, outs))
+        profile::timed_matrices(ws, || ops::matmul::cpu::matmuls(self.precision, p, x, ws, outs))
     }
     fn qk_norm_rope(&self, p: &RopeParams, q_norm: &Vec<f32>, k_norm: &Vec<f32>, qg: &mut Vec<f32>, k: &mut Vec<f32>) {
         dispatch!(self, attention::qk_norm_rope(p, q_norm, k_norm, qg, k))
@@ -255,7 +275,8 @@ impl Backend for Cpu {
             if self.reference {
                 ops::moe::reference::moe_experts(p, x, ids, weights, gate, up, down, out)
             } else {
-                ops::moe::cpu::moe_experts(p, x, ids, weights, gate, up, down, tmp, out)
+                let isa = isa::Isa::get();
+                ops::moe::cpu::moe_experts_with(isa, self.precision, p, x, ids, weights, gate, up, down, tmp, out)
             }
         })
     }

@@ -17,7 +17,7 @@
 //! that LLVM vectorizes to NEON (a baseline feature there).
 
 use super::{
-    int8::{self, Dot, Planes},
+    int8::{self, Dot, Planes, Precision},
     isa::Isa,
     kv::KvRows,
 };
@@ -113,6 +113,15 @@ fn q4_dot_kind(isa: Isa, m: &Matrix) -> Option<Dot> {
     }
 }
 
+/// The byte dot of the fused int8 row kernel for 4-bit rows of `m` on `isa` ([`int8::rows`]
+/// without its portable fallback), if they have one.
+pub fn int8_rows_dot(isa: Isa, m: &Matrix) -> Option<Dot> {
+    match (m.format, q4_dot_kind(isa, m)) {
+        (Format::Affine { group, .. }, Some(dot)) if dot.fused_rows(group, m.scale_dtype()) => Some(dot),
+        _ => None,
+    }
+}
+
 /// Group sums and plane steps are padded to whole chunks of [`int8::rows`].
 fn padded_groups(m: &Matrix) -> usize {
     m.groups_per_row().next_multiple_of(int8::CHUNK_GROUPS)
@@ -129,8 +138,9 @@ pub fn row_scratch_len(m: &Matrix) -> usize {
     2 * m.groups_per_row()
 }
 
-/// Fill `buf` (at least [`prep_len`]) with what [`row_dot`] needs for `m` and x.
-pub fn prepare(isa: Isa, m: &Matrix, x: &[f32], buf: &mut [f32]) {
+/// Fill `buf` (at least [`prep_len`]) with what [`row_dot`] needs for `m` and x: 4-bit rows get
+/// x's int8 planes, as many as `prec` asks.
+pub fn prepare(isa: Isa, prec: Precision, m: &Matrix, x: &[f32], buf: &mut [f32]) {
     let (g_n, g_pad) = (m.groups_per_row(), padded_groups(m));
     let (gsum, rest) = buf.split_at_mut(g_pad);
     let (dx, planes) = rest.split_at_mut(g_pad);
@@ -139,7 +149,15 @@ pub fn prepare(isa: Isa, m: &Matrix, x: &[f32], buf: &mut [f32]) {
             group_sums(&x[..m.cols], group, &mut gsum[..g_n]);
             gsum[g_n..].fill(0.0);
             if let Some(dot) = q4_dot_kind(isa, m) {
-                int8::quantize(isa, dot, &x[..m.cols], group, &mut dx[..g_n], as_i8(planes));
+                int8::quantize(
+                    isa,
+                    dot,
+                    prec.planes(),
+                    &x[..m.cols],
+                    group,
+                    &mut dx[..g_n],
+                    as_i8(planes),
+                );
                 dx[g_n..].fill(0.0);
             }
         }
@@ -152,14 +170,15 @@ fn as_i8(v: &mut [f32]) -> &mut [i8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut i8, v.len() * 4) }
 }
 
-/// The view of x and a buffer filled by [`prepare`] (with the same `isa`).
-pub fn view<'a>(isa: Isa, m: &Matrix, x: &'a [f32], buf: &'a [f32]) -> XRow<'a> {
+/// The view of x and a buffer filled by [`prepare`] (with the same `isa` and `prec`).
+pub fn view<'a>(isa: Isa, prec: Precision, m: &Matrix, x: &'a [f32], buf: &'a [f32]) -> XRow<'a> {
     let g_pad = padded_groups(m);
     let gsum = &buf[..g_pad];
     let q4 = q4_dot_kind(isa, m).map(|dot| {
         let planes = &buf[2 * g_pad..];
         Planes {
             dot,
+            n: prec.planes(),
             dx: &buf[g_pad..2 * g_pad],
             gsum,
             // SAFETY: as in `as_i8`.

@@ -15,6 +15,7 @@
 use crate::{
     backend::{
         cpu::{
+            int8::{Dot, Precision},
             isa::{multiversion, Isa},
             pool,
             scratch::{with_caller, with_task, Out},
@@ -42,7 +43,7 @@ fn gemv_chunk(rows: usize, row_bytes: usize) -> usize {
 /// out[r] = row r of expert e . x for every row of `m` (decode GEMV).
 /// Layout: `m` rows packed as stored; x [cols]; out [rows]. Threads: contiguous row ranges.
 /// Accumulation: f32 per row, affine groups in the form sum_g s_g (q . x)_g + b_g sum_g x.
-pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
+pub fn gemv(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
     if !simd::has_row_kernel(m) {
         // Formats without a fused kernel (2-bit): dequantize each row, then dot.
         let chunk = gemv_chunk(out.len(), m.bytes_per_row());
@@ -56,7 +57,7 @@ pub fn gemv(isa: Isa, m: &Matrix, e: usize, x: &[f32], out: &mut [f32]) {
         });
         return;
     }
-    gemv_many(isa, &[m], e, x, &mut [out])
+    gemv_many(isa, prec, &[m], e, x, &mut [out])
 }
 
 /// Most matrices [`gemv_many`] takes in one call.
@@ -66,12 +67,12 @@ pub const MANY: usize = 8;
 /// distinct format and width, and every matrix's row ranges are the tasks of one pool loop
 /// (one fork-join and one tail instead of one per matrix; a layer's small projections cost
 /// ~15 us each on their own). outs[i] holds W_i's rows.
-pub fn gemv_many(isa: Isa, ms: &[&Matrix], e: usize, x: &[f32], outs: &mut [&mut [f32]]) {
+pub fn gemv_many(isa: Isa, prec: Precision, ms: &[&Matrix], e: usize, x: &[f32], outs: &mut [&mut [f32]]) {
     let n = ms.len();
     assert!(n <= MANY && outs.len() == n, "gemv_many: {n} matrices");
     if ms.iter().any(|m| !simd::has_row_kernel(m)) {
         for (m, out) in ms.iter().zip(outs.iter_mut()) {
-            gemv(isa, m, e, x, out);
+            gemv(isa, prec, m, e, x, out);
         }
         return;
     }
@@ -94,13 +95,13 @@ pub fn gemv_many(isa: Isa, ms: &[&Matrix], e: usize, x: &[f32], outs: &mut [&mut
     }
     with_caller(total, |buf| {
         for i in (0..n).filter(|&i| own[i]) {
-            simd::prepare(isa, ms[i], x, &mut buf[off[i]..][..simd::prep_len(ms[i])]);
+            simd::prepare(isa, prec, ms[i], x, &mut buf[off[i]..][..simd::prep_len(ms[i])]);
         }
         let buf: &[f32] = buf;
         pool::for_each(start[n], |t| {
             let i = (0..n).rfind(|&i| start[i] <= t).unwrap_or(0);
             let (m, r0) = (ms[i], (t - start[i]) * chunk[i]);
-            let xr = simd::view(isa, m, x, &buf[off[i]..][..simd::prep_len(m)]);
+            let xr = simd::view(isa, prec, m, x, &buf[off[i]..][..simd::prep_len(m)]);
             // SAFETY: rows r0.. of output i belong to this task alone.
             let o = unsafe { out_p[i].slice(r0, chunk[i].min(m.rows - r0)) };
             with_task(simd::row_scratch_len(m), |sb| gemv_rows(isa, m, e, r0, xr, sb, o));
@@ -116,22 +117,19 @@ pub const GEMV_BATCH_MAX: usize = 8;
 /// stay in L1/L2 while every activation row is dotted with them.
 const GEMV_BATCH_ROWS: usize = 32;
 
-/// out[t * n + r] = W[r] . x[t] for t < tokens <= [`GEMV_BATCH_MAX`] (a batched decode step): the
-/// GEMV of [`gemv`], each block of weight rows read from memory once and dotted from the packed
+/// out[t * n + r] = W[r] . x[t] for t < tokens (a batched decode step, up to [`GEMV_BATCH_MAX`];
+/// any prefill where [`int8_prefill`]): the GEMV of [`gemv`], each block of weight rows read from memory once and dotted from the packed
 /// bytes with every activation row while it is in cache; each row's result is exactly what
 /// [`gemv`] gives for that row alone. Threads: contiguous row ranges, as [`gemv`].
-pub fn gemv_batch(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
+pub fn gemv_batch(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (n, k) = (m.rows, m.cols);
-    assert!(
-        tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(m),
-        "gemv_batch: {tokens} rows"
-    );
+    assert!(simd::has_row_kernel(m), "gemv_batch: {tokens} rows");
     let pl = simd::prep_len(m);
     let o = Out(out.as_mut_ptr());
     let chunk = gemv_chunk(n, m.bytes_per_row());
     with_caller(tokens * pl, |buf| {
         for t in 0..tokens {
-            simd::prepare(isa, m, &x[t * k..][..k], &mut buf[t * pl..][..pl]);
+            simd::prepare(isa, prec, m, &x[t * k..][..k], &mut buf[t * pl..][..pl]);
         }
         let buf: &[f32] = buf;
         pool::for_each(n.div_ceil(chunk), |c| {
@@ -141,7 +139,7 @@ pub fn gemv_batch(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out:
                 while r0 < rows.end {
                     let rn = GEMV_BATCH_ROWS.min(rows.end - r0);
                     for t in 0..tokens {
-                        let xr = simd::view(isa, m, &x[t * k..][..k], &buf[t * pl..][..pl]);
+                        let xr = simd::view(isa, prec, m, &x[t * k..][..k], &buf[t * pl..][..pl]);
                         // SAFETY: rows r0..r0 + rn of every token's output belong to this task alone.
                         let dst = unsafe { o.slice(t * n + r0, rn) };
                         gemv_rows(isa, m, e, r0, xr, sb, dst);
@@ -288,13 +286,29 @@ pub fn gemm(isa: Isa, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut 
     });
 }
 
-/// out [T, N] = x[x_row0.., K] W^T: GEMV for one token, batched GEMV for a few, tiled GEMM for more.
+/// out [T, N] = x[x_row0.., K] W^T: GEMV for one token, batched GEMV for a few, tiled GEMM for more
+/// (the exact precision).
 pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
-    matmul_with(Isa::get(), p, w, x, out)
+    matmul_with(Isa::get(), Precision::Exact, p, w, x, out)
 }
 
-/// [`matmul`] on the ISA `isa`.
-pub fn matmul_with(isa: Isa, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
+/// Whether a prefill of `m` runs the int8 row kernel per token ([`gemv_batch`]) rather than the
+/// f32 tile GEMM: in the fast precision only (one int8 plane), for 4-bit rows with a fused
+/// kernel. The row kernel needs no dequantization and, with one plane, one byte-dot pair per 2B
+/// weights. `few_tokens`: the MoE experts (~8 tokens per expert at a 256-token prompt), where the
+/// tile GEMM's dequantization is ~55 % of its time: measured 2.1x faster on AVX2 `pmaddubsw`.
+/// Otherwise (a dense GEMM, dequantization amortized over every token) only on the VNNI dots:
+/// with AVX2's `pmaddubsw` pair (4 instructions per 32 bytes and token) the two paths measured
+/// even, with `vpdpbusd` (2) the row kernel runs ~5 instructions per 64 weights and token against
+/// the f32 tile's ~7 (argued, not measured: this VM has no VNNI).
+pub fn int8_prefill(isa: Isa, prec: Precision, m: &Matrix, few_tokens: bool) -> bool {
+    prec == Precision::Fast
+        && simd::int8_rows_dot(isa, m)
+            .is_some_and(|d| few_tokens || matches!(d, Dot::Vnni512 | Dot::Vnni256 | Dot::AvxVnni256))
+}
+
+/// [`matmul`] on the ISA `isa` in the precision `prec`.
+pub fn matmul_with(isa: Isa, prec: Precision, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
     let (tokens, x_row0) = (p.tokens as usize, p.x_row0 as usize);
     let (n, k) = (w.rows, w.cols);
     assert!(
@@ -303,9 +317,9 @@ pub fn matmul_with(isa: Isa, p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut 
     );
     let x = &x[x_row0 * k..(x_row0 + tokens) * k];
     if tokens == 1 {
-        gemv(isa, w, 0, x, &mut out[..n]);
-    } else if tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(w) {
-        gemv_batch(isa, w, 0, x, tokens, out);
+        gemv(isa, prec, w, 0, x, &mut out[..n]);
+    } else if (tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(w)) || int8_prefill(isa, prec, w, false) {
+        gemv_batch(isa, prec, w, 0, x, tokens, out);
     } else if tokens > 1 {
         gemm(isa, w, 0, x, tokens, out);
     }
@@ -318,12 +332,12 @@ pub fn fuses(p: &MatmulParams, ws: &[&Matrix]) -> bool {
 
 /// outs[i] = x W_i^T for matrices reading the same x (a layer's input projections) where
 /// [`fuses`] says so: one pool loop over every matrix's rows ([`gemv_many`]).
-pub fn matmuls(p: &MatmulParams, x: &[f32], ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
+pub fn matmuls(prec: Precision, p: &MatmulParams, x: &[f32], ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
     assert!(fuses(p, ws), "matmuls: {} matrices of {} tokens", ws.len(), p.tokens);
     let x = &x[p.x_row0 as usize * ws[0].cols..];
     let mut slices: [&mut [f32]; MANY] = Default::default();
     for ((s, out), w) in slices.iter_mut().zip(outs.iter_mut()).zip(ws) {
         *s = &mut out[..w.rows];
     }
-    gemv_many(Isa::get(), ws, 0, x, &mut slices[..ws.len()])
+    gemv_many(Isa::get(), prec, ws, 0, x, &mut slices[..ws.len()])
 }

@@ -5,6 +5,7 @@
 use crate::{
     backend::{
         cpu::{
+            int8::Precision,
             isa::Isa,
             pool,
             scratch::{with_caller, with_caller_ids, with_task, Out},
@@ -41,11 +42,27 @@ pub fn moe_experts(
     tmp: &mut [f32],
     out: &mut [f32],
 ) {
-    moe_experts_with(Isa::get(), p, x, ids, weights, gate, up, down, tmp, out)
+    moe_experts_with(
+        Isa::get(),
+        Precision::Exact,
+        p,
+        x,
+        ids,
+        weights,
+        gate,
+        up,
+        down,
+        tmp,
+        out,
+    )
 }
 
+/// [`moe_experts`] on the ISA `isa` in the precision `prec`: in the fast one, a prefill's experts
+/// also run from the packed rows (as a batched decode step) when the matmul family says so
+/// ([`matmul::int8_prefill`]): no dequantized tile, x as one int8 plane.
 pub fn moe_experts_with(
     isa: Isa,
+    prec: Precision,
     p: &MoeParams,
     x: &[f32],
     ids: &[u32],
@@ -63,10 +80,13 @@ pub fn moe_experts_with(
     }
     let (act, ys) = tmp[..pairs * (inter + d)].split_at_mut(pairs * inter);
     let fused = [gate, up, down].iter().all(|m| simd::has_row_kernel(m)) && gate.format == up.format;
+    let int8 = [gate, up, down]
+        .iter()
+        .all(|m| matmul::int8_prefill(isa, prec, m, true));
     if t_n == 1 && fused {
-        moe_decode(isa, k_n, x, ids, gate, up, down, act, ys);
-    } else if t_n <= matmul::GEMV_BATCH_MAX && fused {
-        moe_decode_batch(isa, pairs, k_n, x, ids, gate, up, down, act, ys);
+        moe_decode(isa, prec, k_n, x, ids, gate, up, down, act, ys);
+    } else if (t_n <= matmul::GEMV_BATCH_MAX || int8) && fused {
+        moe_decode_batch(isa, prec, pairs, k_n, x, ids, gate, up, down, act, ys);
     } else {
         moe_grouped(isa, pairs, k_n, x, ids, gate, up, down, act, ys);
     }
@@ -86,6 +106,7 @@ pub fn moe_experts_with(
 /// One token: every slot's expert by GEMV from the packed rows.
 fn moe_decode(
     isa: Isa,
+    prec: Precision,
     k_n: usize,
     x: &[f32],
     ids: &[u32],
@@ -99,8 +120,8 @@ fn moe_decode(
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
     let sb_len = simd::row_scratch_len(gate).max(simd::row_scratch_len(down));
     with_caller(simd::prep_len(gate), |buf| {
-        simd::prepare(isa, gate, &x[..d], buf);
-        let xr = simd::view(isa, gate, &x[..d], buf);
+        simd::prepare(isa, prec, gate, &x[..d], buf);
+        let xr = simd::view(isa, prec, gate, &x[..d], buf);
         let blocks = inter.div_ceil(MOE_DECODE_ROWS);
         pool::for_each(k_n * blocks, |task| {
             let (slot, blk) = (task / blocks, task % blocks);
@@ -123,7 +144,13 @@ fn moe_decode(
     let pl = simd::prep_len(down);
     with_caller(k_n * pl, |buf| {
         for slot in 0..k_n {
-            simd::prepare(isa, down, &act[slot * inter..][..inter], &mut buf[slot * pl..][..pl]);
+            simd::prepare(
+                isa,
+                prec,
+                down,
+                &act[slot * inter..][..inter],
+                &mut buf[slot * pl..][..pl],
+            );
         }
         let buf: &[f32] = buf;
         let rows_per = 4 * MOE_DECODE_ROWS;
@@ -131,7 +158,7 @@ fn moe_decode(
         pool::for_each(k_n * blocks, |task| {
             let (slot, blk) = (task / blocks, task % blocks);
             let e = ids[slot] as usize;
-            let xr = simd::view(isa, down, &act[slot * inter..][..inter], &buf[slot * pl..][..pl]);
+            let xr = simd::view(isa, prec, down, &act[slot * inter..][..inter], &buf[slot * pl..][..pl]);
             let rows = blk * rows_per..((blk + 1) * rows_per).min(d);
             let rn = rows.len();
             with_task(sb_len + rn, |scr| {
@@ -146,13 +173,15 @@ fn moe_decode(
     });
 }
 
-/// A batched decode step (a few tokens, one per sequence): the pairs grouped by expert, and each
+/// A batched decode step (a few tokens, one per sequence), or a prefill in the fast precision
+/// ([`matmul::int8_prefill`]): the pairs grouped by expert, and each
 /// task's block of one expert's rows dotted from the packed bytes (as [`moe_decode`]) with every
 /// pair routed to that expert while the block is in cache: an expert two sequences share is read
 /// once, and each pair's result is what [`moe_decode`] gives it alone.
 #[allow(clippy::too_many_arguments)]
 fn moe_decode_batch(
     isa: Isa,
+    prec: Precision,
     pairs: usize,
     k_n: usize,
     x: &[f32],
@@ -172,7 +201,7 @@ fn moe_decode_batch(
         let pl = simd::prep_len(gate);
         with_caller(t_n * pl, |xb| {
             for t in 0..t_n {
-                simd::prepare(isa, gate, &x[t * d..][..d], &mut xb[t * pl..][..pl]);
+                simd::prepare(isa, prec, gate, &x[t * d..][..d], &mut xb[t * pl..][..pl]);
             }
             let xb: &[f32] = xb;
             let blocks = inter.div_ceil(MOE_DECODE_ROWS);
@@ -186,7 +215,7 @@ fn moe_decode_batch(
                     let (gv, uv) = rest.split_at_mut(rn);
                     for &pair in members {
                         let t = pair as usize / k_n;
-                        let xr = simd::view(isa, gate, &x[t * d..][..d], &xb[t * pl..][..pl]);
+                        let xr = simd::view(isa, prec, gate, &x[t * d..][..d], &xb[t * pl..][..pl]);
                         matmul::gemv_rows(isa, gate, e, rows.start, xr, sb, gv);
                         matmul::gemv_rows(isa, up, e, rows.start, xr, sb, uv);
                         for i in 0..rn {
@@ -201,7 +230,13 @@ fn moe_decode_batch(
         let pl = simd::prep_len(down);
         with_caller(pairs * pl, |ab| {
             for pair in 0..pairs {
-                simd::prepare(isa, down, &act[pair * inter..][..inter], &mut ab[pair * pl..][..pl]);
+                simd::prepare(
+                    isa,
+                    prec,
+                    down,
+                    &act[pair * inter..][..inter],
+                    &mut ab[pair * pl..][..pl],
+                );
             }
             let ab: &[f32] = ab;
             let rows_per = 4 * MOE_DECODE_ROWS;
@@ -215,7 +250,7 @@ fn moe_decode_batch(
                     let (sb, y) = scr.split_at_mut(sb_len);
                     for &pair in members {
                         let pair = pair as usize;
-                        let xr = simd::view(isa, down, &act[pair * inter..][..inter], &ab[pair * pl..][..pl]);
+                        let xr = simd::view(isa, prec, down, &act[pair * inter..][..inter], &ab[pair * pl..][..pl]);
                         matmul::gemv_rows(isa, down, e, rows.start, xr, sb, y);
                         for (i, &v) in y.iter().enumerate() {
                             // SAFETY: (pair, row) is written by this task only.
