@@ -83,7 +83,8 @@ for m in map(json.loads, sys.stdin):
 for m in map(json.loads, sys.stdin):
     if m.get("executable"):
         shutil.copy(m["executable"], sys.argv[1] + "/attention")' "$DEV/bin"
-    cp tests/{conftest,fixtures,oracle,test_oracle,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
+    strip "$DEV"/bin/*   # the device call carries at most 64 MiB with the checkout
+    cp tests/{conftest,fixtures,oracle,test_oracle,gpu_sim,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
     # conftest.py keys its fixture caches on these sources, read beside the tests.
     mkdir -p "$DEV/python/lily" && cp python/lily/{tokenizer_files,mlx_reference}.py "$DEV/python/lily/"
     cp tests/.fixtures/oracle/*-mlx_logits-*.npy "$DEV/fixtures/oracle/" 2>/dev/null || true
