@@ -1300,6 +1300,7 @@ impl Engine {
 
     /// Device memory bandwidth in GB/s (a device-to-device copy of `bytes`, best of 5, counting
     /// bytes read and written) on a GPU backend; `None` on the CPU backends.
+    #[cfg_attr(not(target_os = "linux"), allow(unused_variables))] // `bytes`: CUDA only (Linux)
     pub fn measure_device_bandwidth(&self, bytes: usize) -> Result<Option<f64>> {
         match self {
             #[cfg(target_os = "linux")]
