@@ -7,16 +7,31 @@ use crate::backend::{
     params::RmsNormParams,
 };
 
-pub fn rms_norm<X: Executor>(c: &Cuda<X>, p: &RmsNormParams, x: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-    let n = (p.rows * p.dim) as usize;
-    if !c.fits(
-        "rms_norm",
-        &[("x", x.len, n), ("w", w.len, p.dim as usize), ("out", out.len, n)],
-    ) {
+/// Launch a norm kernel over `p.rows` rows (one block of 256 threads per row) after checking
+/// each buffer's length: `bufs` are (name, buffer, elements needed) in the kernel's argument order.
+fn row_norm<X: Executor>(c: &Cuda<X>, op: &str, kernel: F, p: &RmsNormParams, bufs: &[(&str, &CudaBuf<X>, usize)]) {
+    let mut checks = [("", 0, 0); 6]; // no allocation: encoders run inside the decode loop
+    for (check, &(name, b, need)) in checks.iter_mut().zip(bufs) {
+        *check = (name, b.len, need);
+    }
+    if !c.fits(op, &checks[..bufs.len()]) {
         return;
     }
-    let args = Args::new().push(*p).ptr(x.ptr()).ptr(w.ptr()).ptr(out.ptr());
-    c.launch(F::RmsNorm, shape([p.rows, 1, 1], 256), args);
+    let args = bufs
+        .iter()
+        .fold(Args::new().push(*p), |args, (_, b, _)| args.ptr(b.ptr()));
+    c.launch(kernel, shape([p.rows, 1, 1], 256), args);
+}
+
+pub fn rms_norm<X: Executor>(c: &Cuda<X>, p: &RmsNormParams, x: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>) {
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    row_norm(
+        c,
+        "rms_norm",
+        F::RmsNorm,
+        p,
+        &[("x", x, n), ("w", w, d), ("out", out, n)],
+    );
 }
 
 pub fn rms_norm_gated<X: Executor>(
@@ -27,25 +42,9 @@ pub fn rms_norm_gated<X: Executor>(
     w: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let n = (p.rows * p.dim) as usize;
-    if !c.fits(
-        "rms_norm_gated",
-        &[
-            ("x", x.len, n),
-            ("z", z.len, n),
-            ("w", w.len, p.dim as usize),
-            ("out", out.len, n),
-        ],
-    ) {
-        return;
-    }
-    let args = Args::new()
-        .push(*p)
-        .ptr(x.ptr())
-        .ptr(z.ptr())
-        .ptr(w.ptr())
-        .ptr(out.ptr());
-    c.launch(F::RmsNormGated, shape([p.rows, 1, 1], 256), args);
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    let bufs = [("x", x, n), ("z", z, n), ("w", w, d), ("out", &*out, n)];
+    row_norm(c, "rms_norm_gated", F::RmsNormGated, p, &bufs);
 }
 
 pub fn add_rms_norm<X: Executor>(
@@ -56,25 +55,9 @@ pub fn add_rms_norm<X: Executor>(
     w: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let n = (p.rows * p.dim) as usize;
-    if !c.fits(
-        "add_rms_norm",
-        &[
-            ("x", x.len, n),
-            ("y", y.len, n),
-            ("w", w.len, p.dim as usize),
-            ("out", out.len, n),
-        ],
-    ) {
-        return;
-    }
-    let args = Args::new()
-        .push(*p)
-        .ptr(x.ptr())
-        .ptr(y.ptr())
-        .ptr(w.ptr())
-        .ptr(out.ptr());
-    c.launch(F::AddRmsNorm, shape([p.rows, 1, 1], 256), args);
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    let bufs = [("x", &*x, n), ("y", y, n), ("w", w, d), ("out", &*out, n)];
+    row_norm(c, "add_rms_norm", F::AddRmsNorm, p, &bufs);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -88,27 +71,14 @@ pub fn add_gated_rms_norm<X: Executor>(
     w: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let n = (p.rows * p.dim) as usize;
-    if !c.fits(
-        "add_gated_rms_norm",
-        &[
-            ("x", x.len, n),
-            ("y", y.len, n),
-            ("shared", shared.len, n),
-            ("gate", gate.len, p.rows as usize),
-            ("w", w.len, p.dim as usize),
-            ("out", out.len, n),
-        ],
-    ) {
-        return;
-    }
-    let args = Args::new()
-        .push(*p)
-        .ptr(x.ptr())
-        .ptr(y.ptr())
-        .ptr(shared.ptr())
-        .ptr(gate.ptr())
-        .ptr(w.ptr())
-        .ptr(out.ptr());
-    c.launch(F::AddGatedRmsNorm, shape([p.rows, 1, 1], 256), args);
+    let (n, d, rows) = ((p.rows * p.dim) as usize, p.dim as usize, p.rows as usize);
+    let bufs = [
+        ("x", &*x, n),
+        ("y", y, n),
+        ("shared", shared, n),
+        ("gate", gate, rows),
+        ("w", w, d),
+        ("out", &*out, n),
+    ];
+    row_norm(c, "add_gated_rms_norm", F::AddGatedRmsNorm, p, &bufs);
 }
