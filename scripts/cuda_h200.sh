@@ -113,6 +113,9 @@ python3 -c 'import lily, sys; print("lily", lily.__file__, "python", sys.version
 SYNTH="$WORK/synth40"
 GGUF="$WORK/synth40.gguf"
 LLAMA="$WORK/llama.cpp/build/bin/llama-bench"
+SYNTH4="$WORK/synth4"        # the 4-layer full-width checkpoint of the CPU phases, and its GGUF
+GGUF4="$WORK/synth4.gguf"
+synth4() { [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1; }
 fail=0
 want() { for p in "$@"; do case "$PHASES" in *" $p "*) return 0 ;; esac; done; return 1; }
 if want setup llama; then
@@ -229,10 +232,8 @@ for _ in range(64):
     tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -45
 fi
 if want cpu; then
-    SYNTH4="$WORK/synth4"
-    GGUF4="$WORK/synth4.gguf"
     step "the 4-layer full-width checkpoint for the CPU measurements"
-    [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
+    synth4
     cores=$(nproc)
     step "CPU kernel tests on this host's ISA (its AVX-512 paths do not run on an AVX2-only machine)"
     grep -o 'avx512[a-z_0-9]*\|amx[a-z_0-9]*\|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
@@ -255,10 +256,8 @@ if want cpu; then
     [ -n "${OUT:-}" ] && cp "$WORK"/cpu*.json "$OUT/" 2>/dev/null
 fi
 if want depth; then
-    SYNTH4="$WORK/synth4"
-    GGUF4="$WORK/synth4.gguf"
     cores=$(nproc)
-    [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
+    synth4
     step "CPU, $cores threads: long context (4K, 32K prefilled beside llama-bench -d; 128K, 255K by fill_context)"
     CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores python3 -m lily.bench.depth "$SYNTH4" --backend cpu \
         --depths 4K,32K,128K,255K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
@@ -266,9 +265,8 @@ if want depth; then
     [ -n "${OUT:-}" ] && cp "$WORK/depth.json" "$OUT/" 2>/dev/null
 fi
 if want extras; then
-    SYNTH4="$WORK/synth4"
     cores=$(nproc)
-    [ -f "$SYNTH4/config.json" ] || python3 -m lily synth "$SYNTH4" --layers 4 -q || fail=1
+    synth4
     for t in "$cores" 2; do
         pin=""; [ "$t" = 2 ] && pin="taskset -c 0,1"
         step "decode attention alone, $t threads: bf16 / f16 / f32 KV at 32K and 128K"
