@@ -336,13 +336,16 @@ fn kv_store_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 /// and 8 (the real head shapes: 8 per KV head, hd 256); every cache dtype; segments of 4 and 16
 /// rows put boundaries inside tiles and splits; a sequence past 1024 rows crosses a default-size
 /// segment. A prefill of T tokens on pos0 cached rows, then the decode steps.
-const ATTENTION_CASES: [(usize, usize, usize, usize, usize, usize, KvDtype, usize); 5] = [
+const ATTENTION_CASES: [AttentionCase; 5] = [
     (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
     (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
     (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
     (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
     (4, 2, 32, 1100, 2, 2, KvDtype::BF16, 1024),
 ];
+
+/// (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows).
+type AttentionCase = (usize, usize, usize, usize, usize, usize, KvDtype, usize);
 
 /// `ATTENTION_CASES` on `dev` as it is set up, against the reference.
 fn attention_cases<B: Backend>(dev: &B, tolx: f32, what: &str) {
