@@ -24,10 +24,12 @@ fi
 echo "== NVRTC ($LILY_NVRTC): every kernel for sm_80, sm_89, sm_90, no warnings; the sm_90 resource report"
 cargo test -p lily-core --release --locked --test cuda_nvrtc -- --nocapture
 
-echo "== kernels vs CPU reference (simulator, bounds-checked), planted bugs"
+echo "== kernels vs CPU reference (simulator, bounds-checked: the cuda_sim tests of tests/ops_<family>.rs), argmax, the tiny model, planted bugs"
+cargo test -p lily-core --release --locked --test 'ops_*' -- cuda_sim::
 cargo test -p lily-core --release --locked --test cuda_sim
 
 echo "== the per-kernel tests with reversed thread order (CUDA_SIM_SCHED=reverse)"
+CUDA_SIM_SCHED=reverse cargo test -p lily-core --release --locked --test 'ops_*' -- cuda_sim::
 CUDA_SIM_SCHED=reverse cargo test -p lily-core --release --locked --test cuda_sim -- --skip forward_ --skip sim_
 
 echo "== host layer: warm encoding allocates nothing, decode replays one graph (null executor)"

@@ -17,7 +17,9 @@
 # What it needs beside the checkout, under $DEV (default .dev, an ignored folder named in the device
 # call's `carry`; make it with `scripts/cuda_h200.sh pack` on the development machine):
 #   $DEV/whl/*.whl                       lily (built here), mlx, mlx-cpu, mlx-lm, gguf
-#   $DEV/bin/cuda_device                 the Rust GPU test binary (cargo test --test cuda_device --no-run)
+#   $DEV/bin/cuda_device, ops_*          the Rust GPU test binaries (cargo test --test cuda_device --test
+#                                        'ops_*' --no-run: each op kernel's cuda_device:: cases are in its
+#                                        family's ops_<family>, the CPU kernels' cpu:: cases beside them)
 #   $DEV/tests/                          the Python tests and their helpers, $DEV/fixtures/oracle: cached MLX-LM logits,
 #   $DEV/python/lily/                    the two package sources conftest.py reads beside the tests
 #   $DEV/llamacpp/llama.cpp.tar.gz       llama.cpp from the llama-cpp-python 0.3.36 sdist, trimmed to the
@@ -73,7 +75,7 @@ if [ "$PHASE" = pack ]; then
     # Test binaries by target name: the GPU tests, and the CPU kernel tests for the host's ISA (AVX-512
     # VNNI / bf16 paths that an AVX2-only development machine cannot run); the attention bench.
     cargo test -p lily-core --release --locked --no-run --message-format=json --test cuda_device \
-        --test cpu_simd --test cpu_int8 --test ops_attention --test ops_matmul --test ops_moe --test ops_delta_net |
+        --test cpu_simd --test cpu_int8 --test 'ops_*' |
         python3 -c 'import json, shutil, sys
 for m in map(json.loads, sys.stdin):
     if m.get("executable"):
@@ -135,8 +137,11 @@ if want setup llama; then
 fi
 
 if want setup test; then
-    step "Rust GPU tests: every kernel against the reference, the tiny model end to end, decode graphs"
+    step "Rust GPU tests: every kernel against the reference (ops_<family> cuda_device::), argmax, the tiny model end to end, decode graphs"
     "$DEV/bin/cuda_device" --test-threads=1 || fail=1
+    for t in "$DEV"/bin/ops_*; do
+        "$t" cuda_device:: --test-threads=1 || { echo "FAILED: $(basename "$t") cuda_device::"; fail=1; }
+    done
     step "Python GPU tests: tiny oracle checkpoints vs MLX-LM, full-width synthetic vs the CPU backend"
     mkdir -p "$WORK/fixtures/oracle" && cp -n "$DEV"/fixtures/oracle/*.npy "$WORK/fixtures/oracle/" 2>/dev/null
     LILY_TEST_FIXTURES="$WORK/fixtures" python3 -m pytest -q -p no:cacheprovider --rootdir "$DEV/tests" \
@@ -238,7 +243,8 @@ if want cpu; then
     step "CPU kernel tests on this host's ISA (its AVX-512 paths do not run on an AVX2-only machine)"
     grep -o 'avx512[a-z_0-9]*\|amx[a-z_0-9]*\|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
     # cpu_simd and cpu_int8 whole (every ISA the host has against the reference); the ops files' cpu cases.
-    for t in cpu_simd cpu_int8 "ops_attention cpu::" "ops_matmul cpu::" "ops_moe cpu::" "ops_delta_net cpu::"; do
+    for t in cpu_simd cpu_int8 "ops_attention cpu::" "ops_matmul cpu::" "ops_moe cpu::" "ops_delta_net cpu::" \
+        "ops_norm cpu::" "ops_elementwise cpu::" "ops_embed cpu::"; do
         set -- $t
         CUDA_VISIBLE_DEVICES= "$DEV/bin/$1" ${2:-} -q || { echo "FAILED: $t"; fail=1; }
     done

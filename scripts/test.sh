@@ -36,13 +36,13 @@ LILY_EXPECT_DOTS="$(grep -q avx512_vnni /proc/cpuinfo && echo Vnni512,Maddubs512
     cargo test -p lily-core --release --locked
 
 step "rust: CPU kernels and pool on arm64 (qemu): every NEON path against its twin"
-# The op families' CPU tests (tests/ops_*.rs); their Metal-simulator tests run above (the
-# simulator loads x86_64 shader libraries, which an arm64 process under qemu cannot).
+# The op families' CPU tests (tests/ops_*.rs); their Metal- and CUDA-simulator tests run above
+# (the simulators load x86_64 kernel libraries, which an arm64 process under qemu cannot).
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
 LILY_EXPECT_DOTS=NeonSdot \
     cargo test -p lily-core --release --locked --target aarch64-unknown-linux-gnu \
-    --test cpu_int8 --test cpu_simd --test cpu_pool --test 'ops_*' -- --skip metal_sim
+    --test cpu_int8 --test cpu_simd --test cpu_pool --test 'ops_*' -- --skip metal_sim --skip cuda_sim
 
 step "fuzz: safetensors header, config.json, matrix descriptors (20 s each; scripts/fuzz.sh N for longer)"
 bash scripts/fuzz.sh

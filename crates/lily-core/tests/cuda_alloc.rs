@@ -11,6 +11,7 @@ use std::{
 };
 
 mod common;
+mod gpu_common;
 mod metal_common;
 
 use lily_core::{

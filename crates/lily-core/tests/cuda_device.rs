@@ -1,5 +1,6 @@
-//! Every CUDA kernel on a real NVIDIA GPU against its plain-loop twin `Cpu::reference()` (the
-//! tests are in `cuda_common`, shared with the simulator), the tiny checkpoint end to end, and
+//! CUDA kernels on a real NVIDIA GPU against their plain-loop twins `Cpu::reference()` (those of
+//! `cuda_common`, shared with the simulator; the others in the `cuda_device` module of each
+//! tests/ops_<family>.rs), the tiny checkpoint end to end, and
 //! decode graphs replaying exactly what the launches one by one compute. Skipped only where no
 //! NVIDIA driver is installed (no /proc/driver/nvidia, no /dev/nvidiactl); any other failure
 //! (no NVRTC, a kernel that does not load, a wrong result) fails.
@@ -8,34 +9,24 @@
 
 mod common;
 #[macro_use]
+mod gpu_common;
+#[macro_use]
 mod cuda_common;
 mod metal_common;
 
-use lily_core::backend::{
-    cpu::Cpu,
-    cuda::{device::Device, Cuda},
-};
-
-fn gpu() -> Option<Cuda<Device>> {
-    if !["/proc/driver/nvidia", "/dev/nvidiactl"]
-        .iter()
-        .any(|p| std::path::Path::new(p).exists())
-    {
-        eprintln!("SKIPPED: no NVIDIA driver on this machine");
-        return None;
-    }
-    Some(Cuda::device().unwrap_or_else(|e| panic!("{e}")))
-}
+use cuda_common::*;
+use gpu_common::cuda_device as gpu;
+use lily_core::backend::cpu::Cpu;
 
 // The GPU's expf / rsqrtf differ from the host's by an ulp or two: a little more room.
-all_cuda_tests!(gpu, 4.0);
+all_cuda_tests!(crate::gpu_common::cuda_device, 4.0);
 
 /// Decode steps replayed from a captured graph give the same bits as the same steps launched
 /// one by one (graphs off), and a graph is in fact replayed.
 #[test]
 fn decode_graph_replays_what_eager_launches_compute() {
     let Some(mut dev) = gpu() else { return };
-    let ckpt = cuda_common::TinyCheckpoint::write();
+    let ckpt = TinyCheckpoint::write();
     dev.graphs = false;
     let eager = ckpt.logits(&dev);
     dev.graphs = true;

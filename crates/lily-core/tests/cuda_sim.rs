@@ -1,6 +1,7 @@
-//! Every CUDA kernel run by the simulator (tools/cuda-sim: the real `.cu` sources compiled by
-//! clang-19 as C++, bounds-checked, warp collectives and mma.sync emulated) against its
-//! plain-loop twin `Cpu::reference()` (the tests are in `cuda_common`, shared with the GPU).
+//! The CUDA kernels run by the simulator (tools/cuda-sim: the real `.cu` sources compiled by
+//! clang-19 as C++, bounds-checked, warp collectives and mma.sync emulated) against their
+//! plain-loop twins `Cpu::reference()`: those of `cuda_common` (shared with the GPU) here, the
+//! others in the `cuda_sim` module of each tests/ops_<family>.rs.
 //! Skipped (with a message) where clang-19 is absent, unless LILY_REQUIRE_CUDA_SIM=1 (CI).
 //! `CUDA_SIM_SCHED=reverse` reruns them with the threads of each block in reverse order.
 //! Also here: the simulator's own checks, planted bugs it must catch.
@@ -9,23 +10,16 @@
 
 mod common;
 #[macro_use]
+mod gpu_common;
+#[macro_use]
 mod cuda_common;
 mod metal_common;
 
-use lily_core::backend::cuda::{sim::Sim, Args, Cuda, Executor, Launch};
+use cuda_common::*;
+use gpu_common::cuda_sim as sim;
+use lily_core::backend::cuda::{sim::Sim, Args, Executor, Launch};
 
-fn sim() -> Option<Cuda<Sim>> {
-    match Cuda::sim() {
-        Ok(c) => Some(c),
-        Err(e) if std::env::var("LILY_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1") => panic!("{e}"),
-        Err(e) => {
-            eprintln!("SKIPPED: CUDA simulator unavailable: {e}");
-            None
-        }
-    }
-}
-
-all_cuda_tests!(sim, 1.0);
+all_cuda_tests!(crate::gpu_common::cuda_sim, 1.0);
 
 // ---- the simulator itself: planted bugs ---------------------------------------------------------
 

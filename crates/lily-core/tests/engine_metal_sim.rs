@@ -16,6 +16,7 @@
 #![cfg(unix)]
 
 mod common;
+mod gpu_common;
 mod metal_common;
 
 use std::sync::Mutex;
@@ -71,7 +72,7 @@ fn device_error<T>(r: lily_core::Result<T>) -> String {
 #[test]
 fn max_seq_is_checked_and_fitted_to_the_gpu_memory() {
     let ckpt = TinyCheckpoint::write();
-    let Some(full) = metal_common::sim().map(|_| engine(&ckpt, None, &[]).unwrap()) else {
+    let Some(full) = gpu_common::metal_sim().map(|_| engine(&ckpt, None, &[]).unwrap()) else {
         return;
     };
     assert_eq!(full.max_seq(), 256, "no limit: the config's max_position_embeddings");
@@ -114,7 +115,7 @@ fn max_seq_is_checked_and_fitted_to_the_gpu_memory() {
 #[test]
 fn copied_weights_are_counted() {
     let ckpt = TinyCheckpoint::write();
-    let Some(e) = metal_common::sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
+    let Some(e) = gpu_common::metal_sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
         return;
     };
     let file = std::fs::read(ckpt.dir.join("model.safetensors")).unwrap();
@@ -137,7 +138,7 @@ fn copied_weights_are_counted() {
 fn a_device_error_leaves_the_state_untrusted_until_reset() {
     let ckpt = TinyCheckpoint::write();
     let (prompt, decode) = TinyCheckpoint::tokens();
-    let Some(mut fresh) = metal_common::sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
+    let Some(mut fresh) = gpu_common::metal_sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
         return;
     };
     let want = fresh.prefill(&prompt, false).unwrap();
@@ -163,7 +164,7 @@ fn a_device_error_leaves_the_state_untrusted_until_reset() {
 fn restore_brings_back_the_last_good_state() {
     let ckpt = TinyCheckpoint::write();
     let (prompt, decode) = TinyCheckpoint::tokens();
-    let Some(mut fresh) = metal_common::sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
+    let Some(mut fresh) = gpu_common::metal_sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
         return;
     };
     fresh.prefill(&prompt, false).unwrap();

@@ -10,11 +10,12 @@
 #![cfg(target_os = "macos")]
 
 mod common;
+mod gpu_common;
 mod metal_common;
 
 use lily_core::{backend::metal::Executor, safetensors::Bytes};
 
-use metal_common::device;
+use gpu_common::metal_device as device;
 
 #[test]
 fn every_kernel_is_compiled() {

@@ -9,6 +9,7 @@
 #![cfg(unix)]
 
 mod common;
+mod gpu_common;
 mod metal_common;
 
 use lily_core::backend::{
@@ -18,7 +19,7 @@ use lily_core::backend::{
     Backend, StreamKind,
 };
 
-use metal_common::sim;
+use gpu_common::metal_sim as sim;
 
 #[test]
 fn every_kernel_is_compiled() {

@@ -1,23 +1,23 @@
-//! The attention family (qk_norm_rope, kv_store, attention): the CPU kernels and the Metal
-//! kernels (simulator; the device on macOS) against the reference twins, and RoPE itself on
+//! The attention family (qk_norm_rope, kv_store, attention): the CPU kernels and the GPU
+//! kernels (Metal and CUDA, simulators and devices: `gpu_tests!`) against the reference twins, and RoPE itself on
 //! hand-computed values. The KV caches are tried in every dtype (f32, bf16, f16) and with small
 //! segments, so chunks and decode steps cross segment boundaries.
 
 mod common;
 #[macro_use]
-mod metal_common;
+mod gpu_common;
 
 use common::{assert_close, filled_cache, rand_vec, run_attention};
+use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, Metal},
-        params::{AttentionParams, KvStoreParams, RopeParams},
+        params::{AttentionParams, KvStoreParams, RopeParams, RowsParams},
         Backend, KvDtype,
     },
     ops::attention::reference::norm_rope_head,
 };
-use metal_common::{assert_near, read_all, TOL};
 
 mod cpu {
     use super::*;
@@ -223,16 +223,17 @@ mod cpu {
     }
 }
 
-metal_tests!(
+gpu_tests!(
     qk_norm_rope_matches_reference,
     qk_norm_rope_store_matches_reference,
     kv_store_matches_reference,
     attention_matches_reference,
     unsupported_shape_is_an_error_not_a_panic,
-    kv_copy_matches_reference,
+    kv_copy_matches_reference;
+    metal: attention_splits_match_reference,
 );
 
-fn qk_norm_rope_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+fn qk_norm_rope_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     // Small theta makes rotation errors loud; the second case has the real head shapes.
     for (t, pos0, h, kv, hd, rot, theta) in [(3, 5, 4, 2, 64, 16, 100.0), (2, 40, 16, 2, 256, 64, 1e7)] {
         let p = RopeParams {
@@ -262,7 +263,7 @@ fn qk_norm_rope_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
 /// The fused norm + RoPE + cache append against the reference's three ops: q in place, the
 /// cache rows written (k normed and roped, v as given), in every cache dtype, a chunk that
 /// crosses segment boundaries (rows 6..11 in segments of 4) and a single decode row.
-fn qk_norm_rope_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+fn qk_norm_rope_store_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     for (t, pos0, h, kv, hd, rot, dtype) in [
         (5, 6, 4, 2, 64, 16, KvDtype::BF16),
         (5, 6, 4, 2, 64, 16, KvDtype::F16),
@@ -302,89 +303,117 @@ fn qk_norm_rope_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f
     }
 }
 
-fn kv_store_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+/// Rows 6..11 in segments of 4 (the chunk spans three segments) in every dtype, NaN, -0 and a
+/// subnormal included; read back through kv_read.
+fn kv_store_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     let _ = tolx; // exact: both round to nearest even
     let (t, w, max) = (5, 40, 24);
-    let x: Vec<f32> = rand_vec(t * w, 50, -3.0, 3.0)
+    let x: Vec<f32> = rand_vec(t * w - 3, 50, -3.0, 3.0)
         .into_iter()
         .chain([f32::NAN, -0.0, 1e-40])
         .collect();
     for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
-        // Rows 6..11 in segments of 4: the chunk spans three segments.
         let p = KvStoreParams {
             tokens: t as u32,
             pos0: 6,
             width: w as u32,
         };
         both!(dev, 0.0, format!("kv_store {dtype:?}"), b => {
-            let xb = b.upload(&x[..t * w]).unwrap();
+            let xb = b.upload(&x).unwrap();
             let mut cache = b.kv_new(w, dtype, max, 4).unwrap();
             b.kv_reserve(&mut cache, 11).unwrap();
             b.kv_store(&p, &xb, &mut cache);
             b.finish().unwrap();
-            let mut out = vec![0f32; 5 * w];
+            let mut out = vec![0f32; t * w];
             b.kv_read(&cache, 6, &mut out).unwrap();
-            vec![out]
+            // NaN == NaN for the comparison: both must have stored a NaN.
+            vec![out.iter().map(|v| if v.is_nan() { 1e30 } else { *v }).collect()]
         });
     }
 }
 
-fn attention_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows): partial tiles of 8 rows; decode
-    // past split_rows = 16 takes the split (flash-decoding) path; segments of 4 and 16 rows put
-    // boundaries inside tiles and splits; the last case has the real head shapes (8 per KV head).
-    // With at most 2 splits, the split rows grow past 16 (17 rows, not a multiple of the tile,
-    // at 34 rows).
-    for max_splits in [dev.max_splits, 2] {
-        for (h, kv, hd, pos0, t, steps, dtype, seg) in [
-            (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
-            (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
-            (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
-            (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
-        ] {
-            let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
-            let saved = (dev.split_rows, dev.max_splits);
-            (dev.split_rows, dev.max_splits) = (16, max_splits);
-            let got = run_attention(&*dev, h, kv, hd, pos0, t, steps, dtype, seg);
-            (dev.split_rows, dev.max_splits) = saved;
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_near(
-                    g,
-                    w,
-                    tolx * TOL,
-                    &format!(
-                        "attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg} at most {max_splits} splits, call {i}"
-                    ),
-                );
-            }
+/// (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows): partial tiles; GQA groups of 2, 4
+/// and 8 (the real head shapes: 8 per KV head, hd 256); every cache dtype; segments of 4 and 16
+/// rows put boundaries inside tiles and splits; a sequence past 1024 rows crosses a default-size
+/// segment. A prefill of T tokens on pos0 cached rows, then the decode steps.
+const ATTENTION_CASES: [AttentionCase; 5] = [
+    (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
+    (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
+    (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
+    (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
+    (4, 2, 32, 1100, 2, 2, KvDtype::BF16, 1024),
+];
+
+/// (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows).
+type AttentionCase = (usize, usize, usize, usize, usize, usize, KvDtype, usize);
+
+/// `ATTENTION_CASES` on `dev` as it is set up, against the reference.
+fn attention_cases<B: Backend>(dev: &B, tolx: f32, what: &str) {
+    for (h, kv, hd, pos0, t, steps, dtype, seg) in ATTENTION_CASES {
+        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
+        let got = run_attention(dev, h, kv, hd, pos0, t, steps, dtype, seg);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_near(
+                g,
+                w,
+                tolx * TOL,
+                &format!("attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg}{what}, call {i}"),
+            );
         }
     }
 }
 
-fn unsupported_shape_is_an_error_not_a_panic<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let _ = tolx;
+fn attention_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    attention_cases(&*dev, tolx, "");
+}
+
+/// Metal's decode splits the keys (flash decoding) past `split_rows`: at 16 rows every decode
+/// case above takes the split path, and with at most 2 splits the split rows grow past 16 (17
+/// rows, not a multiple of the tile, at 34 rows).
+fn attention_splits_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved = (dev.split_rows, dev.max_splits);
+    for max_splits in [dev.max_splits, 2] {
+        (dev.split_rows, dev.max_splits) = (16, max_splits);
+        attention_cases(&*dev, tolx, &format!(", splits of 16+ rows, at most {max_splits}"));
+    }
+    (dev.split_rows, dev.max_splits) = saved;
+}
+
+/// Shapes the kernels do not support (a head_dim not a multiple of 32, buffers too small) are
+/// errors from `finish` naming the op, not faults, and the backend keeps working after one.
+fn unsupported_shape_is_an_error_not_a_panic<B: Backend>(dev: &mut B, tolx: f32) {
     let m = &*dev;
-    let p = AttentionParams {
-        tokens: 1,
-        pos0: 0,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 48,
-        scale: 1.0,
-    };
-    let qg = m.alloc(4 * 96).unwrap();
-    let kc = filled_cache(m, 2 * 48, 1, 4, KvDtype::BF16, 16, 1);
-    let mut out = m.alloc(4 * 48).unwrap();
-    m.attention(&p, &qg, &kc, &kc, &mut out);
+    for (t, h, kv) in [(1usize, 4usize, 2usize), (2, 3, 1)] {
+        let p = AttentionParams {
+            tokens: t as u32,
+            pos0: 0,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: 48,
+            scale: 1.0,
+        };
+        let qg = m.alloc(t * h * 2 * 48).unwrap();
+        let kc = filled_cache(m, kv * 48, t, 64, KvDtype::BF16, 16, 1);
+        let mut out = m.alloc(t * h * 48).unwrap();
+        m.attention(&p, &qg, &kc, &kc, &mut out);
+        let err = m.finish().unwrap_err().to_string();
+        assert!(err.contains("attention") && err.contains("48"), "{err}");
+        m.finish().unwrap(); // the error is reported once; the stream is usable again
+    }
+    let small = m.alloc(4).unwrap();
+    let mut o = m.alloc(4).unwrap();
+    let rp = RowsParams { tokens: 2, dim: 4 };
+    m.swiglu(&rp, &small, &small, &mut o);
     let err = m.finish().unwrap_err().to_string();
-    assert!(err.contains("head_dim"), "{err}");
-    m.finish().unwrap(); // the error is reported once; the stream is usable again
+    assert!(err.contains("swiglu") && err.contains("needs 8"), "{err}");
+    // Still computing right.
+    qk_norm_rope_matches_reference(dev, tolx);
 }
 
 /// kv_copy: rows 0..11 of a cache in segments of 4 (three segments, the last partly) copied into
 /// a fresh cache bit for bit, in every dtype; the rows past them are left alone; a copy between
 /// different layouts or of rows the source lacks is an error.
-fn kv_copy_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+fn kv_copy_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     let _ = tolx; // exact: a copy
     let w = 24;
     for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {

@@ -1,12 +1,14 @@
 //! The DeltaNet family (delta_net_conv; delta_net: step recurrence and chunked form): the CPU
-//! kernels and the Metal kernels (simulator; the device on macOS) against the reference twins,
+//! kernels and the GPU kernels (Metal and CUDA, simulators and devices: `gpu_tests!`) against the
+//! reference twins,
 //! the chunked twin against the step recurrence, over many steps and calls that carry state.
 
 mod common;
 #[macro_use]
-mod metal_common;
+mod gpu_common;
 
 use common::{assert_close, rand_vec};
+use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
         cpu::Cpu,
@@ -16,7 +18,6 @@ use lily_core::{
     },
     ops::delta_net::{cpu::CHUNK, reference},
 };
-use metal_common::{assert_near, read_all, TOL};
 
 /// The params of a DeltaNet call of `t` tokens, Hk / Hv heads of Dk / Dv.
 fn params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParams {
@@ -149,11 +150,11 @@ mod cpu {
     }
 }
 
-metal_tests!(
+gpu_tests!(
     delta_net_conv_matches_reference,
     delta_net_matches_reference,
-    delta_net_chunked_matches_reference,
-    delta_net_rejects_unsupported_heads,
+    delta_net_rejects_unsupported_heads;
+    metal: delta_net_chunked_matches_reference,
 );
 
 /// The chunked DeltaNet prefill again with the threads of each threadgroup run in reverse order
@@ -163,21 +164,21 @@ metal_tests!(
 mod metal_sim_reversed {
     #[test]
     fn delta_net_chunked_matches_reference() {
-        if let Some(mut m) = crate::metal_common::sim() {
+        if let Some(mut m) = crate::gpu_common::metal_sim() {
             m.executor().set_reverse(Some(true));
             super::delta_net_chunked_matches_reference(&mut m, 1.0);
         }
     }
 }
 
-/// The conv over calls that carry its state, with the real model's 4 taps and with the most a
+/// The conv over calls that carry its state (channels leaving a partial threadgroup or block), with
+/// the real model's 4 taps and with the most a
 /// config may ask for ([`MAX_CONV_TAPS`], checked when the config is read): every kernel handles
 /// that many; one more is an error from `finish`, not a panic or a wrong answer.
-fn delta_net_conv_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let c = 70;
-    for taps in [4, MAX_CONV_TAPS] {
+fn delta_net_conv_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    for (c, taps) in [(70, 4), (300, 4), (70, MAX_CONV_TAPS)] {
         let w = rand_vec(c * taps, 70, -1.0, 1.0);
-        both!(dev, tolx * TOL, format!("delta_net_conv taps={taps}"), b => {
+        both!(dev, tolx * TOL, format!("delta_net_conv {c} channels, taps={taps}"), b => {
             let wb = b.upload(&w).unwrap();
             let mut state = b.alloc((taps - 1) * c).unwrap();
             let mut outs = Vec::new();
@@ -192,7 +193,7 @@ fn delta_net_conv_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
             outs
         });
     }
-    let taps = MAX_CONV_TAPS + 1;
+    let (c, taps) = (70, MAX_CONV_TAPS + 1);
     let (w, x) = (dev.alloc(c * taps).unwrap(), dev.alloc(c).unwrap());
     let (mut state, mut out) = (dev.alloc((taps - 1) * c).unwrap(), dev.alloc(c).unwrap());
     let p = ConvParams {
@@ -208,7 +209,7 @@ fn delta_net_conv_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
 /// Head shapes no kernel handles (value heads not a multiple of the key heads, Dk past
 /// `DELTA_NET_KEY_DIM_MAX`, no key heads) are an error from `finish` naming the shape, before any
 /// dispatch; the same shared check (`ops::delta_net::delta_net_checks`) guards every GPU backend.
-fn delta_net_rejects_unsupported_heads<X: Executor>(dev: &mut Metal<X>, _tolx: f32) {
+fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     for (hk, hv, dk) in [(2, 3, 16), (1, 2, DELTA_NET_KEY_DIM_MAX + 32), (0, 2, 16)] {
         let (t, dv) = (2, 16);
         let p = params(t, hk, hv, dk, dv);
@@ -247,14 +248,18 @@ fn delta_net_rejects_unsupported_heads<X: Executor>(dev: &mut Metal<X>, _tolx: f
     );
 }
 
-fn delta_net_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    // Tiny heads (Dk = 16 < 32 lanes) over a 7-token prefill and 24 decode steps, then the real
-    // head dims (Dk = Dv = 128, 2 value heads per key head): errors compound over steps. Below
-    // the chunk threshold, so the step kernel throughout.
-    let steps: Vec<usize> = std::iter::once(7).chain(std::iter::repeat_n(1, 24)).collect();
+/// Tiny heads (Dk = 16: fewer rows than lanes, warps x lanes), Dv not a multiple of 32 (40: a
+/// partial warp of columns), the real head dims (Dk = Dv = 128, 2 value heads per key head) and
+/// Dk = 256, from a nonzero state over calls that carry it: a 7-token prefill (the step kernels),
+/// a 30-token one (CUDA's prep + scan path for Dk <= 128; Metal's chunked path past its
+/// threshold), then decode steps (errors compound over steps).
+fn delta_net_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let steps: Vec<usize> = [7, 30].into_iter().chain(std::iter::repeat_n(1, 24)).collect();
     for (hk, hv, dk, dv, calls) in [
         (2usize, 4usize, 16usize, 16usize, &steps[..]),
+        (1, 2, 24, 40, &steps[..5]),
         (2, 4, 128, 128, &steps[..4]),
+        (1, 1, 256, 32, &[9usize, 20][..]),
     ] {
         let shape = DeltaShape {
             hk,
@@ -263,7 +268,7 @@ fn delta_net_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
             dv,
             seed: 80,
         };
-        both!(dev, tolx * 1e-4, format!("delta_net Dk={dk}"), b => delta_net_calls(b, &shape, calls));
+        both!(dev, tolx * 1e-4, format!("delta_net Dk={dk} Dv={dv}"), b => delta_net_calls(b, &shape, calls));
     }
 }
 

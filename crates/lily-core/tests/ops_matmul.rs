@@ -1,15 +1,17 @@
-//! The matmul family: the CPU kernels (GEMV, tiled GEMM, every weight format) and the Metal
-//! kernels (every path and GPU-family variant; simulator, the device on macOS) against the
-//! reference twin; weight-row dequantization and fused-matrix views.
+//! The matmul family: the CPU kernels (GEMV, tiled GEMM, every weight format) and the GPU
+//! kernels (Metal and CUDA, simulators and devices: `gpu_tests!`; every path, Metal's GPU-family
+//! variants, CUDA's tensor-core GEMM) against the reference twin; weight-row dequantization and fused-matrix views.
 
 mod common;
 #[macro_use]
-mod metal_common;
+mod gpu_common;
 
-use common::{assert_close, matrix, rand_vec};
+use common::{assert_close, matrix, rand_vec, stored_matrix};
+use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
         cpu::{isa::Isa, Cpu},
+        cuda::{Cuda, Executor as CudaExecutor},
         metal::{Executor, GemmTile, GemvRows, Metal, Variants},
         params::MatmulParams,
         Backend,
@@ -17,7 +19,6 @@ use lily_core::{
     quant::{Format, Matrix},
     safetensors::{Bytes, DType},
 };
-use metal_common::{assert_near, read_all, stored_matrix, TOL};
 
 mod cpu {
     use super::*;
@@ -127,7 +128,13 @@ mod cpu {
     }
 }
 
-metal_tests!(matmul_matches_reference, weights_at_an_offset_match_reference);
+gpu_tests!(
+    matmul_matches_reference,
+    matmuls_match_reference,
+    weights_at_an_offset_match_reference;
+    metal: matmul_variants_match_reference;
+    cuda: matmul_mma_matches_reference,
+);
 
 fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
     let w = b.upload_matrix(m).unwrap();
@@ -146,9 +153,131 @@ fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[
     read_all(b, &out, tokens * m.rows)
 }
 
-/// Every kernel path of `matmul` and every GPU-family variant of the GEMV (T = 1) and of the
-/// simdgroup-matrix GEMM (T > 8) against the reference.
-fn matmul_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+/// Every weight format (dense, and 2/4/8-bit with bf16/f16/f32 scales and groups of 32 to 128),
+/// as views: rows 3..70 of a 71-row MLX-quantized matrix (partial warps of 4 rows, a partial
+/// tile of 64) and rows 3..40 of a 41-row one of random codes (a partial tile of 4 rows); 256
+/// columns (16-byte rows) and, for the dense formats, 70 (not 16-byte aligned: the element path
+/// and a K tail past the last 8 columns) or 72.
+fn matmul_cases() -> Vec<(Matrix, usize)> {
+    let mut cases = Vec::new();
+    for (format, cols) in [
+        (Format::F32, 70),
+        (Format::F16, 70),
+        (Format::BF16, 70),
+        (Format::BF16, 72),
+        (Format::BF16, 256),
+    ] {
+        cases.push((format, DType::F32, cols));
+    }
+    for bits in [2, 4, 8] {
+        for (sd, group) in [(DType::BF16, 64), (DType::F16, 32), (DType::F32, 128)] {
+            cases.push((Format::Affine { bits, group }, sd, 256));
+        }
+    }
+    let mut views = Vec::new();
+    for (i, (format, sd, cols)) in cases.into_iter().enumerate() {
+        let seed = 10 + i as u64;
+        for (mut m, rows) in [
+            (matrix(1, 71, cols, format, sd, seed), 67),
+            (stored_matrix(format, sd, 41, cols, seed), 37),
+        ] {
+            m.rows = rows;
+            m.row_offset = 3;
+            views.push((m, cols));
+        }
+    }
+    views
+}
+
+/// The decode and small-batch paths (T <= 8: the GEMVs, Metal's 8-token GEMM) on every case of
+/// `matmul_cases`, f32 throughout, within 2e-5 of the reference; and two rows wider than one x
+/// staging pass of the CUDA GEMV (8192 floats: a second, partial pass).
+fn matmul_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let mut cases = matmul_cases();
+    for (i, (format, cols)) in [(Format::F32, 8200), (Format::Affine { bits: 4, group: 64 }, 8256)]
+        .into_iter()
+        .enumerate()
+    {
+        cases.push((matrix(1, 9, cols, format, DType::BF16, 40 + i as u64), cols));
+    }
+    for (i, (m, cols)) in cases.into_iter().enumerate() {
+        for (tokens, x_row0) in [(1, 2), (5, 0)] {
+            let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);
+            let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
+            let got = run_matmul(&*dev, &m, tokens, x_row0, &x);
+            assert_near(&got, &want, tolx * TOL, &format!("matmul {:?} T={tokens}", m.format));
+        }
+    }
+}
+
+/// CUDA's prefill GEMM on tensor cores (T > 8: bf16 inputs, f32 accumulation): within 1e-2 of
+/// the largest output (bf16 keeps 8 bits; a wrong fragment index is off by the order of the
+/// outputs). 11 tokens: one partial token tile; 70: two token tiles, the second partial.
+fn matmul_mma_matches_reference<X: CudaExecutor>(dev: &mut Cuda<X>, tolx: f32) {
+    for (i, (m, cols)) in matmul_cases().into_iter().enumerate() {
+        for (tokens, x_row0) in [(11, 1), (70, 2)] {
+            let x = rand_vec((tokens + x_row0) * cols, 30 + i as u64, -1.0, 1.0);
+            let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);
+            let got = run_matmul(&*dev, &m, tokens, x_row0, &x);
+            assert_near(
+                &got,
+                &want,
+                tolx * 1e-2,
+                &format!("matmul_mma {:?} T={tokens}", m.format),
+            );
+        }
+    }
+}
+
+/// Several matrices reading one x (`matmuls`): on CUDA runs of one format and K share a launch
+/// (up to 4, then a new one), a different format or K starts another; every output as the
+/// reference's.
+fn matmuls_match_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let q4 = Format::Affine { bits: 4, group: 64 };
+    let q8 = Format::Affine { bits: 8, group: 64 };
+    let specs = [
+        (q4, 70),
+        (q4, 33),
+        (q8, 40),
+        (q4, 5),
+        (q4, 64),
+        (q4, 1),
+        (q4, 9),
+        (q4, 130),
+        (Format::BF16, 20),
+        // Grouped with the q8 matrix 8 places before it (one launch, as the MoE block's router and
+        // shared-expert gate): groups {0, 1, 3, 4}, {2, 9}, {5, 6, 7}, {8}.
+        (q8, 17),
+    ];
+    let mats: Vec<Matrix> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, &(f, rows))| matrix(1, rows, 256, f, DType::BF16, 200 + i as u64))
+        .collect();
+    for tokens in [1usize, 3] {
+        let x = rand_vec((tokens + 1) * 256, 210, -1.0, 1.0);
+        let p = MatmulParams {
+            tokens: tokens as u32,
+            x_row0: 1,
+        };
+        both!(dev, tolx * TOL, format!("matmuls T={tokens}"), b => {
+            let ws: Vec<_> = mats.iter().map(|m| b.upload_matrix(m).unwrap()).collect();
+            let xb = b.upload(&x).unwrap();
+            let mut outs: Vec<_> = mats.iter().map(|m| b.alloc(tokens * m.rows).unwrap()).collect();
+            {
+                let refs: Vec<_> = ws.iter().collect();
+                let mut out_refs: Vec<_> = outs.iter_mut().collect();
+                b.matmuls(&p, &xb, &refs, &mut out_refs);
+            }
+            b.finish().unwrap();
+            outs.iter().zip(&mats).map(|(o, m)| read_all(b, o, tokens * m.rows)).collect::<Vec<_>>()
+        });
+    }
+}
+
+/// Every kernel path of Metal's `matmul` and every GPU-family variant of the GEMV (T = 1) and
+/// of the simdgroup-matrix GEMM (T > 8, f32 like the GEMV) against the reference.
+fn matmul_variants_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     let saved = dev.variants;
     let mut cases = vec![
         (Format::F32, DType::F32, 70),
@@ -193,9 +322,9 @@ fn matmul_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
 }
 
 /// Weights that sit inside a larger mapping, as checkpoint tensors do: a 4-byte-aligned offset
-/// (wrapped in place by the device, the offset bound with the buffer) and a 2-byte-aligned one
+/// (wrapped in place by the Metal device, the offset bound with the buffer) and a 2-byte-aligned one
 /// (copied once). Both must give the reference result.
-fn weights_at_an_offset_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+fn weights_at_an_offset_match_reference<B: Backend>(dev: &mut B, tolx: f32) {
     let (rows, cols) = (37usize, 256usize);
     for (format, offset) in [
         (Format::Affine { bits: 4, group: 64 }, 4100usize),

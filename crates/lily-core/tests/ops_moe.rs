@@ -1,12 +1,13 @@
 //! The MoE family (moe_route; moe_experts: per-token and expert-sorted paths; the sort of
-//! (token, slot) pairs by expert): the CPU kernels and the Metal kernels (simulator; the device
-//! on macOS) against the reference twins, and the router's rule on non-finite logits.
+//! (token, slot) pairs by expert): the CPU kernels and the GPU kernels (Metal and CUDA, simulators
+//! and devices: `gpu_tests!`) against the reference twins, and the router's rule on non-finite logits.
 
 mod common;
 #[macro_use]
-mod metal_common;
+mod gpu_common;
 
-use common::{assert_close, matrix, rand_vec};
+use common::{assert_close, matrix, rand_vec, stored_matrix};
+use gpu_common::{assert_near, ids_buf, read_all, ReadIds, TOL};
 use lily_core::{
     backend::{
         cpu::Cpu,
@@ -15,10 +16,9 @@ use lily_core::{
         Backend,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
-    quant::Format,
+    quant::{Format, Matrix},
     safetensors::DType,
 };
-use metal_common::{assert_near, ids_buf, read_all, stored_matrix, ReadIds, TOL};
 
 mod cpu {
     use super::*;
@@ -92,17 +92,29 @@ mod cpu {
     }
 }
 
-metal_tests!(
+gpu_tests!(
     moe_route_matches_reference,
     moe_route_non_finite_is_safe,
     moe_experts_matches_reference,
+    moe_experts_prefill_matches_reference;
+    metal:
+    moe_experts_variants_match_reference,
     moe_sort_matches_reference,
     moe_experts_sorted_matches_reference,
 );
 
-fn moe_route_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    for (t, e, k, renorm) in [(4usize, 70usize, 8usize, 1u32), (3, 16, 8, 0), (2, 300, 2, 1)] {
-        let logits = rand_vec(t * e, 100 + e as u64, -3.0, 3.0);
+/// Expert counts below, at and past a warp or simdgroup (16, 40, 70, 256: the real model's,
+/// 300, 1000), K from 2 to 64, with and without renormalisation.
+fn moe_route_matches_reference<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
+    for (t, e, k, renorm) in [
+        (4usize, 70usize, 8usize, 1u32),
+        (3, 16, 8, 0),
+        (2, 300, 2, 1),
+        (3, 256, 8, 1),
+        (2, 40, 5, 0),
+        (1, 1000, 64, 1),
+    ] {
+        let logits = rand_vec(t * e, 100 + e as u64, -4.0, 4.0);
         let p = RouteParams {
             tokens: t as u32,
             experts: e as u32,
@@ -132,7 +144,7 @@ fn moe_route_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     }
 }
 
-/// The rule `moe_route` follows on any logits (moe.metal): NaN ranks as -inf; +inf logits share
+/// The rule `moe_route` follows on any logits (moe.metal, moe.cu): NaN ranks as -inf; +inf logits share
 /// the probability equally and every finite one gets 0; when every logit is NaN or -inf, every
 /// expert gets 1/E; top K by probability, ties to the lower id. On finite logits (and -inf ones
 /// beside a finite one) it is the reference's softmax and top K. The ids and weights of one row.
@@ -230,7 +242,7 @@ fn non_finite_rows(e: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
 /// weights in [0, 1], as `route_rule` says; where the reference's softmax is defined (no NaN, no
 /// +inf, a finite logit) ids and weights match `Cpu::reference()` too. The reference itself
 /// always returns K distinct ids < E as well (a total-order sort of all E).
-fn moe_route_non_finite_is_safe<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+fn moe_route_non_finite_is_safe<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
     for (e, k) in [(70usize, 8usize), (16, 16), (300, 2), (1024, 64), (3, 1)] {
         let rows = non_finite_rows(e, 200 + e as u64);
         let t = rows.len();
@@ -259,7 +271,7 @@ fn moe_route_non_finite_is_safe<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
                 let at = format!("moe_route E={e} K={k} renorm={renorm} {what:?}");
                 let (ids, w) = (&gi[row * k..][..k], &gw[row * k..][..k]);
                 let (ref_ids, ref_w) = (&ci[row * k..][..k], &cw[row * k..][..k]);
-                for (name, ids) in [("Metal", ids), ("reference", ref_ids)] {
+                for (name, ids) in [("GPU", ids), ("reference", ref_ids)] {
                     let mut seen = vec![false; e];
                     for &i in ids {
                         assert!((i as usize) < e, "{at}: {name} id {i} out of range: {ids:?}");
@@ -288,42 +300,149 @@ fn moe_route_non_finite_is_safe<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
     }
 }
 
-/// The per-token (decode) MoE kernels, every GEMV variant (2 and 4 rows per simdgroup).
-/// Shapes: I = 37 and D = 70 leave a simdgroup with fewer rows than the variant's (r2: 37 = 4 x 8
-/// + 5; r4: 37 = 2 x 16 + 5 and 70 = 4 x 16 + 6), I = 40 a partial threadgroup of r4.
-fn moe_experts_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let saved = dev.variants;
-    // Fused gate_up [E, 2I, D] seen as two views (the HF layout), down [E, D, I].
-    for (format, sd, d, inter) in [
-        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96),
-        (Format::BF16, DType::F32, 70, 37),
-        (Format::Affine { bits: 8, group: 8 }, DType::F16, 48, 40),
+/// `moe_experts` on backend `b`: the output [T, D].
+#[allow(clippy::too_many_arguments)]
+fn run_moe<B: Backend>(
+    b: &B,
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    x: &[f32],
+    ids: &[u32],
+    w: &[f32],
+    k: usize,
+) -> Vec<f32> {
+    let (t, d, inter) = (x.len() / down.rows, down.rows, gate.rows);
+    let (g, u, dn) = (
+        b.upload_matrix(gate).unwrap(),
+        b.upload_matrix(up).unwrap(),
+        b.upload_matrix(down).unwrap(),
+    );
+    let (xb, wb, ib) = (b.upload(x).unwrap(), b.upload(w).unwrap(), ids_buf(b, ids));
+    let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
+    let mut out = b.alloc(t * d).unwrap();
+    let p = MoeParams {
+        tokens: t as u32,
+        top_k: k as u32,
+    };
+    b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+    b.finish().unwrap();
+    read_all(b, &out, t * d)
+}
+
+/// Gate, up and down of `e` experts: gate_up fused [E, 2I, D] of random codes seen as two views
+/// (the HF layout) with down [E, D, I] when `fused`, else three MLX-quantized matrices.
+fn experts(
+    format: Format,
+    sd: DType,
+    e: usize,
+    d: usize,
+    inter: usize,
+    fused: bool,
+    seed: u64,
+) -> (Matrix, Matrix, Matrix) {
+    if !fused {
+        return (
+            matrix(e, inter, d, format, sd, seed),
+            matrix(e, inter, d, format, sd, seed + 1),
+            matrix(e, d, inter, format, sd, seed + 2),
+        );
+    }
+    let mut gate = stored_matrix(format, sd, e * 2 * inter, d, seed);
+    (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
+    let mut up = gate.clone();
+    up.row_offset = inter;
+    let mut down = stored_matrix(format, sd, e * d, inter, seed + 1);
+    (down.experts, down.rows, down.expert_stride) = (e, d, d);
+    (gate, up, down)
+}
+
+/// The per-token (decode) path of `moe_experts` (6 experts, top 2) on `dev` as it is set up.
+/// Fused views: I = 37 and D = 70 leave a Metal simdgroup with fewer rows than the GEMV
+/// variant's (r2: 37 = 4 x 8 + 5; r4: 37 = 2 x 16 + 5 and 70 = 4 x 16 + 6), I = 40 a partial
+/// threadgroup of r4. Separate matrices: I = 192 rows, and D = 1024 in f32 (256 chunks a row, 20
+/// rows: CUDA splits K across 8 warps of a row group, `gemv_split`, with a partial last group).
+fn moe_experts_decode_cases<B: Backend>(dev: &B, tolx: f32, what: &str) {
+    let (e, k) = (6usize, 2usize);
+    for (format, sd, d, inter, fused) in [
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96, true),
+        (Format::BF16, DType::F32, 70, 37, true),
+        (Format::Affine { bits: 8, group: 8 }, DType::F16, 48, 40, true),
+        (
+            Format::Affine { bits: 4, group: 64 },
+            DType::BF16,
+            256usize,
+            192usize,
+            false,
+        ),
+        (Format::BF16, DType::F32, 256, 192, false),
+        (Format::F32, DType::F32, 1024, 20, false),
     ] {
-        let (e, t, k) = (6usize, 3usize, 2usize);
-        let fused = stored_matrix(format, sd, e * 2 * inter, d, 110);
-        let mut gate = fused.clone();
-        (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
-        let mut up = gate.clone();
-        up.row_offset = inter;
-        let mut down = stored_matrix(format, sd, e * d, inter, 111);
-        (down.experts, down.rows, down.expert_stride) = (e, d, d);
-        let x = rand_vec(t * d, 112, -1.0, 1.0);
-        let ids = [5u32, 0, 2, 2, 1, 4];
-        let w = rand_vec(t * k, 113, 0.0, 1.0);
-        for gemv in GemvRows::ALL {
-            dev.variants.gemv = gemv;
-            both!(dev, tolx * TOL, format!("moe_experts {format:?} I={inter} D={d} {gemv:?}"), b => {
-                let (g, u, dn) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload_matrix(&down).unwrap());
-                let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
-                let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
-                let mut out = b.alloc(t * d).unwrap();
-                b.moe_experts(&MoeParams { tokens: t as u32, top_k: k as u32 }, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
-                b.finish().unwrap();
-                vec![read_all(b, &out, t * d)]
-            });
+        let (gate, up, down) = experts(format, sd, e, d, inter, fused, 110);
+        for t in [1usize, 3, 5] {
+            let x = rand_vec(t * d, 112, -1.0, 1.0);
+            // At T = 3 the second token has the same expert in both slots.
+            let ids: Vec<u32> = match t {
+                3 => vec![5, 0, 2, 2, 1, 4],
+                _ => (0..t * k).map(|i| ((i * 5 + 1) % e) as u32).collect(),
+            };
+            let w = rand_vec(t * k, 113, 0.0, 1.0);
+            let want = run_moe(&Cpu::reference(), &gate, &up, &down, &x, &ids, &w, k);
+            let got = run_moe(dev, &gate, &up, &down, &x, &ids, &w, k);
+            let at = format!("moe_experts {format:?} I={inter} D={d} T={t}{what}");
+            assert_near(&got, &want, tolx * TOL, &at);
         }
     }
+}
+
+fn moe_experts_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    moe_experts_decode_cases(&*dev, tolx, "");
+}
+
+/// The decode cases with every Metal GEMV variant (2 and 4 rows per simdgroup).
+fn moe_experts_variants_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+    let saved = dev.variants;
+    for gemv in GemvRows::ALL {
+        dev.variants.gemv = gemv;
+        moe_experts_decode_cases(&*dev, tolx, &format!(" {gemv:?}"));
+    }
     dev.variants = saved;
+}
+
+/// The prefill path of `moe_experts` (T > 8: expert-sorted tiles; on CUDA the bf16 tensor cores)
+/// on uneven routing: one expert with more than two 64-row tiles, one with none, partial tiles and
+/// a partial column tile (I = 192 is not a multiple of 64); within 1e-2 of the largest output
+/// (bf16 inputs; Metal's f32 path is held to 2e-5 by moe_experts_sorted_matches_reference).
+fn moe_experts_prefill_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let (e, d, inter, k) = (6usize, 256usize, 192usize, 2usize);
+    for (format, sd) in [
+        (Format::Affine { bits: 4, group: 64 }, DType::BF16),
+        (Format::BF16, DType::F32),
+    ] {
+        let (gate, up, down) = experts(format, sd, e, d, inter, false, 110);
+        for t in [9usize, 90] {
+            let x = rand_vec(t * d, 113, -1.0, 1.0);
+            // Slot 0 of most tokens goes to expert 1 (> 128 rows at T = 90), expert 4 gets none.
+            let ids: Vec<u32> = (0..t * k)
+                .map(|i| {
+                    if i % 2 == 0 && i % 10 != 0 {
+                        1
+                    } else {
+                        [0u32, 2, 3, 5][(i / 2) % 4]
+                    }
+                })
+                .collect();
+            let w = rand_vec(t * k, 114, 0.1, 1.0);
+            let want = run_moe(&Cpu::reference(), &gate, &up, &down, &x, &ids, &w, k);
+            let got = run_moe(&*dev, &gate, &up, &down, &x, &ids, &w, k);
+            assert_near(
+                &got,
+                &want,
+                tolx * 1e-2,
+                &format!("moe_experts prefill {format:?} T={t}"),
+            );
+        }
+    }
 }
 
 /// Top-k ids [T, K] (distinct per token) with uneven counts: expert 0 in every token at a slot
@@ -400,53 +519,15 @@ fn moe_experts_sorted_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f
         (Format::Affine { bits: 8, group: 16 }, DType::F16, 80, 48, 9, 70, 3),
     ];
     for (format, sd, d, inter, e, t, k) in cases {
-        let fused = stored_matrix(format, sd, e * 2 * inter, d, 120);
-        let mut gate = fused.clone();
-        (gate.experts, gate.rows, gate.expert_stride) = (e, inter, 2 * inter);
-        let mut up = gate.clone();
-        up.row_offset = inter;
-        let mut down = stored_matrix(format, sd, e * d, inter, 121);
-        (down.experts, down.rows, down.expert_stride) = (e, d, d);
+        let (gate, up, down) = experts(format, sd, e, d, inter, true, 120);
         let x = rand_vec(t * d, 122, -1.0, 1.0);
         let ids = uneven_ids(t, k, e);
         let n = tokens_per_expert(&ids, e);
         assert!(n[0] == t && n[e - 1] == 0 && n[e - 2] == 0, "{n:?}");
         let w = rand_vec(t * k, 123, 0.0, 1.0);
         let what = format!("moe_experts sorted {format:?} E={e} T={t} K={k} per expert {n:?}");
-        let go = |b: &Metal<X>| {
-            let (g, u, dn) = (
-                b.upload_matrix(&gate).unwrap(),
-                b.upload_matrix(&up).unwrap(),
-                b.upload_matrix(&down).unwrap(),
-            );
-            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(b, &ids));
-            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
-            let mut out = b.alloc(t * d).unwrap();
-            let p = MoeParams {
-                tokens: t as u32,
-                top_k: k as u32,
-            };
-            b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
-            b.finish().unwrap();
-            read_all(b, &out, t * d)
-        };
-        let want = {
-            let b = Cpu::reference();
-            let (g, u, dn) = (
-                b.upload_matrix(&gate).unwrap(),
-                b.upload_matrix(&up).unwrap(),
-                b.upload_matrix(&down).unwrap(),
-            );
-            let (xb, wb, ib) = (b.upload(&x).unwrap(), b.upload(&w).unwrap(), ids_buf(&b, &ids));
-            let mut tmp = b.alloc(t * k * (inter + d)).unwrap();
-            let mut out = b.alloc(t * d).unwrap();
-            let p = MoeParams {
-                tokens: t as u32,
-                top_k: k as u32,
-            };
-            b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
-            read_all(&b, &out, t * d)
-        };
+        let go = |b: &Metal<X>| run_moe(b, &gate, &up, &down, &x, &ids, &w, k);
+        let want = run_moe(&Cpu::reference(), &gate, &up, &down, &x, &ids, &w, k);
         let saved = dev.moe_gemm_tokens;
         dev.moe_gemm_tokens = u32::MAX;
         let per_token = go(dev);

@@ -1,19 +1,14 @@
 //! The norm family (rms_norm, rms_norm_gated, the fused add_rms_norm / add_gated_rms_norm):
-//! the CPU kernels and the Metal kernels
-//! (simulator; the device on macOS) against the reference twins.
+//! the CPU kernels and the GPU kernels (Metal and CUDA, simulators and devices: `gpu_tests!`)
+//! against the reference twins.
 
 mod common;
 #[macro_use]
-mod metal_common;
+mod gpu_common;
 
 use common::{assert_close, rand_vec};
-use lily_core::backend::{
-    cpu::Cpu,
-    metal::{Executor, Metal},
-    params::RmsNormParams,
-    Backend, StreamKind,
-};
-use metal_common::{read_all, TOL};
+use gpu_common::{read_all, TOL};
+use lily_core::backend::{cpu::Cpu, params::RmsNormParams, Backend, StreamKind};
 
 mod cpu {
     use super::*;
@@ -40,55 +35,34 @@ mod cpu {
     }
 }
 
-metal_tests!(
-    rms_norm_matches_reference,
-    rms_norm_gated_matches_reference,
-    add_rms_norm_matches_reference
-);
+gpu_tests!(rms_norm_matches_reference, add_rms_norm_matches_reference);
 
-fn rms_norm_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
+/// rms_norm and rms_norm_gated on rows narrower than a warp, a partial block and wider than one.
+fn rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    for (rows, dim) in [(3, 100), (2, 300), (4, 16), (5, 48)] {
         let x = rand_vec(rows * dim, 1, -2.0, 2.0);
+        let z = rand_vec(rows * dim, 4, -3.0, 3.0);
         let w = rand_vec(dim, 2, 0.5, 1.5);
         let p = RmsNormParams {
             rows: rows as u32,
             dim: dim as u32,
             eps: 1e-6,
         };
-        both!(dev, tolx * TOL, format!("rms_norm {rows}x{dim}"), b => {
-            let (xb, wb) = (b.upload(&x).unwrap(), b.upload(&w).unwrap());
-            let mut out = b.alloc(rows * dim).unwrap();
+        both!(dev, tolx * TOL, format!("rms_norm(_gated) {rows}x{dim}"), b => {
+            let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
+            let (mut out, mut gated) = (b.alloc(rows * dim).unwrap(), b.alloc(rows * dim).unwrap());
             b.begin(StreamKind::Other).unwrap();
             b.rms_norm(&p, &xb, &wb, &mut out);
+            b.rms_norm_gated(&p, &xb, &zb, &wb, &mut gated);
             b.finish().unwrap();
-            vec![read_all(b, &out, rows * dim)]
+            vec![read_all(b, &out, rows * dim), read_all(b, &gated, rows * dim)]
         });
     }
 }
-
-fn rms_norm_gated_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
-    let (rows, dim) = (5, 48);
-    let x = rand_vec(rows * dim, 3, -2.0, 2.0);
-    let z = rand_vec(rows * dim, 4, -3.0, 3.0);
-    let w = rand_vec(dim, 5, 0.5, 1.5);
-    let p = RmsNormParams {
-        rows: rows as u32,
-        dim: dim as u32,
-        eps: 1e-6,
-    };
-    both!(dev, tolx * TOL, "rms_norm_gated", b => {
-        let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
-        let mut out = b.alloc(rows * dim).unwrap();
-        b.rms_norm_gated(&p, &xb, &zb, &wb, &mut out);
-        b.finish().unwrap();
-        vec![read_all(b, &out, rows * dim)]
-    });
-}
-
 /// The fused residual add + norm kernels against the reference's unfused add, sigmoid_gate_add
 /// and rms_norm: both outputs (the new residual x and the norm), at widths below, at and above
-/// one threadgroup's 256 threads.
-fn add_rms_norm_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) {
+/// one threadgroup's (block's) 256 threads.
+fn add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     for (rows, dim) in [(3, 100), (2, 300), (1, 2048)] {
         let n = rows * dim;
         let x = rand_vec(n, 11, -2.0, 2.0);

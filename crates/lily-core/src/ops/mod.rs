@@ -9,7 +9,7 @@
 //! ops/<family>/metal.rs      the Metal encoders: which kernel, bindings, grid, scratch
 //! ops/<family>/cuda.rs       the CUDA encoders: which kernel, arguments, grid, scratch
 //! shaders/metal/<family>.metal  the Metal kernels; shaders/cuda/*.cu the CUDA kernels
-//! tests/ops_<family>.rs      reference, CPU and Metal (simulator; device on macOS) against each other
+//! tests/ops_<family>.rs      reference, CPU and the GPU backends (simulators, devices) against each other
 //! ```
 //!
 //! The `Backend` impls (`backend/cpu/mod.rs`, `backend/metal/mod.rs`, `backend/cuda/mod.rs`) are

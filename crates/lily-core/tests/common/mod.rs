@@ -130,6 +130,49 @@ pub fn matrix(experts: usize, rows: usize, cols: usize, format: Format, sdtype: 
     }
 }
 
+/// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine), one
+/// expert; tests make views of it (`[experts, rows, cols]`, stride and offset).
+pub fn stored_matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) -> Matrix {
+    let (data, groups) = match format {
+        Format::F32 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F32), None),
+        Format::F16 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F16), None),
+        Format::BF16 => (
+            float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::BF16),
+            None,
+        ),
+        Format::Affine { bits, group } => {
+            let words = stored * cols * bits as usize / 32;
+            let data: Vec<u8> = rand_vec(words, seed, 0.0, 1.0)
+                .iter()
+                .enumerate()
+                .flat_map(|(i, v)| ((v * 4294967295.0) as u32 ^ (i as u32).wrapping_mul(2654435761)).to_le_bytes())
+                .collect();
+            let ng = stored * cols / group;
+            let s = float_bytes(&rand_vec(ng, seed + 1, -0.1, 0.1), sdtype);
+            let b = float_bytes(&rand_vec(ng, seed + 2, -0.5, 0.5), sdtype);
+            (
+                data,
+                Some(Groups {
+                    dtype: sdtype,
+                    scales: Bytes::from_slice(&s),
+                    biases: Bytes::from_slice(&b),
+                }),
+            )
+        }
+    };
+    Matrix {
+        name: "test".into(),
+        format,
+        experts: 1,
+        rows: stored,
+        cols,
+        expert_stride: 0,
+        row_offset: 0,
+        data: Bytes::from_slice(&data),
+        groups,
+    }
+}
+
 // ---- the attention family on any backend (reference, CPU, the GPU backends) ----
 
 /// A cache on `b` of `rows` rows of `width` random values in [-1, 1] (seed), stored through the

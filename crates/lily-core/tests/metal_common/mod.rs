@@ -1,14 +1,14 @@
-//! What the Metal tests share: the simulated and the real device (`sim`, `device`), the
-//! `metal_tests!` macro that runs a file's Metal cases on both, data helpers (buffers read back,
-//! matrices in every weight format, `both!`: the reference and Metal on one body), and a tiny
-//! checkpoint end to end (`TinyCheckpoint`, written here in the MLX layout). A test crate that
-//! uses it declares `mod common;` too.
+//! What the Metal tests share beyond the kernel tests (`gpu_common`: the devices, `gpu_tests!`,
+//! `both!`): matrices stored for views in every weight format, the every-kernel build, and a tiny
+//! checkpoint end to end (`TinyCheckpoint`, written here in the MLX layout, also run by the CUDA
+//! tests). A test crate that uses it declares `mod common; mod gpu_common;` too.
 
-#![allow(dead_code, unused_macros)] // each test binary uses the subset it needs
+#![allow(dead_code)] // each test binary uses the subset it needs
 
 use std::path::{Path, PathBuf};
 
 use crate::common::{float_bytes, rand_vec};
+use crate::gpu_common::assert_near;
 
 use lily_core::{
     backend::{
@@ -21,191 +21,9 @@ use lily_core::{
         state::{Scratch, State},
         Model,
     },
-    quant::{Format, Groups, Matrix},
-    safetensors::{Bytes, DType},
+    safetensors::DType,
     weights::Loader,
 };
-
-/// The simulated Metal device (tools/metal-sim: the real `.metal` sources compiled by clang-19,
-/// bounds-checked). `None` (with a message) only where the compiler is absent, and then a
-/// failure under LILY_REQUIRE_METAL_SIM=1 (CI); any other error (a shader that does not compile,
-/// a library that does not load) fails the test.
-#[cfg(unix)]
-pub fn sim() -> Option<Metal<lily_core::backend::metal::sim::Sim>> {
-    if let Err(why) = lily_core::backend::metal::sim::compiler() {
-        if std::env::var("LILY_REQUIRE_METAL_SIM").is_ok_and(|v| v == "1") {
-            panic!("LILY_REQUIRE_METAL_SIM=1: {why}");
-        }
-        eprintln!("SKIPPED: no Metal simulator: {why}");
-        return None;
-    }
-    Some(Metal::sim().unwrap_or_else(|e| panic!("the Metal simulator's compiler is here, but: {e}")))
-}
-
-/// The real Metal device (Apple silicon). `None` (with a message) only where this Mac can have
-/// no usable Metal GPU: a virtual machine (`device::in_virtual_machine`: GitHub's hosted runners
-/// expose a paravirtual GPU below family Apple7) or an Intel Mac; even there a failure under
-/// LILY_REQUIRE_METAL=1. On Apple-silicon hardware a GPU that `probe` does not find (say, the
-/// CoreGraphics link missing) or that fails (a shader the compiler rejects, a pipeline, an old
-/// macOS) fails the test.
-#[cfg(target_os = "macos")]
-pub fn device() -> Option<Metal<lily_core::backend::metal::device::Device>> {
-    if let Err(why) = lily_core::backend::metal::probe() {
-        let vm = lily_core::backend::metal::device::in_virtual_machine();
-        let no_gpu_here = vm || cfg!(not(target_arch = "aarch64"));
-        if !no_gpu_here || std::env::var("LILY_REQUIRE_METAL").is_ok_and(|v| v == "1") {
-            panic!("no Metal GPU found on this Mac (virtual machine: {vm}): {why}");
-        }
-        eprintln!("SKIPPED: no Metal GPU (a virtual machine or an Intel Mac): {why}");
-        return None;
-    }
-    Some(Metal::device().unwrap_or_else(|e| panic!("this Mac has a Metal GPU, but the backend fails: {e}")))
-}
-
-/// `#[test]`s for the Metal cases of a test file, each a `fn(&mut Metal<X>, tolx: f32)` that
-/// checks the backend against the reference with its tolerances times `tolx`: module `metal_sim`
-/// runs them on the simulator (tolx 1), module `metal_device` (macOS) on the device (tolx 20:
-/// fast math and the GPU's reduction order).
-macro_rules! metal_tests {
-    ($($name:ident),* $(,)?) => {
-        #[cfg(unix)]
-        mod metal_sim {
-            $(
-                #[test]
-                fn $name() {
-                    if let Some(mut m) = crate::metal_common::sim() {
-                        super::$name(&mut m, 1.0);
-                    }
-                }
-            )*
-        }
-        #[cfg(target_os = "macos")]
-        mod metal_device {
-            $(
-                #[test]
-                fn $name() {
-                    if let Some(mut m) = crate::metal_common::device() {
-                        super::$name(&mut m, 20.0);
-                    }
-                }
-            )*
-        }
-    };
-}
-
-/// Reads ids back, for either backend.
-pub trait ReadIds: Backend {
-    fn ids(&self, b: &Self::Ids) -> Vec<u32>;
-}
-impl ReadIds for Cpu {
-    fn ids(&self, b: &Vec<u32>) -> Vec<u32> {
-        b.clone()
-    }
-}
-impl<X: Executor> ReadIds for Metal<X> {
-    fn ids(&self, b: &Self::Ids) -> Vec<u32> {
-        let mut v = vec![0f32; b.len()];
-        self.read(b, 0, &mut v).unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    }
-}
-
-pub fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
-    let mut v = vec![0f32; n];
-    b.read(buf, 0, &mut v).unwrap();
-    v
-}
-
-/// max |a - b| <= tol * max(1, max |b|), and no NaN.
-pub fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
-    let (mut worst, mut at) = (0f32, 0);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(g.is_finite(), "{what}: non-finite value {g} at {i} (reference {w})");
-        let e = (g - w).abs();
-        if e > worst {
-            (worst, at) = (e, i);
-        }
-    }
-    assert!(
-        worst <= tol * scale,
-        "{what}: max |Δ| = {worst:e} at {at} (got {}, want {}), tolerance {:e}",
-        got[at],
-        want[at],
-        tol * scale
-    );
-}
-
-/// Run `$body` with `$b` bound to the CPU reference and then to the Metal backend `$dev`;
-/// compare every returned vector.
-macro_rules! both {
-    ($dev:expr, $tol:expr, $what:expr, $b:ident => $body:expr) => {{
-        let want: Vec<Vec<f32>> = {
-            let $b = &lily_core::backend::cpu::Cpu::reference();
-            $body
-        };
-        let got: Vec<Vec<f32>> = {
-            let $b = &*$dev;
-            $body
-        };
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            $crate::metal_common::assert_near(g, w, $tol, &format!("{} output {i}", $what));
-        }
-    }};
-}
-
-/// The tolerance of most Metal kernels against the reference (relative, at tolx 1).
-pub const TOL: f32 = 2e-5;
-
-/// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine), one
-/// expert; tests make views of it (`[experts, rows, cols]`, stride and offset).
-pub fn stored_matrix(format: Format, sdtype: DType, stored: usize, cols: usize, seed: u64) -> Matrix {
-    let (data, groups) = match format {
-        Format::F32 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F32), None),
-        Format::F16 => (float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::F16), None),
-        Format::BF16 => (
-            float_bytes(&rand_vec(stored * cols, seed, -1.0, 1.0), DType::BF16),
-            None,
-        ),
-        Format::Affine { bits, group } => {
-            let words = stored * cols * bits as usize / 32;
-            let data: Vec<u8> = rand_vec(words, seed, 0.0, 1.0)
-                .iter()
-                .enumerate()
-                .flat_map(|(i, v)| ((v * 4294967295.0) as u32 ^ (i as u32).wrapping_mul(2654435761)).to_le_bytes())
-                .collect();
-            let ng = stored * cols / group;
-            let s = float_bytes(&rand_vec(ng, seed + 1, -0.1, 0.1), sdtype);
-            let b = float_bytes(&rand_vec(ng, seed + 2, -0.5, 0.5), sdtype);
-            (
-                data,
-                Some(Groups {
-                    dtype: sdtype,
-                    scales: Bytes::from_slice(&s),
-                    biases: Bytes::from_slice(&b),
-                }),
-            )
-        }
-    };
-    Matrix {
-        name: "test".into(),
-        format,
-        experts: 1,
-        rows: stored,
-        cols,
-        expert_stride: 0,
-        row_offset: 0,
-        data: Bytes::from_slice(&data),
-        groups,
-    }
-}
-
-pub fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
-    let mut buf = b.alloc_ids(ids.len()).unwrap();
-    b.write_ids(&mut buf, ids).unwrap();
-    buf
-}
 
 /// Metal::new builds the kernels of its family's variants; the others are built on first use:
 /// build every host name of kernels::kernel_names() (every variant) now.

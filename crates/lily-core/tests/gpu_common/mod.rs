@@ -1,0 +1,196 @@
+//! What the GPU kernel tests share, for every GPU backend: the four devices under test (the
+//! Metal simulator and device, the CUDA simulator and device), `gpu_tests!` (one generic test
+//! body per op, run on each of them with its tolerance factor), and the helpers of a test body
+//! (`both!`: the reference and the backend under test on one body; buffers and ids read back).
+//! A test crate that uses it declares `mod common;` too.
+
+#![allow(dead_code, unused_macros)] // each test binary uses the subset it needs
+
+use lily_core::backend::{cpu::Cpu, cuda::Cuda, metal::Metal, Backend};
+
+// ---- the devices: each `None` (with a message) only for the one reason it may skip ----------
+
+/// The simulated Metal device (tools/metal-sim: the real `.metal` sources compiled by clang-19,
+/// bounds-checked). `None` (with a message) only where the compiler is absent, and then a
+/// failure under LILY_REQUIRE_METAL_SIM=1 (CI); any other error (a shader that does not compile,
+/// a library that does not load) fails the test.
+#[cfg(unix)]
+pub fn metal_sim() -> Option<Metal<lily_core::backend::metal::sim::Sim>> {
+    if let Err(why) = lily_core::backend::metal::sim::compiler() {
+        if std::env::var("LILY_REQUIRE_METAL_SIM").is_ok_and(|v| v == "1") {
+            panic!("LILY_REQUIRE_METAL_SIM=1: {why}");
+        }
+        eprintln!("SKIPPED: no Metal simulator: {why}");
+        return None;
+    }
+    Some(Metal::sim().unwrap_or_else(|e| panic!("the Metal simulator's compiler is here, but: {e}")))
+}
+
+/// The real Metal device (Apple silicon). `None` (with a message) only where this Mac can have
+/// no usable Metal GPU: a virtual machine (`device::in_virtual_machine`: GitHub's hosted runners
+/// expose a paravirtual GPU below family Apple7) or an Intel Mac; even there a failure under
+/// LILY_REQUIRE_METAL=1. On Apple-silicon hardware a GPU that `probe` does not find (say, the
+/// CoreGraphics link missing) or that fails (a shader the compiler rejects, a pipeline, an old
+/// macOS) fails the test.
+#[cfg(target_os = "macos")]
+pub fn metal_device() -> Option<Metal<lily_core::backend::metal::device::Device>> {
+    if let Err(why) = lily_core::backend::metal::probe() {
+        let vm = lily_core::backend::metal::device::in_virtual_machine();
+        let no_gpu_here = vm || cfg!(not(target_arch = "aarch64"));
+        if !no_gpu_here || std::env::var("LILY_REQUIRE_METAL").is_ok_and(|v| v == "1") {
+            panic!("no Metal GPU found on this Mac (virtual machine: {vm}): {why}");
+        }
+        eprintln!("SKIPPED: no Metal GPU (a virtual machine or an Intel Mac): {why}");
+        return None;
+    }
+    Some(Metal::device().unwrap_or_else(|e| panic!("this Mac has a Metal GPU, but the backend fails: {e}")))
+}
+
+/// The simulated CUDA device (tools/cuda-sim: the real `.cu` sources compiled by clang-19 as C++,
+/// bounds-checked, warp collectives and mma.sync emulated; `CUDA_SIM_SCHED=reverse` runs the
+/// threads of each block in reverse order). `None` (with a message) only where it cannot be
+/// built, and then a failure under LILY_REQUIRE_CUDA_SIM=1 (CI).
+#[cfg(unix)]
+pub fn cuda_sim() -> Option<Cuda<lily_core::backend::cuda::sim::Sim>> {
+    match Cuda::sim() {
+        Ok(c) => Some(c),
+        Err(e) if std::env::var("LILY_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("SKIPPED: CUDA simulator unavailable: {e}");
+            None
+        }
+    }
+}
+
+/// A real NVIDIA GPU. `None` (with a message) only where no NVIDIA driver is installed (no
+/// /proc/driver/nvidia, no /dev/nvidiactl); any other failure (no NVRTC, a kernel that does not
+/// load) fails the test.
+#[cfg(target_os = "linux")]
+pub fn cuda_device() -> Option<Cuda<lily_core::backend::cuda::device::Device>> {
+    if !["/proc/driver/nvidia", "/dev/nvidiactl"]
+        .iter()
+        .any(|p| std::path::Path::new(p).exists())
+    {
+        eprintln!("SKIPPED: no NVIDIA driver on this machine");
+        return None;
+    }
+    Some(Cuda::device().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// `#[test]`s for the GPU cases of an op family's test file. Each case is a function of the
+/// backend under test and a tolerance factor `tolx` (it checks the backend against the reference
+/// with its tolerances times `tolx`). The generic cases (`fn name<B: Backend>(dev: &mut B, tolx)`)
+/// run in every module below; the cases after `metal:` (`fn name<X>(dev: &mut Metal<X>, tolx)`)
+/// only on Metal, those after `cuda:` only on CUDA:
+///
+/// ```text
+/// metal_sim     (unix)   the Metal simulator   tolx 1
+/// metal_device  (macOS)  the Metal GPU         tolx 20 (fast math, the GPU's reduction order)
+/// cuda_sim      (unix)   the CUDA simulator    tolx 1
+/// cuda_device   (Linux)  an NVIDIA GPU         tolx 4  (expf / rsqrtf an ulp or two off the host's)
+/// ```
+macro_rules! gpu_tests {
+    ($($name:ident),* $(,)? $(; metal: $($m:ident),* $(,)?)? $(; cuda: $($c:ident),* $(,)?)?) => {
+        #[cfg(unix)]
+        gpu_module!(metal_sim, crate::gpu_common::metal_sim, 1.0; $($name)* $($($m)*)?);
+        #[cfg(target_os = "macos")]
+        gpu_module!(metal_device, crate::gpu_common::metal_device, 20.0; $($name)* $($($m)*)?);
+        #[cfg(unix)]
+        gpu_module!(cuda_sim, crate::gpu_common::cuda_sim, 1.0; $($name)* $($($c)*)?);
+        #[cfg(target_os = "linux")]
+        gpu_module!(cuda_device, crate::gpu_common::cuda_device, 4.0; $($name)* $($($c)*)?);
+    };
+}
+
+/// One module of `gpu_tests!`: a `#[test]` per case on the device `$dev()` returns.
+macro_rules! gpu_module {
+    ($module:ident, $dev:path, $tolx:expr; $($name:ident)*) => {
+        mod $module {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(mut dev) = $dev() {
+                        super::$name(&mut dev, $tolx);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+/// Run `$body` with `$b` bound to the CPU reference and then to the backend under test `$dev`;
+/// compare every returned vector (`assert_near`).
+macro_rules! both {
+    ($dev:expr, $tol:expr, $what:expr, $b:ident => $body:expr) => {{
+        let want: Vec<Vec<f32>> = {
+            let $b = &lily_core::backend::cpu::Cpu::reference();
+            $body
+        };
+        let got: Vec<Vec<f32>> = {
+            let $b = &*$dev;
+            $body
+        };
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            $crate::gpu_common::assert_near(g, w, $tol, &format!("{} output {i}", $what));
+        }
+    }};
+}
+
+/// The tolerance of most GPU kernels against the reference (relative, at tolx 1).
+pub const TOL: f32 = 2e-5;
+
+/// max |a - b| <= tol * max(1, max |b|), and no NaN.
+pub fn assert_near(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let (mut worst, mut at) = (0f32, 0);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: non-finite value {g} at {i} (reference {w})");
+        let e = (g - w).abs();
+        if e > worst {
+            (worst, at) = (e, i);
+        }
+    }
+    assert!(
+        worst <= tol * scale,
+        "{what}: max |Δ| = {worst:e} at {at} (got {}, want {}), tolerance {:e}",
+        got[at],
+        want[at],
+        tol * scale
+    );
+}
+
+pub fn read_all<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    b.read(buf, 0, &mut v).unwrap();
+    v
+}
+
+pub fn ids_buf<B: Backend>(b: &B, ids: &[u32]) -> B::Ids {
+    let mut buf = b.alloc_ids(ids.len()).unwrap();
+    b.write_ids(&mut buf, ids).unwrap();
+    buf
+}
+
+/// Reads ids back, on any backend (the GPU backends keep them in float buffers, bit for bit).
+pub trait ReadIds: Backend {
+    fn ids(&self, b: &Self::Ids) -> Vec<u32>;
+}
+impl ReadIds for Cpu {
+    fn ids(&self, b: &Vec<u32>) -> Vec<u32> {
+        b.clone()
+    }
+}
+impl<X: lily_core::backend::metal::Executor> ReadIds for Metal<X> {
+    fn ids(&self, b: &Self::Ids) -> Vec<u32> {
+        float_ids(self, b, b.len())
+    }
+}
+impl<X: lily_core::backend::cuda::Executor> ReadIds for Cuda<X> {
+    fn ids(&self, b: &Self::Ids) -> Vec<u32> {
+        float_ids(self, b, b.len())
+    }
+}
+fn float_ids<B: Backend>(b: &B, buf: &B::Buf, n: usize) -> Vec<u32> {
+    read_all(b, buf, n).iter().map(|x| x.to_bits()).collect()
+}
