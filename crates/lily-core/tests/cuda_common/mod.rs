@@ -104,7 +104,7 @@ macro_rules! both {
 }
 
 pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    for (rows, dim) in [(3, 100), (2, 300), (4, 16)] {
+    for (rows, dim) in [(3, 100), (2, 300), (4, 16), (1, 2048), (2, 2050)] {
         let x = rand_vec(rows * dim, 1, -2.0, 2.0);
         let z = rand_vec(rows * dim, 4, -3.0, 3.0);
         let w = rand_vec(dim, 2, 0.5, 1.5);
@@ -129,7 +129,7 @@ pub fn rms_norm_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
 /// and rms_norm: both outputs (the new residual x and the norm), at widths below, at and above
 /// one block's 256 threads.
 pub fn add_rms_norm_matches_cpu<X: Executor>(dev: &mut Cuda<X>, tolx: f32) {
-    for (rows, dim) in [(3, 100), (2, 300), (1, 2048)] {
+    for (rows, dim) in [(3, 100), (2, 300), (1, 2048), (2, 2049)] {
         let n = rows * dim;
         let x = rand_vec(n, 11, -2.0, 2.0);
         let y = rand_vec(n, 12, -2.0, 2.0);
