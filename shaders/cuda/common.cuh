@@ -420,6 +420,11 @@ __device__ __forceinline__ void rows_dot_tail(const W& wr, const size_t* rows, u
 // (no bank conflict; read from global memory instead, those 32 lanes would touch 32 cache lines per
 // load, 8 such loads a chunk at 4 bits).
 #define GEMV_ROWS 4
+// Blocks of 256 threads per SM the staged GEMV kernels ask the compiler for (__launch_bounds__'s
+// second argument): 2 caps them at 128 registers a thread, so two blocks (16 warps, 2 x 8 rows of
+// loads in flight) share an SM instead of one (the loads-ahead registers took the 4-bit GEMVs to
+// 128-161). Not for 2-bit weights, whose 64-float x chunks need more: capped, they spill.
+#define GEMV_MIN_BLOCKS(W) ((W::EPC) >= 64 ? 1 : 2)
 // Floats of x a block stages per pass: 32 KiB, a multiple of 32 chunks of every format (EPC <= 64),
 // so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
 #define GEMV_XS 8192

@@ -79,7 +79,7 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
 }
 
 #define MATMUL(sfx)                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256) matmul_gemv_##sfx(                                         \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) matmul_gemv_##sfx(                                         \
       const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,  \
       const float* __restrict__ x, float* __restrict__ out) {                                                  \
     matmul_gemv<W_##sfx>(p, m, w, s, b, ks, x, out);                                                               \
@@ -91,7 +91,7 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
     matmul_mma<W_##sfx>(p, m, w, s, b, x, out);                                                                \
   }                                                                                                            \
   SIM_EXPORT(matmul_mma_##sfx)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) matmul_gemv_multi_##sfx(                                   \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) matmul_gemv_multi_##sfx(                                   \
       const MatmulParams p, const GemvMulti g, const CudaMatrix m0, const CudaMatrix m1, const CudaMatrix m2,   \
       const CudaMatrix m3, const uchar* w0, const uchar* s0, const uchar* b0, const uchar* w1, const uchar* s1, \
       const uchar* b1, const uchar* w2, const uchar* s2, const uchar* b2, const uchar* w3, const uchar* s3,      \

@@ -288,14 +288,14 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
 }
 
 #define MOE(sfx)                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##sfx(                                           \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_gate_up_##sfx(                                           \
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                         \
       const float* __restrict__ x, const uint* __restrict__ ids, float* __restrict__ act) {                     \
     moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, ids, act);                                        \
   }                                                                                                              \
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(256) moe_down_##sfx(                                              \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_##sfx(                                              \
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
       const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {                      \
     moe_down<W_##sfx>(p, m, w, s, b, ks, ids, act, y);                                                               \

@@ -26,14 +26,15 @@ __device__ __forceinline__ bool norm_in_registers(const RmsNormParams p, const v
          aligned16(d);
 }
 
-// gated: z != nullptr.
+// GATED: times silu(z).
+template <bool GATED>
 __device__ __forceinline__ void norm_row(const RmsNormParams p, const float* __restrict__ x,
                                          const float* __restrict__ z, const float* __restrict__ w,
                                          float* __restrict__ out) {
   __shared__ float partial[32];
   const size_t r0 = (size_t)blockIdx.x * p.dim;
   const float* xr = x + r0;
-  if (norm_in_registers(p, x, z ? z : x, w, out)) {
+  if (norm_in_registers(p, x, GATED ? z : x, w, out)) {
     float4 v[NORM_V], wv[NORM_V], zv[NORM_V];
     float ss = 0.0f;
 #pragma unroll
@@ -42,7 +43,7 @@ __device__ __forceinline__ void norm_row(const RmsNormParams p, const float* __r
       if (i < p.dim) {
         v[j] = load_f4(xr + i);
         wv[j] = load_f4(w + i);
-        if (z) zv[j] = load_f4(z + r0 + i);
+        if (GATED) zv[j] = load_f4(z + r0 + i);
       }
     }
 #pragma unroll
@@ -55,7 +56,7 @@ __device__ __forceinline__ void norm_row(const RmsNormParams p, const float* __r
       if (i < p.dim) {
         float4 o = make_float4(v[j].x * inv * wv[j].x, v[j].y * inv * wv[j].y, v[j].z * inv * wv[j].z,
                                v[j].w * inv * wv[j].w);
-        if (z) o = make_float4(o.x * silu(zv[j].x), o.y * silu(zv[j].y), o.z * silu(zv[j].z), o.w * silu(zv[j].w));
+        if (GATED) o = make_float4(o.x * silu(zv[j].x), o.y * silu(zv[j].y), o.z * silu(zv[j].z), o.w * silu(zv[j].w));
         store_f4(out + r0 + i, o);
       }
     }
@@ -66,20 +67,20 @@ __device__ __forceinline__ void norm_row(const RmsNormParams p, const float* __r
   const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
   for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
     const float o = xr[i] * inv * w[i];
-    out[r0 + i] = z ? o * silu(z[r0 + i]) : o;
+    out[r0 + i] = GATED ? o * silu(z[r0 + i]) : o;
   }
 }
 
 extern "C" __global__ void __launch_bounds__(256) rms_norm(const RmsNormParams p, const float* __restrict__ x,
                                                            const float* __restrict__ w, float* __restrict__ out) {
-  norm_row(p, x, nullptr, w, out);
+  norm_row<false>(p, x, nullptr, w, out);
 }
 
 extern "C" __global__ void __launch_bounds__(256) rms_norm_gated(const RmsNormParams p, const float* __restrict__ x,
                                                                  const float* __restrict__ z,
                                                                  const float* __restrict__ w,
                                                                  float* __restrict__ out) {
-  norm_row(p, x, z, w, out);
+  norm_row<true>(p, x, z, w, out);
 }
 
 // add_rms_norm: x += y, then out = rms_norm(x, w) (a residual add and the norm after it, one pass).
