@@ -208,10 +208,18 @@ template <int KIND> struct DenseW {
     return KIND == 1 ? bf16_float(b) : f16_float(b);
   }
   __device__ __forceinline__ float at(size_t row, uint j) const { return elem(w + row * m.row_bytes, j); }
+  // Chunk c of stored row `row` as loaded (the GEMV issues these before it needs them: Item).
+  struct Item { uint4 v; };
+  __device__ __forceinline__ Item load(size_t row, uint c) const {
+    return Item{load16(w + row * m.row_bytes + (size_t)c * 16)};
+  }
   // Dot product of chunk c (columns c * EPC ..) of stored row `row` with the chunk's x, whose
-  // q-th 4 floats are at xc + q * step (step 4: x contiguous; rows_dot_chunks: a staged layout).
+  // q-th 4 floats are at xc + q * step (step 4: x contiguous; gemv_staged: a staged layout).
   __device__ __forceinline__ float dot(size_t row, uint c, const float* xc, uint step) const {
-    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    return dot_item(row, load(row, c), c, xc, step);
+  }
+  __device__ __forceinline__ float dot_item(size_t, const Item& it, uint, const float* xc, uint step) const {
+    const uint4 v = it.v;
     const uint u[4] = {v.x, v.y, v.z, v.w};
     float acc = 0.0f;
     if (KIND == 0) {
@@ -267,8 +275,27 @@ template <int BITS, typename S> struct AffineW {
   // by the exponent trick (2^23 + q has q in its mantissa; minus 2^23 is exact): the int-to-float
   // instruction runs at a quarter of the FMA rate and the H200 profile had the GEMVs bound by it.
   // With a power-of-two group, the group index is a shift (no division per chunk). x as DenseW::dot.
+  // Chunk c of stored row `row` as loaded, with its group's scale and bias when the chunk lies in
+  // one group (group % EPC == 0: the usual 4-bit / 8-bit g64; else dot_item reads them itself).
+  struct Item { uint4 v; float s, b; };
+  __device__ __forceinline__ Item load(size_t row, uint c) const {
+    Item it;
+    it.v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    it.s = it.b = 0.0f;
+    if (m.group % EPC == 0) {
+      const uint j0 = c * EPC;
+      const size_t g = m.group_shift != 0 ? row * (m.cols >> m.group_shift) + (j0 >> m.group_shift)
+                                          : row * (m.cols / m.group) + j0 / m.group;
+      it.s = load_scale<S>(scales, g);
+      it.b = load_scale<S>(biases, g);
+    }
+    return it;
+  }
   __device__ __forceinline__ float dot(size_t row, uint c, const float* xc, uint step) const {
-    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
+    return dot_item(row, load(row, c), c, xc, step);
+  }
+  __device__ __forceinline__ float dot_item(size_t row, const Item& it, uint c, const float* xc, uint step) const {
+    const uint4 v = it.v;
     const uint u[4] = {v.x, v.y, v.z, v.w};
     constexpr int PW = 32 / BITS;  // codes per word
     constexpr uint MASK = (1u << BITS) - 1u;
@@ -284,19 +311,12 @@ template <int BITS, typename S> struct AffineW {
                    code_float((word >> (sh + 3 * BITS)) & MASK) * x.w;
       xs[j / 8] += (x.x + x.y) + (x.z + x.w);
     }
-    if (m.group_shift != 0 && m.group % EPC == 0) {  // the usual case: 4-bit g64, 8-bit g64
+    if (m.group % EPC == 0) {  // the whole chunk in one group (the usual case: 4-bit g64, 8-bit g64)
       float q = 0.0f, sx = 0.0f;
       for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
-      const size_t g = row * (m.cols >> m.group_shift) + (j0 >> m.group_shift);
-      return load_scale<S>(scales, g) * q + load_scale<S>(biases, g) * sx;
+      return it.s * q + it.b * sx;
     }
     const size_t g0 = row * (m.cols / m.group);
-    if (m.group % EPC == 0) {  // the whole chunk in one group
-      float q = 0.0f, sx = 0.0f;
-      for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
-      const size_t g = g0 + j0 / m.group;
-      return load_scale<S>(scales, g) * q + load_scale<S>(biases, g) * sx;
-    }
     float acc = 0.0f;
     for (int k = 0; k < EPC / 8; ++k) {
       const size_t g = g0 + (j0 + 8 * k) / m.group;
@@ -373,14 +393,8 @@ AFFINE_MAKE(W_q2_f32)
 AFFINE_MAKE(W_q4_f32)
 AFFINE_MAKE(W_q8_f32)
 
-// Dot products of R stored rows rows[r] with x[0..K) over the 32 lanes of a warp (every lane
-// gets every sum), x read from global memory (the MoE expert kernels). The R rows' 16-byte chunks
-// form one list of R * K / EPC items that the lanes take in turn (item i: row i / chunks, chunk
-// i % chunks), so a short row (the 512 columns of an expert's down projection: 16 chunks at 4 bits)
-// still keeps every lane busy; each item is one 16-byte weight load and the x chunk it multiplies
-// (L1-resident), and the loop is unrolled so a lane has several weight loads in flight. No
-// dequantized weight is formed (`W::dot`). A row that is not 16-byte aligned (m.vec == 0) or a K
-// tail goes element by element (rows_dot_tail).
+// acc[r] += the dot products of columns done .. K of the R stored rows rows[r] with x, element by
+// element over the lanes of a warp (a row that is not 16-byte aligned, m.vec == 0, or a K tail).
 template <typename W, int R>
 __device__ __forceinline__ void rows_dot_tail(const W& wr, const size_t* rows, uint done, uint K,
                                               const float* __restrict__ x, float* acc) {
@@ -390,85 +404,77 @@ __device__ __forceinline__ void rows_dot_tail(const W& wr, const size_t* rows, u
     for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
   }
 }
-template <typename W, int R>
-__device__ __forceinline__ void rows_dot(const W& wr, const size_t* rows, uint K, const float* __restrict__ x,
-                                         float* out) {
-  const uint lane = threadIdx.x % 32;
-  float acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  uint done = 0;
-  if (wr.m.vec) {
-    const uint chunks = K / W::EPC, items = R * chunks;
-    // Item it = r * chunks + c, stepped by 32 without a division.
-    uint r = chunks ? lane / chunks : 0, c = lane - r * chunks;
-#pragma unroll 4
-    for (uint it = lane; it < items; it += 32) {
-      size_t row = rows[0];
-      for (int k = 1; k < R; ++k)
-        if (r == (uint)k) row = rows[k];
-      const float d = wr.dot(row, c, x + (size_t)c * W::EPC, 4);
-      for (int k = 0; k < R; ++k)
-        if (r == (uint)k) acc[k] += d;
-      c += 32;
-      while (c >= chunks) c -= chunks, ++r;
-    }
-    done = chunks * W::EPC;
-  }
-  rows_dot_tail<W, R>(wr, rows, done, K, x, acc);
-  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
-}
-
-// acc[r] += the dot products of chunks c0 + l, c0 + l + stride, .. (below c1) of the R stored rows
-// rows[r] with x, for lane l: with stride 32 the warp reads 32 consecutive 16-byte chunks (512 bytes)
-// of a row per step, coalesced, and each lane's x chunk (x_at(c), its q-th 4 floats at + q * step)
-// serves all R rows. R is a compile-time constant and the row loop unrolled: rows[] and acc[] live
-// in registers.
-template <typename W, int R, typename XAt>
-__device__ __forceinline__ void rows_dot_chunks(const W& wr, const size_t* rows, uint c0, uint c1, XAt x_at,
-                                                uint step, float* acc, uint stride) {
-#pragma unroll 1
-  for (uint c = c0 + threadIdx.x % 32; c < c1; c += stride) {
-    const float* xc = x_at(c);
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += wr.dot(rows[r], c, xc, step);
-  }
-}
 
 // ---------------------------------------------------------------- staged GEMV (decode)
-// The GEMV layout shared by matmul_gemv(_multi) and moe_gate_up: a block of 8 warps forms 8 / ks
-// groups of GEMV_ROWS rows (ks = 1, 2, 4 or 8, the host's choice: enough blocks to fill the GPU
-// when rows are few); the ks warps of a group split K in steps of 32 16-byte chunks (warp s of the
-// group takes steps s, s + ks, ..), and their partial sums meet in shared memory (gemv_combine).
-// The block stages x once in shared memory (GEMV_XS floats a pass), transposed: piece q (4 floats)
-// of chunk c at xs[(c / 32) * 32 Q + 32 q + c % 32] (Q = EPC / 4), so the 32 lanes reading piece q of
-// chunks c .. c + 31 read 512 consecutive bytes (no bank conflict).
+// The GEMV layout shared by matmul_gemv(_multi), moe_gate_up and moe_down: a block of 8 warps forms
+// 8 / ks groups of rows (ks = 1, 2, 4 or 8, the host's choice: enough blocks to fill the GPU when
+// rows are few); the ks warps of a group split K in steps of 32 16-byte chunks (warp s of the group
+// takes steps s, s + ks, ..; lane l chunk l of a step: a warp reads 512 contiguous bytes of a row),
+// and their partial sums meet in shared memory (gemv_combine).
+// Latency, not bandwidth, bounds a decode GEMV (a few MB over 132 SMs), so a warp issues the weight
+// loads of its first NC steps for all R rows (R x NC 16-byte loads a lane, with their scales and
+// biases, into registers) BEFORE the block stages x: the weights' HBM round trip and x's L2 round
+// trip overlap instead of following each other across the barrier. x is staged once per block in
+// shared memory, transposed: piece q (4 floats) of chunk c at xs[(c / 32) * 32 Q + 32 q + c % 32]
+// (Q = EPC / 4), so the 32 lanes reading piece q of chunks c .. c + 31 read 512 consecutive bytes
+// (no bank conflict; read from global memory instead, those 32 lanes would touch 32 cache lines per
+// load, 8 such loads a chunk at 4 bits).
 #define GEMV_ROWS 4
+// Blocks of 256 threads per SM the staged GEMV kernels ask the compiler for (__launch_bounds__'s
+// second argument): 2 caps them at 128 registers a thread, so two blocks (16 warps, 2 x 8 rows of
+// loads in flight) share an SM instead of one (the loads-ahead registers took the 4-bit GEMVs to
+// 128-161). Not for 2-bit weights, whose 64-float x chunks need more: capped, they spill.
+#define GEMV_MIN_BLOCKS(W) ((W::EPC) >= 64 ? 1 : 2)
 // Floats of x a block stages per pass: 32 KiB, a multiple of 32 chunks of every format (EPC <= 64),
 // so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
 #define GEMV_XS 8192
 
-// For each pass over x [0, K) (only when `vec`: 16-byte aligned rows): stage it, then (when
-// `active`) body(c0, c1, x_at, stride) with this warp's first chunk c0, the pass end c1 and the
-// chunk stride of its share (warp slice s of ks). Reached by every thread of the block (it
-// synchronizes). Returns the columns done (the caller does the tail K % EPC, or all of K when
-// !vec, element by element: rows_dot_tail).
-template <int EPC, typename Body>
+// For each pass over x [0, K) (only when `vec`: 16-byte aligned rows): load(r, c) the items
+// (W::Item) of this warp's first NC chunks of each of its R rows (when `active`), stage x, then
+// dot(r, item, c, xc, step) for each (xc: chunk c's x, its q-th 4 floats at xc + q * step), then
+// the next NC chunks, to the pass end. Reached by every thread of the block (it synchronizes).
+// Returns the columns done (the caller does the tail K % EPC, or all of K when !vec, element by
+// element: rows_dot_tail). R and NC are compile-time constants: the items live in registers.
+template <int EPC, int R, int NC, typename Load, typename Dot>
 __device__ __forceinline__ uint gemv_staged(bool vec, uint K, const float* __restrict__ x, float4* xs, bool active,
-                                            uint s, uint ks, Body body) {
+                                            uint s, uint ks, Load load, Dot dot) {
   constexpr uint Q = EPC / 4, SEG = GEMV_XS / EPC;
   if (!vec) return 0;
-  const uint chunks = K / EPC;
+  typedef decltype(load(0, 0u)) Item;
+  const uint chunks = K / EPC, stride = 32 * ks;
   for (uint s0 = 0; s0 < chunks; s0 += SEG) {
-    const uint n = min(SEG, chunks - s0);
+    const uint n = min(SEG, chunks - s0), c1 = s0 + n;
+    Item items[NC][R];
+    const auto fetch = [&](uint c) {
+#pragma unroll
+      for (int i = 0; i < NC; ++i)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (active && c + i * stride < c1) items[i][r] = load(r, c + i * stride);
+    };
+    uint c = s0 + 32 * s + threadIdx.x % 32;
+    fetch(c);
     for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
-      const uint c = f / Q, q = f % Q;
-      xs[(c / 32) * 32 * Q + 32 * q + c % 32] = load_f4(x + (size_t)(s0 + c) * EPC + 4 * q);
+      const uint cc = f / Q, q = f % Q;
+      xs[(cc / 32) * 32 * Q + 32 * q + cc % 32] = load_f4(x + (size_t)(s0 + cc) * EPC + 4 * q);
     }
     __syncthreads();
     if (active) {
       const float* xf = reinterpret_cast<const float*>(xs);
-      const auto x_at = [&](uint c) { return xf + 4 * (((c - s0) / 32) * 32 * Q + (c - s0) % 32); };
-      body(s0 + 32 * s, s0 + n, x_at, 32 * ks);
+#pragma unroll 1
+      while (c < c1) {
+#pragma unroll
+        for (int i = 0; i < NC; ++i) {
+          const uint ci = c + i * stride;
+          if (ci < c1) {
+            const float* xc = xf + 4 * (((ci - s0) / 32) * 32 * Q + (ci - s0) % 32);
+#pragma unroll
+            for (int r = 0; r < R; ++r) dot(r, items[i][r], ci, xc, 128u);
+          }
+        }
+        c += NC * stride;
+        if (c < c1) fetch(c);
+      }
     }
     __syncthreads();  // xs is refilled by the next pass
   }
@@ -494,6 +500,39 @@ __device__ __forceinline__ void gemv_combine(float* v, float (*part)[R], uint ks
       for (uint j = 1; j < ks; ++j) a += part[warp + j][r];
       v[r] = a;
     }
+}
+
+// One block of the staged GEMV of matrix wr.m (N = m.rows, K = m.cols): out[r] = row r . x for the
+// GEMV_ROWS rows of each of its 8 / ks warp groups (group g of block b owns rows (b (8 / ks) + g) 4
+// .. + 4, stored rows base + r: base = row_offset (+ an expert's rows)); x [K], out [N] f32. A partial
+// last group repeats its last row and stores only the valid ones. Accumulation: f32. NC: chunks a
+// lane loads ahead per row (gemv_staged). xs (GEMV_XS floats) and part: the caller's shared memory.
+template <typename W, int NC>
+__device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uint ks, const float* __restrict__ x,
+                                           float* __restrict__ out, float4* xs, float (*part)[GEMV_ROWS]) {
+  const CudaMatrix m = wr.m;
+  const uint warp = threadIdx.x / 32, s = warp % ks;
+  const uint r0 = (b * (8 / ks) + warp / ks) * GEMV_ROWS;
+  const bool active = r0 < m.rows;  // whole warp
+  const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
+  size_t rows[GEMV_ROWS];
+#pragma unroll
+  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = base + r0 + min(r, nr - 1);
+  float acc[GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
+  const uint done = gemv_staged<W::EPC, GEMV_ROWS, NC>(
+      m.vec, m.cols, x, xs, active, s, ks, [&](int r, uint c) { return wr.load(rows[r], c); },
+      [&](int r, const typename W::Item& it, uint c, const float* xc, uint step) {
+        acc[r] += wr.dot_item(rows[r], it, c, xc, step);
+      });
+  if (active && s == 0) rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, m.cols, x, acc);
+  gemv_combine<GEMV_ROWS>(acc, part, ks);
+  if (active && s == 0 && threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (uint r = 0; r < GEMV_ROWS; ++r)
+      if (r < nr) out[r0 + r] = acc[r];
+  }
 }
 
 // ---------------------------------------------------------------- tensor-core tiles

@@ -8,47 +8,21 @@
 #include "common.cuh"
 
 // matmul_gemv_<w>: grid (ceil(N / (32 / ks)), T), 256 threads = 8 warps (the staged GEMV layout of
-// common.cuh): warp w of block b owns, with the other ks - 1 warps of its group, the GEMV_ROWS = 4
-// output rows (b (8 / ks) + w / ks) 4 .. + 4 of token blockIdx.y; lane l of it takes 16-byte chunks
-// of K and multiplies its x chunk (staged in shared memory) with the chunk of all 4 rows
-// (rows_dot_chunks): a warp's weight reads are 512 contiguous bytes of a row. A partial last group
-// repeats its last row and stores only the valid ones. Accumulation: f32.
-
-// The body of both GEMV kernels: matrix m's block b, token blockIdx.y, into out.
-template <typename W>
-__device__ __forceinline__ void gemv_block(const MatmulParams p, const CudaMatrix m, uint b, uint ks, const W& wr,
-                                           const float* __restrict__ x, float* __restrict__ out) {
-  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
-  __shared__ float part[8][GEMV_ROWS];
-  const uint warp = threadIdx.x / 32, t = blockIdx.y, s = warp % ks;
-  const uint r0 = (b * (8 / ks) + warp / ks) * GEMV_ROWS;
-  const bool active = r0 < m.rows;  // whole warp
-  const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
-  size_t rows[GEMV_ROWS];
-#pragma unroll
-  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = m.row_offset + r0 + min(r, nr - 1);
-  float acc[GEMV_ROWS];
-#pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
-  const float* xt = x + (size_t)(p.x_row0 + t) * m.cols;
-  const uint done = gemv_staged<W::EPC>(m.vec, m.cols, xt, xs, active, s, ks,
-                                        [&](uint c0, uint c1, auto x_at, uint stride) {
-                                          rows_dot_chunks<W, GEMV_ROWS>(wr, rows, c0, c1, x_at, 128, acc, stride);
-                                        });
-  if (active && s == 0) rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, m.cols, xt, acc);
-  gemv_combine<GEMV_ROWS>(acc, part, ks);
-  if (active && s == 0 && threadIdx.x % 32 == 0) {
-#pragma unroll
-    for (uint r = 0; r < GEMV_ROWS; ++r)
-      if (r < nr) out[(size_t)t * m.rows + r0 + r] = acc[r];
-  }
-}
-
+// common.cuh: gemv_block): warp w of block b owns, with the other ks - 1 warps of its group, the
+// GEMV_ROWS = 4 output rows (b (8 / ks) + w / ks) 4 .. + 4 of token blockIdx.y; lane l takes 16-byte
+// chunks l, l + 32, .. of its share of K, loads GEMV_NC of them per row ahead (8 loads a lane in
+// flight before x is staged) and multiplies each with its x chunk (staged in shared memory): a
+// warp's weight reads are 512 contiguous bytes of a row. Accumulation: f32.
+#define GEMV_NC 2
 template <typename W>
 __device__ __forceinline__ void matmul_gemv(const MatmulParams p, const CudaMatrix m, const uchar* w,
                                             const uchar* scales, const uchar* biases, const uint ks,
                                             const float* __restrict__ x, float* __restrict__ out) {
-  gemv_block<W>(p, m, blockIdx.x, ks, make_w<W>(w, scales, biases, m), x, out);
+  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
+  __shared__ float part[8][GEMV_ROWS];
+  const uint t = blockIdx.y;
+  gemv_block<W, GEMV_NC>(make_w<W>(w, scales, biases, m), m.row_offset, blockIdx.x, ks,
+                         x + (size_t)(p.x_row0 + t) * m.cols, out + (size_t)t * m.rows, xs, part);
 }
 
 // matmul_gemv_multi_<w>: the GEMV of up to 4 matrices (one weight format, one K) reading the same x,
@@ -74,7 +48,11 @@ __device__ __forceinline__ void matmul_gemv_multi(const MatmulParams p, const Ge
   const uint b = blockIdx.x - pick4(i, 0u, g.ends[0], g.ends[1], g.ends[2]);
   const CudaMatrix m = pick4(i, m0, m1, m2, m3);
   const W wr = make_w<W>(pick4(i, w0, w1, w2, w3), pick4(i, s0, s1, s2, s3), pick4(i, b0, b1, b2, b3), m);
-  gemv_block<W>(p, m, b, g.ks, wr, x, pick4(i, out0, out1, out2, out3));
+  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
+  __shared__ float part[8][GEMV_ROWS];
+  const uint t = blockIdx.y;
+  gemv_block<W, GEMV_NC>(wr, m.row_offset, b, g.ks, x + (size_t)(p.x_row0 + t) * m.cols,
+                         pick4(i, out0, out1, out2, out3) + (size_t)t * m.rows, xs, part);
 }
 
 // matmul_mma_<w>: output tiles of 64 tokens x 64 weight rows (mma_tile in common.cuh: bf16 tensor
@@ -101,7 +79,7 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
 }
 
 #define MATMUL(sfx)                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256) matmul_gemv_##sfx(                                         \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) matmul_gemv_##sfx(                                         \
       const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,  \
       const float* __restrict__ x, float* __restrict__ out) {                                                  \
     matmul_gemv<W_##sfx>(p, m, w, s, b, ks, x, out);                                                               \
@@ -113,7 +91,7 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
     matmul_mma<W_##sfx>(p, m, w, s, b, x, out);                                                                \
   }                                                                                                            \
   SIM_EXPORT(matmul_mma_##sfx)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) matmul_gemv_multi_##sfx(                                   \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) matmul_gemv_multi_##sfx(                                   \
       const MatmulParams p, const GemvMulti g, const CudaMatrix m0, const CudaMatrix m1, const CudaMatrix m2,   \
       const CudaMatrix m3, const uchar* w0, const uchar* s0, const uchar* b0, const uchar* w1, const uchar* s1, \
       const uchar* b1, const uchar* w2, const uchar* s2, const uchar* b2, const uchar* w3, const uchar* s3,      \

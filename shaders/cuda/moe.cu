@@ -89,7 +89,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p,
 // ids [T*K], act. Grid (ceil(I / (32 / ks)), T*K), 256 threads = 8 warps in the staged GEMV layout
 // of common.cuh (x[t] staged in shared memory; groups of ks warps split D), a group owning the 4 gate
 // and the 4 up rows (b (8 / ks) + w / ks) 4 .. + 4 of pair blockIdx.y: each lane's x chunk serves 8
-// rows, 8 independent 16-byte weight loads per step. Accumulation: f32.
+// rows, its 8 independent 16-byte weight loads (and their scales) issued before x is staged
+// (gemv_staged, one step ahead). Accumulation: f32.
 #define MOE_ROWS 4
 template <typename W>
 __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
@@ -117,18 +118,13 @@ __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix 
 #pragma unroll
   for (int r = 0; r < 2 * MOE_ROWS; ++r) acc[r] = 0.0f;
   const float* xt = x + (size_t)t * D;
-  const uint done = gemv_staged<W::EPC>(gm.vec && um.vec, D, xt, xs, active, s, ks,
-                                        [&](uint c0, uint c1, auto x_at, uint stride) {
-#pragma unroll 1
-                                          for (uint c = c0 + threadIdx.x % 32; c < c1; c += stride) {
-                                            const float* xc = x_at(c);
-#pragma unroll
-                                            for (int r = 0; r < MOE_ROWS; ++r) {
-                                              acc[r] += g.dot(grows[r], c, xc, 128);
-                                              acc[MOE_ROWS + r] += u.dot(urows[r], c, xc, 128);
-                                            }
-                                          }
-                                        });
+  // Gate rows 0 .. MOE_ROWS - 1, then up rows: 8 weight loads a lane in flight before x is staged.
+  const uint done = gemv_staged<W::EPC, 2 * MOE_ROWS, 1>(
+      gm.vec && um.vec, D, xt, xs, active, s, ks,
+      [&](int r, uint c) { return r < MOE_ROWS ? g.load(grows[r], c) : u.load(urows[r - MOE_ROWS], c); },
+      [&](int r, const typename W::Item& it, uint c, const float* xc, uint step) {
+        acc[r] += r < MOE_ROWS ? g.dot_item(grows[r], it, c, xc, step) : u.dot_item(urows[r - MOE_ROWS], it, c, xc, step);
+      });
   if (active && s == 0) {
     rows_dot_tail<W, MOE_ROWS>(g, grows, done, D, xt, acc);
     rows_dot_tail<W, MOE_ROWS>(u, urows, done, D, xt, acc + MOE_ROWS);
@@ -139,24 +135,20 @@ __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix 
 }
 
 // moe_down_<w>: y [T*K, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Arguments:
-// MoeParams p, CudaMatrix m, w / scales / biases, ids [T*K], act [T*K, I], y. Grid
-// (ceil(D / 32), T*K), 256 threads, 4 rows per warp as moe_gate_up. Accumulation: f32.
+// MoeParams p, CudaMatrix m, w / scales / biases, uint ks, ids [T*K], act [T*K, I], y. Grid
+// (ceil(D / (32 / ks)), T*K), 256 threads in the staged GEMV layout of common.cuh (gemv_block:
+// act[tk] staged in shared memory, 4 rows a warp group, weight loads issued before the staging; at
+// I = 512 and 4 bits a row is 16 chunks, so lanes 16 .. 31 of a warp have no chunk). Accumulation: f32.
 template <typename W>
 __device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s,
-                                         const uchar* b, const uint* __restrict__ ids, const float* __restrict__ act,
-                                         float* __restrict__ y) {
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, tk = blockIdx.y;
-  const uint r0 = (blockIdx.x * 8 + warp) * MOE_ROWS;
-  if (r0 >= m.rows) return;
-  const uint nr = min((uint)MOE_ROWS, m.rows - r0);
-  const uint e = ids[tk], I = m.cols;
-  const W wr = make_w<W>(w, s, b, m);
-  size_t rows[MOE_ROWS];
-  for (uint r = 0; r < MOE_ROWS; ++r) rows[r] = (size_t)e * m.expert_stride + m.row_offset + r0 + min(r, nr - 1);
-  float v[MOE_ROWS];
-  rows_dot<W, MOE_ROWS>(wr, rows, I, act + (size_t)tk * I, v);
-  if (lane == 0)
-    for (uint r = 0; r < nr; ++r) y[(size_t)tk * m.rows + r0 + r] = v[r];
+                                         const uchar* b, const uint ks, const uint* __restrict__ ids,
+                                         const float* __restrict__ act, float* __restrict__ y) {
+  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
+  __shared__ float part[8][GEMV_ROWS];
+  (void)p;
+  const uint tk = blockIdx.y, e = ids[tk];
+  gemv_block<W, 2>(make_w<W>(w, s, b, m), (size_t)e * m.expert_stride + m.row_offset, blockIdx.x, ks,
+                   act + (size_t)tk * m.cols, y + (size_t)tk * m.rows, xs, part);
 }
 
 // moe_combine: out [T, D] = sum_k weights[t, k] * y[t*K + k, :] (k ascending, f32). Arguments:
@@ -296,17 +288,17 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
 }
 
 #define MOE(sfx)                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##sfx(                                           \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_gate_up_##sfx(                                           \
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                         \
       const float* __restrict__ x, const uint* __restrict__ ids, float* __restrict__ act) {                     \
     moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, ids, act);                                        \
   }                                                                                                              \
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(256) moe_down_##sfx(                                              \
-      const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                     \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_##sfx(                                              \
+      const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
       const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {                      \
-    moe_down<W_##sfx>(p, m, w, s, b, ids, act, y);                                                               \
+    moe_down<W_##sfx>(p, m, w, s, b, ks, ids, act, y);                                                               \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
   extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_##sfx(                                      \

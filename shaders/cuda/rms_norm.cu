@@ -1,47 +1,136 @@
 // rms_norm / rms_norm_gated: out = x / sqrt(mean(x^2) + eps) * w (* silu(z) for the gated form)
 // per row. x, z, out [rows, dim] f32, w [dim] f32.
-// Arguments: RmsNormParams p, x, w, out (gated: x, z, w, out). Grid (rows), 256 threads striding
-// over dim; sum of squares by warp shuffles then across warps through shared memory (block_sum).
-// Accumulation: f32.
+// Arguments: RmsNormParams p, x, w, out (gated: x, z, w, out). Grid (rows), 256 threads.
+// A row of up to NORM_V * 4 * 256 = 2048 values whose pointers are 16-byte aligned and dim % 4 == 0
+// (the model's rows) is held in registers: thread i loads float4 pieces i, i + 256 of every input
+// at once (one round trip, not one per value), squares summed by warp shuffles then across the
+// warps through shared memory (block_sum), the outputs computed from the registers. Other rows
+// stride over dim value by value. Accumulation: f32.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) rms_norm(const RmsNormParams p, const float* __restrict__ x,
-                                                           const float* __restrict__ w, float* __restrict__ out) {
+#define NORM_V 2  // float4 pieces a thread holds
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
+__device__ __forceinline__ void store_f4(float* p, float4 v) {
+#if defined(LILY_CUDA_SIM)
+  memcpy(p, &v, 16);
+#else
+  *reinterpret_cast<float4*>(p) = v;
+#endif
+}
+__device__ __forceinline__ float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+// Whether this block's row takes the register path (every pointer given must be 16-byte aligned).
+__device__ __forceinline__ bool norm_in_registers(const RmsNormParams p, const void* a, const void* b, const void* c,
+                                                  const void* d) {
+  return p.dim % 4 == 0 && p.dim <= NORM_V * 4 * blockDim.x && aligned16(a) && aligned16(b) && aligned16(c) &&
+         aligned16(d);
+}
+
+// GATED: times silu(z).
+template <bool GATED>
+__device__ __forceinline__ void norm_row(const RmsNormParams p, const float* __restrict__ x,
+                                         const float* __restrict__ z, const float* __restrict__ w,
+                                         float* __restrict__ out) {
   __shared__ float partial[32];
-  const float* xr = x + (size_t)blockIdx.x * p.dim;
+  const size_t r0 = (size_t)blockIdx.x * p.dim;
+  const float* xr = x + r0;
+  if (norm_in_registers(p, x, GATED ? z : x, w, out)) {
+    float4 v[NORM_V], wv[NORM_V], zv[NORM_V];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim) {
+        v[j] = load_f4(xr + i);
+        wv[j] = load_f4(w + i);
+        if (GATED) zv[j] = load_f4(z + r0 + i);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j)
+      if (4 * (threadIdx.x + j * blockDim.x) < p.dim) ss += sq4(v[j]);
+    const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim) {
+        float4 o = make_float4(v[j].x * inv * wv[j].x, v[j].y * inv * wv[j].y, v[j].z * inv * wv[j].z,
+                               v[j].w * inv * wv[j].w);
+        if (GATED) o = make_float4(o.x * silu(zv[j].x), o.y * silu(zv[j].y), o.z * silu(zv[j].z), o.w * silu(zv[j].w));
+        store_f4(out + r0 + i, o);
+      }
+    }
+    return;
+  }
   float ss = 0.0f;
   for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) ss += xr[i] * xr[i];
   const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
-  for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) out[(size_t)blockIdx.x * p.dim + i] = xr[i] * inv * w[i];
+  for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
+    const float o = xr[i] * inv * w[i];
+    out[r0 + i] = GATED ? o * silu(z[r0 + i]) : o;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) rms_norm(const RmsNormParams p, const float* __restrict__ x,
+                                                           const float* __restrict__ w, float* __restrict__ out) {
+  norm_row<false>(p, x, nullptr, w, out);
 }
 
 extern "C" __global__ void __launch_bounds__(256) rms_norm_gated(const RmsNormParams p, const float* __restrict__ x,
                                                                  const float* __restrict__ z,
                                                                  const float* __restrict__ w,
                                                                  float* __restrict__ out) {
-  __shared__ float partial[32];
-  const float* xr = x + (size_t)blockIdx.x * p.dim;
-  float ss = 0.0f;
-  for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) ss += xr[i] * xr[i];
-  const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
-  for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
-    const size_t o = (size_t)blockIdx.x * p.dim + i;
-    out[o] = xr[i] * inv * w[i] * silu(z[o]);
-  }
+  norm_row<true>(p, x, z, w, out);
 }
 
 // add_rms_norm: x += y, then out = rms_norm(x, w) (a residual add and the norm after it, one pass).
 // add_gated_rms_norm: x += sigmoid(gate[row]) * shared, x += y (that order: the reference's
 // sigmoid_gate_add then add), then out = rms_norm(x, w) (the MoE block's end).
 // x (in/out), y, shared, out [rows, dim], gate [rows], w [dim] f32. Arguments: RmsNormParams p, x, y,
-// (gated: shared, gate,) w, out. Grid (rows), 256 threads striding over dim: each thread writes
-// the new x values it owns and reads them back itself after the block sum (no other thread
-// touches them). Accumulation: f32.
+// (gated: shared, gate,) w, out. Grid (rows), 256 threads; the register path as rms_norm's (all of
+// x, y, shared and w loaded at once, the new x stored and kept in registers for the output); else
+// striding over dim, each thread writing the new x values it owns and reading them back itself
+// after the block sum (no other thread touches them). Accumulation: f32.
 __device__ __forceinline__ void add_norm_row(const RmsNormParams p, float* x, const float* __restrict__ y,
                                              const float* __restrict__ shared, float g,
                                              const float* __restrict__ w, float* __restrict__ out) {
   __shared__ float partial[32];
   const size_t r0 = (size_t)blockIdx.x * p.dim;
+  if (norm_in_registers(p, x, y, shared ? shared : y, w) && aligned16(out)) {
+    float4 v[NORM_V], yv[NORM_V], sv[NORM_V], wv[NORM_V];
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim) {
+        v[j] = load_f4(x + r0 + i);
+        yv[j] = load_f4(y + r0 + i);
+        if (shared) sv[j] = load_f4(shared + r0 + i);
+        wv[j] = load_f4(w + i);
+      }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim) {
+        float4 a = v[j];
+        if (shared) a = make_float4(a.x + g * sv[j].x, a.y + g * sv[j].y, a.z + g * sv[j].z, a.w + g * sv[j].w);
+        a = make_float4(a.x + yv[j].x, a.y + yv[j].y, a.z + yv[j].z, a.w + yv[j].w);
+        v[j] = a;
+        store_f4(x + r0 + i, a);
+        ss += sq4(a);
+      }
+    }
+    const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim)
+        store_f4(out + r0 + i, make_float4(v[j].x * inv * wv[j].x, v[j].y * inv * wv[j].y, v[j].z * inv * wv[j].z,
+                                           v[j].w * inv * wv[j].w));
+    }
+    return;
+  }
   float ss = 0.0f;
   for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
     float v = x[r0 + i];

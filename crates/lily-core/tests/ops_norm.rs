@@ -37,9 +37,10 @@ mod cpu {
 
 gpu_tests!(rms_norm_matches_reference, add_rms_norm_matches_reference);
 
-/// rms_norm and rms_norm_gated on rows narrower than a warp, a partial block and wider than one.
+/// rms_norm and rms_norm_gated on rows narrower than a warp, a partial block, wider than one, and
+/// at and past the widest row a CUDA block holds in registers (2048).
 fn rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
-    for (rows, dim) in [(3, 100), (2, 300), (4, 16), (5, 48)] {
+    for (rows, dim) in [(3, 100), (2, 300), (4, 16), (5, 48), (1, 2048), (2, 2050)] {
         let x = rand_vec(rows * dim, 1, -2.0, 2.0);
         let z = rand_vec(rows * dim, 4, -3.0, 3.0);
         let w = rand_vec(dim, 2, 0.5, 1.5);
@@ -63,7 +64,7 @@ fn rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 /// and rms_norm: both outputs (the new residual x and the norm), at widths below, at and above
 /// one threadgroup's (block's) 256 threads.
 fn add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
-    for (rows, dim) in [(3, 100), (2, 300), (1, 2048)] {
+    for (rows, dim) in [(3, 100), (2, 300), (1, 2048), (2, 2049)] {
         let n = rows * dim;
         let x = rand_vec(n, 11, -2.0, 2.0);
         let y = rand_vec(n, 12, -2.0, 2.0);

@@ -99,16 +99,18 @@ pub fn moe_experts<X: Executor>(
     let launch = shape([div(i, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
     let [dw, ds, db] = down.ptrs();
+    let ks = gemv_split(d, down.desc.row_bytes as usize / 16, pairs);
     let args = Args::new()
         .push(*p)
         .push(down.desc)
         .ptr(dw)
         .ptr(ds)
         .ptr(db)
+        .push(ks)
         .ptr(ids.ptr())
         .ptr(act)
         .ptr(y);
-    let launch = shape([div(d, 32), pairs as u32, 1], 256);
+    let launch = shape([div(d, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
     let rows = RowsParams {
         tokens: p.tokens,
