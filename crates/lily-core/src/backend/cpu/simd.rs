@@ -216,6 +216,51 @@ pub fn rows_dot(isa: Isa, m: &Matrix, first: usize, x: XRow, sb: &mut [f32], out
     }
 }
 
+/// Most prepared x [`rows_dot_batch`] takes in one call.
+pub const ROWS_BATCH: usize = 8;
+
+/// out[j * stride + i] = stored row `first + i` of `m` times the prepared `xs[j]`, for i < `n` and
+/// up to [`ROWS_BATCH`] x (a batched decode step, an expert's tokens): what [`rows_dot`] gives
+/// each x alone. 4-bit rows run [`int8::rows_batch`] (each weight block unpacked once for several
+/// x); the others, [`rows_dot`] per x. `sb` as [`rows_dot`].
+#[inline(always)]
+pub fn rows_dot_batch(
+    isa: Isa,
+    m: &Matrix,
+    first: usize,
+    xs: &[XRow],
+    n: usize,
+    sb: &mut [f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(xs.len() <= ROWS_BATCH, "rows_dot_batch: {} x", xs.len());
+    match (m.format, xs.first().and_then(|x| x.q4)) {
+        (Format::Affine { bits: 4, group }, Some(_)) => {
+            let (w, scales, biases) = m.rows_parts(first, n);
+            let rows = int8::Rows {
+                w,
+                scales,
+                biases,
+                dtype: m.scale_dtype(),
+                cols: m.cols,
+                group,
+            };
+            let planes: [Planes; ROWS_BATCH] = std::array::from_fn(|j| {
+                xs[j.min(xs.len() - 1)]
+                    .q4
+                    .expect("every x of a 4-bit matrix has its planes (`prepare`)")
+            });
+            int8::rows_batch(&rows, &planes[..xs.len()], n, out, stride)
+        }
+        _ => {
+            for (j, &x) in xs.iter().enumerate() {
+                rows_dot(isa, m, first, x, sb, &mut out[j * stride..][..n]);
+            }
+        }
+    }
+}
+
 /// Row `stored` of `m` times the prepared x, f32 accumulation, for 8-bit and dense rows (4-bit
 /// rows go through [`rows_dot`]). `sb` is scratch of [`row_scratch_len`] floats.
 /// Always inlined, so callers compiled per ISA vectorize the scale conversion too.
