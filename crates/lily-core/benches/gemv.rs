@@ -195,6 +195,15 @@ fn bench() {
                 b as f64 / s,
                 one as f64 / s / 1e9
             );
+            if b > 1 {
+                // The prefill's dequantized f32 tile GEMM on the same step, for comparison.
+                let s = time(reps, || {
+                    c = (c + 1) % copies;
+                    matmul::cpu::gemm(isa, &m, c, &x, b, &mut out)
+                });
+                let name = format!("batch {b} in_proj_qkv as f32-tile gemm");
+                println!("{name:<42} {:8.0} tok/s", b as f64 / s);
+            }
         }
         let name = format!("batch {b} MoE 8 experts 2048->512x2->2048 q4");
         if run(&name) {

@@ -880,8 +880,10 @@ mod x86 {
     /// weight bytes are loaded and split into nibbles once, then dotted with every token's
     /// planes, the planes chained in the accumulator (acc = dot(acc << 8, next plane): the same
     /// i32 as the row kernel's sum of shifted plane dots). The f32 steps per (row, token) are the
-    /// row kernel's, in its order, so the results are bit-identical to it. R = 2 on 256 bits
-    /// (16 registers: 8 accumulators), 4 on 512 (32 registers). Further tokens run in further
+    /// row kernel's, in its order, so the results are bit-identical to it. R = 1 on 256 bits
+    /// (16 registers: 4 accumulators, a row's 2 nibble vectors, a token's up to 6 plane vectors;
+    /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers).
+    /// Further tokens run in further
     /// passes over the same R rows (in L1 by then); a tail of fewer than R rows repeats its
     /// last row (the duplicate writes the same value).
     macro_rules! rows_batch_kernel {
@@ -889,7 +891,7 @@ mod x86 {
             #[target_feature(enable = $feat)]
             pub unsafe fn $name<const P: usize>(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: usize) {
                 use $w::*;
-                const R: usize = if LANES == 16 { 4 } else { 2 };
+                const R: usize = if LANES == 16 { 4 } else { 1 };
 
                 #[target_feature(enable = $feat)]
                 #[inline]
