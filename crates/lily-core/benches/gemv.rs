@@ -168,6 +168,72 @@ fn bench() {
         );
     }
 
+    // A batched decode step's matmuls (one token per sequence, B sequences): a dense projection
+    // and the routed experts (8 of 256 per token, different experts per token and call), from
+    // DRAM. Aggregate tokens per second of the kernel alone: with the weights shared, it should
+    // grow with B while the step stays memory-bound.
+    for b in [1usize, 4, 8] {
+        let name = format!("batch {b} in_proj_qkv 2048->8192 q4");
+        if run(&name) {
+            let (n, k) = (8192, 2048);
+            let one = matrix(1, n, k, q4).bytes_per_row() * n;
+            let copies = ((1usize << 30) / one).max(1);
+            let m = matrix(copies, n, k, q4);
+            let x: Vec<f32> = (0..b * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+            let mut out = vec![0f32; b * n];
+            let mut c = 0;
+            let s = time(reps, || {
+                c = (c + 1) % copies;
+                if b == 1 {
+                    matmul::cpu::gemv(isa, prec, &m, c, &x, &mut out)
+                } else {
+                    matmul::cpu::gemv_batch(isa, prec, &m, c, &x, b, &mut out)
+                }
+            });
+            println!(
+                "{name:<42} {:8.0} tok/s  {:6.1} GB/s",
+                b as f64 / s,
+                one as f64 / s / 1e9
+            );
+            if b > 1 {
+                // The prefill's dequantized f32 tile GEMM on the same step, for comparison.
+                let s = time(reps, || {
+                    c = (c + 1) % copies;
+                    matmul::cpu::gemm(isa, &m, c, &x, b, &mut out)
+                });
+                let name = format!("batch {b} in_proj_qkv as f32-tile gemm");
+                println!("{name:<42} {:8.0} tok/s", b as f64 / s);
+            }
+        }
+        let name = format!("batch {b} MoE 8 experts 2048->512x2->2048 q4");
+        if run(&name) {
+            use lily_core::{backend::params::MoeParams, ops::moe};
+            let (e_n, inter, d) = (256, 512, 2048);
+            let (g, u, dn) = (
+                matrix(e_n, inter, d, q4),
+                matrix(e_n, inter, d, q4),
+                matrix(e_n, d, inter, q4),
+            );
+            let x: Vec<f32> = (0..b * d).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+            let w = vec![0.125f32; b * 8];
+            let mut tmp = vec![0f32; b * 8 * (inter + d)];
+            let mut out = vec![0f32; b * d];
+            let (mut step, mut ids) = (0u32, vec![0u32; b * 8]);
+            let s = time(reps, || {
+                step += 1;
+                for (i, id) in ids.iter_mut().enumerate() {
+                    *id = (step * 37 + (i as u32 % 8) * 31 + (i as u32 / 8) * 11) % 256;
+                }
+                let p = MoeParams {
+                    tokens: b as u32,
+                    top_k: 8,
+                };
+                moe::cpu::moe_experts_with(isa, prec, &p, &x, &ids, &w, &g, &u, &dn, &mut tmp, &mut out);
+            });
+            println!("{name:<42} {:8.0} tok/s", b as f64 / s);
+        }
+    }
+
     // Decode attention over a 4K bf16 KV cache (16 query / 2 KV heads of 256, the real shape):
     // GB/s of K and V read. Eight caches in rotation (67 MB) so each call reads from DRAM.
     let name = "decode attention 16q/2kv x 256, 4K bf16 context";

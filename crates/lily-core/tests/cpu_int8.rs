@@ -257,6 +257,107 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
 }
 
 #[test]
+fn every_rows_batch_kernel_is_the_row_kernel_per_token() {
+    // Rows: R-ths of 9 (R = 2 or 4) and a tail; tokens: one pass of each width (1..=4) and
+    // passes of 4 + a tail (up to 9).
+    let n = 37;
+    for (dot, np) in Dot::all_available().into_iter().flat_map(|d| MODES.map(|n| (d, n))) {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for (group, cols) in [(32, 512), (64, 2048), (128, 1536), (64, 4096 + 512), (256, 512)] {
+                if cols % (2 * dot.block()) != 0 {
+                    continue;
+                }
+                let what = format!("{dot:?} {np} planes {dtype:?} group {group} cols {cols}");
+                let (g_n, g_pad) = (cols / group, (cols / group).next_multiple_of(CHUNK_GROUPS));
+                let w = codes(n * cols / 2, 13 + cols as u64);
+                let scales = float_bytes(&rand_vec(n * g_n, 5, 0.001, 0.02), dtype);
+                let biases = float_bytes(&rand_vec(n * g_n, 6, -0.1, 0.1), dtype);
+                let rows = Rows {
+                    w: &w,
+                    scales: &scales,
+                    biases: &biases,
+                    dtype,
+                    cols,
+                    group,
+                };
+                let toks = 9;
+                let xs: Vec<Vec<f32>> = (0..toks)
+                    .map(|t| activations(cols, 100 * t as u64 + cols as u64))
+                    .collect();
+                let mut dx = vec![0f32; toks * g_pad];
+                let mut gsum = vec![0f32; toks * g_pad];
+                let mut xq = vec![0i8; toks * np * cols];
+                for (t, x) in xs.iter().enumerate() {
+                    let (d, q) = (&mut dx[t * g_pad..][..g_n], &mut xq[t * np * cols..][..np * cols]);
+                    int8::quantize(Isa::get(), dot, np, x, group, d, q);
+                    for (g, xg) in x.chunks_exact(group).enumerate() {
+                        gsum[t * g_pad + g] = xg.iter().sum();
+                    }
+                }
+                let planes: Vec<Planes> = (0..toks)
+                    .map(|t| Planes {
+                        dot,
+                        n: np,
+                        dx: &dx[t * g_pad..][..g_pad],
+                        gsum: &gsum[t * g_pad..][..g_pad],
+                        xq: &xq[t * np * cols..][..np * cols],
+                    })
+                    .collect();
+                let mut alone = vec![0f32; toks * n];
+                for (t, x) in planes.iter().enumerate() {
+                    int8::rows(&rows, x, &mut alone[t * n..][..n]);
+                }
+                for tn in [1, 2, 3, 4, 5, 8, 9] {
+                    // Outputs at a stride past n: the gaps must stay untouched.
+                    let stride = n + 3;
+                    let mut got = vec![f32::NAN; tn * stride];
+                    int8::rows_batch(&rows, &planes[..tn], n, &mut got, stride);
+                    for t in 0..tn {
+                        for r in 0..n {
+                            assert_eq!(
+                                got[t * stride + r].to_bits(),
+                                alone[t * n + r].to_bits(),
+                                "{what}, {tn} tokens: token {t} row {r}: {} vs the row kernel's {}",
+                                got[t * stride + r],
+                                alone[t * n + r]
+                            );
+                        }
+                        if t + 1 < tn {
+                            assert!(
+                                got[t * stride + n..][..3].iter().all(|v| v.is_nan()),
+                                "{what}: gap written"
+                            );
+                        }
+                    }
+                }
+                // And against the exact affine product (f64), within x's rounding, for the last token.
+                let t = toks - 1;
+                let mut got = vec![0f32; toks * n];
+                int8::rows_batch(&rows, &planes, n, &mut got, n);
+                for r in 0..n {
+                    let (mut exact, mut mag, mut rounding) = (0f64, 0f64, 0f64);
+                    for j in 0..cols {
+                        let byte = w[r * cols / 2 + j / 2];
+                        let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                        let s = read_scalar(dtype, &scales, r * g_n + j / group) as f64;
+                        let b = read_scalar(dtype, &biases, r * g_n + j / group) as f64;
+                        let x = xs[t][j] as f64;
+                        exact += (s * q + b) * x;
+                        mag += (s * q + b.abs()) * x.abs();
+                        rounding += s * q * dx[t * g_pad + j / group] as f64 / (2.0 * 256f64.powi(np as i32 - 1));
+                    }
+                    let v = got[t * n + r] as f64;
+                    assert!(
+                        (v - exact).abs() <= 2e-6 * mag + rounding,
+                        "{what} row {r}: {v} vs exact {exact} (scale {mag})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn fused_rows_cover_the_mlx_shapes_on_x86_and_arm64() {
     for dot in Dot::all_available() {
         let fused = dot != Dot::Portable;

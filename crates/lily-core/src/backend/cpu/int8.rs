@@ -301,10 +301,8 @@ impl Dot {
     }
 }
 
-/// out[r] = sum_g s_g (w_g . x_g) + b_g sum(x_g) for every row r of `m` (4-bit codes, x as
-/// `x`'s planes). The decode GEMV's inner loop.
-pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
-    let n = out.len();
+/// The shapes and lengths [`rows`] needs for `n` rows of `m` and x (the kernels read no further).
+fn check_rows(m: &Rows, x: &Planes, n: usize) {
     let (g_n, sz) = (m.cols / m.group, m.dtype.size());
     let b = x.dot.block();
     assert!(
@@ -321,6 +319,12 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
             && (x.n == 1 || x.n == PLANES),
         "int8 rows: lengths"
     );
+}
+
+/// out[r] = sum_g s_g (w_g . x_g) + b_g sum(x_g) for every row r of `m` (4-bit codes, x as
+/// `x`'s planes). The decode GEMV's inner loop.
+pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
+    check_rows(m, x, out.len());
     #[cfg(target_arch = "x86_64")]
     if x.dot.fused_rows(m.group, m.dtype) && x.dot.available() {
         // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
@@ -359,6 +363,61 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
         return;
     }
     rows_portable(m, x, out)
+}
+
+/// Tokens per pass of [`rows_batch`]'s fused kernels: each weight block's nibbles, unpacked once,
+/// meet this many tokens' planes in registers (more tokens run in further passes over the same
+/// rows, which stay in L1).
+pub const BATCH_TOKENS: usize = 4;
+
+/// out[j * stride + r] = row r of `m` times token j's planes `xs[j]`, for r < `n` and every token
+/// j (a batched decode step; the fast precision's MoE experts): what [`rows`] gives each token
+/// alone, bit for bit (the same integer lane sums, the same f32 order per row and token), with
+/// each loaded weight block unpacked once for up to [`BATCH_TOKENS`] tokens and the row's scales
+/// converted once per chunk for all of them. Every x must have the same dot and plane count.
+/// Kernels without a batched form (arm64, the portable twin) run [`rows`] per token.
+pub fn rows_batch(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: usize) {
+    let Some(x0) = xs.first() else { return };
+    assert!(
+        stride >= n && out.len() >= (xs.len() - 1) * stride + n,
+        "int8 rows_batch: output"
+    );
+    assert!(
+        xs.iter().all(|x| x.dot == x0.dot && x.n == x0.n),
+        "int8 rows_batch: planes of one kind"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if x0.dot.fused_rows(m.group, m.dtype) && x0.dot.available() {
+        // The shape and length checks of `rows`, per token.
+        for x in xs {
+            check_rows(m, x, n);
+        }
+        // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
+        // the group size and dtype are the ones the kernels handle (`fused_rows`).
+        unsafe {
+            macro_rules! planes {
+                ($p:expr) => {
+                    match x0.dot {
+                        Dot::Vnni512 => x86::rows_batch_vnni512::<{ $p }>(m, xs, n, out, stride),
+                        Dot::Maddubs512 => x86::rows_batch_maddubs512::<{ $p }>(m, xs, n, out, stride),
+                        Dot::Vnni256 => x86::rows_batch_vnni256::<{ $p }>(m, xs, n, out, stride),
+                        Dot::AvxVnni256 => x86::rows_batch_avxvnni256::<{ $p }>(m, xs, n, out, stride),
+                        Dot::Maddubs256 => x86::rows_batch_maddubs256::<{ $p }>(m, xs, n, out, stride),
+                        _ => unreachable!("fused_rows"),
+                    }
+                };
+            }
+            if x0.n == 1 {
+                planes!(1)
+            } else {
+                planes!(PLANES)
+            }
+        }
+        return;
+    }
+    for (j, x) in xs.iter().enumerate() {
+        rows(m, x, &mut out[j * stride..][..n]);
+    }
 }
 
 /// The twin of the fused kernels, and the path of the other dots: per row and piece of up to
@@ -813,6 +872,156 @@ mod x86 {
     );
     rows_kernel!(rows_avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2);
     rows_kernel!(rows_maddubs256, "avx2,fma,f16c", w256, maddubs256_2);
+
+    /// [`super::rows_batch`] for one width and byte dot: [`rows_kernel`]'s loop with a token
+    /// dimension. R rows (one from each R-th of the run, as there) times T <= `BATCH_TOKENS`
+    /// tokens per pass: per chunk, each row's scales and biases are converted once and meet
+    /// every token's steps and group sums (R x T lane-scale tables); per block, each row's
+    /// weight bytes are loaded and split into nibbles once, then dotted with every token's
+    /// planes, the planes chained in the accumulator (acc = dot(acc << 8, next plane): the same
+    /// i32 as the row kernel's sum of shifted plane dots). The f32 steps per (row, token) are the
+    /// row kernel's, in its order, so the results are bit-identical to it. R = 1 on 256 bits
+    /// (16 registers: 4 accumulators, a row's 2 nibble vectors, a token's up to 6 plane vectors;
+    /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers).
+    /// Further tokens run in further
+    /// passes over the same R rows (in L1 by then); a tail of fewer than R rows repeats its
+    /// last row (the duplicate writes the same value).
+    macro_rules! rows_batch_kernel {
+        ($name:ident, $feat:literal, $w:ident, $dot2:ident) => {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name<const P: usize>(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: usize) {
+                use $w::*;
+                const R: usize = if LANES == 16 { 4 } else { 1 };
+
+                #[target_feature(enable = $feat)]
+                #[inline]
+                unsafe fn run<const T: usize, const P: usize>(
+                    m: &Rows,
+                    xs: [&Planes; T],
+                    idx: &[[i32; LANES]; 16],
+                    rows: [usize; R],
+                    out: *mut f32,
+                    stride: usize,
+                ) {
+                    unsafe {
+                        let (g_n, sz) = (m.cols / m.group, m.dtype.size());
+                        let (row_w, row_s) = (m.cols / 2, g_n * sz);
+                        let unit = set1f(1.0 / unit(P));
+                        let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
+                        let sc: [*const u8; R] = std::array::from_fn(|i| m.scales.as_ptr().add(rows[i] * row_s));
+                        let bi: [*const u8; R] = std::array::from_fn(|i| m.biases.as_ptr().add(rows[i] * row_s));
+                        let xq: [*const i8; T] = std::array::from_fn(|j| xs[j].xq.as_ptr());
+                        let ahead = (PREFETCH / row_w).max(1) * row_s;
+                        for i in 0..R {
+                            for l in (0..row_s).step_by(64) {
+                                _mm_prefetch::<_MM_HINT_T0>(sc[i].wrapping_add(ahead + l) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(bi[i].wrapping_add(ahead + l) as *const i8);
+                            }
+                        }
+                        let (mut t, mut table) = ([[zerof(); T]; R], [[zerof(); T]; R]);
+                        let mut blk = 0;
+                        for g0 in (0..g_n).step_by(CG) {
+                            let ng = CG.min(g_n - g0);
+                            let step: [F; T] = std::array::from_fn(|j| mul(loadf(xs[j].dx.as_ptr().add(g0)), unit));
+                            let gsum: [F; T] = std::array::from_fn(|j| loadf(xs[j].gsum.as_ptr().add(g0)));
+                            for i in 0..R {
+                                let (s, b) = if ng == CG {
+                                    (
+                                        groups(m.dtype, sc[i].add(g0 * sz)),
+                                        groups(m.dtype, bi[i].add(g0 * sz)),
+                                    )
+                                } else {
+                                    (
+                                        groups_part(m.dtype, sc[i].add(g0 * sz), ng),
+                                        groups_part(m.dtype, bi[i].add(g0 * sz), ng),
+                                    )
+                                };
+                                for j in 0..T {
+                                    table[i][j] = mul(s, step[j]);
+                                    t[i][j] = fma(b, gsum[j], t[i][j]);
+                                }
+                            }
+                            for ix in idx.iter().take(ng * m.group / (2 * B)) {
+                                let wn: [(I, I); R] = std::array::from_fn(|i| {
+                                    _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(blk * B + PREFETCH) as *const i8);
+                                    nibbles(load(w[i].add(blk * B) as *const i8))
+                                });
+                                for j in 0..T {
+                                    let xb = xq[j].add(blk * 2 * B * P);
+                                    let xp: [(I, I); P] =
+                                        std::array::from_fn(|p| (load(xb.add(p * 2 * B)), load(xb.add(p * 2 * B + B))));
+                                    for i in 0..R {
+                                        let (lo, hi) = wn[i];
+                                        let mut acc = $dot2(zero(), lo, xp[0].0, hi, xp[0].1);
+                                        for &(xe, xo) in &xp[1..] {
+                                            acc = $dot2(shift(acc), lo, xe, hi, xo);
+                                        }
+                                        t[i][j] = fma_i(acc, perm(ix.as_ptr(), table[i][j]), t[i][j]);
+                                    }
+                                }
+                                blk += 1;
+                            }
+                        }
+                        for i in 0..R {
+                            for j in 0..T {
+                                *out.add(j * stride + rows[i]) = hsum(t[i][j]);
+                            }
+                        }
+                    }
+                }
+
+                unsafe {
+                    let mut idx = [[0i32; LANES]; 16];
+                    for (j, v) in idx.iter_mut().enumerate().take(CG * m.group / (2 * B)) {
+                        for (l, e) in v.iter_mut().enumerate() {
+                            *e = ((2 * B * j + 8 * l) / m.group) as i32;
+                        }
+                    }
+                    let o = out.as_mut_ptr();
+                    let q = n / R;
+                    let tail = n - R * q;
+                    for k in 0..q + (tail > 0) as usize {
+                        let rows: [usize; R] = if k < q {
+                            std::array::from_fn(|i| k + i * q)
+                        } else {
+                            std::array::from_fn(|i| R * q + i.min(tail - 1))
+                        };
+                        for t0 in (0..xs.len()).step_by(super::BATCH_TOKENS) {
+                            let x = &xs[t0..];
+                            let o = o.add(t0 * stride);
+                            match x.len() {
+                                1 => run::<1, P>(m, [&x[0]], &idx, rows, o, stride),
+                                2 => run::<2, P>(m, [&x[0], &x[1]], &idx, rows, o, stride),
+                                3 => run::<3, P>(m, [&x[0], &x[1], &x[2]], &idx, rows, o, stride),
+                                _ => run::<4, P>(m, [&x[0], &x[1], &x[2], &x[3]], &idx, rows, o, stride),
+                            }
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    rows_batch_kernel!(
+        rows_batch_vnni512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni",
+        w512,
+        vnni512_2
+    );
+    rows_batch_kernel!(
+        rows_batch_maddubs512,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        w512,
+        maddubs512_2
+    );
+    rows_batch_kernel!(
+        rows_batch_vnni256,
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+        w256,
+        vnni256_2
+    );
+    rows_batch_kernel!(rows_batch_avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2);
+    rows_batch_kernel!(rows_batch_maddubs256, "avx2,fma,f16c", w256, maddubs256_2);
 }
 
 #[cfg(target_arch = "aarch64")]

@@ -188,6 +188,19 @@ pub fn view<'a>(isa: Isa, prec: Precision, m: &Matrix, x: &'a [f32], buf: &'a [f
     XRow { x, gsum, q4 }
 }
 
+/// Stored rows `first..first + n` of a 4-bit matrix `m` (groups of `group`) for the int8 kernels.
+fn q4_rows(m: &Matrix, group: usize, first: usize, n: usize) -> int8::Rows<'_> {
+    let (w, scales, biases) = m.rows_parts(first, n);
+    int8::Rows {
+        w,
+        scales,
+        biases,
+        dtype: m.scale_dtype(),
+        cols: m.cols,
+        group,
+    }
+}
+
 /// out[i] = stored row `first + i` of `m` times the prepared x. `sb` is scratch of
 /// [`row_scratch_len`] floats. `m` must have a row kernel ([`has_row_kernel`]). 4-bit rows run
 /// [`int8::rows`] on the whole run (every per-row step in registers); the others, [`row_dot`].
@@ -195,22 +208,50 @@ pub fn view<'a>(isa: Isa, prec: Precision, m: &Matrix, x: &'a [f32], buf: &'a [f
 pub fn rows_dot(isa: Isa, m: &Matrix, first: usize, x: XRow, sb: &mut [f32], out: &mut [f32]) {
     match (m.format, x.q4) {
         (Format::Affine { bits: 4, group }, Some(planes)) => {
-            let (w, scales, biases) = m.rows_parts(first, out.len());
-            let rows = int8::Rows {
-                w,
-                scales,
-                biases,
-                dtype: m.scale_dtype(),
-                cols: m.cols,
-                group,
-            };
-            int8::rows(&rows, &planes, out)
+            int8::rows(&q4_rows(m, group, first, out.len()), &planes, out)
         }
         // `prepare` gives every 4-bit matrix with a row kernel its integer planes.
         (Format::Affine { bits: 4, .. }, None) => unreachable!("4-bit rows without a prepared x"),
         _ => {
             for (i, v) in out.iter_mut().enumerate() {
                 *v = row_dot(isa, m, first + i, x, sb);
+            }
+        }
+    }
+}
+
+/// Most prepared x [`rows_dot_batch`] takes in one call.
+pub const ROWS_BATCH: usize = 8;
+
+/// out[j * stride + i] = stored row `first + i` of `m` times the prepared `xs[j]`, for i < `n` and
+/// up to [`ROWS_BATCH`] x (a batched decode step, an expert's tokens): what [`rows_dot`] gives
+/// each x alone. 4-bit rows run [`int8::rows_batch`] (each weight block unpacked once for several
+/// x); the others, [`rows_dot`] per x. `sb` as [`rows_dot`].
+#[inline(always)]
+pub fn rows_dot_batch(
+    isa: Isa,
+    m: &Matrix,
+    first: usize,
+    xs: &[XRow],
+    n: usize,
+    sb: &mut [f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    assert!(xs.len() <= ROWS_BATCH, "rows_dot_batch: {} x", xs.len());
+    match (m.format, xs.first().and_then(|x| x.q4)) {
+        (Format::Affine { bits: 4, group }, Some(_)) => {
+            let rows = q4_rows(m, group, first, n);
+            let planes: [Planes; ROWS_BATCH] = std::array::from_fn(|j| {
+                xs[j.min(xs.len() - 1)]
+                    .q4
+                    .expect("every x of a 4-bit matrix has its planes (`prepare`)")
+            });
+            int8::rows_batch(&rows, &planes[..xs.len()], n, out, stride)
+        }
+        _ => {
+            for (j, &x) in xs.iter().enumerate() {
+                rows_dot(isa, m, first, x, sb, &mut out[j * stride..][..n]);
             }
         }
     }

@@ -19,7 +19,7 @@ use crate::{
             isa::{multiversion, Isa},
             pool,
             scratch::{with_caller, with_task, Out},
-            simd::{self, XRow},
+            simd::{self, XRow, ROWS_BATCH},
         },
         params::MatmulParams,
     },
@@ -119,8 +119,10 @@ const GEMV_BATCH_ROWS: usize = 32;
 
 /// out[t * n + r] = W[r] . x[t] for t < tokens (a batched decode step, up to [`GEMV_BATCH_MAX`];
 /// any prefill where [`int8_prefill`]): the GEMV of [`gemv`], each block of weight rows read from memory once and dotted from the packed
-/// bytes with every activation row while it is in cache; each row's result is exactly what
-/// [`gemv`] gives for that row alone. Threads: contiguous row ranges, as [`gemv`].
+/// bytes with every activation row while it is in cache, up to [`ROWS_BATCH`] rows per pass of the
+/// batched row kernel ([`gemv_rows_batch`]: each weight block unpacked once for several rows); each
+/// row's result is exactly what [`gemv`] gives for that row alone. Threads: contiguous row ranges,
+/// as [`gemv`].
 pub fn gemv_batch(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
     let (n, k) = (m.rows, m.cols);
     assert!(simd::has_row_kernel(m), "gemv_batch: {tokens} rows");
@@ -132,17 +134,26 @@ pub fn gemv_batch(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], to
             simd::prepare(isa, prec, m, &x[t * k..][..k], &mut buf[t * pl..][..pl]);
         }
         let buf: &[f32] = buf;
+        let sb_len = simd::row_scratch_len(m);
         pool::for_each(n.div_ceil(chunk), |c| {
             let rows = c * chunk..((c + 1) * chunk).min(n);
-            with_task(simd::row_scratch_len(m), |sb| {
+            with_task(sb_len + ROWS_BATCH * GEMV_BATCH_ROWS, |scr| {
+                let (sb, y) = scr.split_at_mut(sb_len);
                 let mut r0 = rows.start;
                 while r0 < rows.end {
                     let rn = GEMV_BATCH_ROWS.min(rows.end - r0);
-                    for t in 0..tokens {
-                        let xr = simd::view(isa, prec, m, &x[t * k..][..k], &buf[t * pl..][..pl]);
-                        // SAFETY: rows r0..r0 + rn of every token's output belong to this task alone.
-                        let dst = unsafe { o.slice(t * n + r0, rn) };
-                        gemv_rows(isa, m, e, r0, xr, sb, dst);
+                    for t0 in (0..tokens).step_by(ROWS_BATCH) {
+                        let tn = ROWS_BATCH.min(tokens - t0);
+                        let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| {
+                            let t = t0 + j.min(tn - 1);
+                            simd::view(isa, prec, m, &x[t * k..][..k], &buf[t * pl..][..pl])
+                        });
+                        gemv_rows_batch(isa, m, e, r0, &xr[..tn], rn, sb, y);
+                        for j in 0..tn {
+                            // SAFETY: rows r0..r0 + rn of every token's output belong to this task alone.
+                            let dst = unsafe { o.slice((t0 + j) * n + r0, rn) };
+                            dst.copy_from_slice(&y[j * rn..][..rn]);
+                        }
                     }
                     r0 += rn;
                 }
@@ -153,6 +164,26 @@ pub fn gemv_batch(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], to
 
 multiversion! {
     pub(crate) fn gemv_rows(m: &Matrix, e: usize, r0: usize, xr: XRow, sb: &mut [f32], out: &mut [f32]) = gemv_rows_body;
+}
+
+multiversion! {
+    pub(crate) fn gemv_rows_batch(m: &Matrix, e: usize, r0: usize, xs: &[XRow], rn: usize, sb: &mut [f32], out: &mut [f32]) = gemv_rows_batch_body;
+}
+
+/// out[j * rn + i] = row r0 + i . xs[j] for i < rn, up to [`ROWS_BATCH`] x ([`simd::rows_dot_batch`]):
+/// bit for bit [`gemv_rows`] per x.
+#[inline(always)]
+fn gemv_rows_batch_body(
+    isa: Isa,
+    m: &Matrix,
+    e: usize,
+    r0: usize,
+    xs: &[XRow],
+    rn: usize,
+    sb: &mut [f32],
+    out: &mut [f32],
+) {
+    simd::rows_dot_batch(isa, m, m.stored_row(e, r0), xs, rn, sb, out, rn)
 }
 
 /// out[i] = row r0 + i . x; compiled per ISA so the per-row scale conversion and bias term of

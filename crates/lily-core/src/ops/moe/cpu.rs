@@ -9,7 +9,7 @@ use crate::{
             isa::Isa,
             pool,
             scratch::{with_caller, with_caller_ids, with_task, Out},
-            simd,
+            simd::{self, XRow, ROWS_BATCH},
         },
         params::{MoeParams, RouteParams},
     },
@@ -176,8 +176,9 @@ fn moe_decode(
 /// A batched decode step (a few tokens, one per sequence), or a prefill in the fast precision
 /// ([`matmul::int8_prefill`]): the pairs grouped by expert, and each
 /// task's block of one expert's rows dotted from the packed bytes (as [`moe_decode`]) with every
-/// pair routed to that expert while the block is in cache: an expert two sequences share is read
-/// once, and each pair's result is what [`moe_decode`] gives it alone.
+/// pair routed to that expert while the block is in cache, up to [`ROWS_BATCH`] pairs per pass of
+/// the batched row kernel (each weight block unpacked once for all of them): an expert two
+/// sequences share is read once, and each pair's result is what [`moe_decode`] gives it alone.
 #[allow(clippy::too_many_arguments)]
 fn moe_decode_batch(
     isa: Isa,
@@ -210,17 +211,23 @@ fn moe_decode_batch(
                 let (e, members) = group(g);
                 let rows = blk * MOE_DECODE_ROWS..((blk + 1) * MOE_DECODE_ROWS).min(inter);
                 let rn = rows.len();
-                with_task(sb_len + 2 * rn, |scr| {
+                with_task(sb_len + 2 * ROWS_BATCH * rn, |scr| {
                     let (sb, rest) = scr.split_at_mut(sb_len);
-                    let (gv, uv) = rest.split_at_mut(rn);
-                    for &pair in members {
-                        let t = pair as usize / k_n;
-                        let xr = simd::view(isa, prec, gate, &x[t * d..][..d], &xb[t * pl..][..pl]);
-                        matmul::gemv_rows(isa, gate, e, rows.start, xr, sb, gv);
-                        matmul::gemv_rows(isa, up, e, rows.start, xr, sb, uv);
-                        for i in 0..rn {
-                            // SAFETY: (pair, row) is written by this task only.
-                            unsafe { act_o.set(pair as usize * inter + rows.start + i, simd::silu(gv[i]) * uv[i]) };
+                    let (gv, uv) = rest.split_at_mut(ROWS_BATCH * rn);
+                    for tile in members.chunks(ROWS_BATCH) {
+                        let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| {
+                            let t = tile[j.min(tile.len() - 1)] as usize / k_n;
+                            simd::view(isa, prec, gate, &x[t * d..][..d], &xb[t * pl..][..pl])
+                        });
+                        let xr = &xr[..tile.len()];
+                        matmul::gemv_rows_batch(isa, gate, e, rows.start, xr, rn, sb, gv);
+                        matmul::gemv_rows_batch(isa, up, e, rows.start, xr, rn, sb, uv);
+                        for (j, &pair) in tile.iter().enumerate() {
+                            for i in 0..rn {
+                                let (g, u) = (gv[j * rn + i], uv[j * rn + i]);
+                                // SAFETY: (pair, row) is written by this task only.
+                                unsafe { act_o.set(pair as usize * inter + rows.start + i, simd::silu(g) * u) };
+                            }
                         }
                     }
                 });
@@ -246,15 +253,19 @@ fn moe_decode_batch(
                 let (e, members) = group(g);
                 let rows = blk * rows_per..((blk + 1) * rows_per).min(d);
                 let rn = rows.len();
-                with_task(sb_len + rn, |scr| {
+                with_task(sb_len + ROWS_BATCH * rn, |scr| {
                     let (sb, y) = scr.split_at_mut(sb_len);
-                    for &pair in members {
-                        let pair = pair as usize;
-                        let xr = simd::view(isa, prec, down, &act[pair * inter..][..inter], &ab[pair * pl..][..pl]);
-                        matmul::gemv_rows(isa, down, e, rows.start, xr, sb, y);
-                        for (i, &v) in y.iter().enumerate() {
-                            // SAFETY: (pair, row) is written by this task only.
-                            unsafe { ys_o.set(pair * d + rows.start + i, v) };
+                    for tile in members.chunks(ROWS_BATCH) {
+                        let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| {
+                            let pair = tile[j.min(tile.len() - 1)] as usize;
+                            simd::view(isa, prec, down, &act[pair * inter..][..inter], &ab[pair * pl..][..pl])
+                        });
+                        matmul::gemv_rows_batch(isa, down, e, rows.start, &xr[..tile.len()], rn, sb, y);
+                        for (j, &pair) in tile.iter().enumerate() {
+                            for (i, &v) in y[j * rn..][..rn].iter().enumerate() {
+                                // SAFETY: (pair, row) is written by this task only.
+                                unsafe { ys_o.set(pair as usize * d + rows.start + i, v) };
+                            }
                         }
                     }
                 });
