@@ -50,7 +50,9 @@
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
 # back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
 # $OUT/cuda_h200.log when $OUT is set. On the development machine, `scripts/cuda_h200.sh pack` fills
-# $DEV (use a folder of its own, e.g. DEV=.dev/h200: pack empties it first).
+# $DEV (use a folder of its own, e.g. DEV=.dev/h200: pack empties it first) and writes $DEV.tar.xz, the one
+# file to carry (the folder itself is too big for a call); every call unpacks it again (a warm machine keeps
+# $WORK, not the checkout's ignored folders), then runs the phases from the unpacked copy of this script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEV=$(realpath -m "${DEV:-.dev}")
@@ -99,7 +101,14 @@ for m in map(json.loads, sys.stdin):
         cd .. && tar czf "$DEV/llamacpp/llama.cpp.tar.gz" llama.cpp)
     rm -rf "$tmp"
     cp -r "$compare"/{gen_gguf.py,template} "$DEV/llamacpp/"
-    du -sh "$DEV"
+    cp scripts/cuda_h200.sh "$DEV/"
+    # One xz archive: the folder (~66 MB: wheel, test binaries, fixtures, llama.cpp) plus the checkout exceed
+    # the device call's 64 MiB carry; compressed it is ~44 MB. The call unpacks it before the phases run.
+    rm -f "$DEV.tar.xz" && tar -cJf "$DEV.tar.xz" -C "$(dirname "$DEV")" "$(basename "$DEV")"
+    du -sh "$DEV" "$DEV.tar.xz"
+    rel=$(realpath --relative-to=. "$DEV")
+    echo "device call: carry [\"$rel.tar.xz\"], command: tar xJf $rel.tar.xz -C $(dirname "$rel") && cd $rel &&" \
+        "DEV=\$PWD WORK=/tmp/lily-h200 OUT=\$OUT bash cuda_h200.sh setup bench"
     exit 0
 fi
 
