@@ -237,17 +237,17 @@ template <int KIND> struct DenseW {
     }
     return acc;
   }
-  // Chunk c (columns c * EPC ..) of stored row `row`, dequantized.
-  __device__ __forceinline__ void chunk(size_t row, uint c, float* out) const {
-    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
-    const uint u[4] = {v.x, v.y, v.z, v.w};
+  // The tensor-core tiles (mma_tile) take any loaded item (item_whole) and stage it as EPC / 2 bf16x2
+  // words: bf16 weights as they are, f32 / f16 rounded to nearest even.
+  __device__ __forceinline__ bool item_whole() const { return true; }
+  __device__ __forceinline__ void item_bf16(const Item& it, uint* out) const {
+    const uint u[4] = {it.v.x, it.v.y, it.v.z, it.v.w};
     if (KIND == 0) {
-      for (int i = 0; i < 4; ++i) out[i] = __uint_as_float(u[i]);
+      out[0] = pack_bf16x2(__uint_as_float(u[0]), __uint_as_float(u[1]));
+      out[1] = pack_bf16x2(__uint_as_float(u[2]), __uint_as_float(u[3]));
     } else {
-      for (int i = 0; i < 4; ++i) {
-        out[2 * i] = KIND == 1 ? bf16_float((ushort)u[i]) : f16_float((ushort)u[i]);
-        out[2 * i + 1] = KIND == 1 ? bf16_float((ushort)(u[i] >> 16)) : f16_float((ushort)(u[i] >> 16));
-      }
+      for (int i = 0; i < 4; ++i)
+        out[i] = KIND == 1 ? u[i] : pack_bf16x2(f16_float((ushort)u[i]), f16_float((ushort)(u[i] >> 16)));
     }
   }
 };
@@ -324,24 +324,18 @@ template <int BITS, typename S> struct AffineW {
     }
     return acc;
   }
-  __device__ __forceinline__ void chunk(size_t row, uint c, float* out) const {
-    const uint4 v = load16(w + row * m.row_bytes + (size_t)c * 16);
-    const uint u[4] = {v.x, v.y, v.z, v.w};
-    const uint j0 = c * EPC;
-    const size_t g0 = row * (m.cols / m.group);
-    constexpr int PER_WORD = 32 / BITS;
+  // The tensor-core tiles stage an item as EPC / 2 bf16x2 words of s q + b (codes by the exponent
+  // trick, as dot_item), when it lies in one group (item_whole; else they read it by `at`).
+  __device__ __forceinline__ bool item_whole() const { return m.group % EPC == 0; }
+  __device__ __forceinline__ void item_bf16(const Item& it, uint* out) const {
+    const uint u[4] = {it.v.x, it.v.y, it.v.z, it.v.w};
+    constexpr int PW = 32 / BITS;  // codes per word
     constexpr uint MASK = (1u << BITS) - 1u;
-    if (m.group % EPC == 0) {  // the whole chunk in one group (the usual case: 4-bit g64, 8-bit g64)
-      const float s = load_scale<S>(scales, g0 + j0 / m.group), b = load_scale<S>(biases, g0 + j0 / m.group);
-      for (int i = 0; i < 4; ++i)
-        for (int k = 0; k < PER_WORD; ++k) out[i * PER_WORD + k] = s * (float)((u[i] >> (k * BITS)) & MASK) + b;
-    } else {
-      for (int i = 0; i < 4; ++i)
-        for (int k = 0; k < PER_WORD; ++k) {
-          const uint j = j0 + i * PER_WORD + k;
-          const float s = load_scale<S>(scales, g0 + j / m.group), b = load_scale<S>(biases, g0 + j / m.group);
-          out[i * PER_WORD + k] = s * (float)((u[i] >> (k * BITS)) & MASK) + b;
-        }
+#pragma unroll
+    for (int j = 0; j < EPC; j += 2) {
+      const uint word = u[j / PW], sh = (j % PW) * BITS;
+      out[j / 2] = pack_bf16x2(fmaf(it.s, code_float((word >> sh) & MASK), it.b),
+                               fmaf(it.s, code_float((word >> (sh + BITS)) & MASK), it.b));
     }
   }
 };
@@ -536,56 +530,145 @@ __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uin
 }
 
 // ---------------------------------------------------------------- tensor-core tiles
-// One 64 x 64 output tile of A W^T on the tensor cores, shared by the prefill GEMMs (matmul_mma,
-// the grouped expert GEMMs of moe.cu). 128 threads = 4 warps, warp w owning tile rows (tokens)
-// 32 (w / 2) .. + 32 and columns (weight rows) 32 (w % 2) .. + 32 as 2 x 4 m16n8 accumulators.
-// Per K step of 64 the block stages A [64][64] (a_row(i): the f32 row of tile row i, or nullptr for
-// a zero row) and the dequantized W [64 rows][64] (stored rows w_row0 .., the first n_valid of them
-// real) as bf16 in shared memory, rows padded to MMA_LD = 72 halves so the fragment reads of a warp
-// hit 32 different banks, zero outside K; then 4 k16 steps of mma.sync m16n8k16 (bf16 inputs, f32
-// accumulation) with fragments read straight from shared memory (layouts: tools/cuda-sim).
-#define MMA_T 64
-#define MMA_N 64
-#define MMA_K 64
-#define MMA_LD 72
+// One output tile of 64 tokens x 128 weight rows of A W^T on the tensor cores, shared by the prefill
+// GEMMs (matmul_mma, the grouped expert GEMMs of moe.cu). 256 threads = 8 warps, warp w owning tile
+// rows (tokens) 32 (w / 4) .. + 32 and columns (weight rows) 32 (w % 4) .. + 32 as 2 x 4 m16n8
+// accumulators. The 128 columns are two halves of 64: half h reads reader wh at stored rows rowh ..,
+// the first nvh of them real (matmul: 128 consecutive rows of one matrix; the expert gate_up: 64 gate
+// rows beside the same 64 rows of up, so both share the staged activations).
+// Per K step of 64 the block stages A [64][64] (a_row(i): the f32 row of tile row i, or nullptr for a
+// zero row), converted to bf16 once per block, and W [128][64] dequantized to bf16 in shared memory,
+// rows padded to MMA_LD = 72 halves so the fragment reads of a warp hit 32 different banks, zero
+// outside K; then 4 k16 steps of mma.sync m16n8k16 (bf16 inputs, f32 accumulation, fragments read
+// straight from shared memory; layouts: tools/cuda-sim). The global loads of the NEXT K step (A as
+// float4, W as 16-byte chunks with their scale and bias: MmaStage) are issued into registers before
+// this step's mma, so their latency hides behind the tensor cores instead of following a barrier.
+// Thread mapping of the staging: A float4 f = tid + 256 i (i < 4) is row f / 16, columns 4 (f % 16)
+// (a warp reads 2 rows of 256 contiguous bytes); W chunk q = tid + 256 j is row q / CPR, chunk q % CPR.
+// The host's copies: MMA_TOKENS, MMA_ROWS, MMA_THREADS in ops/matmul/cuda.rs (a test compares them).
+#define MMA_T 64 // tokens of a tile (moe_sort's expert tiles have as many rows)
+#define MMA_N 128 // weight rows of a tile: two halves of MMA_H
+#define MMA_H 64 // weight rows of a half
+#define MMA_K 64 // columns staged per K step
+#define MMA_LD 72 // halves a staged row (64 + 8 padding: conflict-free fragment reads)
+#define MMA_THREADS 256 // 8 warps
+// Blocks per SM the tile kernels ask for (__launch_bounds__): 2 caps them at 128 registers a thread
+// (4- and 2-bit weights: one 16-byte chunk a thread and K step); not for 8-bit or dense weights,
+// whose next-step chunks take 12 to 32 registers more: capped, they spill (ptxas -v, sm_90).
+#define MMA_MIN_BLOCKS(W) ((W::EPC) >= 32 ? 2 : 1)
+#define MMA_SMEM ((MMA_T + MMA_N) * MMA_LD)  // halves of shared memory a tile stages (27 KiB)
 __device__ __forceinline__ void mma_zero(float acc[2][4][4]) {
+#pragma unroll
   for (int i = 0; i < 2; ++i)
+#pragma unroll
     for (int j = 0; j < 4; ++j)
+#pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 }
+// The registers one thread loads for one K step ahead of its use.
+template <typename W> struct MmaStage {
+  static constexpr uint CPR = MMA_K / W::EPC;                                // W chunks per row and K step
+  static constexpr uint NW = (MMA_N * CPR + MMA_THREADS - 1) / MMA_THREADS;  // W chunks per thread
+  static constexpr uint NA = MMA_T * MMA_K / 4 / MMA_THREADS;                // A float4 per thread
+  float4 a[NA];
+  typename W::Item w[NW];
+  uint loaded;  // bit j: w[j] was loaded whole (else it is staged element by element from `at`)
+};
+// The rare W chunks of mma_tile that are not loaded whole (a row past the matrix, the K tail, an
+// unaligned row, a chunk across groups): element by element from `at`, zero outside the matrix, as
+// bf16 pairs into dst. Not inlined: its code stays out of the hot loop's registers.
+template <typename W>
+__device__ __noinline__ void mma_chunk_slow(const W wr, size_t row, bool real, uint kc, uint K, uint* dst) {
+  for (uint e = 0; e < (uint)W::EPC; e += 2) {
+    const float lo = real && kc + e < K ? wr.at(row, kc + e) : 0.0f;
+    const float hi = real && kc + e + 1 < K ? wr.at(row, kc + e + 1) : 0.0f;
+    dst[e / 2] = pack_bf16x2(lo, hi);
+  }
+}
 template <typename W, typename ARow>
-__device__ __forceinline__ void mma_tile(const W& wr, size_t w_row0, uint n_valid, uint K, ARow a_row, ushort* xs,
-                                         ushort* ws, float acc[2][4][4]) {
+__device__ __forceinline__ void mma_tile(const W& w0, size_t row0, uint nv0, const W& w1, size_t row1, uint nv1,
+                                         uint K, ARow a_row, ushort* smem, float acc[2][4][4]) {
+  typedef MmaStage<W> S;
+  constexpr uint EPC = W::EPC, CPR = S::CPR;
+  ushort* xs = smem;
+  ushort* ws = smem + MMA_T * MMA_LD;
   const uint tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
-  const uint wt = (warp / 2) * 32, wn = (warp % 2) * 32;
-  for (uint k0 = 0; k0 < K; k0 += MMA_K) {
-    {  // A tile: thread tid converts 32 values, row tid / 2, columns 32 (tid % 2) ..
-      const uint r = tid / 2, c0 = (tid % 2) * 32;
-      const float* ar = a_row(r);
-      for (uint c = 0; c < 32; c += 2) {
-        const uint k = k0 + c0 + c;
-        const float a = ar && k < K ? ar[k] : 0.0f;
-        const float b = ar && k + 1 < K ? ar[k + 1] : 0.0f;
-        *reinterpret_cast<uint*>(&xs[r * MMA_LD + c0 + c]) = pack_bf16x2(a, b);
+  const uint wt = (warp / 4) * 32, wn = (warp % 4) * 32;
+  const bool a_vec = K % 4 == 0;  // A rows start 16-byte aligned
+  const float* arow[S::NA];
+#pragma unroll
+  for (uint i = 0; i < S::NA; ++i) arow[i] = a_row(tid / 16 + 16 * i);
+  // W chunk j of this thread: its reader, stored row and whether the row is real.
+  auto w_of = [&](uint j, uint& c, size_t& row, bool& real) -> W {  // by value: no local copy of both
+    const uint q = tid + MMA_THREADS * j, r = q / CPR, h = r / MMA_H, rr = r % MMA_H;
+    c = q % CPR;
+    row = (h ? row1 : row0) + rr;
+    real = q < MMA_N * CPR && rr < (h ? nv1 : nv0);
+    return h ? w1 : w0;
+  };
+  S st;
+  auto fetch = [&](uint k0) {
+#pragma unroll
+    for (uint i = 0; i < S::NA; ++i) {
+      const uint k = k0 + 4 * (tid % 16);
+      const float* ar = arow[i];
+      if (ar && a_vec && k < K) {
+        st.a[i] = load_f4(ar + k);
+      } else {
+        st.a[i].x = ar && k < K ? ar[k] : 0.0f;
+        st.a[i].y = ar && k + 1 < K ? ar[k + 1] : 0.0f;
+        st.a[i].z = ar && k + 2 < K ? ar[k + 2] : 0.0f;
+        st.a[i].w = ar && k + 3 < K ? ar[k + 3] : 0.0f;
       }
     }
-    constexpr uint CPR = MMA_K / W::EPC;  // W chunks per tile row
-    for (uint q = tid; q < MMA_N * CPR; q += 128) {
-      const uint r = q / CPR, c0 = (q % CPR) * W::EPC;
-      const bool ok = r < n_valid;
-      const size_t row = w_row0 + r;
-      float v[W::EPC];
-      if (ok && wr.m.vec && k0 + c0 + W::EPC <= K) {
-        wr.chunk(row, (k0 + c0) / W::EPC, v);
-      } else {
-        for (uint i = 0; i < (uint)W::EPC; ++i) v[i] = ok && k0 + c0 + i < K ? wr.at(row, k0 + c0 + i) : 0.0f;
+    st.loaded = 0;
+#pragma unroll
+    for (uint j = 0; j < S::NW; ++j) {
+      uint c;
+      size_t row;
+      bool real;
+      const W wr = w_of(j, c, row, real);
+      const uint kc = k0 + c * EPC;
+      if (real && wr.m.vec && wr.item_whole() && kc + EPC <= K) {
+        st.w[j] = wr.load(row, kc / EPC);
+        st.loaded |= 1u << j;
       }
-      for (uint i = 0; i < (uint)W::EPC; i += 2)
-        *reinterpret_cast<uint*>(&ws[r * MMA_LD + c0 + i]) = pack_bf16x2(v[i], v[i + 1]);
+    }
+  };
+  fetch(0);
+  for (uint k0 = 0; k0 < K; k0 += MMA_K) {
+#pragma unroll
+    for (uint i = 0; i < S::NA; ++i) {
+      const uint f = tid + MMA_THREADS * i;
+      uint2 p;
+      p.x = pack_bf16x2(st.a[i].x, st.a[i].y);
+      p.y = pack_bf16x2(st.a[i].z, st.a[i].w);
+      *reinterpret_cast<uint2*>(&xs[(f / 16) * MMA_LD + 4 * (f % 16)]) = p;
+    }
+#pragma unroll
+    for (uint j = 0; j < S::NW; ++j) {
+      uint c;
+      size_t row;
+      bool real;
+      const W wr = w_of(j, c, row, real);
+      const uint q = tid + MMA_THREADS * j;
+      if (q >= MMA_N * CPR) continue;
+      uint* dst = reinterpret_cast<uint*>(&ws[(q / CPR) * MMA_LD + c * EPC]);
+      if (st.loaded & (1u << j)) {
+        uint words[EPC / 2];
+        wr.item_bf16(st.w[j], words);
+#pragma unroll
+        for (uint e = 0; e < EPC / 2; e += 2) *reinterpret_cast<uint2*>(dst + e) = make_uint2(words[e], words[e + 1]);
+      } else {
+        mma_chunk_slow(wr, row, real, k0 + c * EPC, K, dst);
+      }
     }
     __syncthreads();
+    if (k0 + MMA_K < K) fetch(k0 + MMA_K);  // in flight during the mma below
+#pragma unroll
     for (uint kk = 0; kk < MMA_K; kk += 16) {
       uint a[2][4], b[4][2];
+#pragma unroll
       for (uint i = 0; i < 2; ++i) {
         const ushort* base = xs + (wt + 16 * i + g) * MMA_LD + kk + 2 * tq;
         a[i][0] = *reinterpret_cast<const uint*>(base);
@@ -593,12 +676,15 @@ __device__ __forceinline__ void mma_tile(const W& wr, size_t w_row0, uint n_vali
         a[i][2] = *reinterpret_cast<const uint*>(base + 8);
         a[i][3] = *reinterpret_cast<const uint*>(base + 8 * MMA_LD + 8);
       }
+#pragma unroll
       for (uint j = 0; j < 4; ++j) {
         const ushort* base = ws + (wn + 8 * j + g) * MMA_LD + kk + 2 * tq;
         b[j][0] = *reinterpret_cast<const uint*>(base);
         b[j][1] = *reinterpret_cast<const uint*>(base + 8);
       }
+#pragma unroll
       for (uint i = 0; i < 2; ++i)
+#pragma unroll
         for (uint j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], a[i], b[j], acc[i][j]);
     }
     __syncthreads();
@@ -608,8 +694,11 @@ __device__ __forceinline__ void mma_tile(const W& wr, size_t w_row0, uint n_vali
 template <typename Store>
 __device__ __forceinline__ void mma_store(const float acc[2][4][4], Store store) {
   const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const uint wt = (warp / 2) * 32, wn = (warp % 2) * 32;
+  const uint wt = (warp / 4) * 32, wn = (warp % 4) * 32;
+#pragma unroll
   for (uint i = 0; i < 2; ++i)
+#pragma unroll
     for (uint j = 0; j < 4; ++j)
+#pragma unroll
       for (uint e = 0; e < 4; ++e) store(wt + 16 * i + g + (e >= 2 ? 8 : 0), wn + 8 * j + 2 * tq + (e & 1), acc[i][j][e]);
 }

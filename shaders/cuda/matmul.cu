@@ -55,26 +55,28 @@ __device__ __forceinline__ void matmul_gemv_multi(const MatmulParams p, const Ge
                          pick4(i, out0, out1, out2, out3) + (size_t)t * m.rows, xs, part);
 }
 
-// matmul_mma_<w>: output tiles of 64 tokens x 64 weight rows (mma_tile in common.cuh: bf16 tensor
-// cores, f32 accumulation); grid (ceil(N / 64), ceil(T / 64)), 128 threads = 4 warps. Each weight is
-// dequantized once per 64 tokens. Tokens past T and rows past N are zero in the tiles and not stored.
+// matmul_mma_<w>: output tiles of 64 tokens x 128 weight rows (mma_tile in common.cuh: bf16 tensor
+// cores, f32 accumulation); grid (ceil(N / 128), ceil(T / 64)), 256 threads = 8 warps. Each weight is
+// dequantized once per 64 tokens, each activation converted once per 128 weight rows. Tokens past T
+// and rows past N are zero in the tiles and not stored.
 template <typename W>
 __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatrix m, const uchar* w,
                                            const uchar* scales, const uchar* biases, const float* __restrict__ x,
                                            float* __restrict__ out) {
-  __shared__ __align__(16) ushort xs[MMA_T * MMA_LD];
-  __shared__ __align__(16) ushort ws[MMA_N * MMA_LD];
+  __shared__ __align__(16) ushort smem[MMA_SMEM];
   const W wr = make_w<W>(w, scales, biases, m);
   const uint K = m.cols, N = m.rows, T = p.tokens;
   const uint n0 = blockIdx.x * MMA_N, t0 = blockIdx.y * MMA_T;
+  const uint nv = min((uint)MMA_N, N - n0);  // real rows of the tile: the first half's, then the second's
   float acc[2][4][4];
   mma_zero(acc);
   auto a_row = [&](uint i) -> const float* {
     return t0 + i < T ? x + (size_t)(p.x_row0 + t0 + i) * K : nullptr;
   };
-  mma_tile(wr, (size_t)m.row_offset + n0, min((uint)MMA_N, N - n0), K, a_row, xs, ws, acc);
+  const size_t row0 = (size_t)m.row_offset + n0;
+  mma_tile(wr, row0, min(nv, (uint)MMA_H), wr, row0 + MMA_H, nv > MMA_H ? nv - MMA_H : 0u, K, a_row, smem, acc);
   mma_store(acc, [&](uint t, uint n, float v) {
-    if (t0 + t < T && n0 + n < N) out[(size_t)(t0 + t) * N + n0 + n] = v;
+    if (t0 + t < T && n < nv) out[(size_t)(t0 + t) * N + n0 + n] = v;
   });
 }
 
@@ -85,7 +87,7 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
     matmul_gemv<W_##sfx>(p, m, w, s, b, ks, x, out);                                                               \
   }                                                                                                            \
   SIM_EXPORT(matmul_gemv_##sfx)                                                                                \
-  extern "C" __global__ void __launch_bounds__(128) matmul_mma_##sfx(                                          \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) matmul_mma_##sfx(                                          \
       const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                \
       const float* __restrict__ x, float* __restrict__ out) {                                                  \
     matmul_mma<W_##sfx>(p, m, w, s, b, x, out);                                                                \

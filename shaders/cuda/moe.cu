@@ -215,47 +215,51 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const MoeParams p, c
 // moe_gemm_gate_up_<w>: act [T*K, I] in sorted row order, act[row, n] = silu(gate_e[n] . x[t]) *
 // (up_e[n] . x[t]) for the rows of one tile (expert e, token t = order[row] / K). Arguments:
 // MoeParams p, CudaMatrix gate, CudaMatrix up, gate w / scales / biases, up w / scales / biases,
-// x [T, D], scratch (moe_sort's), max_tiles, act. Grid (ceil(I / 64), max_tiles), 128 threads
-// (mma_tile, twice: gate then up, on the same gathered rows); tiles past count[0] return at once.
+// x [T, D], scratch (moe_sort's), max_tiles, act. Grid (ceil(I / 64), max_tiles), 256 threads: one
+// mma_tile whose 128 columns are gate rows n0 .. n0 + 64 beside up rows n0 .. n0 + 64 (the gathered
+// x rows staged once for both); the gate warps (w % 4 < 2) hand their accumulators to the up warps
+// through shared memory, which apply silu(g) u and store. Tiles past count[0] return at once.
+#define MOE_GATE_LD (MMA_H + 4)  // floats a row of the staged gate values (MMA_T rows fit in MMA_SMEM)
 template <typename W>
 __device__ __forceinline__ void moe_gemm_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
                                                  const uchar* gw, const uchar* gs, const uchar* gb, const uchar* uw,
                                                  const uchar* us, const uchar* ub, const float* __restrict__ x,
                                                  const uint* __restrict__ scratch, const uint max_tiles,
                                                  float* __restrict__ act) {
-  __shared__ __align__(16) ushort xs[MMA_T * MMA_LD];
-  __shared__ __align__(16) ushort ws[MMA_N * MMA_LD];
+  __shared__ __align__(16) ushort smem[MMA_SMEM];
+  static_assert(MMA_T * MOE_GATE_LD * 2 <= MMA_SMEM, "gate values fit in the tile's shared memory");
   if (blockIdx.y >= scratch[0]) return;  // whole block
   const uint* tile = scratch + 4 + 4 * blockIdx.y;
   const uint e = tile[0], row0 = tile[1], nrows = tile[2];
   const uint* order = scratch + 4 + 4 * max_tiles;
-  const uint D = gm.cols, I = gm.rows, n0 = blockIdx.x * MMA_N;
+  const uint D = gm.cols, I = gm.rows, n0 = blockIdx.x * MMA_H;
   auto a_row = [&](uint i) -> const float* {
     return i < nrows ? x + (size_t)(order[row0 + i] / p.top_k) * D : nullptr;
   };
-  const uint nv = min((uint)MMA_N, I - n0);
-  float g[2][4][4], u[2][4][4];
-  mma_zero(g);
-  mma_zero(u);
-  mma_tile(make_w<W>(gw, gs, gb, gm), (size_t)e * gm.expert_stride + gm.row_offset + n0, nv, D, a_row, xs, ws, g);
-  mma_tile(make_w<W>(uw, us, ub, um), (size_t)e * um.expert_stride + um.row_offset + n0, nv, D, a_row, xs, ws, u);
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j)
-      for (int k = 0; k < 4; ++k) g[i][j][k] = silu(g[i][j][k]) * u[i][j][k];
-  mma_store(g, [&](uint r, uint n, float v) {
-    if (r < nrows && n0 + n < I) act[(size_t)(row0 + r) * I + n0 + n] = v;
-  });
+  const uint nv = min((uint)MMA_H, I - n0);
+  float acc[2][4][4];
+  mma_zero(acc);
+  mma_tile(make_w<W>(gw, gs, gb, gm), (size_t)e * gm.expert_stride + gm.row_offset + n0, nv,
+           make_w<W>(uw, us, ub, um), (size_t)e * um.expert_stride + um.row_offset + n0, nv, D, a_row, smem, acc);
+  float* gate = reinterpret_cast<float*>(smem);  // [MMA_T][MOE_GATE_LD]; mma_tile ended with a barrier
+  const bool up = (threadIdx.x / 32) % 4 >= 2;
+  if (!up) mma_store(acc, [&](uint r, uint n, float v) { gate[r * MOE_GATE_LD + n] = v; });
+  __syncthreads();
+  if (up)
+    mma_store(acc, [&](uint r, uint n, float v) {
+      n -= MMA_H;
+      if (r < nrows && n < nv) act[(size_t)(row0 + r) * I + n0 + n] = silu(gate[r * MOE_GATE_LD + n]) * v;
+    });
 }
 
 // moe_gemm_down_<w>: y [T*K, D] in sorted row order, y[row, n] = down_e[n] . act[row] for the rows of
 // one tile. Arguments: MoeParams p, CudaMatrix down, w / scales / biases, scratch, max_tiles, act, y.
-// Grid (ceil(D / 64), max_tiles), 128 threads (mma_tile).
+// Grid (ceil(D / 128), max_tiles), 256 threads (mma_tile over 128 consecutive rows of down_e).
 template <typename W>
 __device__ __forceinline__ void moe_gemm_down(const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s,
                                               const uchar* b, const uint* __restrict__ scratch, const uint max_tiles,
                                               const float* __restrict__ act, float* __restrict__ y) {
-  __shared__ __align__(16) ushort xs[MMA_T * MMA_LD];
-  __shared__ __align__(16) ushort ws[MMA_N * MMA_LD];
+  __shared__ __align__(16) ushort smem[MMA_SMEM];
   (void)p;
   (void)max_tiles;
   if (blockIdx.y >= scratch[0]) return;  // whole block
@@ -263,12 +267,14 @@ __device__ __forceinline__ void moe_gemm_down(const MoeParams p, const CudaMatri
   const uint e = tile[0], row0 = tile[1], nrows = tile[2];
   const uint I = m.cols, D = m.rows, n0 = blockIdx.x * MMA_N;
   auto a_row = [&](uint i) -> const float* { return i < nrows ? act + (size_t)(row0 + i) * I : nullptr; };
+  const uint nv = min((uint)MMA_N, D - n0);
+  const W wr = make_w<W>(w, s, b, m);
+  const size_t wrow0 = (size_t)e * m.expert_stride + m.row_offset + n0;
   float acc[2][4][4];
   mma_zero(acc);
-  mma_tile(make_w<W>(w, s, b, m), (size_t)e * m.expert_stride + m.row_offset + n0, min((uint)MMA_N, D - n0), I,
-           a_row, xs, ws, acc);
+  mma_tile(wr, wrow0, min(nv, (uint)MMA_H), wr, wrow0 + MMA_H, nv > MMA_H ? nv - MMA_H : 0u, I, a_row, smem, acc);
   mma_store(acc, [&](uint r, uint n, float v) {
-    if (r < nrows && n0 + n < D) y[(size_t)(row0 + r) * D + n0 + n] = v;
+    if (r < nrows && n < nv) y[(size_t)(row0 + r) * D + n0 + n] = v;
   });
 }
 
@@ -301,14 +307,14 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
     moe_down<W_##sfx>(p, m, w, s, b, ks, ids, act, y);                                                               \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(128) moe_gemm_gate_up_##sfx(                                      \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) moe_gemm_gate_up_##sfx(                                      \
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const float* __restrict__ x,            \
       const uint* __restrict__ scratch, const uint max_tiles, float* __restrict__ act) {                         \
     moe_gemm_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, x, scratch, max_tiles, act);                    \
   }                                                                                                              \
   SIM_EXPORT(moe_gemm_gate_up_##sfx)                                                                             \
-  extern "C" __global__ void __launch_bounds__(128) moe_gemm_down_##sfx(                                         \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) moe_gemm_down_##sfx(                                         \
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                     \
       const uint* __restrict__ scratch, const uint max_tiles, const float* __restrict__ act,                     \
       float* __restrict__ y) {                                                                                   \

@@ -212,9 +212,26 @@ fn matmul_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 
 /// CUDA's prefill GEMM on tensor cores (T > 8: bf16 inputs, f32 accumulation): within 1e-2 of
 /// the largest output (bf16 keeps 8 bits; a wrong fragment index is off by the order of the
-/// outputs). 11 tokens: one partial token tile; 70: two token tiles, the second partial.
+/// outputs). 11 tokens: one partial token tile; 70: two token tiles, the second partial. Beside
+/// `matmul_cases`, matrices over several 128-row tiles (`mma_tile`: two halves of 64) with a
+/// partial last one (197 rows: 128 + 64 + 5; 300: 128 + 128 + 44, an empty second half) and K
+/// steps of 64 with a partial last one on the 16-byte path (K = 96, 136, 192 + 0).
 fn matmul_mma_matches_reference<X: CudaExecutor>(dev: &mut Cuda<X>, tolx: f32) {
-    for (i, (m, cols)) in matmul_cases().into_iter().enumerate() {
+    let mut cases = matmul_cases();
+    for (i, (format, rows, cols)) in [
+        (Format::Affine { bits: 4, group: 32 }, 200, 96),
+        (Format::Affine { bits: 8, group: 64 }, 303, 192),
+        (Format::BF16, 200, 136),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut m = matrix(1, rows, cols, format, DType::BF16, 50 + i as u64);
+        m.rows = rows - 3;
+        m.row_offset = 3;
+        cases.push((m, cols));
+    }
+    for (i, (m, cols)) in cases.into_iter().enumerate() {
         for (tokens, x_row0) in [(11, 1), (70, 2)] {
             let x = rand_vec((tokens + x_row0) * cols, 30 + i as u64, -1.0, 1.0);
             let want = run_matmul(&Cpu::reference(), &m, tokens, x_row0, &x);

@@ -410,22 +410,38 @@ fn moe_experts_variants_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f
 }
 
 /// The prefill path of `moe_experts` (T > 8: expert-sorted tiles; on CUDA the bf16 tensor cores)
-/// on uneven routing: one expert with more than two 64-row tiles, one with none, partial tiles and
-/// a partial column tile (I = 192 is not a multiple of 64); within 1e-2 of the largest output
-/// (bf16 inputs; Metal's f32 path is held to 2e-5 by moe_experts_sorted_matches_reference).
+/// on uneven routing: one expert with more than two 64-row tiles, one with a single token (expert
+/// 6: the last pair), one with none (expert 4), partial token tiles; within 1e-2 of the largest
+/// output (bf16 inputs; Metal's f32 path is held to 2e-5 by moe_experts_sorted_matches_reference).
+/// Shapes: I = 192, D = 256 (whole tiles); fused gate_up views with I = 96 (a partial gate / up
+/// tile of 64), D = 160 (down: 128 + 32 rows, K steps 64 + 64 + 32 and 64 + 32); D = 200 at 8 bits
+/// (unaligned 200-byte rows: the element path; down 128 + 72 rows, K = 40 < one step); dense
+/// bf16 with D = 70, I = 37 (everything partial and unaligned).
 fn moe_experts_prefill_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
-    let (e, d, inter, k) = (6usize, 256usize, 192usize, 2usize);
-    for (format, sd) in [
-        (Format::Affine { bits: 4, group: 64 }, DType::BF16),
-        (Format::BF16, DType::F32),
+    let (e, k) = (7usize, 2usize);
+    for (format, sd, d, inter, fused) in [
+        (
+            Format::Affine { bits: 4, group: 64 },
+            DType::BF16,
+            256usize,
+            192usize,
+            false,
+        ),
+        (Format::BF16, DType::F32, 256, 192, false),
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 160, 96, true),
+        (Format::Affine { bits: 8, group: 8 }, DType::F16, 200, 40, false),
+        (Format::BF16, DType::F32, 70, 37, true),
     ] {
-        let (gate, up, down) = experts(format, sd, e, d, inter, false, 110);
+        let (gate, up, down) = experts(format, sd, e, d, inter, fused, 110);
         for t in [9usize, 90] {
             let x = rand_vec(t * d, 113, -1.0, 1.0);
-            // Slot 0 of most tokens goes to expert 1 (> 128 rows at T = 90), expert 4 gets none.
+            // Slot 0 of most tokens goes to expert 1 (> 128 rows at T = 90), expert 4 gets none,
+            // expert 6 only the last pair.
             let ids: Vec<u32> = (0..t * k)
                 .map(|i| {
-                    if i % 2 == 0 && i % 10 != 0 {
+                    if i + 1 == t * k {
+                        6
+                    } else if i % 2 == 0 && i % 10 != 0 {
                         1
                     } else {
                         [0u32, 2, 3, 5][(i / 2) % 4]
@@ -439,7 +455,7 @@ fn moe_experts_prefill_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
                 &got,
                 &want,
                 tolx * 1e-2,
-                &format!("moe_experts prefill {format:?} T={t}"),
+                &format!("moe_experts prefill {format:?} I={inter} D={d} T={t}"),
             );
         }
     }

@@ -11,6 +11,12 @@ use crate::backend::{
     params::MatmulParams,
 };
 
+/// The tensor-core tile of `mma_tile` (shaders/cuda/common.cuh: MMA_T, MMA_N, MMA_THREADS; checked
+/// against the source by `mma_tile_matches_the_shaders`): tokens x weight rows per block, threads.
+pub const MMA_TOKENS: usize = 64;
+pub const MMA_ROWS: usize = 128;
+pub const MMA_THREADS: u32 = 256;
+
 pub fn matmul<X: Executor>(c: &Cuda<X>, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {
     let (t, n, k) = (p.tokens as usize, w.desc.rows as usize, w.desc.cols as usize);
     if !c.fits(
@@ -29,7 +35,7 @@ pub fn matmul<X: Executor>(c: &Cuda<X>, p: &MatmulParams, w: &CudaMat<X>, x: &Cu
         c.launch(Kernel::weight(WeightOp::MatmulGemv, w.weight), launch, args);
     } else {
         let args = args.ptr(x.ptr()).ptr(out.ptr());
-        let launch = shape([div(n, 64), div(t, 64), 1], 128);
+        let launch = shape([div(n, MMA_ROWS), div(t, MMA_TOKENS), 1], MMA_THREADS);
         c.launch(Kernel::weight(WeightOp::MatmulMma, w.weight), launch, args);
     }
 }
@@ -114,5 +120,28 @@ pub fn matmuls<X: Executor>(
     }
     for j in 64..count {
         matmul(c, p, ws[j], x, outs[j]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mma_tile_matches_the_shaders() {
+        let common = crate::backend::cuda::kernels::HEADERS
+            .iter()
+            .find(|(name, _)| *name == "common.cuh")
+            .map(|(_, src)| *src)
+            .expect("common.cuh among the sources");
+        for (name, value) in [
+            ("MMA_T", MMA_TOKENS),
+            ("MMA_N", MMA_ROWS),
+            ("MMA_H", MMA_ROWS / 2),
+            ("MMA_THREADS", MMA_THREADS as usize),
+        ] {
+            let line = format!("#define {name} {value} ");
+            assert!(common.contains(&line), "common.cuh lacks `{line}`");
+        }
     }
 }

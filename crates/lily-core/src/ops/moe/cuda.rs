@@ -9,6 +9,7 @@ use crate::backend::{
     },
     params::{MoeParams, RouteParams, RowsParams},
 };
+use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
 pub fn moe_route<X: Executor>(
     c: &Cuda<X>,
@@ -121,7 +122,7 @@ pub fn moe_experts<X: Executor>(
 }
 
 /// `moe_experts` for prefill: route-sorted expert GEMMs on the tensor cores, with no host
-/// round trip. `moe_sort` groups the pairs t*K + k by expert into 64-row tiles (u32 scratch:
+/// round trip. `moe_sort` groups the pairs t*K + k by expert into `MMA_TOKENS`-row tiles (u32 scratch:
 /// count | tiles | order | pos); `moe_gemm_gate_up` (act = SwiGLU over each tile's gathered
 /// token rows, into tmp [T*K, I] in sorted order) and `moe_gemm_down` (y, tmp [T*K, D] after
 /// act) run one block row per tile, the grid sized for the most tiles there can be
@@ -149,7 +150,7 @@ fn experts_sorted<X: Executor>(
         ));
         return;
     }
-    let max_tiles = pairs.div_ceil(64) + e.min(pairs);
+    let max_tiles = pairs.div_ceil(MMA_TOKENS) + e.min(pairs);
     let Some(sc) = c.scratch(4 + 4 * max_tiles + 2 * pairs, "moe sort", |s| &mut s.moe_scratch) else {
         return;
     };
@@ -180,7 +181,8 @@ fn experts_sorted<X: Executor>(
         .ptr(sc)
         .push(max_tiles as u32)
         .ptr(act);
-    let launch = shape([div(i, 64), max_tiles as u32, 1], 128);
+    // Gate rows beside the same up rows: MMA_ROWS / 2 of each per block.
+    let launch = shape([div(i, MMA_ROWS / 2), max_tiles as u32, 1], MMA_THREADS);
     c.launch(Kernel::weight(WeightOp::MoeGemmGateUp, gate.weight), launch, args);
     let [dw, ds, db] = down.ptrs();
     let args = Args::new()
@@ -193,7 +195,7 @@ fn experts_sorted<X: Executor>(
         .push(max_tiles as u32)
         .ptr(act)
         .ptr(y);
-    let launch = shape([div(d, 64), max_tiles as u32, 1], 128);
+    let launch = shape([div(d, MMA_ROWS), max_tiles as u32, 1], MMA_THREADS);
     c.launch(Kernel::weight(WeightOp::MoeGemmDown, down.weight), launch, args);
     let rows = RowsParams {
         tokens: p.tokens,
