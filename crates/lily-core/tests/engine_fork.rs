@@ -89,7 +89,11 @@ fn forks_share_and_copy_on_write(backend: BackendKind) {
     let own = e.sequence_unique_bytes(forks[0]).unwrap();
     let mut all = vec![DEFAULT_SEQ];
     all.extend(&forks);
-    assert_eq!(e.sequences_bytes(&all).unwrap(), full + 4 * own, "shared segments counted once");
+    assert_eq!(
+        e.sequences_bytes(&all).unwrap(),
+        full + 4 * own,
+        "shared segments counted once"
+    );
     assert_eq!(e.sequence_unique_bytes(DEFAULT_SEQ).unwrap(), full - 2 * kv / 3);
 
     // Fork 1 decodes other tokens than the source; fork 2 goes back to row 0 (reset keeps the
@@ -97,8 +101,16 @@ fn forks_share_and_copy_on_write(backend: BackendKind) {
     assert_close(&decode(&mut e, forks[0], &b), &want_b, "fork 1");
     e.reset_in(forks[1]).unwrap();
     e.prefill_in(forks[1], &other, false, &mut || Ok(())).unwrap();
-    assert_close(&decode(&mut e, forks[1], &a), &want_other, "fork 2 after its new prompt");
-    assert_close(&decode(&mut e, DEFAULT_SEQ, &a), &want_a, "the source after its forks wrote");
+    assert_close(
+        &decode(&mut e, forks[1], &a),
+        &want_other,
+        "fork 2 after its new prompt",
+    );
+    assert_close(
+        &decode(&mut e, DEFAULT_SEQ, &a),
+        &want_a,
+        "the source after its forks wrote",
+    );
     assert_close(&decode(&mut e, forks[2], &b), &want_b, "fork 3 after the source wrote");
 
     for &f in &forks {

@@ -146,15 +146,7 @@ impl CpuKv {
 
     /// Each segment held, for accounting.
     pub fn segments(&self) -> Vec<KvSegment> {
-        let bytes = (self.width * self.dtype.size()) << self.shift;
-        self.segs
-            .iter()
-            .map(|s| KvSegment {
-                id: Arc::as_ptr(s) as usize,
-                bytes,
-                shared: Arc::strong_count(s) > 1,
-            })
-            .collect()
+        segment_list(&self.segs, (self.width * self.dtype.size()) << self.shift)
     }
 
     pub fn trim(&mut self, rows: usize) {
@@ -269,6 +261,18 @@ impl CpuKv {
     pub fn bytes(&self) -> usize {
         self.rows() * self.width * self.dtype.size()
     }
+}
+
+/// Segments of `bytes` each, held through reference counts (every backend's), as accounting
+/// sees them: the allocation's address identifies a segment across the caches sharing it.
+pub fn segment_list<T>(held: &[Arc<T>], bytes: usize) -> Vec<KvSegment> {
+    held.iter()
+        .map(|s| KvSegment {
+            id: Arc::as_ptr(s) as usize,
+            bytes,
+            shared: Arc::strong_count(s) > 1,
+        })
+        .collect()
 }
 
 /// Whether a cache holding `held` rows can share its rows 0..rows.

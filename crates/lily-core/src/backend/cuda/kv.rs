@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::{Alloc, Cuda, Executor, KvDesc, KvElem};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, check_share, segment_rows, touched, widen},
+        cpu::kv::{check_copy, check_share, segment_list, segment_rows, touched, widen},
         KvDtype, KvSegment,
     },
     error::{Error, Result},
@@ -119,7 +119,9 @@ impl<X: Executor> Cuda<X> {
             dst.segs.push(seg);
         }
         let table: Vec<u8> = dst.segs.iter().flat_map(|s| s.ptr.to_le_bytes()).collect();
-        self.x.write(dst.table.ptr, &table)?;
+        if !table.is_empty() {
+            self.x.write(dst.table.ptr, &table)?;
+        }
         self.x.sync()?;
         Ok(dst)
     }
@@ -141,14 +143,7 @@ impl<X: Executor> Cuda<X> {
     }
 
     pub(super) fn kv_segments(&self, kv: &CudaKv<X>) -> Vec<KvSegment> {
-        kv.segs
-            .iter()
-            .map(|s| KvSegment {
-                id: Arc::as_ptr(s) as usize,
-                bytes: kv.seg_bytes(),
-                shared: Arc::strong_count(s) > 1,
-            })
-            .collect()
+        segment_list(&kv.segs, kv.seg_bytes())
     }
 
     pub(super) fn kv_trim(&self, kv: &mut CudaKv<X>, rows: usize) {

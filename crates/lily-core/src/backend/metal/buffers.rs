@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{Arg, Executor, Metal, Weight};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, check_share, segment_rows, touched, widen},
+        cpu::kv::{check_copy, check_share, segment_list, segment_rows, touched, widen},
         params::{KvLayout, MatrixDesc},
         KvDtype, KvSegment,
     },
@@ -310,14 +310,7 @@ impl<X: Executor> Metal<X> {
     }
 
     pub(super) fn kv_segments(&self, kv: &MetalKv<X>) -> Vec<KvSegment> {
-        kv.holders
-            .iter()
-            .map(|h| KvSegment {
-                id: Arc::as_ptr(h) as usize,
-                bytes: kv.seg_bytes(),
-                shared: Arc::strong_count(h) > 1,
-            })
-            .collect()
+        segment_list(&kv.holders, kv.seg_bytes())
     }
 
     pub(super) fn kv_trim(&self, kv: &mut MetalKv<X>, rows: usize) {
