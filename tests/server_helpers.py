@@ -106,6 +106,9 @@ class SlowEngine:
     def sequence_bytes(self, seq):
         return 1 + self.positions[seq]
 
+    def sequences_bytes(self, seqs):
+        return sum(self.sequence_bytes(s) for s in set(seqs))
+
 
 @contextlib.contextmanager
 def running(model, **kw):

@@ -136,6 +136,9 @@ class FakeEngine:
     def sequence_bytes(self, seq):
         return 1 + self._state(seq)["position"]
 
+    def sequences_bytes(self, seqs):
+        return sum(self.sequence_bytes(s) for s in set(seqs))
+
     def cached_prefix(self, tokens, seq=0):
         with self._on(seq):
             n = 0

@@ -117,3 +117,39 @@ def test_model_uses_the_cache_transparently(lily, ckpts):
     assert a.tokens == b.tokens and b.stats.cached_prompt_tokens == 80
     info = model.cache_info()
     assert info.hits >= 1 and info.tokens_saved >= 80 and info.entries >= 2 and info.bytes > 0
+
+
+def test_copies_of_one_long_sequence_share_its_whole_segments(lily, ckpts):
+    # 2148 positions: two whole KV segments of 1024 rows and part of a third. Every copy the cache keeps is a
+    # fork sharing the two whole segments, so it holds one partial segment (and its DeltaNet states) of its
+    # own, and the cache counts the shared ones once.
+    eng = lily.Engine(ckpts.path("real-s0-q4g64"), backend="cpu", max_seq=4096, kv_dtype="f32")
+    eng.fill_context(2 * 1024 + 100)
+    kv, full = eng.kv_bytes, eng.sequence_bytes(0)
+    cache = PrefixCache(eng, max_bytes=1 << 40)
+    for i in range(4):
+        cache.add([1, 2, 3 + i], 0)  # four copies of one state, under four keys
+    seqs = [s for s in eng.sequences if s]
+    own = eng.sequence_unique_bytes(seqs[0])
+    shared = full - own
+    assert shared == 2 * kv // 3
+    info = cache.info()
+    assert (info.entries, info.bytes, info.logical_bytes) == (4, shared + 4 * own, 4 * full)
+    assert eng.sequences_bytes([0, *seqs]) == full + 4 * own
+    # A bound with room for two copies as shared, not as four (nor two) private copies: two are kept.
+    small = PrefixCache(eng, max_bytes=shared + 2 * own)
+    cache.clear()
+    for i in range(4):
+        small.add([1, 2, 3 + i], 0)
+    info = small.info()
+    assert (info.entries, info.evictions, info.bytes) == (2, 2, shared + 2 * own)
+    assert len(eng.sequences) == 3
+    # The source going away leaves the copies whole: a copy resumed decodes like the source did.
+    want = eng.decode(7)
+    eng.reset()
+    entry = small.longest([1, 2, 6, 9], 4)
+    assert entry is not None and entry.length == 3
+    small.resume(entry, 0)
+    assert np.abs(eng.decode(7) - want).max() <= 1e-6
+    small.clear()
+    assert eng.sequences == [0]

@@ -134,7 +134,12 @@ class Engine:
     def sequence_tokens(self, seq: int) -> list[int]:
         """The token ids of sequence ``seq``."""
     def sequence_bytes(self, seq: int) -> int:
-        """Bytes sequence ``seq`` holds: its KV segments and DeltaNet states."""
+        """Bytes sequence ``seq`` holds: its KV segments (those shared with forks included) and DeltaNet
+        states."""
+    def sequences_bytes(self, seqs: list[int]) -> int:
+        """Bytes the sequences hold together, a KV segment they share counted once."""
+    def sequence_unique_bytes(self, seq: int) -> int:
+        """Bytes only sequence ``seq`` holds (what dropping it frees): shared KV segments excluded."""
     def reset(self, *, seq: int = 0) -> None:
         """Start a new, empty sequence."""
     def fill_context(self, n: int, *, seed: int = 0) -> None:

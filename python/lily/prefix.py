@@ -9,11 +9,14 @@ sequence state taken at that position (KV rows + DeltaNet conv and recurrent sta
 its last logits, so an identical prompt resends nothing), at the start of its last message (the last
 ``<|im_start|>``: the point the next turn, or a regenerated reply, shares) and every ``snapshot_every``
 tokens of a long prefill. They are kept in a radix tree over token ids, as extra sequences of the engine,
-and evicted least recently used past ``max_bytes``.
+and evicted least recently used past ``max_bytes``. A copy is a fork: it shares the whole KV segments of the
+sequence it was taken from (copy-on-write in the engine) and holds only its last, partial segment and its
+DeltaNet states privately, so the copies taken every ``snapshot_every`` tokens of one long prompt cost about one
+segment each, and the cache counts a shared segment once (``sequences_bytes``).
 
 Why here and not in Rust: where to take a copy is a matter of the chat format (message boundaries) and the
 policy may change with the server's scheduler; the engine gives the mechanisms (``fork``,
-``copy_sequence``, ``drop_sequence``, ``sequence_bytes``), the cache is a few dozen lines of bookkeeping.
+``copy_sequence``, ``drop_sequence``, ``sequences_bytes``), the cache is a few dozen lines of bookkeeping.
 
 The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps the turn ends (each end-of-prompt entry, and a server
 request's finished reply) also as a safetensors file (the state
@@ -82,6 +85,8 @@ class CacheInfo:
     """What the prefix cache holds and what it saved."""
 
     entries: int
+    #: Memory the entries hold, a KV segment counted once however many entries (or live sequences) share
+    #: it: what ``max_bytes`` bounds.
     bytes: int
     max_bytes: int
     hits: int
@@ -96,6 +101,9 @@ class CacheInfo:
     #: Disk writes not made: dropped because ``max_pending`` writes were queued, and failed (logged).
     disk_dropped: int = 0
     disk_write_errors: int = 0
+    #: The entries' states in full (each entry's KV rows and DeltaNet states, shared segments counted in every
+    #: entry): what private copies would take; ``logical_bytes - bytes`` is what sharing segments saves.
+    logical_bytes: int = 0
 
 
 class _Entry:
@@ -424,8 +432,9 @@ class PrefixCache:
             disk = (0, 0, 0, 0, 0)
         else:
             disk = (len(d), d.bytes, d.max_bytes, d.dropped, d.write_errors)
+        logical = sum(e.bytes for e in self._lru.values())
         return CacheInfo(len(self._lru), self.bytes, self.max_bytes, self.hits, self.misses, self.tokens_saved,
-                         self.evictions, *disk[:3], self.disk_hits, *disk[3:])
+                         self.evictions, *disk[:3], self.disk_hits, *disk[3:], logical_bytes=logical)
 
     def longest(self, tokens: list[int], limit: int) -> _Entry | None:
         """The entry with the longest prefix of ``tokens`` of at most ``limit`` tokens (one of exactly
@@ -499,7 +508,7 @@ class PrefixCache:
         e = _Entry(seq, len(tokens), self.engine.sequence_bytes(seq), logits, node)
         node.entry = e
         self._lru[seq] = e
-        self.bytes += e.bytes
+        self._count()
         while self.bytes > self.max_bytes and next(iter(self._lru.values())) is not e:
             self._evict(next(iter(self._lru.values())))
         self.disk_hits += 1
@@ -529,7 +538,7 @@ class PrefixCache:
         e = _Entry(copy, len(tokens), self.engine.sequence_bytes(copy), logits, node)
         node.entry = e
         self._lru[copy] = e
-        self.bytes += e.bytes
+        self._count()
         while self.bytes > self.max_bytes and self._lru:
             self._evict(next(iter(self._lru.values())))
 
@@ -543,9 +552,9 @@ class PrefixCache:
 
     def _evict(self, e: _Entry, counted: bool = True) -> None:
         del self._lru[e.seq]
-        self.bytes -= e.bytes
         self.evictions += counted
         self.engine.drop_sequence(e.seq)
+        self._count()
         node = e.node
         node.entry = None
         # Prune what no entry needs any more: empty leaves, then merge a lone child into its parent.
@@ -558,6 +567,12 @@ class PrefixCache:
             child.edge = node.edge + child.edge
             child.parent = node.parent
             node.parent.children[node.edge[0]] = child
+
+    def _count(self) -> None:
+        """``bytes`` = what the entries hold together: entries forked from one conversation share its whole KV
+        segments, so the sum of their sizes would count those again for each (evicting one of them frees only
+        what it alone holds)."""
+        self.bytes = self.engine.sequences_bytes(list(self._lru))
 
     def _find(self, tokens: list[int]) -> _Node | None:
         node, i = self._root, 0

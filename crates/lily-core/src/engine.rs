@@ -26,7 +26,7 @@
 
 use std::{
     any::Any,
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     path::Path,
     sync::atomic::{AtomicU64, Ordering},
 };
@@ -315,7 +315,7 @@ impl<B: Backend> Runner<B> {
         // KV rows for the whole prompt before any state changes (an allocation failure leaves
         // the sequence as it was).
         let seq = seq_mut(&mut self.seqs, id)?;
-        seq.state.reserve(&self.b, seq.pos + tokens.len())?;
+        seq.state.writable(&self.b, seq.pos, tokens.len())?;
         let vocab = self.model.vocab();
         let mut out = vec![0f32; if all_logits { tokens.len() * vocab } else { vocab }];
         let mut done = 0;
@@ -386,16 +386,13 @@ impl<B: Backend> Runner<B> {
     }
 
     /// What a decode step of `token` needs before the state changes: a trusted state, a valid
-    /// token, and a new KV segment once per segment's rows (failing to allocate it leaves the
-    /// sequence as it was).
+    /// token, and a new KV segment once per segment's rows, or a private copy of a shared one
+    /// (failing to allocate it leaves the sequence as it was).
     fn before_decode(&mut self, id: SeqId, token: u32) -> Result<()> {
         self.trusted(id)?;
         self.check(id, &[token])?;
         let seq = seq_mut(&mut self.seqs, id)?;
-        if seq.pos >= seq.state.kv_rows(&self.b) {
-            seq.state.reserve(&self.b, seq.pos + 1)?;
-        }
-        Ok(())
+        seq.state.writable(&self.b, seq.pos, 1)
     }
 
     /// One decode step of `token` on sequence `id` up to its logits (on the device).
@@ -432,7 +429,7 @@ impl<B: Backend> Runner<B> {
                 max: self.max_seq,
             });
         }
-        seq.state.reserve(&self.b, seq.pos + n)?;
+        seq.state.writable(&self.b, seq.pos, n)?;
         let width = seq.state.kv_width;
         let mut done = 0;
         while done < n {
@@ -494,9 +491,7 @@ impl<B: Backend> Runner<B> {
         }
         for &(id, _) in batch {
             let seq = seq_mut(&mut self.seqs, id)?;
-            if seq.pos >= seq.state.kv_rows(&self.b) {
-                seq.state.reserve(&self.b, seq.pos + 1)?;
-            }
+            seq.state.writable(&self.b, seq.pos, 1)?;
         }
         let r = B::run(|| self.decode_batch_here(batch, out));
         let ids: Vec<SeqId> = batch.iter().map(|&(id, _)| id).collect();
@@ -652,17 +647,24 @@ impl<B: Backend> Runner<B> {
         self.guard(&[dst], done)
     }
 
+    /// The KV rows are shared, not copied: `dst`'s caches become new ones holding `src`'s whole
+    /// segments and a copy of each partial last one (what `dst` held before is given back); a
+    /// later write into a shared segment copies it first (`State::writable`). The DeltaNet
+    /// states, small and rewritten by every token, are plain copies.
     fn copy_state(&self, src: SeqId, to: &mut Seq<B>) -> Result<()> {
         let from = self.seq(src)?;
         let pos = from.pos;
-        to.state.reserve(&self.b, pos.max(1))?;
+        // Every new cache before anything in `to` changes: an allocation failure leaves it as it was.
+        let mut shared = Vec::new();
+        for l in &from.state.layers {
+            if let LayerState::Attention(f) = l {
+                shared.push((self.b.kv_share(&f.k, pos)?, self.b.kv_share(&f.v, pos)?));
+            }
+        }
         self.b.begin(StreamKind::Other)?;
         for (f, t) in from.state.layers.iter().zip(to.state.layers.iter_mut()) {
             match (f, t) {
-                (LayerState::Attention(f), LayerState::Attention(t)) => {
-                    self.b.kv_copy(&f.k, &mut t.k, pos)?;
-                    self.b.kv_copy(&f.v, &mut t.v, pos)?;
-                }
+                (LayerState::Attention(_), LayerState::Attention(_)) => {}
                 (LayerState::DeltaNet(f), LayerState::DeltaNet(t)) => {
                     self.b.copy(&f.conv, &mut t.conv, f.conv_len)?;
                     self.b.copy(&f.ssm, &mut t.ssm, f.ssm_len)?;
@@ -671,12 +673,12 @@ impl<B: Backend> Runner<B> {
             }
         }
         self.b.finish()?;
-        // Segments past the copied rows held another conversation: give them back.
-        for l in to.state.layers.iter_mut() {
-            if let LayerState::Attention(kv) = l {
-                self.b.kv_trim(&mut kv.k, pos.max(1));
-                self.b.kv_trim(&mut kv.v, pos.max(1));
-            }
+        let caches = to.state.layers.iter_mut().filter_map(|l| match l {
+            LayerState::Attention(kv) => Some(kv),
+            LayerState::DeltaNet(_) => None,
+        });
+        for (kv, (k, v)) in caches.zip(shared) {
+            (kv.k, kv.v) = (k, v);
         }
         to.pos = pos;
         to.error = None;
@@ -705,20 +707,58 @@ impl<B: Backend> Runner<B> {
         self.seqs.remove(&id).map(|_| ()).ok_or(Error::NoSequence(id))
     }
 
-    /// Bytes of a sequence's state: its KV segments and DeltaNet states.
+    /// Bytes of a sequence's state: its KV segments (those it shares with forks included) and
+    /// DeltaNet states.
     fn sequence_bytes(&self, id: SeqId) -> Result<usize> {
         let seq = self.seq(id)?;
-        let delta: usize = seq
-            .state
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerState::DeltaNet(s) => 4 * (s.conv_len + s.ssm_len),
-                LayerState::Attention(_) => 0,
-            })
-            .sum();
-        Ok(seq.state.kv_bytes(&self.b) + delta)
+        Ok(seq.state.kv_bytes(&self.b) + delta_bytes(&seq.state))
     }
+
+    /// Bytes the sequences `ids` hold together, each KV segment counted once however many of
+    /// them share it (a repeated id counts once too): the memory they keep alive.
+    fn sequences_bytes(&self, ids: &[SeqId]) -> Result<usize> {
+        let (mut seqs, mut segments) = (HashSet::new(), HashSet::new());
+        let mut total = 0;
+        for &id in ids {
+            if !seqs.insert(id) {
+                continue;
+            }
+            let seq = self.seq(id)?;
+            total += delta_bytes(&seq.state);
+            for s in seq.state.kv_segments(&self.b) {
+                if segments.insert(s.id) {
+                    total += s.bytes;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Bytes only this sequence holds: what dropping it gives back (its DeltaNet states and the
+    /// KV segments no fork or prefix-cache entry shares).
+    fn sequence_unique_bytes(&self, id: SeqId) -> Result<usize> {
+        let seq = self.seq(id)?;
+        let kv: usize = seq
+            .state
+            .kv_segments(&self.b)
+            .iter()
+            .filter(|s| !s.shared)
+            .map(|s| s.bytes)
+            .sum();
+        Ok(kv + delta_bytes(&seq.state))
+    }
+}
+
+/// Bytes of a state's DeltaNet layers (conv history and recurrent state, f32).
+fn delta_bytes<B: Backend>(state: &State<B>) -> usize {
+    state
+        .layers
+        .iter()
+        .map(|l| match l {
+            LayerState::DeltaNet(s) => 4 * (s.conv_len + s.ssm_len),
+            LayerState::Attention(_) => 0,
+        })
+        .sum()
 }
 
 /// A 64-bit mix (SplitMix64's finalizer): a well-spread value from each input.
@@ -1198,9 +1238,20 @@ impl Engine {
         each!(self, r => r.seqs.keys().copied().collect())
     }
 
-    /// Bytes a sequence holds (KV segments + DeltaNet states).
+    /// Bytes a sequence holds (KV segments + DeltaNet states), the KV segments it shares with
+    /// forks and prefix-cache entries included.
     pub fn sequence_bytes(&self, seq: SeqId) -> Result<usize> {
         each!(self, r => r.sequence_bytes(seq))
+    }
+
+    /// Bytes the sequences hold together, a KV segment shared between them counted once.
+    pub fn sequences_bytes(&self, seqs: &[SeqId]) -> Result<usize> {
+        each!(self, r => r.sequences_bytes(seqs))
+    }
+
+    /// Bytes only this sequence holds (what dropping it frees): the segments it shares excluded.
+    pub fn sequence_unique_bytes(&self, seq: SeqId) -> Result<usize> {
+        each!(self, r => r.sequence_unique_bytes(seq))
     }
 
     /// Tokens in sequence `seq`.

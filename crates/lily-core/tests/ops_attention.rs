@@ -229,7 +229,8 @@ gpu_tests!(
     kv_store_matches_reference,
     attention_matches_reference,
     unsupported_shape_is_an_error_not_a_panic,
-    kv_copy_matches_reference;
+    kv_copy_matches_reference,
+    kv_share_copies_on_write;
     metal: attention_splits_match_reference,
 );
 
@@ -431,6 +432,72 @@ fn kv_copy_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
             assert!(b.kv_copy(&src, &mut other, 11).is_err(), "different widths");
             assert!(b.kv_copy(&src, &mut dst, 17).is_err(), "rows the source lacks");
             vec![got, kept]
+        });
+    }
+}
+
+/// kv_share: a cache sharing rows 0..11 of a 14-row source in segments of 4 holds the source's
+/// two whole segments (the same memory: `kv_segments` ids) and a copy of the partial third; it
+/// reads like the source. Writes after `kv_unshare` go to private copies: into a shared segment
+/// of the fork (as after a trim below it), into the fork's own partial segment, into a shared
+/// segment of the source, and through `kv_copy` into a fork; the other side's rows stay as they
+/// were, bit for bit. Sharing rows the source lacks is an error.
+fn kv_share_copies_on_write<B: Backend>(dev: &mut B, tolx: f32) {
+    let _ = tolx; // exact: copies
+    let w = 24;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for dtype in [KvDtype::F32, KvDtype::BF16] {
+        both!(dev, 0.0, format!("kv_share {dtype:?}"), b => {
+            let seg_bytes = 4 * w * dtype.size();
+            let mut src = filled_cache(b, w, 14, 32, dtype, 4, 70);
+            let read = |kv: &_, rows: usize| {
+                let mut out = vec![0f32; rows * w];
+                b.kv_read(kv, 0, &mut out).unwrap();
+                out
+            };
+            let before = read(&src, 14);
+            let mut fork = b.kv_share(&src, 11).unwrap();
+            assert_eq!((b.kv_rows(&fork), b.kv_bytes(&fork)), (12, 3 * seg_bytes));
+            let (s, f) = (b.kv_segments(&src), b.kv_segments(&fork));
+            assert_eq!(f.iter().map(|x| x.shared).collect::<Vec<_>>(), [true, true, false]);
+            assert_eq!(s.iter().map(|x| x.shared).collect::<Vec<_>>(), [true, true, false, false]);
+            assert_eq!((f[0].id, f[1].id), (s[0].id, s[1].id), "whole segments: the same memory");
+            assert_ne!(f[2].id, s[2].id, "the partial segment: a copy");
+            assert!(f.iter().all(|x| x.bytes == seg_bytes));
+            assert_eq!(bits(&read(&fork, 11)), bits(&before[..11 * w]));
+            // The fork writes rows 5..7 (shared segment 1) and 11 (its own segment 2).
+            let store = |kv: &mut _, row0: usize, rows: usize, seed: u64| {
+                b.kv_unshare(kv, row0, rows).unwrap();
+                let x = b.upload(&rand_vec(rows * w, seed, -1.0, 1.0)).unwrap();
+                let p = KvStoreParams { tokens: rows as u32, pos0: row0 as u32, width: w as u32 };
+                b.kv_store(&p, &x, kv);
+                b.finish().unwrap();
+            };
+            store(&mut fork, 5, 2, 71);
+            store(&mut fork, 11, 1, 72);
+            assert_eq!(bits(&read(&src, 14)), bits(&before), "the source's rows after the fork wrote");
+            let f = b.kv_segments(&fork);
+            assert_eq!(f.iter().map(|x| x.shared).collect::<Vec<_>>(), [true, false, false]);
+            assert_eq!(f[0].id, b.kv_segments(&src)[0].id);
+            let forked = read(&fork, 12);
+            assert_eq!(bits(&forked[..5 * w]), bits(&before[..5 * w]));
+            assert_eq!(bits(&forked[7 * w..11 * w]), bits(&before[7 * w..11 * w]));
+            assert_ne!(bits(&forked[5 * w..7 * w]), bits(&before[5 * w..7 * w]), "the fork's write landed");
+            // The source writes row 1 (segment 0, still shared): the fork keeps its row 1.
+            store(&mut src, 1, 1, 73);
+            assert_eq!(bits(&read(&fork, 12)), bits(&forked), "the fork's rows after the source wrote");
+            assert!(!b.kv_segments(&src)[0].shared && !b.kv_segments(&fork)[0].shared);
+            // kv_copy into a cache that shares its segments leaves the sharer alone.
+            let mut again = b.kv_share(&src, 8).unwrap();
+            assert_eq!(b.kv_rows(&again), 8, "whole segments only: nothing copied");
+            let src_now = read(&src, 14);
+            b.kv_copy(&fork, &mut again, 8).unwrap();
+            assert_eq!(bits(&read(&src, 14)), bits(&src_now), "the source after a kv_copy into its fork");
+            assert_eq!(bits(&read(&again, 8)), bits(&forked[..8 * w]));
+            assert!(b.kv_share(&src, 17).is_err(), "rows the source lacks");
+            let empty = b.kv_share(&src, 0).unwrap();
+            assert_eq!(b.kv_rows(&empty), 0);
+            vec![before, forked, read(&src, 14)]
         });
     }
 }

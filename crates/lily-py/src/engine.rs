@@ -391,10 +391,28 @@ impl Engine {
         Ok(self.peek(py, |e| e.tokens_in(seq))?.map_err(PyLilyError::from)?)
     }
 
-    /// Bytes sequence `seq` holds (KV segments + DeltaNet states).
+    /// Bytes sequence `seq` holds (KV segments + DeltaNet states), the KV segments it shares
+    /// with forks included.
     fn sequence_bytes(&self, py: Python<'_>, seq: i64) -> PyResult<usize> {
         let seq = seq_id(seq)?;
         Ok(self.peek(py, |e| e.sequence_bytes(seq))?.map_err(PyLilyError::from)?)
+    }
+
+    /// Bytes the sequences hold together, a KV segment they share counted once.
+    fn sequences_bytes(&self, py: Python<'_>, seqs: Vec<i64>) -> PyResult<usize> {
+        let seqs = seqs.into_iter().map(seq_id).collect::<PyResult<Vec<_>>>()?;
+        Ok(self
+            .peek(py, |e| e.sequences_bytes(&seqs))?
+            .map_err(PyLilyError::from)?)
+    }
+
+    /// Bytes only sequence `seq` holds (what dropping it frees): the KV segments it shares with
+    /// forks excluded.
+    fn sequence_unique_bytes(&self, py: Python<'_>, seq: i64) -> PyResult<usize> {
+        let seq = seq_id(seq)?;
+        Ok(self
+            .peek(py, |e| e.sequence_unique_bytes(seq))?
+            .map_err(PyLilyError::from)?)
     }
 
     /// Copy the sequence state at the current position (for prefix reuse).

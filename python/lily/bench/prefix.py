@@ -103,7 +103,8 @@ def _run(args) -> int:
         if disk["reused"] != args.tokens or disk["disk_hits"] != 1:
             raise command.CommandError(f"the new process did not resume from disk: {disk}")
     print(f"backend {eng.backend}, kv {args.kv_dtype}, conversation {args.tokens} tokens + new message {args.new}")
-    print(f"prefix cache: {info.entries} entries, {info.bytes / 1e6:.1f} MB in memory, "
+    print(f"prefix cache: {info.entries} entries, {info.bytes / 1e6:.1f} MB in memory "
+          f"({info.logical_bytes / 1e6:.1f} MB as private copies: entries share whole KV segments), "
           f"{info.disk_entries} files, {info.disk_bytes / 1e6:.1f} MB on disk")
     print(f"first prefill of the conversation (writes the cache): {first:.2f} s")
     print("| returning conversation | time to first token (s) | vs cold |")

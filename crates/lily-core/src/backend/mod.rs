@@ -84,6 +84,17 @@ pub fn kv_segment_rows() -> usize {
     })
 }
 
+/// One segment of a KV cache, as memory accounting sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSegment {
+    /// The same for every cache holding this very segment (its allocation's address), so a set
+    /// of sequences can count a shared segment once.
+    pub id: usize,
+    pub bytes: usize,
+    /// Whether another cache holds it too (a fork, a prefix-cache entry).
+    pub shared: bool,
+}
+
 /// Whether `copy_rows` of `len` values from `src_off` of a buffer of `src_len` values to
 /// `dst_off` of one of `dst_len` stays inside both.
 pub(crate) fn check_rows(src_len: usize, src_off: usize, dst_len: usize, dst_off: usize, len: usize) -> Result<()> {
@@ -187,7 +198,8 @@ pub trait Backend: Send + Sized + 'static {
     fn kv_trim(&self, kv: &mut Self::Kv, rows: usize);
     /// Rows there is room for now (segments held x rows per segment).
     fn kv_rows(&self, kv: &Self::Kv) -> usize;
-    /// Bytes the cache holds now.
+    /// Bytes the cache holds now: every segment it references, shared ones included (see
+    /// [`Backend::kv_segments`] for which are shared).
     fn kv_bytes(&self, kv: &Self::Kv) -> usize;
     /// Rows row0..row0 + out.len() / width of the cache widened to f32 (waits for pending work).
     fn kv_read(&self, kv: &Self::Kv, row0: usize, out: &mut [f32]) -> Result<()>;
@@ -200,6 +212,28 @@ pub trait Backend: Send + Sized + 'static {
             self.name()
         )))
     }
+
+    /// A new cache holding rows 0..rows of `src` (same layout; waits for pending work): every
+    /// whole segment below `rows` is shared with `src` (reference-counted, no copy) and the last,
+    /// partly filled one is copied. Forking a sequence and keeping a prefix-cache entry cost one
+    /// partial segment per cache instead of a full copy; a write into a shared segment must go
+    /// through [`Backend::kv_unshare`] first (copy-on-write).
+    fn kv_share(&self, src: &Self::Kv, rows: usize) -> Result<Self::Kv> {
+        let _ = (src, rows);
+        Err(crate::error::Error::Unsupported(format!(
+            "the {} backend cannot share KV segments between caches yet (sequence fork / prefix cache)",
+            self.name()
+        )))
+    }
+    /// Before rows row0..row0 + rows are written: every segment they touch that another cache
+    /// also holds is replaced by a private copy (the other caches keep the original). A no-op,
+    /// allocating nothing, when those segments are this cache's alone.
+    fn kv_unshare(&self, kv: &mut Self::Kv, row0: usize, rows: usize) -> Result<()> {
+        let _ = (kv, row0, rows);
+        Ok(())
+    }
+    /// The segments the cache holds, in order: what accounting of shared memory needs.
+    fn kv_segments(&self, kv: &Self::Kv) -> Vec<KvSegment>;
 
     // ---- command stream ----
     /// Start encoding the work of `kind` (the next command stream opened runs it).

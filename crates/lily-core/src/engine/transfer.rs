@@ -176,7 +176,8 @@ impl<B: Backend> Runner<B> {
         let dtype = self.kv_dtype;
         let seq = seq_mut(&mut self.seqs, id)?;
         let width = seq.state.kv_width;
-        seq.state.reserve(&self.b, pos.max(1))?;
+        // Rows 0..pos are rewritten: segments shared with a fork are copied first, not overwritten.
+        seq.state.writable(&self.b, 0, pos.max(1))?;
         for l in seq.state.layers.iter_mut() {
             if let LayerState::Attention(kv) = l {
                 self.b.kv_trim(&mut kv.k, pos.max(1));

@@ -1,7 +1,7 @@
 //! Per-sequence state and the per-call scratch, allocated once when the engine is built.
 
 use crate::{
-    backend::{kv_segment_rows, Backend, KvDtype},
+    backend::{kv_segment_rows, Backend, KvDtype, KvSegment},
     config::{LayerKind, ModelConfig},
     error::Result,
 };
@@ -93,6 +93,20 @@ impl<B: Backend> State<B> {
         Ok(())
     }
 
+    /// Before rows row0..row0 + rows are written: room for them, and a private copy of every
+    /// segment they touch that a fork or a prefix-cache entry shares (copy-on-write). Allocates
+    /// only for a new or a shared segment, so a warm decode step inside a segment allocates nothing.
+    pub fn writable(&mut self, b: &B, row0: usize, rows: usize) -> Result<()> {
+        self.reserve(b, row0.saturating_add(rows))?;
+        for l in &mut self.layers {
+            if let LayerState::Attention(kv) = l {
+                b.kv_unshare(&mut kv.k, row0, rows)?;
+                b.kv_unshare(&mut kv.v, row0, rows)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Back to an empty sequence: DeltaNet states zeroed; the KV caches keep their first segment
     /// (the next conversation's first rows) and give the rest back. The KV rows need no clearing:
     /// attention reads only rows < position.
@@ -112,7 +126,19 @@ impl<B: Backend> State<B> {
         Ok(())
     }
 
-    /// Bytes of KV cache held now.
+    /// Every KV segment held now, shared ones included (what accounting of shared memory reads).
+    pub fn kv_segments(&self, b: &B) -> Vec<KvSegment> {
+        let mut all = Vec::new();
+        for l in &self.layers {
+            if let LayerState::Attention(kv) = l {
+                all.extend(b.kv_segments(&kv.k));
+                all.extend(b.kv_segments(&kv.v));
+            }
+        }
+        all
+    }
+
+    /// Bytes of KV cache held now (shared segments included).
     pub fn kv_bytes(&self, b: &B) -> usize {
         self.layers
             .iter()

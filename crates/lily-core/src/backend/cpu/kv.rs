@@ -1,16 +1,21 @@
 //! The CPU's KV-cache memory: rows of `width` values in segments of `kv_segment_rows()` rows,
 //! allocated as the sequence grows and freed on trim. f32 caches hold f32; 16-bit caches hold the
-//! bit patterns (bf16 or IEEE half), widened by the kernels ([`CpuKv::rows_f32`]).
+//! bit patterns (bf16 or IEEE half), widened by the kernels ([`CpuKv::rows_f32`]). Segments are
+//! reference-counted: a fork shares its source's whole segments ([`CpuKv::share`]) and copies one
+//! before writing into it ([`CpuKv::unshare`]).
+
+use std::sync::Arc;
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 use super::zeroed;
 use crate::{
-    backend::KvDtype,
+    backend::{KvDtype, KvSegment},
     error::{Error, Result},
 };
 
 /// A segment's storage: f32 values or 16-bit patterns.
+#[derive(Clone)]
 pub enum Segment {
     F32(Vec<f32>),
     Half(Vec<u16>),
@@ -50,7 +55,8 @@ pub struct CpuKv {
     /// log2 of the rows per segment.
     pub shift: u32,
     pub max_rows: usize,
-    pub segs: Vec<Segment>,
+    /// Shared with the caches of forks while no one writes them.
+    pub segs: Vec<Arc<Segment>>,
 }
 
 impl CpuKv {
@@ -87,14 +93,60 @@ impl CpuKv {
                 self.max_rows
             )));
         }
-        let n = self.seg_rows() * self.width;
         while self.rows() < rows {
-            self.segs.push(match self.dtype {
-                KvDtype::F32 => Segment::F32(zeroed(n)?),
-                KvDtype::BF16 | KvDtype::F16 => Segment::Half(zeroed(n)?),
-            });
+            let seg = self.new_segment()?;
+            self.segs.push(Arc::new(seg));
         }
         Ok(())
+    }
+
+    fn new_segment(&self) -> Result<Segment> {
+        let n = self.seg_rows() * self.width;
+        Ok(match self.dtype {
+            KvDtype::F32 => Segment::F32(zeroed(n)?),
+            KvDtype::BF16 | KvDtype::F16 => Segment::Half(zeroed(n)?),
+        })
+    }
+
+    /// A private copy of the first `rows` rows of segment `s` (a fallible allocation, unlike
+    /// `Clone`).
+    fn copy_segment(&self, s: usize, rows: usize) -> Result<Segment> {
+        let mut seg = self.new_segment()?;
+        let n = rows * self.width;
+        match (&mut seg, &*self.segs[s]) {
+            (Segment::F32(d), Segment::F32(f)) => d[..n].copy_from_slice(&f[..n]),
+            (Segment::Half(d), Segment::Half(f)) => d[..n].copy_from_slice(&f[..n]),
+            _ => unreachable!("one cache, one dtype"),
+        }
+        Ok(seg)
+    }
+
+    /// A new cache of rows 0..rows of this one: the whole segments shared, the partial last
+    /// one copied.
+    pub fn share(&self, rows: usize) -> Result<CpuKv> {
+        check_share(self.rows(), rows)?;
+        let whole = rows >> self.shift;
+        let mut segs: Vec<Arc<Segment>> = self.segs[..whole].to_vec();
+        let part = rows & (self.seg_rows() - 1);
+        if part > 0 {
+            segs.push(Arc::new(self.copy_segment(whole, part)?));
+        }
+        Ok(CpuKv { segs, ..*self })
+    }
+
+    /// Private copies of the shared segments that rows row0..row0 + rows touch.
+    pub fn unshare(&mut self, row0: usize, rows: usize) -> Result<()> {
+        for s in touched(row0, rows, self.shift, self.segs.len()) {
+            if Arc::get_mut(&mut self.segs[s]).is_none() {
+                self.segs[s] = Arc::new(self.copy_segment(s, self.seg_rows())?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Each segment held, for accounting.
+    pub fn segments(&self) -> Vec<KvSegment> {
+        segment_list(&self.segs, (self.width * self.dtype.size()) << self.shift)
     }
 
     pub fn trim(&mut self, rows: usize) {
@@ -114,7 +166,7 @@ impl CpuKv {
     pub fn f32_rows(&self, r0: usize, n: usize) -> Option<&[f32]> {
         let (s, o) = self.at(r0);
         debug_assert!((r0 & (self.seg_rows() - 1)) + n <= self.seg_rows());
-        match &self.segs[s] {
+        match &*self.segs[s] {
             Segment::F32(v) => Some(&v[o..o + n * self.width]),
             Segment::Half(_) => None,
         }
@@ -127,7 +179,7 @@ impl CpuKv {
         let (s, o) = self.at(r0);
         debug_assert!((r0 & (self.seg_rows() - 1)) + n <= self.seg_rows() && n > 0);
         let end = o + (n - 1) * self.width + self.width;
-        match &self.segs[s] {
+        match &*self.segs[s] {
             Segment::F32(v) => KvRows::F32(&v[o + c0..end]),
             Segment::Half(v) => KvRows::Half(self.dtype, &v[o + c0..end]),
         }
@@ -139,19 +191,21 @@ impl CpuKv {
     pub fn row_f32(&self, r: usize, c0: usize, out: &mut [f32]) {
         let (s, o) = self.at(r);
         let o = o + c0;
-        match &self.segs[s] {
+        match &*self.segs[s] {
             Segment::F32(v) => out.copy_from_slice(&v[o..o + out.len()]),
             Segment::Half(v) => widen(self.dtype, &v[o..o + out.len()], out),
         }
     }
 
-    /// Row r, columns c0.., from f32 values (rounded to nearest even for a 16-bit cache).
+    /// Row r, columns c0.., from f32 values (rounded to nearest even for a 16-bit cache). The
+    /// engine unshares a segment before writing it ([`CpuKv::unshare`], a fallible allocation);
+    /// were it still shared here, `make_mut` would copy it, so other caches never see the write.
     #[inline]
     pub fn store_row(&mut self, r: usize, c0: usize, x: &[f32]) {
         let (s, o) = self.at(r);
         let o = o + c0;
         let dtype = self.dtype;
-        match &mut self.segs[s] {
+        match Arc::make_mut(&mut self.segs[s]) {
             Segment::F32(v) => v[o..o + x.len()].copy_from_slice(x),
             Segment::Half(v) => narrow(dtype, x, &mut v[o..o + x.len()]),
         }
@@ -162,7 +216,7 @@ impl CpuKv {
     #[inline(always)]
     pub fn prefetch_row(&self, r: usize, c0: usize, n: usize) {
         let (s, o) = self.at(r);
-        match &self.segs[s] {
+        match &*self.segs[s] {
             Segment::F32(v) => super::simd::prefetch(&v[o + c0..o + c0 + n]),
             Segment::Half(v) => super::simd::prefetch_bytes(bytemuck_u16(&v[o + c0..o + c0 + n])),
         }
@@ -194,7 +248,7 @@ impl CpuKv {
         )?;
         for ((d, from), n) in self.segs.iter_mut().zip(&src.segs).zip(segment_rows(rows, self.shift)) {
             let n = n * self.width;
-            match (d, from) {
+            match (Arc::make_mut(d), &**from) {
                 (Segment::F32(d), Segment::F32(f)) => d[..n].copy_from_slice(&f[..n]),
                 (Segment::Half(d), Segment::Half(f)) => d[..n].copy_from_slice(&f[..n]),
                 _ => unreachable!("same dtype, checked above"),
@@ -203,10 +257,42 @@ impl CpuKv {
         Ok(())
     }
 
-    /// Bytes held.
+    /// Bytes held, shared segments included.
     pub fn bytes(&self) -> usize {
         self.rows() * self.width * self.dtype.size()
     }
+}
+
+/// Segments of `bytes` each, held through reference counts (every backend's), as accounting
+/// sees them: the allocation's address identifies a segment across the caches sharing it.
+pub fn segment_list<T>(held: &[Arc<T>], bytes: usize) -> Vec<KvSegment> {
+    held.iter()
+        .map(|s| KvSegment {
+            id: Arc::as_ptr(s) as usize,
+            bytes,
+            shared: Arc::strong_count(s) > 1,
+        })
+        .collect()
+}
+
+/// Whether a cache holding `held` rows can share its rows 0..rows.
+pub fn check_share(held: usize, rows: usize) -> Result<()> {
+    if rows > held {
+        return Err(Error::InvalidArgument(format!(
+            "kv_share of {rows} rows: the source holds {held}"
+        )));
+    }
+    Ok(())
+}
+
+/// The segments (of 2^shift rows, `held` of them) that rows row0..row0 + rows touch.
+pub fn touched(row0: usize, rows: usize, shift: u32, held: usize) -> std::ops::Range<usize> {
+    if rows == 0 {
+        return 0..0;
+    }
+    let first = (row0 >> shift).min(held);
+    let end = (row0.saturating_add(rows - 1) >> shift).saturating_add(1).min(held);
+    first..end
 }
 
 /// Rows 0..rows of a cache of segments of 2^shift rows, as the rows in each segment from the first:

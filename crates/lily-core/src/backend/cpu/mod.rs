@@ -18,7 +18,7 @@ pub mod simd;
 
 pub use int8::Precision;
 
-use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, KvSegment, StreamKind};
 use crate::{
     error::{Error, Result},
     ops,
@@ -154,6 +154,15 @@ impl Backend for Cpu {
     }
     fn kv_copy(&self, src: &CpuKv, dst: &mut CpuKv, rows: usize) -> Result<()> {
         dst.copy_from(src, rows)
+    }
+    fn kv_share(&self, src: &CpuKv, rows: usize) -> Result<CpuKv> {
+        src.share(rows)
+    }
+    fn kv_unshare(&self, kv: &mut CpuKv, row0: usize, rows: usize) -> Result<()> {
+        kv.unshare(row0, rows)
+    }
+    fn kv_segments(&self, kv: &CpuKv) -> Vec<KvSegment> {
+        kv.segments()
     }
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
         zeroed(len)

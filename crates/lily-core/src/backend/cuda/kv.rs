@@ -1,12 +1,16 @@
 //! The CUDA KV cache: segments of `1 << shift` rows cuMemAlloc'd as the sequence grows, and a
 //! device table of their addresses sized for `max_rows` once, so its address (what a captured
 //! decode graph holds) never changes; only its entries do, written between forward calls.
+//! Segments are reference-counted: a fork's table points at its source's whole segments
+//! ([`Cuda::kv_share`]) until a write needs a private copy ([`Cuda::kv_unshare`]).
+
+use std::sync::Arc;
 
 use super::{Alloc, Cuda, Executor, KvDesc, KvElem};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, segment_rows, widen},
-        KvDtype,
+        cpu::kv::{check_copy, check_share, segment_list, segment_rows, touched, widen},
+        KvDtype, KvSegment,
     },
     error::{Error, Result},
 };
@@ -17,7 +21,7 @@ pub struct CudaKv<X: Executor> {
     pub(crate) dtype: KvDtype,
     shift: u32,
     max_rows: usize,
-    segs: Vec<Alloc<X>>,
+    segs: Vec<Arc<Alloc<X>>>,
     table: Alloc<X>,
 }
 
@@ -83,16 +87,63 @@ impl<X: Executor> Cuda<X> {
             )));
         }
         while kv.rows() < rows {
-            let seg = Alloc {
-                ptr: self.x.alloc(kv.seg_bytes(), "kv segment")?,
-                x: self.x.clone(),
-            };
+            let seg = self.kv_segment(kv)?;
             // Between forward calls nothing in flight reads the table (every call ends in a sync).
             self.x
                 .write(kv.table.ptr + 8 * kv.segs.len() as u64, &seg.ptr.to_le_bytes())?;
             kv.segs.push(seg);
         }
         Ok(())
+    }
+
+    fn kv_segment(&self, kv: &CudaKv<X>) -> Result<Arc<Alloc<X>>> {
+        Ok(Arc::new(Alloc {
+            ptr: self.x.alloc(kv.seg_bytes(), "kv segment")?,
+            x: self.x.clone(),
+        }))
+    }
+
+    /// A new cache of rows 0..rows of `src`: its table points at the whole segments of `src`,
+    /// the partial last one is copied on the device (pending work first: it may write them).
+    pub(super) fn kv_share(&self, src: &CudaKv<X>, rows: usize) -> Result<CudaKv<X>> {
+        check_share(src.rows(), rows)?;
+        self.flush()?;
+        let mut dst = self.kv_new(src.width, src.dtype, src.max_rows, 1 << src.shift)?;
+        let whole = rows >> src.shift;
+        dst.segs = src.segs[..whole].to_vec();
+        let part = rows & ((1 << src.shift) - 1);
+        if part > 0 {
+            let seg = self.kv_segment(src)?;
+            self.x
+                .copy(src.segs[whole].ptr, seg.ptr, part * src.width * src.dtype.size())?;
+            dst.segs.push(seg);
+        }
+        let table: Vec<u8> = dst.segs.iter().flat_map(|s| s.ptr.to_le_bytes()).collect();
+        if !table.is_empty() {
+            self.x.write(dst.table.ptr, &table)?;
+        }
+        self.x.sync()?;
+        Ok(dst)
+    }
+
+    /// Private copies of the shared segments rows row0..row0 + rows touch (between forward
+    /// calls: nothing in flight reads the table or writes the segments).
+    pub(super) fn kv_unshare(&self, kv: &mut CudaKv<X>, row0: usize, rows: usize) -> Result<()> {
+        for s in touched(row0, rows, kv.shift, kv.segs.len()) {
+            if Arc::get_mut(&mut kv.segs[s]).is_none() {
+                self.flush()?;
+                let seg = self.kv_segment(kv)?;
+                self.x.copy(kv.segs[s].ptr, seg.ptr, kv.seg_bytes())?;
+                self.x.write(kv.table.ptr + 8 * s as u64, &seg.ptr.to_le_bytes())?;
+                self.x.sync()?;
+                kv.segs[s] = seg;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn kv_segments(&self, kv: &CudaKv<X>) -> Vec<KvSegment> {
+        segment_list(&kv.segs, kv.seg_bytes())
     }
 
     pub(super) fn kv_trim(&self, kv: &mut CudaKv<X>, rows: usize) {
@@ -115,6 +166,8 @@ impl<X: Executor> Cuda<X> {
             rows,
         )?;
         self.flush()?;
+        // Rows another cache shares are copied first, not overwritten under it.
+        self.kv_unshare(dst, 0, rows)?;
         for ((from, to), n) in src.segs.iter().zip(&dst.segs).zip(segment_rows(rows, src.shift)) {
             let bytes = n * src.width * src.dtype.size();
             self.x.copy(from.ptr, to.ptr, bytes)?;

@@ -46,7 +46,7 @@ pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
-use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, KvSegment, StreamKind};
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
     error::{Error, Result},
@@ -526,6 +526,15 @@ impl<X: Executor> Backend for Cuda<X> {
     }
     fn kv_copy(&self, src: &CudaKv<X>, dst: &mut CudaKv<X>, rows: usize) -> Result<()> {
         Cuda::kv_copy(self, src, dst, rows)
+    }
+    fn kv_share(&self, src: &CudaKv<X>, rows: usize) -> Result<CudaKv<X>> {
+        Cuda::kv_share(self, src, rows)
+    }
+    fn kv_unshare(&self, kv: &mut CudaKv<X>, row0: usize, rows: usize) -> Result<()> {
+        Cuda::kv_unshare(self, kv, row0, rows)
+    }
+    fn kv_segments(&self, kv: &CudaKv<X>) -> Vec<KvSegment> {
+        Cuda::kv_segments(self, kv)
     }
     fn copy_rows(
         &self,

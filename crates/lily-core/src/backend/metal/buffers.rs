@@ -2,12 +2,14 @@
 //! matrices in their checkpoint format ([`MetalMatrix`]: packed data, scales and biases, and the
 //! [`MatrixDesc`] the kernels read them through).
 
+use std::sync::Arc;
+
 use super::{Arg, Executor, Metal, Weight};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, segment_rows, widen},
+        cpu::kv::{check_copy, check_share, segment_list, segment_rows, touched, widen},
         params::{KvLayout, MatrixDesc},
-        KvDtype,
+        KvDtype, KvSegment,
     },
     error::{Error, Result},
     quant::{Format, Matrix},
@@ -169,13 +171,17 @@ impl<X: Executor> Metal<X> {
 /// One attention layer's K (or V) cache on the device: segments of `1 << shift` rows of `width`
 /// values of the cache dtype, each its own buffer, allocated as the sequence grows, and `table`,
 /// the GPU addresses of the segments in order (a kernel finds row r in segment r >> shift).
-/// The table is sized for `max_rows` once, so it never moves.
+/// The table is sized for `max_rows` once, so it never moves. A fork's table points at its
+/// source's whole segments (the same buffers, [`Metal::kv_share`]) until a write needs a private
+/// copy ([`Metal::kv_unshare`]); `holders[i]` counts the caches holding segment i.
 pub struct MetalKv<X: Executor> {
     pub(crate) width: usize,
     pub(crate) dtype: KvDtype,
     pub(crate) shift: u32,
     pub(crate) max_rows: usize,
+    /// Kept apart from `holders` so a kernel's residency list is this slice as it is.
     pub(crate) segs: Vec<X::Buffer>,
+    holders: Vec<Arc<()>>,
     pub(crate) table: X::Buffer,
 }
 
@@ -185,6 +191,9 @@ impl<X: Executor> MetalKv<X> {
     }
     pub fn bytes(&self) -> usize {
         self.rows() * self.width * self.dtype.size()
+    }
+    fn seg_bytes(&self) -> usize {
+        (self.width * self.dtype.size()) << self.shift
     }
     /// What the kernels are told of the layout.
     pub(crate) fn layout(&self) -> KvLayout {
@@ -218,6 +227,7 @@ impl<X: Executor> Metal<X> {
             shift: rows.trailing_zeros(),
             max_rows,
             segs: Vec::new(),
+            holders: Vec::new(),
             table: self.x.new_buffer(8 * entries)?,
         })
     }
@@ -229,25 +239,85 @@ impl<X: Executor> Metal<X> {
                 kv.max_rows
             )));
         }
-        let seg_bytes = (kv.width * kv.dtype.size()) << kv.shift;
         while kv.rows() < rows {
-            let seg = self.x.new_buffer(seg_bytes)?;
-            let addr = self.x.gpu_address(&seg);
-            // SAFETY: the table holds one u64 per segment up to max_rows (sized in kv_new), is
-            // CPU-visible, and no command stream is in flight between forward calls.
-            unsafe {
-                let slot = self.x.contents(&kv.table).cast::<u64>().add(kv.segs.len());
-                slot.write_unaligned(addr);
-            }
+            let seg = self.x.new_buffer(kv.seg_bytes())?;
+            self.kv_point(kv, kv.segs.len(), &seg);
             kv.segs.push(seg);
+            kv.holders.push(Arc::new(()));
         }
         Ok(())
+    }
+
+    /// Table entry `s` of `kv` = the address of `seg`.
+    fn kv_point(&self, kv: &MetalKv<X>, s: usize, seg: &X::Buffer) {
+        let addr = self.x.gpu_address(seg);
+        debug_assert!(
+            s < kv.max_rows.div_ceil(1 << kv.shift).max(1),
+            "segment {s} past the table"
+        );
+        // SAFETY: the table holds one u64 per segment up to max_rows (sized in kv_new; checked
+        // above), is CPU-visible, and no command stream is in flight between forward calls.
+        unsafe {
+            let slot = self.x.contents(&kv.table).cast::<u64>().add(s);
+            slot.write_unaligned(addr);
+        }
+    }
+
+    /// A new cache of rows 0..rows of `src`: its table points at the whole segments of `src`,
+    /// the partial last one is copied on the host (shared memory; pending work first).
+    pub(super) fn kv_share(&self, src: &MetalKv<X>, rows: usize) -> Result<MetalKv<X>> {
+        check_share(src.rows(), rows)?;
+        self.flush()?;
+        let mut dst = self.kv_new(src.width, src.dtype, src.max_rows, 1 << src.shift)?;
+        let whole = rows >> src.shift;
+        for s in 0..whole {
+            self.kv_point(&dst, s, &src.segs[s]);
+            dst.segs.push(src.segs[s].clone());
+            dst.holders.push(src.holders[s].clone());
+        }
+        let part = rows & ((1 << src.shift) - 1);
+        if part > 0 {
+            let seg = self.x.new_buffer(src.seg_bytes())?;
+            // SAFETY: both buffers hold a whole segment of this layout; `part` rows are inside;
+            // distinct buffers; no command stream in flight (flushed above).
+            unsafe {
+                let n = part * src.width * src.dtype.size();
+                std::ptr::copy_nonoverlapping(self.x.contents(&src.segs[whole]), self.x.contents(&seg), n)
+            };
+            self.kv_point(&dst, whole, &seg);
+            dst.segs.push(seg);
+            dst.holders.push(Arc::new(()));
+        }
+        Ok(dst)
+    }
+
+    /// Private copies of the shared segments rows row0..row0 + rows touch.
+    pub(super) fn kv_unshare(&self, kv: &mut MetalKv<X>, row0: usize, rows: usize) -> Result<()> {
+        for s in touched(row0, rows, kv.shift, kv.segs.len()) {
+            if Arc::get_mut(&mut kv.holders[s]).is_none() {
+                self.flush()?;
+                let seg = self.x.new_buffer(kv.seg_bytes())?;
+                // SAFETY: two whole segments of this layout, distinct; nothing in flight.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.x.contents(&kv.segs[s]), self.x.contents(&seg), kv.seg_bytes())
+                };
+                self.kv_point(kv, s, &seg);
+                kv.segs[s] = seg;
+                kv.holders[s] = Arc::new(());
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn kv_segments(&self, kv: &MetalKv<X>) -> Vec<KvSegment> {
+        segment_list(&kv.holders, kv.seg_bytes())
     }
 
     pub(super) fn kv_trim(&self, kv: &mut MetalKv<X>, rows: usize) {
         let keep = rows.div_ceil(1 << kv.shift);
         while kv.segs.len() > keep {
             kv.segs.pop();
+            kv.holders.pop();
             // SAFETY: as in kv_reserve; the dropped segment's entry is cleared.
             unsafe {
                 let slot = self.x.contents(&kv.table).cast::<u64>().add(kv.segs.len());
@@ -267,6 +337,8 @@ impl<X: Executor> Metal<X> {
             rows,
         )?;
         self.flush()?;
+        // Rows another cache shares are copied first, not overwritten under it.
+        self.kv_unshare(dst, 0, rows)?;
         for ((from, to), n) in src.segs.iter().zip(&dst.segs).zip(segment_rows(rows, src.shift)) {
             let bytes = n * src.width * src.dtype.size();
             // SAFETY: both segments hold 2^shift rows of the same width and dtype (checked), so

@@ -50,7 +50,7 @@ pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Place
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{check_rows, params::*, Backend, KvDtype, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, KvSegment, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -319,6 +319,15 @@ impl<X: Executor> Backend for Metal<X> {
     }
     fn kv_copy(&self, src: &MetalKv<X>, dst: &mut MetalKv<X>, rows: usize) -> Result<()> {
         Metal::kv_copy(self, src, dst, rows)
+    }
+    fn kv_share(&self, src: &MetalKv<X>, rows: usize) -> Result<MetalKv<X>> {
+        Metal::kv_share(self, src, rows)
+    }
+    fn kv_unshare(&self, kv: &mut MetalKv<X>, row0: usize, rows: usize) -> Result<()> {
+        Metal::kv_unshare(self, kv, row0, rows)
+    }
+    fn kv_segments(&self, kv: &MetalKv<X>) -> Vec<KvSegment> {
+        Metal::kv_segments(self, kv)
     }
     fn alloc(&self, len: usize) -> Result<MetalBuf<X>> {
         self.new_buf(len)
