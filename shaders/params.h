@@ -72,6 +72,7 @@ LILY_CONST uint ATTENTION_TILE = 8;            // attention: cache rows staged p
 LILY_CONST uint ATTENTION_HEAD_DIM_MAX = 256;  // attention: K/V tiles in threadgroup memory
 LILY_CONST uint ATTENTION_SPLIT_ROWS = 256;    // attention: cache rows per split of the decode split layout
 LILY_CONST uint ATTENTION_MAX_SPLITS = 64;     // attention: at most this many splits (split rows grow past it)
+LILY_CONST uint ATTENTION_QUERY_ROWS = 64;     // CUDA attention_prefill: query rows (tokens x heads) per block
 LILY_CONST uint ROPE_HEAD_DIM_MAX = 1024;      // qk_norm_rope: the normed head in threadgroup memory
 LILY_CONST uint MOE_EXPERTS_MAX = 1024;        // moe_route keys, moe_scan threads
 LILY_CONST uint ROUTE_TOP_K_MAX = 64;          // moe_route picks

@@ -62,20 +62,20 @@ __device__ __forceinline__ void kv_stage(const KvDesc kd, const KvDesc vd, uint 
   }
 }
 
-// attention: out = softmax(q K^T * scale, causal) V * sigmoid(gate) with q / gate from
-// qg [T, H, 2*hd] (q then gate per head); token t sees cache rows 0 .. pos0 + t.
+// attention (decode): out = softmax(q K^T * scale, causal) V * sigmoid(gate) for one query token
+// per step, split over the keys (flash-decoding); prefill (T > 1) runs attention_prefill below.
+// q / gate from qg [T, H, 2*hd] (q then gate per head); token t sees cache rows 0 .. pos0 + t.
 // GQA packing: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
 // sharing that KV head; each tile of ATT_TILE K/V rows is staged once in shared memory (f32,
-// kv_stage) and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). Online softmax in
-// f32. Split-KV (flash-decoding): split z of `splits` covers rows [z * rows, (z + 1) * rows) of
-// the causal range, rows = ceil(len / splits) rounded up to the tile, so the grid does not depend
-// on the position (a decode graph stays valid); with splits > 1, out is the partials buffer
-// [T, H, splits, 2 + hd] (running max, sum of exp, unnormalised o) for attention_reduce, else
-// out [T, H * hd] directly. Arguments: AttentionParams p (pos0 unused), uint splits, step,
-// KvDesc k, KvDesc v, qg, out. Grid (Hkv, T, splits), G * 32 threads.
+// kv_stage) and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). Online
+// softmax in f32. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal range,
+// rows = ceil(len / splits) rounded up to the tile, so the grid does not depend on the position (a
+// decode graph stays valid); out is the partials buffer [T, H, splits, 2 + hd] (running max, sum
+// of exp, unnormalised o) for attention_reduce. Arguments: AttentionParams p (pos0 unused), uint
+// splits, step, KvDesc k, KvDesc v, qg, partials. Grid (Hkv, T, splits), G * 32 threads.
 #define ATT_TILE 16
-#define ATT_HD_MAX 256
-extern "C" __global__ void __launch_bounds__(512) attention(const AttentionParams p, const uint splits,
+#define ATT_HD_MAX ATTENTION_HEAD_DIM_MAX
+extern "C" __global__ void __launch_bounds__(512, 1) attention(const AttentionParams p, const uint splits,
                                                             const uint* __restrict__ step, const KvDesc kd,
                                                             const KvDesc vd, const float* __restrict__ qg,
                                                             float* __restrict__ out) {
@@ -113,19 +113,237 @@ extern "C" __global__ void __launch_bounds__(512) attention(const AttentionParam
     }
     __syncthreads();
   }
-  if (splits == 1) {
-    const float* gate = qh + hd;
-    for (uint i = 0; i < nd; ++i) {
-      const uint d = lane + 32 * i;
-      out[((size_t)t * p.heads + h) * hd + d] = o[i] / l * sigmoid(gate[d]);
+  float* part = out + (((size_t)t * p.heads + h) * splits + split) * (hd + 2);
+  if (lane == 0) {
+    part[0] = mx;
+    part[1] = l;
+  }
+#pragma unroll
+  for (uint i = 0; i < ATT_HD_MAX / 32; ++i)
+    if (i < nd) part[2 + lane + 32 * i] = o[i];
+}
+
+// attention_prefill: out = softmax(q K^T * scale, causal) V * sigmoid(gate) for the T > 1 query
+// tokens of a prefill chunk, flash-attention style on the tensor cores.
+// Layouts: qg [T, H, 2*hd] f32 (q then gate per head); out [T, H * hd] f32; K / V caches through
+// KvDesc (row width Hkv * hd, dtype f32 / bf16 / f16). Token t is at position pos0 + t (pos0 =
+// step[0]: a chunk may start anywhere in the cache) and sees cache rows 0 .. pos0 + t.
+// Tiles: a block owns ATTENTION_QUERY_ROWS (64) query rows of one KV head: row r is token
+// t0 + r / G of query head kvh * G + r % G (G = H / Hkv, so the G heads sharing K/V sit in one
+// tile and each K/V row is staged once for all of them); TT = 64 / G tokens per block, the last
+// block partial. Blocks run the latest tokens first (the longest causal ranges start earliest).
+// Keys go in tiles of FA_KEYS = 16 rows: the block stages K [16][hd] and V transposed [hd][16] as
+// bf16 in shared memory (FA_LD / FA_VLD padding: the fragment reads of a warp hit 32 banks).
+// Threads: 128 = 4 warps, warp w owns tile rows 16 w .. 16 w + 15 (an m16 slice): S = Q K^T is
+// 2 m16n8 accumulators (16 keys), O [16][hd] is hd / 8 m16n8 accumulators in registers, both
+// mma.sync m16n8k16 with f32 accumulation; P goes from the S accumulators straight into the A
+// fragments of P V (same lane layout). Online softmax in f32: running max and sum per row (a row
+// lives on the 4 lanes of a quad), O rescaled when the max moves.
+// Accuracy: f32-grade, not bf16-grade. q and p are split as hi + lo bf16 pairs (x = hi + lo + 2^-17
+// x) and multiplied as hi·k + lo·k; a bf16 cache is exact in bf16, an f16 cache exactly hi + lo,
+// an f32 cache hi + lo to 2^-17 (the k_lo / v_lo products added when the dtype is not bf16). So
+// each product is good to ~2^-16 relative: 2 mma per product (3 off bf16 caches) instead of 1.
+// Arguments: AttentionParams p (pos0 unused), step, KvDesc k, KvDesc v, qg, out.
+// Grid (ceil(T / TT), Hkv), 128 threads.
+#define FA_ROWS ATTENTION_QUERY_ROWS
+#define FA_KEYS 16
+#define FA_LD (ATT_HD_MAX + 8)
+#define FA_VLD (FA_KEYS + 8)
+
+// x = hi + lo for two values, as bf16x2 registers (lo exact: hi keeps x's top 8 significant bits).
+__device__ __forceinline__ void split_bf16x2(float a, float b, uint& hi, uint& lo) {
+  hi = pack_bf16x2(a, b);
+  lo = pack_bf16x2(a - bf16_float((ushort)(hi & 0xffffu)), b - bf16_float((ushort)(hi >> 16)));
+}
+
+// Stage cache rows base .. base + FA_KEYS (rows from n on as zeros) of columns col0 .. col0 + hd of
+// K into kh / kl [key][FA_LD] and of V into vh / vl [dim][FA_VLD] (transposed) as bf16 hi / lo
+// (the lo halves only when `lo`, i.e. not bf16, whose bits are copied as they are): 16-byte loads, KV_BATCH per tensor and thread issued before any
+// is converted. Item idx is key idx % FA_KEYS, 16-byte piece idx / FA_KEYS of the row: the K stores
+// of 8 neighbouring lanes (8 keys, rows FA_LD apart) cover the 32 banks once, and a warp's
+// transposed V stores (16 keys of two pieces) touch each bank at most twice.
+__device__ __forceinline__ void fa_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
+                                         bool lo, ushort* kh, ushort* kl, ushort* vh, ushort* vl) {
+  const uint epv = kd.dtype == 0 ? 4 : 8, total = FA_KEYS * (hd / epv);
+  const uint esize = kd.dtype == 0 ? 4 : 2, mask = (1u << kd.seg_shift) - 1;
+  for (uint b0 = 0; b0 < total; b0 += KV_BATCH * blockDim.x) {
+    uint4 kv[KV_BATCH], vv[KV_BATCH];
+#pragma unroll
+    for (int j = 0; j < KV_BATCH; ++j) {
+      const uint idx = b0 + j * blockDim.x + threadIdx.x, key = idx % FA_KEYS;
+      kv[j] = vv[j] = make_uint4(0, 0, 0, 0);
+      if (idx < total && key < n) {
+        const uint row = base + key, c = col0 + idx / FA_KEYS * epv;
+        const size_t at = ((size_t)(row & mask) * kd.width + c) * esize;
+        kv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at);
+        vv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
+      }
     }
-  } else {
-    float* part = out + (((size_t)t * p.heads + h) * splits + split) * (hd + 2);
-    if (lane == 0) {
-      part[0] = mx;
-      part[1] = l;
+#pragma unroll
+    for (int j = 0; j < KV_BATCH; ++j) {
+      const uint idx = b0 + j * blockDim.x + threadIdx.x;
+      if (idx >= total) continue;
+      const uint key = idx % FA_KEYS, c = idx / FA_KEYS * epv;
+      if (!lo) {  // bf16: the cache bits are the hi halves
+        *reinterpret_cast<uint4*>(&kh[key * FA_LD + c]) = kv[j];
+        const uint w[4] = {vv[j].x, vv[j].y, vv[j].z, vv[j].w};
+#pragma unroll
+        for (uint e = 0; e < 8; ++e) vh[(c + e) * FA_VLD + key] = (ushort)(w[e / 2] >> (16 * (e % 2)));
+        continue;
+      }
+      float k[8], v[8];
+      uint h[4], l[4];
+      kv_widen(kd.dtype, kv[j], k);
+      kv_widen(vd.dtype, vv[j], v);
+#pragma unroll
+      for (uint e = 0; e < 4; ++e)
+        if (2 * e < epv) split_bf16x2(k[2 * e], k[2 * e + 1], h[e], l[e]);
+      if (epv == 8) {
+        *reinterpret_cast<uint4*>(&kh[key * FA_LD + c]) = make_uint4(h[0], h[1], h[2], h[3]);
+        if (lo) *reinterpret_cast<uint4*>(&kl[key * FA_LD + c]) = make_uint4(l[0], l[1], l[2], l[3]);
+      } else {
+        *reinterpret_cast<uint2*>(&kh[key * FA_LD + c]) = make_uint2(h[0], h[1]);
+        if (lo) *reinterpret_cast<uint2*>(&kl[key * FA_LD + c]) = make_uint2(l[0], l[1]);
+      }
+#pragma unroll
+      for (uint e = 0; e < 8; ++e) {
+        if (e >= epv) break;
+        const ushort vhi = float_bf16(v[e]);
+        vh[(c + e) * FA_VLD + key] = vhi;
+        if (lo) vl[(c + e) * FA_VLD + key] = float_bf16(v[e] - bf16_float(vhi));
+      }
     }
-    for (uint i = 0; i < nd; ++i) part[2 + lane + 32 * i] = o[i];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_prefill(const AttentionParams p,
+                                                                    const uint* __restrict__ step,
+                                                                    const KvDesc kd, const KvDesc vd,
+                                                                    const float* __restrict__ qg,
+                                                                    float* __restrict__ out) {
+  __shared__ __align__(16) ushort kh[FA_KEYS * FA_LD];
+  __shared__ __align__(16) ushort kl[FA_KEYS * FA_LD];
+  __shared__ __align__(16) ushort vh[ATT_HD_MAX * FA_VLD];
+  __shared__ __align__(16) ushort vl[ATT_HD_MAX * FA_VLD];
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const uint hd = p.head_dim, nd8 = hd / 8, group = p.heads / p.kv_heads, tt = FA_ROWS / group;
+  const uint tile = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, t0 = tile * tt;
+  const uint nt = min(tt, p.tokens - t0), pos0 = step[0];
+  const bool lo = kd.dtype != 1;  // bf16 caches are exact in bf16
+  // This lane's two rows (g and g + 8 of the warp's slice): token, query head, position.
+  size_t qi[2];  // (token, head) index: qg row qi * 2 hd, out row qi * hd
+  uint qpos[2];
+  bool valid[2];
+  const float* qrow[2];
+  for (uint i = 0; i < 2; ++i) {
+    const uint r = 16 * warp + g + 8 * i, tok = t0 + min(r / group, nt - 1);
+    valid[i] = r < nt * group;
+    qi[i] = (size_t)tok * p.heads + kvh * group + r % group;
+    qrow[i] = qg + qi[i] * 2 * hd;
+    qpos[i] = pos0 + tok;
+  }
+  // The keys the block needs and those this warp's rows need (a warp past the last token idles).
+  const uint kend = pos0 + t0 + nt;
+  const uint wrows = min(nt * group, 16 * warp + 16);
+  const uint wend = wrows > 16 * warp ? pos0 + t0 + (wrows - 1) / group + 1 : 0;
+  float o[ATT_HD_MAX / 8][4];
+#pragma unroll
+  for (uint j = 0; j < ATT_HD_MAX / 8; ++j)
+    for (uint e = 0; e < 4; ++e) o[j][e] = 0.0f;
+  float mx[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.0f, 0.0f};
+  for (uint base = 0; base < kend; base += FA_KEYS) {
+    fa_stage(kd, vd, base, min((uint)FA_KEYS, kend - base), kvh * hd, hd, lo, kh, kl, vh, vl);
+    __syncthreads();
+    if (base < wend) {
+      // S = Q K^T over hd in k16 steps: A = q rows (hi, lo), B = K rows 8 j + g of the tile.
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      for (uint kk = 0; kk < hd; kk += 16) {
+        uint qh[4], ql[4];
+        for (uint i = 0; i < 4; ++i) {  // a[i]: row g (+ 8 for i odd), dims kk + 2 tq (+ 8 for i >= 2)
+          const float2 q = *reinterpret_cast<const float2*>(qrow[i & 1] + kk + 2 * tq + (i >= 2 ? 8 : 0));
+          split_bf16x2(q.x, q.y, qh[i], ql[i]);
+        }
+#pragma unroll
+        for (uint j = 0; j < 2; ++j) {
+          const uint at = (8 * j + g) * FA_LD + kk + 2 * tq;
+          const uint b[2] = {*reinterpret_cast<const uint*>(&kh[at]), *reinterpret_cast<const uint*>(&kh[at + 8])};
+          mma_bf16_16816(s[j], qh, b, s[j]);
+          mma_bf16_16816(s[j], ql, b, s[j]);
+          if (lo) {
+            const uint bl[2] = {*reinterpret_cast<const uint*>(&kl[at]), *reinterpret_cast<const uint*>(&kl[at + 8])};
+            mma_bf16_16816(s[j], qh, bl, s[j]);
+          }
+        }
+      }
+      // Online softmax: s[j][e] is row g + 8 (e >> 1), key base + 8 j + 2 tq + (e & 1).
+      float tmax[2] = {NEG_BIG, NEG_BIG};
+      bool seen[2][4];
+#pragma unroll
+      for (uint j = 0; j < 2; ++j)
+        for (uint e = 0; e < 4; ++e) {
+          seen[j][e] = base + 8 * j + 2 * tq + (e & 1) <= qpos[e >> 1];
+          s[j][e] = seen[j][e] ? s[j][e] * p.scale : NEG_BIG;
+          tmax[e >> 1] = fmaxf(tmax[e >> 1], s[j][e]);
+        }
+      float corr[2];
+      for (uint i = 0; i < 2; ++i) {
+        tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(FULL_MASK, tmax[i], 1));
+        tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(FULL_MASK, tmax[i], 2));
+        const float m_new = fmaxf(mx[i], tmax[i]);
+        corr[i] = expf(mx[i] - m_new);
+        mx[i] = m_new;
+        l[i] *= corr[i];
+      }
+#pragma unroll
+      for (uint j = 0; j < 2; ++j)
+        for (uint e = 0; e < 4; ++e) {
+          s[j][e] = seen[j][e] ? expf(s[j][e] - mx[e >> 1]) : 0.0f;
+          l[e >> 1] += s[j][e];
+        }
+      if (corr[0] != 1.0f || corr[1] != 1.0f) {
+#pragma unroll
+        for (uint j = 0; j < ATT_HD_MAX / 8; ++j)
+          for (uint e = 0; e < 4; ++e) o[j][e] *= corr[e >> 1];
+      }
+      // O += P V: the A fragment (rows g / g + 8, keys 2 tq (+ 8)) is the S accumulators' layout.
+      uint ph[4], pl[4];
+      split_bf16x2(s[0][0], s[0][1], ph[0], pl[0]);
+      split_bf16x2(s[0][2], s[0][3], ph[1], pl[1]);
+      split_bf16x2(s[1][0], s[1][1], ph[2], pl[2]);
+      split_bf16x2(s[1][2], s[1][3], ph[3], pl[3]);
+#pragma unroll
+      for (uint j = 0; j < ATT_HD_MAX / 8; ++j) {
+        if (j < nd8) {
+          const uint at = (8 * j + g) * FA_VLD + 2 * tq;
+          const uint b[2] = {*reinterpret_cast<const uint*>(&vh[at]), *reinterpret_cast<const uint*>(&vh[at + 8])};
+          mma_bf16_16816(o[j], ph, b, o[j]);
+          mma_bf16_16816(o[j], pl, b, o[j]);
+          if (lo) {
+            const uint bl[2] = {*reinterpret_cast<const uint*>(&vl[at]), *reinterpret_cast<const uint*>(&vl[at + 8])};
+            mma_bf16_16816(o[j], ph, bl, o[j]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // A row's sum is spread over its quad; then out = O / l * sigmoid(gate) for the real rows.
+  for (uint i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(FULL_MASK, l[i], 1);
+    l[i] += __shfl_xor_sync(FULL_MASK, l[i], 2);
+  }
+#pragma unroll
+  for (uint j = 0; j < ATT_HD_MAX / 8; ++j) {
+    if (j < nd8) {
+      for (uint i = 0; i < 2; ++i) {
+        if (!valid[i]) continue;
+        const uint d = 8 * j + 2 * tq;
+        const float* gate = qrow[i] + hd + d;
+        float* dst = out + qi[i] * hd + d;
+        dst[0] = o[j][2 * i] / l[i] * sigmoid(gate[0]);
+        dst[1] = o[j][2 * i + 1] / l[i] * sigmoid(gate[1]);
+      }
+    }
   }
 }
 

@@ -337,12 +337,21 @@ fn kv_store_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 /// and 8 (the real head shapes: 8 per KV head, hd 256); every cache dtype; segments of 4 and 16
 /// rows put boundaries inside tiles and splits; a sequence past 1024 rows crosses a default-size
 /// segment. A prefill of T tokens on pos0 cached rows, then the decode steps.
-const ATTENTION_CASES: [AttentionCase; 5] = [
+/// The prefill chunks also cover CUDA's `attention_prefill` blocks (64 query rows: 64 / G tokens
+/// of the G heads of a KV head): several blocks with a partial last one (17, 19 and 21 tokens at
+/// G = 8, 40 at G = 4, 75 at G = 3, whose blocks of 21 tokens x 3 heads leave a row unused), every
+/// dtype at the real head shapes, chunks starting mid-cache (pos0 > 0) across segment boundaries.
+const ATTENTION_CASES: [AttentionCase; 10] = [
     (4, 2, 32, 0, 13, 0, KvDtype::F32, 1024),
     (8, 2, 64, 3, 5, 2, KvDtype::BF16, 4),
     (4, 1, 32, 30, 1, 3, KvDtype::F16, 16),
     (16, 2, 256, 20, 3, 1, KvDtype::BF16, 16),
     (4, 2, 32, 1100, 2, 2, KvDtype::BF16, 1024),
+    (16, 2, 256, 37, 21, 0, KvDtype::F16, 16),
+    (16, 2, 256, 45, 19, 1, KvDtype::F32, 32),
+    (16, 2, 256, 9, 17, 0, KvDtype::BF16, 8),
+    (8, 2, 64, 50, 40, 0, KvDtype::BF16, 64),
+    (6, 2, 32, 5, 75, 0, KvDtype::F16, 8),
 ];
 
 /// (H, Hkv, hd, pos0, T, decode steps, dtype, segment rows).

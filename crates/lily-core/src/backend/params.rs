@@ -243,6 +243,11 @@ constants! {
     /// while still giving 64 x Hkv threadgroups (128 at Qwen3.6's shapes, 3 per core of a 40-core GPU).
     pub const ATTENTION_MAX_SPLITS: usize = 64;
 
+    /// Query rows per block of the CUDA prefill attention (`attention_prefill`): H / Hkv query
+    /// heads of 64 / (H / Hkv) tokens, one m16 slice per warp of 4, so the block's K/V tiles serve
+    /// every head of its KV head (8 tokens at Qwen3.6's 8 heads per KV head).
+    pub const ATTENTION_QUERY_ROWS: usize = 64;
+
     /// The longest head of the Metal `qk_norm_rope` kernel (the normed head staged in
     /// threadgroup memory for the rotation).
     pub const ROPE_HEAD_DIM_MAX: usize = 1024;

@@ -1,10 +1,10 @@
 //! The attention family on CUDA (`shaders/cuda/rope.cu`, `shaders/cuda/attention.cu`): q/k norm +
 //! RoPE, the KV store into the segmented cache (both fused in `qk_norm_rope_store`), and attention
-//! (split-KV for one token).
+//! (`attention_prefill` on the tensor cores for a prefill chunk, split-KV for one token).
 
 use crate::backend::{
     cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, Executor, DECODE_SPLITS},
-    params::{AttentionParams, KvStoreParams, RopeParams},
+    params::{AttentionParams, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ATTENTION_QUERY_ROWS},
 };
 
 pub fn qk_norm_rope<X: Executor>(
@@ -132,9 +132,11 @@ pub fn attention<X: Executor>(
         p.kv_heads as usize,
         p.head_dim as usize,
     );
-    if kvh == 0 || h % kvh != 0 || h / kvh > 32 || hd % 32 != 0 || hd == 0 || hd > 256 {
+    // Decode: a warp per query head of a KV head, a lane per 32nd dim; prefill: hd / 8 m16n8
+    // output tiles per warp, the heads of a KV head inside one block's ATTENTION_QUERY_ROWS.
+    if kvh == 0 || h % kvh != 0 || h / kvh > 32 || hd % 32 != 0 || hd == 0 || hd > ATTENTION_HEAD_DIM_MAX {
         c.fail(format!(
-            "attention: {h} heads over {kvh} KV heads (at most 32 per KV head) of dim {hd} (a multiple of 32, at most 256) unsupported"
+            "attention: {h} heads over {kvh} KV heads (at most 32 per KV head) of dim {hd} (a multiple of 32, at most {ATTENTION_HEAD_DIM_MAX}) unsupported"
         ));
         return;
     }
@@ -155,18 +157,26 @@ pub fn attention<X: Executor>(
         return;
     }
     c.at_pos(p.pos0);
-    let splits = if t == 1 { DECODE_SPLITS } else { 1 };
-    let target = if splits > 1 {
-        match c.scratch(h * splits as usize * (hd + 2), "attention partials", |s| {
-            &mut s.partials
-        }) {
-            Some(ptr) => ptr,
-            None => return,
-        }
-    } else {
-        out.ptr()
-    };
     let pp = AttentionParams { pos0: 0, ..*p };
+    if t > 1 {
+        // Prefill: blocks of ATTENTION_QUERY_ROWS query rows (tokens x the heads of a KV head).
+        let tokens_per_block = ATTENTION_QUERY_ROWS / (h / kvh);
+        let args = Args::new()
+            .push(pp)
+            .ptr(c.step.ptr)
+            .push(kd)
+            .push(vd)
+            .ptr(qg.ptr())
+            .ptr(out.ptr());
+        let grid = [t.div_ceil(tokens_per_block) as u32, kvh as u32, 1];
+        c.launch(F::AttentionPrefill, shape(grid, 128), args);
+        return;
+    }
+    // Decode: split over the keys, then attention_reduce.
+    let splits = DECODE_SPLITS;
+    let Some(partials) = c.scratch(h * splits as usize * (hd + 2), "attention partials", |s| &mut s.partials) else {
+        return;
+    };
     let args = Args::new()
         .push(pp)
         .push(splits)
@@ -174,16 +184,13 @@ pub fn attention<X: Executor>(
         .push(kd)
         .push(vd)
         .ptr(qg.ptr())
-        .ptr(target);
-    let launch = shape([kvh as u32, t as u32, splits], (h / kvh * 32) as u32);
-    c.launch(F::Attention, launch, args);
-    if splits > 1 {
-        let args = Args::new()
-            .push(pp)
-            .push(splits)
-            .ptr(target)
-            .ptr(qg.ptr())
-            .ptr(out.ptr());
-        c.launch(F::AttentionReduce, shape([h as u32, t as u32, 1], 256), args);
-    }
+        .ptr(partials);
+    c.launch(F::Attention, shape([kvh as u32, 1, splits], (h / kvh * 32) as u32), args);
+    let args = Args::new()
+        .push(pp)
+        .push(splits)
+        .ptr(partials)
+        .ptr(qg.ptr())
+        .ptr(out.ptr());
+    c.launch(F::AttentionReduce, shape([h as u32, 1, 1], 256), args);
 }
