@@ -29,6 +29,13 @@ __device__ __forceinline__ void kv_widen(uint dtype, const uint4 v, float* dst) 
   }
 }
 
+// The 16 bytes of K and V cache row `row` from column c on (same dtype and segment size).
+__device__ __forceinline__ void kv_load16(const KvDesc kd, const KvDesc vd, uint row, uint c, uint4& k, uint4& v) {
+  const size_t at = ((size_t)(row & ((1u << kd.seg_shift) - 1)) * kd.width + c) * (kd.dtype == 0 ? 4 : 2);
+  k = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at);
+  v = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
+}
+
 // Stage columns col0 .. col0 + hd of cache rows base .. base + n of K and V as f32 into ks / vs
 // ([n][hd]): 16-byte loads (a row's hd values are 16-byte aligned: hd % 32 == 0), issued in batches
 // of KV_BATCH per thread and tensor before any is widened, so a thread has 2 KV_BATCH loads in
@@ -36,19 +43,13 @@ __device__ __forceinline__ void kv_widen(uint dtype, const uint4 v, float* dst) 
 #define KV_BATCH 4
 __device__ __forceinline__ void kv_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
                                          float* ks, float* vs) {
-  const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row, esize = kd.dtype == 0 ? 4 : 2;
-  const uint mask = (1u << kd.seg_shift) - 1;
+  const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row;
   for (uint b0 = 0; b0 < total; b0 += KV_BATCH * blockDim.x) {
     uint4 kv[KV_BATCH], vv[KV_BATCH];
 #pragma unroll
     for (int j = 0; j < KV_BATCH; ++j) {
       const uint idx = b0 + j * blockDim.x + threadIdx.x;
-      if (idx < total) {
-        const uint row = base + idx / per_row, c = col0 + (idx % per_row) * epv;
-        const size_t at = ((size_t)(row & mask) * kd.width + c) * esize;
-        kv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at);
-        vv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
-      }
+      if (idx < total) kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, kv[j], vv[j]);
     }
 #pragma unroll
     for (int j = 0; j < KV_BATCH; ++j) {
@@ -165,19 +166,13 @@ __device__ __forceinline__ void split_bf16x2(float a, float b, uint& hi, uint& l
 __device__ __forceinline__ void fa_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
                                          bool lo, ushort* kh, ushort* kl, ushort* vh, ushort* vl) {
   const uint epv = kd.dtype == 0 ? 4 : 8, total = FA_KEYS * (hd / epv);
-  const uint esize = kd.dtype == 0 ? 4 : 2, mask = (1u << kd.seg_shift) - 1;
   for (uint b0 = 0; b0 < total; b0 += KV_BATCH * blockDim.x) {
     uint4 kv[KV_BATCH], vv[KV_BATCH];
 #pragma unroll
     for (int j = 0; j < KV_BATCH; ++j) {
       const uint idx = b0 + j * blockDim.x + threadIdx.x, key = idx % FA_KEYS;
       kv[j] = vv[j] = make_uint4(0, 0, 0, 0);
-      if (idx < total && key < n) {
-        const uint row = base + key, c = col0 + idx / FA_KEYS * epv;
-        const size_t at = ((size_t)(row & mask) * kd.width + c) * esize;
-        kv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at);
-        vv[j] = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
-      }
+      if (idx < total && key < n) kv_load16(kd, vd, base + key, col0 + idx / FA_KEYS * epv, kv[j], vv[j]);
     }
 #pragma unroll
     for (int j = 0; j < KV_BATCH; ++j) {
@@ -213,6 +208,19 @@ __device__ __forceinline__ void fa_stage(const KvDesc kd, const KvDesc vd, uint 
         if (lo) vl[(c + e) * FA_VLD + key] = float_bf16(v[e] - bf16_float(vhi));
       }
     }
+  }
+}
+
+// acc += (a_hi + a_lo) (b_hi + b_lo) without the lo·lo product: three mma m16n8k16, two when b is
+// exact in bf16 (!lo). The B fragment is the bf16 pairs at b_hi / b_lo + at and + at + 8.
+__device__ __forceinline__ void mma_split(float acc[4], const uint ah[4], const uint al[4], const ushort* bh,
+                                          const ushort* bl, uint at, bool lo) {
+  const uint b[2] = {*reinterpret_cast<const uint*>(&bh[at]), *reinterpret_cast<const uint*>(&bh[at + 8])};
+  mma_bf16_16816(acc, ah, b, acc);
+  mma_bf16_16816(acc, al, b, acc);
+  if (lo) {
+    const uint b_lo[2] = {*reinterpret_cast<const uint*>(&bl[at]), *reinterpret_cast<const uint*>(&bl[at + 8])};
+    mma_bf16_16816(acc, ah, b_lo, acc);
   }
 }
 
@@ -265,14 +273,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(const Attent
         }
 #pragma unroll
         for (uint j = 0; j < 2; ++j) {
-          const uint at = (8 * j + g) * FA_LD + kk + 2 * tq;
-          const uint b[2] = {*reinterpret_cast<const uint*>(&kh[at]), *reinterpret_cast<const uint*>(&kh[at + 8])};
-          mma_bf16_16816(s[j], qh, b, s[j]);
-          mma_bf16_16816(s[j], ql, b, s[j]);
-          if (lo) {
-            const uint bl[2] = {*reinterpret_cast<const uint*>(&kl[at]), *reinterpret_cast<const uint*>(&kl[at + 8])};
-            mma_bf16_16816(s[j], qh, bl, s[j]);
-          }
+          mma_split(s[j], qh, ql, kh, kl, (8 * j + g) * FA_LD + kk + 2 * tq, lo);
         }
       }
       // Online softmax: s[j][e] is row g + 8 (e >> 1), key base + 8 j + 2 tq + (e & 1).
@@ -313,16 +314,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(const Attent
       split_bf16x2(s[1][2], s[1][3], ph[3], pl[3]);
 #pragma unroll
       for (uint j = 0; j < ATT_HD_MAX / 8; ++j) {
-        if (j < nd8) {
-          const uint at = (8 * j + g) * FA_VLD + 2 * tq;
-          const uint b[2] = {*reinterpret_cast<const uint*>(&vh[at]), *reinterpret_cast<const uint*>(&vh[at + 8])};
-          mma_bf16_16816(o[j], ph, b, o[j]);
-          mma_bf16_16816(o[j], pl, b, o[j]);
-          if (lo) {
-            const uint bl[2] = {*reinterpret_cast<const uint*>(&vl[at]), *reinterpret_cast<const uint*>(&vl[at + 8])};
-            mma_bf16_16816(o[j], ph, bl, o[j]);
-          }
-        }
+        if (j < nd8) mma_split(o[j], ph, pl, vh, vl, (8 * j + g) * FA_VLD + 2 * tq, lo);
       }
     }
     __syncthreads();
