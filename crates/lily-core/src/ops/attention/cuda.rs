@@ -174,7 +174,8 @@ pub fn attention<X: Executor>(
     }
     // Decode: split over the keys, then attention_reduce.
     let splits = DECODE_SPLITS;
-    let Some(partials) = c.scratch(h * splits as usize * (hd + 2), "attention partials", |s| &mut s.partials) else {
+    let size = h * splits as usize * (hd + 2);
+    let Some(partials) = c.scratch(size, "attention partials", |s| &mut s.partials) else {
         return;
     };
     let args = Args::new()
@@ -185,7 +186,8 @@ pub fn attention<X: Executor>(
         .push(vd)
         .ptr(qg.ptr())
         .ptr(partials);
-    c.launch(F::Attention, shape([kvh as u32, 1, splits], (h / kvh * 32) as u32), args);
+    let grid = [kvh as u32, 1, splits];
+    c.launch(F::Attention, shape(grid, (h / kvh * 32) as u32), args);
     let args = Args::new()
         .push(pp)
         .push(splits)
