@@ -90,7 +90,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p,
 // of common.cuh (x[t] staged in shared memory; groups of ks warps split D), a group owning the 4 gate
 // and the 4 up rows (b (8 / ks) + w / ks) 4 .. + 4 of pair blockIdx.y: each lane's x chunk serves 8
 // rows, its 8 independent 16-byte weight loads (and their scales) issued before x is staged
-// (gemv_staged, one step ahead). Accumulation: f32.
+// (gemv_staged, one step ahead). Accumulation: f32. ids == nullptr: expert 0 for every pair
+// (gate_up_swiglu's plain matrices).
 #define MOE_ROWS 4
 template <typename W>
 __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
@@ -105,7 +106,7 @@ __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix 
   const bool active = r0 < gm.rows;  // whole warp
   const uint nr = active ? min((uint)MOE_ROWS, gm.rows - r0) : 1;
   const uint t = tk / p.top_k, D = gm.cols;
-  const uint e = ids[tk];
+  const uint e = ids != nullptr ? ids[tk] : 0u;
   const W g = make_w<W>(gw, gs, gb, gm);
   const W u = make_w<W>(uw, us, ub, um);
   size_t grows[MOE_ROWS], urows[MOE_ROWS];
@@ -132,6 +133,23 @@ __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix 
   gemv_combine<2 * MOE_ROWS>(acc, part, ks);
   if (active && s == 0 && threadIdx.x % 32 == 0)
     for (uint r = 0; r < nr; ++r) act[(size_t)tk * gm.rows + r0 + r] = silu(acc[r]) * acc[MOE_ROWS + r];
+}
+
+// gate_up_swiglu_<w>: out [T, N] = silu(x gate^T) * (x up^T) for one pair of plain matrices gate,
+// up [N, K] in one weight format (the MoE block's shared expert: one launch instead of a two-matrix
+// GEMV and a swiglu). Arguments: RowsParams p (T, N), CudaMatrix gate, CudaMatrix up, gate w /
+// scales / biases, up w / scales / biases, uint ks, x [T, K], out. Grid (ceil(N / (32 / ks)), T),
+// 256 threads: moe_gate_up's body (the staged GEMV layout, a warp group owning 4 gate and 4 up
+// rows of token blockIdx.y, ks warps splitting K) with one expert and top_k = 1, so pair = token.
+template <typename W>
+__device__ __forceinline__ void gate_up_swiglu(const RowsParams p, const CudaMatrix gm, const CudaMatrix um,
+                                               const uchar* gw, const uchar* gs, const uchar* gb, const uchar* uw,
+                                               const uchar* us, const uchar* ub, const uint ks,
+                                               const float* __restrict__ x, float* __restrict__ out) {
+  MoeParams one;
+  one.tokens = p.tokens;
+  one.top_k = 1;
+  moe_gate_up<W>(one, gm, um, gw, gs, gb, uw, us, ub, ks, x, nullptr, out);
 }
 
 // moe_down_<w>: y [T*K, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Arguments:
@@ -322,3 +340,13 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
   }                                                                                                              \
   SIM_EXPORT(moe_gemm_down_##sfx)
 FOR_EACH_WEIGHT(MOE)
+
+#define GATE_UP_SWIGLU(sfx)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) gate_up_swiglu_##sfx(                \
+      const RowsParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,              \
+      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                           \
+      const float* __restrict__ x, float* __restrict__ out) {                                                      \
+    gate_up_swiglu<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, out);                                        \
+  }                                                                                                                \
+  SIM_EXPORT(gate_up_swiglu_##sfx)
+FOR_EACH_WEIGHT(GATE_UP_SWIGLU)

@@ -89,6 +89,19 @@ kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const fl
   }
 }
 
+// gate_up_rows: out[r] = silu(g row grow + r . x) * (u row urow + r . x) for r < nr, written by
+// lane 0 (rows_dot in common.h for the gate rows, then the up rows; lanes over D): the body of
+// moe_gate_up and gate_up_swiglu.
+template <typename W, int R>
+inline void gate_up_rows(thread const W& g, uint grow, thread const W& u, uint urow, uint nr, uint D,
+                         device const float* x, uint lane, device float* out) {
+  float gv[R], uv[R];
+  rows_dot<W, R>(g, grow, nr, D, x, lane, gv);
+  rows_dot<W, R>(u, urow, nr, D, x, lane, uv);
+  if (lane == 0)
+    for (uint r = 0; r < nr; ++r) out[r] = silu(gv[r]) * uv[r];
+}
+
 // moe_gate_up_<w>_r<R>: act [T*K, I] with act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
 // e = ids[t*K + k]; gate/up [E, I, D] in one weight format. Bindings: 0 MoeParams,
 // 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up w/scales/biases,
@@ -108,14 +121,35 @@ TKERNEL void moe_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDes
   const uint r0 = (tg.x * nsg + sg) * R, tk = tg.y;
   if (r0 >= gm.rows) return;  // whole simdgroup
   const uint nr = min((uint)R, gm.rows - r0);
-  const uint t = tk / p.top_k, e = ids[tk], D = gm.cols;
+  const uint t = tk / p.top_k, e = ids[tk];
   const W g = W::make(gw, gs, gb, gm);
   const W u = W::make(uw, us, ub, um);
-  float gv[R], uv[R];
-  rows_dot<W, R>(g, e * gm.expert_stride + gm.row_offset + r0, nr, D, x + (ulong)t * D, lane, gv);
-  rows_dot<W, R>(u, e * um.expert_stride + um.row_offset + r0, nr, D, x + (ulong)t * D, lane, uv);
-  if (lane == 0)
-    for (uint r = 0; r < nr; ++r) act[(ulong)tk * gm.rows + r0 + r] = silu(gv[r]) * uv[r];
+  gate_up_rows<W, R>(g, e * gm.expert_stride + gm.row_offset + r0, u, e * um.expert_stride + um.row_offset + r0, nr,
+                     gm.cols, x + (ulong)t * gm.cols, lane, act + (ulong)tk * gm.rows + r0);
+}
+
+// gate_up_swiglu_<w>_r<R>: out [T, N] = silu(x gate^T) * (x up^T) for one pair of matrices gate,
+// up [N, K] in one weight format (the MoE block's shared expert: moe_gate_up's body on expert 0 of
+// plain matrices, one dispatch instead of two GEMVs and a swiglu). Bindings: 0 RowsParams (T, N),
+// 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up w/scales/biases, 9 x [T, K],
+// 10 out. Grid: threadgroups (ceil(N / (4 R)), T), 128 threads = 4 simdgroups; simdgroup s owns the
+// R rows (4 tg.x + s) R .. + R of token tg.y (gate_up_rows; lanes over K). Accumulation: f32.
+template <typename W, int R>
+TKERNEL void gate_up_swiglu(constant RowsParams& p [[buffer(0)]], constant MatrixDesc& gm [[buffer(1)]],
+                            constant MatrixDesc& um [[buffer(2)]], device const uchar* gw [[buffer(3)]],
+                            device const uchar* gs [[buffer(4)]], device const uchar* gb [[buffer(5)]],
+                            device const uchar* uw [[buffer(6)]], device const uchar* us [[buffer(7)]],
+                            device const uchar* ub [[buffer(8)]], device const float* x [[buffer(9)]],
+                            device float* out [[buffer(10)]], uint2 tg [[threadgroup_position_in_grid]],
+                            uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                            uint nsg [[simdgroups_per_threadgroup]]) {
+  const uint r0 = (tg.x * nsg + sg) * R, t = tg.y;
+  if (r0 >= gm.rows || t >= p.tokens) return;  // whole simdgroup
+  const uint nr = min((uint)R, gm.rows - r0);
+  const W g = W::make(gw, gs, gb, gm);
+  const W u = W::make(uw, us, ub, um);
+  gate_up_rows<W, R>(g, gm.row_offset + r0, u, um.row_offset + r0, nr, gm.cols, x + (ulong)t * gm.cols, lane,
+                     out + (ulong)t * gm.rows + r0);
 }
 
 // moe_down_<w>_r<R>: y [T*K, D] with y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Bindings:
@@ -430,6 +464,8 @@ kernel void moe_combine_sorted_f32(constant MoeParams& p [[buffer(0)]], constant
 #define MOE(sfx)                                                            \
   INSTANTIATE(moe_gate_up_##sfx##_r2, moe_gate_up, W_##sfx, 2)              \
   INSTANTIATE(moe_gate_up_##sfx##_r4, moe_gate_up, W_##sfx, 4)              \
+  INSTANTIATE(gate_up_swiglu_##sfx##_r2, gate_up_swiglu, W_##sfx, 2)        \
+  INSTANTIATE(gate_up_swiglu_##sfx##_r4, gate_up_swiglu, W_##sfx, 4)        \
   INSTANTIATE(moe_down_##sfx##_r2, moe_down, W_##sfx, 2)                    \
   INSTANTIATE(moe_down_##sfx##_r4, moe_down, W_##sfx, 4)                    \
   INSTANTIATE(moe_gemm_gate_up_##sfx##_n32, moe_gemm_gate_up, W_##sfx, 32)  \

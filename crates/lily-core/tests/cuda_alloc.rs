@@ -170,11 +170,12 @@ fn a_decode_step_launches_the_expected_kernels() {
         "delta_net",
         "moe_route",
         "moe_combine",
+        "gate_up_swiglu_q4_bf16",
     ] {
         assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
     }
     // The fused kernels replace the unfused ones they stand for (one launch instead of two or three).
-    for k in ["qk_norm_rope", "kv_store", "add", "sigmoid_gate_add"] {
+    for k in ["qk_norm_rope", "kv_store", "add", "sigmoid_gate_add", "swiglu"] {
         assert!(
             !names.iter().any(|n| n == k),
             "{k} launched beside its fused form: {names:?}"

@@ -12,8 +12,8 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
-        params::{MoeParams, RouteParams, MOE_TILE},
-        Backend,
+        params::{MoeParams, RouteParams, RowsParams, MOE_TILE},
+        Backend, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -96,7 +96,8 @@ gpu_tests!(
     moe_route_matches_reference,
     moe_route_non_finite_is_safe,
     moe_experts_matches_reference,
-    moe_experts_prefill_matches_reference;
+    moe_experts_prefill_matches_reference,
+    gate_up_swiglu_matches_reference;
     metal:
     moe_experts_variants_match_reference,
     moe_sort_matches_reference,
@@ -328,6 +329,45 @@ fn run_moe<B: Backend>(
     b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
     b.finish().unwrap();
     read_all(b, &out, t * d)
+}
+
+/// The fused shared-expert input half, out = silu(x gate^T) * (x up^T), against the reference's
+/// parts (two matmuls and swiglu), and the scratch it leaves: rows that leave a partial warp group
+/// or simdgroup (37), the real shared expert's 512 x 2048 in 4-bit, K split across warps (f32,
+/// 1024 columns, 20 rows), gate and up of different formats (the unfused fallback); one decode
+/// token and a few (CUDA's GEMV range; Metal's fallback to its parts past one token).
+fn gate_up_swiglu_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let q4 = Format::Affine { bits: 4, group: 64 };
+    for (gf, uf, n, k) in [
+        (Format::BF16, Format::BF16, 37usize, 64usize),
+        (q4, q4, 512, 2048),
+        (Format::F32, Format::F32, 20, 1024),
+        (
+            Format::Affine { bits: 8, group: 32 },
+            Format::Affine { bits: 8, group: 32 },
+            40,
+            96,
+        ),
+        (q4, Format::BF16, 24, 128),
+    ] {
+        let gate = matrix(1, n, k, gf, DType::BF16, 130);
+        let up = matrix(1, n, k, uf, DType::BF16, 131);
+        for t in [1usize, 3] {
+            let x = rand_vec(t * k, 132 + t as u64, -1.0, 1.0);
+            let p = RowsParams {
+                tokens: t as u32,
+                dim: n as u32,
+            };
+            both!(dev, tolx * TOL, format!("gate_up_swiglu {gf:?}/{uf:?} {n}x{k} T={t}"), b => {
+                let (g, u, xb) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload(&x).unwrap());
+                let (mut gs, mut us, mut out) = (b.alloc(t * n).unwrap(), b.alloc(t * n).unwrap(), b.alloc(t * n).unwrap());
+                b.begin(StreamKind::Other).unwrap();
+                b.gate_up_swiglu(&p, &g, &u, &xb, &mut gs, &mut us, &mut out);
+                b.finish().unwrap();
+                vec![read_all(b, &out, t * n)]
+            });
+        }
+    }
 }
 
 /// Gate, up and down of `e` experts: gate_up fused [E, 2I, D] of random codes seen as two views

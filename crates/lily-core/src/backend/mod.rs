@@ -358,6 +358,22 @@ pub trait Backend: Send + Sized + 'static {
         tmp: &mut Self::Buf,
         out: &mut Self::Buf,
     );
+    /// out [T, N] = silu(x gate^T) * (x up^T) for gate, up [N, K], x [T, K] (p: T, N): an FFN's
+    /// input half, the MoE block's shared expert. A backend may run it as one kernel; by default,
+    /// the two matmuls into the scratch g, u [T, N], then `swiglu`.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_swiglu(
+        &self,
+        p: &RowsParams,
+        gate: &Self::Matrix,
+        up: &Self::Matrix,
+        x: &Self::Buf,
+        g: &mut Self::Buf,
+        u: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        gate_up_swiglu_unfused(self, p, gate, up, x, g, u, out)
+    }
     /// out = silu(gate) * up over [T, dim].
     fn swiglu(&self, p: &RowsParams, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf);
     /// out[t, :] += sigmoid(gate[t]) * y[t, :] over [T, dim].
@@ -370,4 +386,25 @@ fn rows_of(p: &RmsNormParams) -> RowsParams {
         tokens: p.rows,
         dim: p.dim,
     }
+}
+
+/// `gate_up_swiglu` as its parts (the trait's default; a backend's fallback where its fused
+/// kernel does not apply).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
+    b: &B,
+    p: &RowsParams,
+    gate: &B::Matrix,
+    up: &B::Matrix,
+    x: &B::Buf,
+    g: &mut B::Buf,
+    u: &mut B::Buf,
+    out: &mut B::Buf,
+) {
+    let mm = MatmulParams {
+        tokens: p.tokens,
+        x_row0: 0,
+    };
+    b.matmuls(&mm, x, &[gate, up], &mut [g, u]);
+    b.swiglu(p, g, u, out);
 }

@@ -54,17 +54,26 @@ impl<B: Backend> Moe<B> {
             tokens: t as u32,
             x_row0: 0,
         };
-        // Every projection of s.h at once: the router, the shared expert's gate / up and its gate.
+        // The router and the shared expert's gate logit read s.h together; the shared expert's
+        // input half is one op: silu(gate_s h) * up_s h.
         b.matmuls(
             &mm,
             &s.h,
-            &[
-                &self.gate,
-                &self.shared_gate_proj,
-                &self.shared_up_proj,
-                &self.shared_expert_gate,
-            ],
-            &mut [&mut s.router, &mut s.shared_g, &mut s.shared_u, &mut s.shared_gate],
+            &[&self.gate, &self.shared_expert_gate],
+            &mut [&mut s.router, &mut s.shared_gate],
+        );
+        let shared = RowsParams {
+            tokens: t as u32,
+            dim: self.shared_inter as u32,
+        };
+        b.gate_up_swiglu(
+            &shared,
+            &self.shared_gate_proj,
+            &self.shared_up_proj,
+            &s.h,
+            &mut s.shared_g,
+            &mut s.shared_u,
+            &mut s.shared_act,
         );
         let route = RouteParams {
             tokens: t as u32,
@@ -87,15 +96,6 @@ impl<B: Backend> Moe<B> {
             &self.experts_down,
             &mut s.moe_tmp,
             &mut s.mix,
-        );
-        b.swiglu(
-            &RowsParams {
-                tokens: t as u32,
-                dim: self.shared_inter as u32,
-            },
-            &s.shared_g,
-            &s.shared_u,
-            &mut s.shared_act,
         );
         b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
     }

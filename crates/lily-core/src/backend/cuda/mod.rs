@@ -815,6 +815,19 @@ impl<X: Executor> Backend for Cuda<X> {
         moe::cuda::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
     }
 
+    fn gate_up_swiglu(
+        &self,
+        p: &RowsParams,
+        gate: &CudaMat<X>,
+        up: &CudaMat<X>,
+        x: &CudaBuf<X>,
+        g: &mut CudaBuf<X>,
+        u: &mut CudaBuf<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        moe::cuda::gate_up_swiglu(self, p, gate, up, x, g, u, out)
+    }
+
     fn swiglu(&self, p: &RowsParams, gate: &CudaBuf<X>, up: &CudaBuf<X>, out: &mut CudaBuf<X>) {
         elementwise::cuda::swiglu(self, p, gate, up, out)
     }

@@ -131,6 +131,7 @@ kernel_enum!(
     GemvOp {
         MatmulGemv = "matmul_gemv",
         MoeGateUp = "moe_gate_up",
+        GateUpSwiglu = "gate_up_swiglu",
         MoeDown = "moe_down",
     }
 );

@@ -568,6 +568,19 @@ impl<X: Executor> Backend for Metal<X> {
         moe::metal::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
     }
 
+    fn gate_up_swiglu(
+        &self,
+        p: &RowsParams,
+        gate: &MetalMatrix<X>,
+        up: &MetalMatrix<X>,
+        x: &MetalBuf<X>,
+        g: &mut MetalBuf<X>,
+        u: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        moe::metal::gate_up_swiglu(self, p, gate, up, x, g, u, out)
+    }
+
     fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {
         elementwise::metal::swiglu(self, p, gate, up, out)
     }

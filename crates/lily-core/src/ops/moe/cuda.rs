@@ -7,6 +7,7 @@ use crate::backend::{
         kernels::{Fixed as F, Kernel, WeightOp},
         rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, MoeSortArgs,
     },
+    gate_up_swiglu_unfused,
     params::{MoeParams, RouteParams, RowsParams},
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
@@ -119,6 +120,55 @@ pub fn moe_experts<X: Executor>(
     };
     let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out.ptr());
     c.launch(F::MoeCombine, rows_launch(d, t), args);
+}
+
+/// `gate_up_swiglu`: one `gate_up_swiglu` launch up to `gemv_tokens` tokens (gate and up of one
+/// weight format and shape); otherwise (prefill: the tensor-core GEMMs) its unfused parts, into
+/// the scratch g, u.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_up_swiglu<X: Executor>(
+    c: &Cuda<X>,
+    p: &RowsParams,
+    gate: &CudaMat<X>,
+    up: &CudaMat<X>,
+    x: &CudaBuf<X>,
+    g: &mut CudaBuf<X>,
+    u: &mut CudaBuf<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let (t, n, k) = (p.tokens as usize, gate.desc.rows as usize, gate.desc.cols as usize);
+    let same = gate.weight == up.weight && (up.desc.rows, up.desc.cols) == (gate.desc.rows, gate.desc.cols);
+    if t == 0 || t > c.gemv_tokens || !same {
+        return gate_up_swiglu_unfused(c, p, gate, up, x, g, u, out);
+    }
+    if n != p.dim as usize {
+        return c.fail(format!(
+            "gate_up_swiglu: {n} matrix rows for an output of width {}",
+            p.dim
+        ));
+    }
+    if !c.fits("gate_up_swiglu", &[("x", x.len, t * k), ("out", out.len, t * n)]) {
+        return;
+    }
+    let [gw, gs, gb] = gate.ptrs();
+    let [uw, us, ub] = up.ptrs();
+    let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
+    let ks = gemv_split(n, chunks, t);
+    let args = Args::new()
+        .push(*p)
+        .push(gate.desc)
+        .push(up.desc)
+        .ptr(gw)
+        .ptr(gs)
+        .ptr(gb)
+        .ptr(uw)
+        .ptr(us)
+        .ptr(ub)
+        .push(ks)
+        .ptr(x.ptr())
+        .ptr(out.ptr());
+    let launch = shape([div(n, 32 / ks as usize), t as u32, 1], 256);
+    c.launch(Kernel::weight(WeightOp::GateUpSwiglu, gate.weight), launch, args);
 }
 
 /// `moe_experts` for prefill: route-sorted expert GEMMs on the tensor cores, with no host

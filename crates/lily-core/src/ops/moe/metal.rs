@@ -4,6 +4,7 @@
 use super::MoeSorted;
 use crate::{
     backend::{
+        gate_up_swiglu_unfused,
         metal::{
             args::bytes_of,
             ceil_div, rows_grid,
@@ -141,6 +142,60 @@ pub fn moe_experts<X: Executor>(
     };
     let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), part(y), out.arg()];
     m.encode(Fixed::MoeCombine, &args, rows_grid(d, t));
+}
+
+/// `gate_up_swiglu`: one `gate_up_swiglu` GEMV dispatch for a decode token (gate and up of one
+/// weight format and shape); otherwise (prefill: the GEMMs read each weight once per tile of
+/// tokens) its unfused parts, into the scratch g, u.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_up_swiglu<X: Executor>(
+    m: &Metal<X>,
+    p: &RowsParams,
+    gate: &MetalMatrix<X>,
+    up: &MetalMatrix<X>,
+    x: &MetalBuf<X>,
+    g: &mut MetalBuf<X>,
+    u: &mut MetalBuf<X>,
+    out: &mut MetalBuf<X>,
+) {
+    let (t, n, k) = (p.tokens as usize, gate.desc.rows as usize, gate.desc.cols as usize);
+    let fused = t == 1 && gate.weight == up.weight && (up.desc.rows, up.desc.cols) == (gate.desc.rows, gate.desc.cols);
+    if !fused {
+        return gate_up_swiglu_unfused(m, p, gate, up, x, g, u, out);
+    }
+    if n != p.dim as usize {
+        return m.fail(format!(
+            "gate_up_swiglu: {n} matrix rows for an output of width {}",
+            p.dim
+        ));
+    }
+    if !m.fits("gate_up_swiglu", &[("x", x.len(), t * k), ("out", out.len(), t * n)]) {
+        return;
+    }
+    let [gw, gs, gb] = m.weights(gate);
+    let [uw, us, ub] = m.weights(up);
+    let args = [
+        Arg::Bytes(bytes_of(p)),
+        Arg::Bytes(bytes_of(&gate.desc)),
+        Arg::Bytes(bytes_of(&up.desc)),
+        gw,
+        gs,
+        gb,
+        uw,
+        us,
+        ub,
+        x.arg(),
+        out.arg(),
+    ];
+    let v = m.variants;
+    m.encode(
+        v.gemv_kernel(GemvOp::GateUpSwiglu, gate.weight),
+        &args,
+        Grid::Groups {
+            count: [ceil_div(n, 4 * v.gemv.rows()), t as u32, 1],
+            size: [128, 1, 1],
+        },
+    );
 }
 
 /// Tokens per sort block of `moe_histogram` / `moe_scatter`.

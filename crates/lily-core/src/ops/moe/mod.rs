@@ -8,6 +8,9 @@
 //!   selected experts' rows are read. Prefill groups the (token, slot) pairs p = t K + k by
 //!   expert first (a stable counting sort: [`MoeSorted`], `reference::moe_sort`), so each
 //!   expert's weights serve all of its tokens at once.
+//! - `gate_up_swiglu` (`RowsParams` T, N): out = silu(x gate^T) * (x up^T) for one plain pair
+//!   gate, up [N, K] (the shared expert's input half); a fused op whose reference is its parts
+//!   (two matmuls, then swiglu): on a GPU `moe_gate_up`'s body on one expert for a decode token.
 
 pub mod cpu;
 pub mod cuda;
