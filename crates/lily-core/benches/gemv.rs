@@ -303,10 +303,10 @@ fn bench() {
         println!("{name:<36} {t:6}  {gf:7.1}  {:5.0}%", 100.0 * gf / peak);
     }
 
-    // MoE prefill: 256 tokens (~8 per expert) and 1024 (the CPU's prefill chunk, ~32 per expert),
+    // MoE prefill: 256 tokens (~8 per expert), 512 and 1024 (the CPU's prefill chunk, ~32 per expert),
     // each to 8 of 256 experts, gate + up [512, 2048] and down [2048, 512] per expert.
     let name = "MoE top-8 of 256, 2048->512x2->2048 q4";
-    for t in if quick { vec![256] } else { vec![256, 1024] } {
+    for t in if quick { vec![256] } else { vec![256, 512, 1024] } {
         if !run(&format!("prefill {name}")) {
             continue;
         }

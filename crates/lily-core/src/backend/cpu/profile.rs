@@ -1,5 +1,5 @@
-//! `LILY_CPU_PROFILE=1`: wall time per kernel (per weight matrix for matmuls), printed to
-//! stderr when the backend is dropped. A developer's tool: off, it costs one branch per call;
+//! `LILY_CPU_PROFILE=1`: wall time (CPU time with `LILY_BENCH_CLOCK=cpu`) per kernel (per weight
+//! matrix for matmuls), printed to stderr when the backend is dropped. A developer's tool: off, it costs one branch per call;
 //! on, it allocates.
 use std::{
     collections::HashMap,
@@ -37,15 +37,42 @@ pub fn on() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_CPU_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
-/// Run `f`, adding its wall time (and `bytes` of weights read) under `name` and the phase.
+/// `LILY_BENCH_CLOCK=cpu` (as the benches): kernels timed in the process's CPU time, which on a
+/// machine shared with other work measures the kernels rather than the waits (with one pool
+/// thread it is the kernel's own time; with more, the sum over threads, spinning included).
+fn cpu_clock() -> bool {
+    static CPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CPU.get_or_init(|| std::env::var("LILY_BENCH_CLOCK").is_ok_and(|c| c == "cpu"))
+}
+
+/// The process's CPU time in seconds (0 off Unix).
+fn cpu_seconds() -> f64 {
+    if !cpu_clock() {
+        return 0.0;
+    }
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes the timespec it is given.
+        unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    }
+    #[cfg(not(unix))]
+    0.0
+}
+
+/// Run `f`, adding its wall time (CPU time with `LILY_BENCH_CLOCK=cpu`) (and `bytes` of weights read) under `name` and the phase.
 #[inline]
 pub fn timed<R>(name: &str, bytes: u64, f: impl FnOnce() -> R) -> R {
     if !on() {
         return f();
     }
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), cpu_seconds());
     let r = f();
-    let dt = t.elapsed().as_secs_f64();
+    let dt = match cpu_clock() {
+        true => cpu_seconds() - c,
+        false => t.elapsed().as_secs_f64(),
+    };
     let mut g = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     let (phase, bytes) = match phase_now() {
         StreamKind::Decode => ("decode", bytes),

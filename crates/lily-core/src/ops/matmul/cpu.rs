@@ -323,19 +323,15 @@ pub fn matmul(p: &MatmulParams, w: &Matrix, x: &[f32], out: &mut [f32]) {
     matmul_with(Isa::get(), Precision::Exact, p, w, x, out)
 }
 
-/// Whether a prefill of `m` runs the int8 row kernel per token ([`gemv_batch`]) rather than the
-/// f32 tile GEMM: in the fast precision only (one int8 plane), for 4-bit rows with a fused
-/// kernel. The row kernel needs no dequantization and, with one plane, one byte-dot pair per 2B
-/// weights. `few_tokens`: the MoE experts (~8 tokens per expert at a 256-token prompt), where the
-/// tile GEMM's dequantization is ~55 % of its time: measured 2.1x faster on AVX2 `pmaddubsw`.
-/// Otherwise (a dense GEMM, dequantization amortized over every token) only on the VNNI dots:
-/// with AVX2's `pmaddubsw` pair (4 instructions per 32 bytes and token) the two paths measured
-/// even, with `vpdpbusd` (2) the row kernel runs ~5 instructions per 64 weights and token against
-/// the f32 tile's ~7 (argued, not measured: this VM has no VNNI).
-pub fn int8_prefill(isa: Isa, prec: Precision, m: &Matrix, few_tokens: bool) -> bool {
+/// Whether a dense prefill of `m` runs the int8 row kernel per token ([`gemv_batch`]) rather than
+/// the f32 tile GEMM: in the fast precision only (one int8 plane), for 4-bit rows with a fused
+/// kernel, on the VNNI dots only: with AVX2's `pmaddubsw` pair (4 instructions per 32 bytes and
+/// token) the two paths measured even, with `vpdpbusd` (2) the row kernel runs ~5 instructions per
+/// 64 weights and token against the f32 tile's ~7 (argued, not measured: this VM has no VNNI).
+/// (The MoE experts choose per expert, by its token count: `moe::cpu::rows_tokens_max`.)
+pub fn int8_prefill(isa: Isa, prec: Precision, m: &Matrix) -> bool {
     prec == Precision::Fast
-        && simd::int8_rows_dot(isa, m)
-            .is_some_and(|d| few_tokens || matches!(d, Dot::Vnni512 | Dot::Vnni256 | Dot::AvxVnni256))
+        && simd::int8_rows_dot(isa, m).is_some_and(|d| matches!(d, Dot::Vnni512 | Dot::Vnni256 | Dot::AvxVnni256))
 }
 
 /// [`matmul`] on the ISA `isa` in the precision `prec`.
@@ -349,7 +345,7 @@ pub fn matmul_with(isa: Isa, prec: Precision, p: &MatmulParams, w: &Matrix, x: &
     let x = &x[x_row0 * k..(x_row0 + tokens) * k];
     if tokens == 1 {
         gemv(isa, prec, w, 0, x, &mut out[..n]);
-    } else if (tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(w)) || int8_prefill(isa, prec, w, false) {
+    } else if (tokens <= GEMV_BATCH_MAX && simd::has_row_kernel(w)) || int8_prefill(isa, prec, w) {
         gemv_batch(isa, prec, w, 0, x, tokens, out);
     } else if tokens > 1 {
         gemm(isa, w, 0, x, tokens, out);

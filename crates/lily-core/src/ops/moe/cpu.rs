@@ -1,11 +1,11 @@
 //! The MoE ops on the CPU: routing one token per task; the routed experts by GEMV from the packed
-//! rows (decode; a batched decode step groups its tokens by expert first) or grouped by expert
-//! into dequantized-tile GEMMs (prefill).
+//! rows (decode; a batched decode step groups its tokens by expert first) or, in a prefill, grouped
+//! by expert: dequantized-tile GEMMs for experts with many tokens, the row kernel for the others.
 
 use crate::{
     backend::{
         cpu::{
-            int8::Precision,
+            int8::{Dot, Precision},
             isa::Isa,
             pool,
             scratch::{with_caller, with_caller_ids, with_task, Out},
@@ -28,9 +28,11 @@ const MOE_DECODE_ROWS: usize = 256;
 /// Layout: gate/up [E, I, D], down [E, D, I] (possibly views of fused tensors); tmp holds
 /// act [T K, I] then the per-pair outputs [T K, D]. Only the selected experts' rows are read.
 /// Decode (one token): GEMV straight from the packed bytes, tasks = (expert slot, block of rows).
-/// Prefill: the (token, slot) pairs are grouped by expert (counting sort), and each task
-/// dequantizes a tile of one expert's rows once and multiplies it against all of that expert's
-/// tokens (the matmul family's [`matmul::tile_sweep`]). Accumulation f32; the K outputs are summed in slot order.
+/// Several tokens: the (token, slot) pairs are grouped by expert (counting sort), and each task
+/// takes a block of one expert's rows: an expert with many tokens dequantizes a tile of them once
+/// and multiplies it against all of its tokens (the matmul family's [`matmul::tile_sweep`]), one
+/// with few dots the packed rows with each token ([`moe_batch`]). Accumulation f32; the K
+/// outputs are summed in slot order.
 pub fn moe_experts(
     p: &MoeParams,
     x: &[f32],
@@ -57,9 +59,9 @@ pub fn moe_experts(
     )
 }
 
-/// [`moe_experts`] on the ISA `isa` in the precision `prec`: in the fast one, a prefill's experts
-/// also run from the packed rows (as a batched decode step) when the matmul family says so
-/// ([`matmul::int8_prefill`]): no dequantized tile, x as one int8 plane.
+/// [`moe_experts`] on the ISA `isa` in the precision `prec` (x as three int8 planes or one where
+/// the row kernel runs). A prefill's experts with few pairs ([`rows_tokens_max`]) also run from
+/// the packed rows, as a batched decode step's do.
 pub fn moe_experts_with(
     isa: Isa,
     prec: Precision,
@@ -80,15 +82,17 @@ pub fn moe_experts_with(
     }
     let (act, ys) = tmp[..pairs * (inter + d)].split_at_mut(pairs * inter);
     let fused = [gate, up, down].iter().all(|m| simd::has_row_kernel(m)) && gate.format == up.format;
-    let int8 = [gate, up, down]
-        .iter()
-        .all(|m| matmul::int8_prefill(isa, prec, m, true));
     if t_n == 1 && fused {
         moe_decode(isa, prec, k_n, x, ids, gate, up, down, act, ys);
-    } else if (t_n <= matmul::GEMV_BATCH_MAX || int8) && fused {
-        moe_decode_batch(isa, prec, pairs, k_n, x, ids, gate, up, down, act, ys);
     } else {
-        moe_grouped(isa, pairs, k_n, x, ids, gate, up, down, act, ys);
+        // A batched decode step runs every expert on the row kernel; a prefill, those with few pairs.
+        let rows_max = match (fused, t_n <= matmul::GEMV_BATCH_MAX) {
+            (false, _) => 0,
+            (true, true) => usize::MAX,
+            // gate and up have one format and width (`fused`).
+            (true, false) => rows_tokens_max(isa, prec, gate).min(rows_tokens_max(isa, prec, down)),
+        };
+        moe_batch(isa, prec, rows_max, pairs, k_n, x, ids, gate, up, down, act, ys);
     }
     let ys: &[f32] = ys;
     let combine = |t: usize, o: &mut [f32]| {
@@ -173,16 +177,44 @@ fn moe_decode(
     });
 }
 
-/// A batched decode step (a few tokens, one per sequence), or a prefill in the fast precision
-/// ([`matmul::int8_prefill`]): the pairs grouped by expert, and each
-/// task's block of one expert's rows dotted from the packed bytes (as [`moe_decode`]) with every
-/// pair routed to that expert while the block is in cache, up to [`ROWS_BATCH`] pairs per pass of
-/// the batched row kernel (each weight block unpacked once for all of them): an expert two
-/// sequences share is read once, and each pair's result is what [`moe_decode`] gives it alone.
+/// Most pairs routed to one expert for which a prefill runs that expert on the int8 row kernel
+/// (from the packed rows, x as int8 planes: [`moe_batch`]) rather than a dequantized f32 tile; 0
+/// where `m` has no fused 4-bit row kernel. Dequantizing a tile costs about as much per weight as
+/// ~12 tokens' FMAs on it, while the row kernel's cost per token does not depend on how many tokens
+/// share the expert: so the row kernel for the ~8 tokens per expert of a 256-token prompt, the
+/// tile for a long prompt's ~128. Measured on AVX2 (`pmaddubsw`, one thread, CPU time, gemv bench
+/// at 8 / 16 / 32 tokens per expert): exact, the row kernel 35-39 GFLOP/s flat, the tile 27 / 39 /
+/// 46 (crossover ~13); fast (one plane, a third of the byte dots), the row kernel 64-84, ahead
+/// at every count measured. The VNNI dots (one instruction per byte-dot pair instead of three)
+/// and the 512-bit tile (FMAs twice as wide, the same dequantization) move the exact crossover
+/// later by instruction count; 16 is argued, not measured. Fast at 128 tokens per expert measured
+/// slower on the Xeon's VNNI rows than the tile (the journal's 4096-token row), so 64.
+pub fn rows_tokens_max(isa: Isa, prec: Precision, m: &Matrix) -> usize {
+    match (simd::int8_rows_dot(isa, m), prec) {
+        (None, _) => 0,
+        // arm64 has no batched row kernel (`int8::rows_batch` runs the row kernel per token) and
+        // no outer-product tile: unmeasured, so as before (exact: tiles; fast: rows).
+        (Some(Dot::NeonSdot | Dot::Portable), Precision::Exact) => 0,
+        (Some(Dot::NeonSdot | Dot::Portable), Precision::Fast) => usize::MAX,
+        (Some(Dot::Maddubs256), Precision::Exact) => 12,
+        (Some(_), Precision::Exact) => 16,
+        (Some(_), Precision::Fast) => 64,
+    }
+}
+
+/// Several tokens (a batched decode step, a prefill chunk): the (token, slot) pairs grouped by
+/// expert (counting sort), each expert's rows cut into blocks, the blocks of every expert the
+/// tasks of one pool loop (per matrix pass: gate and up, then down). An expert with at most
+/// `rows_max` pairs runs the int8 row kernel from the packed bytes ([`moe_decode`]'s), with every
+/// pair routed to it while the block is in cache, up to [`ROWS_BATCH`] pairs per pass of the
+/// batched row kernel (each weight block unpacked once for all of them; each pair's result is what
+/// [`moe_decode`] gives it alone); one with more dequantizes a tile of its rows once and sweeps
+/// all its pairs over it (the matmul family's [`matmul::tile_sweep`]).
 #[allow(clippy::too_many_arguments)]
-fn moe_decode_batch(
+fn moe_batch(
     isa: Isa,
     prec: Precision,
+    rows_max: usize,
     pairs: usize,
     k_n: usize,
     x: &[f32],
@@ -197,20 +229,57 @@ fn moe_decode_batch(
     let t_n = pairs / k_n;
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
     let sb_len = simd::row_scratch_len(gate).max(simd::row_scratch_len(down));
-    with_groups(&ids[..pairs], e_n, |groups| {
-        let (ng, group) = (groups.len(), |g: usize| groups.get(g));
+    let tile = matmul::sweep_rows(isa);
+    with_groups(&ids[..pairs], e_n, |groups, first| {
+        let ng = groups.len();
+        let by_rows = |g: usize| groups.get(g).1.len() <= rows_max;
+        // Tasks per group and pass: blocks of rows (the row kernel's runs are long enough for the
+        // prefetcher, [`MOE_DECODE_ROWS`]; down's 4x) or of tile rows. first[p][g]: group g's first task.
+        let (f_up, f_down) = first.split_at_mut(ng + 1);
+        (f_up[0], f_down[0]) = (0, 0);
+        for g in 0..ng {
+            let (b_up, b_down) = if by_rows(g) {
+                (MOE_DECODE_ROWS, 4 * MOE_DECODE_ROWS)
+            } else {
+                (tile, tile)
+            };
+            f_up[g + 1] = f_up[g] + inter.div_ceil(b_up) as u32;
+            f_down[g + 1] = f_down[g] + d.div_ceil(b_down) as u32;
+        }
+        let (f_up, f_down): (&[u32], &[u32]) = (f_up, f_down);
+        // Task -> (group, its expert and pairs, rows of the block).
+        let task = |first: &[u32], task: usize, rows_n: usize, rows_block: usize| {
+            let g = first.partition_point(|&s| s as usize <= task) - 1;
+            let block = if by_rows(g) { rows_block } else { tile };
+            let blk = task - first[g] as usize;
+            let (e, members) = groups.get(g);
+            (by_rows(g), e, members, blk * block..((blk + 1) * block).min(rows_n))
+        };
+        let any_rows = (0..ng).any(by_rows);
+
         let pl = simd::prep_len(gate);
-        with_caller(t_n * pl, |xb| {
-            for t in 0..t_n {
-                simd::prepare(isa, prec, gate, &x[t * d..][..d], &mut xb[t * pl..][..pl]);
+        with_caller(if any_rows { t_n * pl } else { 0 }, |xb| {
+            if any_rows {
+                pool::for_chunks(xb, pl, |t, b| simd::prepare(isa, prec, gate, &x[t * d..][..d], b));
             }
             let xb: &[f32] = xb;
-            let blocks = inter.div_ceil(MOE_DECODE_ROWS);
-            pool::for_each(ng * blocks, |task| {
-                let (g, blk) = (task / blocks, task % blocks);
-                let (e, members) = group(g);
-                let rows = blk * MOE_DECODE_ROWS..((blk + 1) * MOE_DECODE_ROWS).min(inter);
-                let rn = rows.len();
+            pool::for_each(f_up[ng] as usize, |t| {
+                let (rows_path, e, members, rows) = task(f_up, t, inter, MOE_DECODE_ROWS);
+                let (r0, rn) = (rows.start, rows.len());
+                if !rows_path {
+                    let sweep = matmul::sweep_scratch_len(isa, d);
+                    with_task(sweep + members.len() * rn, |scr| {
+                        let (scr, gv) = scr.split_at_mut(sweep);
+                        let xrow = |m: usize| &x[(members[m] as usize / k_n) * d..][..d];
+                        let n = members.len();
+                        matmul::tile_sweep(isa, gate, e, rows.clone(), n, xrow, scr, |m, i, v| gv[m * rn + i] = v);
+                        matmul::tile_sweep(isa, up, e, rows, n, xrow, scr, |m, i, u| {
+                            // SAFETY: (pair, row) of this expert's row block is written by this task only.
+                            unsafe { act_o.set(members[m] as usize * inter + r0 + i, simd::silu(gv[m * rn + i]) * u) };
+                        });
+                    });
+                    return;
+                }
                 with_task(sb_len + 2 * ROWS_BATCH * rn, |scr| {
                     let (sb, rest) = scr.split_at_mut(sb_len);
                     let (gv, uv) = rest.split_at_mut(ROWS_BATCH * rn);
@@ -220,13 +289,13 @@ fn moe_decode_batch(
                             simd::view(isa, prec, gate, &x[t * d..][..d], &xb[t * pl..][..pl])
                         });
                         let xr = &xr[..tile.len()];
-                        matmul::gemv_rows_batch(isa, gate, e, rows.start, xr, rn, sb, gv);
-                        matmul::gemv_rows_batch(isa, up, e, rows.start, xr, rn, sb, uv);
+                        matmul::gemv_rows_batch(isa, gate, e, r0, xr, rn, sb, gv);
+                        matmul::gemv_rows_batch(isa, up, e, r0, xr, rn, sb, uv);
                         for (j, &pair) in tile.iter().enumerate() {
                             for i in 0..rn {
                                 let (g, u) = (gv[j * rn + i], uv[j * rn + i]);
                                 // SAFETY: (pair, row) is written by this task only.
-                                unsafe { act_o.set(pair as usize * inter + rows.start + i, simd::silu(g) * u) };
+                                unsafe { act_o.set(pair as usize * inter + r0 + i, simd::silu(g) * u) };
                             }
                         }
                     }
@@ -235,24 +304,34 @@ fn moe_decode_batch(
         });
         let act: &[f32] = act;
         let pl = simd::prep_len(down);
-        with_caller(pairs * pl, |ab| {
-            for pair in 0..pairs {
-                simd::prepare(
-                    isa,
-                    prec,
-                    down,
-                    &act[pair * inter..][..inter],
-                    &mut ab[pair * pl..][..pl],
-                );
+        with_caller(if any_rows { pairs * pl } else { 0 }, |ab| {
+            if any_rows {
+                let ab_o = Out(ab.as_mut_ptr());
+                pool::for_each(ng, |g| {
+                    if by_rows(g) {
+                        for &pair in groups.get(g).1 {
+                            let pair = pair as usize;
+                            // SAFETY: each pair belongs to one group, so its slice to this task only.
+                            let b = unsafe { ab_o.slice(pair * pl, pl) };
+                            simd::prepare(isa, prec, down, &act[pair * inter..][..inter], b);
+                        }
+                    }
+                });
             }
             let ab: &[f32] = ab;
-            let rows_per = 4 * MOE_DECODE_ROWS;
-            let blocks = d.div_ceil(rows_per);
-            pool::for_each(ng * blocks, |task| {
-                let (g, blk) = (task / blocks, task % blocks);
-                let (e, members) = group(g);
-                let rows = blk * rows_per..((blk + 1) * rows_per).min(d);
-                let rn = rows.len();
+            pool::for_each(f_down[ng] as usize, |t| {
+                let (rows_path, e, members, rows) = task(f_down, t, d, 4 * MOE_DECODE_ROWS);
+                let (r0, rn) = (rows.start, rows.len());
+                if !rows_path {
+                    with_task(matmul::sweep_scratch_len(isa, inter), |scr| {
+                        let xrow = |m: usize| &act[members[m] as usize * inter..][..inter];
+                        matmul::tile_sweep(isa, down, e, rows, members.len(), xrow, scr, |m, i, y| {
+                            // SAFETY: (pair, row) of this expert's row block is written by this task only.
+                            unsafe { ys_o.set(members[m] as usize * d + r0 + i, y) };
+                        });
+                    });
+                    return;
+                }
                 with_task(sb_len + ROWS_BATCH * rn, |scr| {
                     let (sb, y) = scr.split_at_mut(sb_len);
                     for tile in members.chunks(ROWS_BATCH) {
@@ -260,11 +339,11 @@ fn moe_decode_batch(
                             let pair = tile[j.min(tile.len() - 1)] as usize;
                             simd::view(isa, prec, down, &act[pair * inter..][..inter], &ab[pair * pl..][..pl])
                         });
-                        matmul::gemv_rows_batch(isa, down, e, rows.start, &xr[..tile.len()], rn, sb, y);
+                        matmul::gemv_rows_batch(isa, down, e, r0, &xr[..tile.len()], rn, sb, y);
                         for (j, &pair) in tile.iter().enumerate() {
                             for (i, &v) in y[j * rn..][..rn].iter().enumerate() {
                                 // SAFETY: (pair, row) is written by this task only.
-                                unsafe { ys_o.set(pair as usize * d + rows.start + i, v) };
+                                unsafe { ys_o.set(pair as usize * d + r0 + i, v) };
                             }
                         }
                     }
@@ -294,18 +373,23 @@ impl Groups<'_> {
     }
 }
 
-/// `f` of the pairs of `ids` grouped by expert ([`group_by_expert`] in the calling thread's
-/// ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first, rows)]).
-fn with_groups<R>(ids: &[u32], experts: usize, f: impl FnOnce(&Groups) -> R) -> R {
-    let pairs = ids.len();
-    with_caller_ids(experts + 1 + pairs + 3 * experts.min(pairs), |buf| {
+/// `f` of the pairs of `ids` grouped by expert and of 2 (groups + 1) free values ([`group_by_expert`]
+/// in the calling thread's ids scratch: starts [E + 1] | order [pairs] | groups [(expert, first,
+/// rows)] | free).
+fn with_groups<R>(ids: &[u32], experts: usize, f: impl FnOnce(&Groups, &mut [u32]) -> R) -> R {
+    let (pairs, max_groups) = (ids.len(), experts.min(ids.len()));
+    with_caller_ids(experts + 1 + pairs + 5 * max_groups + 2, |buf| {
         let (starts, rest) = buf.split_at_mut(experts + 1);
-        let (order, list) = rest.split_at_mut(pairs);
+        let (order, rest) = rest.split_at_mut(pairs);
+        let (list, free) = rest.split_at_mut(3 * max_groups);
         let ng = group_by_expert(ids, experts, starts, order, list);
-        f(&Groups {
-            order,
-            list: &list[..3 * ng],
-        })
+        f(
+            &Groups {
+                order,
+                list: &list[..3 * ng],
+            },
+            &mut free[..2 * (ng + 1)],
+        )
     })
 }
 
@@ -343,60 +427,6 @@ pub fn group_by_expert(
         starts[e] += 1;
     }
     ng
-}
-
-/// Many tokens: pairs grouped by expert, tiled GEMM per expert.
-fn moe_grouped(
-    isa: Isa,
-    pairs: usize,
-    k_n: usize,
-    x: &[f32],
-    ids: &[u32],
-    gate: &Matrix,
-    up: &Matrix,
-    down: &Matrix,
-    act: &mut [f32],
-    ys: &mut [f32],
-) {
-    let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
-    let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
-    with_groups(&ids[..pairs], e_n, |groups| {
-        let (ng, group) = (groups.len(), |g: usize| groups.get(g));
-
-        let block = matmul::sweep_rows(isa);
-        let blocks = inter.div_ceil(block);
-        pool::for_each(ng * blocks, |task| {
-            let (g, blk) = (task / blocks, task % blocks);
-            let (e, members) = group(g);
-            let rows = blk * block..((blk + 1) * block).min(inter);
-            let (r0, rn, sweep) = (rows.start, rows.len(), matmul::sweep_scratch_len(isa, d));
-            with_task(sweep + members.len() * rn, |scr| {
-                let (scr, gv) = scr.split_at_mut(sweep);
-                let xrow = |m: usize| &x[(members[m] as usize / k_n) * d..][..d];
-                let n = members.len();
-                matmul::tile_sweep(isa, gate, e, rows.clone(), n, xrow, scr, |m, i, v| gv[m * rn + i] = v);
-                matmul::tile_sweep(isa, up, e, rows, n, xrow, scr, |m, i, u| {
-                    // SAFETY: (pair, row) of this expert's row block is written by this task only.
-                    unsafe { act_o.set(members[m] as usize * inter + r0 + i, simd::silu(gv[m * rn + i]) * u) };
-                });
-            });
-        });
-        let act: &[f32] = act;
-        let blocks = d.div_ceil(block);
-        pool::for_each(ng * blocks, |task| {
-            let (g, blk) = (task / blocks, task % blocks);
-            let (e, members) = group(g);
-            let rows = blk * block..((blk + 1) * block).min(d);
-            let r0 = rows.start;
-            with_task(matmul::sweep_scratch_len(isa, inter), |scr| {
-                let xrow = |m: usize| &act[members[m] as usize * inter..][..inter];
-                matmul::tile_sweep(isa, down, e, rows, members.len(), xrow, scr, |m, i, y| {
-                    // SAFETY: (pair, row) of this expert's row block is written by this task only.
-                    unsafe { ys_o.set(members[m] as usize * d + r0 + i, y) };
-                });
-            });
-        });
-    });
 }
 
 pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut [f32]) {
