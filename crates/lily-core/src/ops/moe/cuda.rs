@@ -80,24 +80,8 @@ pub fn moe_experts<X: Executor>(
     }
     let act = tmp.ptr();
     let y = tmp.ptr() + (pairs * i * 4) as u64;
-    let [gw, gs, gb] = gate.ptrs();
-    let [uw, us, ub] = up.ptrs();
-    let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
-    let ks = gemv_split(i, chunks, pairs);
-    let args = Args::new()
-        .push(*p)
-        .push(gate.desc)
-        .push(up.desc)
-        .ptr(gw)
-        .ptr(gs)
-        .ptr(gb)
-        .ptr(uw)
-        .ptr(us)
-        .ptr(ub)
-        .push(ks)
-        .ptr(x.ptr())
-        .ptr(ids.ptr())
-        .ptr(act);
+    let (args, ks) = gate_up_args(Args::new().push(*p), gate, up, i, pairs);
+    let args = args.ptr(x.ptr()).ptr(ids.ptr()).ptr(act);
     let launch = shape([div(i, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
     let [dw, ds, db] = down.ptrs();
@@ -120,6 +104,26 @@ pub fn moe_experts<X: Executor>(
     };
     let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out.ptr());
     c.launch(F::MoeCombine, rows_launch(d, t), args);
+}
+
+/// The gate/up GEMV kernels' shared arguments after their params: both descriptors, each
+/// matrix's (weights, scales, biases), then ks (warps per row group, `gemv_split` for `rows`
+/// output rows and `items` rows of x), which is also returned for the grid.
+fn gate_up_args<X: Executor>(args: Args, gate: &CudaMat<X>, up: &CudaMat<X>, rows: usize, items: usize) -> (Args, u32) {
+    let [gw, gs, gb] = gate.ptrs();
+    let [uw, us, ub] = up.ptrs();
+    let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
+    let ks = gemv_split(rows, chunks, items);
+    let args = args
+        .push(gate.desc)
+        .push(up.desc)
+        .ptr(gw)
+        .ptr(gs)
+        .ptr(gb)
+        .ptr(uw)
+        .ptr(us)
+        .ptr(ub);
+    (args.push(ks), ks)
 }
 
 /// `gate_up_swiglu`: one `gate_up_swiglu` launch up to `gemv_tokens` tokens (gate and up of one
@@ -150,23 +154,8 @@ pub fn gate_up_swiglu<X: Executor>(
     if !c.fits("gate_up_swiglu", &[("x", x.len, t * k), ("out", out.len, t * n)]) {
         return;
     }
-    let [gw, gs, gb] = gate.ptrs();
-    let [uw, us, ub] = up.ptrs();
-    let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
-    let ks = gemv_split(n, chunks, t);
-    let args = Args::new()
-        .push(*p)
-        .push(gate.desc)
-        .push(up.desc)
-        .ptr(gw)
-        .ptr(gs)
-        .ptr(gb)
-        .ptr(uw)
-        .ptr(us)
-        .ptr(ub)
-        .push(ks)
-        .ptr(x.ptr())
-        .ptr(out.ptr());
+    let (args, ks) = gate_up_args(Args::new().push(*p), gate, up, n, t);
+    let args = args.ptr(x.ptr()).ptr(out.ptr());
     let launch = shape([div(n, 32 / ks as usize), t as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::GateUpSwiglu, gate.weight), launch, args);
 }
