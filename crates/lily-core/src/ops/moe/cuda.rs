@@ -106,24 +106,28 @@ pub fn moe_experts<X: Executor>(
     c.launch(F::MoeCombine, rows_launch(d, t), args);
 }
 
-/// The gate/up GEMV kernels' shared arguments after their params: both descriptors, each
-/// matrix's (weights, scales, biases), then ks (warps per row group, `gemv_split` for `rows`
-/// output rows and `items` rows of x), which is also returned for the grid.
+/// The gate/up GEMV kernels' shared arguments after their params: [`gate_up_mats`], then ks
+/// (warps per row group, `gemv_split` for `rows` output rows and `items` rows of x), which is also
+/// returned for the grid.
 fn gate_up_args<X: Executor>(args: Args, gate: &CudaMat<X>, up: &CudaMat<X>, rows: usize, items: usize) -> (Args, u32) {
-    let [gw, gs, gb] = gate.ptrs();
-    let [uw, us, ub] = up.ptrs();
     let chunks = (gate.desc.row_bytes.min(up.desc.row_bytes) / 16) as usize;
     let ks = gemv_split(rows, chunks, items);
-    let args = args
-        .push(gate.desc)
+    (gate_up_mats(args, gate, up).push(ks), ks)
+}
+
+/// The gate and up matrices as every gate/up kernel (GEMV and tensor-core GEMM) takes them: both
+/// descriptors, then each one's (weights, scales, biases).
+fn gate_up_mats<X: Executor>(args: Args, gate: &CudaMat<X>, up: &CudaMat<X>) -> Args {
+    let [gw, gs, gb] = gate.ptrs();
+    let [uw, us, ub] = up.ptrs();
+    args.push(gate.desc)
         .push(up.desc)
         .ptr(gw)
         .ptr(gs)
         .ptr(gb)
         .ptr(uw)
         .ptr(us)
-        .ptr(ub);
-    (args.push(ks), ks)
+        .ptr(ub)
 }
 
 /// `gate_up_swiglu`: one `gate_up_swiglu` launch up to `gemv_tokens` tokens (gate and up of one
@@ -204,18 +208,7 @@ fn experts_sorted<X: Executor>(
     );
     let act = tmp.ptr();
     let y = tmp.ptr() + (pairs * i * 4) as u64;
-    let [gw, gs, gb] = gate.ptrs();
-    let [uw, us, ub] = up.ptrs();
-    let args = Args::new()
-        .push(*p)
-        .push(gate.desc)
-        .push(up.desc)
-        .ptr(gw)
-        .ptr(gs)
-        .ptr(gb)
-        .ptr(uw)
-        .ptr(us)
-        .ptr(ub)
+    let args = gate_up_mats(Args::new().push(*p), gate, up)
         .ptr(x.ptr())
         .ptr(sc)
         .push(max_tiles as u32)
