@@ -14,6 +14,7 @@ import time
 import fixtures
 import lily
 import pytest
+from lily.server.app import Limits
 from server_helpers import SlowEngine, model_for, raw_socket, running, tokenizer
 from server_helpers import http as request
 from test_server_limits import request_bytes
@@ -282,13 +283,16 @@ def test_a_full_queue_answers_429_in_each_apis_shape():
         while (len(server.worker.running), len(server.worker.waiting)) != (1, 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (len(server.worker.running), len(server.worker.waiting)) == (1, 1)
-        status, _, text = request(server, "POST", "/v1/chat/completions",
-                                  {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        status, headers, text = request(server, "POST", "/v1/chat/completions",
+                                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert status == 429 and json.loads(text)["error"]["type"] == "rate_limit_error", text
-        status, _, text = request(server, "POST", "/v1/messages", {"model": "test-model", "max_tokens": 2,
-                                                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert json.loads(text)["error"]["code"] == "overloaded", text
+        assert 1 <= int(headers["retry-after"]) <= 60, headers
+        status, headers, text = request(server, "POST", "/v1/messages",
+                                        {"model": "test-model", "max_tokens": 2, "messages": USER})
         assert status == 429 and json.loads(text) == {"type": "error", "error": {
             "type": "rate_limit_error", "message": json.loads(text)["error"]["message"]}}, text
+        assert 1 <= int(headers["retry-after"]) <= 60, headers
         for s in socks:
             s.close()
         deadline = time.monotonic() + 30
@@ -297,6 +301,103 @@ def test_a_full_queue_answers_429_in_each_apis_shape():
         assert not server.worker.busy and engine.sequences == [0]  # both left; their sequences are dropped
         status, _, text = request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 200, text
+
+
+USER = [{"role": "user", "content": "hi"}]
+FOREVER = {"prompt": "x", "max_tokens": 10**6, "stream": True}
+
+
+def generating(server):
+    """A stream that generates until its socket is closed; returns once it is the one running job."""
+    s = raw_socket(server)
+    s.sendall(request_bytes("/v1/completions", FOREVER))
+    wait_for(lambda: len(server.worker.running) == 1, "the first request to run", 30)
+    return s
+
+
+def queued(server, path: str, body: dict):
+    """A request sent on its own socket, returned once it waits in the queue: (its socket, its job)."""
+    before = server.worker.waiting
+    s = raw_socket(server)
+    s.sendall(request_bytes(path, body))
+    wait_for(lambda: len(server.worker.waiting) > len(before), f"{path} to be queued", 30)
+    (job,) = [j for j in server.worker.waiting if j not in before]
+    return s, job
+
+
+def test_waiting_requests_enter_the_batch_in_arrival_order():
+    engine = SlowEngine(tokenizer().encode("a")[0], delay=0.005)
+    with running(model_for(engine, prefix_cache_bytes=0), max_sequences=1, max_waiting=3) as server:
+        first = generating(server)
+        waiting = [queued(server, "/v1/messages", {"model": "test-model", "max_tokens": 10**6, "stream": True,
+                                                   "messages": USER}),
+                   queued(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 10**6}),
+                   queued(server, "/v1/completions", FOREVER)]
+        jobs = [job for _, job in waiting]
+        assert server.worker.waiting == jobs
+        leaving = first
+        for i, (s, job) in enumerate(waiting):
+            leaving.close()  # the running request goes; the next in arrival order takes its place
+            wait_for(lambda job=job: server.worker.running == [job], f"request {i} to run", 30)
+            assert server.worker.waiting == jobs[i + 1:]
+            leaving = s
+        leaving.close()
+        wait_for(lambda: not server.worker.busy, "the last request to leave", 30)
+        assert engine.sequences == [0]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_the_queue_frees_its_place_at_once_without_work(stream):
+    engine = SlowEngine(tokenizer().encode("a")[0], delay=0.005)
+    with running(model_for(engine, prefix_cache_bytes=0), max_sequences=1, max_waiting=1) as server:
+        first = generating(server)
+        (running_job,) = server.worker.running
+        s, job = queued(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 10**6, "stream": stream})
+        started = []
+        job.run = lambda: started.append(job)  # its generation, were it ever started
+        status, headers, text = request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 429, text  # the queue is full
+        s.close()
+        wait_for(lambda: not server.worker.waiting, "the request that left to leave the queue", 30)
+        assert job.cancel_reason == "client disconnected"
+        assert server.worker.running == [running_job]  # it left while the batch was still full
+        # Its place is free: the next request waits instead of a 429, and is the next to run.
+        s2, job2 = queued(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True})
+        first.close()
+        wait_for(lambda: not server.worker.busy, "the queued request to run and finish", 30)
+        data = b""
+        while b"data: [DONE]" not in data:
+            more = s2.recv(65536)
+            assert more, data
+            data += more
+        s2.close()
+        assert data.startswith(b"HTTP/1.1 200") and data.count(b'"text": "a"') == 2, data
+        assert started == [] and engine.sequences == [0]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_waiting_stream_is_open_and_pinged_until_its_turn(path):
+    engine = SlowEngine(tokenizer().encode("a")[0], delay=0.005)
+    ping, end = (b": ping\n\n", b"data: [DONE]") if path == "/v1/chat/completions" else (
+        b"event: ping\n", b"event: message_stop")
+    with running(model_for(engine, prefix_cache_bytes=0), max_sequences=1,
+                 limits=Limits(ping_interval=0.05)) as server:
+        first = generating(server)
+        s, job = queued(server, path, {"model": "test-model", "messages": USER, "max_tokens": 3, "stream": True})
+        s.settimeout(10)
+        data = b""
+        while data.count(ping) < 4:  # the response head, then pings while it waits
+            more = s.recv(65536)
+            assert more, data
+            data += more
+        assert data.startswith(b"HTTP/1.1 200") and server.worker.waiting == [job], data
+        first.close()
+        while end not in data:
+            more = s.recv(65536)
+            assert more, data
+            data += more
+        s.close()
+        assert data.count(b': "a"') == 3, data  # its three tokens (as text or reasoning deltas)
 
 
 def test_a_conversation_resumes_its_cached_prefix_after_another_ran(tiny):

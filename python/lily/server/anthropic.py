@@ -175,7 +175,7 @@ class Anthropic:
                 text = Grammar.json_schema(fmt.schema_)
             except (TypeError, ValueError) as e:
                 raise ApiError(str(e), param="output_config.format.schema") from None
-        plan: Plan = await asyncio.to_thread(
+        plan: Plan = await self.service.prepare(
             self.service.prepare_chat, chat_messages(req.system, req.messages), tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=parallel, thinking=_thinking(req.thinking), max_tokens=req.max_tokens,
             stop=req.stop_sequences or [], sampling=sampling, text=text)

@@ -69,8 +69,8 @@ def dialect_of(path: str) -> str:
 
 
 def error_response(error: ApiError, dialect: str, *, close: bool = False) -> JSONResponse:
-    headers = {"connection": "close"} if close else None
-    return JSONResponse(error.body(dialect), status_code=error.status, headers=headers)
+    headers = {**error.headers, "connection": "close"} if close else error.headers
+    return JSONResponse(error.body(dialect), status_code=error.status, headers=headers or None)
 
 
 # ---- request bodies

@@ -25,12 +25,13 @@ _ANTHROPIC_TYPES = {
 class ApiError(Exception):
     """A request the server refuses (4xx) or could not serve (5xx), with the fields both APIs report:
     ``type`` (OpenAI's ``invalid_request_error``, ...), ``code`` (``context_length_exceeded``, ...) and
-    the ``param`` it is about."""
+    the ``param`` it is about; ``headers`` go with the response (a 429's ``Retry-After``)."""
 
     def __init__(self, message: str, status: int = 400, *, type: str | None = None, code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
+        self.headers = dict(headers or {})
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def openai(self) -> dict[str, Any]:

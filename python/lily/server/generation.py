@@ -9,9 +9,10 @@ capped by the context left.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lily._lily import ContextFullError, LilyError
@@ -178,6 +179,12 @@ class Service:
                          grammar=grammar, logprobs=logprobs, top_logprobs=top_logprobs)
 
     # ---- running
+
+    async def prepare(self, fn: Callable[..., Plan], *args: Any, **kwargs: Any) -> Plan:
+        """``fn(*args, **kwargs)`` (one of the ``prepare_*`` methods) off the event loop, once the queue has room:
+        a request that would be refused with a 429 is refused before its prompt is rendered and tokenized."""
+        self.worker.check_room()
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     def start(self, plan: Plan) -> Job:
         """Queue ``plan``'s generation on the engine thread; its events are ``Chunk``s."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -124,8 +123,6 @@ class OpenAI:
             entry["top_logprobs"].append({"token": ttext, "logprob": p, "bytes": traw})
         return entry
 
-    async def _prepare(self, fn, *args: Any, **kwargs: Any) -> Plan:
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
     def _messages(self, messages: list[schemas.ChatMessage]) -> list[dict[str, Any]]:
         out = []
@@ -183,7 +180,7 @@ class OpenAI:
         fmt = req.response_format
         text = format_grammar(fmt.type, fmt.json_schema.schema_ if fmt and fmt.json_schema else None,
                               "response_format") if fmt else None
-        plan = await self._prepare(
+        plan = await self.service.prepare(
             self.service.prepare_chat, self._messages(req.messages), tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking, template_kwargs=kwargs,
             text=text, max_tokens=req.max_completion_tokens or req.max_tokens, stop=stops_of(req.stop),
@@ -275,7 +272,7 @@ class OpenAI:
                                 stop=stops_of(req.stop), sampling=sampling_of(req), grammar=None,
                                 logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
 
-        plan = await self._prepare(prepare)
+        plan = await self.service.prepare(prepare)
         job = self.service.start(plan)
         turn = Turn(plan, self.service)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -402,7 +399,7 @@ class OpenAI:
             raise ApiError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
         fmt = req.text.format if req.text else None
         text = format_grammar(fmt.type, fmt.schema_, "text.format") if fmt else None
-        plan = await self._prepare(
+        plan = await self.service.prepare(
             self.service.prepare_chat, template_messages, tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls is not False, thinking=thinking, text=text,
             max_tokens=req.max_output_tokens, sampling=sampling_of(req))

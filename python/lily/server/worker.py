@@ -5,7 +5,7 @@ thread owns the engine; each step it
 
 1. drops the jobs that were cancelled (their client went away or stopped reading): their sequences are freed
    at the next step boundary, which falls between two chunks of a long prefill as well as between tokens;
-2. admits waiting jobs, first come first served, while fewer than ``max_sequences`` run: each gets its own
+2. admits waiting jobs in the order they arrived, while fewer than ``max_sequences`` run: each gets its own
    engine sequence, a copy of the longest prefix of its prompt that the model's prefix cache holds (from
    any earlier conversation), and prefills the rest;
 3. advances prefills by at most ``max_batch_tokens`` prompt tokens in all, the job whose prefill could end
@@ -19,13 +19,21 @@ that arrive after it (their prefill goes first, then they decode while the long 
 work (sampling, stop strings, grammars, tool-call parsing) stays in each job's own generation. Each job's
 events reach its request through a bounded buffer that the engine thread never waits on: a reader that
 falls behind by more than ``max_buffered`` events is cancelled rather than allowed to hold the engine.
+
+Waiting: at most ``max_waiting`` jobs wait for a place in the batch, in arrival order; one more is refused
+before any work (``check_room`` / ``submit``: a 429 with a ``Retry-After`` estimated from how often jobs have
+been leaving the batch). A waiting job that is cancelled (its client went away) leaves the queue at once: its
+generation never starts, and its place goes to the next request. A waiting stream is already open (its
+response head is sent) and gets the APIs' pings, so a client waits without timing out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -59,6 +67,7 @@ class Job:
         self._lock = threading.Lock()
         self._ready = asyncio.Event()
         self._cancel = threading.Event()
+        self._on_cancel: Callable[[Job], None] | None = None  # the scheduler's: a waiting job leaves the queue
         self.cancel_reason: str | None = None
         self.steps = 0  # events produced so far (read by tests and logs)
 
@@ -69,6 +78,8 @@ class Job:
         if not self._cancel.is_set():
             self.cancel_reason = reason
             self._cancel.set()
+            if self._on_cancel is not None:
+                self._on_cancel(self)
 
     @property
     def cancelled(self) -> bool:
@@ -153,8 +164,12 @@ class _Running:
 
 class Scheduler:
     """The engine thread over ``model``: at most ``max_sequences`` generations in one batch, the rest waiting
-    in order (``max_waiting`` of them; one more is a 429); prefills advance ``max_batch_tokens`` prompt
+    in arrival order (``max_waiting`` of them; one more is a 429); prefills advance ``max_batch_tokens`` prompt
     tokens per step in all (default: the engine's ``prefill_chunk``), shared as ``prefill_plan`` says."""
+
+    #: Jobs whose departures from the batch estimate a 429's ``Retry-After``, and its bounds in seconds.
+    DEPARTURES = 16
+    RETRY_AFTER = (1, 60)
 
     def __init__(self, model: Any, *, max_sequences: int = 4, max_batch_tokens: int | None = None,
                  max_waiting: int = 256, max_buffered: int = 512):
@@ -173,29 +188,55 @@ class Scheduler:
         self._running: list[_Running] = []
         self._wake = threading.Condition()
         self._closing = False
+        self._departures: collections.deque[float] = collections.deque(maxlen=self.DEPARTURES)  # monotonic times
         self.steps = 0  # engine steps run (read by tests and logs)
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
     # ---- the event loop's side
 
+    def check_room(self) -> None:
+        """Raise the 429 that ``submit`` would raise now (called before a request's prompt is prepared, so that
+        a refused request costs no work)."""
+        with self._wake:
+            if len(self._waiting) >= self.max_waiting:
+                raise ApiError(f"{self.max_waiting} requests are already waiting for the model; try again later",
+                               status=429, type="rate_limit_error", code="overloaded",
+                               headers={"retry-after": str(self.retry_after())})
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue is likely to free: the mean time between the last jobs leaving the
+        batch (each departure lets one waiting job in), within ``RETRY_AFTER``; its lower bound before two left."""
+        low, high = self.RETRY_AFTER
+        with self._wake:
+            times = list(self._departures)
+        if len(times) < 2:
+            return low
+        return max(low, min(high, math.ceil((times[-1] - times[0]) / (len(times) - 1))))
+
     def submit(self, run: Callable[[], Steps]) -> Job:
         """Queue a generation; call from the event loop. Its events: ``job.events()``."""
         with self._wake:
-            waiting = sum(not j.cancelled for j in self._waiting)
-            if waiting >= self.max_waiting:
-                raise ApiError(f"{self.max_waiting} requests are already waiting for the model; try again later",
-                               status=429, type="rate_limit_error", code="overloaded")
+            self.check_room()
             job = Job(run, asyncio.get_running_loop(), self.max_buffered)
+            job._on_cancel = self._withdraw
             self._waiting.append(job)
             self._wake.notify()
         return job
+
+    def _withdraw(self, job: Job) -> None:
+        """A cancelled job that is still waiting leaves the queue now, its generation never started."""
+        with self._wake:
+            if job not in self._waiting:  # admitted already: it leaves the batch at the next step
+                return
+            self._waiting.remove(job)
+        job._put(_END, force=True)
 
     def close(self) -> None:
         """Cancel the running and waiting jobs and end the thread."""
         with self._wake:
             self._closing = True
-            for job in [*self._waiting, *(r.job for r in self._running)]:
+            for job in [*self._waiting, *(r.job for r in list(self._running))]:
                 job.cancel("server stopping")
             self._wake.notify()
         self._thread.join(timeout=30)
@@ -340,6 +381,8 @@ class Scheduler:
         if r not in self._running:  # already gone (a step that failed half way through finishing it)
             return
         self._running.remove(r)
+        with self._wake:
+            self._departures.append(time.monotonic())
         tokens = r.ids + r.fed
         if keep and r.fed and r.length == len(tokens) and not self.cache.holds(tokens):
             try:
