@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import pytest
+import safetensors
 from lily.prefix import DiskTier, PrefixCache, PrefixReuse, model_fingerprint
 
 BOUNDARY = 3
@@ -319,3 +320,148 @@ def test_a_process_that_exits_writes_its_queued_entries(ckpts, tmp_path):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert len(_entry_files(tmp_path)) == 1 and not list(tmp_path.glob(".*.tmp"))
+
+
+# ---- incremental files: a turn end that extends a written file stores only its new rows
+
+
+def conversation(turns):
+    """The prompts of a conversation's turns, each the previous one and a message more."""
+    ids = toks(1, 40)
+    out = [ids]
+    for i in range(turns - 1):
+        ids = ids + [BOUNDARY] + toks(10 + i, 25)
+        out.append(ids)
+    return out
+
+
+def _file_of(directory, position):
+    """The file of the entry of ``position`` tokens: (path, metadata, {K/V tensor: rows})."""
+    for f in directory.glob("*.safetensors"):
+        with safetensors.safe_open(str(f), "numpy") as st:
+            meta = st.metadata()
+            if int(meta["position"]) == position:
+                return f, meta, {k: st.get_slice(k).get_shape()[0] for k in st.keys() if k.endswith((".k", ".v"))}
+    raise AssertionError(f"no file of {position} tokens")
+
+
+def _flip_bit(path, suffix):
+    """Flip one bit of the first tensor of ``path`` whose name ends with ``suffix``."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    tensor = next(k for k in sorted(header) if k.endswith(suffix))
+    data[8 + n + header[tensor]["data_offsets"][0] + 100] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_conversation_writes_each_row_once_and_resumes_through_the_chain(lily, ckpts, cold, tmp_path):
+    turns = conversation(4)
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    ended = [r.prefill(t)[0] for t in turns]
+    disk = r.cache.disk
+    assert len(disk) == len(turns) == len(_entry_files(tmp_path))
+    # Each file holds the rows after the previous turn's file, which it names: every row is written once.
+    rows_written = 0
+    for prev, t in zip([[]] + turns, turns):
+        _, meta, rows = _file_of(tmp_path, len(t))
+        assert int(meta["start"]) == len(prev) and set(rows.values()) == {len(t) - len(prev)}, (meta, rows)
+        assert meta["parent"] == (_file_of(tmp_path, len(prev))[0].name if prev else "")
+        rows_written += sum(rows.values())
+    assert rows and rows_written == len(rows) * len(turns[-1])  # not sum(len(t)): what full files would take
+    assert disk.written == sum(f.stat().st_size for f in _entry_files(tmp_path)) == disk.bytes
+    # A new process's cache resumes the last turn through the chain of four files, and any turn of it.
+    fresh = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    nxt = turns[-1] + [BOUNDARY] + toks(20, 10)
+    logits, start = fresh.prefill(nxt)
+    assert start == len(turns[-1]) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
+    for t, end in zip(turns[:2], ended):
+        again, start = reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(t)
+        assert start == len(t) and np.abs(again - end).max() <= 1e-6
+
+
+def test_a_broken_parent_makes_the_files_extending_it_unusable(lily, ckpts, cold, tmp_path, caplog):
+    turns = conversation(3)
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    for t in turns:
+        r.prefill(t)
+    root, mid, leaf = (_file_of(tmp_path, len(t))[0] for t in turns)
+    nxt = turns[-1] + [BOUNDARY] + toks(20, 10)
+    # Only the rows of a parent are used: a flipped bit in the middle file's DeltaNet state (what resuming its own
+    # turn would load) leaves the last turn's chain whole, while that turn itself is refused.
+    _flip_bit(mid, ".ssm")
+    logits, start = reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(nxt)
+    assert start == len(turns[-1]) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
+    with caplog.at_level(logging.WARNING, logger="lily.prefix"):
+        _, start = reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(turns[1])
+    assert start == len(turns[0]) and "checksum mismatch" in caplog.text  # from the first file, not the broken one
+    # A flipped bit in the middle file's K rows: the last file, which extends it, is ignored too (never loaded with
+    # wrong rows); the first file still serves.
+    _flip_bit(mid, ".k")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lily.prefix"):
+        again = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+        logits, start = again.prefill(nxt)
+    assert start == len(turns[0]) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
+    # (the file it tried first was the one of ``nxt`` itself, written by the first resumption: a fourth link)
+    assert f"ignoring {mid} (and " in caplog.text and "which extends it): checksum mismatch" in caplog.text
+    assert not again.cache.disk.holds(turns[1]) and not again.cache.disk.holds(turns[2])
+    # ``nxt``'s end of prompt is written again, now extending the first file.
+    assert again.cache.disk.longest(nxt, len(nxt)).parent.length == len(turns[0])
+    # A missing parent: the files extending it (the last turn's, and the first ``nxt`` file, which extended that)
+    # are removed when the directory is read.
+    renewed = again.cache.disk.longest(nxt, len(nxt)).path
+    mid.unlink()
+    scanned = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    assert {f.name for f in _entry_files(tmp_path)} == {root.name, renewed.name} and len(scanned.cache.disk) == 2
+    _, start = scanned.prefill(turns[2] + [BOUNDARY] + toks(21, 5))
+    assert start == len(turns[0])
+
+
+def test_a_foreign_models_chain_is_ignored_and_left_alone(lily, ckpts, tmp_path, caplog):
+    other = "real-s1-q4g64"
+    theirs = reuse(_engine(lily, ckpts, other), ckpts, tmp_path, name=other)
+    turns = conversation(2)
+    for t in turns:
+        theirs.prefill(t)
+    before = {f.name: f.read_bytes() for f in _entry_files(tmp_path)}
+    assert len(before) == 2
+    with caplog.at_level(logging.DEBUG, logger="lily.prefix"):
+        ours = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+        _, start = ours.prefill(turns[1] + [BOUNDARY] + toks(20, 5))
+    assert start == 0 and ours.cache.info().disk_hits == 0 and "another model" in caplog.text
+    assert {f.name: f.read_bytes() for f in _entry_files(tmp_path) if f.name in before} == before
+
+
+def test_evicting_a_file_evicts_the_files_that_extend_it(lily, ckpts, tmp_path):
+    engine = _engine(lily, ckpts)
+    turns, other = conversation(2), toks(9, 40)
+
+    def written(directory):
+        r = reuse(engine, ckpts, directory)
+        for t in turns:
+            r.prefill(t)
+        root, child = (_file_of(directory, len(t))[0] for t in turns)
+        return r.cache.disk, root, child
+
+    # A parent is touched after its child, so the least recently used file is the child: evicted alone.
+    disk, root, child = written(tmp_path / "a")
+    assert list(disk._files) == [child.name, root.name]
+    size = root.stat().st_size  # an unrelated prompt of as many tokens writes a file of this size
+    disk.max_bytes = disk.bytes + size - 1
+    Written(engine, BOUNDARY, PrefixCache(engine, 1 << 40, snapshot_every=48, disk=disk)).prefill(other)
+    assert disk.evictions == 1 and not child.exists() and root.exists()
+    assert disk.holds(turns[0]) and disk.holds(other) and not disk.holds(turns[1])
+    assert disk.bytes == sum(f.stat().st_size for f in _entry_files(tmp_path / "a")) <= disk.max_bytes
+    # When the parent is the least recent (here: by mtime, as another process may leave it), evicting it
+    # deletes the child too.
+    _, root, child = written(tmp_path / "b")
+    os.utime(root, (1, 1))
+    os.utime(child, (2, 2))
+    r = reuse(engine, ckpts, tmp_path / "b")
+    disk = r.cache.disk
+    assert list(disk._files) == [root.name, child.name]
+    disk.max_bytes = disk.bytes + size - 1
+    r.prefill(other)
+    assert disk.evictions == 2 and not root.exists() and not child.exists() and len(disk) == 1
+    assert disk.bytes == sum(f.stat().st_size for f in _entry_files(tmp_path / "b"))

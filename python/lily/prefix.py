@@ -19,16 +19,18 @@ policy may change with the server's scheduler; the engine gives the mechanisms (
 ``copy_sequence``, ``drop_sequence``, ``sequences_bytes``), the cache is a few dozen lines of bookkeeping.
 
 The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps the turn ends (each end-of-prompt entry, and a server
-request's finished reply) also as a safetensors file (the state
-from ``Engine.export_sequence``, its tokens and logits, a model fingerprint and a checksum), bounded in bytes
-with the least recently used file deleted first, so a restarted process resumes a long conversation from
-disk. Only the export (a copy in memory) runs on the caller's thread: the checksum, the encoding and the write
-(seconds for a long conversation) run on a writer thread, ``max_pending`` entries queued at most (one more is
-dropped and counted, not waited for); a process that exits normally, and ``flush()``, wait for the queue.
-The snapshots taken inside a long prefill stay in memory only: written at every ``snapshot_every``
-tokens, a 100K-token prompt of the real model would write tens of GB on the engine's thread. A lookup takes
-the longest prefix over both tiers; a file read back becomes a memory entry. A file
-that is corrupt, truncated, of another model or of another KV dtype is ignored (logged), never loaded.
+request's finished reply) also as safetensors files (the state from ``Engine.export_sequence``, its tokens and
+logits, a model fingerprint and checksums), bounded in bytes with the least recently used file deleted first, so
+a restarted process resumes a long conversation from disk. A turn end that extends a file already written (the
+conversation's previous turn) stores only its new K/V rows and its DeltaNet states, with a reference to that
+file, so a conversation's files take O(n) bytes, not O(n^2). Only the export (a copy in memory) runs on the
+caller's thread: the checksums, the encoding and the write (seconds for a long conversation) run on a writer
+thread, ``max_pending`` entries queued at most (one more is dropped and counted, not waited for); a process that
+exits normally, and ``flush()``, wait for the queue. The snapshots taken inside a long prefill stay in memory
+only: each would export the whole state on the engine's thread and write its DeltaNet states (about 63 MB for
+the real model) every ``snapshot_every`` tokens. A lookup takes the longest prefix over both tiers; a file read
+back becomes a memory entry. A file that is corrupt, truncated, of another model or of another KV dtype, or that
+extends a file that is missing or broken, is ignored (logged), never loaded.
 
 The working sequence is the engine's default sequence, so one generation owns it at a time: ``prefill``
 gives it to a new generation, and an older one that tries to go on (``decode``) raises
@@ -62,7 +64,7 @@ __all__ = ["CacheInfo", "DiskTier", "PrefixCache", "PrefixReuse", "default_cache
 log = logging.getLogger("lily.prefix")
 
 #: Layout tag of a disk entry: a file of another layout is ignored.
-DISK_FORMAT = "lily-prefix-1"
+DISK_FORMAT = "lily-prefix-2"
 
 #: Tokens between snapshots of a long prefill.
 SNAPSHOT_EVERY = 4096
@@ -160,11 +162,39 @@ def _name(owner: str, tokens: list[int]) -> str:
     return h.hexdigest()[:40] + ".safetensors"
 
 
-class _DiskEntry:
-    __slots__ = ("path", "tokens", "bytes", "has_logits")
+def _is_row(name: str) -> bool:
+    """Whether tensor ``name`` is part of an entry's rows (its tokens and K/V rows: what a child entry uses)."""
+    return name == "tokens" or name.endswith((".k", ".v"))
 
-    def __init__(self, path: Path, tokens: list[int], nbytes: int, has_logits: bool):
-        self.path, self.tokens, self.bytes, self.has_logits = path, tokens, nbytes, has_logits
+
+class _DiskEntry:
+    """A file of the disk tier: the rows ``start:length`` of a state (its ``own`` tokens, and their K/V rows),
+    the rows before them in the ``parent`` entry's file (None: ``start`` is 0), and the state's DeltaNet states
+    (and logits) at ``length``."""
+
+    __slots__ = ("path", "start", "length", "own", "parent", "bytes", "has_logits", "rows_checksum")
+
+    def __init__(self, path: Path, start: int, own: np.ndarray, parent: _DiskEntry | None, nbytes: int,
+                 has_logits: bool, rows_checksum: str):
+        self.path, self.start, self.own, self.parent = path, start, own, parent
+        self.length = start + len(own)
+        self.bytes, self.has_logits, self.rows_checksum = nbytes, has_logits, rows_checksum
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def chain(self) -> list[_DiskEntry]:
+        """This entry and its ancestors, the first file (the one from row 0) last."""
+        out, e = [], self
+        while e is not None:
+            out.append(e)
+            e = e.parent
+        return out
+
+    @property
+    def tokens(self) -> list[int]:
+        return [int(t) for e in reversed(self.chain()) for t in e.own]
 
 
 class DiskTier:
@@ -173,10 +203,20 @@ class DiskTier:
     every hit, so processes sharing the directory agree) deleted first. Files of other models in the
     directory are left alone and not counted.
 
-    A file: the tensors of ``Engine.export_sequence``, ``tokens`` (uint32) and, for an end-of-prompt entry,
-    ``logits``; metadata: the layout tag, the position, the KV dtype, the model ``fingerprint`` and a
-    checksum of the tensor bytes. Written to a temporary file and renamed, so a crash leaves no partial
-    entry; checked whole (fingerprint, dtype, checksum) before anything of it reaches the engine.
+    Files are incremental: an entry whose tokens extend those of a file already written (the next turn of a
+    conversation) stores only its new rows, with a reference to that parent file (its name and the checksum of
+    its rows), so a conversation of n tokens written at every turn end takes O(n) bytes, not O(n^2). A file:
+    ``tokens`` (uint32, its own: positions ``start`` to ``position``), the K/V rows of those positions
+    (``layers.{i}.k`` / ``.v``), the DeltaNet states at ``position`` (``layers.{i}.conv`` / ``.ssm``, as
+    ``Engine.export_sequence`` gives them) and, for an end-of-prompt entry, ``logits``; metadata: the layout tag,
+    ``start`` and ``position``, ``parent`` and ``parent_rows`` (the parent's ``rows_checksum``), the KV dtype, the
+    model ``fingerprint``, ``rows_checksum`` (of its tokens and K/V rows: what a child uses) and ``checksum`` (of
+    the other tensors). Written to a temporary file and renamed, so a crash leaves no partial entry. Loading walks the
+    chain from the first file: the entry's file is checked whole and each ancestor's rows (fingerprint, dtype,
+    checksums, the link) before anything of it reaches the engine; an entry whose parent is missing, corrupt or
+    not the file it was written after is ignored, never loaded. The least recently used file goes first, and
+    with it every file written after it (its children): a parent is touched whenever a child is, so the file
+    evicted is normally a leaf.
 
     Writes run on a writer thread (``store`` queues, at most ``max_pending`` entries; ``flush`` waits for them);
     the index is shared with it under a lock, held only for bookkeeping, never during a write."""
@@ -196,6 +236,7 @@ class DiskTier:
         self.evictions = 0
         self.dropped = 0  # entries not written: the queue was full
         self.write_errors = 0
+        self.written = 0  # bytes of the files this object wrote
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the writer has emptied the queue
         self._pending: collections.deque[tuple[str, list[int], dict[str, np.ndarray], Any]] = collections.deque()
@@ -211,14 +252,44 @@ class DiskTier:
                 tmp.unlink(missing_ok=True)
             except PermissionError:  # a live process of another user
                 pass
-        found = []
+        heads = {}
         for f in self.dir.glob("*.safetensors"):
-            e = self._read_header(f)
-            if e is not None:
-                found.append((f.stat().st_mtime, e))
-        for _, e in sorted(found, key=lambda x: x[0]):
-            self._files[e.path.name] = e
-            self.bytes += e.bytes
+            head = self._read_header(f)
+            if head is not None:
+                heads[f.name] = head
+        resolved: dict[str, _DiskEntry | None] = {}
+
+        def resolve(name: str) -> _DiskEntry | None:
+            """The entry of file ``name`` with its parents, None when its chain is broken (iterative: a chain
+            may be long)."""
+            path = []
+            while name not in resolved:
+                if name not in heads or name in path:  # a missing parent (or a cycle a file could claim)
+                    resolved.update(dict.fromkeys(path))
+                    return None
+                path.append(name)
+                name = heads[name][0].get("parent", "")
+                if not name:
+                    break
+            parent = resolved.get(name) if name else None
+            for n in reversed(path):
+                meta, own, size, has_logits, _ = heads[n]
+                start = int(meta.get("start", -1))
+                ok = (start == 0 and not meta.get("parent")) or (
+                    parent is not None and parent.length == start and parent.rows_checksum == meta.get("parent_rows"))
+                parent = _DiskEntry(self.dir / n, start, own, parent, size, has_logits,
+                                    str(meta.get("rows_checksum"))) if ok else None
+                resolved[n] = parent
+            return resolved[path[0]] if path else resolved.get(name)
+
+        for name in sorted(heads, key=lambda n: heads[n][4]):  # by mtime: least recent first
+            e = resolve(name)
+            if e is None:  # its parent is gone (evicted by another process) or is not the one it extended
+                log.info("prefix cache: removing %s: the file it extends is missing or changed", self.dir / name)
+                (self.dir / name).unlink(missing_ok=True)
+            else:
+                self._files[name] = e
+                self.bytes += e.bytes
 
     def _why_not(self, meta: dict[str, str]) -> str | None:
         """Why a file with this metadata cannot be used here (None: it can, once its checksum holds)."""
@@ -230,19 +301,21 @@ class DiskTier:
             return f"its KV rows are {meta.get('kv_dtype')}, this engine's cache is {self.kv_dtype}"
         return None
 
-    def _read_header(self, path: Path) -> _DiskEntry | None:
+    def _read_header(self, path: Path) -> tuple[dict[str, str], np.ndarray, int, bool, float] | None:
+        """A file's metadata, own tokens, size, whether it has logits, and mtime (None: not usable here)."""
         try:
+            st = path.stat()
             with safetensors.safe_open(str(path), "numpy") as f:
                 meta = f.metadata() or {}
                 why = self._why_not(meta)
                 if why is not None:
                     log.debug("prefix cache: ignoring %s: %s", path, why)
                     return None
-                tokens = [int(t) for t in f.get_tensor("tokens")]
+                own = np.asarray(f.get_tensor("tokens"), dtype=np.uint32)
                 has_logits = "logits" in f.keys()  # noqa: SIM118 (safe_open is not a mapping)
-            if len(tokens) != int(meta.get("position", -1)):
-                raise ValueError(f"{len(tokens)} tokens for position {meta.get('position')}")
-            return _DiskEntry(path, tokens, path.stat().st_size, has_logits)
+            if len(own) != int(meta.get("position", -1)) - int(meta.get("start", -1)):
+                raise ValueError(f"{len(own)} tokens for positions {meta.get('start')}..{meta.get('position')}")
+            return meta, own, st.st_size, has_logits, st.st_mtime
         except Exception as e:  # noqa: BLE001 (safetensors raises its own errors, and anything may be in a file)
             log.warning("prefix cache: ignoring %s: unreadable (%s)", path, e)
             return None
@@ -259,45 +332,99 @@ class DiskTier:
     def longest(self, tokens: list[int], limit: int) -> _DiskEntry | None:
         """The file with the longest prefix of ``tokens`` of at most ``limit`` tokens (one of all of
         ``tokens`` only if it has logits)."""
-        best = None
         with self._lock:
             files = list(self._files.values())
+        return self._longest(files, np.asarray(tokens, dtype=np.int64), limit,
+                             lambda e: e.length < len(tokens) or e.has_logits)
+
+    @staticmethod
+    def _longest(files: list[_DiskEntry], tokens: np.ndarray, limit: int,
+                 usable: Callable[[_DiskEntry], bool]) -> _DiskEntry | None:
+        """The longest of ``files`` (at most ``limit`` tokens, ``usable``) whose tokens start ``tokens``; each
+        file's own tokens compared once, a parent's result reused by its children."""
+        known: dict[str, bool] = {}
+
+        def starts(e: _DiskEntry) -> bool:
+            chain = []
+            while e is not None and e.name not in known:
+                chain.append(e)
+                e = e.parent
+            ok = True if e is None else known[e.name]
+            for c in reversed(chain):
+                ok = ok and c.length <= len(tokens) and bool(np.array_equal(tokens[c.start:c.length], c.own))
+                known[c.name] = ok
+            return ok
+
+        best = None
         for e in files:
-            n = len(e.tokens)
-            if (n <= limit and (best is None or n > len(best.tokens)) and (n < len(tokens) or e.has_logits)
-                    and tokens[:n] == e.tokens):
+            if e.length <= limit and (best is None or e.length > best.length) and usable(e) and starts(e):
                 best = e
         return best
 
-    def load(self, e: _DiskEntry) -> tuple[list[int], dict[str, np.ndarray], np.ndarray | None] | None:
-        """The entry's tokens, state tensors and logits, checked whole; None (logged, and the file dropped
-        from the index) when it cannot be used."""
-        try:
-            data = e.path.read_bytes()  # one read: what is checked is what is loaded
-            n = int.from_bytes(data[:8], "little")
-            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+    def _read(self, e: _DiskEntry, whole: bool) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The tensors of ``e``'s file (its rows, checked against ``rows_checksum``, and with ``whole`` the others,
+        checked against ``checksum``) and its metadata; ValueError saying why they cannot be used."""
+        with safetensors.safe_open(str(e.path), "numpy") as f:
+            meta = f.metadata() or {}
             why = self._why_not(meta)
-            tensors = safetensors.numpy.load(data) if why is None else {}
-            if why is None and _checksum(tensors) != meta.get("checksum"):
-                why = "checksum mismatch (the file is corrupt)"
-            if why is None and [int(t) for t in tensors.get("tokens", [])] != e.tokens:
-                why = "its tokens changed since the directory was read"
-        except Exception as err:  # noqa: BLE001 (a truncated or garbled file raises anything)
-            why = f"unreadable ({err})"
-        if why is not None:
-            log.warning("prefix cache: ignoring %s: %s", e.path, why)
-            self.forget(e)
-            return None
-        try:
-            os.utime(e.path)
-        except OSError:
-            pass
+            if why is not None:
+                raise ValueError(why)
+            tensors = {k: f.get_tensor(k) for k in f.keys() if whole or _is_row(k)}  # noqa: SIM118
+        rows = {k: v for k, v in tensors.items() if _is_row(k)}
+        rest = {k: v for k, v in tensors.items() if not _is_row(k)}
+        if _checksum(rows) != meta.get("rows_checksum") or (whole and _checksum(rest) != meta.get("checksum")):
+            raise ValueError("checksum mismatch (the file is corrupt)")
+        if meta.get("rows_checksum") != e.rows_checksum:
+            raise ValueError("its rows changed since the directory was read")
+        if (int(meta.get("start", -1)), meta.get("parent") or None) != (e.start, e.parent and e.parent.name):
+            raise ValueError("its place in the chain changed since the directory was read")
+        if e.parent is not None and meta.get("parent_rows") != e.parent.rows_checksum:
+            raise ValueError("the file it extends is not the one it was written after")
+        if not np.array_equal(tensors["tokens"], e.own):
+            raise ValueError("its tokens changed since the directory was read")
+        return tensors, meta
+
+    def load(self, e: _DiskEntry) -> tuple[list[int], dict[str, np.ndarray], np.ndarray | None] | None:
+        """The entry's tokens, state tensors and logits: the rows of every file of its chain, the rest from its
+        own, each file checked before it is used; None (logged, and the broken file and the files that extend it
+        dropped from the index) when it cannot be used."""
+        chain = e.chain()
+        rows: dict[str, np.ndarray] = {}
+        own: dict[str, np.ndarray] = {}
+        for c in reversed(chain):  # from the first file
+            try:
+                tensors, _ = self._read(c, whole=c is e)
+            except Exception as err:  # noqa: BLE001 (a truncated, garbled or missing file raises anything)
+                why = str(err) if isinstance(err, ValueError) else f"unreadable ({err})"
+                log.warning("prefix cache: ignoring %s%s: %s", c.path,
+                            "" if c is e else f" (and {e.path.name}, which extends it)", why)
+                self.forget(c)
+                return None
+            kv = {k: v for k, v in tensors.items() if k.endswith((".k", ".v"))}
+            if not rows:
+                rows = {k: np.empty((e.length, *v.shape[1:]), v.dtype) for k, v in kv.items()}
+            bad = next((k for k, v in kv.items() if k not in rows or v.shape[1:] != rows[k].shape[1:]
+                        or v.dtype != rows[k].dtype or len(v) != c.length - c.start), None)
+            if bad is not None or kv.keys() != rows.keys():
+                log.warning("prefix cache: ignoring %s: its K/V rows (%s) do not continue those of the file it "
+                            "extends", c.path, bad or "names")
+                self.forget(c)
+                return None
+            for k, v in kv.items():
+                rows[k][c.start:c.length] = v
+            if c is e:
+                own = {k: v for k, v in tensors.items() if not _is_row(k)}
         with self._lock:
-            if e.path.name in self._files:
-                self._files.move_to_end(e.path.name)
-        tensors.pop("tokens")
-        logits = tensors.pop("logits", None)
-        return e.tokens, tensors, logits
+            for c in chain:  # the entry, then its ancestors: a parent stays more recent than its children
+                if c.name in self._files:
+                    self._files.move_to_end(c.name)
+        for c in chain:
+            try:
+                os.utime(c.path)
+            except OSError:
+                pass
+        logits = own.pop("logits", None)
+        return e.tokens, {**rows, **own}, logits
 
     def store(self, tokens: list[int], export: Callable[[], tuple[list[int], dict[str, np.ndarray]]],
               logits: np.ndarray | None) -> bool:
@@ -358,25 +485,47 @@ class DiskTier:
             with self._lock:
                 self._pending.popleft()
 
-    def _write(self, name: str, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any) -> None:
-        full = dict(tensors)
-        full["tokens"] = np.asarray(tokens, dtype=np.uint32)
+    def _encode(self, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any,
+                parent: _DiskEntry | None) -> tuple[bytes, dict[str, str], np.ndarray]:
+        """The file of a state (``tensors`` of all ``tokens``) extending ``parent``: its bytes, metadata and own
+        tokens."""
+        start = parent.length if parent is not None else 0
+        rows = {k: v[start:] for k, v in tensors.items() if _is_row(k)}
+        rows["tokens"] = np.asarray(tokens[start:], dtype=np.uint32)
+        rest = {k: v for k, v in tensors.items() if not _is_row(k)}
         if logits is not None:
-            full["logits"] = np.asarray(logits, dtype=np.float32)
-        meta = {"format": DISK_FORMAT, "position": str(len(tokens)), "kv_dtype": self.kv_dtype,
-                "fingerprint": self.fingerprint, "checksum": _checksum(full)}
-        data = safetensors.numpy.save(full, metadata=meta)
-        if len(data) > self.max_bytes:
-            return
-        with self._lock:  # evict, and reserve the bytes, before writing
-            if name in self._files:
+            rest["logits"] = np.asarray(logits, dtype=np.float32)
+        meta = {"format": DISK_FORMAT, "start": str(start), "position": str(len(tokens)),
+                "parent": parent.name if parent is not None else "",
+                "parent_rows": parent.rows_checksum if parent is not None else "", "kv_dtype": self.kv_dtype,
+                "fingerprint": self.fingerprint, "rows_checksum": _checksum(rows), "checksum": _checksum(rest)}
+        return safetensors.numpy.save({**rows, **rest}, metadata=meta), meta, rows["tokens"]
+
+    def _write(self, name: str, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any) -> None:
+        ids = np.asarray(tokens, dtype=np.int64)
+        while True:
+            with self._lock:
+                if name in self._files:
+                    return
+                files = list(self._files.values())
+            # The longest file this state extends is its parent: only the rows after it are written.
+            parent = self._longest(files, ids, len(tokens) - 1, lambda e: True)
+            data, meta, own = self._encode(tokens, tensors, logits, parent)
+            if len(data) > self.max_bytes:
                 return
-            while self._files and self.bytes + len(data) > self.max_bytes:
-                old = next(iter(self._files.values()))
-                self._forget(old)
-                old.path.unlink(missing_ok=True)
-                self.evictions += 1
-            self.bytes += len(data)
+            chain = parent.chain() if parent is not None else []
+            with self._lock:  # evict, and reserve the bytes, before writing
+                if parent is not None and self._files.get(parent.name) is not parent:
+                    continue  # dropped meanwhile (a load found it broken): choose again
+                self._touch(chain)  # the chain is evicted last
+                while self._files and self.bytes + len(data) > self.max_bytes:
+                    old = next(iter(self._files.values()))
+                    self._evict(old)
+                    if old in chain:  # this file and the chain it extends do not fit together
+                        break
+                else:
+                    self.bytes += len(data)
+                    break
         path = self.dir / name
         fd, tmp_name = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.", suffix=f".{os.getpid()}.tmp")
         tmp = Path(tmp_name)
@@ -394,16 +543,40 @@ class DiskTier:
                 self.write_errors += 1
             return
         with self._lock:
-            self._files[name] = _DiskEntry(path, list(tokens), len(data), logits is not None)
+            self.written += len(data)
+            if parent is not None and self._files.get(parent.name) is not parent:  # dropped during the write
+                self.bytes -= len(data)
+                path.unlink(missing_ok=True)
+                return
+            self._files[name] = _DiskEntry(path, int(meta["start"]), own, parent, len(data), logits is not None,
+                                           meta["rows_checksum"])
+            self._touch(chain)
 
-    def _forget(self, e: _DiskEntry) -> None:
-        """Drop ``e`` from the index (call with the lock held: ``forget`` takes it)."""
-        if self._files.pop(e.path.name, None) is not None:
-            self.bytes -= e.bytes
+    def _touch(self, chain: list[_DiskEntry]) -> None:
+        """Make the files of ``chain`` (an entry and its ancestors, in that order) the most recent, ancestors
+        last (call with the lock held)."""
+        for c in chain:
+            if c.name in self._files:
+                self._files.move_to_end(c.name)
+
+    def _drop(self, e: _DiskEntry) -> list[_DiskEntry]:
+        """Drop ``e`` and the files that extend it from the index, and return them (call with the lock held)."""
+        gone = [f for f in self._files.values() if e in f.chain()]
+        for f in gone:
+            del self._files[f.name]
+            self.bytes -= f.bytes
+        return gone
+
+    def _evict(self, e: _DiskEntry) -> None:
+        """Delete ``e`` and the files that extend it, which cannot be used without it (lock held)."""
+        for f in self._drop(e):
+            f.path.unlink(missing_ok=True)
+            self.evictions += 1
 
     def forget(self, e: _DiskEntry) -> None:
+        """Drop ``e``, a file that cannot be used, and the files that extend it from the index."""
         with self._lock:
-            self._forget(e)
+            self._drop(e)
 
     def __len__(self) -> int:
         with self._lock:
@@ -452,7 +625,7 @@ class PrefixCache:
             node, i = child, i + len(child.edge)
         while self.disk is not None:
             on_disk = self.disk.longest(tokens, limit)
-            if on_disk is None or (best is not None and len(on_disk.tokens) <= best.length):
+            if on_disk is None or (best is not None and on_disk.length <= best.length):
                 break
             loaded = self._from_disk(on_disk)
             if loaded is not None:
