@@ -125,12 +125,13 @@ def build_parser() -> Any:
     ap.add_argument("--write-timeout", type=command.number(0.001), default=30.0, metavar="S",
                     help="a client that reads nothing for this long is disconnected")
     ap.add_argument("--max-sequences", type=command.integer(1), default=4,
-                    help="requests generating at once, in one batch (default 4; more wait in order)")
+                    help="requests generating at once, in one batch (default 4; more wait: --max-queue)")
     ap.add_argument("--max-batch-tokens", type=command.integer(1), default=None, metavar="TOKENS",
                     help="prompt tokens prefilled per step across requests, between decode steps of the running "
                          "ones (default: the engine's prefill chunk)")
     ap.add_argument("--max-queue", type=command.integer(1), default=256,
-                    help="requests waiting for a place in the batch before a 429")
+                    help="requests that may wait, in arrival order, for a place in the batch (default 256); one more "
+                         "is refused with a 429 and Retry-After")
     ap.add_argument("--verbose", action="store_true", help="log every request")
     return ap
 
