@@ -380,6 +380,32 @@ def test_a_conversation_writes_each_row_once_and_resumes_through_the_chain(lily,
         assert start == len(t) and np.abs(again - end).max() <= 1e-6
 
 
+def _spans(directory):
+    """(start, position) of every file in ``directory``."""
+    out = set()
+    for f in directory.glob("*.safetensors"):
+        with safetensors.safe_open(str(f), "numpy") as st:
+            meta = st.metadata()
+            out.add((int(meta["start"]), int(meta["position"])))
+    return out
+
+
+def test_a_history_rendered_anew_extends_the_last_message_start(lily, ckpts, cold, tmp_path):
+    """Qwen's template drops the reasoning of earlier turns once a new user message comes, so the next prompt does
+    not extend the previous one; it extends the previous prompt's last-message start, which is written too."""
+    head = toks(1, 40)
+    first = head + [BOUNDARY] + toks(2, 20)  # its last message starts at 40
+    second = head + [BOUNDARY] + toks(2, 12) + toks(3, 6) + [BOUNDARY] + toks(4, 20)  # that message, re-rendered
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    r.prefill(first)
+    r.prefill(second)
+    # The first prompt's last-message start (40 tokens) is the only whole file; the rest extend it or each other.
+    assert _spans(tmp_path) == {(0, 40), (40, len(first)), (40, 59), (59, len(second))}
+    nxt = second + [BOUNDARY] + toks(5, 10)
+    logits, start = reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(nxt)
+    assert start == len(second) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
+
+
 def test_a_broken_parent_makes_the_files_extending_it_unusable(lily, ckpts, cold, tmp_path, caplog):
     turns = conversation(3)
     r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
@@ -405,17 +431,25 @@ def test_a_broken_parent_makes_the_files_extending_it_unusable(lily, ckpts, cold
     assert start == len(turns[0]) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
     # (the file it tried first was the one of ``nxt`` itself, written by the first resumption: a fourth link)
     assert f"ignoring {mid} (and " in caplog.text and "which extends it): checksum mismatch" in caplog.text
-    assert not again.cache.disk.holds(turns[1]) and not again.cache.disk.holds(turns[2])
-    # ``nxt``'s end of prompt is written again, now extending the first file.
-    assert again.cache.disk.longest(nxt, len(nxt)).parent.length == len(turns[0])
-    # A missing parent: the files extending it (the last turn's, and the first ``nxt`` file, which extended that)
-    # are removed when the directory is read.
-    renewed = again.cache.disk.longest(nxt, len(nxt)).path
-    mid.unlink()
+    disk = again.cache.disk
+    assert not disk.holds(turns[1]) and all(mid.name not in {c.name for c in e.chain()} for e in disk._files.values())
+    # Prefilled from the first file, ``nxt`` wrote its last-message start (the last turn) and its end again, now
+    # extending the first file.
+    assert [c.length for c in disk.longest(nxt, len(nxt)).chain()] == [len(nxt), len(turns[2]), len(turns[0])]
+
+
+def test_a_missing_parent_removes_the_files_extending_it(lily, ckpts, cold, tmp_path):
+    turns = conversation(3)
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path)
+    for t in turns:
+        r.prefill(t)
+    root, mid, leaf = (_file_of(tmp_path, len(t))[0] for t in turns)
+    mid.unlink()  # what another process sharing the directory may have evicted
     scanned = reuse(_engine(lily, ckpts), ckpts, tmp_path)
-    assert {f.name for f in _entry_files(tmp_path)} == {root.name, renewed.name} and len(scanned.cache.disk) == 2
-    _, start = scanned.prefill(turns[2] + [BOUNDARY] + toks(21, 5))
-    assert start == len(turns[0])
+    assert {f.name for f in _entry_files(tmp_path)} == {root.name} and len(scanned.cache.disk) == 1
+    nxt = turns[2] + [BOUNDARY] + toks(21, 5)
+    logits, start = scanned.prefill(nxt)
+    assert start == len(turns[0]) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
 
 
 def test_a_foreign_models_chain_is_ignored_and_left_alone(lily, ckpts, tmp_path, caplog):
@@ -465,3 +499,41 @@ def test_evicting_a_file_evicts_the_files_that_extend_it(lily, ckpts, tmp_path):
     r.prefill(other)
     assert disk.evictions == 2 and not root.exists() and not child.exists() and len(disk) == 1
     assert disk.bytes == sum(f.stat().st_size for f in _entry_files(tmp_path / "b"))
+
+
+def test_an_entry_extends_a_file_still_queued(lily, ckpts, cold, tmp_path, monkeypatch):
+    # Both turn ends are queued before either is written (the writer is held): the second is exported from the
+    # first's length on and written after it, extending it.
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path, kind=PrefixReuse, max_pending=2)
+    disk = r.cache.disk
+    release = _held_writes(disk)
+    turns = conversation(2)
+    for t in turns:
+        r.prefill(t)
+    assert disk.pending == 2
+    release.set()
+    assert disk.flush(600) and _spans(tmp_path) == {(0, len(turns[0])), (len(turns[0]), len(turns[1]))}
+    nxt = turns[1] + [BOUNDARY] + toks(30, 5)
+    logits, start = reuse(_engine(lily, ckpts), ckpts, tmp_path).prefill(nxt)
+    assert start == len(turns[1]) and np.abs(logits - cold_logits(cold, nxt)).max() <= 1e-4
+    # When the queued parent's write fails, the entry extending it (whose earlier rows are in no file) is dropped.
+    r = reuse(_engine(lily, ckpts), ckpts, tmp_path / "failed", kind=PrefixReuse, max_pending=2)
+    disk = r.cache.disk
+    release = _held_writes(disk)
+    replace = os.replace
+    failed = []
+
+    def fail_once(src, dst):
+        if not failed:
+            failed.append(dst)
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_once)
+    for t in turns:
+        r.prefill(t)
+    release.set()
+    assert disk.flush(600)
+    info = r.cache.info()
+    assert (info.disk_entries, info.disk_write_errors, info.disk_dropped) == (0, 1, 1)
+    assert not _entry_files(tmp_path / "failed")

@@ -59,6 +59,12 @@ def test_round_trip_continues_like_the_original(lily, ckpts, backend, kv_dtype):
     s = src.new_sequence()
     src.import_sequence(tokens, dtype, tensors, seq=s)
     assert np.abs(src.decode(7, seq=s) - expected).max() <= 1e-5
+    # From a first row on (what the disk tier writes after a file it extends): those rows, the same states.
+    first, _, part = dst.export_sequence(first_row=n - 5)
+    whole = dst.export_sequence()[2]
+    assert first == dst.sequence_tokens(0) and part.keys() == whole.keys()
+    for name, arr in whole.items():
+        assert np.array_equal(part[name], arr[n - 5:] if name.endswith((".k", ".v")) else arr), name
 
 
 def test_bad_states_raise_and_change_nothing(lily, ckpts):
@@ -95,3 +101,8 @@ def test_bad_states_raise_and_change_nothing(lily, ckpts):
         eng.import_sequence(tokens, dtype, tensors, seq=10_000)
     with pytest.raises(ValueError, match="no sequence"):
         eng.export_sequence(10_000)
+    with pytest.raises(ValueError, match="first_row 21 is past"):
+        eng.export_sequence(first_row=21)
+    # Rows from a first row on are not a whole state: an import refuses them.
+    _, _, part = eng.export_sequence(first_row=4)
+    refused(ValueError, "shape", tensors=part)

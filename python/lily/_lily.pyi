@@ -115,10 +115,13 @@ class Engine:
         """A new sequence holding a copy of ``seq`` (KV rows, DeltaNet states, position, tokens)."""
     def copy_sequence(self, src: int, dst: int) -> None:
         """Sequence ``dst`` becomes a copy of ``src``; what it held before is gone."""
-    def export_sequence(self, seq: int = 0) -> tuple[list[int], str, dict[str, npt.NDArray[Any]]]:
-        """Sequence ``seq``'s whole state: ``(tokens, kv_dtype, tensors)``, the tensors ``layers.{i}.k`` /
-        ``.v`` ([position, Hkv * hd]: uint16 bit patterns of a bf16 / f16 cache, float32 of an f32 one) and
-        ``layers.{i}.conv`` / ``.ssm`` (float32 DeltaNet states)."""
+    def export_sequence(
+        self, seq: int = 0, *, first_row: int = 0
+    ) -> tuple[list[int], str, dict[str, npt.NDArray[Any]]]:
+        """Sequence ``seq``'s state: ``(tokens, kv_dtype, tensors)``, the tensors ``layers.{i}.k`` / ``.v``
+        (rows ``first_row`` to the position, [position - first_row, Hkv * hd]: uint16 bit patterns of a bf16 /
+        f16 cache, float32 of an f32 one) and ``layers.{i}.conv`` / ``.ssm`` (float32 DeltaNet states). Only a
+        whole state (``first_row`` 0) can be imported; ``first_row`` past the position is a ``ValueError``."""
     def import_sequence(
         self, tokens: Sequence[int], kv_dtype: str, tensors: dict[str, npt.NDArray[Any]], *, seq: int = 0
     ) -> None:

@@ -18,17 +18,18 @@ Why here and not in Rust: where to take a copy is a matter of the chat format (m
 policy may change with the server's scheduler; the engine gives the mechanisms (``fork``,
 ``copy_sequence``, ``drop_sequence``, ``sequences_bytes``), the cache is a few dozen lines of bookkeeping.
 
-The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps the turn ends (each end-of-prompt entry, and a server
-request's finished reply) also as safetensors files (the state from ``Engine.export_sequence``, its tokens and
-logits, a model fingerprint and checksums), bounded in bytes with the least recently used file deleted first, so
-a restarted process resumes a long conversation from disk. A turn end that extends a file already written (the
-conversation's previous turn) stores only its new K/V rows and its DeltaNet states, with a reference to that
-file, so a conversation's files take O(n) bytes, not O(n^2). Only the export (a copy in memory) runs on the
-caller's thread: the checksums, the encoding and the write (seconds for a long conversation) run on a writer
-thread, ``max_pending`` entries queued at most (one more is dropped and counted, not waited for); a process that
-exits normally, and ``flush()``, wait for the queue. The snapshots taken inside a long prefill stay in memory
-only: each would export the whole state on the engine's thread and write its DeltaNet states (about 63 MB for
-the real model) every ``snapshot_every`` tokens. A lookup takes the longest prefix over both tiers; a file read
+The disk tier (``DiskTier``, ``prefix_cache_dir``) keeps the turn ends (each end-of-prompt entry, the start of
+the prompt's last message, and a server request's finished reply) also as safetensors files (the state from
+``Engine.export_sequence``, its tokens and logits, a model fingerprint and checksums), bounded in bytes with the
+least recently used file deleted first, so a restarted process resumes a long conversation from disk. An entry
+that extends a file already written (the conversation's previous turn, or this prompt's last-message start)
+stores only its new K/V rows and its DeltaNet states, with a reference to that file, so a conversation's files
+take O(n) bytes, not O(n^2). Only the export (a copy in memory) runs on the caller's thread: the checksums, the
+encoding and the write (seconds for a long conversation) run on a writer thread, ``max_pending`` entries queued
+at most (one more is dropped and counted, not waited for); a process that exits normally, and ``flush()``, wait
+for the queue. The snapshots taken every ``snapshot_every`` tokens of a long prefill stay in memory only: each
+would export the whole state on the engine's thread and write its DeltaNet states (about 63 MB for the real
+model). A lookup takes the longest prefix over both tiers; a file read
 back becomes a memory entry. A file that is corrupt, truncated, of another model or of another KV dtype, or that
 extends a file that is missing or broken, is ignored (logged), never loaded.
 
@@ -203,9 +204,10 @@ class DiskTier:
     every hit, so processes sharing the directory agree) deleted first. Files of other models in the
     directory are left alone and not counted.
 
-    Files are incremental: an entry whose tokens extend those of a file already written (the next turn of a
-    conversation) stores only its new rows, with a reference to that parent file (its name and the checksum of
-    its rows), so a conversation of n tokens written at every turn end takes O(n) bytes, not O(n^2). A file:
+    Files are incremental: an entry whose tokens extend those of a file already written or queued (the next turn
+    of a conversation) is exported and stored from that parent file's length on, with a reference to it (its name
+    and the checksum of its rows), so a conversation of n tokens written at every turn end takes O(n) bytes, not
+    O(n^2). A file:
     ``tokens`` (uint32, its own: positions ``start`` to ``position``), the K/V rows of those positions
     (``layers.{i}.k`` / ``.v``), the DeltaNet states at ``position`` (``layers.{i}.conv`` / ``.ssm``, as
     ``Engine.export_sequence`` gives them) and, for an end-of-prompt entry, ``logits``; metadata: the layout tag,
@@ -239,7 +241,9 @@ class DiskTier:
         self.written = 0  # bytes of the files this object wrote
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the writer has emptied the queue
-        self._pending: collections.deque[tuple[str, list[int], dict[str, np.ndarray], Any]] = collections.deque()
+        # name, tokens, tensors (K/V rows from the parent's length on), logits, the parent's name and length
+        self._pending: collections.deque[tuple[str, list[int], dict[str, np.ndarray], Any, str, int]] = (
+            collections.deque())
         self._writer: threading.Thread | None = None
         self._scan()
 
@@ -426,13 +430,15 @@ class DiskTier:
         logits = own.pop("logits", None)
         return e.tokens, {**rows, **own}, logits
 
-    def store(self, tokens: list[int], export: Callable[[], tuple[list[int], dict[str, np.ndarray]]],
+    def store(self, tokens: list[int], export: Callable[[int], tuple[list[int], dict[str, np.ndarray]]],
               logits: np.ndarray | None) -> bool:
-        """Queue a file of the state ``export()`` gives (its tokens, which must be ``tokens``, and tensors),
-        called here only when the entry is queued. False when ``max_pending`` writes are queued already: the
-        entry is dropped and counted (``dropped``), not waited for. An entry held or queued already is not
-        written again. The writer thread writes it atomically, evicting the least recently used files past
-        ``max_bytes`` (an entry larger than the bound is not written); its errors are logged and counted."""
+        """Queue a file of the state ``export(first_row)`` gives (its tokens, which must be ``tokens``, and tensors:
+        K/V rows from ``first_row`` on), called here only when the entry is queued, with the length of the longest
+        file written or queued that ``tokens`` extends (its parent; 0 without one). False when ``max_pending``
+        writes are queued already: the entry is dropped and counted (``dropped``), not waited for. An entry held
+        or queued already is not written again. The writer thread writes it atomically, evicting the least
+        recently used files past ``max_bytes`` (an entry larger than the bound is not written, nor one whose
+        parent is gone by then); its errors are logged and counted."""
         name = self._name(tokens)
         with self._lock:
             if name in self._files or any(p[0] == name for p in self._pending):
@@ -442,7 +448,13 @@ class DiskTier:
                 log.warning("prefix cache: %d disk writes are queued; an entry of %d tokens is not written",
                             len(self._pending), len(tokens))
                 return False
-        got, tensors = export()
+            files = list(self._files.values())
+            queued = [(p[0], len(p[1])) for p in self._pending
+                      if len(p[1]) < len(tokens) and tokens[:len(p[1])] == p[1]]
+        written = self._longest(files, np.asarray(tokens, dtype=np.int64), len(tokens) - 1, lambda e: True)
+        parent = max([*queued, *([(written.name, written.length)] if written is not None else [])],
+                     key=lambda p: p[1], default=("", 0))
+        got, tensors = export(parent[1])
         if got != list(tokens):  # not the state of these tokens: nothing to write
             log.warning("prefix cache: the state of %d tokens was not written: the sequence holds %d others",
                         len(tokens), len(got))
@@ -450,7 +462,7 @@ class DiskTier:
         with self._lock:
             if name in self._files or any(p[0] == name for p in self._pending):  # queued meanwhile by another thread
                 return True
-            self._pending.append((name, list(tokens), tensors, logits))
+            self._pending.append((name, list(tokens), tensors, logits, *parent))
             if self._writer is None:  # not a daemon: a process that exits normally waits for its writes
                 self._writer = threading.Thread(target=self._drain, name="lily-prefix-writer")
                 self._writer.start()
@@ -475,9 +487,10 @@ class DiskTier:
                     self._writer = None
                     self._idle.notify_all()
                     return
-                name, tokens, tensors, logits = self._pending[0]  # stays queued (``holds``) until written
+                item = self._pending[0]  # stays queued (``holds``) until written
+            name, tokens = item[:2]
             try:
-                self._write(name, tokens, tensors, logits)
+                self._write(*item)
             except Exception:  # noqa: BLE001 (the disk tier only saves time: a failed write must not stop the next)
                 log.exception("prefix cache: writing an entry of %d tokens failed", len(tokens))
                 with self._lock:
@@ -487,11 +500,13 @@ class DiskTier:
 
     def _encode(self, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any,
                 parent: _DiskEntry | None) -> tuple[bytes, dict[str, str], np.ndarray]:
-        """The file of a state (``tensors`` of all ``tokens``) extending ``parent``: its bytes, metadata and own
-        tokens."""
+        """The file of a state of ``tokens`` whose ``tensors`` hold the K/V rows after ``parent``'s: its bytes,
+        metadata and own tokens."""
         start = parent.length if parent is not None else 0
-        rows = {k: v[start:] for k, v in tensors.items() if _is_row(k)}
+        rows = {k: v for k, v in tensors.items() if _is_row(k)}
         rows["tokens"] = np.asarray(tokens[start:], dtype=np.uint32)
+        if any(len(v) != len(tokens) - start for v in rows.values()):
+            raise ValueError(f"the state to write holds rows other than {start}..{len(tokens)}")
         rest = {k: v for k, v in tensors.items() if not _is_row(k)}
         if logits is not None:
             rest["logits"] = np.asarray(logits, dtype=np.float32)
@@ -501,31 +516,34 @@ class DiskTier:
                 "fingerprint": self.fingerprint, "rows_checksum": _checksum(rows), "checksum": _checksum(rest)}
         return safetensors.numpy.save({**rows, **rest}, metadata=meta), meta, rows["tokens"]
 
-    def _write(self, name: str, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any) -> None:
-        ids = np.asarray(tokens, dtype=np.int64)
-        while True:
-            with self._lock:
-                if name in self._files:
-                    return
-                files = list(self._files.values())
-            # The longest file this state extends is its parent: only the rows after it are written.
-            parent = self._longest(files, ids, len(tokens) - 1, lambda e: True)
-            data, meta, own = self._encode(tokens, tensors, logits, parent)
-            if len(data) > self.max_bytes:
+    def _write(self, name: str, tokens: list[int], tensors: dict[str, np.ndarray], logits: Any, parent_name: str,
+               start: int) -> None:
+        with self._lock:
+            if name in self._files:
                 return
-            chain = parent.chain() if parent is not None else []
-            with self._lock:  # evict, and reserve the bytes, before writing
-                if parent is not None and self._files.get(parent.name) is not parent:
-                    continue  # dropped meanwhile (a load found it broken): choose again
-                self._touch(chain)  # the chain is evicted last
-                while self._files and self.bytes + len(data) > self.max_bytes:
-                    old = next(iter(self._files.values()))
-                    self._evict(old)
-                    if old in chain:  # this file and the chain it extends do not fit together
-                        break
-                else:
-                    self.bytes += len(data)
-                    break
+            parent = self._files.get(parent_name) if parent_name else None
+            if parent_name and (parent is None or parent.length != start):  # its rows before ``start``: in no file
+                log.warning("prefix cache: an entry of %d tokens is not written: the file it extends is gone",
+                            len(tokens))
+                self.dropped += 1
+                return
+        data, meta, own = self._encode(tokens, tensors, logits, parent)
+        if len(data) > self.max_bytes:
+            return
+        chain = parent.chain() if parent is not None else []
+        with self._lock:  # evict, and reserve the bytes, before writing
+            if parent is not None and self._files.get(parent.name) is not parent:
+                return  # dropped meanwhile (a load found it broken)
+            self._touch(chain)  # the chain is evicted last
+            while self._files and self.bytes + len(data) > self.max_bytes:
+                old = next(iter(self._files.values()))
+                if old in chain:  # this file and the chain it extends do not fit together
+                    log.warning("prefix cache: an entry of %d tokens is not written: with the files it extends it "
+                                "is over the bound of %d bytes", len(tokens), self.max_bytes)
+                    self.dropped += 1
+                    return
+                self._evict(old)
+            self.bytes += len(data)
         path = self.dir / name
         fd, tmp_name = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.", suffix=f".{os.getpid()}.tmp")
         tmp = Path(tmp_name)
@@ -645,14 +663,23 @@ class PrefixCache:
 
     def cuts(self, tokens: list[int], start: int, boundary_id: int | None) -> list[int]:
         """Where a prefill of ``tokens`` from ``start`` keeps copies (before the end of the prompt, which is kept
-        too): every ``snapshot_every`` tokens and the start of the last message (its ``boundary_id``)."""
+        too): every ``snapshot_every`` tokens and the start of the last message (``last_message``)."""
         n, every = len(tokens), self.snapshot_every
         cuts = set(range((start // every + 1) * every, n, every)) if every > 0 else set()
-        if boundary_id is not None:
-            cut = next((i for i in range(n - 1, start, -1) if tokens[i] == boundary_id), None)
-            if cut is not None:
-                cuts.add(cut)
+        cut = self.last_message(tokens, start, boundary_id)
+        if cut is not None:
+            cuts.add(cut)
         return sorted(cuts)
+
+    @staticmethod
+    def last_message(tokens: list[int], start: int, boundary_id: int | None) -> int | None:
+        """The start of the last message of ``tokens`` (its ``boundary_id``) after ``start``, if there is one. Its
+        copy is also written to the disk tier (``persist``): it is what the next turn's prompt shares when the
+        chat template renders the history differently from the prompt it sent (Qwen's drops the reasoning of
+        earlier turns once a new user message comes), so the next turn's files extend it."""
+        if boundary_id is None:
+            return None
+        return next((i for i in range(len(tokens) - 1, start, -1) if tokens[i] == boundary_id), None)
 
     def _from_disk(self, on_disk: _DiskEntry) -> _Entry | None:
         """A memory entry made from a disk file (None if the file or its state cannot be used). It is
@@ -693,11 +720,12 @@ class PrefixCache:
 
     def add(self, tokens: list[int], seq: int, logits: Any = None, persist: bool | None = None) -> None:
         """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry, and with ``persist``
-        (default: for an end-of-prompt entry, the one that has its ``logits``) a file of it in the disk tier."""
+        (default: for an end-of-prompt entry, the one that has its ``logits``; the callers also persist the start of
+        the last message and a finished reply) a file of it in the disk tier."""
         persist = logits is not None if persist is None else persist
         if persist and self.disk is not None:
-            def export() -> tuple[list[int], dict[str, np.ndarray]]:
-                got, _, tensors = self.engine.export_sequence(seq)
+            def export(first_row: int) -> tuple[list[int], dict[str, np.ndarray]]:
+                got, _, tensors = self.engine.export_sequence(seq, first_row=first_row)
                 return got, tensors
 
             self.disk.store(tokens, export, logits)
@@ -845,11 +873,12 @@ class PrefixReuse:
             assert entry is not None
             return entry.logits.copy(), start
         pos = start
+        last = cache.last_message(tokens, start, self.boundary_id)
         for cut in cache.cuts(tokens, start, self.boundary_id):
             eng.prefill(tokens[pos:cut])
             pos = cut
             if not cache.holds(tokens[:cut]):
-                cache.add(tokens[:cut], 0)
+                cache.add(tokens[:cut], 0, persist=cut == last)
         logits = eng.prefill(tokens[pos:])
         cache.add(list(tokens), 0, logits.copy())
         return logits, start

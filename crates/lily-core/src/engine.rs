@@ -1219,11 +1219,11 @@ impl Engine {
         each!(self, r => r.drop_sequence(seq))
     }
 
-    /// Sequence `seq`'s whole state at its position in host memory (tokens, K/V rows in the
-    /// cache dtype, DeltaNet states): to be written back with [`Engine::import_sequence`] here or
-    /// in an engine of the same model in another process.
-    pub fn export_sequence(&self, seq: SeqId) -> Result<SequenceState> {
-        each!(self, r => r.export(seq))
+    /// Sequence `seq`'s state at its position in host memory (tokens, K/V rows in the cache
+    /// dtype from `first_row` on, DeltaNet states): with `first_row` 0, to be written back with
+    /// [`Engine::import_sequence`] here or in an engine of the same model in another process.
+    pub fn export_sequence(&self, seq: SeqId, first_row: usize) -> Result<SequenceState> {
+        each!(self, r => r.export(seq, first_row))
     }
 
     /// Sequence `seq` becomes `state` (what it held before is gone; its KV memory is that of the

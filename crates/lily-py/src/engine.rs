@@ -331,18 +331,20 @@ impl Engine {
             .map_err(PyLilyError::from)?)
     }
 
-    /// Sequence `seq`'s whole state at its position: `(tokens, kv_dtype, tensors)`, the tensors
-    /// K/V rows and DeltaNet states by layer (see `import_sequence`).
-    #[pyo3(signature = (seq = 0))]
+    /// Sequence `seq`'s state at its position: `(tokens, kv_dtype, tensors)`, the tensors K/V
+    /// rows from `first_row` on and DeltaNet states by layer (see `import_sequence`, which takes
+    /// whole states: `first_row` 0).
+    #[pyo3(signature = (seq = 0, *, first_row = 0))]
     fn export_sequence<'py>(
         &self,
         py: Python<'py>,
         seq: i64,
+        first_row: usize,
     ) -> PyResult<(Vec<u32>, &'static str, Bound<'py, PyDict>)> {
         let seq = seq_id(seq)?;
         let (st, width) = self.with(py, |e| {
             let c = e.config();
-            (e.export_sequence(seq), c.num_key_value_heads * c.head_dim)
+            (e.export_sequence(seq, first_row), c.num_key_value_heads * c.head_dim)
         })?;
         transfer::to_python(py, st.map_err(PyLilyError::from)?, width)
     }

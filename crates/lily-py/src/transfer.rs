@@ -25,10 +25,11 @@ pub fn to_python<'py>(
 ) -> PyResult<(Vec<u32>, &'static str, Bound<'py, PyDict>)> {
     let SequenceState {
         tokens,
+        first_row,
         kv_dtype,
         layers,
     } = st;
-    let rows = tokens.len();
+    let rows = tokens.len() - first_row;
     let tensors = PyDict::new(py);
     for (i, layer) in layers.into_iter().enumerate() {
         match layer {
@@ -102,6 +103,7 @@ pub fn from_python(
     }
     Ok(SequenceState {
         tokens,
+        first_row: 0,
         kv_dtype,
         layers,
     })

@@ -148,15 +148,16 @@ def prefill_plan(prefilling: list[Any], budget: int) -> list[tuple[Any, int]]:
 class _Running:
     """A job admitted to the batch: its steps, its engine sequence, how much of its prompt that holds."""
 
-    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "length", "token", "fed", "arrived")
+    __slots__ = ("job", "steps", "ids", "seq", "reused", "done", "cuts", "last", "length", "token", "fed", "arrived")
 
     def __init__(self, job: Job, steps: Steps, ids: list[int], seq: int, reused: int, cuts: list[int],
-                 arrived: int = 0):
+                 arrived: int = 0, last: int | None = None):
         self.job, self.steps, self.ids, self.seq = job, steps, ids, seq
         self.arrived = arrived  # the scheduler step at which it joined the batch (the prefill order's aging)
         self.reused = reused  # prompt tokens resumed from the prefix cache
         self.done = reused  # prompt tokens in the sequence
         self.cuts = cuts  # where the prefill keeps copies in the prefix cache
+        self.last = last  # the cut at the start of the last message, also written to the disk tier
         self.length = reused  # tokens in the sequence
         self.token: int | None = None  # the token to decode at the next step (None: prefilling or finished)
         self.fed: list[int] = []  # generated tokens decoded into the sequence (after the prompt)
@@ -303,7 +304,8 @@ class Scheduler:
             job._put(_END, force=True)
             return
         self.cache.record(reused)
-        r = _Running(job, steps, ids, seq, reused, self.cache.cuts(ids, reused, self.boundary_id), self.steps)
+        r = _Running(job, steps, ids, seq, reused, self.cache.cuts(ids, reused, self.boundary_id), self.steps,
+                     self.cache.last_message(ids, reused, self.boundary_id))
         self._running.append(r)
         if entry is not None and reused == len(ids):  # the identical prompt again: its end-of-prompt logits
             self._answer(r, (entry.logits.copy(), reused))
@@ -339,7 +341,7 @@ class Scheduler:
                 logits = self.engine.prefill(r.ids[r.done:end], seq=r.seq)
                 r.done = r.length = end
                 if end in r.cuts and not self.cache.holds(r.ids[:end]):
-                    self.cache.add(r.ids[:end], r.seq)
+                    self.cache.add(r.ids[:end], r.seq, persist=end == r.last)
                 if end == len(r.ids):
                     self.cache.add(list(r.ids), r.seq, logits.copy())
             except Exception as e:  # this request fails; the others go on

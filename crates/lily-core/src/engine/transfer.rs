@@ -27,6 +27,10 @@ const NO_TOKEN: u32 = u32::MAX;
 pub struct SequenceState {
     /// The tokens behind KV rows 0..position (the position is their count).
     pub tokens: Vec<u32>,
+    /// The first K/V row held below: 0 for a whole state (the only kind an import takes); more
+    /// for the rows a stored earlier state of the same tokens lacks (the prefix cache's disk tier
+    /// writes only those).
+    pub first_row: usize,
     /// Element type of the K/V rows below.
     pub kv_dtype: KvDtype,
     /// One entry per layer of the model, in order.
@@ -36,8 +40,8 @@ pub struct SequenceState {
 /// One layer's part of a [`SequenceState`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerData {
-    /// K and V rows 0..position, each [position, Hkv * hd] values of the cache dtype as
-    /// little-endian bytes.
+    /// K and V rows first_row..position, each [position - first_row, Hkv * hd] values of the
+    /// cache dtype as little-endian bytes.
     Attention { k: Vec<u8>, v: Vec<u8> },
     /// The conv history [taps - 1, conv_dim] and the recurrent state [Hv, Dk, Dv], f32.
     DeltaNet { conv: Vec<f32>, ssm: Vec<f32> },
@@ -50,14 +54,19 @@ impl SequenceState {
 }
 
 impl<B: Backend> Runner<B> {
-    pub(super) fn export(&self, id: SeqId) -> Result<SequenceState> {
+    pub(super) fn export(&self, id: SeqId, first_row: usize) -> Result<SequenceState> {
         self.trusted(id)?;
         let seq = self.seq(id)?;
         let (pos, width) = (seq.pos, seq.state.kv_width);
+        if first_row > pos {
+            return Err(Error::InvalidArgument(format!(
+                "first_row {first_row} is past the sequence's position {pos}"
+            )));
+        }
         let mut staging = vec![0f32; ROWS_PER_PASS.min(pos.max(1)) * width];
         let mut read_rows = |kv: &B::Kv| -> Result<Vec<u8>> {
-            let mut out = Vec::with_capacity(pos * width * self.kv_dtype.size());
-            for row0 in (0..pos).step_by(ROWS_PER_PASS) {
+            let mut out = Vec::with_capacity((pos - first_row) * width * self.kv_dtype.size());
+            for row0 in (first_row..pos).step_by(ROWS_PER_PASS) {
                 let rows = ROWS_PER_PASS.min(pos - row0);
                 let buf = &mut staging[..rows * width];
                 self.b.kv_read(kv, row0, buf)?;
@@ -83,6 +92,7 @@ impl<B: Backend> Runner<B> {
         }
         Ok(SequenceState {
             tokens: seq.cached[..pos].to_vec(),
+            first_row,
             kv_dtype: self.kv_dtype,
             layers,
         })
@@ -110,6 +120,9 @@ impl<B: Backend> Runner<B> {
             )))
         };
         let pos = st.position();
+        if st.first_row != 0 {
+            return bad(format!("it holds K/V rows from {} on, not a whole state", st.first_row));
+        }
         if st.kv_dtype != self.kv_dtype {
             return bad(format!(
                 "its KV rows are {}, this engine's cache is {}",
