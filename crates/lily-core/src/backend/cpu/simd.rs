@@ -514,7 +514,11 @@ pub fn qk8(
         let ahead = ahead.map(|(rows, stride, width)| {
             let (e, ptr, len) = kv_elems(rows);
             let size = if e == x86_elem::F32 { 4 } else { 2 };
-            let n = if len >= width { (len - width) / stride.max(1) + 1 } else { 0 };
+            let n = if len >= width {
+                (len - width) / stride.max(1) + 1
+            } else {
+                0
+            };
             x86::Ahead {
                 ptr,
                 stride: stride * size,

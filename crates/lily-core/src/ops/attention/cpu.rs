@@ -11,6 +11,7 @@ use crate::backend::{
         simd,
     },
     params::{AttentionParams, KvStoreParams, RopeParams},
+    KvDtype,
 };
 
 /// Rows kb..kb + kn (within one segment) of KV head kvh of a cache as f32: (values, row stride).
@@ -41,13 +42,16 @@ const KEY_BLOCK: usize = 32;
 
 /// Causal GQA attention with the sigmoid output gate, tiled with online softmax.
 ///
-/// Layout: qg [T, H, 2hd] (q | gate per head), caches of rows [Hkv, hd] in segments (an f32 cache
-/// is read in place, a 16-bit one widened block by block into the task's scratch), out [T, H, hd].
+/// Layout: qg [T, H, 2hd] (q | gate per head), caches of rows [Hkv, hd] in segments, out [T, H, hd].
 /// Thread mapping: one task per (block of query tokens, KV head). The task's query rows are the
 /// `group` query heads sharing that KV head for each of its tokens (GQA packing: each K/V row is
-/// loaded once per task and used by all of them). Decode: one token, so the tasks are the KV
-/// heads. Keys stream in blocks of KEY_BLOCK: scores by 4 x 4 register tiles, then a running max /
-/// sum per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
+/// loaded once per task and used by all of them). Decode (one token) splits the keys instead
+/// ([`attention_decode`]). Keys stream in blocks of KEY_BLOCK: scores, then a running max / sum
+/// per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
+/// On AVX-512 / AVX2 (hd a multiple of 32) a 16-bit cache is read in place, rows widened in
+/// registers: scores by [`simd::qk8`] (8 query rows per K row load), P.V by [`simd::pv8x32`].
+/// Elsewhere a 16-bit block is widened into the task's scratch; f32 rows are scored in place by
+/// 4 x 4 register tiles.
 pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &CpuKv, out: &mut [f32]) {
     attention_with(Isa::get(), p, qg, k_cache, v_cache, out)
 }
@@ -160,12 +164,27 @@ fn attend_block_body(
     let mut kb = 0;
     while kb < kmax {
         let kn = block_len(kc, kb, kmax, KEY_BLOCK);
-        let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
-        let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
         // Scores [rows8, kn] (rows past nr zero, so P.V tiles of 8 rows read zeros there).
-        scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, kn, |_| {});
+        let vrows = if pv_in_registers(isa, hd) && kc.dtype != KvDtype::F32 {
+            // A 16-bit cache read in place (rows widened in registers), as decode does. f32 rows
+            // keep the 4 x 4 tiles (fewer loads per FMA than qk8's 8 q loads per K load: ~6 %
+            // faster on AVX2; they are read in place there too).
+            let krows = kc.block(kb, kn, kvh * hd);
+            let none = (krows.skip(krows.values()), kc.width, hd);
+            for i0 in (0..nr).step_by(8) {
+                let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(nr - 1)));
+                let out = (&mut sc[i0 * kn..], kn);
+                simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, [none; 2]);
+            }
+            (vc.block(kb, kn, kvh * hd), vc.width)
+        } else {
+            let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
+            let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
+            scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, kn, |_| {});
+            let (vblk, vs) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+            (KvRows::F32(vblk), vs)
+        };
         sc[nr * kn..rows8 * kn].fill(0.0);
-        let vblk = kv_block(vc, kb, kn, kvh, hd, vbuf);
         for i0 in (0..nr).step_by(8) {
             // Online softmax per row over its visible keys of this block; the causally hidden
             // keys get weight 0 (so each 8-row tile runs one P.V over the whole block).
@@ -184,7 +203,6 @@ fn attend_block_body(
                 (mx[i], l[i]) = (m, l[i] * *c + simd::sum(&sr[..vis]));
             }
             let rows = (nr - i0).min(8);
-            let vrows = (KvRows::F32(vblk.0), vblk.1);
             pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
         }
         kb += kn;
@@ -324,7 +342,10 @@ fn attend_split_body(
                     let ahead = match kvh == 0 && i0 == 0 && kn > K_AHEAD {
                         true => [(kall.skip(K_AHEAD * kc.width), kc.width), (vall, vc.width)],
                         // Fetched already: empty streams.
-                        false => [(kall.skip(kall.values()), kc.width), (vall.skip(vall.values()), vc.width)],
+                        false => [
+                            (kall.skip(kall.values()), kc.width),
+                            (vall.skip(vall.values()), vc.width),
+                        ],
                     };
                     simd::qk8(
                         isa,
