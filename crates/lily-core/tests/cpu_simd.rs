@@ -284,6 +284,15 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
         ((16, 1, 64), 1, 332),
         ((6, 1, 80), 1, 700),
         ((6, 1, 80), 1, 5),
+        // Decode tasks cover every KV head of a run of keys: 4 KV heads of 4 query heads, 1 KV
+        // head per query head; runs of 128 keys and blocks of 64 cut one key short or past.
+        ((16, 4, 64), 1, 200),
+        ((4, 4, 32), 1, 128),
+        ((4, 4, 32), 1, 62),
+        ((8, 2, 64), 1, 63),
+        // Prefill in place: a chunk crossing key blocks with 4 KV heads, tokens past one 8-row tile.
+        ((16, 4, 64), 9, 37),
+        ((8, 1, 32), 3, 0),
     ] {
         // Every dtype; segments of 64 rows cut key blocks and decode splits.
         for (isa, (dtype, seg)) in Isa::all_available()

@@ -478,10 +478,10 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mu
 /// out[r * ostride + s] = scale * q[r] . k[s * stride..][..hd] for 8 query rows r and keys s < kn: the
 /// decode-attention scores of a GQA group (the query heads of one KV head), each K row (f32, or
 /// 16-bit widened in registers) loaded once for all 8 rows. AVX-512 and AVX2, hd a multiple of 16.
-/// `ahead`: two streams of rows (values `stride` apart, hd values each) whose row s is prefetched
-/// as key s is scored, where the stream has it: the caller passes K rows a few keys ahead and the
-/// V rows of the same keys, so the misses stay in flight at a steady rate (a burst of a block's
-/// prefetches overflows the core's miss buffers and is dropped or stalls).
+/// `ahead`: two streams of rows (rows, values `stride` apart, values per row) whose row s is
+/// prefetched as key s is scored, where the stream has it: the caller passes K rows a few keys
+/// ahead and the V rows of the same keys, so the misses stay in flight at a steady rate (a burst of
+/// a block's prefetches overflows the core's miss buffers and is dropped or stalls).
 #[allow(clippy::too_many_arguments)]
 pub fn qk8(
     isa: Isa,
@@ -491,7 +491,7 @@ pub fn qk8(
     hd: usize,
     scale: f32,
     (out, ostride): (&mut [f32], usize),
-    ahead: [(KvRows, usize); 2],
+    ahead: [(KvRows, usize, usize); 2],
 ) {
     assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "qk8: AVX-512 or AVX2 only");
     if kn == 0 {
@@ -511,14 +511,18 @@ pub fn qk8(
     // the prefetches inside the `ahead` rows (counted from their lengths).
     unsafe {
         let (q, o) = (q.map(|r| r.as_ptr()), out.as_mut_ptr());
-        let ahead = ahead.map(|(rows, stride)| {
+        let ahead = ahead.map(|(rows, stride, width)| {
             let (e, ptr, len) = kv_elems(rows);
             let size = if e == x86_elem::F32 { 4 } else { 2 };
-            let n = if len >= hd { (len - hd) / stride + 1 } else { 0 };
+            let n = if len >= width {
+                (len - width) / stride.max(1) + 1
+            } else {
+                0
+            };
             x86::Ahead {
                 ptr,
                 stride: stride * size,
-                bytes: hd * size,
+                bytes: width * size,
                 n,
             }
         });

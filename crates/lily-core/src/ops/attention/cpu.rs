@@ -11,6 +11,7 @@ use crate::backend::{
         simd,
     },
     params::{AttentionParams, KvStoreParams, RopeParams},
+    KvDtype,
 };
 
 /// Rows kb..kb + kn (within one segment) of KV head kvh of a cache as f32: (values, row stride).
@@ -41,13 +42,16 @@ const KEY_BLOCK: usize = 32;
 
 /// Causal GQA attention with the sigmoid output gate, tiled with online softmax.
 ///
-/// Layout: qg [T, H, 2hd] (q | gate per head), caches of rows [Hkv, hd] in segments (an f32 cache
-/// is read in place, a 16-bit one widened block by block into the task's scratch), out [T, H, hd].
+/// Layout: qg [T, H, 2hd] (q | gate per head), caches of rows [Hkv, hd] in segments, out [T, H, hd].
 /// Thread mapping: one task per (block of query tokens, KV head). The task's query rows are the
 /// `group` query heads sharing that KV head for each of its tokens (GQA packing: each K/V row is
-/// loaded once per task and used by all of them). Decode: one token, so the tasks are the KV
-/// heads. Keys stream in blocks of KEY_BLOCK: scores by 4 x 4 register tiles, then a running max /
-/// sum per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
+/// loaded once per task and used by all of them). Decode (one token) splits the keys instead
+/// ([`attention_decode`]). Keys stream in blocks of KEY_BLOCK: scores, then a running max / sum
+/// per row rescales the f32 output accumulator (no [T, len] score matrix, any context length).
+/// On AVX-512 / AVX2 (hd a multiple of 32) a 16-bit cache is read in place, rows widened in
+/// registers: scores by [`simd::qk8`] (8 query rows per K row load), P.V by [`simd::pv8x32`].
+/// Elsewhere a 16-bit block is widened into the task's scratch; f32 rows are scored in place by
+/// 4 x 4 register tiles.
 pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &CpuKv, out: &mut [f32]) {
     attention_with(Isa::get(), p, qg, k_cache, v_cache, out)
 }
@@ -160,12 +164,27 @@ fn attend_block_body(
     let mut kb = 0;
     while kb < kmax {
         let kn = block_len(kc, kb, kmax, KEY_BLOCK);
-        let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
-        let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
         // Scores [rows8, kn] (rows past nr zero, so P.V tiles of 8 rows read zeros there).
-        scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, kn, |_| {});
+        let vrows = if pv_in_registers(isa, hd) && kc.dtype != KvDtype::F32 {
+            // A 16-bit cache read in place (rows widened in registers), as decode does. f32 rows
+            // keep the 4 x 4 tiles (fewer loads per FMA than qk8's 8 q loads per K load: ~6 %
+            // faster on AVX2; they are read in place there too).
+            let krows = kc.block(kb, kn, kvh * hd);
+            let none = (krows.skip(krows.values()), kc.width, hd);
+            for i0 in (0..nr).step_by(8) {
+                let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(nr - 1)));
+                let out = (&mut sc[i0 * kn..], kn);
+                simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, [none; 2]);
+            }
+            (vc.block(kb, kn, kvh * hd), vc.width)
+        } else {
+            let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
+            let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
+            scores(isa, nr, kb..kb + kn, p.scale, q_of, krow, sc, kn, |_| {});
+            let (vblk, vs) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+            (KvRows::F32(vblk), vs)
+        };
         sc[nr * kn..rows8 * kn].fill(0.0);
-        let vblk = kv_block(vc, kb, kn, kvh, hd, vbuf);
         for i0 in (0..nr).step_by(8) {
             // Online softmax per row over its visible keys of this block; the causally hidden
             // keys get weight 0 (so each 8-row tile runs one P.V over the whole block).
@@ -184,7 +203,6 @@ fn attend_block_body(
                 (mx[i], l[i]) = (m, l[i] * *c + simd::sum(&sr[..vis]));
             }
             let rows = (nr - i0).min(8);
-            let vrows = (KvRows::F32(vblk.0), vblk.1);
             pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
         }
         kb += kn;
@@ -200,19 +218,21 @@ fn attend_block_body(
     }
 }
 
-/// Keys per decode-attention task (at most).
-const DECODE_SPLIT: usize = 256;
+/// Keys per decode-attention task (at most; each task covers every KV head of its keys).
+const DECODE_SPLIT: usize = 128;
 
-/// Decode attention (one token): the keys of each KV head are split into runs of at most
-/// DECODE_SPLIT (a few per thread; a KV head alone would give 2 tasks for any number of cores),
-/// each task computes its run's softmax partial for the `group` query heads of its KV head
-/// (max m, sum l, unnormalized output), and one task per query head merges the partials:
-/// out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, times the sigmoid gate.
-/// Layout as `attention`; partials [kv_n, splits, group, hd + 2] in caller scratch.
+/// Decode attention (one token): the keys are split into runs of at most DECODE_SPLIT (a few per
+/// thread), each task computes its run's softmax partials for every KV head (max m, sum l,
+/// unnormalized output of the `group` query heads of each), and one task per query head merges the
+/// partials: out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, times the sigmoid gate.
+/// A task reads whole K and V rows (every KV head) of consecutive keys: one forward stream per
+/// cache, which the hardware prefetchers follow (a run per KV head reads every other run of
+/// `hd` values, half of each row's lines, and the prefetchers fetch the other half too).
+/// Layout as `attention`; partials [splits, kv_n, group, hd + 2] in caller scratch.
 fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, out: &mut [f32]) {
     let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
     let (group, len) = (h_n / kv_n, p.pos0 as usize + 1);
-    let want = (4 * pool::threads()).div_ceil(kv_n);
+    let want = 4 * pool::threads();
     // Runs start on block boundaries, so no block of a run is cut short before the last.
     let per = len
         .div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1))
@@ -221,21 +241,20 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &
     let part = group * (hd + 2);
     let rows8 = group.next_multiple_of(8);
     let o = Out(out.as_mut_ptr());
-    with_caller(kv_n * splits * part, |parts| {
+    with_caller(splits * kv_n * part, |parts| {
         let po = Out(parts.as_mut_ptr());
-        pool::for_each(kv_n * splits, |task| {
-            let (kvh, sp) = (task / splits, task % splits);
+        pool::for_each(splits, |sp| {
             let keys = (sp * per, ((sp + 1) * per).min(len));
             with_task(rows8 * SPLIT_BLOCK + 2 * SPLIT_BLOCK * hd, |sc| {
-                // SAFETY: partial `task` is written by this task alone.
-                let dst = unsafe { po.slice(task * part, part) };
-                attend_split(isa, p, qg, kc, vc, kvh, keys, sc, dst)
+                // SAFETY: the partials of split `sp` are written by this task alone.
+                let dst = unsafe { po.slice(sp * kv_n * part, kv_n * part) };
+                attend_split(isa, p, qg, kc, vc, keys, sc, dst)
             });
         });
         let parts: &[f32] = parts;
         pool::for_each(h_n, |h| {
             let (kvh, r) = (h / group, h % group);
-            let part_of = |sp: usize| &parts[(kvh * splits + sp) * part..][..part];
+            let part_of = |sp: usize| &parts[(sp * kv_n + kvh) * part..][..part];
             let m = (0..splits).fold(f32::NEG_INFINITY, |m, sp| m.max(part_of(sp)[group * hd + r]));
             // SAFETY: head h's output row is written by this task alone.
             let y = unsafe { o.slice(h * hd, hd) };
@@ -255,28 +274,29 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &
 
 multiversion! {
     fn attend_split(
-        p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, kvh: usize, keys: (usize, usize),
+        p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, keys: (usize, usize),
         scr: &mut [f32], dst: &mut [f32]
     ) = attend_split_body;
 }
 
-/// Keys per block of a decode-attention partial: the block's scores [rows8, SPLIT_BLOCK] and V
-/// rows (64 KiB at hd 256) stay in L1/L2 between the score and P.V passes.
+/// Keys per block of a decode-attention partial: the block's scores [rows8, SPLIT_BLOCK] stay in
+/// L1, its K and V rows of every KV head (128 KiB of bf16 at 2 KV heads of 256) in L2 between the
+/// KV heads' passes.
 const SPLIT_BLOCK: usize = 64;
 
 /// Keys ahead of the one being scored whose K row the decode kernel prefetches: enough misses in
 /// flight to cover the memory latency at one core's rate, few enough for its miss buffers.
 const K_AHEAD: usize = 8;
 
-/// One decode-attention partial: keys k0..k1 of KV head kvh against its `group` query heads,
-/// in blocks of SPLIT_BLOCK keys with online softmax. Per block: scores into sc [rows8,
-/// SPLIT_BLOCK] (rows past `group` zero) while the block's V rows are prefetched; then each row's
-/// running max / sum rescale its accumulator and acc [group, hd] += P V. On AVX-512 and AVX2
-/// (hd a multiple of 32) both read the cache in place, 16-bit rows widened in registers: scores
-/// by [`simd::qk8`] (each K row loaded once for 8 query rows), P.V by [`simd::pv8x32`] (8 rows x
-/// 32 dims, each V row loaded once per tile). Elsewhere the rows of a block are widened into
-/// scratch, scores by 4 x 4 tiles, P.V by [`pv_rows`]. dst = acc | m [group] | l [group] (sc
-/// needs rows8 * SPLIT_BLOCK floats, then room for a block of K and of V as f32).
+/// One task's decode-attention partials: keys k0..k1 of every KV head against the `group` query
+/// heads of each, in blocks of SPLIT_BLOCK keys with online softmax. Per block and KV head: scores
+/// into sc [rows8, SPLIT_BLOCK] (rows past `group` zero); then each row's running max / sum
+/// rescale its accumulator and acc [group, hd] += P V. On AVX-512 and AVX2 (hd a multiple of 32)
+/// both read the cache in place, 16-bit rows widened in registers: scores by [`simd::qk8`] (each
+/// K row loaded once for 8 query rows), P.V by [`simd::pv8x32`] (8 rows x 32 dims, each V row
+/// loaded once per tile). Elsewhere the rows of a block are widened into scratch, scores by 4 x 4
+/// tiles, P.V by [`pv_rows`]. dst [kv_n] of acc | m [group] | l [group] (sc needs rows8 *
+/// SPLIT_BLOCK floats, then room for a block of K and of V as f32).
 #[inline(always)]
 fn attend_split_body(
     isa: Isa,
@@ -284,88 +304,98 @@ fn attend_split_body(
     qg: &[f32],
     kc: &CpuKv,
     vc: &CpuKv,
-    kvh: usize,
     (k0, k1): (usize, usize),
     scr: &mut [f32],
     dst: &mut [f32],
 ) {
     let (kv_n, hd) = (p.kv_heads as usize, p.head_dim as usize);
     let group = p.heads as usize / kv_n;
+    let part = group * (hd + 2);
     let rows8 = group.next_multiple_of(8);
-    let q_of = |i: usize| &qg[(kvh * group + i) * 2 * hd..][..hd];
     let (sc, rest) = scr.split_at_mut(rows8 * SPLIT_BLOCK);
     let (kbuf, vbuf) = rest.split_at_mut(SPLIT_BLOCK * hd);
-    let (acc, ml) = dst.split_at_mut(group * hd);
-    let (mx, l) = ml.split_at_mut(group);
-    acc.fill(0.0);
-    mx.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
+    for d in dst.chunks_exact_mut(part) {
+        let (acc, ml) = d.split_at_mut(group * hd);
+        let (mx, l) = ml.split_at_mut(group);
+        acc.fill(0.0);
+        mx.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+    }
     let mut corr = [1f32; 8];
     let mut kb = k0;
     while kb < k1 {
         let kn = block_len(kc, kb, k1, SPLIT_BLOCK);
-        let vrows = if pv_in_registers(isa, hd) {
-            // K and V read in place, 16-bit rows widened in registers; each K row loaded once per
-            // 8 query rows. As key s is scored, K row s + K_AHEAD and V row s are prefetched (the
-            // first K_AHEAD rows of the next block at the end of this block's scores, so they
-            // arrive during its P.V pass).
-            let (krows, vrows) = (kc.block(kb, kn, kvh * hd), vc.block(kb, kn, kvh * hd));
-            for i0 in (0..group).step_by(8) {
-                let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(group - 1)));
-                // The second tile of 8 rows (16 query heads per KV head) finds them fetched.
-                let (none_k, none_v) = (krows.skip(krows.values()), vrows.skip(vrows.values()));
-                let ahead = match i0 == 0 && kn > K_AHEAD {
-                    true => [(krows.skip(K_AHEAD * kc.width), kc.width), (vrows, vc.width)],
-                    false => [(none_k, kc.width), (none_v, vc.width)],
+        for (kvh, d) in dst.chunks_exact_mut(part).enumerate() {
+            let (acc, ml) = d.split_at_mut(group * hd);
+            let (mx, l) = ml.split_at_mut(group);
+            let q_of = |i: usize| &qg[(kvh * group + i) * 2 * hd..][..hd];
+            let vrows = if pv_in_registers(isa, hd) {
+                // K and V read in place, 16-bit rows widened in registers; each K row loaded once
+                // per 8 query rows. The first KV head's pass prefetches as key s is scored: whole
+                // K row s + K_AHEAD and V row s (every KV head: the later heads' passes find
+                // them in cache); the first K_AHEAD rows of the next block at the end of the last
+                // head's scores, so they arrive during its P.V pass.
+                let (krows, vrows) = (kc.block(kb, kn, kvh * hd), vc.block(kb, kn, kvh * hd));
+                let (kall, vall) = (kc.block(kb, kn, 0), vc.block(kb, kn, 0));
+                for i0 in (0..group).step_by(8) {
+                    let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(group - 1)));
+                    let ahead = match kvh == 0 && i0 == 0 && kn > K_AHEAD {
+                        true => [(kall.skip(K_AHEAD * kc.width), kc.width), (vall, vc.width)],
+                        // Fetched already: empty streams.
+                        false => [
+                            (kall.skip(kall.values()), kc.width),
+                            (vall.skip(vall.values()), vc.width),
+                        ],
+                    };
+                    simd::qk8(
+                        isa,
+                        qs,
+                        (krows, kc.width),
+                        kn,
+                        hd,
+                        p.scale,
+                        (&mut sc[i0 * kn..], kn),
+                        ahead.map(|(rows, stride)| (rows, stride, stride)),
+                    );
+                }
+                if kb + kn < k1 && kvh + 1 == kv_n {
+                    let next = block_len(kc, kb + kn, k1, K_AHEAD);
+                    (kb + kn..kb + kn + next).for_each(|s| kc.prefetch_row(s, 0, kc.width));
+                }
+                (vrows, vc.width)
+            } else {
+                let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
+                let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
+                // V rows of the keys scored, for the P.V pass, and K rows of the next block
+                // (interleaved with the K stream; a 16-bit cache's rows are widened after the
+                // scores, from cache lines fetched meanwhile).
+                let prefetch = |s: usize| {
+                    vc.prefetch_row(s, kvh * hd, hd);
+                    if s + kn < k1 {
+                        kc.prefetch_row(s + kn, kvh * hd, hd);
+                    }
                 };
-                simd::qk8(
-                    isa,
-                    qs,
-                    (krows, kc.width),
-                    kn,
-                    hd,
-                    p.scale,
-                    (&mut sc[i0 * kn..], kn),
-                    ahead,
-                );
-            }
-            if kb + kn < k1 {
-                let next = block_len(kc, kb + kn, k1, K_AHEAD);
-                (kb + kn..kb + kn + next).for_each(|s| kc.prefetch_row(s, kvh * hd, hd));
-            }
-            (vrows, vc.width)
-        } else {
-            let (kblk, ks) = kv_block(kc, kb, kn, kvh, hd, kbuf);
-            let krow = |s: usize| &kblk[(s - kb) * ks..][..hd];
-            // V rows of the keys scored, for the P.V pass, and K rows of the next block
-            // (interleaved with the K stream; a 16-bit cache's rows are widened after the scores,
-            // from cache lines fetched meanwhile).
-            let prefetch = |s: usize| {
-                vc.prefetch_row(s, kvh * hd, hd);
-                if s + kn < k1 {
-                    kc.prefetch_row(s + kn, kvh * hd, hd);
-                }
+                scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, prefetch);
+                let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
+                (KvRows::F32(vblk), vstride)
             };
-            scores(isa, group, kb..kb + kn, p.scale, q_of, krow, sc, kn, prefetch);
-            let (vblk, vstride) = kv_block(vc, kb, kn, kvh, hd, vbuf);
-            (KvRows::F32(vblk), vstride)
-        };
-        sc[group * kn..rows8 * kn].fill(0.0);
-        for i0 in (0..group).step_by(8) {
-            for (r, c) in corr.iter_mut().enumerate() {
-                let i = i0 + r;
-                if i >= group {
-                    *c = 1.0;
-                    continue;
+            sc[group * kn..rows8 * kn].fill(0.0);
+            for i0 in (0..group).step_by(8) {
+                for (r, c) in corr.iter_mut().enumerate() {
+                    let i = i0 + r;
+                    if i >= group {
+                        *c = 1.0;
+                        continue;
+                    }
+                    let sr = &mut sc[i * kn..][..kn];
+                    let m = sr.iter().fold(mx[i], |m, &x| m.max(x));
+                    sr.iter_mut().for_each(|x| *x = simd::exp(*x - m));
+                    *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
+                    (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
                 }
-                let sr = &mut sc[i * kn..][..kn];
-                let m = sr.iter().fold(mx[i], |m, &x| m.max(x));
-                sr.iter_mut().for_each(|x| *x = simd::exp(*x - m));
-                *c = (mx[i] - m).exp(); // 0 on the first block (mx = -inf)
-                (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
+                let rows = (group - i0).min(8);
+                pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
             }
-            let rows = (group - i0).min(8);
-            pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
         }
         kb += kn;
     }
