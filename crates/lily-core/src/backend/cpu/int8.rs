@@ -382,6 +382,11 @@ pub fn rows_batch(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: us
         stride >= n && out.len() >= (xs.len() - 1) * stride + n,
         "int8 rows_batch: output"
     );
+    if xs.len() == 1 {
+        // One token (most experts of a batched decode step): the row kernel, whose four rows
+        // share each x load (the batched kernel takes one row at a time on 256 bits).
+        return rows(m, x0, &mut out[..n]);
+    }
     assert!(
         xs.iter().all(|x| x.dot == x0.dot && x.n == x0.n),
         "int8 rows_batch: planes of one kind"
@@ -554,11 +559,23 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
+    /// `vpshufb` control moving each i32 lane's three low bytes up one byte (a zero, 0x80, below):
+    /// [`w512::shift`] / [`w256::shift`]. Indices are within each 16-byte lane, as `vpshufb` reads them.
+    static SHL8: [i8; 64] = {
+        let mut c = [0i8; 64];
+        let mut i = 0;
+        while i < 64 {
+            c[i] = if i % 4 == 0 { -128 } else { (i % 16 - 1) as i8 };
+            i += 1;
+        }
+        c
+    };
+
     /// The vector operations of [`rows_kernel`] for one register width, under the same names.
     macro_rules! width {
         ($m:ident, $feat:literal, b = $b:literal, lanes = $lanes:literal, $vi:ty, $vf:ty, $half:ty,
          load = $load:ident, loadh = $loadh:ident, loadf = $loadf:ident, set1 = $set1:ident, set1f = $set1f:ident,
-         and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
+         and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, shufb = $shufb:ident, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
          cvt = $cvt:ident, fma = $fma:ident, mul = $mul:ident, hsum = $hsum:path, perm = $perm:expr,
          widen16 = $widen16:ident, cvtph = $cvtph:ident, cast = $cast:ident, part = $part:ident) => {
             mod $m {
@@ -589,10 +606,19 @@ mod x86 {
                     let m = $set1(15);
                     ($and(v, m), $and($srli::<4>(v), m))
                 }
+                /// v << 8 per i32 lane as a byte shuffle (each lane's bytes b0 b1 b2 moved up one, a zero
+                /// below; b3 dropped), not a shift: on Intel server cores the 512-bit shifts and byte dots
+                /// both issue on port 0 only, which the exact mode's six dots per block already fill,
+                /// while `vpshufb` issues on port 5 (Intel's port tables; on AVX2 cores both are one
+                /// single-cycle uop on the same pipes).
+                /// Equal to the shift for |v| < 2^23, which the planes' partial sums stay under
+                /// (module docs: |a0| <= 8 * 15 * 127, and (a0 << 8) + a1 < 2^22 before the second).
                 #[target_feature(enable = $feat)]
                 #[inline]
                 pub fn shift(v: I) -> I {
-                    $slli32::<{ super::SHIFT as _ }>(v)
+                    const _: () = assert!(super::SHIFT == 8);
+                    // SAFETY: SHL8 holds at least as many bytes as one register.
+                    unsafe { $shufb(v, $load(super::SHL8.as_ptr() as *const I)) }
                 }
                 #[target_feature(enable = $feat)]
                 #[inline]
@@ -703,6 +729,7 @@ mod x86 {
         and = _mm512_and_si512,
         srli = _mm512_srli_epi16,
         slli32 = _mm512_slli_epi32,
+        shufb = _mm512_shuffle_epi8,
         addi = _mm512_add_epi32,
         zero = _mm512_setzero_si512,
         zerof = _mm512_setzero_ps,
@@ -732,6 +759,7 @@ mod x86 {
         and = _mm256_and_si256,
         srli = _mm256_srli_epi16,
         slli32 = _mm256_slli_epi32,
+        shufb = _mm256_shuffle_epi8,
         addi = _mm256_add_epi32,
         zero = _mm256_setzero_si256,
         zerof = _mm256_setzero_ps,
