@@ -3,9 +3,10 @@
 //! - [`gemv`] (decode, one activation row): each weight row is dotted straight from its packed
 //!   bytes ([`simd::rows_dot`]), so every weight byte is read once; rows are split into a few
 //!   contiguous ranges per pool thread so both cores stream memory. [`gemv_many`]: several
-//!   matrices reading the same x as one pool loop (`matmuls`).
-//! - [`gemv_batch`] (a batched decode step, up to [`GEMV_BATCH_MAX`] rows): the GEMV per row,
-//!   each block of weight rows dotted with every activation row while it is in cache.
+//!   matrices reading the same x as one pool loop (`matmuls`), for one token or a batched step's.
+//! - [`gemv_batch`] (a batched decode step, up to [`GEMV_BATCH_MAX`] rows; [`gemv_many`] of one
+//!   matrix): the GEMV per row, each block of weight rows dotted with every activation row while
+//!   it is in cache.
 //! - [`gemm`] (prefill, many activation rows): a block of weight rows is dequantized once into
 //!   an f32 tile (per-thread scratch), K-major for the outer-product kernel where the ISA has one
 //!   (32 or 16 rows x up to 6 activation rows per pass), else row-major for 4 x 4 dot tiles
