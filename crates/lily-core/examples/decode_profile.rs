@@ -2,8 +2,11 @@
 //! warm, is timed), run decode steps, and print the per-kernel wall time (per weight matrix for
 //! matmuls, with the GB/s each reached; prefill and decode kernels apart).
 //!
-//! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT]`
+//! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT] [BATCH]`
 //! (e.g. on `lily synth /tmp/synth4 --layers 4`; pin cores with `taskset` for stable numbers).
+//! BATCH > 1: BATCH - 1 more sequences, each prefilled with its own prompt (so each routes to its
+//! own experts, as independent requests do), and the steps are batched decode steps over all of
+//! them (`Engine::decode_batch`), each sequence fed its own token.
 
 use std::{path::Path, time::Instant};
 
@@ -12,10 +15,11 @@ use lily_core::engine::{BackendKind, Engine};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let Some(dir) = args.get(1) else {
-        return Err("usage: decode_profile MODEL [STEPS=32] [CONTEXT=256]".into());
+        return Err("usage: decode_profile MODEL [STEPS=32] [CONTEXT=256] [BATCH=1]".into());
     };
     let steps: usize = args.get(2).map_or(Ok(32), |s| s.parse())?;
     let context: usize = args.get(3).map_or(Ok(256), |s| s.parse())?;
+    let batch: usize = args.get(4).map_or(Ok(1), |s| s.parse())?;
     if std::env::var("LILY_CPU_PROFILE").is_err() {
         eprintln!("note: set LILY_CPU_PROFILE=1 for the per-kernel table");
     }
@@ -29,16 +33,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "context {context}: {:.1} prefill tok/s (warm)",
         context as f64 / t.elapsed().as_secs_f64()
     );
+    let mut seqs = vec![0];
+    for i in 1..batch as u32 {
+        let s = engine.new_sequence()?;
+        let prompt: Vec<u32> = (1..=context as u32).map(|t| t * 7 + i * 1000).collect();
+        engine.prefill_in(s, &prompt, false, &mut || Ok(()))?;
+        seqs.push(s);
+    }
+    let pairs: Vec<(usize, u32)> = seqs.iter().map(|&s| (s, 5 + 11 * s as u32)).collect();
+    let mut logits = vec![0f32; batch * engine.vocab_size()];
+    let mut step = |engine: &mut Engine| match batch {
+        1 => engine.decode(5).map(drop),
+        _ => engine.decode_batch(&pairs, &mut logits),
+    };
     for _ in 0..3 {
-        engine.decode(5)?; // warm-up
+        step(&mut engine)?; // warm-up
     }
     let t = Instant::now();
     for _ in 0..steps {
-        engine.decode(5)?;
+        step(&mut engine)?;
     }
     eprintln!(
-        "context {context}: {:.2} decode tok/s over {steps} steps",
-        steps as f64 / t.elapsed().as_secs_f64()
+        "context {context}, batch {batch}: {:.2} aggregate decode tok/s over {steps} steps",
+        (batch * steps) as f64 / t.elapsed().as_secs_f64()
     );
     Ok(())
 }

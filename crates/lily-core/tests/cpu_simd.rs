@@ -344,12 +344,13 @@ fn gemv_many_matches_one_gemv_each() {
     let _g = serial();
     // A layer's projections of one x: 4-bit of several heights (two sharing a prepared x), an
     // 8-bit router, a one-row gate, bf16, 4-bit group 32 (its own prepared x); and a 2-bit
-    // matrix, which sends the call to the per-matrix path.
+    // matrix, which sends the call to the per-matrix path (one token only: `fuses` keeps a
+    // batched step of it apart). One token (decode) and a batched decode step's several (each
+    // token's result bit for bit its lone GEMV's, in both precisions).
     let (q4, q8) = (
         Format::Affine { bits: 4, group: 64 },
         Format::Affine { bits: 8, group: 64 },
     );
-    let x = rand_vec(256, 3, -1.0, 1.0);
     let sets: [&[(usize, Format)]; 2] = [
         &[
             (700, q4),
@@ -361,20 +362,47 @@ fn gemv_many_matches_one_gemv_each() {
         ],
         &[(40, q4), (17, Format::Affine { bits: 2, group: 64 })],
     ];
-    for (k, set) in sets.iter().enumerate() {
-        let ms: Vec<Matrix> = set
-            .iter()
-            .enumerate()
-            .map(|(i, &(rows, f))| matrix(1, rows, 256, f, DType::BF16, 10 * k as u64 + i as u64))
-            .collect();
-        let refs: Vec<&Matrix> = ms.iter().collect();
-        let mut outs: Vec<Vec<f32>> = ms.iter().map(|m| vec![f32::NAN; m.rows]).collect();
-        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-        matmul::cpu::gemv_many(Isa::get(), Precision::Exact, &refs, 0, &x, &mut slices);
-        for (m, got) in ms.iter().zip(&outs) {
-            let mut want = vec![0f32; m.rows];
-            matmul::cpu::gemv(Isa::get(), Precision::Exact, m, 0, &x, &mut want);
-            assert_eq!(got, &want, "gemv_many set {k}, {} rows {:?}", m.rows, m.format);
+    for prec in [Precision::Exact, Precision::Fast] {
+        for (k, set) in sets.iter().enumerate() {
+            let ms: Vec<Matrix> = set
+                .iter()
+                .enumerate()
+                .map(|(i, &(rows, f))| matrix(1, rows, 256, f, DType::BF16, 10 * k as u64 + i as u64))
+                .collect();
+            let refs: Vec<&Matrix> = ms.iter().collect();
+            let p = |t: usize| MatmulParams {
+                tokens: t as u32,
+                x_row0: 0,
+            };
+            assert!(matmul::cpu::fuses(&p(1), &refs), "set {k}: one token fuses");
+            for tokens in [1usize, 3, 8, 9] {
+                let fused = matmul::cpu::fuses(&p(tokens), &refs);
+                assert_eq!(
+                    fused,
+                    tokens == 1 || (k == 0 && tokens <= 8),
+                    "set {k}, {tokens} tokens: fuses"
+                );
+                if !fused {
+                    continue;
+                }
+                let x = rand_vec(tokens * 256, 3 + tokens as u64, -1.0, 1.0);
+                let mut outs: Vec<Vec<f32>> = ms.iter().map(|m| vec![f32::NAN; tokens * m.rows]).collect();
+                let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                matmul::cpu::gemv_many(Isa::get(), prec, &refs, 0, &x, tokens, &mut slices);
+                for (m, got) in ms.iter().zip(&outs) {
+                    for t in 0..tokens {
+                        let mut want = vec![0f32; m.rows];
+                        matmul::cpu::gemv(Isa::get(), prec, m, 0, &x[t * 256..][..256], &mut want);
+                        assert_eq!(
+                            &got[t * m.rows..][..m.rows],
+                            &want[..],
+                            "gemv_many {prec:?} set {k}, token {t} of {tokens}, {} rows {:?}",
+                            m.rows,
+                            m.format
+                        );
+                    }
+                }
+            }
         }
     }
 }

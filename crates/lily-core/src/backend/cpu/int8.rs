@@ -382,6 +382,11 @@ pub fn rows_batch(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: us
         stride >= n && out.len() >= (xs.len() - 1) * stride + n,
         "int8 rows_batch: output"
     );
+    if xs.len() == 1 {
+        // One token (most experts of a batched decode step): the row kernel, whose four rows
+        // share each x load (the batched kernel takes one row at a time on 256 bits).
+        return rows(m, x0, &mut out[..n]);
+    }
     assert!(
         xs.iter().all(|x| x.dot == x0.dot && x.n == x0.n),
         "int8 rows_batch: planes of one kind"
@@ -554,11 +559,91 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
+    /// `vpshufb` control moving each i32 lane's three low bytes up one byte (a zero, 0x80, below):
+    /// [`shl8_512`]. Indices are within each 16-byte lane, as `vpshufb` reads them.
+    pub(super) static SHL8: [i8; 64] = {
+        let mut c = [0i8; 64];
+        let mut i = 0;
+        while i < 64 {
+            c[i] = if i % 4 == 0 { -128 } else { (i % 16 - 1) as i8 };
+            i += 1;
+        }
+        c
+    };
+
+    /// v << 8 per i32 lane on 512 bits as a byte shuffle (each lane's bytes b0 b1 b2 moved up one,
+    /// a zero below, b3 dropped), not a shift: on Intel server cores the 512-bit shifts and byte
+    /// dots both issue on port 0 only, which the exact mode's six dots per block already fill,
+    /// while `vpshufb` issues on port 5 (Intel's port tables: argued, not yet measured). Equal to
+    /// the shift for |v| < 2^23, which the planes' partial sums stay under (module docs: |a0| <=
+    /// 8 * 15 * 127, and (a0 << 8) + a1 < 2^22 before the second shift).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    pub(super) fn shl8_512(v: __m512i) -> __m512i {
+        // SAFETY: SHL8 holds 64 bytes.
+        unsafe { _mm512_shuffle_epi8(v, _mm512_loadu_si512(SHL8.as_ptr() as *const __m512i)) }
+    }
+
+    /// v << 8 per i32 lane on 256 bits: a shift. AVX2 has 16 registers, and the shuffle's control
+    /// would take one the batched kernel needs (on Zen 4 the shuffle form measured 5-10 % slower
+    /// on the lm_head of a batched step; both are one single-cycle uop there).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn shl8_256(v: __m256i) -> __m256i {
+        _mm256_slli_epi32::<8>(v)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use std::arch::x86_64::*;
+
+        /// SHL8 as `vpshufb` control is << 8 on every i32 in the planes' range (checked with the
+        /// 256-bit shuffle, whose per-lane semantics the 512-bit one shares, and on 512 bits where
+        /// the CPU has AVX-512 BW).
+        #[test]
+        fn shl8_control_is_a_shift_by_8_in_range() {
+            if !is_x86_feature_detected!("avx2") {
+                return;
+            }
+            let mut vals: Vec<i32> = vec![0, 1, -1, 255, -256, (1 << 23) - 1, -(1 << 23), 15240, -15240, 3_917_000];
+            let mut s = 0x9e37_79b9u32;
+            for _ in 0..4096 {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                vals.push((s as i32) >> 8); // |v| < 2^23
+            }
+            for c in vals.chunks(16) {
+                let mut v = [0i32; 16];
+                v[..c.len()].copy_from_slice(c);
+                let want: Vec<i32> = v.iter().map(|x| x << 8).collect();
+                let mut got = [0i32; 16];
+                // SAFETY: AVX2 checked above; 16 i32 buffers.
+                unsafe {
+                    let ctl = _mm256_loadu_si256(super::SHL8.as_ptr() as *const __m256i);
+                    for h in 0..2 {
+                        let x = _mm256_loadu_si256(v.as_ptr().add(8 * h) as *const __m256i);
+                        _mm256_storeu_si256(got.as_mut_ptr().add(8 * h) as *mut __m256i, _mm256_shuffle_epi8(x, ctl));
+                    }
+                }
+                assert_eq!(got.to_vec(), want, "256-bit shuffle of {v:?}");
+                if is_x86_feature_detected!("avx512bw") {
+                    // SAFETY: AVX-512 BW checked; 16 i32 buffers.
+                    unsafe {
+                        let x = _mm512_loadu_si512(v.as_ptr() as *const __m512i);
+                        _mm512_storeu_si512(got.as_mut_ptr() as *mut __m512i, super::shl8_512(x));
+                    }
+                    assert_eq!(got.to_vec(), want, "512-bit shl8 of {v:?}");
+                }
+            }
+        }
+    }
+
     /// The vector operations of [`rows_kernel`] for one register width, under the same names.
     macro_rules! width {
         ($m:ident, $feat:literal, b = $b:literal, lanes = $lanes:literal, $vi:ty, $vf:ty, $half:ty,
          load = $load:ident, loadh = $loadh:ident, loadf = $loadf:ident, set1 = $set1:ident, set1f = $set1f:ident,
-         and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
+         and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, shl8 = $shl8:path, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
          cvt = $cvt:ident, fma = $fma:ident, mul = $mul:ident, hsum = $hsum:path, perm = $perm:expr,
          widen16 = $widen16:ident, cvtph = $cvtph:ident, cast = $cast:ident, part = $part:ident) => {
             mod $m {
@@ -589,10 +674,12 @@ mod x86 {
                     let m = $set1(15);
                     ($and(v, m), $and($srli::<4>(v), m))
                 }
+                /// v << 8 per i32 lane (chaining the planes).
                 #[target_feature(enable = $feat)]
                 #[inline]
                 pub fn shift(v: I) -> I {
-                    $slli32::<{ super::SHIFT as _ }>(v)
+                    const _: () = assert!(super::SHIFT == 8);
+                    $shl8(v)
                 }
                 #[target_feature(enable = $feat)]
                 #[inline]
@@ -703,6 +790,7 @@ mod x86 {
         and = _mm512_and_si512,
         srli = _mm512_srli_epi16,
         slli32 = _mm512_slli_epi32,
+        shl8 = super::shl8_512,
         addi = _mm512_add_epi32,
         zero = _mm512_setzero_si512,
         zerof = _mm512_setzero_ps,
@@ -732,6 +820,7 @@ mod x86 {
         and = _mm256_and_si256,
         srli = _mm256_srli_epi16,
         slli32 = _mm256_slli_epi32,
+        shl8 = super::shl8_256,
         addi = _mm256_add_epi32,
         zero = _mm256_setzero_si256,
         zerof = _mm256_setzero_ps,

@@ -3,9 +3,10 @@
 //! - [`gemv`] (decode, one activation row): each weight row is dotted straight from its packed
 //!   bytes ([`simd::rows_dot`]), so every weight byte is read once; rows are split into a few
 //!   contiguous ranges per pool thread so both cores stream memory. [`gemv_many`]: several
-//!   matrices reading the same x as one pool loop (`matmuls`).
-//! - [`gemv_batch`] (a batched decode step, up to [`GEMV_BATCH_MAX`] rows): the GEMV per row,
-//!   each block of weight rows dotted with every activation row while it is in cache.
+//!   matrices reading the same x as one pool loop (`matmuls`), for one token or a batched step's.
+//! - [`gemv_batch`] (a batched decode step, up to [`GEMV_BATCH_MAX`] rows; [`gemv_many`] of one
+//!   matrix): the GEMV per row, each block of weight rows dotted with every activation row while
+//!   it is in cache.
 //! - [`gemm`] (prefill, many activation rows): a block of weight rows is dequantized once into
 //!   an f32 tile (per-thread scratch), K-major for the outer-product kernel where the ISA has one
 //!   (32 or 16 rows x up to 6 activation rows per pass), else row-major for 4 x 4 dot tiles
@@ -57,30 +58,55 @@ pub fn gemv(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], out: &mu
         });
         return;
     }
-    gemv_many(isa, prec, &[m], e, x, &mut [out])
+    gemv_many(isa, prec, &[m], e, x, 1, &mut [out])
 }
 
 /// Most matrices [`gemv_many`] takes in one call.
 pub const MANY: usize = 8;
 
-/// outs[i] = expert e of W_i . x for up to [`MANY`] matrices sharing x (decode): x prepared once per
-/// distinct format and width, and every matrix's row ranges are the tasks of one pool loop
-/// (one fork-join and one tail instead of one per matrix; a layer's small projections cost
-/// ~15 us each on their own). outs[i] holds W_i's rows.
-pub fn gemv_many(isa: Isa, prec: Precision, ms: &[&Matrix], e: usize, x: &[f32], outs: &mut [&mut [f32]]) {
+/// outs[i][t * n_i + r] = row r of expert e of W_i . x[t] for up to [`MANY`] matrices sharing x
+/// [tokens, k] (decode: one token; a batched decode step: up to [`GEMV_BATCH_MAX`]): x prepared
+/// once per token and distinct format and width, and every matrix's row ranges are the tasks of
+/// one pool loop (one fork-join and one tail instead of one per matrix; a layer's small
+/// projections cost ~15 us each on their own). Several tokens: each block of
+/// [`GEMV_BATCH_ROWS`] weight rows is dotted from its packed bytes with every token while it is in
+/// cache, up to [`ROWS_BATCH`] tokens per pass of the batched row kernel ([`gemv_rows_batch`]);
+/// each token's result is bit for bit what it gets alone. outs[i] holds tokens x W_i's rows.
+pub fn gemv_many(
+    isa: Isa,
+    prec: Precision,
+    ms: &[&Matrix],
+    e: usize,
+    x: &[f32],
+    tokens: usize,
+    outs: &mut [&mut [f32]],
+) {
     let n = ms.len();
-    assert!(n <= MANY && outs.len() == n, "gemv_many: {n} matrices");
+    assert!(
+        n <= MANY && outs.len() == n && tokens >= 1,
+        "gemv_many: {n} matrices, {tokens} tokens"
+    );
     if ms.iter().any(|m| !simd::has_row_kernel(m)) {
+        assert!(
+            tokens == 1,
+            "gemv_many: {tokens} tokens and a matrix without a row kernel"
+        );
         for (m, out) in ms.iter().zip(outs.iter_mut()) {
             gemv(isa, prec, m, e, x, out);
         }
         return;
     }
-    // Matrix i reads the x prepared at off[i]: its own, or an earlier one of the same format.
+    let k = ms[0].cols;
+    assert!(
+        ms.iter().all(|m| m.cols == k) && x.len() >= tokens * k,
+        "gemv_many: x is [{tokens}, {k}]"
+    );
+    // Matrix i reads the x prepared at off[i] (per token, `total` floats apart): its own, or an
+    // earlier one of the same format.
     let (mut off, mut total) = ([0usize; MANY], 0);
     let mut own = [false; MANY];
     for i in 0..n {
-        match (0..i).find(|&j| ms[j].format == ms[i].format && ms[j].cols == ms[i].cols) {
+        match (0..i).find(|&j| ms[j].format == ms[i].format) {
             Some(j) => off[i] = off[j],
             None => (off[i], own[i], total) = (total, true, total + simd::prep_len(ms[i])),
         }
@@ -88,23 +114,54 @@ pub fn gemv_many(isa: Isa, prec: Precision, ms: &[&Matrix], e: usize, x: &[f32],
     let (mut chunk, mut start) = ([0usize; MANY], [0usize; MANY + 1]);
     let mut out_p = [Out(std::ptr::null_mut()); MANY];
     for i in 0..n {
-        assert!(outs[i].len() >= ms[i].rows, "gemv_many: output {i} too short");
+        assert!(outs[i].len() >= tokens * ms[i].rows, "gemv_many: output {i} too short");
         chunk[i] = gemv_chunk(ms[i].rows, ms[i].bytes_per_row());
         start[i + 1] = start[i] + ms[i].rows.div_ceil(chunk[i]);
         out_p[i] = Out(outs[i].as_mut_ptr());
     }
-    with_caller(total, |buf| {
-        for i in (0..n).filter(|&i| own[i]) {
-            simd::prepare(isa, prec, ms[i], x, &mut buf[off[i]..][..simd::prep_len(ms[i])]);
+    with_caller(tokens * total, |buf| {
+        for (t, bt) in buf.chunks_exact_mut(total).enumerate() {
+            for i in (0..n).filter(|&i| own[i]) {
+                let m = ms[i];
+                simd::prepare(isa, prec, m, &x[t * k..][..k], &mut bt[off[i]..][..simd::prep_len(m)]);
+            }
         }
         let buf: &[f32] = buf;
-        pool::for_each(start[n], |t| {
-            let i = (0..n).rfind(|&i| start[i] <= t).unwrap_or(0);
-            let (m, r0) = (ms[i], (t - start[i]) * chunk[i]);
-            let xr = simd::view(isa, prec, m, x, &buf[off[i]..][..simd::prep_len(m)]);
-            // SAFETY: rows r0.. of output i belong to this task alone.
-            let o = unsafe { out_p[i].slice(r0, chunk[i].min(m.rows - r0)) };
-            with_task(simd::row_scratch_len(m), |sb| gemv_rows(isa, m, e, r0, xr, sb, o));
+        let view = |m: &Matrix, i: usize, t: usize| {
+            simd::view(
+                isa,
+                prec,
+                m,
+                &x[t * k..][..k],
+                &buf[t * total + off[i]..][..simd::prep_len(m)],
+            )
+        };
+        pool::for_each(start[n], |task| {
+            let i = (0..n).rfind(|&i| start[i] <= task).unwrap_or(0);
+            let (m, r0) = (ms[i], (task - start[i]) * chunk[i]);
+            let rows = r0..(r0 + chunk[i]).min(m.rows);
+            let sb_len = simd::row_scratch_len(m);
+            if tokens == 1 {
+                // SAFETY: rows r0.. of output i belong to this task alone.
+                let o = unsafe { out_p[i].slice(r0, rows.len()) };
+                return with_task(sb_len, |sb| gemv_rows(isa, m, e, r0, view(m, i, 0), sb, o));
+            }
+            with_task(sb_len + ROWS_BATCH * GEMV_BATCH_ROWS, |scr| {
+                let (sb, y) = scr.split_at_mut(sb_len);
+                for b0 in rows.clone().step_by(GEMV_BATCH_ROWS) {
+                    let rn = GEMV_BATCH_ROWS.min(rows.end - b0);
+                    for t0 in (0..tokens).step_by(ROWS_BATCH) {
+                        let tn = ROWS_BATCH.min(tokens - t0);
+                        let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| view(m, i, t0 + j.min(tn - 1)));
+                        gemv_rows_batch(isa, m, e, b0, &xr[..tn], rn, sb, y);
+                        for j in 0..tn {
+                            // SAFETY: rows b0..b0 + rn of every token's output i belong to this task alone.
+                            let dst = unsafe { out_p[i].slice((t0 + j) * m.rows + b0, rn) };
+                            dst.copy_from_slice(&y[j * rn..][..rn]);
+                        }
+                    }
+                }
+            })
         });
     })
 }
@@ -113,53 +170,16 @@ pub fn gemv_many(isa: Isa, prec: Precision, ms: &[&Matrix], e: usize, x: &[f32],
 /// it the dequantized-tile [`gemm`] amortizes its dequantization better.
 pub const GEMV_BATCH_MAX: usize = 8;
 
-/// Weight rows per inner block of [`gemv_batch`]: 32 rows of a 2048-wide 4-bit matrix (32 KiB)
-/// stay in L1/L2 while every activation row is dotted with them.
+/// Weight rows per inner block of [`gemv_many`] over several tokens: 32 rows of a 2048-wide 4-bit
+/// matrix (32 KiB) stay in L1/L2 while every activation row is dotted with them.
 const GEMV_BATCH_ROWS: usize = 32;
 
 /// out[t * n + r] = W[r] . x[t] for t < tokens (a batched decode step, up to [`GEMV_BATCH_MAX`];
-/// any prefill where [`int8_prefill`]): the GEMV of [`gemv`], each block of weight rows read from memory once and dotted from the packed
-/// bytes with every activation row while it is in cache, up to [`ROWS_BATCH`] rows per pass of the
-/// batched row kernel ([`gemv_rows_batch`]: each weight block unpacked once for several rows); each
-/// row's result is exactly what [`gemv`] gives for that row alone. Threads: contiguous row ranges,
-/// as [`gemv`].
+/// any prefill where [`int8_prefill`]): [`gemv_many`] of one matrix, each token's result exactly
+/// what [`gemv`] gives it alone. Threads: contiguous row ranges, as [`gemv`].
 pub fn gemv_batch(isa: Isa, prec: Precision, m: &Matrix, e: usize, x: &[f32], tokens: usize, out: &mut [f32]) {
-    let (n, k) = (m.rows, m.cols);
     assert!(simd::has_row_kernel(m), "gemv_batch: {tokens} rows");
-    let pl = simd::prep_len(m);
-    let o = Out(out.as_mut_ptr());
-    let chunk = gemv_chunk(n, m.bytes_per_row());
-    with_caller(tokens * pl, |buf| {
-        for t in 0..tokens {
-            simd::prepare(isa, prec, m, &x[t * k..][..k], &mut buf[t * pl..][..pl]);
-        }
-        let buf: &[f32] = buf;
-        let sb_len = simd::row_scratch_len(m);
-        pool::for_each(n.div_ceil(chunk), |c| {
-            let rows = c * chunk..((c + 1) * chunk).min(n);
-            with_task(sb_len + ROWS_BATCH * GEMV_BATCH_ROWS, |scr| {
-                let (sb, y) = scr.split_at_mut(sb_len);
-                let mut r0 = rows.start;
-                while r0 < rows.end {
-                    let rn = GEMV_BATCH_ROWS.min(rows.end - r0);
-                    for t0 in (0..tokens).step_by(ROWS_BATCH) {
-                        let tn = ROWS_BATCH.min(tokens - t0);
-                        let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| {
-                            let t = t0 + j.min(tn - 1);
-                            simd::view(isa, prec, m, &x[t * k..][..k], &buf[t * pl..][..pl])
-                        });
-                        gemv_rows_batch(isa, m, e, r0, &xr[..tn], rn, sb, y);
-                        for j in 0..tn {
-                            // SAFETY: rows r0..r0 + rn of every token's output belong to this task alone.
-                            let dst = unsafe { o.slice((t0 + j) * n + r0, rn) };
-                            dst.copy_from_slice(&y[j * rn..][..rn]);
-                        }
-                    }
-                    r0 += rn;
-                }
-            })
-        });
-    })
+    gemv_many(isa, prec, &[m], e, x, tokens, &mut [out])
 }
 
 multiversion! {
@@ -352,19 +372,25 @@ pub fn matmul_with(isa: Isa, prec: Precision, p: &MatmulParams, w: &Matrix, x: &
     }
 }
 
-/// Whether [`matmuls`] takes these matrices as one pool loop: one token, 1 ..= [`MANY`] matrices.
+/// Whether [`matmuls`] takes these matrices as one pool loop ([`gemv_many`]): 1 ..= [`MANY`]
+/// matrices of one width and either one token or a batched decode step's few (up to
+/// [`GEMV_BATCH_MAX`], every matrix with a row kernel: what [`matmul_with`] would run on each).
 pub fn fuses(p: &MatmulParams, ws: &[&Matrix]) -> bool {
-    p.tokens == 1 && (1..=MANY).contains(&ws.len())
+    let t = p.tokens as usize;
+    (1..=MANY).contains(&ws.len())
+        && ws.iter().all(|w| w.cols == ws[0].cols)
+        && (t == 1 || (t <= GEMV_BATCH_MAX && ws.iter().all(|w| simd::has_row_kernel(w))))
 }
 
 /// outs[i] = x W_i^T for matrices reading the same x (a layer's input projections) where
 /// [`fuses`] says so: one pool loop over every matrix's rows ([`gemv_many`]).
 pub fn matmuls(prec: Precision, p: &MatmulParams, x: &[f32], ws: &[&Matrix], outs: &mut [&mut Vec<f32>]) {
     assert!(fuses(p, ws), "matmuls: {} matrices of {} tokens", ws.len(), p.tokens);
+    let t = p.tokens as usize;
     let x = &x[p.x_row0 as usize * ws[0].cols..];
     let mut slices: [&mut [f32]; MANY] = Default::default();
     for ((s, out), w) in slices.iter_mut().zip(outs.iter_mut()).zip(ws) {
-        *s = &mut out[..w.rows];
+        *s = &mut out[..t * w.rows];
     }
-    gemv_many(Isa::get(), prec, ws, 0, x, &mut slices[..ws.len()])
+    gemv_many(Isa::get(), prec, ws, 0, x, t, &mut slices[..ws.len()])
 }
