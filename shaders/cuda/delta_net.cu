@@ -3,30 +3,48 @@
 
 // delta_net_conv: out [T, C] = silu(sum_j w[c, j] * row(t + j)) over the rows of [state; x],
 // state [taps - 1, C] (oldest first) becomes the last taps - 1 rows; w [C, taps], x [T, C] f32.
-// Arguments: ConvParams p, w, state (in/out), x, out. Grid (ceil(C / 256)), 256 threads: one
-// thread per channel walks the T tokens keeping the history in registers (taps <= MAX_CONV_TAPS,
-// checked by the host). Reads of x and writes of out are coalesced across the channels.
-#define CONV_TAPS_MAX 16
-extern "C" __global__ void delta_net_conv(const ConvParams p, const float* __restrict__ w, float* __restrict__ state,
-                                          const float* __restrict__ x, float* __restrict__ out) {
+// Arguments: ConvParams p, w, state (in/out), x, out. Grid (ceil(C / 256), tiles), 256 threads:
+// thread (c, tile) computes the tokens t0 .. t0 + ceil(T / tiles) of channel c, keeping a window
+// of the last MAX_CONV_TAPS rows in registers (right-aligned, zero-padded weights: every index is
+// a constant of an unrolled loop); its history, the taps - 1 rows before t0, comes from x or, for
+// the first tile, from the state. Reads of x and writes of out are coalesced across the channels.
+// The state is in/out: with one tile (decode, short calls) each thread writes its channel's new
+// state after reading the old; with several tiles no block writes it (the first tile reads it) and
+// the host copies the last taps - 1 rows of x into it afterwards (T > taps - 1 there).
+extern "C" __global__ void __launch_bounds__(256) delta_net_conv(const ConvParams p, const float* __restrict__ w,
+                                                                 float* __restrict__ state,
+                                                                 const float* __restrict__ x, float* __restrict__ out) {
   const uint c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.channels) return;
-  const uint hist = p.taps - 1, C = p.channels;
-  float h[CONV_TAPS_MAX], wc[CONV_TAPS_MAX];
-  for (uint i = 0; i < CONV_TAPS_MAX; ++i) {
-    h[i] = i < hist ? state[(size_t)i * C + c] : 0.0f;
-    wc[i] = i < p.taps ? w[(size_t)c * p.taps + i] : 0.0f;
+  const uint hist = p.taps - 1, C = p.channels, T = p.tokens;
+  const uint tile = (T + gridDim.y - 1) / gridDim.y, t0 = blockIdx.y * tile;
+  const uint t1 = min(T, t0 + tile);
+  // Rows are numbered by token (the state's rows are -hist .. -1). At token t, win[MAX_CONV_TAPS
+  // - 1 - k] holds row t - k and wr[MAX_CONV_TAPS - 1 - k] = w[c, taps - 1 - k] (0 for k >= taps).
+  // Before the first token the window ends at row t0 - 1: the tile's history.
+  float win[MAX_CONV_TAPS], wr[MAX_CONV_TAPS];
+#pragma unroll
+  for (uint i = 0; i < MAX_CONV_TAPS; ++i) {
+    const uint k = MAX_CONV_TAPS - 1 - i;
+    wr[i] = k < p.taps ? w[(size_t)c * p.taps + (p.taps - 1 - k)] : 0.0f;
+    float h = 0.0f;  // row t0 - 1 - k: from x, or state row hist - (k + 1 - t0) before x
+    if (k < hist) h = t0 > k ? x[(size_t)(t0 - 1 - k) * C + c] : state[(size_t)(hist + t0 - 1 - k) * C + c];
+    win[i] = h;
   }
-  for (uint t = 0; t < p.tokens; ++t) {
-    const float xt = x[(size_t)t * C + c];
+  for (uint t = t0; t < t1; ++t) {
+#pragma unroll
+    for (uint i = 0; i + 1 < MAX_CONV_TAPS; ++i) win[i] = win[i + 1];
+    win[MAX_CONV_TAPS - 1] = x[(size_t)t * C + c];
     float acc = 0.0f;
-    for (uint j = 0; j < hist; ++j) acc += wc[j] * h[j];
-    acc += wc[hist] * xt;
-    for (uint i = 0; i + 1 < hist; ++i) h[i] = h[i + 1];
-    if (hist > 0) h[hist - 1] = xt;
+#pragma unroll
+    for (uint i = 0; i < MAX_CONV_TAPS; ++i) acc += wr[i] * win[i];
     out[(size_t)t * C + c] = silu(acc);
   }
-  for (uint i = 0; i < hist; ++i) state[(size_t)i * C + c] = h[i];
+  if (gridDim.y != 1) return;
+  // One tile: the window now ends at row T - 1; new state row r = row T - hist + r (k = hist - 1 - r).
+#pragma unroll
+  for (uint k = 0; k + 1 < MAX_CONV_TAPS; ++k)
+    if (k < hist) state[(size_t)(hist - 1 - k) * C + c] = win[MAX_CONV_TAPS - 1 - k];
 }
 
 // delta_net: T tokens of the recurrence, per value head j (q/k head j / (Hv / Hk)):
@@ -125,11 +143,11 @@ extern "C" __global__ void __launch_bounds__(128) delta_net(const DeltaNetParams
 
 // ------------------------------------------------------------------ prefill: prep + scan
 // For more than a few tokens the host runs the recurrence in two kernels: delta_net_prep computes
-// every token's normalised q, k and its gates in parallel, then delta_net_scan carries the state
-// through the tokens with one lane per value column and the lane's whole column of S in registers
-// (Dk <= 128): no block barrier and no cross-lane reduction in the token loop.
+// every token's normalised q, k, their dot product and its gates in parallel, then delta_net_scan
+// carries the state through the tokens with each value column of S split over 4 lanes' registers
+// (Dk <= 128).
 // Scratch (f32): qn [T, Hk, Dk] (l2-normalised, / sqrt(Dk)) | kn [T, Hk, Dk] | beta [T, Hv] |
-// alpha [T, Hv] (the decay e^g).
+// alpha [T, Hv] (the decay e^g) | kq [T, Hk] (kn . qn).
 
 // delta_net_prep: grid (T), 256 threads = 8 warps; warp w normalises q / k heads w, w + 8, ...
 // (lanes over Dk, warp_sum), threads stride over the Hv gates. Arguments: DeltaNetParams p, qkv,
@@ -147,6 +165,7 @@ extern "C" __global__ void __launch_bounds__(256) delta_net_prep(const DeltaNetP
   float* kn = scratch + (size_t)T * Hk * Dk + (size_t)t * Hk * Dk;
   float* beta = scratch + 2 * (size_t)T * Hk * Dk + (size_t)t * Hv;
   float* alpha = beta + (size_t)T * Hv;
+  float* kq = scratch + 2 * (size_t)T * Hk * Dk + 2 * (size_t)T * Hv + (size_t)t * Hk;
   const float q_scale = rsqrtf((float)Dk);
   for (uint h = warp; h < Hk; h += blockDim.x / 32) {
     float qq = 0.0f, kk = 0.0f;
@@ -156,10 +175,15 @@ extern "C" __global__ void __launch_bounds__(256) delta_net_prep(const DeltaNetP
       kk += kv * kv;
     }
     const float qi = rsqrtf(warp_sum(qq) + 1e-6f) * q_scale, ki = rsqrtf(warp_sum(kk) + 1e-6f);
+    float qk = 0.0f;
     for (uint d = lane; d < Dk; d += 32) {
-      qn[h * Dk + d] = row[h * Dk + d] * qi;
-      kn[h * Dk + d] = row[Hk * Dk + h * Dk + d] * ki;
+      const float qv = row[h * Dk + d] * qi, kv = row[Hk * Dk + h * Dk + d] * ki;
+      qn[h * Dk + d] = qv;
+      kn[h * Dk + d] = kv;
+      qk += qv * kv;
     }
+    qk = warp_sum(qk);
+    if (lane == 0) kq[h] = qk;
   }
   for (uint j = threadIdx.x; j < Hv; j += blockDim.x) {
     beta[j] = sigmoid(b[(size_t)t * Hv + j]);
@@ -167,55 +191,99 @@ extern "C" __global__ void __launch_bounds__(256) delta_net_prep(const DeltaNetP
   }
 }
 
-// delta_net_scan: grid (ceil(Dv / 32), Hv), one warp per block; lane l owns value column
-// c = 32 bx + l of value head j and holds S[0..Dk, c] in registers for all T tokens (the state is
-// read and written once). Per token the warp stages the token's normalised k and q (shared memory,
-// read as broadcasts), then each lane runs decay, S^T k, the delta-rule write and S^T q over its
-// column with 4 partial sums. Arguments: DeltaNetParams p, qkv (v), scratch (delta_net_prep's),
-// state [Hv, Dk, Dv] (in/out), out [T, Hv, Dv]. f32.
-#define DN_SCAN_DK 128
-extern "C" __global__ void __launch_bounds__(32) delta_net_scan(const DeltaNetParams p, const float* __restrict__ qkv,
-                                                               const float* __restrict__ scratch,
-                                                               float* __restrict__ state, float* __restrict__ out) {
-  __shared__ float ks[DN_SCAN_DK];
-  __shared__ float qs[DN_SCAN_DK];
+// delta_net_scan: grid (ceil(Dv / 32), Hv), 128 threads = 4 warps; value column c = 32 bx +
+// 8 w + l / 4 of value head j belongs to the 4 lanes l = 4 (c % 8) + r of warp w, lane r holding
+// rows d = 32 r .. 32 r + 31 of S[:, c] in registers for all T tokens (the state is read and
+// written once). Per token, with the old S (alpha the decay e^g, kq = k . q):
+//   pk = S^T k, pq = S^T q (each lane over its 32 rows, then two __shfl_xor steps over the 4),
+//   delta = beta (v - alpha pk), o = alpha pq + kq delta (= S_new^T q), S <- alpha S + k delta^T.
+// The token's k and q are staged in shared memory (double-buffered, one barrier per token): thread
+// i of the block loads k[i], q[i] of the next token while the current one is computed; row d sits
+// at DN_SCAN_LD (d / 32) + d % 32, so a lane reads its rows as float4 without bank conflicts.
+// Arguments: DeltaNetParams p, qkv (v), scratch (delta_net_prep's), state [Hv, Dk, Dv] (in/out),
+// out [T, Hv, Dv]. f32.
+#define DN_SCAN_DK 128                  // Dk of the scan at most (one staged row per thread)
+#define DN_SCAN_SPLIT 4                 // lanes per value column
+#define DN_SCAN_RPL (DN_SCAN_DK / DN_SCAN_SPLIT)  // rows of S per lane
+#define DN_SCAN_LD (DN_SCAN_RPL + 4)    // staged floats per lane's rows (4 padding: no bank conflicts)
+extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const DeltaNetParams p,
+                                                                       const float* __restrict__ qkv,
+                                                                       const float* __restrict__ scratch,
+                                                                       float* __restrict__ state,
+                                                                       float* __restrict__ out) {
+  __shared__ __align__(16) float ks[2][DN_SCAN_SPLIT * DN_SCAN_LD];
+  __shared__ __align__(16) float qs[2][DN_SCAN_SPLIT * DN_SCAN_LD];
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
-  const uint j = blockIdx.y, lane = threadIdx.x, c = blockIdx.x * 32 + lane, kh = j / (Hv / Hk);
+  const uint j = blockIdx.y, kh = j / (Hv / Hk), tid = threadIdx.x, lane = tid % 32, r = lane % DN_SCAN_SPLIT;
+  const uint c = blockIdx.x * 32 + (tid / 32) * (32 / DN_SCAN_SPLIT) + lane / DN_SCAN_SPLIT;
   const bool col = c < Dv;
   const uint width = 2 * Hk * Dk + Hv * Dv;
+  const uint staged = (tid / DN_SCAN_RPL) * DN_SCAN_LD + tid % DN_SCAN_RPL;  // where this thread stages row tid
   float* S = state + (size_t)j * Dk * Dv;
-  float s[DN_SCAN_DK];  // indexed only by unrolled loops: registers
+  float s[DN_SCAN_RPL];  // rows 32 r + i; indexed only by unrolled loops: registers
 #pragma unroll
-  for (uint d = 0; d < DN_SCAN_DK; ++d) s[d] = d < Dk && col ? S[(size_t)d * Dv + c] : 0.0f;
+  for (uint i = 0; i < DN_SCAN_RPL; ++i) {
+    const uint d = r * DN_SCAN_RPL + i;
+    s[i] = d < Dk && col ? S[(size_t)d * Dv + c] : 0.0f;
+  }
   const float* qn = scratch;
   const float* kn = scratch + (size_t)T * Hk * Dk;
   const float* beta = scratch + 2 * (size_t)T * Hk * Dk;
   const float* alpha = beta + (size_t)T * Hv;
+  const float* kqs = alpha + (size_t)T * Hv;
+  // This thread's share of token t: its staged k / q row, and the column's gates and v.
+  float nk = 0.0f, nq = 0.0f, nal = 0.0f, nbe = 0.0f, nv = 0.0f, nkq = 0.0f;
+  auto fetch = [&](uint t) {
+    nk = tid < Dk ? kn[((size_t)t * Hk + kh) * Dk + tid] : 0.0f;
+    nq = tid < Dk ? qn[((size_t)t * Hk + kh) * Dk + tid] : 0.0f;
+    nal = alpha[(size_t)t * Hv + j];
+    nbe = beta[(size_t)t * Hv + j];
+    nkq = kqs[(size_t)t * Hk + kh];
+    nv = col ? qkv[(size_t)t * width + 2 * Hk * Dk + j * Dv + c] : 0.0f;
+  };
+  if (T > 0) {
+    fetch(0);
+    ks[0][staged] = nk;
+    qs[0][staged] = nq;
+  }
+  __syncthreads();
   for (uint t = 0; t < T; ++t) {
-    for (uint d = lane; d < DN_SCAN_DK; d += 32) {
-      ks[d] = d < Dk ? kn[((size_t)t * Hk + kh) * Dk + d] : 0.0f;
-      qs[d] = d < Dk ? qn[((size_t)t * Hk + kh) * Dk + d] : 0.0f;
-    }
-    __syncwarp();
-    const float al = alpha[(size_t)t * Hv + j], be = beta[(size_t)t * Hv + j];
-    const float v = col ? qkv[(size_t)t * width + 2 * Hk * Dk + j * Dv + c] : 0.0f;
-    float pr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float al = nal, be = nbe, v = nv, kq = nkq;
+    if (t + 1 < T) fetch(t + 1);  // in flight while token t is computed
+    const float4* k4 = (const float4*)(ks[t & 1] + r * DN_SCAN_LD);
+    const float4* q4 = (const float4*)(qs[t & 1] + r * DN_SCAN_LD);
+    float pk[2] = {0.0f, 0.0f}, pq[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (uint d = 0; d < DN_SCAN_DK; ++d) {
-      s[d] *= al;
-      pr[d % 4] += s[d] * ks[d];
+    for (uint i = 0; i < DN_SCAN_RPL / 4; ++i) {
+      const float4 kv = k4[i], qv = q4[i];
+      pk[i % 2] += s[4 * i] * kv.x + s[4 * i + 1] * kv.y + s[4 * i + 2] * kv.z + s[4 * i + 3] * kv.w;
+      pq[i % 2] += s[4 * i] * qv.x + s[4 * i + 1] * qv.y + s[4 * i + 2] * qv.z + s[4 * i + 3] * qv.w;
     }
-    const float delta = be * (v - ((pr[0] + pr[1]) + (pr[2] + pr[3])));
-    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sk = pk[0] + pk[1], sq = pq[0] + pq[1];
 #pragma unroll
-    for (uint d = 0; d < DN_SCAN_DK; ++d) {
-      s[d] += ks[d] * delta;
-      o[d % 4] += s[d] * qs[d];
+    for (uint m = 1; m < DN_SCAN_SPLIT; m *= 2) {
+      sk += __shfl_xor_sync(FULL_MASK, sk, m);
+      sq += __shfl_xor_sync(FULL_MASK, sq, m);
     }
-    if (col) out[((size_t)t * Hv + j) * Dv + c] = (o[0] + o[1]) + (o[2] + o[3]);
-    __syncwarp();  // ks / qs are rewritten by the next token
+    const float delta = be * (v - al * sk);
+    if (col && r == 0) out[((size_t)t * Hv + j) * Dv + c] = al * sq + kq * delta;
+#pragma unroll
+    for (uint i = 0; i < DN_SCAN_RPL / 4; ++i) {
+      const float4 kv = k4[i];
+      s[4 * i] = al * s[4 * i] + kv.x * delta;
+      s[4 * i + 1] = al * s[4 * i + 1] + kv.y * delta;
+      s[4 * i + 2] = al * s[4 * i + 2] + kv.z * delta;
+      s[4 * i + 3] = al * s[4 * i + 3] + kv.w * delta;
+    }
+    if (t + 1 < T) {
+      ks[(t + 1) & 1][staged] = nk;
+      qs[(t + 1) & 1][staged] = nq;
+    }
+    __syncthreads();  // token t + 1 staged; every thread is done reading token t's buffer
   }
 #pragma unroll
-  for (uint d = 0; d < DN_SCAN_DK; ++d)
-    if (d < Dk && col) S[(size_t)d * Dv + c] = s[d];
+  for (uint i = 0; i < DN_SCAN_RPL; ++i) {
+    const uint d = r * DN_SCAN_RPL + i;
+    if (d < Dk && col) S[(size_t)d * Dv + c] = s[i];
+  }
 }

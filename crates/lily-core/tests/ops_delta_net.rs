@@ -154,7 +154,8 @@ gpu_tests!(
     delta_net_conv_matches_reference,
     delta_net_matches_reference,
     delta_net_rejects_unsupported_heads;
-    metal: delta_net_chunked_matches_reference,
+    metal: delta_net_chunked_matches_reference;
+    cuda: delta_net_scan_matches_reference,
 );
 
 /// The chunked DeltaNet prefill again with the threads of each threadgroup run in reverse order
@@ -171,18 +172,75 @@ mod metal_sim_reversed {
     }
 }
 
-/// The conv over calls that carry its state (channels leaving a partial threadgroup or block), with
-/// the real model's 4 taps and with the most a
+/// The CUDA prefill kernels again with the threads of each block run in reverse order
+/// (delta_net_scan hands each token's k and q between its warps through shared memory): a
+/// missing barrier changes the result.
+#[cfg(unix)]
+mod cuda_sim_reversed {
+    #[test]
+    fn delta_net_scan_matches_reference() {
+        if let Some(mut c) = crate::gpu_common::cuda_sim() {
+            c.executor().set_reverse(Some(true));
+            super::delta_net_scan_matches_reference(&mut c, 1.0);
+        }
+    }
+
+    #[test]
+    fn delta_net_conv_matches_reference() {
+        if let Some(mut c) = crate::gpu_common::cuda_sim() {
+            c.executor().set_reverse(Some(true));
+            super::delta_net_conv_matches_reference(&mut c, 1.0);
+        }
+    }
+}
+
+/// CUDA's prefill recurrence (`delta_net_prep` + `delta_net_scan`, each value column of S split
+/// over 4 lanes) for every call of 2 tokens or more (the step-kernel threshold lowered to 1),
+/// against the reference from a nonzero state over calls that carry it, decode steps (the step
+/// kernel continuing the scan's state) in between: 2 and 1 value heads per key head, Dk = 16
+/// (lanes without rows), Dk = 80 (a lane with a partial share), Dk = Dv = 128 (the model's),
+/// Dv = 40 (a partial warp of columns).
+fn delta_net_scan_matches_reference<X: lily_core::backend::cuda::Executor>(
+    dev: &mut lily_core::backend::cuda::Cuda<X>,
+    tolx: f32,
+) {
+    let saved = dev.gemv_tokens;
+    dev.gemv_tokens = 1;
+    for (hk, hv, dk, dv, calls) in [
+        (2usize, 4usize, 16usize, 16usize, &[2usize, 45, 1, 3][..]),
+        (1, 2, 80, 40, &[37, 1, 2][..]),
+        (2, 4, 128, 128, &[33, 1, 5][..]),
+    ] {
+        let shape = DeltaShape {
+            hk,
+            hv,
+            dk,
+            dv,
+            seed: 90,
+        };
+        both!(dev, tolx * 1e-4, format!("delta_net scan Dk={dk} Dv={dv}"), b => delta_net_calls(b, &shape, calls));
+    }
+    dev.gemv_tokens = saved;
+}
+
+/// The conv over calls that carry its state from a nonzero one (channels leaving a partial
+/// threadgroup or block), with the real model's 4 taps, every count from 2 to the most a
 /// config may ask for ([`MAX_CONV_TAPS`], checked when the config is read): every kernel handles
-/// that many; one more is an error from `finish`, not a panic or a wrong answer.
+/// that many; one more is an error from `finish`, not a panic or a wrong answer. Calls of 1 to
+/// 70 tokens: shorter than the history, one token (decode), and several of CUDA's 32-token tiles
+/// with a partial last one (33, 70: the first tile's history from the state, the others' from x).
 fn delta_net_conv_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
-    for (c, taps) in [(70, 4), (300, 4), (70, MAX_CONV_TAPS)] {
+    let cases = [(70, 4), (300, 4)]
+        .into_iter()
+        .chain((2..=MAX_CONV_TAPS).map(|taps| (40, taps)));
+    for (c, taps) in cases {
         let w = rand_vec(c * taps, 70, -1.0, 1.0);
+        let state0 = rand_vec((taps - 1) * c, 69, -2.0, 2.0);
         both!(dev, tolx * TOL, format!("delta_net_conv {c} channels, taps={taps}"), b => {
             let wb = b.upload(&w).unwrap();
-            let mut state = b.alloc((taps - 1) * c).unwrap();
+            let mut state = b.upload(&state0).unwrap();
             let mut outs = Vec::new();
-            for (i, t) in [5usize, 1, 2, 1, 20].into_iter().enumerate() {
+            for (i, t) in [5usize, 1, 2, 1, 20, 70, 1, 33, 3].into_iter().enumerate() {
                 let x = b.upload(&rand_vec(t * c, 71 + i as u64, -2.0, 2.0)).unwrap();
                 let mut out = b.alloc(t * c).unwrap();
                 b.delta_net_conv(&ConvParams { tokens: t as u32, channels: c as u32, taps: taps as u32 }, &wb, &mut state, &x, &mut out);

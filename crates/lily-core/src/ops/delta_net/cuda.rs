@@ -3,8 +3,14 @@
 
 use crate::backend::{
     cuda::{div, kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
-    params::{ConvParams, DeltaNetParams},
+    params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
 };
+use crate::ops::elementwise::cuda::copy_rows;
+
+/// Tokens per conv tile (the kernel derives its tile from the grid); at least the longest
+/// history, so a call of several tiles has its new state entirely in x.
+const CONV_TILE: usize = 32;
+const _: () = assert!(CONV_TILE >= MAX_CONV_TAPS - 1);
 
 pub fn delta_net_conv<X: Executor>(
     c: &Cuda<X>,
@@ -21,14 +27,22 @@ pub fn delta_net_conv<X: Executor>(
     if !c.fits("delta_net_conv", &checks) {
         return;
     }
-    let ch = p.channels as usize;
+    let (t, ch, hist) = (p.tokens as usize, p.channels as usize, p.taps as usize - 1);
+    // Tiles of CONV_TILE tokens over the grid's y: T-long dependent chains would leave most of
+    // the GPU idle (C / 256 blocks). One tile (decode) updates the state in the kernel; with
+    // several the kernel leaves it alone (its first tile reads it) and the last taps - 1 rows of
+    // x (T > CONV_TILE >= taps - 1 there) are copied into it after.
+    let tiles = div(t, CONV_TILE).clamp(1, 65535);
     let args = Args::new()
         .push(*p)
         .ptr(w.ptr())
         .ptr(state.ptr())
         .ptr(x.ptr())
         .ptr(out.ptr());
-    c.launch(F::DeltaNetConv, shape([div(ch, 256), 1, 1], 256), args);
+    c.launch(F::DeltaNetConv, shape([div(ch, 256), tiles, 1], 256), args);
+    if tiles > 1 && hist > 0 {
+        copy_rows(c, x, (t - hist) * ch, state, 0, hist * ch);
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -58,10 +72,10 @@ pub fn delta_net<X: Executor>(
     if !c.fits("delta_net", &checks) {
         return;
     }
-    // Prefill (Dk <= 128): the per-token normalisation and gates in parallel, then the scan
-    // with each value column of S in one lane's registers. Decode: the one-kernel step.
+    // Prefill (Dk <= 128): the per-token normalisation, k . q and gates in parallel, then the
+    // scan with each value column of S in the registers of 4 lanes. Decode: the one-kernel step.
     if t > c.gemv_tokens && dk <= 128 {
-        let need = t * (2 * hk * dk + 2 * hv);
+        let need = t * (2 * hk * dk + 2 * hv + hk);
         let Some(sc) = c.scratch(need, "delta_net scratch", |s| &mut s.delta_scratch) else {
             return;
         };
@@ -80,7 +94,7 @@ pub fn delta_net<X: Executor>(
             .ptr(sc)
             .ptr(state.ptr())
             .ptr(out.ptr());
-        c.launch(F::DeltaNetScan, shape([div(dv, 32), hv as u32, 1], 32), args);
+        c.launch(F::DeltaNetScan, shape([div(dv, 32), hv as u32, 1], 128), args);
         return;
     }
     let args = Args::new()
