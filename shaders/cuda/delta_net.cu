@@ -197,25 +197,35 @@ extern "C" __global__ void __launch_bounds__(256) delta_net_prep(const DeltaNetP
 // written once). Per token, with the old S (alpha the decay e^g, kq = k . q):
 //   pk = S^T k, pq = S^T q (each lane over its 32 rows, then two __shfl_xor steps over the 4),
 //   delta = beta (v - alpha pk), o = alpha pq + kq delta (= S_new^T q), S <- alpha S + k delta^T.
-// The token's k and q are staged in shared memory (double-buffered, one barrier per token): thread
-// i of the block loads k[i], q[i] of the next token while the current one is computed; row d sits
-// at DN_SCAN_LD (d / 32) + d % 32, so a lane reads its rows as float4 without bank conflicts.
-// Arguments: DeltaNetParams p, qkv (v), scratch (delta_net_prep's), state [Hv, Dk, Dv] (in/out),
-// out [T, Hv, Dv]. f32.
-#define DN_SCAN_DK 128                  // Dk of the scan at most (one staged row per thread)
-#define DN_SCAN_SPLIT 4                 // lanes per value column
+// The inputs of DN_SCAN_TOK tokens at a time (k, q, the block's 32 v columns, alpha, beta, kq)
+// are staged in shared memory, double-buffered: the block loads the next group into registers
+// while it computes the current one, and stores it behind one barrier per group, so the loads'
+// latency hides behind DN_SCAN_TOK tokens of work. Row d of a staged k / q sits at DN_SCAN_LD
+// (d / 32) + d % 32: a lane reads its 32 rows as float4, the 4 lanes of a column from distinct
+// banks. Arguments: DeltaNetParams p, qkv (v), scratch (delta_net_prep's), state [Hv, Dk, Dv]
+// (in/out), out [T, Hv, Dv]. f32.
+#define DN_SCAN_DK 128                            // Dk of the scan at most (one staged row per thread)
+#define DN_SCAN_SPLIT 4                           // lanes per value column
 #define DN_SCAN_RPL (DN_SCAN_DK / DN_SCAN_SPLIT)  // rows of S per lane
-#define DN_SCAN_LD (DN_SCAN_RPL + 4)    // staged floats per lane's rows (4 padding: no bank conflicts)
+#define DN_SCAN_LD (DN_SCAN_RPL + 4)              // staged floats per lane's rows (+4: no bank conflicts)
+#define DN_SCAN_TOK 8                             // tokens staged per barrier
+#define DN_SCAN_V (DN_SCAN_TOK * 32 / DN_SCAN_DK) // v values each thread stages per group
+struct ScanStage {
+  float k[DN_SCAN_TOK][DN_SCAN_SPLIT * DN_SCAN_LD];
+  float q[DN_SCAN_TOK][DN_SCAN_SPLIT * DN_SCAN_LD];
+  float v[DN_SCAN_TOK][32];
+  float gate[DN_SCAN_TOK][4];  // alpha, beta, kq
+};
 extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const DeltaNetParams p,
                                                                        const float* __restrict__ qkv,
                                                                        const float* __restrict__ scratch,
                                                                        float* __restrict__ state,
                                                                        float* __restrict__ out) {
-  __shared__ __align__(16) float ks[2][DN_SCAN_SPLIT * DN_SCAN_LD];
-  __shared__ __align__(16) float qs[2][DN_SCAN_SPLIT * DN_SCAN_LD];
+  __shared__ __align__(16) ScanStage st[2];
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
   const uint j = blockIdx.y, kh = j / (Hv / Hk), tid = threadIdx.x, lane = tid % 32, r = lane % DN_SCAN_SPLIT;
-  const uint c = blockIdx.x * 32 + (tid / 32) * (32 / DN_SCAN_SPLIT) + lane / DN_SCAN_SPLIT;
+  const uint cl = (tid / 32) * (32 / DN_SCAN_SPLIT) + lane / DN_SCAN_SPLIT;  // column within the block
+  const uint c = blockIdx.x * 32 + cl;
   const bool col = c < Dv;
   const uint width = 2 * Hk * Dk + Hv * Dv;
   const uint staged = (tid / DN_SCAN_RPL) * DN_SCAN_LD + tid % DN_SCAN_RPL;  // where this thread stages row tid
@@ -231,55 +241,79 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
   const float* beta = scratch + 2 * (size_t)T * Hk * Dk;
   const float* alpha = beta + (size_t)T * Hv;
   const float* kqs = alpha + (size_t)T * Hv;
-  // This thread's share of token t: its staged k / q row, and the column's gates and v.
-  float nk = 0.0f, nq = 0.0f, nal = 0.0f, nbe = 0.0f, nv = 0.0f, nkq = 0.0f;
-  auto fetch = [&](uint t) {
-    nk = tid < Dk ? kn[((size_t)t * Hk + kh) * Dk + tid] : 0.0f;
-    nq = tid < Dk ? qn[((size_t)t * Hk + kh) * Dk + tid] : 0.0f;
-    nal = alpha[(size_t)t * Hv + j];
-    nbe = beta[(size_t)t * Hv + j];
-    nkq = kqs[(size_t)t * Hk + kh];
-    nv = col ? qkv[(size_t)t * width + 2 * Hk * Dk + j * Dv + c] : 0.0f;
+  // This thread's share of the group of tokens t0 ..: row tid of k and q, DN_SCAN_V of the v
+  // values, one gate (threads below 3 DN_SCAN_TOK). Tokens past T stage zeros.
+  float nk[DN_SCAN_TOK], nq[DN_SCAN_TOK], nv[DN_SCAN_V], ng = 0.0f;
+  auto fetch = [&](uint t0) {
+#pragma unroll
+    for (uint u = 0; u < DN_SCAN_TOK; ++u) {
+      const bool in = t0 + u < T && tid < Dk;
+      nk[u] = in ? kn[((size_t)(t0 + u) * Hk + kh) * Dk + tid] : 0.0f;
+      nq[u] = in ? qn[((size_t)(t0 + u) * Hk + kh) * Dk + tid] : 0.0f;
+    }
+#pragma unroll
+    for (uint m = 0; m < DN_SCAN_V; ++m) {
+      const uint e = tid + DN_SCAN_DK * m, u = e / 32, vc = blockIdx.x * 32 + e % 32;
+      nv[m] = t0 + u < T && vc < Dv ? qkv[(size_t)(t0 + u) * width + 2 * Hk * Dk + j * Dv + vc] : 0.0f;
+    }
+    if (tid < 3 * DN_SCAN_TOK) {
+      const uint u = tid / 3, g = tid % 3;
+      const size_t t = t0 + u;
+      ng = t0 + u >= T ? 0.0f : g == 0 ? alpha[t * Hv + j] : g == 1 ? beta[t * Hv + j] : kqs[t * Hk + kh];
+    }
+  };
+  auto stage = [&](ScanStage& b) {
+#pragma unroll
+    for (uint u = 0; u < DN_SCAN_TOK; ++u) {
+      b.k[u][staged] = nk[u];
+      b.q[u][staged] = nq[u];
+    }
+#pragma unroll
+    for (uint m = 0; m < DN_SCAN_V; ++m) {
+      const uint e = tid + DN_SCAN_DK * m;
+      b.v[e / 32][e % 32] = nv[m];
+    }
+    if (tid < 3 * DN_SCAN_TOK) b.gate[tid / 3][tid % 3] = ng;
   };
   if (T > 0) {
     fetch(0);
-    ks[0][staged] = nk;
-    qs[0][staged] = nq;
+    stage(st[0]);
   }
   __syncthreads();
-  for (uint t = 0; t < T; ++t) {
-    const float al = nal, be = nbe, v = nv, kq = nkq;
-    if (t + 1 < T) fetch(t + 1);  // in flight while token t is computed
-    const float4* k4 = (const float4*)(ks[t & 1] + r * DN_SCAN_LD);
-    const float4* q4 = (const float4*)(qs[t & 1] + r * DN_SCAN_LD);
-    float pk[2] = {0.0f, 0.0f}, pq[2] = {0.0f, 0.0f};
+  for (uint t0 = 0, g = 0; t0 < T; t0 += DN_SCAN_TOK, g ^= 1) {
+    if (t0 + DN_SCAN_TOK < T) fetch(t0 + DN_SCAN_TOK);  // in flight while this group is computed
+    const ScanStage& b = st[g];
+    const uint n = min(DN_SCAN_TOK, T - t0);
+    for (uint u = 0; u < n; ++u) {
+      const float al = b.gate[u][0], be = b.gate[u][1], kq = b.gate[u][2], v = b.v[u][cl];
+      const float4* k4 = (const float4*)(b.k[u] + r * DN_SCAN_LD);
+      const float4* q4 = (const float4*)(b.q[u] + r * DN_SCAN_LD);
+      float pk[2] = {0.0f, 0.0f}, pq[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (uint i = 0; i < DN_SCAN_RPL / 4; ++i) {
-      const float4 kv = k4[i], qv = q4[i];
-      pk[i % 2] += s[4 * i] * kv.x + s[4 * i + 1] * kv.y + s[4 * i + 2] * kv.z + s[4 * i + 3] * kv.w;
-      pq[i % 2] += s[4 * i] * qv.x + s[4 * i + 1] * qv.y + s[4 * i + 2] * qv.z + s[4 * i + 3] * qv.w;
-    }
-    float sk = pk[0] + pk[1], sq = pq[0] + pq[1];
+      for (uint i = 0; i < DN_SCAN_RPL / 4; ++i) {
+        const float4 kv = k4[i], qv = q4[i];
+        pk[i % 2] += s[4 * i] * kv.x + s[4 * i + 1] * kv.y + s[4 * i + 2] * kv.z + s[4 * i + 3] * kv.w;
+        pq[i % 2] += s[4 * i] * qv.x + s[4 * i + 1] * qv.y + s[4 * i + 2] * qv.z + s[4 * i + 3] * qv.w;
+      }
+      float sk = pk[0] + pk[1], sq = pq[0] + pq[1];
 #pragma unroll
-    for (uint m = 1; m < DN_SCAN_SPLIT; m *= 2) {
-      sk += __shfl_xor_sync(FULL_MASK, sk, m);
-      sq += __shfl_xor_sync(FULL_MASK, sq, m);
-    }
-    const float delta = be * (v - al * sk);
-    if (col && r == 0) out[((size_t)t * Hv + j) * Dv + c] = al * sq + kq * delta;
+      for (uint m = 1; m < DN_SCAN_SPLIT; m *= 2) {
+        sk += __shfl_xor_sync(FULL_MASK, sk, m);
+        sq += __shfl_xor_sync(FULL_MASK, sq, m);
+      }
+      const float delta = be * (v - al * sk);
+      if (col && r == 0) out[((size_t)(t0 + u) * Hv + j) * Dv + c] = al * sq + kq * delta;
 #pragma unroll
-    for (uint i = 0; i < DN_SCAN_RPL / 4; ++i) {
-      const float4 kv = k4[i];
-      s[4 * i] = al * s[4 * i] + kv.x * delta;
-      s[4 * i + 1] = al * s[4 * i + 1] + kv.y * delta;
-      s[4 * i + 2] = al * s[4 * i + 2] + kv.z * delta;
-      s[4 * i + 3] = al * s[4 * i + 3] + kv.w * delta;
+      for (uint i = 0; i < DN_SCAN_RPL / 4; ++i) {
+        const float4 kv = k4[i];
+        s[4 * i] = al * s[4 * i] + kv.x * delta;
+        s[4 * i + 1] = al * s[4 * i + 1] + kv.y * delta;
+        s[4 * i + 2] = al * s[4 * i + 2] + kv.z * delta;
+        s[4 * i + 3] = al * s[4 * i + 3] + kv.w * delta;
+      }
     }
-    if (t + 1 < T) {
-      ks[(t + 1) & 1][staged] = nk;
-      qs[(t + 1) & 1][staged] = nq;
-    }
-    __syncthreads();  // token t + 1 staged; every thread is done reading token t's buffer
+    if (t0 + DN_SCAN_TOK < T) stage(st[g ^ 1]);
+    __syncthreads();  // the next group staged; every thread is done reading this one
   }
 #pragma unroll
   for (uint i = 0; i < DN_SCAN_RPL; ++i) {
