@@ -47,7 +47,7 @@ echo "== threadgroup-memory kernels with reversed fiber order (MTL_SCHED=reverse
 # reversed twin in the plain run, metal_sim_reversed::delta_net_chunked_matches_reference.)
 MTL_SCHED=reverse cargo test -p lily-core --release --test 'ops_*' -- \
   metal_sim::rms_norm metal_sim::add_rms_norm metal_sim::qk_norm_rope metal_sim::attention metal_sim::moe_route metal_sim::moe_sort \
-  metal_sim::moe_experts_sorted metal_sim::matmul metal_sim::delta_net_chunked
+  metal_sim::moe_experts_sorted metal_sim::moe_experts_add_rms_norm metal_sim::matmul metal_sim::delta_net_chunked
 
 echo "== warm forward passes encode without allocating (counting allocator, null executor)"
 cargo test -p lily-core --release --test metal_alloc

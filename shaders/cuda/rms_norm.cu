@@ -158,3 +158,77 @@ extern "C" __global__ void __launch_bounds__(256) add_gated_rms_norm(const RmsNo
                                                                      float* __restrict__ out) {
   add_norm_row(p, x, y, shared, sigmoid(gate[blockIdx.x]), w, out);
 }
+
+// moe_experts_add_rms_norm: the MoE block's end after its per-pair expert GEMVs (moe_gate_up,
+// moe_down: y [T*K, D], the expert output of pair t*K + k), moe_combine and add_gated_rms_norm in
+// one launch: x += sigmoid(gate[row]) * shared, x += sum_k weights[row, k] * y[row*K + k] (k
+// ascending from 0, summed apart first: the order of moe_combine then add_gated_rms_norm, so the
+// result is theirs), then out = rms_norm(x, w). The routed [T, D] sum is never written and read back.
+// x (in/out), shared, out [rows, dim]; y [rows*K, dim]; weights [rows, K]; gate [rows]; w [dim] f32.
+// Arguments: RmsNormParams p, MoeParams mp (top_k K), weights, y, x, shared, gate, w, out.
+// Grid (rows), 256 threads; the register path as add_gated_rms_norm's (thread i owns float4 pieces
+// i, i + 256 of the row: the K expert rows' pieces summed (routed4), x and shared loaded once, the
+// new x kept in registers for the output, w loaded after the block sum: ptxas sm_90, 40 registers,
+// no spill); else striding over dim, each thread reading back the new x values it wrote itself.
+// Accumulation: f32.
+// sum_k wr[k] * y[k * dim .. + 4] (k ascending): one float4 piece of a row's routed sum.
+__device__ __forceinline__ float4 routed4(const float* __restrict__ wr, const float* __restrict__ y, uint K, uint dim) {
+  float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (uint k = 0; k < K; ++k) {
+    const float c = wr[k];
+    const float4 e = load_f4(y + (size_t)k * dim);
+    r = make_float4(r.x + c * e.x, r.y + c * e.y, r.z + c * e.z, r.w + c * e.w);
+  }
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const RmsNormParams p, const MoeParams mp,
+                                                                           const float* __restrict__ weights,
+                                                                           const float* __restrict__ y, float* x,
+                                                                           const float* __restrict__ shared,
+                                                                           const float* __restrict__ gate,
+                                                                           const float* __restrict__ w,
+                                                                           float* __restrict__ out) {
+  __shared__ float partial[32];
+  const uint K = mp.top_k;
+  const size_t r0 = (size_t)blockIdx.x * p.dim;
+  const float* __restrict__ wr = weights + (size_t)blockIdx.x * K;
+  const float* __restrict__ yr = y + r0 * K;
+  const float g = sigmoid(gate[blockIdx.x]);
+  if (norm_in_registers(p, x, y, shared, w) && aligned16(out)) {
+    float4 v[NORM_V];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim) {
+        const float4 r = routed4(wr, yr + i, K, p.dim);
+        const float4 a = load_f4(x + r0 + i), s = load_f4(shared + r0 + i);
+        v[j] = make_float4(a.x + g * s.x + r.x, a.y + g * s.y + r.y, a.z + g * s.z + r.z, a.w + g * s.w + r.w);
+        store_f4(x + r0 + i, v[j]);
+        ss += sq4(v[j]);
+      }
+    }
+    const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
+#pragma unroll
+    for (int j = 0; j < NORM_V; ++j) {
+      const uint i = 4 * (threadIdx.x + j * blockDim.x);
+      if (i < p.dim) {
+        const float4 wv = load_f4(w + i);
+        store_f4(out + r0 + i, make_float4(v[j].x * inv * wv.x, v[j].y * inv * wv.y, v[j].z * inv * wv.z,
+                                           v[j].w * inv * wv.w));
+      }
+    }
+    return;
+  }
+  float ss = 0.0f;
+  for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
+    float r = 0.0f;
+    for (uint k = 0; k < K; ++k) r += wr[k] * yr[(size_t)k * p.dim + i];
+    const float v = x[r0 + i] + g * shared[r0 + i] + r;
+    x[r0 + i] = v;
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, partial) / (float)p.dim + p.eps);
+  for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) out[r0 + i] = x[r0 + i] * inv * w[i];
+}

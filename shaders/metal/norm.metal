@@ -86,3 +86,43 @@ kernel void add_gated_rms_norm_f32(constant RmsNormParams& p [[buffer(0)]], devi
   const float inv = 1.0f / metal::precise::sqrt(tg_sum(ss, partial, sg, lane, nsg) / float(p.dim) + p.eps);
   for (uint i = tid; i < p.dim; i += ntg) out[(ulong)row * p.dim + i] = xr[i] * inv * w[i];
 }
+
+// moe_experts_add_rms_norm: the MoE block's end after its per-pair expert GEMVs (`moe_gate_up`,
+// `moe_down`: y [T*K, D], the expert output of each (token, slot) pair t*K + k), `moe_combine`
+// and `add_gated_rms_norm` in one pass:
+//   x += sigmoid(gate[row]) * shared + sum_k weights[row, k] * y[row*K + k], then
+//   out = x / sqrt(mean(x^2) + eps) * w.
+// The routed sum runs k ascending from 0 and is added as one term after the gated shared expert,
+// the order of moe_combine followed by add_gated_rms_norm, so the result is theirs; the [T, D]
+// routed sum is never written and read back, and one dispatch per layer goes.
+// x (in/out), shared, out [rows, dim] f32; y [rows*K, dim]; weights [rows, K]; gate [rows]; w [dim].
+// Bindings: 0 RmsNormParams (rows T, dim D), 1 MoeParams (top_k K), 2 weights, 3 y, 4 x,
+// 5 shared, 6 gate, 7 w, 8 out.
+// Grid: as rms_norm (one threadgroup per row, norm_threads threads striding over dim; each thread
+// writes the new x at its indices and reads them back after the reduction).
+kernel void moe_experts_add_rms_norm_f32(
+    constant RmsNormParams& p [[buffer(0)]], constant MoeParams& mp [[buffer(1)]],
+    device const float* weights [[buffer(2)]], device const float* y [[buffer(3)]], device float* x [[buffer(4)]],
+    device const float* shared [[buffer(5)]], device const float* gate [[buffer(6)]],
+    device const float* w [[buffer(7)]], device float* out [[buffer(8)]], uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]], uint ntg [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+    uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float partial[32];
+  const uint K = mp.top_k;
+  device float* xr = x + (ulong)row * p.dim;
+  device const float* sr = shared + (ulong)row * p.dim;
+  device const float* wr = weights + (ulong)row * K;
+  device const float* yr = y + (ulong)row * K * p.dim;
+  const float g = sigmoid(gate[row]);
+  float ss = 0.0f;
+  for (uint i = tid; i < p.dim; i += ntg) {
+    float routed = 0.0f;
+    for (uint k = 0; k < K; ++k) routed += wr[k] * yr[(ulong)k * p.dim + i];
+    const float v = xr[i] + g * sr[i] + routed;
+    xr[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.0f / metal::precise::sqrt(tg_sum(ss, partial, sg, lane, nsg) / float(p.dim) + p.eps);
+  for (uint i = tid; i < p.dim; i += ntg) out[(ulong)row * p.dim + i] = xr[i] * inv * w[i];
+}

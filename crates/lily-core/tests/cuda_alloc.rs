@@ -163,23 +163,33 @@ fn a_decode_step_launches_the_expected_kernels() {
     for k in [
         "qk_norm_rope_store",
         "add_rms_norm",
-        "add_gated_rms_norm",
+        "moe_experts_add_rms_norm",
         "attention",
         "attention_reduce",
         "delta_net_conv",
         "delta_net",
         "moe_route",
-        "moe_combine",
         "gate_up_swiglu_q4_bf16",
     ] {
         assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
     }
     // The fused kernels replace the unfused ones they stand for (one launch instead of two or three).
-    for k in ["qk_norm_rope", "kv_store", "add", "sigmoid_gate_add", "swiglu"] {
+    for k in [
+        "qk_norm_rope",
+        "kv_store",
+        "add",
+        "sigmoid_gate_add",
+        "swiglu",
+        "moe_combine",
+        "add_gated_rms_norm",
+    ] {
         assert!(
             !names.iter().any(|n| n == k),
             "{k} launched beside its fused form: {names:?}"
         );
     }
+    // One MoE block end per layer (the tiny model's 2): combine, residual and norm in one launch.
+    let ends = names.iter().filter(|n| *n == "moe_experts_add_rms_norm").count();
+    assert_eq!(ends, 2, "{names:?}");
     eprintln!("{} launches in a decode step: {names:?}", names.len());
 }

@@ -12,8 +12,8 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
-        params::{MoeParams, RouteParams, RowsParams, MOE_TILE},
-        Backend, StreamKind,
+        params::{MoeParams, RmsNormParams, RouteParams, RowsParams, MOE_TILE},
+        Backend, MoeAddNorm, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -97,6 +97,7 @@ gpu_tests!(
     moe_route_non_finite_is_safe,
     moe_experts_matches_reference,
     moe_experts_prefill_matches_reference,
+    moe_experts_add_rms_norm_matches_reference,
     gate_up_swiglu_matches_reference;
     metal:
     moe_experts_variants_match_reference,
@@ -497,6 +498,64 @@ fn moe_experts_prefill_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
                 tolx * 1e-2,
                 &format!("moe_experts prefill {format:?} I={inter} D={d} T={t}"),
             );
+        }
+    }
+}
+
+/// `moe_experts_add_rms_norm` (ops/norm: the routed experts summed into the residual with the gated
+/// shared expert, then the next norm) against the reference's parts (`moe_experts` into mix, then
+/// `add_gated_rms_norm`): both outputs, the new residual x and the norm h (which was the experts'
+/// input). T = 1 and 3: the per-pair GEMVs and one combine + norm kernel; T = 9: the prefill path
+/// (on a GPU its parts; CUDA's bf16 tensor cores there, hence 1e-2). D = 70: unaligned rows (CUDA's
+/// strided path), partial simdgroups; D = 64 and 256: CUDA's register path; top 2 of 6 and the real
+/// model's top 8, of 12.
+fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let cases: [(Format, DType, usize, usize, bool, usize, usize); 3] = [
+        (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96, true, 6, 2),
+        (Format::BF16, DType::F32, 70, 37, true, 6, 2),
+        (
+            Format::Affine { bits: 4, group: 64 },
+            DType::BF16,
+            256,
+            64,
+            false,
+            12,
+            8,
+        ),
+    ];
+    for (format, sd, d, inter, fused, e, k) in cases {
+        let (gate, up, down) = experts(format, sd, e, d, inter, fused, 120);
+        for t in [1usize, 3, 9] {
+            let n = t * d;
+            let (h, x) = (rand_vec(n, 121, -1.0, 1.0), rand_vec(n, 122, -2.0, 2.0));
+            let (shared, shared_gate) = (rand_vec(n, 123, -1.0, 1.0), rand_vec(t, 124, -4.0, 4.0));
+            let norm_w = rand_vec(d, 125, 0.5, 1.5);
+            let ids: Vec<u32> = (0..t * k).map(|i| (((i / k) * 5 + (i % k) * 7) % e) as u32).collect();
+            let weights = rand_vec(t * k, 126, 0.0, 1.0);
+            let moe = MoeParams {
+                tokens: t as u32,
+                top_k: k as u32,
+            };
+            let norm = RmsNormParams {
+                rows: t as u32,
+                dim: d as u32,
+                eps: 1e-6,
+            };
+            let tol = if t > 8 { 1e-2 } else { TOL };
+            let at = format!("moe_experts_add_rms_norm {format:?} I={inter} D={d} T={t} top {k} of {e}");
+            both!(dev, tolx * tol, at, b => {
+                let mats = [&gate, &up, &down].map(|m| b.upload_matrix(m).unwrap());
+                let (ib, wb) = (ids_buf(b, &ids), b.upload(&weights).unwrap());
+                let (sb, gb, nw) = (b.upload(&shared).unwrap(), b.upload(&shared_gate).unwrap(), b.upload(&norm_w).unwrap());
+                let (mut xb, mut hb) = (b.upload(&x).unwrap(), b.upload(&h).unwrap());
+                let (mut tmp, mut mix) = (b.alloc(t * k * (inter + d)).unwrap(), b.alloc(n).unwrap());
+                b.begin(StreamKind::Other).unwrap();
+                let [gate, up, down] = &mats;
+                let r = MoeAddNorm { gate, up, down, ids: &ib, weights: &wb, shared: &sb, shared_gate: &gb, norm_w: &nw };
+                b.moe_experts_add_rms_norm(&moe, &norm, &r, &mut tmp, &mut mix, &mut xb, &mut hb);
+                b.finish().unwrap();
+                vec![read_all(b, &xb, n), read_all(b, &hb, n)]
+            });
         }
     }
 }

@@ -276,6 +276,25 @@ pub trait Backend: Send + Sized + 'static {
         self.add(&rows_of(p), x, y);
         self.rms_norm(p, x, w, out);
     }
+    /// The MoE block's end: x += moe_experts(h) + sigmoid(shared_gate[t]) * shared[t, :], then
+    /// h = rms_norm(x, norm_w) (h [T, D]: the experts' input, then the next block's norm; `moe`
+    /// gives T and K, `norm` the norm's rows T, width D and eps; the read-only operands in `r`;
+    /// tmp is `moe_experts`' scratch, mix [T, D] scratch for the routed sum). A backend may fold
+    /// the weighted sum of the K expert outputs into the residual norm's pass; by default,
+    /// `moe_experts` into mix, then `add_gated_rms_norm`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeAddNorm<'_, Self>,
+        tmp: &mut Self::Buf,
+        mix: &mut Self::Buf,
+        x: &mut Self::Buf,
+        h: &mut Self::Buf,
+    ) {
+        moe_experts_add_rms_norm_unfused(self, moe, norm, r, tmp, mix, x, h)
+    }
     /// out [T, N] = x[x_row0.., K] W^T with W [N, K] (in-kernel dequantization).
     fn matmul(&self, p: &MatmulParams, w: &Self::Matrix, x: &Self::Buf, out: &mut Self::Buf);
     /// outs[i] = x W_i^T for several matrices reading the same x (a layer's input projections).
@@ -407,4 +426,39 @@ pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
     };
     b.matmuls(&mm, x, &[gate, up], &mut [g, u]);
     b.swiglu(p, g, u, out);
+}
+
+/// The read-only operands of `moe_experts_add_rms_norm`: the routed experts as `moe_experts`
+/// takes them, the shared expert's output and gate logit as `add_gated_rms_norm` takes them, and
+/// the next norm's weight.
+pub struct MoeAddNorm<'a, B: Backend> {
+    /// [E, I, D], [E, I, D], [E, D, I].
+    pub gate: &'a B::Matrix,
+    pub up: &'a B::Matrix,
+    pub down: &'a B::Matrix,
+    /// [T, K] each: the routing.
+    pub ids: &'a B::Ids,
+    pub weights: &'a B::Buf,
+    /// [T, D] and [T].
+    pub shared: &'a B::Buf,
+    pub shared_gate: &'a B::Buf,
+    /// [D].
+    pub norm_w: &'a B::Buf,
+}
+
+/// `moe_experts_add_rms_norm` as its parts (the trait's default; a backend's fallback where its
+/// fused kernel does not apply).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_experts_add_rms_norm_unfused<B: Backend>(
+    b: &B,
+    moe: &MoeParams,
+    norm: &RmsNormParams,
+    r: &MoeAddNorm<'_, B>,
+    tmp: &mut B::Buf,
+    mix: &mut B::Buf,
+    x: &mut B::Buf,
+    h: &mut B::Buf,
+) {
+    b.moe_experts(moe, h, r.ids, r.weights, r.gate, r.up, r.down, tmp, mix);
+    b.add_gated_rms_norm(norm, x, mix, r.shared, r.shared_gate, r.norm_w, h);
 }

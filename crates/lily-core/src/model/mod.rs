@@ -105,8 +105,7 @@ impl<B: Backend> Model<B> {
     fn moe_block(&self, b: &B, t: usize, l: usize, norm: &RmsNormParams, s: &mut Scratch<B>) {
         let layer = &self.layers[l];
         b.add_rms_norm(norm, &mut s.x, &s.mix, &layer.post_attention_layernorm, &mut s.h);
-        layer.mlp.forward(b, t, s);
-        layer.mlp.add_norm(b, norm, self.input_norm(l + 1), s);
+        layer.mlp.forward(b, t, norm, self.input_norm(l + 1), s);
     }
 
     /// The norm weight applied to the input of layer `l`: the final norm past the last layer.

@@ -5,7 +5,7 @@
 
 use super::state::Scratch;
 use crate::{
-    backend::{Backend, MatmulParams, MoeParams, RmsNormParams, RouteParams, RowsParams},
+    backend::{Backend, MatmulParams, MoeAddNorm, MoeParams, RmsNormParams, RouteParams, RowsParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -47,15 +47,13 @@ impl<B: Backend> Moe<B> {
         })
     }
 
-    /// The MoE of s.h for `t` tokens, in parts: s.mix = the routed experts' weighted sum,
-    /// s.shared_y = the shared expert, s.shared_gate = its gate logit (`add_norm` combines them).
-    pub fn forward(&self, b: &B, t: usize, s: &mut Scratch<B>) {
-        let mm = MatmulParams {
-            tokens: t as u32,
-            x_row0: 0,
-        };
-        // The router and the shared expert's gate logit read s.h together; the shared expert's
-        // input half is one op: silu(gate_s h) * up_s h.
+    /// The block on s.h (the normed residual, `t` tokens) and its residual add: x += moe(s.h),
+    /// then s.h = rms_norm(x, w), the next block's norm (`norm`: its parameters).
+    pub fn forward(&self, b: &B, t: usize, norm: &RmsNormParams, w: &B::Buf, s: &mut Scratch<B>) {
+        let tokens = t as u32;
+        // The router and the shared expert's gate logit read s.h together; the shared expert is
+        // its input half in one op, silu(gate_s h) * up_s h, then its down projection.
+        let mm = MatmulParams { tokens, x_row0: 0 };
         b.matmuls(
             &mm,
             &s.h,
@@ -63,7 +61,7 @@ impl<B: Backend> Moe<B> {
             &mut [&mut s.router, &mut s.shared_gate],
         );
         let shared = RowsParams {
-            tokens: t as u32,
+            tokens,
             dim: self.shared_inter as u32,
         };
         b.gate_up_swiglu(
@@ -75,34 +73,29 @@ impl<B: Backend> Moe<B> {
             &mut s.shared_u,
             &mut s.shared_act,
         );
+        b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
         let route = RouteParams {
-            tokens: t as u32,
+            tokens,
             experts: self.experts as u32,
             top_k: self.top_k as u32,
             renorm: self.renorm as u32,
         };
         b.moe_route(&route, &s.router, &mut s.expert_ids, &mut s.expert_w);
+        // x += routed + sigmoid(shared_gate) shared; s.h = rms_norm(x, w).
         let moe = MoeParams {
-            tokens: t as u32,
+            tokens,
             top_k: self.top_k as u32,
         };
-        b.moe_experts(
-            &moe,
-            &s.h,
-            &s.expert_ids,
-            &s.expert_w,
-            &self.experts_gate,
-            &self.experts_up,
-            &self.experts_down,
-            &mut s.moe_tmp,
-            &mut s.mix,
-        );
-        b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
-    }
-
-    /// x += the block's output (s.mix + sigmoid(s.shared_gate) s.shared_y, after `forward`), then
-    /// s.h = rms_norm(x, w): the residual add and the norm after it, fused.
-    pub fn add_norm(&self, b: &B, p: &RmsNormParams, w: &B::Buf, s: &mut Scratch<B>) {
-        b.add_gated_rms_norm(p, &mut s.x, &s.mix, &s.shared_y, &s.shared_gate, w, &mut s.h);
+        let end = MoeAddNorm {
+            gate: &self.experts_gate,
+            up: &self.experts_up,
+            down: &self.experts_down,
+            ids: &s.expert_ids,
+            weights: &s.expert_w,
+            shared: &s.shared_y,
+            shared_gate: &s.shared_gate,
+            norm_w: w,
+        };
+        b.moe_experts_add_rms_norm(&moe, norm, &end, &mut s.moe_tmp, &mut s.mix, &mut s.x, &mut s.h);
     }
 }

@@ -16,13 +16,15 @@
 //! one line per op into these files; the plumbing they share (CPU pool, ISA choice, SIMD
 //! primitives; Metal and CUDA command streams, buffers, kernel tables, executors) stays in
 //! `backend/`. Families: [`embed`],
-//! [`norm`] (rms_norm, rms_norm_gated, add_rms_norm, add_gated_rms_norm), [`matmul`],
+//! [`norm`] (rms_norm, rms_norm_gated, add_rms_norm, add_gated_rms_norm,
+//! moe_experts_add_rms_norm), [`matmul`],
 //! [`attention`] (qk_norm_rope, kv_store, qk_norm_rope_store, attention), [`delta_net`]
 //! (delta_net_conv, delta_net), [`moe`] (moe_route, moe_experts, gate_up_swiglu), [`elementwise`]
 //! (add, swiglu, sigmoid_gate_add).
 //!
-//! Fused ops (add_rms_norm, add_gated_rms_norm, qk_norm_rope_store, gate_up_swiglu) are one dispatch on a GPU
-//! for what is several ops in the math; the `Backend` trait defines each as its unfused ops
+//! Fused ops (add_rms_norm, add_gated_rms_norm, moe_experts_add_rms_norm, qk_norm_rope_store,
+//! gate_up_swiglu) are one dispatch on a GPU (moe_experts_add_rms_norm: one after the expert
+//! GEMVs) for what is several ops in the math; the `Backend` trait defines each as its unfused ops
 //! (the default method), so the reference twin of a fused kernel is the reference twins of its
 //! parts, and a backend without the fused kernel runs the parts.
 

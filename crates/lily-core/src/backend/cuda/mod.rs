@@ -46,7 +46,7 @@ pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, StreamKind};
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
     error::{Error, Result},
@@ -728,6 +728,19 @@ impl<X: Executor> Backend for Cuda<X> {
         out: &mut CudaBuf<X>,
     ) {
         norm::cuda::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+    }
+
+    fn moe_experts_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeAddNorm<'_, Self>,
+        tmp: &mut CudaBuf<X>,
+        mix: &mut CudaBuf<X>,
+        x: &mut CudaBuf<X>,
+        h: &mut CudaBuf<X>,
+    ) {
+        norm::cuda::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {

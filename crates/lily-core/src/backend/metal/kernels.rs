@@ -101,6 +101,7 @@ kernel_enum!(
         KvStoreBf16 = "kv_store_bf16",
         KvStoreF16 = "kv_store_f16",
         MoeCombine = "moe_combine_f32",
+        MoeExpertsAddRmsNorm = "moe_experts_add_rms_norm_f32",
         MoeCombineSorted = "moe_combine_sorted_f32",
         MoeHistogram = "moe_histogram_u32",
         MoeRoute = "moe_route_f32",

@@ -50,7 +50,7 @@ pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Place
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -478,6 +478,19 @@ impl<X: Executor> Backend for Metal<X> {
         out: &mut MetalBuf<X>,
     ) {
         norm::metal::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+    }
+
+    fn moe_experts_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeAddNorm<'_, Self>,
+        tmp: &mut MetalBuf<X>,
+        mix: &mut MetalBuf<X>,
+        x: &mut MetalBuf<X>,
+        h: &mut MetalBuf<X>,
+    ) {
+        norm::metal::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {

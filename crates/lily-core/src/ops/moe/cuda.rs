@@ -53,6 +53,34 @@ pub fn moe_experts<X: Executor>(
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let (t, d, out_ptr) = (p.tokens as usize, gate.desc.cols, out.ptr());
+    moe_experts_then(c, p, x, ids, weights, gate, up, down, tmp, out, |y| {
+        let rows = RowsParams {
+            tokens: p.tokens,
+            dim: d,
+        };
+        let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out_ptr);
+        c.launch(F::MoeCombine, rows_launch(d as usize, t), args);
+    })
+}
+
+/// `moe_experts` up to its sum: for decode, the per-pair GEMVs into y [T*K, D] (in tmp, after
+/// act [T*K, I]), then `combine(y's address)` launches what sums the K rows of each token (into
+/// `out`, or folded into the residual norm: `ops::norm::cuda::moe_experts_add_rms_norm`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_experts_then<X: Executor>(
+    c: &Cuda<X>,
+    p: &MoeParams,
+    x: &CudaBuf<X>,
+    ids: &CudaBuf<X>,
+    weights: &CudaBuf<X>,
+    gate: &CudaMat<X>,
+    up: &CudaMat<X>,
+    down: &CudaMat<X>,
+    tmp: &mut CudaBuf<X>,
+    out: &mut CudaBuf<X>,
+    combine: impl FnOnce(u64),
+) {
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * k;
@@ -98,12 +126,7 @@ pub fn moe_experts<X: Executor>(
         .ptr(y);
     let launch = shape([div(d, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
-    let rows = RowsParams {
-        tokens: p.tokens,
-        dim: d as u32,
-    };
-    let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out.ptr());
-    c.launch(F::MoeCombine, rows_launch(d, t), args);
+    combine(y);
 }
 
 /// The gate/up GEMV kernels' shared arguments after their params: [`gate_up_mats`], then ks

@@ -51,6 +51,7 @@ pub fn moe_route<X: Executor>(
     );
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn moe_experts<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
@@ -63,15 +64,52 @@ pub fn moe_experts<X: Executor>(
     tmp: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    if !experts_fit(m, p, x, ids, weights, [gate, up, down], tmp, out) {
+        return;
+    }
+    let (t, d) = (p.tokens as usize, gate.desc.cols as usize);
+    if !decodes_per_pair(m, p, gate) {
+        return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
+    }
+    let (y0, yn) = expert_gemvs(m, p, x, ids, [gate, up, down], tmp);
+    let y = tmp.part(y0, yn);
+    let rows = RowsParams {
+        tokens: p.tokens,
+        dim: d as u32,
+    };
+    let args = [
+        Arg::Bytes(bytes_of(p)),
+        Arg::Bytes(bytes_of(&rows)),
+        weights.arg(),
+        y,
+        out.arg(),
+    ];
+    m.encode(Fixed::MoeCombine, &args, rows_grid(d, t));
+}
+
+/// The checks of `moe_experts` (one weight format for gate, up and down; every buffer long
+/// enough; `out` [T, D]), failing the stream when one does not hold.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn experts_fit<X: Executor>(
+    m: &Metal<X>,
+    p: &MoeParams,
+    x: &MetalBuf<X>,
+    ids: &MetalBuf<X>,
+    weights: &MetalBuf<X>,
+    [gate, up, down]: [&MetalMatrix<X>; 3],
+    tmp: &MetalBuf<X>,
+    out: &MetalBuf<X>,
+) -> bool {
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     if gate.weight != up.weight || gate.weight != down.weight {
-        return m.fail(format!(
+        m.fail(format!(
             "moe_experts: gate/up/down formats differ ({}, {}, {})",
             gate.weight.suffix(),
             up.weight.suffix(),
             down.weight.suffix()
         ));
+        return false;
     }
     let checks = [
         ("x", x.len(), t * d),
@@ -80,35 +118,36 @@ pub fn moe_experts<X: Executor>(
         ("tmp", tmp.len(), t * k * (i + d)),
         ("out", out.len(), t * d),
     ];
-    if !m.fits("moe_experts", &checks) {
-        return;
-    }
-    if t > m.moe_gemm_tokens as usize && gate.experts as usize <= MOE_EXPERTS_MAX {
-        return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
-    }
+    m.fits("moe_experts", &checks)
+}
+
+/// Whether `moe_experts` runs per (token, slot) pair (two GEMV dispatches, `expert_gemvs`) rather
+/// than expert-sorted (prefill, or experts past the sort's limit).
+pub(crate) fn decodes_per_pair<X: Executor>(m: &Metal<X>, p: &MoeParams, gate: &MetalMatrix<X>) -> bool {
+    p.tokens <= m.moe_gemm_tokens || gate.experts as usize > MOE_EXPERTS_MAX
+}
+
+/// The per-pair path's GEMVs: `moe_gate_up` (act [T*K, I] = SwiGLU of each pair's expert, the
+/// first part of tmp) and `moe_down` (y [T*K, D], the part after it); returns where y lies in
+/// tmp (first element, elements).
+pub(crate) fn expert_gemvs<X: Executor>(
+    m: &Metal<X>,
+    p: &MoeParams,
+    x: &MetalBuf<X>,
+    ids: &MetalBuf<X>,
+    [gate, up, down]: [&MetalMatrix<X>; 3],
+    tmp: &MetalBuf<X>,
+) -> (usize, usize) {
+    let (t, k) = (p.tokens as usize, p.top_k as usize);
+    let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
-    let (act, y) = ((0, t * k * i), (t * k * i, t * k * d));
-    let part = |r: (usize, usize)| tmp.part(r.0, r.1);
+    let act = || tmp.part(0, t * k * i);
     let pb = || Arg::Bytes(bytes_of(p));
-    let [gw, gs, gb] = m.weights(gate);
-    let [uw, us, ub] = m.weights(up);
-    let args = [
-        pb(),
-        Arg::Bytes(bytes_of(&gate.desc)),
-        Arg::Bytes(bytes_of(&up.desc)),
-        gw,
-        gs,
-        gb,
-        uw,
-        us,
-        ub,
-        x.arg(),
-        ids.arg(),
-        part(act),
-    ];
     let tk = (t * k) as u32;
     let v = m.variants;
     let rows_per_group = 4 * v.gemv.rows();
+    let [gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7] = gate_up_args(m, gate, up);
+    let args = [pb(), gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7, x.arg(), ids.arg(), act()];
     m.encode(
         v.gemv_kernel(GemvOp::MoeGateUp, gate.weight),
         &args,
@@ -118,6 +157,7 @@ pub fn moe_experts<X: Executor>(
         },
     );
     let [dw, ds, db] = m.weights(down);
+    let y = (t * k * i, t * k * d);
     let args = [
         pb(),
         Arg::Bytes(bytes_of(&down.desc)),
@@ -125,8 +165,8 @@ pub fn moe_experts<X: Executor>(
         ds,
         db,
         ids.arg(),
-        part(act),
-        part(y),
+        act(),
+        tmp.part(y.0, y.1),
     ];
     m.encode(
         v.gemv_kernel(GemvOp::MoeDown, down.weight),
@@ -136,12 +176,29 @@ pub fn moe_experts<X: Executor>(
             size: [128, 1, 1],
         },
     );
-    let rows = RowsParams {
-        tokens: p.tokens,
-        dim: d as u32,
-    };
-    let args = [pb(), Arg::Bytes(bytes_of(&rows)), weights.arg(), part(y), out.arg()];
-    m.encode(Fixed::MoeCombine, &args, rows_grid(d, t));
+    y
+}
+
+/// The gate and up matrices as every gate/up kernel (`moe_gate_up`, `gate_up_swiglu`,
+/// `moe_gemm_gate_up`) binds them after its params: both descriptors, then each one's
+/// (weights, scales, biases).
+fn gate_up_args<'a, X: Executor>(
+    m: &'a Metal<X>,
+    gate: &'a MetalMatrix<X>,
+    up: &'a MetalMatrix<X>,
+) -> [Arg<'a, X::Buffer>; 8] {
+    let [gw, gs, gb] = m.weights(gate);
+    let [uw, us, ub] = m.weights(up);
+    [
+        Arg::Bytes(bytes_of(&gate.desc)),
+        Arg::Bytes(bytes_of(&up.desc)),
+        gw,
+        gs,
+        gb,
+        uw,
+        us,
+        ub,
+    ]
 }
 
 /// `gate_up_swiglu`: one `gate_up_swiglu` GEMV dispatch for a decode token (gate and up of one
@@ -172,18 +229,17 @@ pub fn gate_up_swiglu<X: Executor>(
     if !m.fits("gate_up_swiglu", &[("x", x.len(), t * k), ("out", out.len(), t * n)]) {
         return;
     }
-    let [gw, gs, gb] = m.weights(gate);
-    let [uw, us, ub] = m.weights(up);
+    let [gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7] = gate_up_args(m, gate, up);
     let args = [
         Arg::Bytes(bytes_of(p)),
-        Arg::Bytes(bytes_of(&gate.desc)),
-        Arg::Bytes(bytes_of(&up.desc)),
-        gw,
-        gs,
-        gb,
-        uw,
-        us,
-        ub,
+        gu0,
+        gu1,
+        gu2,
+        gu3,
+        gu4,
+        gu5,
+        gu6,
+        gu7,
         x.arg(),
         out.arg(),
     ];
@@ -337,18 +393,17 @@ fn moe_experts_sorted<X: Executor>(
     let v = m.variants;
     let tn = v.gemm.rows();
     let (x_tile, w_tile) = (MOE_TILE * MOE_TILE * 4, tn * MOE_TILE * 4);
-    let [gw, gs, gb] = m.weights(gate);
-    let [uw, us, ub] = m.weights(up);
+    let [gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7] = gate_up_args(m, gate, up);
     let args = [
         pb(),
-        Arg::Bytes(bytes_of(&gate.desc)),
-        Arg::Bytes(bytes_of(&up.desc)),
-        gw,
-        gs,
-        gb,
-        uw,
-        us,
-        ub,
+        gu0,
+        gu1,
+        gu2,
+        gu3,
+        gu4,
+        gu5,
+        gu6,
+        gu7,
         x.arg(),
         count(),
         blocks(),

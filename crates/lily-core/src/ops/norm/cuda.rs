@@ -2,9 +2,14 @@
 //! add (and the MoE block's gated shared expert) fused with the norm after it (`add_rms_norm`,
 //! `add_gated_rms_norm`: one launch instead of two or three).
 
-use crate::backend::{
-    cuda::{kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
-    params::RmsNormParams,
+use crate::{
+    backend::{
+        cuda::{kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
+        moe_experts_add_rms_norm_unfused,
+        params::{MoeParams, RmsNormParams},
+        MoeAddNorm,
+    },
+    ops::moe::cuda::moe_experts_then,
 };
 
 /// Launch a norm kernel over `p.rows` rows (one block of 256 threads per row) after checking
@@ -81,4 +86,56 @@ pub fn add_gated_rms_norm<X: Executor>(
         ("out", &*out, n),
     ];
     row_norm(c, "add_gated_rms_norm", F::AddGatedRmsNorm, p, &bufs);
+}
+
+/// x += moe_experts(h) + sigmoid(gate[row]) * shared, then h = rms_norm(x, w): for a decode step
+/// the expert GEMVs (`moe_gate_up`, `moe_down`, into tmp) and one `moe_experts_add_rms_norm`
+/// launch that sums the K expert rows into the residual and norms it (`moe_combine` +
+/// `add_gated_rms_norm` in one); otherwise (the expert-sorted prefill) the parts.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_add_rms_norm<X: Executor>(
+    c: &Cuda<X>,
+    moe: &MoeParams,
+    p: &RmsNormParams,
+    r: &MoeAddNorm<'_, Cuda<X>>,
+    tmp: &mut CudaBuf<X>,
+    mix: &mut CudaBuf<X>,
+    x: &mut CudaBuf<X>,
+    h: &mut CudaBuf<X>,
+) {
+    if moe.tokens as usize > c.gemv_tokens {
+        return moe_experts_add_rms_norm_unfused(c, moe, p, r, tmp, mix, x, h);
+    }
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    if p.rows != moe.tokens || r.gate.desc.cols != p.dim {
+        return c.fail(format!(
+            "moe_experts_add_rms_norm: a norm of {} rows of {d} after experts of {} tokens of {}",
+            p.rows, moe.tokens, r.gate.desc.cols
+        ));
+    }
+    let checks = [
+        ("x", x.len, n),
+        ("shared", r.shared.len, n),
+        ("shared_gate", r.shared_gate.len, p.rows as usize),
+        ("norm_w", r.norm_w.len, d),
+        ("h", h.len, n),
+    ];
+    if !c.fits("moe_experts_add_rms_norm", &checks) {
+        return;
+    }
+    let (x_ptr, h_ptr) = (x.ptr(), h.ptr());
+    // mix stands for moe_experts' output only in its checks: the sum goes into x.
+    moe_experts_then(c, moe, h, r.ids, r.weights, r.gate, r.up, r.down, tmp, mix, |y| {
+        let args = Args::new()
+            .push(*p)
+            .push(*moe)
+            .ptr(r.weights.ptr())
+            .ptr(y)
+            .ptr(x_ptr)
+            .ptr(r.shared.ptr())
+            .ptr(r.shared_gate.ptr())
+            .ptr(r.norm_w.ptr())
+            .ptr(h_ptr);
+        c.launch(F::MoeExpertsAddRmsNorm, shape([p.rows, 1, 1], 256), args);
+    });
 }

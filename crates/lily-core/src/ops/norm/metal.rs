@@ -1,9 +1,14 @@
 //! The norms on Metal (`shaders/metal/norm.metal`): one threadgroup per row of
 //! [`norm_threads`] threads.
 
-use crate::backend::{
-    metal::{args::bytes_of, norm_threads, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
-    params::RmsNormParams,
+use crate::{
+    backend::{
+        metal::{args::bytes_of, norm_threads, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
+        moe_experts_add_rms_norm_unfused,
+        params::{MoeParams, RmsNormParams},
+        MoeAddNorm,
+    },
+    ops::moe::metal::{decodes_per_pair, expert_gemvs, experts_fit},
 };
 
 pub fn rms_norm<X: Executor>(m: &Metal<X>, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
@@ -92,6 +97,56 @@ pub fn add_gated_rms_norm<X: Executor>(
         ];
         m.encode(Fixed::AddGatedRmsNorm, &args, rows(p));
     }
+}
+
+/// x += moe_experts(h) + sigmoid(gate[row]) * shared, then h = rms_norm(x, w): for a decode step
+/// (the per-pair expert path) the expert GEMVs (`moe_gate_up`, `moe_down`, into tmp) and one
+/// `moe_experts_add_rms_norm` dispatch that sums the K expert rows into the residual and norms it
+/// (`moe_combine` + `add_gated_rms_norm` in one); otherwise (the expert-sorted prefill) the parts.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_add_rms_norm<X: Executor>(
+    m: &Metal<X>,
+    moe: &MoeParams,
+    p: &RmsNormParams,
+    r: &MoeAddNorm<'_, Metal<X>>,
+    tmp: &mut MetalBuf<X>,
+    mix: &mut MetalBuf<X>,
+    x: &mut MetalBuf<X>,
+    h: &mut MetalBuf<X>,
+) {
+    if !decodes_per_pair(m, moe, r.gate) {
+        return moe_experts_add_rms_norm_unfused(m, moe, p, r, tmp, mix, x, h);
+    }
+    let (n, d) = ((p.rows * p.dim) as usize, r.gate.desc.cols as usize);
+    if p.rows != moe.tokens || p.dim as usize != d {
+        return m.fail(format!(
+            "moe_experts_add_rms_norm: a norm of {} rows of {} after experts of {} tokens of {d}",
+            p.rows, p.dim, moe.tokens
+        ));
+    }
+    let experts = [r.gate, r.up, r.down];
+    let checks = [
+        ("x", x.len(), n),
+        ("shared", r.shared.len(), n),
+        ("shared_gate", r.shared_gate.len(), p.rows as usize),
+        ("norm_w", r.norm_w.len(), d),
+    ];
+    if !experts_fit(m, moe, h, r.ids, r.weights, experts, tmp, h) || !m.fits("moe_experts_add_rms_norm", &checks) {
+        return;
+    }
+    let (y0, yn) = expert_gemvs(m, moe, h, r.ids, experts, tmp);
+    let args = [
+        Arg::Bytes(bytes_of(p)),
+        Arg::Bytes(bytes_of(moe)),
+        r.weights.arg(),
+        tmp.part(y0, yn),
+        x.arg(),
+        r.shared.arg(),
+        r.shared_gate.arg(),
+        r.norm_w.arg(),
+        h.arg(),
+    ];
+    m.encode(Fixed::MoeExpertsAddRmsNorm, &args, rows(p));
 }
 
 /// One threadgroup per row.

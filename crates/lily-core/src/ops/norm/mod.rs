@@ -6,6 +6,13 @@
 //! - `add_rms_norm`: x += y, then out = rms_norm(x, w) (a residual add and the norm after it);
 //! - `add_gated_rms_norm`: x += y + sigmoid(gate[row]) * shared, then out = rms_norm(x, w)
 //!   (the MoE block's end: routed sum, gated shared expert, residual, next norm), gate [rows].
+//! - `moe_experts_add_rms_norm` (`MoeParams` T, K and the norm's): x += moe_experts(h) +
+//!   sigmoid(gate[row]) * shared, then h = rms_norm(x, w): `add_gated_rms_norm` with the routed sum
+//!   computed inside. Its reference is its parts (`moe_experts` into a [T, D] scratch, then
+//!   `add_gated_rms_norm`); on a GPU a decode step runs the expert GEMVs of `ops::moe` into y
+//!   [T*K, D] and one norm kernel that sums each row's K expert rows (k ascending, as
+//!   `moe_combine`) into the residual: one dispatch per layer fewer. Tested with the MoE family
+//!   (`tests/ops_moe.rs`: it needs expert weights).
 //!
 //! The per-head q/k norm of attention is fused with RoPE: `ops::attention` (`qk_norm_rope`).
 
