@@ -398,6 +398,11 @@ fn experts(
     (gate, up, down)
 }
 
+/// An expert case: (weight format, scale dtype, D, I, gate/up as views of one fused tensor).
+type ExpertCase = (Format, DType, usize, usize, bool);
+/// Separate 4-bit matrices, whole tiles: I = 192, D = 256.
+const Q4_SEPARATE: ExpertCase = (Format::Affine { bits: 4, group: 64 }, DType::BF16, 256, 192, false);
+
 /// The per-token (decode) path of `moe_experts` (6 experts, top 2) on `dev` as it is set up.
 /// Fused views: I = 37 and D = 70 leave a Metal simdgroup with fewer rows than the GEMV
 /// variant's (r2: 37 = 4 x 8 + 5; r4: 37 = 2 x 16 + 5 and 70 = 4 x 16 + 6), I = 40 a partial
@@ -409,13 +414,7 @@ fn moe_experts_decode_cases<B: Backend>(dev: &B, tolx: f32, what: &str) {
         (Format::Affine { bits: 4, group: 32 }, DType::BF16, 64, 96, true),
         (Format::BF16, DType::F32, 70, 37, true),
         (Format::Affine { bits: 8, group: 8 }, DType::F16, 48, 40, true),
-        (
-            Format::Affine { bits: 4, group: 64 },
-            DType::BF16,
-            256usize,
-            192usize,
-            false,
-        ),
+        Q4_SEPARATE,
         (Format::BF16, DType::F32, 256, 192, false),
         (Format::F32, DType::F32, 1024, 20, false),
     ] {
@@ -461,13 +460,7 @@ fn moe_experts_variants_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f
 fn moe_experts_prefill_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     let (e, k) = (7usize, 2usize);
     for (format, sd, d, inter, fused) in [
-        (
-            Format::Affine { bits: 4, group: 64 },
-            DType::BF16,
-            256usize,
-            192usize,
-            false,
-        ),
+        Q4_SEPARATE,
         (Format::BF16, DType::F32, 256, 192, false),
         (Format::Affine { bits: 4, group: 32 }, DType::BF16, 160, 96, true),
         (Format::Affine { bits: 8, group: 8 }, DType::F16, 200, 40, false),

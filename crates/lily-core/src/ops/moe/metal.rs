@@ -17,6 +17,15 @@ use crate::{
     error::{Error, Result},
 };
 
+/// The bindings of a gate/up kernel: its params, the gate and up matrices ([`gate_up_args`]), then
+/// the rest, as one array on the stack (encoders allocate nothing).
+macro_rules! gate_up_bindings {
+    ($m:expr, $params:expr, $gate:expr, $up:expr; $($rest:expr),*) => {{
+        let [g0, g1, g2, g3, g4, g5, g6, g7] = gate_up_args($m, $gate, $up);
+        [$params, g0, g1, g2, g3, g4, g5, g6, g7, $($rest),*]
+    }};
+}
+
 pub fn moe_route<X: Executor>(
     m: &Metal<X>,
     p: &RouteParams,
@@ -146,8 +155,7 @@ pub(crate) fn expert_gemvs<X: Executor>(
     let tk = (t * k) as u32;
     let v = m.variants;
     let rows_per_group = 4 * v.gemv.rows();
-    let [gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7] = gate_up_args(m, gate, up);
-    let args = [pb(), gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7, x.arg(), ids.arg(), act()];
+    let args = gate_up_bindings!(m, pb(), gate, up; x.arg(), ids.arg(), act());
     m.encode(
         v.gemv_kernel(GemvOp::MoeGateUp, gate.weight),
         &args,
@@ -180,7 +188,7 @@ pub(crate) fn expert_gemvs<X: Executor>(
 }
 
 /// The gate and up matrices as every gate/up kernel (`moe_gate_up`, `gate_up_swiglu`,
-/// `moe_gemm_gate_up`) binds them after its params: both descriptors, then each one's
+/// `moe_gemm_gate_up`) binds them after its params (`gate_up_bindings!`): both descriptors, then each one's
 /// (weights, scales, biases).
 fn gate_up_args<'a, X: Executor>(
     m: &'a Metal<X>,
@@ -229,20 +237,7 @@ pub fn gate_up_swiglu<X: Executor>(
     if !m.fits("gate_up_swiglu", &[("x", x.len(), t * k), ("out", out.len(), t * n)]) {
         return;
     }
-    let [gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7] = gate_up_args(m, gate, up);
-    let args = [
-        Arg::Bytes(bytes_of(p)),
-        gu0,
-        gu1,
-        gu2,
-        gu3,
-        gu4,
-        gu5,
-        gu6,
-        gu7,
-        x.arg(),
-        out.arg(),
-    ];
+    let args = gate_up_bindings!(m, Arg::Bytes(bytes_of(p)), gate, up; x.arg(), out.arg());
     let v = m.variants;
     m.encode(
         v.gemv_kernel(GemvOp::GateUpSwiglu, gate.weight),
@@ -393,23 +388,7 @@ fn moe_experts_sorted<X: Executor>(
     let v = m.variants;
     let tn = v.gemm.rows();
     let (x_tile, w_tile) = (MOE_TILE * MOE_TILE * 4, tn * MOE_TILE * 4);
-    let [gu0, gu1, gu2, gu3, gu4, gu5, gu6, gu7] = gate_up_args(m, gate, up);
-    let args = [
-        pb(),
-        gu0,
-        gu1,
-        gu2,
-        gu3,
-        gu4,
-        gu5,
-        gu6,
-        gu7,
-        x.arg(),
-        count(),
-        blocks(),
-        order(),
-        act(),
-    ];
+    let args = gate_up_bindings!(m, pb(), gate, up; x.arg(), count(), blocks(), order(), act());
     let grid = Grid::Groups {
         count: [ceil_div(i, tn), max_blocks as u32, 1],
         size: [128, 1, 1],
