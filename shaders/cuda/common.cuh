@@ -143,6 +143,61 @@ __device__ __forceinline__ float4 load_f4(const float* p) {
 #endif
 }
 
+// Four products of the unsigned bytes of a (8-bit codes) with the signed bytes of b (an int8
+// activation plane), added to c: PTX dp4a.u32.s32 (CUDA's __dp4a has no mixed-sign overload).
+__device__ __forceinline__ int dp4a_us(uint a, int b, int c) {
+#if defined(LILY_CUDA_SIM)
+  uint r = (uint)c;
+  for (int i = 0; i < 32; i += 8) r += (uint)((int)((a >> i) & 0xffu) * (int)(signed char)(b >> i));
+  return (int)r;
+#else
+  int r;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+#endif
+}
+
+// ---------------------------------------------------------------- int8 activation planes (GEMV)
+// The decode GEMVs of 4- and 8-bit weights multiply codes by integers (dp4a), not floats, as the
+// CPU backend does (backend/cpu/int8.rs, whose argument carries over): each 16-byte weight chunk's
+// EPC values of x (32 at 4 bits, 16 at 8; a chunk lies in one weight group) are written as
+// GEMV_PLANES int8 planes in fixed point, x ~= d (q0 + q1 / 256 + q2 / 256^2), d = max|x_chunk| / 127:
+// plane 0 rounds x / d (|q0| <= 127), each next plane rounds what is left at 256x finer steps
+// (|q| <= 128; a +128 carries into the plane before as -128, the same value, so every plane fits
+// i8). Per element the error is at most max|x_chunk| / (127 * 2 * 256^2) ~= 6e-8 max|x_chunk|, at
+// f32 rounding of x: the GEMV stays within the f32 tolerances of the reference. The scale is per
+// chunk, a finer cut than the CPU's per weight group (as exact or more, and the same staging for
+// every group size). The bias term of the affine form, b_g sum(x), uses the chunk's exact f32 sum.
+// Per plane a chunk's dot product is an int32 (|sum| <= 32 * 15 * 128 = 61440 at 4 bits, 16 * 255 *
+// 128 = 522240 at 8) started at DP4A_ZERO, the bits of the float 1.5 * 2^23: the sum stays below
+// 2^22, so the bits read back as the float 1.5 * 2^23 + sum, and one subtraction converts it exactly
+// (no int-to-float instruction, a quarter-rate one).
+#define GEMV_PLANES 3
+#define DP4A_ZERO 0x4b400000
+#define DP4A_ZERO_F 12582912.0f
+// Plane scale below which a chunk's integer part is zero (1 / d would overflow): such x (< 1e-28)
+// contributes only through the exact bias sum.
+#define PLANE_MIN_STEP 1e-30f
+// One chunk's planes as a lane reads them from shared memory: q[p][h] = plane p's bytes 16 h ..
+// 16 h + 15 (H = EPC / 16 int4 a plane), d = the chunk's plane-0 step / 256^2 (the unit of the
+// combined sum), sum = the f32 sum of the chunk's x.
+template <int H> struct XPlanes {
+  int4 q[GEMV_PLANES][H];
+  float d, sum;
+};
+// A chunk's x as staged in f32 (the other formats): its q-th 4 floats at p + q * step.
+struct XFloats {
+  const float* p;
+  uint step;
+};
+// The combined value of a chunk's plane sums a[p] (each started at DP4A_ZERO), in units of d:
+// a0 256^2 + a1 256 + a2 (the inner FMA is exact at 4 bits: < 2^24).
+__device__ __forceinline__ float planes_total(const int* a) {
+  const float t0 = __int_as_float(a[0]) - DP4A_ZERO_F, t1 = __int_as_float(a[1]) - DP4A_ZERO_F,
+              t2 = __int_as_float(a[2]) - DP4A_ZERO_F;
+  return fmaf(t0, 65536.0f, fmaf(t1, 256.0f, t2));
+}
+
 // ---------------------------------------------------------------- activations
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -200,6 +255,7 @@ template <> __device__ __forceinline__ float load_scale<Half>(const uchar* p, si
 // Dense weights: E elements of type T (0 f32, 1 bf16, 2 f16) per row. EPC: elements per 16 bytes.
 template <int KIND> struct DenseW {
   static constexpr int EPC = KIND == 0 ? 4 : 8;
+  static constexpr bool PLANAR = false;  // x staged in f32 (gemv_staged)
   const uchar* w;
   CudaMatrix m;
   __device__ __forceinline__ static float elem(const uchar* p, size_t j) {
@@ -217,6 +273,9 @@ template <int KIND> struct DenseW {
   // q-th 4 floats are at xc + q * step (step 4: x contiguous; gemv_staged: a staged layout).
   __device__ __forceinline__ float dot(size_t row, uint c, const float* xc, uint step) const {
     return dot_item(row, load(row, c), c, xc, step);
+  }
+  __device__ __forceinline__ float dot_x(size_t row, const Item& it, uint c, const XFloats& x) const {
+    return dot_item(row, it, c, x.p, x.step);
   }
   __device__ __forceinline__ float dot_item(size_t, const Item& it, uint, const float* xc, uint step) const {
     const uint4 v = it.v;
@@ -259,6 +318,8 @@ __device__ __forceinline__ float code_float(uint q) { return __uint_as_float(0x4
 
 template <int BITS, typename S> struct AffineW {
   static constexpr int EPC = 128 / BITS;
+  // 4- and 8-bit chunks take x as int8 planes in the staged GEMV (dot_x below); 2-bit keeps f32.
+  static constexpr bool PLANAR = BITS == 4 || BITS == 8;
   const uchar* w;
   const uchar* scales;
   const uchar* biases;
@@ -293,6 +354,42 @@ template <int BITS, typename S> struct AffineW {
   }
   __device__ __forceinline__ float dot(size_t row, uint c, const float* xc, uint step) const {
     return dot_item(row, load(row, c), c, xc, step);
+  }
+  __device__ __forceinline__ float dot_x(size_t row, const Item& it, uint c, const XFloats& x) const {
+    return dot_item(row, it, c, x.p, x.step);
+  }
+  // The chunk times its x planes (int8 planes above; needs group % EPC == 0, so it.s / it.b are the
+  // chunk's): s d (sum_p 256^(2 - p) codes . plane p) + b sum(x). 4 bits: a u32 of 8 codes splits
+  // into its low nibbles (columns 0, 2, 4, 6 of the word, one per byte: w & 0x0f0f0f0f) and its high
+  // ones (1, 3, 5, 7), which meet the planes' even / odd bytes (the staging's order); 8 bits: a u32
+  // is 4 codes in column order. One dp4a per 4 codes and plane: 3 planes, 32 codes: 24 dp4a + 12
+  // unpacking + 8 to combine, ~1.4 instructions a code (the f32 path: ~4.3).
+  __device__ __forceinline__ float dot_x(size_t, const Item& it, uint, const XPlanes<EPC / 16>& x) const {
+    static_assert(PLANAR, "dot_x on planes: 4- and 8-bit codes only");
+    const uint u[4] = {it.v.x, it.v.y, it.v.z, it.v.w};
+    int a[GEMV_PLANES];
+#pragma unroll
+    for (int p = 0; p < GEMV_PLANES; ++p) {
+      int acc = DP4A_ZERO;
+#pragma unroll
+      for (int h = 0; h < EPC / 16; ++h) {
+        const int4 q = x.q[p][h];
+        if (BITS == 4) {
+          const uint w0 = u[2 * h], w1 = u[2 * h + 1];
+          acc = __dp4a((int)(w0 & 0x0f0f0f0fu), q.x, acc);
+          acc = __dp4a((int)((w0 >> 4) & 0x0f0f0f0fu), q.y, acc);
+          acc = __dp4a((int)(w1 & 0x0f0f0f0fu), q.z, acc);
+          acc = __dp4a((int)((w1 >> 4) & 0x0f0f0f0fu), q.w, acc);
+        } else {
+          acc = dp4a_us(u[0], q.x, acc);
+          acc = dp4a_us(u[1], q.y, acc);
+          acc = dp4a_us(u[2], q.z, acc);
+          acc = dp4a_us(u[3], q.w, acc);
+        }
+      }
+      a[p] = acc;
+    }
+    return fmaf(it.s * x.d, planes_total(a), it.b * x.sum);
   }
   __device__ __forceinline__ float dot_item(size_t row, const Item& it, uint c, const float* xc, uint step) const {
     const uint4 v = it.v;
@@ -423,17 +520,120 @@ __device__ __forceinline__ void rows_dot_tail(const W& wr, const size_t* rows, u
 // so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
 #define GEMV_XS 8192
 
+// The int8-plane staging of x (W::PLANAR formats: 4- and 8-bit, 16 or 32 columns a chunk; the
+// planes' arithmetic is described above XPlanes) for the n chunks of x [n * EPC] of one pass, into
+// the GEMV_XS-float buffer xs: plane p's int4 h of chunk c at int4 ((c / 32) 3 H + p H + h) 32 +
+// c % 32 (H = EPC / 16: the 32 lanes reading chunks c .. c + 31 read 512 consecutive bytes), then
+// (d / 256^2, sum) of chunk c as float2 c after the SEG chunks' planes (SEG = GEMV_XS / EPC: 26 KiB
+// at 4 bits, 28 KiB at 8, of the 32 KiB). Thread mapping: piece f = 4 floats (columns 4 (f % Q) ..
+// of chunk f / Q, Q = EPC / 4 pieces a chunk) per thread and round; a chunk's Q lanes meet by xor
+// shuffles for its max |x| and sum (the same butterfly in every lane: the same bits whatever the
+// order threads run in). Plane bytes in the order dot_x reads them: at 8 bits column order (piece f
+// is int f % Q of a plane); at 4 bits a u32 of 8 codes splits into even / odd columns, so int 2k of a
+// plane holds columns 8k, 8k+2, 8k+4, 8k+6 of the chunk and int 2k + 1 the odd ones: the pieces 2k
+// and 2k + 1 (lanes l, l ^ 1) swap halves and each stores one int. Reached by every thread of the
+// block (whole warps shuffle: rounds past the end run with zeros and store nothing).
+template <int EPC>
+__device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, uint n, float4* xs) {
+  constexpr uint Q = EPC / 4, H = EPC / 16, SEG = GEMV_XS / EPC;
+  int* qs = reinterpret_cast<int*>(xs);
+  float* ds = reinterpret_cast<float*>(xs + SEG * GEMV_PLANES * H);
+  const uint total = n * Q;
+  for (uint f0 = 0; f0 < total; f0 += blockDim.x) {
+    const uint f = f0 + threadIdx.x, c = f / Q, q = f % Q;
+    const bool real = f < total;  // the same for the Q lanes of a chunk
+    const float4 v = real ? load_f4(x + (size_t)f * 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    float sum = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+    for (uint o = 1; o < Q; o <<= 1) {
+      m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+      sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    }
+    const float d = m / 127.0f;
+    const bool some = d >= PLANE_MIN_STEP;
+    float step = d, inv = some ? 1.0f / d : 0.0f;
+    float r[4] = {v.x, v.y, v.z, v.w};
+    int qv[GEMV_PLANES][4];
+#pragma unroll
+    for (int p = 0; p < GEMV_PLANES; ++p) {
+      const float lim = p == 0 ? 127.0f : 128.0f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        // fmaxf / fminf drop a NaN (x NaN: sum is NaN, and so is the result), so q is finite.
+        const float t = fminf(fmaxf(rintf(r[e] * inv), -lim), lim);
+        qv[p][e] = (int)t;
+        r[e] = fmaf(-t, step, r[e]);
+      }
+      step *= 1.0f / 256.0f;
+      inv *= 256.0f;
+    }
+#pragma unroll
+    for (int p = GEMV_PLANES - 1; p > 0; --p)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (qv[p][e] >= 128) {  // +128 = -128 + one step of the plane before
+          qv[p][e] -= 256;
+          qv[p - 1][e] += 1;
+        }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qv[0][e] = min(qv[0][e], 127);  // f32 rounding of x / d at |x| = max
+#pragma unroll
+    for (int p = 0; p < GEMV_PLANES; ++p) {
+      const int* e = qv[p];
+      uint word;
+      if (EPC == 16) {
+        word = (uint)(e[0] & 0xff) | (uint)(e[1] & 0xff) << 8 | (uint)(e[2] & 0xff) << 16 | (uint)(e[3] & 0xff) << 24;
+      } else {
+        // This piece's even columns (0, 2) in the low half, odd ones (1, 3) in the high half.
+        const uint mine = (uint)(e[0] & 0xff) | (uint)(e[2] & 0xff) << 8 | (uint)(e[1] & 0xff) << 16 |
+                          (uint)(e[3] & 0xff) << 24;
+        const uint other = __shfl_xor_sync(FULL_MASK, mine, 1);
+        word = q % 2 == 0 ? (mine & 0xffffu) | (other << 16) : (other >> 16) | (mine & 0xffff0000u);
+      }
+      if (real) qs[(((c / 32) * GEMV_PLANES * H + p * H + q / 4) * 32 + c % 32) * 4 + q % 4] = (int)word;
+    }
+    if (real && q == 0) {
+      ds[2 * c] = d * (some ? 1.0f / 65536.0f : 0.0f);
+      ds[2 * c + 1] = sum;
+    }
+  }
+}
+// Chunk c's planes and (d, sum) as gemv_stage_planes left them.
+template <int EPC> __device__ __forceinline__ XPlanes<EPC / 16> gemv_planes_at(const float4* xs, uint c) {
+  constexpr uint H = EPC / 16, SEG = GEMV_XS / EPC;
+  XPlanes<H> x;
+  const int4* qs = reinterpret_cast<const int4*>(xs);
+#pragma unroll
+  for (uint p = 0; p < GEMV_PLANES; ++p)
+#pragma unroll
+    for (uint h = 0; h < H; ++h) {
+#if defined(LILY_CUDA_SIM)
+      memcpy(&x.q[p][h], &qs[((c / 32) * GEMV_PLANES * H + p * H + h) * 32 + c % 32], 16);
+#else
+      x.q[p][h] = qs[((c / 32) * GEMV_PLANES * H + p * H + h) * 32 + c % 32];
+#endif
+    }
+  const float* ds = reinterpret_cast<const float*>(xs + SEG * GEMV_PLANES * H);
+  x.d = ds[2 * c];
+  x.sum = ds[2 * c + 1];
+  return x;
+}
+
 // For each pass over x [0, K) (only when `vec`: 16-byte aligned rows): load(r, c) the items
-// (W::Item) of this warp's first NC chunks of each of its R rows (when `active`), stage x, then
-// dot(r, item, c, xc, step) for each (xc: chunk c's x, its q-th 4 floats at xc + q * step), then
-// the next NC chunks, to the pass end. Reached by every thread of the block (it synchronizes).
-// Returns the columns done (the caller does the tail K % EPC, or all of K when !vec, element by
-// element: rows_dot_tail). R and NC are compile-time constants: the items live in registers.
-template <int EPC, int R, int NC, typename Load, typename Dot>
-__device__ __forceinline__ uint gemv_staged(bool vec, uint K, const float* __restrict__ x, float4* xs, bool active,
-                                            uint s, uint ks, Load load, Dot dot) {
-  constexpr uint Q = EPC / 4, SEG = GEMV_XS / EPC;
-  if (!vec) return 0;
+// (W::Item) of this warp's first NC chunks of each of its R rows (when `active`), stage x (f32, or
+// int8 planes for W::PLANAR formats: gemv_stage_planes), then dot(r, item, c, xv) for each (xv:
+// chunk c's x, XFloats or XPlanes, read from shared memory once for the R rows), then the next NC
+// chunks, to the pass end. Reached by every thread of the block (it synchronizes). Returns the
+// columns done (the caller does the tail K % EPC, or all of K when !vec, element by element:
+// rows_dot_tail). R and NC are compile-time constants: the items live in registers. The planes need
+// chunks inside one group (group % EPC == 0, true of MLX's groups 32, 64, 128): other groups of a
+// PLANAR format take the element path (returns 0).
+template <typename W, int R, int NC, typename Load, typename Dot>
+__device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint K, const float* __restrict__ x,
+                                            float4* xs, bool active, uint s, uint ks, Load load, Dot dot) {
+  constexpr uint EPC = W::EPC, Q = EPC / 4, SEG = GEMV_XS / EPC;
+  if (!vec || (W::PLANAR && m.group % EPC != 0)) return 0;
   typedef decltype(load(0, 0u)) Item;
   const uint chunks = K / EPC, stride = 32 * ks;
   for (uint s0 = 0; s0 < chunks; s0 += SEG) {
@@ -448,9 +648,13 @@ __device__ __forceinline__ uint gemv_staged(bool vec, uint K, const float* __res
     };
     uint c = s0 + 32 * s + threadIdx.x % 32;
     fetch(c);
-    for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
-      const uint cc = f / Q, q = f % Q;
-      xs[(cc / 32) * 32 * Q + 32 * q + cc % 32] = load_f4(x + (size_t)(s0 + cc) * EPC + 4 * q);
+    if constexpr (W::PLANAR) {
+      gemv_stage_planes<EPC>(x + (size_t)s0 * EPC, n, xs);
+    } else {
+      for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
+        const uint cc = f / Q, q = f % Q;
+        xs[(cc / 32) * 32 * Q + 32 * q + cc % 32] = load_f4(x + (size_t)(s0 + cc) * EPC + 4 * q);
+      }
     }
     __syncthreads();
     if (active) {
@@ -461,9 +665,15 @@ __device__ __forceinline__ uint gemv_staged(bool vec, uint K, const float* __res
         for (int i = 0; i < NC; ++i) {
           const uint ci = c + i * stride;
           if (ci < c1) {
-            const float* xc = xf + 4 * (((ci - s0) / 32) * 32 * Q + (ci - s0) % 32);
+            if constexpr (W::PLANAR) {
+              const XPlanes<EPC / 16> xv = gemv_planes_at<EPC>(xs, ci - s0);
 #pragma unroll
-            for (int r = 0; r < R; ++r) dot(r, items[i][r], ci, xc, 128u);
+              for (int r = 0; r < R; ++r) dot(r, items[i][r], ci, xv);
+            } else {
+              const XFloats xv{xf + 4 * (((ci - s0) / 32) * 32 * Q + (ci - s0) % 32), 128u};
+#pragma unroll
+              for (int r = 0; r < R; ++r) dot(r, items[i][r], ci, xv);
+            }
           }
         }
         c += NC * stride;
@@ -515,11 +725,9 @@ __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uin
   float acc[GEMV_ROWS];
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
-  const uint done = gemv_staged<W::EPC, GEMV_ROWS, NC>(
-      m.vec, m.cols, x, xs, active, s, ks, [&](int r, uint c) { return wr.load(rows[r], c); },
-      [&](int r, const typename W::Item& it, uint c, const float* xc, uint step) {
-        acc[r] += wr.dot_item(rows[r], it, c, xc, step);
-      });
+  const uint done = gemv_staged<W, GEMV_ROWS, NC>(
+      m, m.vec, m.cols, x, xs, active, s, ks, [&](int r, uint c) { return wr.load(rows[r], c); },
+      [&](int r, const typename W::Item& it, uint c, const auto& xv) { acc[r] += wr.dot_x(rows[r], it, c, xv); });
   if (active && s == 0) rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, m.cols, x, acc);
   gemv_combine<GEMV_ROWS>(acc, part, ks);
   if (active && s == 0 && threadIdx.x % 32 == 0) {

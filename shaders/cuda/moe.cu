@@ -120,11 +120,12 @@ __device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix 
   for (int r = 0; r < 2 * MOE_ROWS; ++r) acc[r] = 0.0f;
   const float* xt = x + (size_t)t * D;
   // Gate rows 0 .. MOE_ROWS - 1, then up rows: 8 weight loads a lane in flight before x is staged.
-  const uint done = gemv_staged<W::EPC, 2 * MOE_ROWS, 1>(
-      gm.vec && um.vec, D, xt, xs, active, s, ks,
+  // gate and up share one group size (moe_gate_up's host checks one format and shape for both).
+  const uint done = gemv_staged<W, 2 * MOE_ROWS, 1>(
+      gm, gm.vec && um.vec && gm.group == um.group, D, xt, xs, active, s, ks,
       [&](int r, uint c) { return r < MOE_ROWS ? g.load(grows[r], c) : u.load(urows[r - MOE_ROWS], c); },
-      [&](int r, const typename W::Item& it, uint c, const float* xc, uint step) {
-        acc[r] += r < MOE_ROWS ? g.dot_item(grows[r], it, c, xc, step) : u.dot_item(urows[r - MOE_ROWS], it, c, xc, step);
+      [&](int r, const typename W::Item& it, uint c, const auto& xv) {
+        acc[r] += r < MOE_ROWS ? g.dot_x(grows[r], it, c, xv) : u.dot_x(urows[r - MOE_ROWS], it, c, xv);
       });
   if (active && s == 0) {
     rows_dot_tail<W, MOE_ROWS>(g, grows, done, D, xt, acc);

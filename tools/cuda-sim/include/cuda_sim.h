@@ -83,6 +83,16 @@ inline void sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+// Four byte products summed into c (PTX dp4a.s32.s32 / dp4a.u32.u32), wrapping like the GPU's.
+inline int __dp4a(int a, int b, int c) {
+  unsigned r = (unsigned)c;
+  for (int i = 0; i < 32; i += 8) r += (unsigned)((int)(signed char)(a >> i) * (int)(signed char)(b >> i));
+  return (int)r;
+}
+inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
+  for (int i = 0; i < 32; i += 8) c += ((a >> i) & 0xffu) * ((b >> i) & 0xffu);
+  return c;
+}
 inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 using std::max;
