@@ -133,7 +133,7 @@ gpu_tests!(
     matmuls_match_reference,
     weights_at_an_offset_match_reference;
     metal: matmul_variants_match_reference;
-    cuda: matmul_mma_matches_reference,
+    cuda: matmul_mma_matches_reference, gemv_wide_range_x_matches_reference,
 );
 
 fn run_matmul<B: Backend>(b: &B, m: &Matrix, tokens: usize, x_row0: usize, x: &[f32]) -> Vec<f32> {
@@ -360,5 +360,86 @@ fn weights_at_an_offset_match_reference<B: Backend>(dev: &mut B, tolx: f32) {
         }
         let x = rand_vec(3 * cols, 141, -1.0, 1.0);
         both!(dev, tolx * TOL, format!("matmul {format:?} at offset {offset}"), b => vec![run_matmul(b, &m, 1, 0, &x), run_matmul(b, &m, 3, 0, &x)]);
+    }
+}
+
+/// x for `gemv_wide_range_x_matches_reference`, token by token: t0 random in [-1, 1] with, in
+/// every 16 columns, +-1e6 beside 1e-6, 0 and -1e-6 (one plane scale per 16-byte weight chunk
+/// spans 12 decades); t1 runs of 16 columns cycling through all zeros, 1e-6 x random, 1e3 x random
+/// with one -5e4, and max 127 (plane step 1) beside halves of steps (0.5, -2.5, 0.5 + 0.5 / 256:
+/// the plane carries); t2 random with one 1e4 in every 64 (a chunk needs its third plane to stay
+/// within 2e-5 of the output: two planes leave ~1e-4).
+fn wide_range_x(cols: usize, seed: u64) -> Vec<f32> {
+    let r = rand_vec(3 * cols, seed, -1.0, 1.0);
+    let mut x = r.clone();
+    for j in 0..cols {
+        x[j] = match j % 16 {
+            5 => {
+                if j % 32 == 5 {
+                    1e6
+                } else {
+                    -1e6
+                }
+            }
+            6 => 1e-6,
+            7 => 0.0,
+            8 => -1e-6,
+            _ => r[j],
+        };
+        let k = cols + j;
+        x[k] = match (j / 16) % 4 {
+            0 => 0.0,
+            1 => 1e-6 * r[k],
+            2 => {
+                if j % 16 == 3 {
+                    -5e4
+                } else {
+                    1e3 * r[k]
+                }
+            }
+            _ => {
+                [127.0, 0.5, -2.5, 0.5 + 0.5 / 256.0, -0.5, 1.5, 63.5, -126.5][j % 8]
+                    * if j % 16 >= 8 { 1.0 } else { -1.0 }
+            }
+        };
+        let k = 2 * cols + j;
+        if j % 64 == 17 {
+            x[k] = 1e4;
+        }
+    }
+    x
+}
+
+/// The CUDA GEMV's int8 activation planes (4- and 8-bit weights: x staged per 16-byte chunk as
+/// three int8 planes with a chunk scale, common.cuh) on x of huge dynamic range (`wide_range_x`),
+/// each token within 2e-5 of its own largest output: groups of 32, 64 and 128 with bf16 / f16 / f32
+/// scales, K of 3 to 258 chunks (a partial warp step of 32 chunks; 8256 columns at 4 bits: a second,
+/// partial staging pass), 9 rows (a block's warps split K) and 70 rows (a partial row group).
+fn gemv_wide_range_x_matches_reference<X: CudaExecutor>(dev: &mut Cuda<X>, tolx: f32) {
+    let cases = [
+        (4, 32, DType::BF16, 96),
+        (4, 64, DType::F16, 320),
+        (4, 128, DType::F32, 384),
+        (4, 64, DType::BF16, 8256),
+        (8, 32, DType::BF16, 96),
+        (8, 64, DType::F32, 320),
+        (8, 128, DType::F16, 1152),
+    ];
+    for (i, &(bits, group, sd, cols)) in cases.iter().enumerate() {
+        for rows in [9, 70] {
+            let m = matrix(1, rows, cols, Format::Affine { bits, group }, sd, 60 + i as u64);
+            let x = wide_range_x(cols, 70 + i as u64);
+            let want = run_matmul(&Cpu::reference(), &m, 3, 0, &x);
+            let got = run_matmul(&*dev, &m, 3, 0, &x);
+            for t in 0..3 {
+                let at = t * rows..(t + 1) * rows;
+                assert_near(
+                    &got[at.clone()],
+                    &want[at],
+                    tolx * TOL,
+                    &format!("gemv {bits}-bit g{group} K={cols} rows={rows} token {t}"),
+                );
+            }
+        }
     }
 }
