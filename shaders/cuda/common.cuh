@@ -486,8 +486,8 @@ AFFINE_MAKE(W_q8_f32)
 
 // acc[r] += the dot products of columns done .. K of the R stored rows rows[r] with x, element by
 // element over the lanes of a warp (a row that is not 16-byte aligned, m.vec == 0, or a K tail).
-template <typename W, int R>
-__device__ __forceinline__ void rows_dot_tail(const W& wr, const size_t* rows, uint done, uint K,
+template <typename W, int R, typename Row>
+__device__ __forceinline__ void rows_dot_tail(const W& wr, const Row* rows, uint done, uint K,
                                               const float* __restrict__ x, float* acc) {
   for (uint j = done + threadIdx.x % 32; j < K; j += 32) {
     const float xj = x[j];
@@ -719,9 +719,9 @@ __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uin
   const uint r0 = (b * (8 / ks) + warp / ks) * GEMV_ROWS;
   const bool active = r0 < m.rows;  // whole warp
   const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
-  size_t rows[GEMV_ROWS];
+  uint rows[GEMV_ROWS];  // stored rows (< 2^32): half the registers of size_t
 #pragma unroll
-  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = base + r0 + min(r, nr - 1);
+  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = (uint)(base + r0 + min(r, nr - 1));
   float acc[GEMV_ROWS];
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;

@@ -579,6 +579,7 @@ impl<X: Executor> Backend for Cuda<X> {
             ));
         }
         let too_big = |v: usize| u32::try_from(v).map_err(|_| Error::weight(&m.name, "dimension over 2^32"));
+        too_big(stored)?; // the decode GEMVs index stored rows in u32 (gemv_block in common.cuh)
         let group = match m.format {
             Format::Affine { group, .. } => group,
             _ => 0,
