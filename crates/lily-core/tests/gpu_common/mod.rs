@@ -48,18 +48,19 @@ pub fn metal_device() -> Option<Metal<lily_core::backend::metal::device::Device>
 
 /// The simulated CUDA device (tools/cuda-sim: the real `.cu` sources compiled by clang-19 as C++,
 /// bounds-checked, warp collectives and mma.sync emulated; `CUDA_SIM_SCHED=reverse` runs the
-/// threads of each block in reverse order). `None` (with a message) only where it cannot be
-/// built, and then a failure under LILY_REQUIRE_CUDA_SIM=1 (CI).
+/// threads of each block in reverse order). `None` (with a message) only where the compiler is
+/// absent, and then a failure under LILY_REQUIRE_CUDA_SIM=1 (CI); any other error (a kernel that
+/// does not compile or is not found in the library) fails the test.
 #[cfg(unix)]
 pub fn cuda_sim() -> Option<Cuda<lily_core::backend::cuda::sim::Sim>> {
-    match Cuda::sim() {
-        Ok(c) => Some(c),
-        Err(e) if std::env::var("LILY_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1") => panic!("{e}"),
-        Err(e) => {
-            eprintln!("SKIPPED: CUDA simulator unavailable: {e}");
-            None
+    if let Err(why) = lily_core::backend::cuda::sim::compiler() {
+        if std::env::var("LILY_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1") {
+            panic!("LILY_REQUIRE_CUDA_SIM=1: {why}");
         }
+        eprintln!("SKIPPED: no CUDA simulator: {why}");
+        return None;
     }
+    Some(Cuda::sim().unwrap_or_else(|e| panic!("the CUDA simulator's compiler is here, but: {e}")))
 }
 
 /// A real NVIDIA GPU. `None` (with a message) only where no NVIDIA driver is installed (no

@@ -96,23 +96,32 @@ impl Sim {
     }
 }
 
+/// The simulator's compiler (`LILY_CUDA_SIM_CXX`, default `clang++-19`) and its `--version`
+/// output, or why it cannot run: the one thing the simulator needs from the machine (tests skip
+/// for this reason only, and fail on every other).
+pub fn compiler() -> std::result::Result<(String, Vec<u8>), String> {
+    let cxx = std::env::var("LILY_CUDA_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
+    match Command::new(&cxx).arg("--version").output() {
+        Ok(out) if out.status.success() => Ok((cxx, out.stdout)),
+        Ok(out) => Err(format!("{cxx} --version failed ({})", out.status)),
+        Err(e) => Err(format!(
+            "the CUDA simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_CUDA_SIM_CXX): {e}"
+        )),
+    }
+}
+
 /// Compile `sources` (with the kernel headers) into one simulator library, cached by content.
 /// Public for the simulator's own tests, which build planted-bug kernels through it.
 pub fn build_library(sources: &[(&str, &str)]) -> Result<PathBuf> {
     // One build at a time per process: concurrent engines / tests then hit the cache.
     static BUILD: Mutex<()> = Mutex::new(());
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let cxx = std::env::var("LILY_CUDA_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
-    let version = Command::new(&cxx).arg("--version").output().map_err(|e| {
-        Error::Device(format!(
-            "the CUDA simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_CUDA_SIM_CXX): {e}"
-        ))
-    })?;
+    let (cxx, version) = compiler().map_err(Error::Device)?;
     let cache = std::env::var_os("LILY_CUDA_SIM_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| std::env::temp_dir().join("lily-cuda-sim"));
     let mut h = Fnv::new();
-    h.add(&version.stdout);
+    h.add(&version);
     h.add(PRELUDE.as_bytes());
     for f in FLAGS {
         h.add(f.as_bytes());
