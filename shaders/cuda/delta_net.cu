@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
   for (uint t0 = 0, g = 0; t0 < T; t0 += DN_SCAN_TOK, g ^= 1) {
     if (t0 + DN_SCAN_TOK < T) fetch(t0 + DN_SCAN_TOK);  // in flight while this group is computed
     const ScanStage& b = st[g];
-    const uint n = min(DN_SCAN_TOK, T - t0);
+    const uint n = min((uint)DN_SCAN_TOK, T - t0);
     for (uint u = 0; u < n; ++u) {
       const float al = b.gate[u][0], be = b.gate[u][1], kq = b.gate[u][2], v = b.v[u][cl];
       const float4* k4 = (const float4*)(b.k[u] + r * DN_SCAN_LD);

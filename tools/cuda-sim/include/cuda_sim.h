@@ -97,6 +97,12 @@ inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 using std::max;
 using std::min;
+// CUDA's mixed-sign overloads (math_functions.h: the int converts to unsigned), which std::min /
+// std::max lack: a kernel nvcc and NVRTC accept must compile here too.
+inline unsigned min(int a, unsigned b) { return umin((unsigned)a, b); }
+inline unsigned min(unsigned a, int b) { return umin(a, (unsigned)b); }
+inline unsigned max(int a, unsigned b) { return umax((unsigned)a, b); }
+inline unsigned max(unsigned a, int b) { return umax(a, (unsigned)b); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 
 // ---------------------------------------------------------------- runtime interface
