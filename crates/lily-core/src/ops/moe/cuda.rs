@@ -64,9 +64,16 @@ pub fn moe_experts<X: Executor>(
     })
 }
 
-/// `moe_experts` up to its sum: for decode, the per-pair GEMVs into y [T*K, D] (in tmp, after
-/// act [T*K, I]), then `combine(y's address)` launches what sums the K rows of each token (into
-/// `out`, or folded into the residual norm: `ops::norm::cuda::moe_experts_add_rms_norm`).
+/// Whether `moe_experts` runs per (token, slot) pair (the GEMVs of a decode step) rather than
+/// expert-sorted (prefill: the tensor-core GEMMs).
+pub(crate) fn decodes_per_pair<X: Executor>(c: &Cuda<X>, p: &MoeParams) -> bool {
+    p.tokens as usize <= c.gemv_tokens
+}
+
+/// `moe_experts` up to its sum: where [`decodes_per_pair`], the per-pair GEMVs into y [T*K, D]
+/// (in tmp, after act [T*K, I]), then `combine(y's address)` launches what sums the K rows of each
+/// token (into `out`, or folded into the residual norm: `ops::norm::cuda::moe_experts_add_rms_norm`);
+/// otherwise the expert-sorted path, which writes `out` itself (`combine` is not called).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_experts_then<X: Executor>(
     c: &Cuda<X>,
@@ -103,7 +110,7 @@ pub(crate) fn moe_experts_then<X: Executor>(
     {
         return;
     }
-    if t > c.gemv_tokens {
+    if !decodes_per_pair(c, p) {
         return experts_sorted(c, p, x, ids, weights, gate, up, down, tmp, out);
     }
     let act = tmp.ptr();

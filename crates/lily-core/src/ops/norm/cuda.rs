@@ -9,7 +9,7 @@ use crate::{
         params::{MoeParams, RmsNormParams},
         MoeAddNorm,
     },
-    ops::moe::cuda::moe_experts_then,
+    ops::moe::cuda::{decodes_per_pair, moe_experts_then},
 };
 
 /// Launch a norm kernel over `p.rows` rows (one block of 256 threads per row) after checking
@@ -103,7 +103,7 @@ pub fn moe_experts_add_rms_norm<X: Executor>(
     x: &mut CudaBuf<X>,
     h: &mut CudaBuf<X>,
 ) {
-    if moe.tokens as usize > c.gemv_tokens {
+    if !decodes_per_pair(c, moe) {
         return moe_experts_add_rms_norm_unfused(c, moe, p, r, tmp, mix, x, h);
     }
     let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
