@@ -20,6 +20,18 @@ typedef unsigned long long u64;
 #define SIM_EXPORT(name)
 #endif
 
+// Programmatic dependent launch (sm_90+, the host's launch attribute): a kernel may start while
+// the one before it in the stream still runs. grid_dep_wait() returns once every earlier kernel has
+// finished and its writes are visible; every kernel calls it before its first access to memory other
+// than weights (reads of weights, which no kernel writes, may come before it: a GEMV issues its
+// first weight loads, then waits). Without the attribute, below sm_90 and in the simulator it is a
+// no-op, so the kernels are correct either way.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(LILY_CUDA_SIM)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- CUDA-only arguments
 // A weight matrix [experts?, rows, cols] as the kernels see it: logical row r of expert e is
 // stored row e * expert_stride + row_offset + r; `group` is the quantization group (0: dense);
