@@ -63,13 +63,28 @@ __device__ __forceinline__ void kv_stage(const KvDesc kd, const KvDesc vd, uint 
   }
 }
 
+// Prefetch cache rows base .. base + n of columns col0 .. col0 + hd of K and V into L2 (one
+// prefetch per 128-byte line: a row's hd values start 16-byte aligned, so a line is touched by
+// at most two threads' pieces), so the next kv_stage waits on L2 instead of memory.
+__device__ __forceinline__ void kv_prefetch(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd) {
+  const uint bytes = hd * (kd.dtype == 0 ? 4 : 2), lines = (bytes + 127) / 128, total = n * lines;
+  for (uint idx = threadIdx.x; idx < total; idx += blockDim.x) {
+    const uint row = base + idx / lines, at = (idx % lines) * 128;
+    const size_t off = ((size_t)(row & ((1u << kd.seg_shift) - 1)) * kd.width + col0) * (kd.dtype == 0 ? 4 : 2) + at;
+    prefetch_l2(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + off);
+    prefetch_l2(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + off);
+  }
+}
+
 // attention (decode): out = softmax(q K^T * scale, causal) V * sigmoid(gate) for one query token
 // per step, split over the keys (flash-decoding); prefill (T > 1) runs attention_prefill below.
 // q / gate from qg [T, H, 2*hd] (q then gate per head); token t sees cache rows 0 .. pos0 + t.
 // GQA packing: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
 // sharing that KV head; each tile of ATT_TILE K/V rows is staged once in shared memory (f32,
-// kv_stage) and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). Online
-// softmax in f32. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal range,
+// kv_stage) and read by all G heads, and the next tile's rows are prefetched into L2 while this one
+// is scored. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). A warp scores the tile's rows
+// together (ATT_TILE independent lane partials and warp sums, not one dependent dot / shuffle /
+// exp chain per row), then rescales once per tile: online softmax in f32. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal range,
 // rows = ceil(len / splits) rounded up to the tile, so the grid does not depend on the position (a
 // decode graph stays valid); out is the partials buffer [T, H, splits, 2 + hd] (running max, sum
 // of exp, unnormalised o) for attention_reduce. Arguments: AttentionParams p (pos0 unused), uint
@@ -101,17 +116,39 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(const AttentionPa
     const uint n = min((uint)ATT_TILE, s1 - base);
     kv_stage(kd, vd, base, n, kvh * hd, hd, ks, vs);
     __syncthreads();
-    for (uint r = 0; r < n; ++r) {
-      float s = 0.0f;
-      for (uint i = 0; i < nd; ++i) s += q[i] * ks[r * hd + lane + 32 * i];
-      s = warp_sum(s);
-      const float m_new = fmaxf(mx, s);
-      const float corr = expf(mx - m_new);
-      const float e = expf(s - m_new);
-      l = l * corr + e;
-      for (uint i = 0; i < nd; ++i) o[i] = o[i] * corr + e * vs[r * hd + lane + 32 * i];
-      mx = m_new;
+    if (base + ATT_TILE < s1) kv_prefetch(kd, vd, base + ATT_TILE, min((uint)ATT_TILE, s1 - base - ATT_TILE), kvh * hd, hd);
+    // Scores of the tile's rows (rows past n hold an earlier tile's values: never used).
+    float sc[ATT_TILE];
+#pragma unroll
+    for (uint r = 0; r < ATT_TILE; ++r) {
+      float a = 0.0f;
+#pragma unroll
+      for (uint i = 0; i < ATT_HD_MAX / 32; ++i)
+        if (i < nd) a += q[i] * ks[r * hd + lane + 32 * i];
+      sc[r] = a;
     }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1)
+#pragma unroll
+      for (uint r = 0; r < ATT_TILE; ++r) sc[r] += __shfl_xor_sync(FULL_MASK, sc[r], d);
+    float m_new = mx;
+#pragma unroll
+    for (uint r = 0; r < ATT_TILE; ++r)
+      if (r < n) m_new = fmaxf(m_new, sc[r]);
+    const float corr = expf(mx - m_new);
+    l *= corr;
+#pragma unroll
+    for (uint i = 0; i < ATT_HD_MAX / 32; ++i) o[i] *= corr;
+#pragma unroll
+    for (uint r = 0; r < ATT_TILE; ++r) {
+      if (r >= n) break;
+      const float e = expf(sc[r] - m_new);
+      l += e;
+#pragma unroll
+      for (uint i = 0; i < ATT_HD_MAX / 32; ++i)
+        if (i < nd) o[i] += e * vs[r * hd + lane + 32 * i];
+    }
+    mx = m_new;
     __syncthreads();
   }
   float* part = out + (((size_t)t * p.heads + h) * splits + split) * (hd + 2);
@@ -349,17 +386,22 @@ extern "C" __global__ void attention_reduce(const AttentionParams p, const uint 
                                             float* __restrict__ out) {
   // exp(max_z - max): each split's weight, computed once.
   __shared__ float wz[ATT_SPLITS_MAX];
+  __shared__ float red[32];
   const uint h = blockIdx.x, t = blockIdx.y, hd = p.head_dim, n = min(splits, (uint)ATT_SPLITS_MAX);
   const float* ph = part + ((size_t)t * p.heads + h) * splits * (hd + 2);
-  float m = NEG_BIG;
-  for (uint z = 0; z < n; ++z) m = fmaxf(m, ph[z * (hd + 2)]);
-  for (uint z = threadIdx.x; z < n; z += blockDim.x) wz[z] = expf(ph[z * (hd + 2)] - m);
-  __syncthreads();
-  float l = 0.0f;
-  for (uint z = 0; z < n; ++z) l += ph[z * (hd + 2) + 1] * wz[z];
+  float mz = NEG_BIG;
+  for (uint z = threadIdx.x; z < n; z += blockDim.x) mz = fmaxf(mz, ph[z * (hd + 2)]);
+  const float m = block_max(mz, red);
+  float lz = 0.0f;
+  for (uint z = threadIdx.x; z < n; z += blockDim.x) {
+    wz[z] = expf(ph[z * (hd + 2)] - m);
+    lz += ph[z * (hd + 2) + 1] * wz[z];
+  }
+  const float l = block_sum(lz, red);  // its barrier also publishes wz
   const float* gate = qg + ((size_t)t * p.heads + h) * 2 * hd + hd;
   for (uint d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.0f;
+#pragma unroll 8
     for (uint z = 0; z < n; ++z) acc += ph[z * (hd + 2) + 2 + d] * wz[z];
     out[((size_t)t * p.heads + h) * hd + d] = acc / l * sigmoid(gate[d]);
   }

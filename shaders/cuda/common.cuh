@@ -169,6 +169,14 @@ __device__ __forceinline__ int dp4a_us(uint a, int b, int c) {
 #endif
 }
 
+// A hint that p's 128-byte line will be read soon: fetched into L2 (PTX prefetch.global.L2; no
+// effect on results, none in the simulator).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if !defined(LILY_CUDA_SIM)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // ---------------------------------------------------------------- int8 activation planes (GEMV)
 // The decode GEMVs of 4- and 8-bit weights multiply codes by integers (dp4a), not floats, as the
 // CPU backend does (backend/cpu/int8.rs, whose argument carries over): each 16-byte weight chunk's
