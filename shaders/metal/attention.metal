@@ -128,7 +128,8 @@ INSTANTIATE(qk_norm_rope_store_f16, qk_norm_rope_store, F16)
 // GQA packing: one threadgroup per (KV head, token, split) with G = H / Hkv simdgroups, one per
 // query head sharing that KV head; each tile of ATTENTION_TILE K/V rows is loaded once into threadgroup
 // memory and read by all G heads. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256).
-// Online softmax in f32. Split layout (flash-decoding): split z covers cache rows
+// A simdgroup scores a tile's rows as independent sums and rescales once per tile: online
+// softmax in f32. Split layout (flash-decoding): split z covers cache rows
 // [z * split_rows, (z + 1) * split_rows); with splits > 1, out is a partials buffer
 // [T, H, splits, 2 + hd] = (running max, sum of exp, unnormalised o) for attention_reduce.
 // Bindings: 0 AttentionParams, 1 AttentionSplit, 2 KvLayout, 3 qg, 4 k table, 5 v table, 6 out.
@@ -164,17 +165,26 @@ TKERNEL void attention(constant AttentionParams& p [[buffer(0)]], constant Atten
       vs[idx] = K::widen(kv_row(v_cache, kl, row, kvw)[col]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint r = 0; r < n; ++r) {
-      float s = 0.0f;
-      for (uint i = 0; i < nd; ++i) s += q[i] * ks[r * hd + lane + 32 * i];
-      s = simd_sum(s);
-      const float m_new = max(mx, s);
-      const float corr = metal::precise::exp(mx - m_new);
-      const float e = metal::precise::exp(s - m_new);
-      l = l * corr + e;
-      for (uint i = 0; i < nd; ++i) o[i] = o[i] * corr + e * vs[r * hd + lane + 32 * i];
-      mx = m_new;
+    // The tile's scores as independent sums (no dependent chain per row), one rescale per tile.
+    float sc[ATTENTION_TILE];
+    float m_new = mx;
+    for (uint r = 0; r < ATTENTION_TILE; ++r) {
+      float a = 0.0f;
+      if (r < n)
+        for (uint i = 0; i < nd; ++i) a += q[i] * ks[r * hd + lane + 32 * i];
+      sc[r] = simd_sum(a);
+      if (r < n) m_new = max(m_new, sc[r]);
     }
+    const float corr = metal::precise::exp(mx - m_new);
+    l *= corr;
+    for (uint i = 0; i < nd; ++i) o[i] *= corr;
+    for (uint r = 0; r < ATTENTION_TILE; ++r) {
+      if (r >= n) break;
+      const float e = metal::precise::exp(sc[r] - m_new);
+      l += e;
+      for (uint i = 0; i < nd; ++i) o[i] += e * vs[r * hd + lane + 32 * i];
+    }
+    mx = m_new;
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   if (sp.splits == 1) {
