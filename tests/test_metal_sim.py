@@ -136,3 +136,7 @@ def test_metal_sim_sequences_and_batched_decode(lily, ckpts):
     for i, (t, (_, token)) in enumerate(zip(twins, batch)):
         assert np.abs(got[i] - eng.decode(token, seq=t)).max() <= SELF_TOL
     assert np.abs(got - want).max() <= SELF_TOL
+    # Greedy ids (the default argmax_at reads each row back at its offset) and the twins' batched logits.
+    nxt = [(s, 3 + i) for i, s in enumerate(seqs)]
+    twin_logits = eng.decode_batch([(t, token) for t, (_, token) in zip(twins, nxt)])
+    assert eng.decode_batch_greedy(nxt) == [int(t) for t in np.argmax(twin_logits, axis=1)]

@@ -73,6 +73,27 @@ def test_batched_decode_equals_each_sequence_alone(engine, n):
         engine.drop_sequence(s)
 
 
+@pytest.mark.parametrize("n", [1, 5, 17])
+def test_batched_greedy_decode_picks_each_sequence_argmax(engine, n):
+    # 17 sequences: more than the engine's 16 rows of logits at a time.
+    seqs = [engine.new_sequence() for _ in range(n)]
+    for i, s in enumerate(seqs):
+        engine.prefill(toks(40 + i, 3 + 5 * i), seq=s)
+    twins = [engine.fork(s) for s in seqs]
+    tokens = [(3 * i + 1) % 500 for i in range(n)]
+    for step in range(2):
+        got = engine.decode_batch_greedy(list(zip(seqs, tokens)))
+        want = engine.decode_batch(list(zip(twins, tokens)))
+        assert got == [int(t) for t in np.argmax(want, axis=1)], step
+        tokens = got
+    assert [engine.sequence_position(s) for s in seqs] == [engine.sequence_position(t) for t in twins]
+    with pytest.raises(ValueError, match="twice"):
+        engine.decode_batch_greedy([(seqs[0], 1), (seqs[0], 2)])
+    assert engine.sequence_position(seqs[0]) == engine.sequence_position(twins[0])
+    for s in seqs + twins:
+        engine.drop_sequence(s)
+
+
 def test_bad_sequence_calls_raise_and_change_nothing(engine):
     s = engine.new_sequence()
     engine.prefill(toks(20, 10), seq=s)

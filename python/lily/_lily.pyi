@@ -109,6 +109,10 @@ class Engine:
         all; each sequence's attention and DeltaNet run at its own position. Returns the next-token
         logits, shape ``[len(batch), vocab_size]``, in the order given. On error no sequence changes.
         """
+    def decode_batch_greedy(self, batch: Sequence[tuple[int, int]]) -> list[int]:
+        """``decode_batch`` for greedy decoding: the id of each sequence's largest next-token logit (the
+        lowest id among equal ones), in the order given, computed where the logits are (no
+        ``[len(batch), vocab_size]`` block is copied out). Same checks; on error no sequence changes."""
     def new_sequence(self) -> int:
         """A new, empty sequence; its id (ids are never reused)."""
     def fork(self, seq: int = 0) -> int:

@@ -140,6 +140,27 @@ fn read_logits<B: Backend>(b: &B, model: &Model<B>, s: &mut Scratch<B>, t: usize
     Ok(())
 }
 
+/// What a batched decode step hands back: each row's logits [rows, vocab], or only the id of
+/// each row's largest logit (greedy decoding: no rows x vocab copy to the host).
+enum BatchOut<'a> {
+    Logits(&'a mut [f32]),
+    Greedy(&'a mut [u32]),
+}
+
+/// The greedy next token of rows 0..out.len() of the last forward call (`argmax` of each row's
+/// logits where they are), `logit_rows` rows of logits at a time.
+fn greedy_ids<B: Backend>(b: &B, model: &Model<B>, s: &mut Scratch<B>, out: &mut [u32]) -> Result<()> {
+    let vocab = model.vocab();
+    for (chunk, ids) in out.chunks_mut(s.logit_rows).enumerate() {
+        model.logits(b, chunk * s.logit_rows, ids.len(), s);
+        b.finish()?;
+        for (i, id) in ids.iter_mut().enumerate() {
+            *id = b.argmax_at(&s.logits, i * vocab, vocab)?;
+        }
+    }
+    Ok(())
+}
+
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
 
 /// `max_seq` for a backend with `limit` bytes of memory: the one asked for if the footprint at
@@ -467,9 +488,10 @@ impl<B: Backend> Runner<B> {
         Ok(())
     }
 
-    /// One decode step of several sequences: `out` [batch.len(), vocab] gets each one's
-    /// next-token logits, in the order given. Everything is checked before any state changes.
-    fn decode_batch(&mut self, batch: &[(SeqId, u32)], out: &mut [f32]) -> Result<()> {
+    /// One decode step of several sequences: `out` gets each one's next-token logits
+    /// [batch.len(), vocab] or greedy id, in the order given. Everything is checked before any
+    /// state changes.
+    fn decode_batch(&mut self, batch: &[(SeqId, u32)], out: BatchOut<'_>) -> Result<()> {
         if batch.is_empty() {
             return Err(Error::InvalidArgument("decode_batch: no sequences given".into()));
         }
@@ -498,7 +520,7 @@ impl<B: Backend> Runner<B> {
         self.guard(&ids, r)
     }
 
-    fn decode_batch_here(&mut self, batch: &[(SeqId, u32)], out: &mut [f32]) -> Result<()> {
+    fn decode_batch_here(&mut self, batch: &[(SeqId, u32)], out: BatchOut<'_>) -> Result<()> {
         let t = batch.len();
         // The batch's sequences in batch order (each found once: ids are distinct, checked).
         let mut rows: Vec<Option<&mut Seq<B>>> = (0..t).map(|_| None).collect();
@@ -521,8 +543,10 @@ impl<B: Backend> Runner<B> {
             seq.cached.push(token);
             seq.pos += 1;
         }
-        read_logits(&self.b, &self.model, &mut self.scratch, t, out)?;
-        Ok(())
+        match out {
+            BatchOut::Logits(out) => read_logits(&self.b, &self.model, &mut self.scratch, t, out),
+            BatchOut::Greedy(out) => greedy_ids(&self.b, &self.model, &mut self.scratch, out),
+        }
     }
 
     fn snapshot(&self, id: SeqId) -> Result<Snapshot> {
@@ -1148,7 +1172,21 @@ impl Engine {
                 self.vocab_size()
             )));
         }
-        each!(self, r => r.decode_batch(batch, out))
+        each!(self, r => r.decode_batch(batch, BatchOut::Logits(out)))
+    }
+
+    /// `decode_batch` for greedy decoding: `out` [batch.len()] receives the id of each
+    /// sequence's largest next-token logit (the lowest among equal ones), computed where the
+    /// logits are, so no [batch.len(), vocab] block is copied out.
+    pub fn decode_batch_greedy(&mut self, batch: &[(SeqId, u32)], out: &mut [u32]) -> Result<()> {
+        if out.len() != batch.len() {
+            return Err(Error::InvalidArgument(format!(
+                "id buffer has {} entries, {} sequences given",
+                out.len(),
+                batch.len()
+            )));
+        }
+        each!(self, r => r.decode_batch(batch, BatchOut::Greedy(out)))
     }
 
     pub fn reset(&mut self) -> Result<()> {

@@ -78,6 +78,14 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// A batch of `(sequence, token)` pairs from Python, each checked.
+    fn batch_pairs(&self, batch: &[(i64, Bound<'_, PyAny>)]) -> PyResult<Vec<(usize, u32)>> {
+        batch
+            .iter()
+            .map(|(seq, token)| Ok((seq_id(*seq)?, to_ids("token", token, self.vocab, true)?[0])))
+            .collect()
+    }
+
     /// `f` on the core engine, with the GIL released while waiting for the engine and while `f` runs.
     fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut CoreEngine) -> R + Send) -> PyResult<R> {
         let me = thread_mark();
@@ -301,14 +309,21 @@ impl Engine {
         py: Python<'py>,
         batch: Vec<(i64, Bound<'py, PyAny>)>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let mut pairs = Vec::with_capacity(batch.len());
-        for (seq, token) in &batch {
-            pairs.push((seq_id(*seq)?, to_ids("token", token, self.vocab, true)?[0]));
-        }
+        let pairs = self.batch_pairs(&batch)?;
         let mut logits = vec![0f32; pairs.len() * self.vocab];
         self.with(py, |e| e.decode_batch(&pairs, &mut logits))?
             .map_err(PyLilyError::from)?;
         PyArray1::from_vec(py, logits).reshape([pairs.len(), self.vocab])
+    }
+
+    /// `decode_batch` for greedy decoding: the id of each sequence's largest next-token logit,
+    /// in the order given (no [len(batch), vocab] logits copied out).
+    fn decode_batch_greedy(&self, py: Python<'_>, batch: Vec<(i64, Bound<'_, PyAny>)>) -> PyResult<Vec<u32>> {
+        let pairs = self.batch_pairs(&batch)?;
+        let mut ids = vec![0u32; pairs.len()];
+        self.with(py, |e| e.decode_batch_greedy(&pairs, &mut ids))?
+            .map_err(PyLilyError::from)?;
+        Ok(ids)
     }
 
     /// A new empty sequence; its id.

@@ -97,6 +97,27 @@ pub struct KvSegment {
 
 /// Whether `copy_rows` of `len` values from `src_off` of a buffer of `src_len` values to
 /// `dst_off` of one of `dst_len` stays inside both.
+/// The index of the largest value (the lowest among equal ones; NaN never wins over a number):
+/// `Backend::argmax` where the values are on the host.
+pub(crate) fn first_max(v: &[f32]) -> u32 {
+    // The largest value first, in 16 independent lanes (a compare-select without a loop-carried
+    // branch, which the compiler can turn into vector max), then the first index holding it.
+    const L: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; L];
+    let chunks = v.chunks_exact(L);
+    for x in chunks.remainder() {
+        lanes[0] = if *x > lanes[0] { *x } else { lanes[0] };
+    }
+    for c in chunks {
+        for (m, x) in lanes.iter_mut().zip(c) {
+            *m = if *x > *m { *x } else { *m };
+        }
+    }
+    let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    // No number at all (empty, or only NaN): index 0.
+    v.iter().position(|&x| x == max).unwrap_or(0) as u32
+}
+
 pub(crate) fn check_rows(src_len: usize, src_off: usize, dst_len: usize, dst_off: usize, len: usize) -> Result<()> {
     let fits = |off: usize, n: usize| off.checked_add(len).is_some_and(|end| end <= n);
     if fits(src_off, src_len) && fits(dst_off, dst_len) {
@@ -148,15 +169,14 @@ pub trait Backend: Send + Sized + 'static {
     /// never wins), after the work encoded so far. A GPU backend computes it on the device so
     /// greedy decoding does not copy the logits to the host; by default it reads them.
     fn argmax(&self, src: &Self::Buf, n: usize) -> Result<u32> {
+        self.argmax_at(src, 0, n)
+    }
+    /// `argmax` of the `n` values from `offset` (one row of a batch's logits); by default they
+    /// are read back.
+    fn argmax_at(&self, src: &Self::Buf, offset: usize, n: usize) -> Result<u32> {
         let mut v = vec![0f32; n];
-        self.read(src, 0, &mut v)?;
-        let mut best = 0;
-        for (i, x) in v.iter().enumerate() {
-            if *x > v[best] || v[best].is_nan() && !x.is_nan() {
-                best = i;
-            }
-        }
-        Ok(best as u32)
+        self.read(src, offset, &mut v)?;
+        Ok(first_max(&v))
     }
     /// `dst[..len] = src[..len]` (state snapshots).
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, len: usize) -> Result<()>;
@@ -461,4 +481,44 @@ pub(crate) fn moe_experts_add_rms_norm_unfused<B: Backend>(
 ) {
     b.moe_experts(moe, h, r.ids, r.weights, r.gate, r.up, r.down, tmp, mix);
     b.add_gated_rms_norm(norm, x, mix, r.shared, r.shared_gate, r.norm_w, h);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_max;
+
+    #[test]
+    fn first_max_is_the_lowest_index_of_the_largest_and_nan_never_wins() {
+        // What it must equal: one pass keeping the first strictly larger value, NaN losing.
+        let reference = |v: &[f32]| {
+            let mut best = 0;
+            for (i, x) in v.iter().enumerate() {
+                if *x > v[best] || v[best].is_nan() && !x.is_nan() {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        let specials = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.0, -0.0, 1.0];
+        for n in [0usize, 1, 2, 15, 16, 17, 33, 1000] {
+            for _ in 0..200 {
+                let v: Vec<f32> = (0..n)
+                    .map(|_| match next() % 8 {
+                        0 => specials[next() as usize % specials.len()],
+                        // Few distinct values, so ties are common.
+                        _ => (next() % 5) as f32 - 2.0,
+                    })
+                    .collect();
+                assert_eq!(first_max(&v), reference(&v), "{v:?}");
+            }
+        }
+        assert_eq!(first_max(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(first_max(&[f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY]), 1);
+        assert_eq!(first_max(&[-0.0, 0.0, 1.0, 1.0]), 2);
+    }
 }

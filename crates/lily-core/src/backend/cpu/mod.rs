@@ -184,6 +184,9 @@ impl Backend for Cpu {
         out.copy_from_slice(&src[offset..offset + out.len()]);
         Ok(())
     }
+    fn argmax_at(&self, src: &Vec<f32>, offset: usize, n: usize) -> Result<u32> {
+        Ok(super::first_max(&src[offset..offset + n]))
+    }
     fn fill_zero(&self, buf: &mut Vec<f32>) -> Result<()> {
         buf.fill(0.0);
         Ok(())

@@ -133,6 +133,14 @@ pub fn report() {
     rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
     let total: f64 = rows.iter().map(|r| r.1 .1).sum();
     eprintln!("lily cpu profile: {total:.3} s in kernels");
+    // Per phase: against the phase's wall time, what is left is time between kernels (pool
+    // fork-joins, serial host work).
+    for phase in ["prefill", "decode", "other"] {
+        let s: f64 = rows.iter().filter(|r| r.0.starts_with(phase)).map(|r| r.1 .1).sum();
+        if s > 0.0 {
+            eprintln!("  {phase}: {s:.3} s in kernels");
+        }
+    }
     eprintln!("{:>9} {:>7} {:>10} {:>7}  kernel", "ms", "%", "calls", "GB/s");
     for (name, (calls, secs, bytes)) in rows {
         let gbs = if bytes > 0 {
