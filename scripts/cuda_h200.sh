@@ -19,7 +19,8 @@
 #   $DEV/whl/*.whl                       lily (built here), mlx, mlx-cpu, mlx-lm, gguf
 #   $DEV/bin/cuda_device, ops_*          the Rust GPU test binaries (cargo test --test cuda_device --test
 #                                        'ops_*' --no-run: each op kernel's cuda_device:: cases are in its
-#                                        family's ops_<family>, the CPU kernels' cpu:: cases beside them)
+#                                        family's ops_<family>, the CPU kernels' cpu:: cases beside them),
+#                                        attention (the CPU decode attention bench), decode_profile (example)
 #   $DEV/tests/                          the Python tests and their helpers, $DEV/fixtures/oracle: cached MLX-LM logits,
 #   $DEV/python/lily/                    the two package sources conftest.py reads beside the tests
 #   $DEV/llamacpp/llama.cpp.tar.gz       llama.cpp from the llama-cpp-python 0.3.36 sdist, trimmed to the
@@ -44,8 +45,9 @@
 #   depth    the host's CPU: python -m lily.bench.depth at 4K, 32K (prefilled, beside llama-bench -d) and
 #            128K, 255K (fill_context): decode tok/s, bytes per token, peak memory (after llama)
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
-#            128K, all cores and 2) and batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2;
-#            after cpu, which writes the 4-layer checkpoint)
+#            128K, all cores and 2), batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2)
+#            and the CPU profile of a batched step at B = 1 and 4 (decode_profile, all cores; after cpu, which
+#            writes the 4-layer checkpoint)
 # Step 1 (installing the carried wheels) runs first in every call.
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
 # back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
@@ -87,6 +89,8 @@ for m in map(json.loads, sys.stdin):
 for m in map(json.loads, sys.stdin):
     if m.get("executable"):
         shutil.copy(m["executable"], sys.argv[1] + "/attention")' "$DEV/bin"
+    cargo build -p lily-core --release --locked --example decode_profile
+    cp target/release/examples/decode_profile "$DEV/bin/"
     strip "$DEV"/bin/*   # the device call carries at most 64 MiB with the checkout
     cp tests/{conftest,fixtures,oracle,test_oracle,gpu_sim,test_cuda_sim,test_cuda_device}.py "$DEV/tests/"
     # conftest.py keys its fixture caches on these sources, read beside the tests.
@@ -295,5 +299,10 @@ if want extras; then
             --lengths 256 --decode-steps 32 --threads "$t" --json "$WORK/concurrency$t.json" || fail=1
     done
     [ -n "${OUT:-}" ] && cp "$WORK"/concurrency*.json "$OUT/" 2>/dev/null
+    step "batched decode, $cores threads: CPU profile of 32 steps at B = 1 and B = 4 (kernels' sum vs wall)"
+    for b in 1 4; do
+        CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores LILY_CPU_PROFILE=1 "$DEV/bin/decode_profile" "$SYNTH4" 32 256 $b \
+            || fail=1
+    done
 fi
 exit $fail
