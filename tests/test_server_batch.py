@@ -537,6 +537,12 @@ def test_a_new_server_resumes_a_long_prompt_from_a_snapshot_its_predecessor_wrot
     assert served(first, prompt)[1] == 0
     assert disk.flush(600) and {32, 64, 96, 128, len(prompt)} <= {e.length for e in disk._files.values()}
     second = load(tiny, prefix_cache_dir=tmp_path)
+    assert second.cache_info().disk_entries == len(list(tmp_path.glob("*.safetensors")))
     text, cached = served(second, part)
-    assert cached == 96 and second.cache_info().disk_hits == 1
+    info = second.cache_info()
+    assert cached == 96 and (info.hits, info.tokens_saved, info.disk_hits) == (1, 96, 1)
+    assert second.prefix.cache.disk.flush(600)  # its own files: the end of its prompt and of its reply
+    files = list(tmp_path.glob("*.safetensors"))
+    info = second.cache_info()
+    assert (info.disk_entries, info.disk_bytes) == (len(files), sum(f.stat().st_size for f in files))
     assert text == served(load(tiny, prefix_cache_bytes=0), part)[0]
