@@ -60,7 +60,7 @@ BAD_FLAGS = [
     ("serve", "--max-seq", "0"), ("serve", "--host", "no such host!"), ("serve", "--kv-dtype", "f8"),
     ("serve", "--max-body", "0"), ("serve", "--header-timeout", "0"), ("serve", "--write-timeout", "nan"),
     ("serve", "--max-queue", "0"), ("serve", "--prefix-cache-dir-bytes", "-1"),
-    ("chat", "--prefix-cache-dir-bytes", "x"),
+    ("chat", "--prefix-cache-dir-bytes", "x"), ("serve", "--prefix-cache-snapshot-every", "-1"),
     ("bench", "--max-seq", "-1"), ("bench", "--lengths", "abc"), ("bench", "--lengths", "0"),
     ("bench", "--decode-steps", "0"), ("bench", "--warmup-steps", "-1"), ("bench", "--rounds", "0"),
     ("bench", "--bandwidth-mib", "0"), ("bench", "--timeout", "-1"), ("bench", "--seed", "-1"),
@@ -116,10 +116,12 @@ def test_serve_passes_its_load_options(monkeypatch, capsys):
 
     monkeypatch.setattr(lily.loading, "load", load)
     code = cli.main(["serve", "some/model", "--port", "0", "--kv-dtype", "f16", "--max-seq", "4096",
-                     "--backend", "cpu", "--prefix-cache-dir", "/some/dir", "--prefix-cache-dir-bytes", "1000"])
+                     "--backend", "cpu", "--prefix-cache-dir", "/some/dir", "--prefix-cache-dir-bytes", "1000",
+                     "--prefix-cache-snapshot-every", "512"])
     assert code == 2 and "stop here" in capsys.readouterr().err
     assert seen == {"path": "some/model", "backend": "cpu", "max_seq": 4096, "kv_dtype": "f16",
-                    "prefix_cache_dir": "/some/dir", "prefix_cache_dir_bytes": 1000}
+                    "prefix_cache_dir": "/some/dir", "prefix_cache_dir_bytes": 1000,
+                    "prefix_cache_snapshot_every": 512}
 
 
 def test_help_lists_commands():

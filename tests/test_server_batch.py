@@ -512,3 +512,37 @@ def test_constraints_stops_and_tools_stay_per_request_in_a_batch(tiny):
     assert set(json.loads(content)) == {"n", "ok"}
     assert "e" not in want[1][0] and want[1][2] == "stop"
     assert want[2][1][0]["name"] == "lookup" and want[2][2] == "tool_calls"
+
+
+def test_a_new_server_resumes_a_long_prompt_from_a_snapshot_its_predecessor_wrote(tiny, tmp_path):
+    """The scheduler writes the snapshots every ``prefix_cache_snapshot_every`` tokens of a prefill to the disk tier:
+    a new server (a new model on the same folder) resumes a prompt that shares only the first 100 tokens of a long
+    earlier one from the snapshot at 96, and answers what a server without a prefix cache answers."""
+    prompt = list(range(40, 190))  # 150 tokens: snapshots at 32, 64, 96 and 128
+    part = prompt[:100] + list(range(300, 320))
+
+    def served(model, tokens):
+        with running(model, model_id="tiny") as server:
+            status, _, text = request(server, "POST", "/v1/completions",
+                                      {"model": "tiny", "max_tokens": 6, "temperature": 0, "prompt": tokens})
+        assert status == 200, text
+        out = json.loads(text)
+        return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = load(tiny, prefix_cache_dir=tmp_path, prefix_cache_snapshot_every=32)
+    disk = first.prefix.cache.disk
+    store = disk.store
+    # Each write done before the next prefill piece, so that no snapshot is skipped for a busy writer (timing).
+    disk.store = lambda *a, **kw: (store(*a, **kw), disk.flush(600))[0]
+    assert served(first, prompt)[1] == 0
+    assert disk.flush(600) and {32, 64, 96, 128, len(prompt)} <= {e.length for e in disk._files.values()}
+    second = load(tiny, prefix_cache_dir=tmp_path)
+    assert second.cache_info().disk_entries == len(list(tmp_path.glob("*.safetensors")))
+    text, cached = served(second, part)
+    info = second.cache_info()
+    assert cached == 96 and (info.hits, info.tokens_saved, info.disk_hits) == (1, 96, 1)
+    assert second.prefix.cache.disk.flush(600)  # its own files: the end of its prompt and of its reply
+    files = list(tmp_path.glob("*.safetensors"))
+    info = second.cache_info()
+    assert (info.disk_entries, info.disk_bytes) == (len(files), sum(f.stat().st_size for f in files))
+    assert text == served(load(tiny, prefix_cache_bytes=0), part)[0]

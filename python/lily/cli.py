@@ -291,7 +291,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(str(e)) from None
     model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype,
                  precision=args.precision, prefix_cache_dir=args.prefix_cache_dir,
-                 prefix_cache_dir_bytes=args.prefix_cache_dir_bytes)
+                 prefix_cache_dir_bytes=args.prefix_cache_dir_bytes,
+                 prefix_cache_snapshot_every=args.prefix_cache_snapshot_every)
     if args.command == "generate":
         return _cmd_generate(model, args)
     return _cmd_chat(model, args)

@@ -83,6 +83,9 @@ def prefix_cache_args(p: argparse.ArgumentParser) -> None:
                    help="also keep the prefix cache's entries as files in DIR: a later run resumes from them")
     p.add_argument("--prefix-cache-dir-bytes", type=integer(0), default=None, metavar="BYTES",
                    help="bound of --prefix-cache-dir (default: a quarter of the disk's free space)")
+    p.add_argument("--prefix-cache-snapshot-every", type=integer(0), default=None, metavar="TOKENS",
+                   help="tokens between the prefix cache's copies inside a long prefill, written to "
+                        "--prefix-cache-dir too (default 4096; 0: none)")
 
 
 def run(prog: str, body: Callable[[], int | None]) -> int:

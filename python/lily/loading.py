@@ -36,6 +36,7 @@ def load(
     prefix_cache_bytes: int | None = None,
     prefix_cache_dir: str | os.PathLike[str] | None = None,
     prefix_cache_dir_bytes: int | None = None,
+    prefix_cache_snapshot_every: int | None = None,
 ) -> Model:
     """Load a checkpoint: a local folder or a Hugging Face repo id (downloaded into the standard cache).
 
@@ -48,7 +49,10 @@ def load(
     ``prefix_cache_bytes`` bounds the copies of earlier prompts' states that
     new prompts resume from (default: a quarter of the free memory; 0 keeps none); ``prefix_cache_dir`` keeps
 them also as files in that folder, so a later process resumes from them (``prefix_cache_dir_bytes`` bounds
-the folder; default a quarter of the disk's free space). Raises
+the folder; default a quarter of the disk's free space); ``prefix_cache_snapshot_every`` is the number of tokens
+between the copies kept inside a long prefill (default 4096; 0 keeps none; written to ``prefix_cache_dir`` too, so a
+prompt that shares only part of a long earlier one, or one whose prefill was interrupted, resumes from the deepest).
+Raises
     ``ModelLoadError`` with what to do when the model cannot be found or read.
     """
     if not isinstance(model, (str, os.PathLike)):
@@ -65,6 +69,8 @@ the folder; default a quarter of the disk's free space). Raises
         integer("prefix_cache_bytes", prefix_cache_bytes, low=0)
     if prefix_cache_dir_bytes is not None:
         integer("prefix_cache_dir_bytes", prefix_cache_dir_bytes, low=0)
+    if prefix_cache_snapshot_every is not None:
+        integer("prefix_cache_snapshot_every", prefix_cache_snapshot_every, low=0)
     if prefix_cache_dir is not None and not isinstance(prefix_cache_dir, (str, os.PathLike)):
         raise TypeError(f"prefix_cache_dir must be a folder path, got {type(prefix_cache_dir).__name__}")
     if revision is not None and not isinstance(revision, str):
@@ -83,7 +89,7 @@ the folder; default a quarter of the disk's free space). Raises
         _warn_on_fallback()
     engine = _open_engine(folder, backend, max_seq, prefill_chunk, kv_dtype, progress, precision)
     return Model(engine, tokenizer, template, generation_config, folder, prefix_cache_bytes, prefix_cache_dir,
-                 prefix_cache_dir_bytes)
+                 prefix_cache_dir_bytes, prefix_cache_snapshot_every=prefix_cache_snapshot_every)
 
 
 _warned_fallback = False

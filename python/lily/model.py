@@ -13,7 +13,7 @@ from lily._lily import Constraint, Engine, ModelLoadError, Vocab
 from lily.arguments import flag, integer, mapping, strings, text, token_ids
 from lily.generate import chat_chunks, echo, generation, run_steps
 from lily.outputs import AssistantMessage, ChatChunk, Chunk, Completion, GenerationStats
-from lily.prefix import CacheInfo, DiskTier, PrefixCache, PrefixReuse, model_fingerprint
+from lily.prefix import SNAPSHOT_EVERY, CacheInfo, DiskTier, PrefixCache, PrefixReuse, model_fingerprint
 from lily.sampling import Sampler, SamplingDefaults
 from lily.structured import Grammar, GrammarLike, as_grammar
 from lily.template import ChatTemplate
@@ -72,6 +72,7 @@ class Model:
         prefix_cache_bytes: int | None = None,
         prefix_cache_dir: str | os.PathLike[str] | None = None,
         prefix_cache_dir_bytes: int | None = None,
+        prefix_cache_snapshot_every: int | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -85,7 +86,8 @@ class Model:
                 raise ValueError("prefix_cache_dir needs the checkpoint's path (to tell its files from other models')")
             disk = DiskTier(prefix_cache_dir, model_fingerprint(path, engine.config), engine.kv_dtype,
                             prefix_cache_dir_bytes)
-        cache = PrefixCache(engine, prefix_cache_bytes, disk=disk)
+        every = SNAPSHOT_EVERY if prefix_cache_snapshot_every is None else prefix_cache_snapshot_every
+        cache = PrefixCache(engine, prefix_cache_bytes, snapshot_every=every, disk=disk)
         self.prefix = PrefixReuse(engine, tokenizer.token_to_id("<|im_start|>"), cache)
         self._vocab: Vocab | None = None
 
@@ -156,7 +158,8 @@ class Model:
         self.prefix.reset()
 
     def cache_info(self) -> CacheInfo:
-        """The prefix cache: entries, bytes (and the bound), hits, misses, prompt tokens saved, evictions."""
+        """The prefix cache: entries, bytes (and the bound), hits, misses, prompt tokens saved, evictions, and the
+        disk tier's files, bytes (and bound), hits read from it and writes dropped, skipped or failed."""
         with self.prefix.turn:
             return self.prefix.cache.info()
 

@@ -27,11 +27,14 @@ stores only its new K/V rows and its DeltaNet states, with a reference to that f
 take O(n) bytes, not O(n^2). Only the export (a copy in memory) runs on the caller's thread: the checksums, the
 encoding and the write (seconds for a long conversation) run on a writer thread, ``max_pending`` entries queued
 at most (one more is dropped and counted, not waited for); a process that exits normally, and ``flush()``, wait
-for the queue. The snapshots taken every ``snapshot_every`` tokens of a long prefill stay in memory only: each
-would export the whole state on the engine's thread and write its DeltaNet states (about 63 MB for the real
-model). A lookup takes the longest prefix over both tiers; a file read
-back becomes a memory entry. A file that is corrupt, truncated, of another model or of another KV dtype, or that
-extends a file that is missing or broken, is ignored (logged), never loaded.
+for the queue. The snapshots taken every ``snapshot_every`` tokens of a long prefill are written too, as files of
+the same chain (each holds the rows since the previous file and its DeltaNet states), so a process killed half way
+through a long prefill, or a prompt that shares only part of a long earlier one, resumes from the deepest of them;
+one is queued only while no other write is (it is skipped, and counted, when the writer is behind: the next file
+then extends the last one written, so every row is still written once), so turn ends keep their ``max_pending``
+places. A lookup takes the longest prefix over both tiers; a file read back becomes a memory entry. A file that is
+corrupt, truncated, of another model or of another KV dtype, or that extends a file that is missing or broken, is
+ignored (logged), never loaded.
 
 The working sequence is the engine's default sequence, so one generation owns it at a time: ``prefill``
 gives it to a new generation, and an older one that tries to go on (``decode``) raises
@@ -104,6 +107,8 @@ class CacheInfo:
     #: Disk writes not made: dropped because ``max_pending`` writes were queued, and failed (logged).
     disk_dropped: int = 0
     disk_write_errors: int = 0
+    #: Snapshots of a long prefill not written because another write was queued (the next file covers their rows).
+    disk_skipped: int = 0
     #: The entries' states in full (each entry's KV rows and DeltaNet states, shared segments counted in every
     #: entry): what private copies would take; ``logical_bytes - bytes`` is what sharing segments saves.
     logical_bytes: int = 0
@@ -220,8 +225,9 @@ class DiskTier:
     with it every file written after it (its children): a parent is touched whenever a child is, so the file
     evicted is normally a leaf.
 
-    Writes run on a writer thread (``store`` queues, at most ``max_pending`` entries; ``flush`` waits for them);
-    the index is shared with it under a lock, held only for bookkeeping, never during a write."""
+    Writes run on a writer thread (``store`` queues, at most ``max_pending`` entries, and one ``snapshot`` entry
+    more, only into an empty queue; ``flush`` waits for them); the index is shared with it under a lock, held only
+    for bookkeeping, never during a write."""
 
     def __init__(self, directory: str | os.PathLike[str], fingerprint: str, kv_dtype: str,
                  max_bytes: int | None = None, max_pending: int = 2):
@@ -237,12 +243,14 @@ class DiskTier:
         self.bytes = 0  # of the files, and of the write in progress (reserved before it starts)
         self.evictions = 0
         self.dropped = 0  # entries not written: the queue was full
+        self.skipped = 0  # snapshots not written: a write was queued
         self.write_errors = 0
         self.written = 0  # bytes of the files this object wrote
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the writer has emptied the queue
-        # name, tokens, tensors (K/V rows from the parent's length on), logits, the parent's name and length
-        self._pending: collections.deque[tuple[str, list[int], dict[str, np.ndarray], Any, str, int]] = (
+        # name, tokens, tensors (K/V rows from the parent's length on), logits, the parent's name and length,
+        # whether it is a snapshot
+        self._pending: collections.deque[tuple[str, list[int], dict[str, np.ndarray], Any, str, int, bool]] = (
             collections.deque())
         self._writer: threading.Thread | None = None
         self._scan()
@@ -431,19 +439,29 @@ class DiskTier:
         return e.tokens, {**rows, **own}, logits
 
     def store(self, tokens: list[int], export: Callable[[int], tuple[list[int], dict[str, np.ndarray]]],
-              logits: np.ndarray | None) -> bool:
+              logits: np.ndarray | None, snapshot: bool = False) -> bool:
         """Queue a file of the state ``export(first_row)`` gives (its tokens, which must be ``tokens``, and tensors:
         K/V rows from ``first_row`` on), called here only when the entry is queued, with the length of the longest
         file written or queued that ``tokens`` extends (its parent; 0 without one). False when ``max_pending``
         writes are queued already: the entry is dropped and counted (``dropped``), not waited for. An entry held
         or queued already is not written again. The writer thread writes it atomically, evicting the least
         recently used files past ``max_bytes`` (an entry larger than the bound is not written, nor one whose
-        parent is gone by then); its errors are logged and counted."""
+        parent is gone by then); its errors are logged and counted.
+
+        A ``snapshot`` (one taken every ``snapshot_every`` tokens of a long prefill) is queued only into an empty
+        queue, else skipped and counted (``skipped``), not exported: the turn ends keep their ``max_pending``
+        places, and the export and write of a snapshot never wait for or delay one. The next file written extends
+        the last one before it, so a skipped snapshot's rows are still written, once."""
         name = self._name(tokens)
         with self._lock:
             if name in self._files or any(p[0] == name for p in self._pending):
                 return True
-            if len(self._pending) >= self.max_pending:
+            if snapshot and self._pending:
+                self.skipped += 1
+                log.debug("prefix cache: a disk write is queued; the snapshot at %d tokens is not written",
+                          len(tokens))
+                return False
+            if not snapshot and sum(not p[6] for p in self._pending) >= self.max_pending:
                 self.dropped += 1
                 log.warning("prefix cache: %d disk writes are queued; an entry of %d tokens is not written",
                             len(self._pending), len(tokens))
@@ -462,7 +480,7 @@ class DiskTier:
         with self._lock:
             if name in self._files or any(p[0] == name for p in self._pending):  # queued meanwhile by another thread
                 return True
-            self._pending.append((name, list(tokens), tensors, logits, *parent))
+            self._pending.append((name, list(tokens), tensors, logits, *parent, snapshot))
             if self._writer is None:  # not a daemon: a process that exits normally waits for its writes
                 self._writer = threading.Thread(target=self._drain, name="lily-prefix-writer")
                 self._writer.start()
@@ -490,7 +508,7 @@ class DiskTier:
                 item = self._pending[0]  # stays queued (``holds``) until written
             name, tokens = item[:2]
             try:
-                self._write(*item)
+                self._write(*item[:6])
             except Exception:  # noqa: BLE001 (the disk tier only saves time: a failed write must not stop the next)
                 log.exception("prefix cache: writing an entry of %d tokens failed", len(tokens))
                 with self._lock:
@@ -620,9 +638,9 @@ class PrefixCache:
 
     def info(self) -> CacheInfo:
         if (d := self.disk) is None:  # (not ``if d``: an empty DiskTier is falsy)
-            disk = (0, 0, 0, 0, 0)
+            disk = (0, 0, 0, 0, 0, 0)
         else:
-            disk = (len(d), d.bytes, d.max_bytes, d.dropped, d.write_errors)
+            disk = (len(d), d.bytes, d.max_bytes, d.dropped, d.write_errors, d.skipped)
         logical = sum(e.bytes for e in self._lru.values())
         return CacheInfo(len(self._lru), self.bytes, self.max_bytes, self.hits, self.misses, self.tokens_saved,
                          self.evictions, *disk[:3], self.disk_hits, *disk[3:], logical_bytes=logical)
@@ -662,8 +680,8 @@ class PrefixCache:
             self.misses += 1
 
     def cuts(self, tokens: list[int], start: int, boundary_id: int | None) -> list[int]:
-        """Where a prefill of ``tokens`` from ``start`` keeps copies (before the end of the prompt, which is kept
-        too): every ``snapshot_every`` tokens and the start of the last message (``last_message``)."""
+        """Where a prefill of ``tokens`` from ``start`` keeps copies (``keep_cut``; before the end of the prompt, which
+        is kept too): every ``snapshot_every`` tokens and the start of the last message (``last_message``)."""
         n, every = len(tokens), self.snapshot_every
         cuts = set(range((start // every + 1) * every, n, every)) if every > 0 else set()
         cut = self.last_message(tokens, start, boundary_id)
@@ -718,17 +736,26 @@ class PrefixCache:
         node = self._find(tokens)
         return node is not None and node.entry is not None
 
-    def add(self, tokens: list[int], seq: int, logits: Any = None, persist: bool | None = None) -> None:
+    def keep_cut(self, tokens: list[int], seq: int, last: int | None) -> None:
+        """Keep a copy of sequence ``seq`` at a cut of its prefill (``cuts``; ``tokens`` are its tokens) unless one
+        is held, and a file of it: the start of the last message (``last``) as a turn end, the others as snapshots
+        (``DiskTier.store``: written when no other write is queued)."""
+        if not self.holds(tokens):
+            self.add(tokens, seq, persist=True, snapshot=len(tokens) != last)
+
+    def add(self, tokens: list[int], seq: int, logits: Any = None, persist: bool | None = None,
+            snapshot: bool = False) -> None:
         """Keep a copy of sequence ``seq`` (whose tokens are ``tokens``) as a new entry, and with ``persist``
-        (default: for an end-of-prompt entry, the one that has its ``logits``; the callers also persist the start of
-        the last message and a finished reply) a file of it in the disk tier."""
+        (default: for an end-of-prompt entry, the one that has its ``logits``; the callers also persist the cuts of
+        a prefill, ``keep_cut``, and a finished reply) a file of it in the disk tier, as a ``snapshot`` of a long
+        prefill (``DiskTier.store``) or a turn end."""
         persist = logits is not None if persist is None else persist
         if persist and self.disk is not None:
             def export(first_row: int) -> tuple[list[int], dict[str, np.ndarray]]:
                 got, _, tensors = self.engine.export_sequence(seq, first_row=first_row)
                 return got, tensors
 
-            self.disk.store(tokens, export, logits)
+            self.disk.store(tokens, export, logits, snapshot=snapshot)
         node = self._insert(tokens)
         if node.entry is not None:  # the same prefix again: keep the newer logits, touch it
             if logits is not None:
@@ -877,8 +904,7 @@ class PrefixReuse:
         for cut in cache.cuts(tokens, start, self.boundary_id):
             eng.prefill(tokens[pos:cut])
             pos = cut
-            if not cache.holds(tokens[:cut]):
-                cache.add(tokens[:cut], 0, persist=cut == last)
+            cache.keep_cut(tokens[:cut], 0, last)
         logits = eng.prefill(tokens[pos:])
         cache.add(list(tokens), 0, logits.copy())
         return logits, start

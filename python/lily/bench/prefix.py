@@ -92,6 +92,8 @@ def _run(args) -> int:
         memory, reused = _timed_prefill(model, returning)
         assert reused == args.tokens, (reused, args.tokens)
         info = model.cache_info()
+        if (tier := model.prefix.cache.disk) is not None:  # the new process reads the files: all written first
+            tier.flush()
         cmd = [sys.executable, "-m", "lily.bench.prefix", str(args.checkpoint), "--backend", args.backend,
                "--kv-dtype", args.kv_dtype, "--tokens", str(args.tokens), "--new", str(args.new),
                "--worker-dir", cache_dir]

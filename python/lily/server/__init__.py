@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             raise command.CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         try:
             model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype,
-                         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_dir_bytes=args.prefix_cache_dir_bytes)
+                         prefix_cache_dir=args.prefix_cache_dir, prefix_cache_dir_bytes=args.prefix_cache_dir_bytes,
+                         prefix_cache_snapshot_every=args.prefix_cache_snapshot_every)
             server = Server(model, args.host, args.port, model_id=args.model_id, aliases=args.alias, limits=limits,
                             max_waiting=args.max_queue, max_sequences=args.max_sequences,
                             max_batch_tokens=args.max_batch_tokens, verbose=args.verbose, sock=sock)

@@ -11,7 +11,8 @@ thread owns the engine; each step it
 3. advances prefills by at most ``max_batch_tokens`` prompt tokens in all, the job whose prefill could end
    soonest first (``prefill_plan``: the fewest tokens left, aged by the steps it has waited), keeping copies in
    the prefix cache where ``PrefixCache.cuts`` says (message starts, every ``snapshot_every`` tokens) and at
-   the end of each prompt;
+   the end of each prompt, each also queued for the disk tier when there is one (only the export runs here; the
+   writer thread writes, and a snapshot is skipped rather than queued behind another write);
 4. decodes one token of every generating job with one ``decode_batch`` call, and hands each its row of logits.
 
 So a long prompt does not stop the streams already running (they get a token every step) nor the short prompts
@@ -340,8 +341,8 @@ class Scheduler:
             try:
                 logits = self.engine.prefill(r.ids[r.done:end], seq=r.seq)
                 r.done = r.length = end
-                if end in r.cuts and not self.cache.holds(r.ids[:end]):
-                    self.cache.add(r.ids[:end], r.seq, persist=end == r.last)
+                if end in r.cuts:
+                    self.cache.keep_cut(r.ids[:end], r.seq, r.last)
                 if end == len(r.ids):
                     self.cache.add(list(r.ids), r.seq, logits.copy())
             except Exception as e:  # this request fails; the others go on
