@@ -274,14 +274,10 @@ def test_prefill_plan_serves_short_prompts_first_and_never_starves_a_long_one():
 def test_a_full_queue_answers_429_in_each_apis_shape():
     engine = SlowEngine(tokenizer().encode("a")[0], delay=0.01)
     with running(model_for(engine, prefix_cache_bytes=0), max_sequences=1, max_waiting=1) as server:
-        socks = []
-        for _ in range(2):  # one generating, one waiting
-            s = raw_socket(server)
-            s.sendall(request_bytes("/v1/completions", {"prompt": "x", "max_tokens": 10**5, "stream": True}))
-            socks.append(s)
-        deadline = time.monotonic() + 30
-        while (len(server.worker.running), len(server.worker.waiting)) != (1, 1) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # One generating, then one waiting: the second is sent once the first runs (sent together, the
+        # second could find the first still in the one waiting place and be refused itself).
+        socks = [generating(server)]
+        socks.append(queued(server, "/v1/completions", FOREVER)[0])
         assert (len(server.worker.running), len(server.worker.waiting)) == (1, 1)
         status, headers, text = request(server, "POST", "/v1/chat/completions",
                                         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
