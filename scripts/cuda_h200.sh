@@ -12,7 +12,8 @@
 #      memory) and `llama-bench -ngl 99 -fa 1` (prefill 512 / 4096, decode at depth 0 / 4096); print
 #      the ratios;
 #   5. (profile) per-kernel times of a 4096-token prefill and of decode steps (CUDA events,
-#      LILY_CUDA_PROFILE=1), and both speeds unprofiled.
+#      LILY_CUDA_PROFILE=1: inside the replayed decode graph), and both speeds unprofiled, with
+#      programmatic dependent launch on and off (LILY_CUDA_PDL=0).
 #
 # What it needs beside the checkout, under $DEV (default .dev, an ignored folder named in the device
 # call's `carry`; make it with `scripts/cuda_h200.sh pack` on the development machine):
@@ -214,8 +215,9 @@ EOF
 fi
 
 if want profile; then
-    step "speeds without profiling: a 4096-token prefill (second of two), 64 greedy decode steps after it"
-    python3 - "$SYNTH" <<'EOF' || fail=1
+    for pdl in 1 0; do
+    step "speeds without profiling, LILY_CUDA_PDL=$pdl (programmatic dependent launch on / off): a 4096-token prefill (second of two), 64 greedy decode steps after it"
+    LILY_CUDA_PDL=$pdl python3 - "$SYNTH" <<'EOF' || fail=1
 import sys, time, lily
 t = time.perf_counter()
 eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
@@ -237,17 +239,18 @@ s = time.perf_counter() - t
 print(f"decode at depth ~4100: 64 steps {s * 1e3:.0f} ms = {64 / s:.1f} tok/s ({s / 64 * 1e6:.0f} us/step)")
 print(f"peak GPU memory {eng.device_peak_bytes / 1e9:.2f} GB, KV cache {eng.kv_bytes / 1e6:.1f} MB")
 EOF
-    step "per-kernel profile: one 4096-token prefill (4 chunks of 1024; CUDA events, launches one by one)"
+    done
+    step "per-kernel profile: one 4096-token prefill (4 chunks of 1024; CUDA events; PDL off while profiling)"
     LILY_CUDA_PROFILE=1 python3 -c 'import sys, lily
 eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
 eng.prefill([1 + (i * 7919) % 240000 for i in range(4096)])' "$SYNTH" 2>&1 | head -45
-    step "per-kernel profile: a 1-token prefill + 64 greedy decode steps (CUDA events, launches one by one)"
+    step "per-kernel profile: a 1-token prefill + 64 greedy decode steps (CUDA event nodes inside the replayed graph; PDL off while profiling)"
     LILY_CUDA_PROFILE=1 python3 -c 'import sys, lily
 eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
 eng.prefill([1])
 tok = 1
 for _ in range(64):
-    tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -45
+    tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -90
 fi
 if want cpu; then
     step "the 4-layer full-width checkpoint for the CPU measurements"

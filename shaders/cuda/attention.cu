@@ -8,6 +8,7 @@
 // KvStoreParams p (pos0 unused: step[0]), step, KvDesc cache, x. Grid (ceil(width / 256), T).
 extern "C" __global__ void kv_store(const KvStoreParams p, const uint* __restrict__ step, const KvDesc d,
                                     const float* __restrict__ x) {
+  kernel_start();
   const uint i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
   if (i >= p.width) return;
   kv_put(d, step[0] + t, i, x[(size_t)t * p.width + i]);
@@ -95,6 +96,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(const AttentionPa
                                                             const uint* __restrict__ step, const KvDesc kd,
                                                             const KvDesc vd, const float* __restrict__ qg,
                                                             float* __restrict__ out) {
+  kernel_start();
   __shared__ float ks[ATT_TILE * ATT_HD_MAX];
   __shared__ float vs[ATT_TILE * ATT_HD_MAX];
   const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
@@ -266,6 +268,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(const Attent
                                                                     const KvDesc kd, const KvDesc vd,
                                                                     const float* __restrict__ qg,
                                                                     float* __restrict__ out) {
+  kernel_start();
   __shared__ __align__(16) ushort kh[FA_KEYS * FA_LD];
   __shared__ __align__(16) ushort kl[FA_KEYS * FA_LD];
   __shared__ __align__(16) ushort vh[ATT_HD_MAX * FA_VLD];
@@ -384,6 +387,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(const Attent
 extern "C" __global__ void attention_reduce(const AttentionParams p, const uint splits,
                                             const float* __restrict__ part, const float* __restrict__ qg,
                                             float* __restrict__ out) {
+  kernel_start();
   // exp(max_z - max): each split's weight, computed once.
   __shared__ float wz[ATT_SPLITS_MAX];
   __shared__ float red[32];

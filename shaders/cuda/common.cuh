@@ -31,6 +31,23 @@ __device__ __forceinline__ void grid_dep_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// grid_dep_launch() lets the next kernel of the stream be scheduled once every block of this one has
+// called it (or exited): its blocks become resident and run up to their grid_dep_wait() (a GEMV issues
+// its first weight loads) while this kernel drains. Correctness does not depend on where it is called,
+// since the dependent still waits in grid_dep_wait() for this kernel's completion and memory flush;
+// every kernel calls it at its start, with grid_dep_wait(): kernel_start().
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(LILY_CUDA_SIM)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The opening of a kernel whose first access is to memory other than weights: let the next kernel be
+// scheduled (its blocks take only what this kernel's resident blocks leave, since the trigger fires
+// once all of them have started), then wait for the kernels before this one.
+__device__ __forceinline__ void kernel_start() {
+  grid_dep_launch();
+  grid_dep_wait();
+}
 
 // ---------------------------------------------------------------- CUDA-only arguments
 // A weight matrix [experts?, rows, cols] as the kernels see it: logical row r of expert e is
@@ -648,14 +665,19 @@ template <int EPC> __device__ __forceinline__ XPlanes<EPC / 16> gemv_planes_at(c
 // columns done (the caller does the tail K % EPC, or all of K when !vec, element by element:
 // rows_dot_tail). R and NC are compile-time constants: the items live in registers. The planes need
 // chunks inside one group (group % EPC == 0, true of MLX's groups 32, 64, 128): other groups of a
-// PLANAR format take the element path (returns 0).
+// PLANAR format take the element path (returns 0). It calls grid_dep_wait() after the first weight
+// loads and before touching x, on every path: the caller may read x, and write, once it returns.
 template <typename W, int R, int NC, typename Load, typename Dot>
 __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint K, const float* __restrict__ x,
                                             float4* xs, bool active, uint s, uint ks, Load load, Dot dot) {
   constexpr uint EPC = W::EPC, Q = EPC / 4, SEG = GEMV_XS / EPC;
-  if (!vec || (W::PLANAR && m.group % EPC != 0)) return 0;
+  if (!vec || (W::PLANAR && m.group % EPC != 0)) {
+    grid_dep_wait();
+    return 0;
+  }
   typedef decltype(load(0, 0u)) Item;
   const uint chunks = K / EPC, stride = 32 * ks;
+  if (chunks == 0) grid_dep_wait();
   for (uint s0 = 0; s0 < chunks; s0 += SEG) {
     const uint n = min(SEG, chunks - s0), c1 = s0 + n;
     Item items[NC][R];
@@ -668,6 +690,9 @@ __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint 
     };
     uint c = s0 + 32 * s + threadIdx.x % 32;
     fetch(c);
+    // Programmatic dependent launch: the first pass's weight loads (weights: never written by a
+    // kernel) are in flight while the kernel before this one drains; x is read only after it.
+    grid_dep_wait();
     if constexpr (W::PLANAR) {
       gemv_stage_planes<EPC>(x + (size_t)s0 * EPC, n, xs);
     } else {

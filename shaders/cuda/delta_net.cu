@@ -14,6 +14,7 @@
 extern "C" __global__ void __launch_bounds__(256) delta_net_conv(const ConvParams p, const float* __restrict__ w,
                                                                  float* __restrict__ state,
                                                                  const float* __restrict__ x, float* __restrict__ out) {
+  kernel_start();
   const uint c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.channels) return;
   const uint hist = p.taps - 1, C = p.channels, T = p.tokens;
@@ -66,6 +67,7 @@ extern "C" __global__ void __launch_bounds__(128) delta_net(const DeltaNetParams
                                                             const float* __restrict__ a_log,
                                                             const float* __restrict__ dt_bias,
                                                             float* __restrict__ state, float* __restrict__ out) {
+  kernel_start();
   __shared__ float qs[DN_DK_MAX];
   __shared__ float kn[DN_DK_MAX];
   __shared__ float red[DN_WARPS * 32];
@@ -158,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(256) delta_net_prep(const DeltaNetP
                                                                  const float* __restrict__ a_log,
                                                                  const float* __restrict__ dt_bias,
                                                                  float* __restrict__ scratch) {
+  kernel_start();
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
   const uint t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* row = qkv + (size_t)t * (2 * Hk * Dk + Hv * Dv);
@@ -221,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
                                                                        const float* __restrict__ scratch,
                                                                        float* __restrict__ state,
                                                                        float* __restrict__ out) {
+  kernel_start();
   __shared__ __align__(16) ScanStage st[2];
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
   const uint j = blockIdx.y, kh = j / (Hv / Hk), tid = threadIdx.x, lane = tid % 32, r = lane % DN_SCAN_SPLIT;

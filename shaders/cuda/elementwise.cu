@@ -8,6 +8,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void add(const RowsParams p, float* __restrict__ x, const float* __restrict__ y) {
+  kernel_start();
   const uint j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
   const size_t i = (size_t)blockIdx.y * p.dim + j;
@@ -16,6 +17,7 @@ extern "C" __global__ void add(const RowsParams p, float* __restrict__ x, const 
 
 extern "C" __global__ void swiglu(const RowsParams p, const float* __restrict__ gate, const float* __restrict__ up,
                                   float* __restrict__ out) {
+  kernel_start();
   const uint j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
   const size_t i = (size_t)blockIdx.y * p.dim + j;
@@ -24,6 +26,7 @@ extern "C" __global__ void swiglu(const RowsParams p, const float* __restrict__ 
 
 extern "C" __global__ void sigmoid_gate_add(const RowsParams p, const float* __restrict__ y,
                                             const float* __restrict__ gate, float* __restrict__ out) {
+  kernel_start();
   const uint j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
   const size_t i = (size_t)blockIdx.y * p.dim + j;
@@ -31,6 +34,7 @@ extern "C" __global__ void sigmoid_gate_add(const RowsParams p, const float* __r
 }
 
 extern "C" __global__ void copy_rows(const RowsParams p, const float* __restrict__ src, float* __restrict__ dst) {
+  kernel_start();
   const uint j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
   const size_t i = (size_t)blockIdx.y * p.dim + j;
@@ -43,6 +47,7 @@ extern "C" __global__ void copy_rows(const RowsParams p, const float* __restrict
 // stride of x keeping its first maximum, then a warp and a block reduction on (value, index).
 extern "C" __global__ void __launch_bounds__(1024) argmax(const uint n, const float* __restrict__ x,
                                                           uint* __restrict__ out) {
+  kernel_start();
   __shared__ float wv[32];
   __shared__ uint wi[32];
   float best = NEG_BIG;

@@ -18,6 +18,7 @@ __device__ __forceinline__ void embed(const uint tokens, const CudaMatrix m, con
   extern "C" __global__ void embed_##sfx(const uint tokens, const CudaMatrix m, const uchar* w,       \
                                          const uchar* s, const uchar* b, const uint* __restrict__ ids, \
                                          float* __restrict__ out) {                                   \
+    kernel_start(); \
     embed<W_##sfx>(tokens, m, w, s, b, ids, out);                                                     \
   }                                                                                                   \
   SIM_EXPORT(embed_##sfx)

@@ -84,12 +84,14 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) matmul_gemv_##sfx(                                         \
       const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,  \
       const float* __restrict__ x, float* __restrict__ out) {                                                  \
+    grid_dep_launch(); /* grid_dep_wait(): in gemv_staged, after the first weight loads */ \
     matmul_gemv<W_##sfx>(p, m, w, s, b, ks, x, out);                                                               \
   }                                                                                                            \
   SIM_EXPORT(matmul_gemv_##sfx)                                                                                \
   extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) matmul_mma_##sfx(                                          \
       const MatmulParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                \
       const float* __restrict__ x, float* __restrict__ out) {                                                  \
+    kernel_start(); \
     matmul_mma<W_##sfx>(p, m, w, s, b, x, out);                                                                \
   }                                                                                                            \
   SIM_EXPORT(matmul_mma_##sfx)                                                                                 \
@@ -98,6 +100,7 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams p, const CudaMatri
       const CudaMatrix m3, const uchar* w0, const uchar* s0, const uchar* b0, const uchar* w1, const uchar* s1, \
       const uchar* b1, const uchar* w2, const uchar* s2, const uchar* b2, const uchar* w3, const uchar* s3,      \
       const uchar* b3, const float* __restrict__ x, float* out0, float* out1, float* out2, float* out3) {      \
+    grid_dep_launch(); /* grid_dep_wait(): in gemv_staged, after the first weight loads */ \
     matmul_gemv_multi<W_##sfx>(p, g, m0, m1, m2, m3, w0, s0, b0, w1, s1, b1, w2, s2, b2, w3, s3, b3, x, out0,   \
                                out1, out2, out3);                                                              \
   }                                                                                                            \

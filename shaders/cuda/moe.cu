@@ -24,6 +24,7 @@ __device__ __forceinline__ float route_exp(float x, float m) { return x >= m - 1
 // warps. f32 throughout.
 extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p, const float* __restrict__ logits,
                                                             uint* __restrict__ ids, float* __restrict__ weights) {
+  kernel_start();
   __shared__ float partial[32];
   __shared__ uint wkey[32];
   __shared__ uint wid[32];
@@ -174,6 +175,7 @@ __device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m, 
 // MoeParams p, RowsParams (T, D), weights [T, K], y [T*K, D], out. Grid (ceil(D / 256), T).
 extern "C" __global__ void moe_combine(const MoeParams p, const RowsParams rp, const float* __restrict__ weights,
                                        const float* __restrict__ y, float* __restrict__ out) {
+  kernel_start();
   const uint j = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, K = p.top_k;
   if (j >= rp.dim) return;
   float acc = 0.0f;
@@ -196,6 +198,7 @@ extern "C" __global__ void moe_combine(const MoeParams p, const RowsParams rp, c
 // (count | tiles | order | pos). Grid (1).
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(const MoeParams p, const MoeSortArgs a,
                                                             const uint* __restrict__ ids, uint* __restrict__ scratch) {
+  kernel_start();
   __shared__ uint cnt[ROUTE_E_MAX];
   __shared__ uint off[ROUTE_E_MAX];
   const uint pairs = p.tokens * p.top_k, E = min(a.experts, (uint)ROUTE_E_MAX);
@@ -303,6 +306,7 @@ __device__ __forceinline__ void moe_gemm_down(const MoeParams p, const CudaMatri
 extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParams rp, const float* __restrict__ weights,
                                               const uint* __restrict__ scratch, const uint max_tiles,
                                               const float* __restrict__ y, float* __restrict__ out) {
+  kernel_start();
   const uint j = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, K = p.top_k;
   if (j >= rp.dim) return;
   const uint pairs = rp.tokens * K;
@@ -317,12 +321,14 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                         \
       const float* __restrict__ x, const uint* __restrict__ ids, float* __restrict__ act) {                     \
+    kernel_start(); \
     moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, ids, act);                                        \
   }                                                                                                              \
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_##sfx(                                              \
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
       const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {                      \
+    kernel_start(); \
     moe_down<W_##sfx>(p, m, w, s, b, ks, ids, act, y);                                                               \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
@@ -330,6 +336,7 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const float* __restrict__ x,            \
       const uint* __restrict__ scratch, const uint max_tiles, float* __restrict__ act) {                         \
+    kernel_start(); \
     moe_gemm_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, x, scratch, max_tiles, act);                    \
   }                                                                                                              \
   SIM_EXPORT(moe_gemm_gate_up_##sfx)                                                                             \
@@ -337,6 +344,7 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b,                     \
       const uint* __restrict__ scratch, const uint max_tiles, const float* __restrict__ act,                     \
       float* __restrict__ y) {                                                                                   \
+    kernel_start(); \
     moe_gemm_down<W_##sfx>(p, m, w, s, b, scratch, max_tiles, act, y);                                           \
   }                                                                                                              \
   SIM_EXPORT(moe_gemm_down_##sfx)
@@ -351,6 +359,7 @@ FOR_EACH_WEIGHT(MOE)
       const RowsParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,              \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                           \
       const float* __restrict__ x, float* __restrict__ out) {                                                      \
+    grid_dep_launch(); /* grid_dep_wait(): in gemv_staged, after the first weight loads */ \
     gate_up_swiglu<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, out);                                        \
   }                                                                                                                \
   SIM_EXPORT(gate_up_swiglu_##sfx)

@@ -73,6 +73,7 @@ __device__ __forceinline__ void norm_row(const RmsNormParams p, const float* __r
 
 extern "C" __global__ void __launch_bounds__(256) rms_norm(const RmsNormParams p, const float* __restrict__ x,
                                                            const float* __restrict__ w, float* __restrict__ out) {
+  kernel_start();
   norm_row<false>(p, x, nullptr, w, out);
 }
 
@@ -80,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_gated(const RmsNormPa
                                                                  const float* __restrict__ z,
                                                                  const float* __restrict__ w,
                                                                  float* __restrict__ out) {
+  kernel_start();
   norm_row<true>(p, x, z, w, out);
 }
 
@@ -147,6 +149,7 @@ extern "C" __global__ void __launch_bounds__(256) add_rms_norm(const RmsNormPara
                                                                const float* __restrict__ y,
                                                                const float* __restrict__ w,
                                                                float* __restrict__ out) {
+  kernel_start();
   add_norm_row(p, x, y, nullptr, 0.0f, w, out);
 }
 
@@ -156,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(256) add_gated_rms_norm(const RmsNo
                                                                      const float* __restrict__ gate,
                                                                      const float* __restrict__ w,
                                                                      float* __restrict__ out) {
+  kernel_start();
   add_norm_row(p, x, y, shared, sigmoid(gate[blockIdx.x]), w, out);
 }
 
@@ -189,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
                                                                            const float* __restrict__ gate,
                                                                            const float* __restrict__ w,
                                                                            float* __restrict__ out) {
+  kernel_start();
   __shared__ float partial[32];
   const uint K = mp.top_k;
   const size_t r0 = (size_t)blockIdx.x * p.dim;

@@ -35,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope(const RopeParams 
                                                                const float* __restrict__ q_norm,
                                                                const float* __restrict__ k_norm, float* qg,
                                                                float* k) {
+  kernel_start();
   __shared__ float v[1024];
   const uint hh = blockIdx.x, t = blockIdx.y, hd = p.head_dim;
   const bool is_q = hh < p.heads;
@@ -54,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_store(
     const RopeParams p, const uint* __restrict__ step, const KvDesc kd, const KvDesc vd,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm, float* qg, const float* __restrict__ k,
     const float* __restrict__ v) {
+  kernel_start();
   __shared__ float staged[1024];
   const uint hh = blockIdx.x, t = blockIdx.y, hd = p.head_dim, kvw = p.kv_heads * hd;
   const uint row = step[0] + t;

@@ -10,20 +10,34 @@
 //!   (`nvrtc.rs`: why not PTX, where NVRTC is found, the disk cache), loaded as modules.
 //! - Memory: `cuMemAlloc` (plain device memory), zeroed; host copies on the stream, waited for.
 //! - Graphs: stream capture (thread-local mode) instantiated with `cuGraphInstantiateWithFlags`.
-//! - Profile: `LILY_CUDA_PROFILE=1` times every launch with a pair of CUDA events (graphs are then
-//!   off: a graph's nodes cannot be timed one by one) and prints the time per kernel, slowest
-//!   first, to stderr when the device is dropped. A developer's tool: it allocates per launch.
+//! - Programmatic dependent launch (compute capability 9.0+, driver 12.3+; `LILY_CUDA_PDL=0` turns
+//!   it off): every kernel is launched with `cuLaunchKernelEx` and the attribute
+//!   `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so it may start while the kernel
+//!   before it drains (captured graphs get programmatic edges). The kernels make this safe: each
+//!   waits (`grid_dep_wait`, shaders/cuda/common.cuh) before its first access to memory other
+//!   than weights.
+//! - Profile: `LILY_CUDA_PROFILE=1` keeps the graphs and records a CUDA event node between every
+//!   two kernels of a captured graph (`CU_EVENT_RECORD_EXTERNAL`), so a kernel's time is the
+//!   interval between the event before it and the event after it in a replayed graph; a step's
+//!   wall time is timed by events around `cuGraphLaunch`. Eager launches (prefill, the first
+//!   steps) are timed by a pair of events each, reported apart. Programmatic dependent launch is
+//!   off while profiling: an event node between two kernels leaves no programmatic edge between
+//!   them (compare the decode benchmark with and without `LILY_CUDA_PDL=0` for its effect). The
+//!   tables go to stderr when the device is dropped. A developer's tool: it allocates per launch.
 
 use std::{
     collections::HashMap,
     ffi::{c_void, CStr, CString},
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicBool, Ordering::Relaxed},
+        Mutex,
+    },
 };
 
 use cudarc::driver::sys::{self, CUresult};
 
 use super::{
-    executor::{Args, DevPtr, Executor, Launch},
+    executor::{programmatic_launch, Args, DevPtr, Executor, Launch},
     kernels, nvrtc,
 };
 use crate::error::{Error, Result};
@@ -51,14 +65,23 @@ pub struct DeviceFunction(sys::CUfunction);
 unsafe impl Send for DeviceFunction {}
 unsafe impl Sync for DeviceFunction {}
 
-/// An instantiated graph.
-pub struct DeviceGraph(sys::CUgraphExec);
+/// An instantiated graph (and, when profiling, its timing events).
+pub struct DeviceGraph(sys::CUgraphExec, GraphEvents);
 // SAFETY: a graph exec handle is used by one thread at a time (the backend's stream lock).
 unsafe impl Send for DeviceGraph {}
 impl Drop for DeviceGraph {
     fn drop(&mut self) {
-        // SAFETY: instantiated once, destroyed once.
-        unsafe { sys::cuGraphExecDestroy(self.0) };
+        // SAFETY: instantiated once, destroyed once; its events are destroyed once with it (a
+        // replay still in flight keeps them alive in the driver until it completes).
+        unsafe {
+            if !self.0.is_null() {
+                sys::cuGraphExecDestroy(self.0);
+            }
+            let wall = self.1.wall.iter().flat_map(|&(a, b)| [a, b]);
+            for e in self.1.chain.iter().map(|c| c.1).chain(wall) {
+                sys::cuEventDestroy_v2(e);
+            }
+        }
     }
 }
 
@@ -75,20 +98,41 @@ pub struct Device {
     h: Handles,
     name: String,
     arch: u32,
+    driver: i32,
     sms: i32,
     nvrtc: (i32, i32),
     total: usize,
     /// Live allocations (address -> bytes), their sum and its peak.
     mem: Mutex<(HashMap<DevPtr, usize>, usize, usize)>,
+    /// Launch with programmatic stream serialization (see the module doc): whether the device and
+    /// driver can (and no profile runs), and whether it is on now.
+    pdl_capable: bool,
+    pdl: AtomicBool,
     /// `LILY_CUDA_PROFILE`: events of the launches since the last sync, and the totals per kernel.
     profile: Option<Mutex<Profile>>,
 }
 
+/// The events of a captured graph: `chain[0]` precedes its first kernel, `chain[i]` (named by
+/// kernel i - 1) follows kernel i - 1; `wall` brackets the `cuGraphLaunch` on the stream.
+#[derive(Clone, Default)]
+struct GraphEvents {
+    chain: Vec<(String, sys::CUevent)>,
+    wall: Option<(sys::CUevent, sys::CUevent)>,
+}
+
 #[derive(Default)]
 struct Profile {
+    /// Eager launches since the last sync: (kernel, start, end).
     pending: Vec<(String, sys::CUevent, sys::CUevent)>,
-    /// kernel -> (launches, milliseconds)
-    totals: HashMap<String, (u64, f64)>,
+    /// Graph replays since the last sync.
+    replays: Vec<GraphEvents>,
+    /// The chain of the graph being captured (`Some` between capture_begin and capture_end).
+    capturing: Option<Vec<(String, sys::CUevent)>>,
+    /// kernel -> (launches, milliseconds), eager and inside replayed graphs.
+    eager: HashMap<String, (u64, f64)>,
+    graph: HashMap<String, (u64, f64)>,
+    /// Replays timed, and their summed wall milliseconds.
+    steps: (u64, f64),
 }
 // SAFETY: event handles are usable from any thread with the context current.
 unsafe impl Send for Profile {}
@@ -166,6 +210,11 @@ impl Device {
                 "cuStreamCreate",
             )?;
             let arch = (major * 10 + minor) as u32;
+            let mut driver = 0;
+            check(sys::cuDriverGetVersion(&mut driver), "cuDriverGetVersion")?;
+            let profile = std::env::var("LILY_CUDA_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
+            let pdl_capable = !profile && programmatic_launch(arch, driver, None);
+            let pdl = pdl_capable && programmatic_launch(arch, driver, std::env::var("LILY_CUDA_PDL").ok().as_deref());
             let nvrtc = nvrtc::load()?;
             let mut modules = Vec::new();
             for c in nvrtc::compile_all(arch, true)? {
@@ -180,13 +229,14 @@ impl Device {
                 h: Handles { ctx, stream, modules },
                 name,
                 arch,
+                driver,
                 sms,
                 nvrtc,
                 total,
                 mem: Mutex::new((HashMap::new(), 0, 0)),
-                profile: std::env::var("LILY_CUDA_PROFILE")
-                    .is_ok_and(|v| !v.is_empty() && v != "0")
-                    .then(|| Mutex::new(Profile::default())),
+                pdl_capable,
+                pdl: AtomicBool::new(pdl),
+                profile: profile.then(|| Mutex::new(Profile::default())),
             })
         }
     }
@@ -206,6 +256,60 @@ impl Device {
     /// Compute capability as major * 10 + minor (90 on Hopper).
     pub fn arch(&self) -> u32 {
         self.arch
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch.
+    pub fn programmatic(&self) -> bool {
+        self.pdl.load(Relaxed)
+    }
+
+    /// Turn programmatic dependent launch on or off for the launches that follow (a graph already
+    /// captured keeps its edges); returns whether it is now on (never where the device or driver
+    /// lacks it, or while profiling).
+    pub fn set_programmatic(&self, on: bool) -> bool {
+        let on = on && self.pdl_capable;
+        self.pdl.store(on, Relaxed);
+        on
+    }
+
+    /// The driver's CUDA version as `cuDriverGetVersion` reports it (13000 for CUDA 13.0).
+    pub fn driver(&self) -> i32 {
+        self.driver
+    }
+
+    fn profile(&self) -> Option<std::sync::MutexGuard<'_, Profile>> {
+        self.profile
+            .as_ref()
+            .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// A new event recorded on the stream; inside a capture an external event node of the graph.
+    fn record(&self, capturing: bool) -> Result<sys::CUevent> {
+        let e = self.event()?;
+        let flags = if capturing {
+            sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32
+        } else {
+            0
+        };
+        // SAFETY: a fresh event on this context's stream.
+        let r = unsafe { sys::cuEventRecordWithFlags(e, self.h.stream, flags) };
+        if r != CUresult::CUDA_SUCCESS {
+            // SAFETY: created above, not recorded.
+            unsafe { sys::cuEventDestroy_v2(e) };
+        }
+        check(r, "cuEventRecordWithFlags")?;
+        Ok(e)
+    }
+
+    /// Elapsed milliseconds between two completed events.
+    fn elapsed(start: sys::CUevent, end: sys::CUevent) -> Result<f64> {
+        let mut ms = 0f32;
+        // SAFETY: both events were recorded and the stream is idle.
+        check(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, start, end) },
+            "cuEventElapsedTime",
+        )?;
+        Ok(ms as f64)
     }
 
     /// Device memory (free, total) in bytes, as the driver reports it.
@@ -337,40 +441,71 @@ impl Executor for Device {
     }
 
     fn launch(&self, f: &DeviceFunction, name: &str, s: Launch, args: &mut Args) -> Result<()> {
-        let events = match &self.profile {
-            Some(_) => Some((self.event()?, self.event()?)),
-            None => None,
-        };
-        if let Some((start, _)) = events {
-            // SAFETY: a fresh event on this context's stream.
-            check(unsafe { sys::cuEventRecord(start, self.h.stream) }, "cuEventRecord")?;
+        let mut profile = self.profile();
+        // Eager: a pair of events around the launch; captured: the event before the first
+        // kernel, then one after each.
+        let mut start = None;
+        if let Some(p) = profile.as_deref_mut() {
+            match &mut p.capturing {
+                Some(chain) if chain.is_empty() => chain.push((String::new(), self.record(true)?)),
+                Some(_) => {}
+                None => start = Some(self.record(false)?),
+            }
         }
         let mut ptrs = args.pointers();
+        // SAFETY: a zeroed attribute union with one field set, as the driver reads it.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: s.grid[0],
+            gridDimY: s.grid[1],
+            gridDimZ: s.grid[2],
+            blockDimX: s.block[0],
+            blockDimY: s.block[1],
+            blockDimZ: s.block[2],
+            sharedMemBytes: s.shared,
+            hStream: self.h.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
         // SAFETY: the parameter pointers address `args`' values in the kernel's parameter order
-        // (each kernel's arguments are written next to its launch in mod.rs and tested).
+        // (each kernel's arguments are written next to its launch in mod.rs and tested); `config`
+        // and `attr` outlive the call. cuLaunchKernelEx is only called where `pdl` found a driver
+        // that has it (12.3+).
         let r = unsafe {
-            sys::cuLaunchKernel(
-                f.0,
-                s.grid[0],
-                s.grid[1],
-                s.grid[2],
-                s.block[0],
-                s.block[1],
-                s.block[2],
-                s.shared,
-                self.h.stream,
-                ptrs.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
+            if self.pdl.load(Relaxed) {
+                sys::cuLaunchKernelEx(&config, f.0, ptrs.as_mut_ptr(), std::ptr::null_mut())
+            } else {
+                sys::cuLaunchKernel(
+                    f.0,
+                    s.grid[0],
+                    s.grid[1],
+                    s.grid[2],
+                    s.block[0],
+                    s.block[1],
+                    s.block[2],
+                    s.shared,
+                    self.h.stream,
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
         };
         if r != CUresult::CUDA_SUCCESS {
+            if let Some(e) = start {
+                // SAFETY: recorded above, never waited on.
+                unsafe { sys::cuEventDestroy_v2(e) };
+            }
             return check(r, &format!("launch of {name} {s:?}"));
         }
-        if let (Some((start, end)), Some(p)) = (events, &self.profile) {
-            // SAFETY: as above.
-            check(unsafe { sys::cuEventRecord(end, self.h.stream) }, "cuEventRecord")?;
-            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-            p.pending.push((name.to_string(), start, end));
+        if let Some(p) = profile.as_deref_mut() {
+            let end = self.record(p.capturing.is_some())?;
+            if let Some(chain) = &mut p.capturing {
+                chain.push((name.to_string(), end));
+            } else if let Some(start) = start {
+                p.pending.push((name.to_string(), start, end));
+            }
         }
         Ok(())
     }
@@ -379,28 +514,33 @@ impl Executor for Device {
         self.current()?;
         // SAFETY: a valid stream.
         check(unsafe { sys::cuStreamSynchronize(self.h.stream) }, "kernel execution")?;
-        if let Some(p) = &self.profile {
-            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-            let pending = std::mem::take(&mut p.pending);
-            for (name, start, end) in pending {
-                let mut ms = 0f32;
-                // SAFETY: both events were recorded and the stream is idle; destroyed once.
+        if let Some(mut p) = self.profile() {
+            for (name, start, end) in std::mem::take(&mut p.pending) {
+                let ms = Device::elapsed(start, end);
+                // SAFETY: recorded, completed (the stream is idle); destroyed once.
                 unsafe {
-                    check(sys::cuEventElapsedTime_v2(&mut ms, start, end), "cuEventElapsedTime")?;
                     sys::cuEventDestroy_v2(start);
                     sys::cuEventDestroy_v2(end);
                 }
-                let e = p.totals.entry(name).or_default();
-                *e = (e.0 + 1, e.1 + ms as f64);
+                let e = p.eager.entry(name).or_default();
+                *e = (e.0 + 1, e.1 + ms?);
+            }
+            for g in std::mem::take(&mut p.replays) {
+                for w in g.chain.windows(2) {
+                    let ms = Device::elapsed(w[0].1, w[1].1)?;
+                    let e = p.graph.entry(w[1].0.clone()).or_default();
+                    *e = (e.0 + 1, e.1 + ms);
+                }
+                if let Some((start, end)) = g.wall {
+                    let ms = Device::elapsed(start, end)?;
+                    p.steps = (p.steps.0 + 1, p.steps.1 + ms);
+                }
             }
         }
         Ok(())
     }
 
     fn capture_begin(&self) -> Result<bool> {
-        if self.profile.is_some() {
-            return Ok(false); // timed launch by launch
-        }
         self.current()?;
         // SAFETY: a valid stream, not capturing (the backend captures one list at a time).
         check(
@@ -412,26 +552,48 @@ impl Executor for Device {
             },
             "cuStreamBeginCapture",
         )?;
+        if let Some(mut p) = self.profile() {
+            p.capturing = Some(Vec::new());
+        }
         Ok(true)
     }
 
     fn capture_end(&self) -> Result<DeviceGraph> {
+        let mut events = GraphEvents::default();
+        if let Some(mut p) = self.profile() {
+            events.chain = p.capturing.take().unwrap_or_default();
+        }
+        // Owned from here: a failure below destroys the events with the graph.
+        let mut graph = DeviceGraph(std::ptr::null_mut(), events);
         let mut g = std::ptr::null_mut();
         // SAFETY: ends the capture begun by `capture_begin` on this stream.
         unsafe {
             check(sys::cuStreamEndCapture(self.h.stream, &mut g), "cuStreamEndCapture")?;
-            let mut exec = std::ptr::null_mut();
-            let r = sys::cuGraphInstantiateWithFlags(&mut exec, g, 0);
+            let r = sys::cuGraphInstantiateWithFlags(&mut graph.0, g, 0);
             sys::cuGraphDestroy(g);
             check(r, "cuGraphInstantiate")?;
-            Ok(DeviceGraph(exec))
         }
+        if self.profile.is_some() {
+            graph.1.wall = Some((self.event()?, self.event()?));
+        }
+        Ok(graph)
     }
 
     fn graph_launch(&self, g: &DeviceGraph) -> Result<()> {
         self.current()?;
+        let wall = g.1.wall.filter(|_| self.profile.is_some());
+        if let Some((start, _)) = wall {
+            // SAFETY: the graph's own event, on this context's stream.
+            check(unsafe { sys::cuEventRecord(start, self.h.stream) }, "cuEventRecord")?;
+        }
         // SAFETY: an instantiated graph on this context's stream.
-        check(unsafe { sys::cuGraphLaunch(g.0, self.h.stream) }, "cuGraphLaunch")
+        check(unsafe { sys::cuGraphLaunch(g.0, self.h.stream) }, "cuGraphLaunch")?;
+        if let (Some((_, end)), Some(mut p)) = (wall, self.profile()) {
+            // SAFETY: as above.
+            check(unsafe { sys::cuEventRecord(end, self.h.stream) }, "cuEventRecord")?;
+            p.replays.push(g.1.clone());
+        }
+        Ok(())
     }
 
     fn peak_bytes(&self) -> Option<usize> {
@@ -446,20 +608,8 @@ impl Executor for Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        if let Some(p) = &self.profile {
-            let p = p.lock().unwrap_or_else(|e| e.into_inner());
-            let mut rows: Vec<_> = p.totals.iter().collect();
-            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-            let total: f64 = rows.iter().map(|r| r.1 .1).sum();
-            eprintln!("lily cuda profile: {total:.3} ms in kernels (CUDA events, launches one by one)");
-            eprintln!("{:>10} {:>7} {:>9} {:>9}  kernel", "ms", "%", "launches", "us/launch");
-            for (name, (n, ms)) in rows {
-                eprintln!(
-                    "{ms:10.3} {:6.1}% {n:9} {:9.2}  {name}",
-                    100.0 * ms / total,
-                    1e3 * ms / *n as f64
-                );
-            }
+        if let Some(p) = self.profile() {
+            eprint!("{}", p.report());
         }
         // SAFETY: handles created in `open`, destroyed once (the buffers were freed by their
         // owners, which hold the backend and so drop first).
@@ -470,5 +620,56 @@ impl Drop for Device {
             }
             sys::cuStreamDestroy_v2(self.h.stream);
         }
+    }
+}
+
+impl Profile {
+    /// The profile's tables: the replayed graphs' kernels (and the step's wall time beside their
+    /// sum), then the eager launches; slowest kernel first.
+    fn report(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        // `steps`: replays, for the per-step column (eager launches have none).
+        let table = |out: &mut String, totals: &HashMap<String, (u64, f64)>, steps: Option<u64>| {
+            let mut rows: Vec<_> = totals.iter().collect();
+            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+            let _ = writeln!(
+                out,
+                "{:>10} {:>7} {:>9} {:>10} {:>9}  kernel",
+                "ms", "%", "launches", "us/step", "us/launch"
+            );
+            for (name, (n, ms)) in rows {
+                let per_step = steps.map_or("-".into(), |s| format!("{:.2}", 1e3 * ms / s.max(1) as f64));
+                let _ = writeln!(
+                    out,
+                    "{ms:10.3} {:6.1}% {n:9} {per_step:>10} {:9.2}  {name}",
+                    100.0 * ms / total,
+                    1e3 * ms / *n as f64
+                );
+            }
+        };
+        if !self.graph.is_empty() {
+            let (steps, wall) = self.steps;
+            let sum: f64 = self.graph.values().map(|v| v.1).sum();
+            let _ = writeln!(
+                out,
+                "lily cuda profile, replayed graphs: {steps} replays, wall {:.1} us a replay (events around cuGraphLaunch), \
+                 kernels {:.1} us a replay (events between the graph's kernels: a kernel's time runs from the end of \
+                 the one before it, launch gap included); programmatic dependent launch off while profiling",
+                1e3 * wall / steps.max(1) as f64,
+                1e3 * sum / steps.max(1) as f64,
+            );
+            table(&mut out, &self.graph, Some(steps));
+        }
+        if !self.eager.is_empty() {
+            let total: f64 = self.eager.values().map(|v| v.1).sum();
+            let _ = writeln!(
+                out,
+                "lily cuda profile, eager launches: {total:.3} ms in kernels (a pair of events around each launch)"
+            );
+            table(&mut out, &self.eager, None);
+        }
+        out
     }
 }

@@ -21,6 +21,15 @@ pub struct Launch {
     pub shared: u32,
 }
 
+/// Whether kernels should be launched with programmatic dependent launch (the launch attribute
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`): on compute capability 9.0 or newer
+/// (`arch` = major * 10 + minor), with a driver of CUDA 12.3 or newer (`driver` as
+/// `cuDriverGetVersion` reports it: programmatic edges in captured graphs), unless `setting` (the
+/// value of `LILY_CUDA_PDL`) is "0", the off switch.
+pub fn programmatic_launch(arch: u32, driver: i32, setting: Option<&str>) -> bool {
+    arch >= 90 && driver >= 12030 && setting.is_none_or(|v| v.trim() != "0")
+}
+
 pub trait Executor: Send + Sync + Sized + 'static {
     /// The backend name the engine reports ("cuda", "cuda-sim", "cuda-null").
     const NAME: &'static str;
@@ -177,5 +186,22 @@ impl Executor for Null {
     fn graph_launch(&self, _g: &()) -> Result<()> {
         self.replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::programmatic_launch;
+
+    #[test]
+    fn programmatic_launch_needs_hopper_a_recent_driver_and_no_off_switch() {
+        assert!(programmatic_launch(90, 13000, None));
+        assert!(programmatic_launch(100, 12030, Some("1")));
+        assert!(programmatic_launch(90, 13000, Some("")));
+        assert!(!programmatic_launch(90, 13000, Some("0")));
+        assert!(!programmatic_launch(90, 13000, Some(" 0 ")));
+        assert!(!programmatic_launch(89, 13000, None));
+        assert!(!programmatic_launch(80, 13000, None));
+        assert!(!programmatic_launch(90, 12020, None));
     }
 }

@@ -19,7 +19,9 @@
 //! exactly the commands of the previous one (a decode step after a decode step), the backend
 //! captures them into a graph once and replays that graph from then on: one launch per step
 //! instead of hundreds. Any other call runs its kernels one by one. `LILY_CUDA_GRAPHS=0` turns
-//! graphs off. Argument errors found while encoding (shapes a kernel does not support, buffers
+//! graphs off. On compute capability 9.0+ the device launches every kernel with programmatic
+//! dependent launch (each may start while the one before it drains: `device.rs`);
+//! `LILY_CUDA_PDL=0` turns that off. Argument errors found while encoding (shapes a kernel does not support, buffers
 //! too small) are kept and returned by `finish`: a bad shape is an error, never a fault.
 //!
 //! Encoding allocates nothing once warm: the command list is reused, arguments are packed inline
