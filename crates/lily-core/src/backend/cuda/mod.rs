@@ -152,6 +152,8 @@ pub(crate) struct Stream<X: Executor> {
     pub(crate) partials: Option<(Arc<Alloc<X>>, usize)>,
     /// u32 routing scratch of the expert-sorted MoE prefill, grown to the largest need seen.
     pub(crate) moe_scratch: Option<(Arc<Alloc<X>>, usize)>,
+    /// u32 per-token block counters of `moe_router` (zero as allocated; the kernel leaves them 0).
+    pub(crate) router_counts: Option<(Arc<Alloc<X>>, usize)>,
     /// f32 per-token q, k and gates of the DeltaNet prefill scan, grown to the largest need seen.
     pub(crate) delta_scratch: Option<(Arc<Alloc<X>>, usize)>,
 }
@@ -262,6 +264,7 @@ impl<X: Executor> Cuda<X> {
                 graph: None,
                 partials: None,
                 moe_scratch: None,
+                router_counts: None,
                 delta_scratch: None,
             }),
             step,
@@ -812,6 +815,20 @@ impl<X: Executor> Backend for Cuda<X> {
 
     fn moe_route(&self, p: &RouteParams, logits: &CudaBuf<X>, ids: &mut CudaBuf<X>, weights: &mut CudaBuf<X>) {
         moe::cuda::moe_route(self, p, logits, ids, weights)
+    }
+
+    fn moe_router(
+        &self,
+        p: &RouteParams,
+        x: &CudaBuf<X>,
+        router: &CudaMat<X>,
+        shared_gate: &CudaMat<X>,
+        logits: &mut CudaBuf<X>,
+        shared: &mut CudaBuf<X>,
+        ids: &mut CudaBuf<X>,
+        weights: &mut CudaBuf<X>,
+    ) {
+        moe::cuda::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
     }
 
     fn moe_experts(
