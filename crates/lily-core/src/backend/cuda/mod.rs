@@ -178,6 +178,9 @@ pub struct Cuda<X: Executor> {
     /// GEMM (default [`GEMV_TOKENS`], or `LILY_CUDA_GEMV_TOKENS`; tests raise it to check a whole
     /// forward pass in f32).
     pub gemv_tokens: usize,
+    /// `moe_router` as one kernel for a decode step (default; `LILY_CUDA_FUSED_ROUTER=0`: its
+    /// parts, the router GEMV then `moe_route`, should the last-block-done kernel misbehave).
+    pub fused_router: bool,
 }
 
 #[cfg(unix)]
@@ -252,6 +255,7 @@ impl<X: Executor> Cuda<X> {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(GEMV_TOKENS);
+        let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
@@ -271,6 +275,7 @@ impl<X: Executor> Cuda<X> {
             uploads: Mutex::new(HashMap::new()),
             graphs,
             gemv_tokens,
+            fused_router,
         })
     }
 

@@ -53,8 +53,8 @@ pub fn moe_route<X: Executor>(
 
 /// `moe_router`: one `moe_router` launch up to `gemv_tokens` tokens (router [E, D] and shared gate
 /// [1, D] of one weight format and one D: the GEMV's blocks, then the last block of each token
-/// routes it, counted in the stream's `router_counts`); otherwise (prefill, other shapes) its parts,
-/// `matmuls` then `moe_route`.
+/// routes it, counted in the stream's `router_counts`); otherwise (prefill, other shapes,
+/// `LILY_CUDA_FUSED_ROUTER=0`) its parts, `matmuls` then `moe_route`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_router<X: Executor>(
     c: &Cuda<X>,
@@ -73,7 +73,8 @@ pub fn moe_router<X: Executor>(
         p.top_k as usize,
         router.desc.cols as usize,
     );
-    let one_launch = router.weight == shared_gate.weight
+    let one_launch = c.fused_router
+        && router.weight == shared_gate.weight
         && shared_gate.desc.cols as usize == d
         && shared_gate.desc.rows == 1
         && router.desc.rows as usize == e;
