@@ -76,5 +76,6 @@ LILY_CONST uint ATTENTION_QUERY_ROWS = 64;     // CUDA attention_prefill: query 
 LILY_CONST uint ROPE_HEAD_DIM_MAX = 1024;      // qk_norm_rope: the normed head in threadgroup memory
 LILY_CONST uint MOE_EXPERTS_MAX = 1024;        // moe_route keys, moe_scan threads
 LILY_CONST uint ROUTE_TOP_K_MAX = 64;          // moe_route picks
+LILY_CONST uint ROUTE_TG_WORDS = 224;          // route_token's threadgroup scratch: 3 x 32 + 2 x ROUTE_TOP_K_MAX
 LILY_CONST uint MMA_TILE = 32;                 // matmul_mma: token rows and K step of a tile
 LILY_CONST uint MOE_TILE = 32;                 // expert-sorted MoE: pairs per block, K step

@@ -16,32 +16,36 @@ __device__ __forceinline__ float route_logit(float x) {
 // exp(x - m) for route_logit values x <= m: exactly 0 where it underflows, so x - m never overflows.
 __device__ __forceinline__ float route_exp(float x, float m) { return x >= m - 110.0f ? expf(x - m) : 0.0f; }
 
-// moe_route: per token, p = softmax(logits) over all E experts, top K by p (ties: lower id
-// first), weights p / sum(top K p) when renorm != 0. logits [T, E], ids [T, K] u32, weights
-// [T, K]. Arguments: RouteParams p, logits, ids, weights. Grid (T), 256 threads striding over E
-// (<= 1024); the K rounds of a block argmax run on integer keys (the bits of p + 1, 0 once taken:
-// always K distinct ids < E, the same on every run, whatever the input), warp max then across the
-// warps. f32 throughout.
-extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p, const float* __restrict__ logits,
-                                                            uint* __restrict__ ids, float* __restrict__ weights) {
-  kernel_start();
+// The routing of one token, run by a whole block: p = softmax(l) over all E experts, top K by p
+// (ties: lower id first), weights p / sum(top K p) when renorm != 0, into ids [K] and weights [K].
+// The token's logits l [E] are read once (volatile: moe_router's last block reads what the other
+// blocks of its grid wrote, through L2, never a stale L1 line) into key[], which then holds the
+// integer keys: the bits of p + 1, 0 once taken, so the K rounds of the block argmax (warp max, then
+// across the warps) always pick K distinct ids < E, the same on every run, whatever the input.
+// blockDim.x a multiple of 32 (<= 1024) striding over E (<= 1024); f32 throughout.
+__device__ __forceinline__ void route_token(const RouteParams p, const volatile float* l, uint* __restrict__ ids,
+                                            float* __restrict__ weights) {
   __shared__ float partial[32];
   __shared__ uint wkey[32];
   __shared__ uint wid[32];
   __shared__ uint key[ROUTE_E_MAX];
   __shared__ float picked_p[ROUTE_K_MAX];
   __shared__ uint picked[ROUTE_K_MAX];
-  const uint t = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = blockDim.x / 32;
+  const uint tid = threadIdx.x, lane = tid % 32, warp = tid / 32, nw = blockDim.x / 32;
   const uint E = min(p.experts, (uint)ROUTE_E_MAX), K = min(p.top_k, min(E, (uint)ROUTE_K_MAX));
-  const float* l = logits + (size_t)t * p.experts;
+  // Each thread reads and rewrites only its own entries e = tid + i blockDim.x of key[].
   float m = NEG_BIG;
-  for (uint e = tid; e < E; e += blockDim.x) m = fmaxf(m, route_logit(l[e]));
+  for (uint e = tid; e < E; e += blockDim.x) {
+    const float v = route_logit(l[e]);
+    key[e] = __float_as_uint(v);
+    m = fmaxf(m, v);
+  }
   m = block_max(m, partial);
   float z = 0.0f;
-  for (uint e = tid; e < E; e += blockDim.x) z += route_exp(route_logit(l[e]), m);
+  for (uint e = tid; e < E; e += blockDim.x) z += route_exp(__uint_as_float(key[e]), m);
   z = block_sum(z, partial);  // >= 1: the maximum contributes exp(0)
   for (uint e = tid; e < E; e += blockDim.x) {
-    const uint bits = __float_as_uint(route_exp(route_logit(l[e]), m) / z);
+    const uint bits = __float_as_uint(route_exp(__uint_as_float(key[e]), m) / z);
     key[e] = (bits >> 31) != 0u ? 1u : min(bits, 0x7f800000u) + 1u;
   }
   __syncthreads();
@@ -78,10 +82,62 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p,
     float sum = 0.0f;
     for (uint k = 0; k < K; ++k) sum += picked_p[k];
     for (uint k = 0; k < K; ++k) {
-      ids[(size_t)t * p.top_k + k] = picked[k];
-      weights[(size_t)t * p.top_k + k] = p.renorm != 0 ? picked_p[k] / sum : picked_p[k];
+      ids[k] = picked[k];
+      weights[k] = p.renorm != 0 ? picked_p[k] / sum : picked_p[k];
     }
   }
+}
+
+// moe_route: route_token for each token of logits [T, E] into ids [T, K] u32 and weights [T, K].
+// Arguments: RouteParams p, logits, ids, weights. Grid (T), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p, const float* __restrict__ logits,
+                                                            uint* __restrict__ ids, float* __restrict__ weights) {
+  kernel_start();
+  const uint t = blockIdx.x;
+  route_token(p, logits + (size_t)t * p.experts, ids + (size_t)t * p.top_k, weights + (size_t)t * p.top_k);
+}
+
+// moe_router_<w>: the MoE block's routing from its input in one launch (decode: T <= the host's
+// GEMV token limit): logits [T, E] = x router^T and shared [T] = x shared_gate^T (router [E, D],
+// shared_gate [1, D]: one weight format, one D), then route_token on each token's logits into ids
+// [T, K] u32 and weights [T, K] (moe_route's result). Arguments: RouteParams p, GemvMulti g (count 2:
+// blocks 0 .. ends[0] - 1 run the router's rows, ends[0] .. ends[1] - 1 the shared gate's one row;
+// g.ks warps per row group), CudaMatrix router, CudaMatrix shared_gate, router w / scales / biases,
+// shared gate w / scales / biases, x [T, D], logits, shared, counts [T] u32 (0 between launches),
+// ids, weights. Grid (ends[1], T), 256 threads: each block runs the staged GEMV (gemv_block, the
+// layout of matmul_gemv_multi) on its rows of token blockIdx.y and stores them; then the last block
+// of the token to finish (last-block-done: every block fences its stores to device scope, then one
+// atomicAdd on counts[t]; the block that sees ends[1] - 1 is the last) reads the token's E logits
+// back and routes them, and sets counts[t] back to 0 for the next launch (graph replays included).
+// Why many blocks and not one per token: the router is E x D = 256 x 2048 8-bit codes (~0.55 MB with
+// scales); one block streams it at one SM's share of the bandwidth, several times slower than the
+// GEMV's 16-64 blocks, while the routing tail (E values, K argmax rounds) costs the last block a few
+// barriers: one launch instead of the router GEMV and moe_route.
+template <typename W>
+__device__ __forceinline__ void moe_router(const RouteParams p, const GemvMulti g, const CudaMatrix rm,
+                                           const CudaMatrix sm, const uchar* rw, const uchar* rs, const uchar* rb,
+                                           const uchar* sw, const uchar* ss, const uchar* sb,
+                                           const float* __restrict__ x, float* logits, float* __restrict__ shared,
+                                           uint* __restrict__ counts, uint* __restrict__ ids,
+                                           float* __restrict__ weights) {
+  __shared__ __align__(16) float4 xs[GEMV_XS / 4];
+  __shared__ float part[8][GEMV_ROWS];
+  __shared__ uint last[1];
+  grid_dep_launch();  // grid_dep_wait(): in gemv_staged, after the first weight loads (x and counts come after it)
+  const uint t = blockIdx.y;
+  const bool gate = blockIdx.x >= g.ends[0];
+  const CudaMatrix m = gate ? sm : rm;
+  const W wr = make_w<W>(gate ? sw : rw, gate ? ss : rs, gate ? sb : rb, m);
+  gemv_block<W, 2>(wr, m.row_offset, blockIdx.x - (gate ? g.ends[0] : 0u), g.ks, x + (size_t)t * m.cols,
+                         gate ? shared + t : logits + (size_t)t * rm.rows, xs, part);
+  __threadfence();  // this block's stores reach device scope before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last[0] = atomicAdd(&counts[t], 1u) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  if (last[0] == 0u) return;  // whole block
+  __threadfence();
+  if (threadIdx.x == 0) counts[t] = 0u;  // every block of this token has counted
+  route_token(p, logits + (size_t)t * rm.rows, ids + (size_t)t * p.top_k, weights + (size_t)t * p.top_k);
 }
 
 // moe_gate_up_<w>: act [T*K, I], act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
@@ -315,6 +371,17 @@ extern "C" __global__ void moe_combine_sorted(const MoeParams p, const RowsParam
   for (uint k = 0; k < K; ++k) acc += weights[t * K + k] * y[(size_t)pos[t * K + k] * rp.dim + j];
   out[(size_t)t * rp.dim + j] = acc;
 }
+
+#define MOE_ROUTER(sfx)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_router_##sfx(                  \
+      const RouteParams p, const GemvMulti g, const CudaMatrix rm, const CudaMatrix sm, const uchar* rw,        \
+      const uchar* rs, const uchar* rb, const uchar* sw, const uchar* ss, const uchar* sb,                      \
+      const float* __restrict__ x, float* logits, float* __restrict__ shared, uint* __restrict__ counts,        \
+      uint* __restrict__ ids, float* __restrict__ weights) {                                                    \
+    moe_router<W_##sfx>(p, g, rm, sm, rw, rs, rb, sw, ss, sb, x, logits, shared, counts, ids, weights);        \
+  }                                                                                                            \
+  SIM_EXPORT(moe_router_##sfx)
+FOR_EACH_WEIGHT(MOE_ROUTER)
 
 #define MOE(sfx)                                                                                                 \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_gate_up_##sfx(                                           \

@@ -15,39 +15,31 @@ inline float route_logit(float x) {
 // (x < m - 110; e^-104 is already below the smallest f32), so x - m never overflows.
 inline float route_exp(float x, float m) { return x >= m - 110.0f ? metal::precise::exp(x - m) : 0.0f; }
 
-// moe_route: per token, p = softmax(logits) over all E experts, top K by p (ties: lower id
-// first), weights p / sum(top K p) when renorm != 0. logits [T, E], ids [T, K] u32, weights [T, K].
-// Bindings: 0 RouteParams, 1 logits, 2 ids, 3 weights. Grid: threadgroups (T), 256 threads
-// striding over E (<= MOE_EXPERTS_MAX); probabilities in threadgroup memory; K rounds of a threadgroup
-// argmax (simd_max / simd_min on the id, then across simdgroups by thread 0). f32 throughout.
-// Non-finite logits (route_logit): NaN ranks as -inf; +inf logits share the probability equally
-// (the softmax limit), every finite one gets 0; when every logit is NaN or -inf, every expert
-// gets 1/E (so the top K are the lowest ids). The argmax runs on integer keys (the bits of
-// p + 1, 0 for "taken"): always K distinct ids < E, the same on every run, whatever the input.
-kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
-                          device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
-                          uint t [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                          uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
-                          uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
-  threadgroup float partial[32];
-  threadgroup uint partial_key[32];
-  threadgroup uint partial_id[32];
-  threadgroup uint key[MOE_EXPERTS_MAX];
-  threadgroup float picked_p[ROUTE_TOP_K_MAX];
-  threadgroup uint picked[ROUTE_TOP_K_MAX];
-  // The host checks E <= MOE_EXPERTS_MAX and K <= min(E, ROUTE_TOP_K_MAX); clamped here too, so no index can leave the
-  // threadgroup arrays and every round has an expert left to take.
-  const uint E = min(p.experts, MOE_EXPERTS_MAX), K = min(p.top_k, min(E, ROUTE_TOP_K_MAX));
-  device const float* l = logits + (ulong)t * p.experts;
-  float m = NEG_BIG;
-  for (uint e = tid; e < E; e += ntg) m = max(m, route_logit(l[e]));
+// The routing of one token by a whole threadgroup: p = softmax over all E experts, top K by p
+// (ties: lower id first), weights p / sum(top K p) when renorm != 0, into ids [K] and weights [K].
+// On entry key[0..E) holds the token's route_logit'ed logits as float bits, each entry written by
+// the thread that reads it first here (e = tid + i ntg), and m that thread's maximum of its entries;
+// key[] then becomes the integer keys: the bits of p + 1, 0 for "taken" (p in [0, 1]: its bits order
+// like its value), so the K rounds of the threadgroup argmax (simd_max / simd_min on the id, then
+// across simdgroups by thread 0) always pick K distinct ids < E, the same on every run, whatever the
+// input. Non-finite logits (route_logit): NaN ranks as -inf; +inf logits share the probability
+// equally (the softmax limit), every finite one gets 0; when every logit is NaN or -inf, every
+// expert gets 1/E (so the top K are the lowest ids). `tgm`: ROUTE_TG_WORDS (params.h) words of
+// threadgroup memory (partial, partial_key, partial_id [32 each], picked_p, picked [ROUTE_TOP_K_MAX each]).
+// f32 throughout; reached by every thread of the threadgroup.
+inline void route_token(uint E, uint K, uint renorm, float m, threadgroup uint* key, threadgroup uint* tgm,
+                        device uint* ids, device float* weights, uint tid, uint ntg, uint sg, uint lane, uint nsg) {
+  threadgroup float* partial = (threadgroup float*)tgm;
+  threadgroup uint* partial_key = tgm + 32;
+  threadgroup uint* partial_id = tgm + 64;
+  threadgroup float* picked_p = (threadgroup float*)(tgm + 96);
+  threadgroup uint* picked = tgm + 96 + ROUTE_TOP_K_MAX;
   m = tg_max(m, partial, sg, lane, nsg);
   float z = 0.0f;
-  for (uint e = tid; e < E; e += ntg) z += route_exp(route_logit(l[e]), m);
+  for (uint e = tid; e < E; e += ntg) z += route_exp(as_type<float>(key[e]), m);
   z = tg_sum(z, partial, sg, lane, nsg);  // >= 1: the maximum contributes exp(0)
   for (uint e = tid; e < E; e += ntg) {
-    // p in [0, 1]: its bits order like its value; + 1 keeps 0 free for "taken".
-    const uint b = as_type<uint>(route_exp(route_logit(l[e]), m) / z);
+    const uint b = as_type<uint>(route_exp(as_type<float>(key[e]), m) / z);
     key[e] = (b >> 31) != 0u ? 1u : min(b, 0x7f800000u) + 1u;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -83,10 +75,107 @@ kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const fl
     float sum = 0.0f;
     for (uint k = 0; k < K; ++k) sum += picked_p[k];
     for (uint k = 0; k < K; ++k) {
-      ids[t * p.top_k + k] = picked[k];
-      weights[t * p.top_k + k] = p.renorm != 0 ? picked_p[k] / sum : picked_p[k];
+      ids[k] = picked[k];
+      weights[k] = renorm != 0 ? picked_p[k] / sum : picked_p[k];
     }
   }
+}
+
+// moe_route: route_token for each token of logits [T, E] into ids [T, K] u32 and weights [T, K].
+// Bindings: 0 RouteParams, 1 logits, 2 ids, 3 weights. Grid: threadgroups (T), 256 threads striding
+// over E (<= MOE_EXPERTS_MAX).
+kernel void moe_route_f32(constant RouteParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
+                          device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
+                          uint t [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                          uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup uint key[MOE_EXPERTS_MAX];
+  threadgroup uint tgm[ROUTE_TG_WORDS];
+  // The host checks E <= MOE_EXPERTS_MAX and K <= min(E, ROUTE_TOP_K_MAX); clamped here too, so no index can leave the
+  // threadgroup arrays and every round has an expert left to take.
+  const uint E = min(p.experts, MOE_EXPERTS_MAX), K = min(p.top_k, min(E, ROUTE_TOP_K_MAX));
+  device const float* l = logits + (ulong)t * p.experts;
+  float m = NEG_BIG;
+  for (uint e = tid; e < E; e += ntg) {
+    const float v = route_logit(l[e]);
+    key[e] = as_type<uint>(v);
+    m = max(m, v);
+  }
+  route_token(E, K, p.renorm, m, key, tgm, ids + t * p.top_k, weights + t * p.top_k, tid, ntg, sg, lane, nsg);
+}
+
+// moe_router_<w>_r<R>: the MoE block's routing from its input for one decode token in one dispatch:
+// logits = x router^T [E] and shared = x shared_gate^T [1] (router [E, D], shared_gate [1, D], one
+// weight format), then route_token on the logits into ids [K] and weights [K] (moe_route's result).
+// Bindings: 0 RouteParams (T = 1), 1 MatrixDesc router, 2 MatrixDesc shared gate, 3-5 router w /
+// scales / biases, 6-8 shared gate w / scales / biases, 9 x [D], 10 shared [1], 11 mail [E + 1] u32
+// (0 between dispatches), 12 ids, 13 weights; threadgroup(0) key [E] u32, threadgroup(1)
+// ROUTE_TG_WORDS u32. Grid: threadgroups (ceil(E / (4 R)) + 1), 128 threads = 4 simdgroups: in the
+// first ceil(E / (4 R)) simdgroup s of threadgroup g owns router rows (4 g + s) R .. + R (matmul_gemv's
+// layout: rows_dot), in the last one simdgroup 0 owns the shared gate's row. Last-threadgroup-done,
+// in what MSL 3.0 guarantees across threadgroups (relaxed device atomics: each location coherent,
+// no ordering between locations): lane 0 stores each logit's bits with an atomic store into mail[e]
+// (bits 0, +0.0, stored as -0.0, which routes the same: 0 stays "not written yet"); after a
+// threadgroup barrier thread 0 adds 1 to the counter mail[E]; the threadgroup that reads ceil(E / 4R)
+// (every router threadgroup counted before it) takes each mail[e] by atomic exchange with 0, trying
+// again while it reads 0 (a store its threadgroup has already issued and not yet made visible), so
+// it reads every logit and leaves mail[] zero; it resets the counter and routes. Why not one
+// threadgroup for the whole GEMV: the router is 256 x 2048 8-bit codes (~0.55 MB with scales), which
+// one GPU core streams several times slower than 16-32 threadgroups; the routing tail (E values, K
+// argmax rounds) costs the last threadgroup a few barriers instead of two dispatches (the shared gate
+// GEMV and moe_route). The logits are not stored elsewhere.
+template <typename W, int R>
+TKERNEL void moe_router(constant RouteParams& p [[buffer(0)]], constant MatrixDesc& rm [[buffer(1)]],
+                        constant MatrixDesc& sm [[buffer(2)]], device const uchar* rw [[buffer(3)]],
+                        device const uchar* rs [[buffer(4)]], device const uchar* rb [[buffer(5)]],
+                        device const uchar* sw [[buffer(6)]], device const uchar* ss [[buffer(7)]],
+                        device const uchar* sb [[buffer(8)]], device const float* x [[buffer(9)]],
+                        device float* shared [[buffer(10)]], device atomic_uint* mail [[buffer(11)]],
+                        device uint* ids [[buffer(12)]], device float* weights [[buffer(13)]],
+                        threadgroup uint* key [[threadgroup(0)]], threadgroup uint* tgm [[threadgroup(1)]],
+                        uint3 tg [[threadgroup_position_in_grid]], uint3 ntgs [[threadgroups_per_grid]],
+                        uint tid [[thread_index_in_threadgroup]], uint ntg [[threads_per_threadgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                        uint nsg [[simdgroups_per_threadgroup]]) {
+  const uint E = min(p.experts, MOE_EXPERTS_MAX), K = min(p.top_k, min(E, ROUTE_TOP_K_MAX));
+  const uint routers = ntgs.x - 1;  // router threadgroups; the last one computes the shared gate
+  if (tg.x == routers) {
+    if (sg == 0) {
+      const W wr = W::make(sw, ss, sb, sm);
+      float dot[1];
+      rows_dot<W, 1>(wr, sm.row_offset, 1, sm.cols, x, lane, dot);
+      if (lane == 0) shared[0] = dot[0];
+    }
+    return;  // whole threadgroup: no barrier follows
+  }
+  const uint r0 = (tg.x * nsg + sg) * R;
+  if (r0 < E) {  // whole simdgroup
+    const uint nr = min((uint)R, E - r0);
+    const W wr = W::make(rw, rs, rb, rm);
+    float dots[R];
+    rows_dot<W, R>(wr, rm.row_offset + r0, nr, rm.cols, x, lane, dots);
+    if (lane == 0)
+      for (uint r = 0; r < nr; ++r) {
+        const uint b = as_type<uint>(dots[r]);
+        atomic_store_explicit(&mail[r0 + r], b != 0u ? b : 0x80000000u, memory_order_relaxed);
+      }
+  }
+  threadgroup_barrier(mem_flags::mem_device);
+  if (tid == 0) tgm[0] = atomic_fetch_add_explicit(&mail[E], 1u, memory_order_relaxed) == routers - 1 ? 1u : 0u;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const bool last = tgm[0] != 0u;
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // tgm is route_token's scratch next
+  if (!last) return;  // whole threadgroup
+  float m = NEG_BIG;
+  for (uint e = tid; e < E; e += ntg) {
+    uint b = 0u;
+    while (b == 0u) b = atomic_exchange_explicit(&mail[e], 0u, memory_order_relaxed);
+    const float v = route_logit(as_type<float>(b));
+    key[e] = as_type<uint>(v);
+    m = max(m, v);
+  }
+  if (tid == 0) atomic_store_explicit(&mail[E], 0u, memory_order_relaxed);
+  route_token(E, K, p.renorm, m, key, tgm, ids, weights, tid, ntg, sg, lane, nsg);
 }
 
 // gate_up_rows: out[r] = silu(g row grow + r . x) * (u row urow + r . x) for r < nr, written by
@@ -462,6 +551,8 @@ kernel void moe_combine_sorted_f32(constant MoeParams& p [[buffer(0)]], constant
 }
 
 #define MOE(sfx)                                                            \
+  INSTANTIATE(moe_router_##sfx##_r2, moe_router, W_##sfx, 2)                \
+  INSTANTIATE(moe_router_##sfx##_r4, moe_router, W_##sfx, 4)                \
   INSTANTIATE(moe_gate_up_##sfx##_r2, moe_gate_up, W_##sfx, 2)              \
   INSTANTIATE(moe_gate_up_##sfx##_r4, moe_gate_up, W_##sfx, 4)              \
   INSTANTIATE(gate_up_swiglu_##sfx##_r2, gate_up_swiglu, W_##sfx, 2)        \

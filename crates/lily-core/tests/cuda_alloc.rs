@@ -168,7 +168,6 @@ fn a_decode_step_launches_the_expected_kernels() {
         "attention_reduce",
         "delta_net_conv",
         "delta_net",
-        "moe_route",
         "gate_up_swiglu_q4_bf16",
     ] {
         assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
@@ -182,6 +181,7 @@ fn a_decode_step_launches_the_expected_kernels() {
         "swiglu",
         "moe_combine",
         "add_gated_rms_norm",
+        "moe_route",
     ] {
         assert!(
             !names.iter().any(|n| n == k),
@@ -191,5 +191,8 @@ fn a_decode_step_launches_the_expected_kernels() {
     // One MoE block end per layer (the tiny model's 2): combine, residual and norm in one launch.
     let ends = names.iter().filter(|n| *n == "moe_experts_add_rms_norm").count();
     assert_eq!(ends, 2, "{names:?}");
+    // One routing launch per layer: the router and shared-gate GEMV, softmax, top K and renorm.
+    let routers = names.iter().filter(|n| n.starts_with("moe_router_")).count();
+    assert_eq!(routers, 2, "{names:?}");
     eprintln!("{} launches in a decode step: {names:?}", names.len());
 }

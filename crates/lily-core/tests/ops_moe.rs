@@ -94,6 +94,7 @@ mod cpu {
 
 gpu_tests!(
     moe_route_matches_reference,
+    moe_router_matches_reference,
     moe_route_non_finite_is_safe,
     moe_experts_matches_reference,
     moe_experts_prefill_matches_reference,
@@ -298,6 +299,80 @@ fn moe_route_non_finite_is_safe<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
                     assert_near(w, ref_w, tolx * TOL, &format!("{at}: weights against the reference"));
                 }
             }
+        }
+    }
+}
+
+/// The routing from the block's input (`moe_router`: router and shared-gate GEMVs, then the
+/// softmax, top K and renormalisation) against the reference's parts: identical expert ids,
+/// weights and the shared gate's logit within the GEMV tolerance. The real router (256 x 2048,
+/// 8-bit g64, top 8) at T = 1 and 3; E = 70 in bf16 with D = 100 (unaligned 200-byte rows: the
+/// element path) and no renormalisation; f32 E = 16 with D = 1024 (CUDA splits K across warps:
+/// several blocks a token even for 17 rows); T = 9 (past CUDA's GEMV tokens: the parts, its
+/// bf16 GEMM within 1e-2) and a shared gate of another format (the parts). x scaled so the
+/// logits spread over about +-3.
+fn moe_router_matches_reference<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
+    let q8 = Format::Affine { bits: 8, group: 64 };
+    for (rf, sf, e, d, k, renorm, tokens) in [
+        (q8, q8, 256usize, 2048usize, 8usize, 1u32, &[1usize, 3][..]),
+        (Format::BF16, Format::BF16, 70, 100, 5, 0, &[1, 2]),
+        (Format::F32, Format::F32, 16, 1024, 4, 1, &[1, 9]),
+        (q8, Format::BF16, 40, 256, 8, 1, &[1]),
+    ] {
+        let router = matrix(1, e, d, rf, DType::BF16, 140 + e as u64);
+        let gate = matrix(1, 1, d, sf, DType::BF16, 141);
+        for &t in tokens {
+            let a = 3.0 / (d as f32).sqrt();
+            let x = rand_vec(t * d, 142 + t as u64, -a, a);
+            let p = RouteParams {
+                tokens: t as u32,
+                experts: e as u32,
+                top_k: k as u32,
+                renorm,
+            };
+            let run = |b: &B| {
+                let (rm, gm, xb) = (
+                    b.upload_matrix(&router).unwrap(),
+                    b.upload_matrix(&gate).unwrap(),
+                    b.upload(&x).unwrap(),
+                );
+                let (mut lb, mut sb) = (b.alloc(t * e).unwrap(), b.alloc(t).unwrap());
+                let (mut ib, mut wb) = (b.alloc_ids(t * k).unwrap(), b.alloc(t * k).unwrap());
+                b.begin(StreamKind::Other).unwrap();
+                b.moe_router(&p, &xb, &rm, &gm, &mut lb, &mut sb, &mut ib, &mut wb);
+                b.finish().unwrap();
+                (b.ids(&ib), read_all(b, &wb, t * k), read_all(b, &sb, t))
+            };
+            let at = format!("moe_router {rf:?}/{sf:?} E={e} D={d} top {k} T={t}");
+            let cpu = Cpu::reference();
+            let (ci, cw, cs) = {
+                let (rm, gm, xb) = (
+                    cpu.upload_matrix(&router).unwrap(),
+                    cpu.upload_matrix(&gate).unwrap(),
+                    cpu.upload(&x).unwrap(),
+                );
+                let (mut lb, mut sb) = (cpu.alloc(t * e).unwrap(), cpu.alloc(t).unwrap());
+                let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
+                cpu.moe_router(&p, &xb, &rm, &gm, &mut lb, &mut sb, &mut ib, &mut wb);
+                // The test data leaves no near-tie at the K-th place (ids must match exactly).
+                for l in lb.chunks(e) {
+                    let mut v = l.to_vec();
+                    v.sort_by(|a, b| b.total_cmp(a));
+                    assert!(
+                        v[k - 1] - v[k] > 1e-3,
+                        "{at}: logits {} and {} nearly tie",
+                        v[k - 1],
+                        v[k]
+                    );
+                }
+                (cpu.ids(&ib), wb, sb)
+            };
+            let (gi, gw, gs) = run(&*dev);
+            assert_eq!(gi, ci, "{at} ids");
+            // Past 8 tokens CUDA's parts run the bf16 tensor-core GEMM (as the other prefill tests).
+            let tol = if t > 8 { 1e-2 } else { TOL };
+            assert_near(&gw, &cw, tolx * tol, &format!("{at} weights"));
+            assert_near(&gs, &cs, tolx * tol, &format!("{at} shared gate"));
         }
     }
 }

@@ -384,6 +384,25 @@ pub trait Backend: Send + Sized + 'static {
     );
     /// ids/weights [T, K] from router logits [T, E].
     fn moe_route(&self, p: &RouteParams, logits: &Self::Buf, ids: &mut Self::Ids, weights: &mut Self::Buf);
+    /// The MoE block's routing from its input x [T, D]: logits [T, E] = x router^T and shared [T]
+    /// = x shared_gate^T (the shared expert's gate logit; router [E, D], shared_gate [1, D]), then
+    /// `moe_route` of the logits into ids / weights [T, K]. A backend may run it as one kernel
+    /// (the logits are then its scratch: their contents afterwards are the backend's); by
+    /// default, `matmuls` of the two matrices, then `moe_route`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_router(
+        &self,
+        p: &RouteParams,
+        x: &Self::Buf,
+        router: &Self::Matrix,
+        shared_gate: &Self::Matrix,
+        logits: &mut Self::Buf,
+        shared: &mut Self::Buf,
+        ids: &mut Self::Ids,
+        weights: &mut Self::Buf,
+    ) {
+        moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    }
     /// out [T, D] = sum over the K selected experts; tmp is scratch of [T*K, I + D].
     fn moe_experts(
         &self,
@@ -446,6 +465,28 @@ pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
     };
     b.matmuls(&mm, x, &[gate, up], &mut [g, u]);
     b.swiglu(p, g, u, out);
+}
+
+/// `moe_router` as its parts (the trait's default; a backend's fallback where its fused kernel
+/// does not apply).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_router_unfused<B: Backend>(
+    b: &B,
+    p: &RouteParams,
+    x: &B::Buf,
+    router: &B::Matrix,
+    shared_gate: &B::Matrix,
+    logits: &mut B::Buf,
+    shared: &mut B::Buf,
+    ids: &mut B::Ids,
+    weights: &mut B::Buf,
+) {
+    let mm = MatmulParams {
+        tokens: p.tokens,
+        x_row0: 0,
+    };
+    b.matmuls(&mm, x, &[router, shared_gate], &mut [&mut *logits, shared]);
+    b.moe_route(p, logits, ids, weights);
 }
 
 /// The read-only operands of `moe_experts_add_rms_norm`: the routed experts as `moe_experts`

@@ -259,6 +259,10 @@ constants! {
     /// The most experts per token of the Metal `moe_route` (the picks kept in threadgroup memory).
     pub const ROUTE_TOP_K_MAX: usize = 64;
 
+    /// u32 words of the Metal routing's threadgroup scratch (`route_token` in moe.metal: three
+    /// per-simdgroup arrays of 32, then the picks and their probabilities).
+    pub const ROUTE_TG_WORDS: usize = 3 * 32 + 2 * ROUTE_TOP_K_MAX;
+
     /// Token rows (and the K step) of the Metal simdgroup-matrix GEMM tiles of `matmul`.
     pub const MMA_TILE: usize = 32;
 

@@ -51,14 +51,24 @@ impl<B: Backend> Moe<B> {
     /// then s.h = rms_norm(x, w), the next block's norm (`norm`: its parameters).
     pub fn forward(&self, b: &B, t: usize, norm: &RmsNormParams, w: &B::Buf, s: &mut Scratch<B>) {
         let tokens = t as u32;
-        // The router and the shared expert's gate logit read s.h together; the shared expert is
-        // its input half in one op, silu(gate_s h) * up_s h, then its down projection.
-        let mm = MatmulParams { tokens, x_row0: 0 };
-        b.matmuls(
-            &mm,
+        // The router and the shared expert's gate logit read s.h together, and the routing
+        // follows from the router's logits; the shared expert is its input half in one op,
+        // silu(gate_s h) * up_s h, then its down projection.
+        let route = RouteParams {
+            tokens,
+            experts: self.experts as u32,
+            top_k: self.top_k as u32,
+            renorm: self.renorm as u32,
+        };
+        b.moe_router(
+            &route,
             &s.h,
-            &[&self.gate, &self.shared_expert_gate],
-            &mut [&mut s.router, &mut s.shared_gate],
+            &self.gate,
+            &self.shared_expert_gate,
+            &mut s.router,
+            &mut s.shared_gate,
+            &mut s.expert_ids,
+            &mut s.expert_w,
         );
         let shared = RowsParams {
             tokens,
@@ -73,14 +83,8 @@ impl<B: Backend> Moe<B> {
             &mut s.shared_u,
             &mut s.shared_act,
         );
+        let mm = MatmulParams { tokens, x_row0: 0 };
         b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
-        let route = RouteParams {
-            tokens,
-            experts: self.experts as u32,
-            top_k: self.top_k as u32,
-            renorm: self.renorm as u32,
-        };
-        b.moe_route(&route, &s.router, &mut s.expert_ids, &mut s.expert_w);
         // x += routed + sigmoid(shared_gate) shared; s.h = rms_norm(x, w).
         let moe = MoeParams {
             tokens,

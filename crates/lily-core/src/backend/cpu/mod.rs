@@ -18,7 +18,7 @@ pub mod simd;
 
 pub use int8::Precision;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, StreamKind};
+use super::{check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, StreamKind};
 use crate::{
     error::{Error, Result},
     ops,
@@ -265,6 +265,23 @@ impl Backend for Cpu {
     }
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         dispatch!(self, moe::moe_route(p, logits, ids, weights))
+    }
+    fn moe_router(
+        &self,
+        p: &RouteParams,
+        x: &Vec<f32>,
+        router: &Matrix,
+        shared_gate: &Matrix,
+        logits: &mut Vec<f32>,
+        shared: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+        weights: &mut Vec<f32>,
+    ) {
+        if self.reference {
+            ops::moe::reference::moe_router(p, x, router, shared_gate, logits, shared, ids, weights)
+        } else {
+            moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
+        }
     }
     fn moe_experts(
         &self,

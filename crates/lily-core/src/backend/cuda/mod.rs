@@ -154,6 +154,8 @@ pub(crate) struct Stream<X: Executor> {
     pub(crate) partials: Option<(Arc<Alloc<X>>, usize)>,
     /// u32 routing scratch of the expert-sorted MoE prefill, grown to the largest need seen.
     pub(crate) moe_scratch: Option<(Arc<Alloc<X>>, usize)>,
+    /// u32 per-token block counters of `moe_router` (zero as allocated; the kernel leaves them 0).
+    pub(crate) router_counts: Option<(Arc<Alloc<X>>, usize)>,
     /// f32 per-token q, k and gates of the DeltaNet prefill scan, grown to the largest need seen.
     pub(crate) delta_scratch: Option<(Arc<Alloc<X>>, usize)>,
 }
@@ -178,6 +180,9 @@ pub struct Cuda<X: Executor> {
     /// GEMM (default [`GEMV_TOKENS`], or `LILY_CUDA_GEMV_TOKENS`; tests raise it to check a whole
     /// forward pass in f32).
     pub gemv_tokens: usize,
+    /// `moe_router` as one kernel for a decode step (default; `LILY_CUDA_FUSED_ROUTER=0`: its
+    /// parts, the router GEMV then `moe_route`, should the last-block-done kernel misbehave).
+    pub fused_router: bool,
 }
 
 #[cfg(unix)]
@@ -252,6 +257,7 @@ impl<X: Executor> Cuda<X> {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(GEMV_TOKENS);
+        let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
@@ -264,12 +270,14 @@ impl<X: Executor> Cuda<X> {
                 graph: None,
                 partials: None,
                 moe_scratch: None,
+                router_counts: None,
                 delta_scratch: None,
             }),
             step,
             uploads: Mutex::new(HashMap::new()),
             graphs,
             gemv_tokens,
+            fused_router,
         })
     }
 
@@ -814,6 +822,20 @@ impl<X: Executor> Backend for Cuda<X> {
 
     fn moe_route(&self, p: &RouteParams, logits: &CudaBuf<X>, ids: &mut CudaBuf<X>, weights: &mut CudaBuf<X>) {
         moe::cuda::moe_route(self, p, logits, ids, weights)
+    }
+
+    fn moe_router(
+        &self,
+        p: &RouteParams,
+        x: &CudaBuf<X>,
+        router: &CudaMat<X>,
+        shared_gate: &CudaMat<X>,
+        logits: &mut CudaBuf<X>,
+        shared: &mut CudaBuf<X>,
+        ids: &mut CudaBuf<X>,
+        weights: &mut CudaBuf<X>,
+    ) {
+        moe::cuda::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
     }
 
     fn moe_experts(

@@ -131,6 +131,7 @@ kernel_enum!(
     /// `<op>_<suffix>_r<R>` (`rows_dot` in common.h).
     GemvOp {
         MatmulGemv = "matmul_gemv",
+        MoeRouter = "moe_router",
         MoeGateUp = "moe_gate_up",
         GateUpSwiglu = "gate_up_swiglu",
         MoeDown = "moe_down",

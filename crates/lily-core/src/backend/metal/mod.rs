@@ -581,6 +581,19 @@ impl<X: Executor> Backend for Metal<X> {
         moe::metal::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
     }
 
+    fn moe_router(
+        &self,
+        p: &RouteParams,
+        x: &MetalBuf<X>,
+        router: &MetalMatrix<X>,
+        shared_gate: &MetalMatrix<X>,
+        logits: &mut MetalBuf<X>,
+        shared: &mut MetalBuf<X>,
+        ids: &mut MetalBuf<X>,
+        weights: &mut MetalBuf<X>,
+    ) {
+        moe::metal::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    }
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,

@@ -32,10 +32,13 @@ pub(crate) enum Scratch {
     MoeSort,
     /// f32 intra-chunk matrices of the chunked DeltaNet prefill (ops/delta_net/metal.rs).
     DeltaNetChunk,
+    /// u32 router logits in flight and the threadgroup counter of `moe_router` (ops/moe/metal.rs;
+    /// zero as allocated, and the kernel leaves it zero).
+    RouterMail,
 }
 
 impl Scratch {
-    const COUNT: usize = 3;
+    const COUNT: usize = 4;
 }
 
 /// Estimated GPU seconds after which the stream commits the open command buffer (see the

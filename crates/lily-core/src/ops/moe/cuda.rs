@@ -1,16 +1,30 @@
-//! The MoE on CUDA (`shaders/cuda/moe.cu`): routing (softmax + top-k per token) and the expert
-//! FFNs (GEMVs per token-expert pair for decode, route-sorted tensor-core GEMMs for prefill).
+//! The MoE on CUDA (`shaders/cuda/moe.cu`): routing (softmax + top-k per token; for a decode step
+//! with the router GEMV in one launch) and the expert FFNs (GEMVs per token-expert pair for decode,
+//! route-sorted tensor-core GEMMs for prefill).
 
 use crate::backend::{
     cuda::{
         div, gemv_split,
         kernels::{Fixed as F, Kernel, WeightOp},
-        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, MoeSortArgs,
+        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeSortArgs,
     },
-    gate_up_swiglu_unfused,
+    gate_up_swiglu_unfused, moe_router_unfused,
     params::{MoeParams, RouteParams, RowsParams},
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
+
+/// Whether `route_token` (moe.cu) takes top `p.top_k` of `p.experts` (E <= 1024, K <= min(E, 64));
+/// records the error for `op` otherwise.
+fn route_fits<X: Executor>(c: &Cuda<X>, op: &str, p: &RouteParams) -> bool {
+    let (e, k) = (p.experts as usize, p.top_k as usize);
+    let ok = e > 0 && e <= 1024 && k > 0 && k <= e.min(64);
+    if !ok {
+        c.fail(format!(
+            "{op}: top {k} of {e} experts unsupported (E <= 1024, K <= min(E, 64))"
+        ));
+    }
+    ok
+}
 
 pub fn moe_route<X: Executor>(
     c: &Cuda<X>,
@@ -20,10 +34,7 @@ pub fn moe_route<X: Executor>(
     weights: &mut CudaBuf<X>,
 ) {
     let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
-    if e == 0 || e > 1024 || k == 0 || k > e.min(64) {
-        c.fail(format!(
-            "moe_route: top {k} of {e} experts unsupported (E <= 1024, K <= min(E, 64))"
-        ));
+    if !route_fits(c, "moe_route", p) {
         return;
     }
     if !c.fits(
@@ -38,6 +49,91 @@ pub fn moe_route<X: Executor>(
     }
     let args = Args::new().push(*p).ptr(logits.ptr()).ptr(ids.ptr()).ptr(weights.ptr());
     c.launch(F::MoeRoute, shape([t as u32, 1, 1], 256), args);
+}
+
+/// `moe_router`: one `moe_router` launch up to `gemv_tokens` tokens (router [E, D] and shared gate
+/// [1, D] of one weight format and one D: the GEMV's blocks, then the last block of each token
+/// routes it, counted in the stream's `router_counts`); otherwise (prefill, other shapes,
+/// `LILY_CUDA_FUSED_ROUTER=0`) its parts, `matmuls` then `moe_route`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_router<X: Executor>(
+    c: &Cuda<X>,
+    p: &RouteParams,
+    x: &CudaBuf<X>,
+    router: &CudaMat<X>,
+    shared_gate: &CudaMat<X>,
+    logits: &mut CudaBuf<X>,
+    shared: &mut CudaBuf<X>,
+    ids: &mut CudaBuf<X>,
+    weights: &mut CudaBuf<X>,
+) {
+    let (t, e, k, d) = (
+        p.tokens as usize,
+        p.experts as usize,
+        p.top_k as usize,
+        router.desc.cols as usize,
+    );
+    let one_launch = c.fused_router
+        && router.weight == shared_gate.weight
+        && shared_gate.desc.cols as usize == d
+        && shared_gate.desc.rows == 1
+        && router.desc.rows as usize == e;
+    if t == 0 || t > c.gemv_tokens || !one_launch {
+        return moe_router_unfused(c, p, x, router, shared_gate, logits, shared, ids, weights);
+    }
+    if !route_fits(c, "moe_router", p)
+        || !c.fits(
+            "moe_router",
+            &[
+                ("x", x.len, t * d),
+                ("logits", logits.len, t * e),
+                ("shared", shared.len, t),
+                ("ids", ids.len, t * k),
+                ("weights", weights.len, t * k),
+            ],
+        )
+    {
+        return;
+    }
+    // Room for every token count this path takes at once: the buffer never moves under a recorded
+    // launch or a captured graph.
+    let Some(counts) = c.scratch(c.gemv_tokens, "router counts", |s| &mut s.router_counts) else {
+        return;
+    };
+    let chunks = router.desc.row_bytes.min(shared_gate.desc.row_bytes) as usize / 16;
+    let ks = gemv_split(e + 1, chunks, t);
+    let per_block = 32 / ks as usize;
+    let ends = [div(e, per_block), div(e, per_block) + div(1, per_block)];
+    let g = GemvMulti {
+        count: 2,
+        ends: [ends[0], ends[1], ends[1], ends[1]],
+        ks,
+        ..Default::default()
+    };
+    let [rw, rs, rb] = router.ptrs();
+    let [sw, ss, sb] = shared_gate.ptrs();
+    let args = Args::new()
+        .push(*p)
+        .push(g)
+        .push(router.desc)
+        .push(shared_gate.desc)
+        .ptr(rw)
+        .ptr(rs)
+        .ptr(rb)
+        .ptr(sw)
+        .ptr(ss)
+        .ptr(sb)
+        .ptr(x.ptr())
+        .ptr(logits.ptr())
+        .ptr(shared.ptr())
+        .ptr(counts)
+        .ptr(ids.ptr())
+        .ptr(weights.ptr());
+    c.launch(
+        Kernel::weight(WeightOp::MoeRouter, router.weight),
+        shape([ends[1], t as u32, 1], 256),
+        args,
+    );
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -1,4 +1,5 @@
-//! The MoE ops on Metal (`shaders/metal/moe.metal`): routing, the per-token expert GEMVs
+//! The MoE ops on Metal (`shaders/metal/moe.metal`): routing (for a decode token with the router
+//! GEMV in one dispatch), the per-token expert GEMVs
 //! (decode) and the expert-sorted prefill (routing sorted on the GPU, then expert GEMMs).
 
 use super::MoeSorted;
@@ -11,7 +12,10 @@ use crate::{
             stream::{Scratch, Work},
             Arg, Executor, Fixed, GemmOp, GemvOp, Grid, Metal, MetalBuf, MetalMatrix,
         },
-        params::{MoeParams, MoeSortDesc, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TOP_K_MAX},
+        moe_router_unfused,
+        params::{
+            MoeParams, MoeSortDesc, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS, ROUTE_TOP_K_MAX,
+        },
         Backend,
     },
     error::{Error, Result},
@@ -26,6 +30,19 @@ macro_rules! gate_up_bindings {
     }};
 }
 
+/// Whether `route_token` (moe.metal) takes top `p.top_k` of `p.experts`; fails the stream for
+/// `op` otherwise.
+fn route_fits<X: Executor>(m: &Metal<X>, op: &str, p: &RouteParams) -> bool {
+    let (e, k) = (p.experts as usize, p.top_k as usize);
+    let ok = e > 0 && e <= MOE_EXPERTS_MAX && k <= ROUTE_TOP_K_MAX && k <= e;
+    if !ok {
+        m.fail(format!(
+            "{op}: top {k} of {e} experts unsupported (1 <= E <= {MOE_EXPERTS_MAX}, K <= {ROUTE_TOP_K_MAX})"
+        ));
+    }
+    ok
+}
+
 pub fn moe_route<X: Executor>(
     m: &Metal<X>,
     p: &RouteParams,
@@ -34,10 +51,8 @@ pub fn moe_route<X: Executor>(
     weights: &mut MetalBuf<X>,
 ) {
     let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
-    if e > MOE_EXPERTS_MAX || k > ROUTE_TOP_K_MAX || k > e {
-        return m.fail(format!(
-            "moe_route: top {k} of {e} experts unsupported (E <= {MOE_EXPERTS_MAX}, K <= {ROUTE_TOP_K_MAX})"
-        ));
+    if !route_fits(m, "moe_route", p) {
+        return;
     }
     if !m.fits(
         "moe_route",
@@ -57,6 +72,84 @@ pub fn moe_route<X: Executor>(
         Fixed::MoeRoute,
         &[Arg::Bytes(bytes_of(p)), logits.arg(), ids.arg(), weights.arg()],
         grid,
+    );
+}
+
+/// `moe_router`: one `moe_router` dispatch for a decode token (router [E, D] and shared gate
+/// [1, D] of one weight format and one D: the GEMV's threadgroups hand the logits to the last one
+/// through the `RouterMail` scratch, which routes); otherwise (prefill, other shapes) its parts,
+/// the two matmuls then `moe_route`. The logits buffer is not written by the dispatch.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_router<X: Executor>(
+    m: &Metal<X>,
+    p: &RouteParams,
+    x: &MetalBuf<X>,
+    router: &MetalMatrix<X>,
+    shared_gate: &MetalMatrix<X>,
+    logits: &mut MetalBuf<X>,
+    shared: &mut MetalBuf<X>,
+    ids: &mut MetalBuf<X>,
+    weights: &mut MetalBuf<X>,
+) {
+    let (t, e, k, d) = (
+        p.tokens as usize,
+        p.experts as usize,
+        p.top_k as usize,
+        router.desc.cols as usize,
+    );
+    let one_dispatch = t == 1
+        && router.weight == shared_gate.weight
+        && shared_gate.desc.cols as usize == d
+        && shared_gate.desc.rows == 1
+        && router.desc.rows as usize == e;
+    if !one_dispatch {
+        return moe_router_unfused(m, p, x, router, shared_gate, logits, shared, ids, weights);
+    }
+    if !route_fits(m, "moe_router", p)
+        || !m.fits(
+            "moe_router",
+            &[
+                ("x", x.len(), d),
+                ("shared", shared.len(), 1),
+                ("ids", ids.len(), k),
+                ("weights", weights.len(), k),
+            ],
+        )
+    {
+        return;
+    }
+    // The E logits in flight, then the counter (the largest E seen: a model's layers share one).
+    let Some(mail) = m.scratch(Scratch::RouterMail, e + 1) else {
+        return;
+    };
+    let [rw, rs, rb] = m.weights(router);
+    let [sw, ss, sb] = m.weights(shared_gate);
+    let args = [
+        Arg::Bytes(bytes_of(p)),
+        Arg::Bytes(bytes_of(&router.desc)),
+        Arg::Bytes(bytes_of(&shared_gate.desc)),
+        rw,
+        rs,
+        rb,
+        sw,
+        ss,
+        sb,
+        x.arg(),
+        shared.arg(),
+        mail.part(0, e + 1),
+        ids.arg(),
+        weights.arg(),
+    ];
+    let v = m.variants;
+    let grid = Grid::Groups {
+        count: [ceil_div(e, 4 * v.gemv.rows()) + 1, 1, 1],
+        size: [128, 1, 1],
+    };
+    m.encode_tg(
+        v.gemv_kernel(GemvOp::MoeRouter, router.weight),
+        &args,
+        grid,
+        &[e * 4, ROUTE_TG_WORDS * 4],
     );
 }
 

@@ -2,6 +2,10 @@
 //! - `moe_route` (`RouteParams`): per token, p = softmax(logits) over the E experts, the top K by
 //!   p (ties: the lower id first), weights p / sum(top K p) when renorm != 0; logits [T, E],
 //!   ids [T, K] u32, weights [T, K].
+//! - `moe_router` (`RouteParams`): the routing from the block's input x [T, D]: logits [T, E] =
+//!   x router^T (router [E, D]) and the shared expert's gate logit shared [T] = x shared_gate^T
+//!   (shared_gate [1, D]), then `moe_route` of the logits; a fused op whose reference is its parts
+//!   (on a GPU one launch for a decode step: the GEMV, then its last block routes).
 //! - `moe_experts` (`MoeParams`): out[t] = sum_k w[t, k] down_e(silu(gate_e x_t) * up_e x_t),
 //!   e = ids[t, k], summed in slot order; gate, up [E, I, D] and down [E, D, I] weight matrices
 //!   (possibly views of one fused tensor), x, out [T, D], tmp scratch of [T K, I + D]. Only the

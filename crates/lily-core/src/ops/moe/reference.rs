@@ -2,7 +2,7 @@
 
 use super::MoeSorted;
 use crate::{
-    backend::params::{MoeParams, RouteParams},
+    backend::params::{MatmulParams, MoeParams, RouteParams},
     ops::silu,
     quant::Matrix,
 };
@@ -27,6 +27,27 @@ pub fn moe_route(p: &RouteParams, logits: &[f32], ids: &mut [u32], weights: &mut
             };
         }
     }
+}
+
+/// logits = x router^T, shared = x shared_gate^T, then `moe_route` of the logits.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_router(
+    p: &RouteParams,
+    x: &[f32],
+    router: &Matrix,
+    shared_gate: &Matrix,
+    logits: &mut [f32],
+    shared: &mut [f32],
+    ids: &mut [u32],
+    weights: &mut [f32],
+) {
+    let mm = MatmulParams {
+        tokens: p.tokens,
+        x_row0: 0,
+    };
+    crate::ops::matmul::reference::matmul(&mm, router, x, logits);
+    crate::ops::matmul::reference::matmul(&mm, shared_gate, x, shared);
+    moe_route(p, logits, ids, weights);
 }
 
 pub fn moe_experts(
