@@ -6,7 +6,7 @@ use crate::backend::{
     cuda::{
         div, gemv_split,
         kernels::{Fixed as F, Kernel, WeightOp},
-        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeSortArgs,
+        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeSortArgs, GEMV_TOKENS,
     },
     gate_up_swiglu_unfused, moe_router_unfused,
     params::{MoeParams, RouteParams, RowsParams},
@@ -95,9 +95,9 @@ pub fn moe_router<X: Executor>(
     {
         return;
     }
-    // Room for every token count this path takes at once: the buffer never moves under a recorded
-    // launch or a captured graph.
-    let Some(counts) = c.scratch(c.gemv_tokens, "router counts", |s| &mut s.router_counts) else {
+    // Room for the default GEMV token limit at once, so decode never regrows it (a test that raises
+    // `gemv_tokens` to usize::MAX grows it to its token count instead; a new buffer is zero too).
+    let Some(counts) = c.scratch(t.max(GEMV_TOKENS), "router counts", |s| &mut s.router_counts) else {
         return;
     };
     let chunks = router.desc.row_bytes.min(shared_gate.desc.row_bytes) as usize / 16;
