@@ -5,15 +5,12 @@
 //! Counted: everything the encoding layer (`backend/cuda/{mod,args,kernels}.rs`) and the model do
 //! per call: kernel lookups, argument packing, the command list, graph reuse, executor calls.
 
-use std::{
-    alloc::{GlobalAlloc, Layout, System},
-    cell::Cell,
-};
-
+mod alloc_common;
 mod common;
 mod gpu_common;
 mod metal_common;
 
+use alloc_common::{allocations_in, decode_step};
 use lily_core::{
     backend::{
         cuda::{Cuda, Null},
@@ -27,50 +24,6 @@ use lily_core::{
     weights::Loader,
 };
 use metal_common::TinyCheckpoint;
-
-struct Counting;
-
-thread_local! {
-    static ARMED: Cell<bool> = const { Cell::new(false) };
-    static COUNT: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note() {
-    if ARMED.try_with(Cell::get).unwrap_or(false) {
-        let _ = COUNT.try_with(|c| c.set(c.get() + 1));
-    }
-}
-
-// SAFETY: forwards to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note();
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note();
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        note();
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// The allocations this thread makes while `f` runs.
-fn allocations_in<R>(f: impl FnOnce() -> R) -> (usize, R) {
-    COUNT.with(|c| c.set(0));
-    ARMED.with(|a| a.set(true));
-    let r = f();
-    ARMED.with(|a| a.set(false));
-    (COUNT.with(Cell::get), r)
-}
 
 #[test]
 fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
@@ -87,12 +40,7 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
     let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
     let b = &c;
     let mut prefill = |s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
-        b.begin(StreamKind::Prefill).unwrap();
-        b.write_ids(&mut s.ids, &prompt).unwrap();
-        model.forward(b, prompt.len(), 0, state, s);
-        model.logits(b, prompt.len() - 16, 16, s);
-        b.finish().unwrap();
-        b.read(&s.logits, 0, &mut logits).unwrap();
+        alloc_common::prefill(b, &model, &prompt, s, state, &mut logits)
     };
     // The first chunk runs its launches one by one, the second (the same commands) is captured into
     // a graph (allocating the graph once); from then on a chunk of that length replays it.
@@ -106,14 +54,8 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
         prompt.len()
     );
 
-    let mut one = [0f32; 1];
-    let mut step = |i: usize, s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
-        b.begin(StreamKind::Decode).unwrap();
-        b.write_ids(&mut s.ids, &[decode[0]]).unwrap();
-        model.forward(b, 1, prompt.len() + i, state, s);
-        model.logits(b, 0, 1, s);
-        b.finish().unwrap();
-        b.read(&s.logits, vocab - 1, &mut one).unwrap();
+    let step = |i: usize, s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
+        decode_step(b, &model, (decode[0], prompt.len() + i), vocab, s, state)
     };
     let before = c.executor().counts();
     step(0, &mut s, &mut state); // launched one by one

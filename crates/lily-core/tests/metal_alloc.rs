@@ -10,7 +10,6 @@
 
 use std::{
     alloc::{GlobalAlloc, Layout, System},
-    cell::Cell,
     ptr::NonNull,
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -18,10 +17,12 @@ use std::{
     },
 };
 
+mod alloc_common;
 mod common;
 mod gpu_common;
 mod metal_common;
 
+use alloc_common::{allocations_in, decode_step};
 use lily_core::{
     backend::{
         metal::{Arg, Executor, GpuFamily, Grid, Metal, ParamBytes, StreamLabel, Variants},
@@ -36,53 +37,6 @@ use lily_core::{
     weights::Loader,
 };
 use metal_common::TinyCheckpoint;
-
-// ---- Counting allocator ------------------------------------------------------------------------
-
-struct Counting;
-
-thread_local! {
-    /// Whether this thread's allocations are being counted.
-    static ARMED: Cell<bool> = const { Cell::new(false) };
-    static COUNT: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note() {
-    if ARMED.try_with(Cell::get).unwrap_or(false) {
-        let _ = COUNT.try_with(|c| c.set(c.get() + 1));
-    }
-}
-
-// SAFETY: forwards to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note();
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note();
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        note();
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// The allocations (alloc, alloc_zeroed, realloc) this thread makes while `f` runs.
-fn allocations_in<R>(f: impl FnOnce() -> R) -> (usize, R) {
-    COUNT.with(|c| c.set(0));
-    ARMED.with(|a| a.set(true));
-    let r = f();
-    ARMED.with(|a| a.set(false));
-    (COUNT.with(Cell::get), r)
-}
 
 // ---- An executor that checks and counts dispatches, and runs nothing ---------------------------
 
@@ -253,12 +207,7 @@ fn warm_forward_passes_do_not_allocate() {
         let mut s = Scratch::new(&m, &cfg, 64, 16).unwrap();
         let b = &m;
         let mut prefill = |s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {
-            b.begin(StreamKind::Prefill).unwrap();
-            b.write_ids(&mut s.ids, &prompt).unwrap();
-            model.forward(b, prompt.len(), 0, state, s);
-            model.logits(b, prompt.len() - 16, 16, s);
-            b.finish().unwrap();
-            b.read(&s.logits, 0, &mut logits).unwrap();
+            alloc_common::prefill(b, &model, &prompt, s, state, &mut logits)
         };
         prefill(&mut s, &mut state);
         let (n, ()) = allocations_in(|| prefill(&mut s, &mut state));
@@ -268,14 +217,8 @@ fn warm_forward_passes_do_not_allocate() {
             "{what}: {n} allocations encoding a warm {}-token prefill chunk",
             prompt.len()
         );
-        let mut one = [0f32; 1];
-        let mut step = |i: usize, s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {
-            b.begin(StreamKind::Decode).unwrap();
-            b.write_ids(&mut s.ids, &[tok]).unwrap();
-            model.forward(b, 1, prompt.len() + i, state, s);
-            model.logits(b, 0, 1, s);
-            b.finish().unwrap();
-            b.read(&s.logits, vocab - 1, &mut one).unwrap();
+        let step = |i: usize, s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {
+            decode_step(b, &model, (tok, prompt.len() + i), vocab, s, state);
             b.executor()
                 .last
                 .lock()

@@ -321,6 +321,29 @@ fn check_rows(m: &Rows, x: &Planes, n: usize) {
     );
 }
 
+/// `x86::<dot>::$f::<P>(args)`: the fused kernel `$f` (`rows`, `rows_batch`) of the byte dot
+/// `$dot` for `$planes` planes (1 or [`PLANES`]).
+#[cfg(target_arch = "x86_64")]
+macro_rules! fused {
+    ($dot:expr, $planes:expr, $f:ident($($a:expr),*)) => {
+        if $planes == 1 {
+            fused!(@p 1, $dot, $f($($a),*))
+        } else {
+            fused!(@p PLANES, $dot, $f($($a),*))
+        }
+    };
+    (@p $p:expr, $dot:expr, $f:ident($($a:expr),*)) => {
+        match $dot {
+            Dot::Vnni512 => x86::vnni512::$f::<{ $p }>($($a),*),
+            Dot::Maddubs512 => x86::maddubs512::$f::<{ $p }>($($a),*),
+            Dot::Vnni256 => x86::vnni256::$f::<{ $p }>($($a),*),
+            Dot::AvxVnni256 => x86::avxvnni256::$f::<{ $p }>($($a),*),
+            Dot::Maddubs256 => x86::maddubs256::$f::<{ $p }>($($a),*),
+            _ => unreachable!("fused_rows"),
+        }
+    };
+}
+
 /// out[r] = sum_g s_g (w_g . x_g) + b_g sum(x_g) for every row r of `m` (4-bit codes, x as
 /// `x`'s planes). The decode GEMV's inner loop.
 pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
@@ -329,25 +352,7 @@ pub fn rows(m: &Rows, x: &Planes, out: &mut [f32]) {
     if x.dot.fused_rows(m.group, m.dtype) && x.dot.available() {
         // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
         // the group size and dtype are the ones the kernels handle (`fused_rows`).
-        unsafe {
-            macro_rules! planes {
-                ($p:expr) => {
-                    match x.dot {
-                        Dot::Vnni512 => x86::rows_vnni512::<{ $p }>(m, x, out),
-                        Dot::Maddubs512 => x86::rows_maddubs512::<{ $p }>(m, x, out),
-                        Dot::Vnni256 => x86::rows_vnni256::<{ $p }>(m, x, out),
-                        Dot::AvxVnni256 => x86::rows_avxvnni256::<{ $p }>(m, x, out),
-                        Dot::Maddubs256 => x86::rows_maddubs256::<{ $p }>(m, x, out),
-                        _ => unreachable!("fused_rows"),
-                    }
-                };
-            }
-            if x.n == 1 {
-                planes!(1)
-            } else {
-                planes!(PLANES)
-            }
-        }
+        unsafe { fused!(x.dot, x.n, rows(m, x, out)) }
         return;
     }
     #[cfg(target_arch = "aarch64")]
@@ -399,25 +404,7 @@ pub fn rows_batch(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: us
         }
         // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
         // the group size and dtype are the ones the kernels handle (`fused_rows`).
-        unsafe {
-            macro_rules! planes {
-                ($p:expr) => {
-                    match x0.dot {
-                        Dot::Vnni512 => x86::rows_batch_vnni512::<{ $p }>(m, xs, n, out, stride),
-                        Dot::Maddubs512 => x86::rows_batch_maddubs512::<{ $p }>(m, xs, n, out, stride),
-                        Dot::Vnni256 => x86::rows_batch_vnni256::<{ $p }>(m, xs, n, out, stride),
-                        Dot::AvxVnni256 => x86::rows_batch_avxvnni256::<{ $p }>(m, xs, n, out, stride),
-                        Dot::Maddubs256 => x86::rows_batch_maddubs256::<{ $p }>(m, xs, n, out, stride),
-                        _ => unreachable!("fused_rows"),
-                    }
-                };
-            }
-            if x0.n == 1 {
-                planes!(1)
-            } else {
-                planes!(PLANES)
-            }
-        }
+        unsafe { fused!(x0.dot, x0.n, rows_batch(m, xs, n, out, stride)) }
         return;
     }
     for (j, x) in xs.iter().enumerate() {
@@ -511,7 +498,7 @@ mod x86 {
     //! (`rows_kernel!`) over the vector operations of each width (`width!`).
     use std::arch::x86_64::*;
 
-    use super::{unit, Planes, Rows, SHIFT};
+    use super::{unit, Planes, Rows, BATCH_TOKENS, SHIFT};
     use crate::safetensors::DType;
 
     /// Weight bytes ahead of the current block to prefetch. A core streams rows faster than the
@@ -521,34 +508,36 @@ mod x86 {
     /// 4 KiB 13.8, 8 KiB 13.2 (read bandwidth 24 GB/s).
     const PREFETCH: usize = 2048;
 
-    // The pair of byte dots acc + lo.xe + hi.xo, per instruction choice.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    #[inline]
-    fn vnni512_2(a: __m512i, lo: __m512i, xe: __m512i, hi: __m512i, xo: __m512i) -> __m512i {
-        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, lo, xe), hi, xo)
+    /// The pair of byte dots acc + lo.xe + hi.xo, per instruction choice: `dpbusd` twice (VNNI),
+    /// or `maddubs` summed to i32 by `madd` with ones (u4 x s8 pairs: |2 * 15 * 127| and the sum
+    /// of two such fit i16 without saturating).
+    macro_rules! dot2 {
+        ($name:ident, $feat:literal, $v:ty, dpbusd = $dp:ident) => {
+            #[target_feature(enable = $feat)]
+            #[inline]
+            fn $name(a: $v, lo: $v, xe: $v, hi: $v, xo: $v) -> $v {
+                $dp($dp(a, lo, xe), hi, xo)
+            }
+        };
+        ($name:ident, $feat:literal, $v:ty, maddubs = $mb:ident, $add16:ident, $madd:ident, $add32:ident, $ones:ident) => {
+            #[target_feature(enable = $feat)]
+            #[inline]
+            fn $name(a: $v, lo: $v, xe: $v, hi: $v, xo: $v) -> $v {
+                $add32(a, $madd($add16($mb(lo, xe), $mb(hi, xo)), $ones(1)))
+            }
+        };
     }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    fn maddubs512_2(a: __m512i, lo: __m512i, xe: __m512i, hi: __m512i, xo: __m512i) -> __m512i {
-        // u4 x s8 pairs: |2 * 15 * 127| and the sum of two such fit i16 without saturating.
-        let s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo));
-        _mm512_add_epi32(a, _mm512_madd_epi16(s, _mm512_set1_epi16(1)))
+
+    dot2! { vnni512_2, "avx512f,avx512bw,avx512vnni", __m512i, dpbusd = _mm512_dpbusd_epi32 }
+    dot2! { vnni256_2, "avx2,avx512f,avx512vl,avx512vnni", __m256i, dpbusd = _mm256_dpbusd_epi32 }
+    dot2! { avxvnni256_2, "avx2,avxvnni", __m256i, dpbusd = _mm256_dpbusd_avx_epi32 }
+    dot2! {
+        maddubs512_2, "avx512f,avx512bw", __m512i,
+        maddubs = _mm512_maddubs_epi16, _mm512_add_epi16, _mm512_madd_epi16, _mm512_add_epi32, _mm512_set1_epi16
     }
-    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
-    #[inline]
-    fn vnni256_2(a: __m256i, lo: __m256i, xe: __m256i, hi: __m256i, xo: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a, lo, xe), hi, xo)
-    }
-    #[target_feature(enable = "avx2,avxvnni")]
-    #[inline]
-    fn avxvnni256_2(a: __m256i, lo: __m256i, xe: __m256i, hi: __m256i, xo: __m256i) -> __m256i {
-        _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(a, lo, xe), hi, xo)
-    }
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn maddubs256_2(a: __m256i, lo: __m256i, xe: __m256i, hi: __m256i, xo: __m256i) -> __m256i {
-        let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-        _mm256_add_epi32(a, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
+    dot2! {
+        maddubs256_2, "avx2", __m256i,
+        maddubs = _mm256_maddubs_epi16, _mm256_add_epi16, _mm256_madd_epi16, _mm256_add_epi32, _mm256_set1_epi16
     }
 
     #[target_feature(enable = "avx2")]
@@ -730,6 +719,56 @@ mod x86 {
                 }
                 pub(super) use super::$part as groups_part;
 
+                /// The `perm` index of each block j of a chunk: lane L covers elements 2Bj + 8L, and
+                /// gets its group in the chunk.
+                #[inline(always)]
+                pub fn lane_groups(group: usize) -> [[i32; LANES]; 16] {
+                    let mut idx = [[0i32; LANES]; 16];
+                    for (j, v) in idx.iter_mut().enumerate().take(CG * group / (2 * B)) {
+                        for (l, e) in v.iter_mut().enumerate() {
+                            *e = ((2 * B * j + 8 * l) / group) as i32;
+                        }
+                    }
+                    idx
+                }
+
+                /// Rows `rows` of `m` (`row_w` weight bytes, `row_s` scale bytes each): their
+                /// weights, scales and biases. The scales and biases about as far ahead as the
+                /// weights' prefetch are asked for.
+                #[inline(always)]
+                pub unsafe fn row_ptrs<const R: usize>(
+                    m: &super::Rows,
+                    rows: [usize; R],
+                    (row_w, row_s): (usize, usize),
+                ) -> [[*const u8; R]; 3] {
+                    unsafe {
+                        let ahead = (super::PREFETCH / row_w).max(1) * row_s;
+                        let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
+                        let sc: [*const u8; R] = std::array::from_fn(|i| m.scales.as_ptr().add(rows[i] * row_s));
+                        let bi: [*const u8; R] = std::array::from_fn(|i| m.biases.as_ptr().add(rows[i] * row_s));
+                        for i in 0..R {
+                            for l in (0..row_s).step_by(64) {
+                                _mm_prefetch::<_MM_HINT_T0>(sc[i].wrapping_add(ahead + l) as *const i8);
+                                _mm_prefetch::<_MM_HINT_T0>(bi[i].wrapping_add(ahead + l) as *const i8);
+                            }
+                        }
+                        [w, sc, bi]
+                    }
+                }
+
+                /// A chunk's `ng` (<= `CG`) scales and biases of type `dt` at `sc` and `bi` as f32
+                /// (zeros past `ng`).
+                #[inline(always)]
+                pub unsafe fn chunk(dt: DType, sc: *const u8, bi: *const u8, ng: usize) -> (F, F) {
+                    unsafe {
+                        if ng == CG {
+                            (groups(dt, sc), groups(dt, bi))
+                        } else {
+                            (groups_part(dt, sc, ng), groups_part(dt, bi, ng))
+                        }
+                    }
+                }
+
                 /// `CG` scales (or biases) of type `dt` at `p` as f32.
                 #[target_feature(enable = $feat)]
                 #[inline]
@@ -865,35 +904,15 @@ mod x86 {
                         let (g_n, sz) = (m.cols / m.group, m.dtype.size());
                         let (row_w, row_s) = (m.cols / 2, g_n * sz);
                         let unit = set1f(1.0 / unit(P));
-                        // Scales and biases are prefetched about as far ahead as the weights.
-                        let ahead = (PREFETCH / row_w).max(1) * row_s;
                         let xq = x.xq.as_ptr();
-                        let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
-                        let sc: [*const u8; R] = std::array::from_fn(|i| m.scales.as_ptr().add(rows[i] * row_s));
-                        let bi: [*const u8; R] = std::array::from_fn(|i| m.biases.as_ptr().add(rows[i] * row_s));
-                        for i in 0..R {
-                            for l in (0..row_s).step_by(64) {
-                                _mm_prefetch::<_MM_HINT_T0>(sc[i].wrapping_add(ahead + l) as *const i8);
-                                _mm_prefetch::<_MM_HINT_T0>(bi[i].wrapping_add(ahead + l) as *const i8);
-                            }
-                        }
+                        let [w, sc, bi] = row_ptrs(m, rows, (row_w, row_s));
                         let (mut t, mut table, mut blk) = ([zerof(); R], [zerof(); R], 0);
                         for g0 in (0..g_n).step_by(CG) {
                             let ng = CG.min(g_n - g0);
                             let step = mul(loadf(x.dx.as_ptr().add(g0)), unit);
                             let gsum = loadf(x.gsum.as_ptr().add(g0));
                             for i in 0..R {
-                                let (s, b) = if ng == CG {
-                                    (
-                                        groups(m.dtype, sc[i].add(g0 * sz)),
-                                        groups(m.dtype, bi[i].add(g0 * sz)),
-                                    )
-                                } else {
-                                    (
-                                        groups_part(m.dtype, sc[i].add(g0 * sz), ng),
-                                        groups_part(m.dtype, bi[i].add(g0 * sz), ng),
-                                    )
-                                };
+                                let (s, b) = chunk(m.dtype, sc[i].add(g0 * sz), bi[i].add(g0 * sz), ng);
                                 table[i] = mul(s, step);
                                 t[i] = fma(b, gsum, t[i]);
                             }
@@ -920,13 +939,7 @@ mod x86 {
                 }
 
                 unsafe {
-                    // Lane L of block j of a chunk covers elements 2Bj + 8L: its group in the chunk.
-                    let mut idx = [[0i32; LANES]; 16];
-                    for (j, v) in idx.iter_mut().enumerate().take(CG * m.group / (2 * B)) {
-                        for (l, e) in v.iter_mut().enumerate() {
-                            *e = ((2 * B * j + 8 * l) / m.group) as i32;
-                        }
-                    }
+                    let idx = lane_groups(m.group);
                     // Four sequential streams (one per quarter of the rows), so each stays a plain
                     // forward stream for the hardware prefetcher.
                     let q = out.len() / 4;
@@ -940,27 +953,6 @@ mod x86 {
             }
         };
     }
-
-    rows_kernel!(
-        rows_vnni512,
-        "avx512f,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni",
-        w512,
-        vnni512_2
-    );
-    rows_kernel!(
-        rows_maddubs512,
-        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
-        w512,
-        maddubs512_2
-    );
-    rows_kernel!(
-        rows_vnni256,
-        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
-        w256,
-        vnni256_2
-    );
-    rows_kernel!(rows_avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2);
-    rows_kernel!(rows_maddubs256, "avx2,fma,f16c", w256, maddubs256_2);
 
     /// [`super::rows_batch`] for one width and byte dot: [`rows_kernel`]'s loop with a token
     /// dimension. R rows (one from each R-th of the run, as there) times T <= `BATCH_TOKENS`
@@ -996,17 +988,8 @@ mod x86 {
                         let (g_n, sz) = (m.cols / m.group, m.dtype.size());
                         let (row_w, row_s) = (m.cols / 2, g_n * sz);
                         let unit = set1f(1.0 / unit(P));
-                        let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
-                        let sc: [*const u8; R] = std::array::from_fn(|i| m.scales.as_ptr().add(rows[i] * row_s));
-                        let bi: [*const u8; R] = std::array::from_fn(|i| m.biases.as_ptr().add(rows[i] * row_s));
+                        let [w, sc, bi] = row_ptrs(m, rows, (row_w, row_s));
                         let xq: [*const i8; T] = std::array::from_fn(|j| xs[j].xq.as_ptr());
-                        let ahead = (PREFETCH / row_w).max(1) * row_s;
-                        for i in 0..R {
-                            for l in (0..row_s).step_by(64) {
-                                _mm_prefetch::<_MM_HINT_T0>(sc[i].wrapping_add(ahead + l) as *const i8);
-                                _mm_prefetch::<_MM_HINT_T0>(bi[i].wrapping_add(ahead + l) as *const i8);
-                            }
-                        }
                         let (mut t, mut table) = ([[zerof(); T]; R], [[zerof(); T]; R]);
                         let mut blk = 0;
                         for g0 in (0..g_n).step_by(CG) {
@@ -1014,17 +997,7 @@ mod x86 {
                             let step: [F; T] = std::array::from_fn(|j| mul(loadf(xs[j].dx.as_ptr().add(g0)), unit));
                             let gsum: [F; T] = std::array::from_fn(|j| loadf(xs[j].gsum.as_ptr().add(g0)));
                             for i in 0..R {
-                                let (s, b) = if ng == CG {
-                                    (
-                                        groups(m.dtype, sc[i].add(g0 * sz)),
-                                        groups(m.dtype, bi[i].add(g0 * sz)),
-                                    )
-                                } else {
-                                    (
-                                        groups_part(m.dtype, sc[i].add(g0 * sz), ng),
-                                        groups_part(m.dtype, bi[i].add(g0 * sz), ng),
-                                    )
-                                };
+                                let (s, b) = chunk(m.dtype, sc[i].add(g0 * sz), bi[i].add(g0 * sz), ng);
                                 for j in 0..T {
                                     table[i][j] = mul(s, step[j]);
                                     t[i][j] = fma(b, gsum[j], t[i][j]);
@@ -1060,12 +1033,7 @@ mod x86 {
                 }
 
                 unsafe {
-                    let mut idx = [[0i32; LANES]; 16];
-                    for (j, v) in idx.iter_mut().enumerate().take(CG * m.group / (2 * B)) {
-                        for (l, e) in v.iter_mut().enumerate() {
-                            *e = ((2 * B * j + 8 * l) / m.group) as i32;
-                        }
-                    }
+                    let idx = lane_groups(m.group);
                     let o = out.as_mut_ptr();
                     let q = n / R;
                     let tail = n - R * q;
@@ -1075,7 +1043,7 @@ mod x86 {
                         } else {
                             std::array::from_fn(|i| R * q + i.min(tail - 1))
                         };
-                        for t0 in (0..xs.len()).step_by(super::BATCH_TOKENS) {
+                        for t0 in (0..xs.len()).step_by(BATCH_TOKENS) {
                             let x = &xs[t0..];
                             let o = o.add(t0 * stride);
                             match x.len() {
@@ -1091,26 +1059,24 @@ mod x86 {
         };
     }
 
-    rows_batch_kernel!(
-        rows_batch_vnni512,
-        "avx512f,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni",
-        w512,
-        vnni512_2
-    );
-    rows_batch_kernel!(
-        rows_batch_maddubs512,
-        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
-        w512,
-        maddubs512_2
-    );
-    rows_batch_kernel!(
-        rows_batch_vnni256,
-        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
-        w256,
-        vnni256_2
-    );
-    rows_batch_kernel!(rows_batch_avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2);
-    rows_batch_kernel!(rows_batch_maddubs256, "avx2,fma,f16c", w256, maddubs256_2);
+    /// The fused kernels of one byte dot (`$dot2`, at the width `$w`): `$m::rows` and
+    /// `$m::rows_batch`.
+    macro_rules! dot_kernels {
+        ($m:ident, $feat:literal, $w:ident, $dot2:ident) => {
+            pub mod $m {
+                use super::*;
+
+                rows_kernel!(rows, $feat, $w, $dot2);
+                rows_batch_kernel!(rows_batch, $feat, $w, $dot2);
+            }
+        };
+    }
+
+    dot_kernels! { vnni512, "avx512f,avx512bw,avx512vl,avx2,fma,f16c,avx512vnni", w512, vnni512_2 }
+    dot_kernels! { maddubs512, "avx512f,avx512bw,avx512vl,avx2,fma,f16c", w512, maddubs512_2 }
+    dot_kernels! { vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", w256, vnni256_2 }
+    dot_kernels! { avxvnni256, "avx2,fma,f16c,avxvnni", w256, avxvnni256_2 }
+    dot_kernels! { maddubs256, "avx2,fma,f16c", w256, maddubs256_2 }
 }
 
 #[cfg(target_arch = "aarch64")]

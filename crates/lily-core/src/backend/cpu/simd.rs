@@ -71,9 +71,9 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         // SAFETY: the ISA was checked available; pointers cover n elements.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dot_avx512(a.as_ptr(), b.as_ptr(), n) },
+        Isa::Avx512 => unsafe { x86::avx512::dot(a.as_ptr(), b.as_ptr(), n) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dot_avx2(a.as_ptr(), b.as_ptr(), n) },
+        Isa::Avx2 => unsafe { x86::avx2::dot(a.as_ptr(), b.as_ptr(), n) },
         _ => dot_portable(&a[..n], &b[..n]),
     }
 }
@@ -289,9 +289,9 @@ pub fn q8_dot(isa: Isa, data: &[u8], s: &[f32], x: &[f32], group: usize) -> f32 
     match isa {
         // SAFETY: ISA available; lengths checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::q8_dot_avx512(data.as_ptr(), s.as_ptr(), x.as_ptr(), g_n, group) },
+        Isa::Avx512 => unsafe { x86::avx512::q8_dot(data.as_ptr(), s.as_ptr(), x.as_ptr(), g_n, group) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::q8_dot_avx2(data.as_ptr(), s.as_ptr(), x.as_ptr(), g_n, group) },
+        Isa::Avx2 => unsafe { x86::avx2::q8_dot(data.as_ptr(), s.as_ptr(), x.as_ptr(), g_n, group) },
         _ => q8_dot_portable(data, s, x, group),
     }
 }
@@ -320,17 +320,17 @@ pub fn dense_dot(isa: Isa, dtype: DType, data: &[u8], x: &[f32]) -> f32 {
     match (isa, dtype) {
         // SAFETY: ISA available; length checked above.
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, DType::BF16) => unsafe { x86::bf16_dot_avx512(data.as_ptr(), x.as_ptr(), k) },
+        (Isa::Avx512, DType::BF16) => unsafe { x86::avx512::dot16::<{ x86_elem::BF16 }>(data.as_ptr(), x.as_ptr(), k) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, DType::F16) => unsafe { x86::f16_dot_avx512(data.as_ptr(), x.as_ptr(), k) },
+        (Isa::Avx512, DType::F16) => unsafe { x86::avx512::dot16::<{ x86_elem::F16 }>(data.as_ptr(), x.as_ptr(), k) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, DType::BF16) => unsafe { x86::bf16_dot_avx2(data.as_ptr(), x.as_ptr(), k) },
+        (Isa::Avx512, DType::F32) => unsafe { x86::avx512::dot(data.as_ptr().cast(), x.as_ptr(), k) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, DType::F16) => unsafe { x86::f16_dot_avx2(data.as_ptr(), x.as_ptr(), k) },
+        (Isa::Avx2, DType::BF16) => unsafe { x86::avx2::dot16::<{ x86_elem::BF16 }>(data.as_ptr(), x.as_ptr(), k) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, DType::F32) => unsafe { x86::dot_avx512(data.as_ptr() as *const f32, x.as_ptr(), k) },
+        (Isa::Avx2, DType::F16) => unsafe { x86::avx2::dot16::<{ x86_elem::F16 }>(data.as_ptr(), x.as_ptr(), k) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, DType::F32) => unsafe { x86::dot_avx2(data.as_ptr() as *const f32, x.as_ptr(), k) },
+        (Isa::Avx2, DType::F32) => unsafe { x86::avx2::dot(data.as_ptr().cast(), x.as_ptr(), k) },
         _ => dense_dot_portable(dtype, data, x),
     }
 }
@@ -444,6 +444,18 @@ mod x86_elem {
     pub const F16: u8 = 2;
 }
 
+/// `kernel::<E>(args)` for the element type `elem` ([`x86_elem`]) of a KV row ([`kv_elems`]).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_elem {
+    ($elem:expr, $($f:ident)::+ ($($a:expr),*)) => {
+        match $elem {
+            x86_elem::F32 => $($f)::+::<{ x86_elem::F32 }>($($a),*),
+            x86_elem::BF16 => $($f)::+::<{ x86_elem::BF16 }>($($a),*),
+            _ => $($f)::+::<{ x86_elem::F16 }>($($a),*),
+        }
+    };
+}
+
 /// acc[r][..] += sum over s < kn of p[r * kn + s] * v[s * stride..][..32], for 8 rows r: the
 /// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` values apart, f32 or 16-bit
 /// widened in registers). AVX-512 and AVX2 (the caller picks it for those ISAs: the portable loop
@@ -462,13 +474,9 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mu
     // SAFETY: the ISA is available; the reads stay inside p and v (checked above).
     unsafe {
         let rows = std::array::from_fn(|r| p.as_ptr().add(r * kn));
-        match (isa, elem) {
-            (Isa::Avx512, x86_elem::F32) => x86::pv8x32_avx512::<{ x86_elem::F32 }>(rows, v, stride, kn, acc),
-            (Isa::Avx512, x86_elem::BF16) => x86::pv8x32_avx512::<{ x86_elem::BF16 }>(rows, v, stride, kn, acc),
-            (Isa::Avx512, _) => x86::pv8x32_avx512::<{ x86_elem::F16 }>(rows, v, stride, kn, acc),
-            (_, x86_elem::F32) => x86::pv8x32_avx2::<{ x86_elem::F32 }>(rows, v, stride, kn, acc),
-            (_, x86_elem::BF16) => x86::pv8x32_avx2::<{ x86_elem::BF16 }>(rows, v, stride, kn, acc),
-            _ => x86::pv8x32_avx2::<{ x86_elem::F16 }>(rows, v, stride, kn, acc),
+        match isa {
+            Isa::Avx512 => by_elem!(elem, x86::avx512::pv8x32(rows, v, stride, kn, acc)),
+            _ => by_elem!(elem, x86::avx2::pv8x32(rows, v, stride, kn, acc)),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -526,23 +534,12 @@ pub fn qk8(
                 n,
             }
         });
-        match (isa, elem) {
-            (Isa::Avx512, x86_elem::F32) => {
-                x86::qk8_avx512::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
-            }
-            (Isa::Avx512, x86_elem::BF16) => {
-                x86::qk8_avx512::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
-            }
-            (Isa::Avx512, _) => {
-                x86::qk8_avx512::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
-            }
-            (_, x86_elem::F32) => {
-                x86::qk8_avx2::<{ x86_elem::F32 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
-            }
-            (_, x86_elem::BF16) => {
-                x86::qk8_avx2::<{ x86_elem::BF16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
-            }
-            _ => x86::qk8_avx2::<{ x86_elem::F16 }>(q, (k, stride), kn, hd, scale, (o, ostride), ahead),
+        match isa {
+            Isa::Avx512 => by_elem!(
+                elem,
+                x86::avx512::qk8(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
+            ),
+            _ => by_elem!(elem, x86::avx2::qk8(q, (k, stride), kn, hd, scale, (o, ostride), ahead)),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -724,71 +721,273 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    // -- dot f32 ---------------------------------------------------------------------------------
+    // -- one kernel shape per width ----------------------------------------------------------------
 
-    /// sum a_i b_i; 4 independent accumulators hide the FMA latency.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn dot_avx512(a: *const f32, b: *const f32, n: usize) -> f32 {
-        unsafe {
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let mut i = 0;
-            while i + 64 <= n {
-                for u in 0..4 {
-                    acc[u] = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(a.add(i + 16 * u)),
-                        _mm512_loadu_ps(b.add(i + 16 * u)),
-                        acc[u],
+    /// One register width's f32 operations under one set of names, so a kernel whose shape is the
+    /// same at every width is written once, as an `#[inline(always)]` body generic over the width,
+    /// and stamped per width inside a `#[target_feature]` wrapper ([`per_width`]): the body and
+    /// these methods inline into the wrapper and its intrinsics compile with the wrapper's
+    /// features, the same instructions as a kernel written out per width.
+    trait Width {
+        type F: Copy;
+        /// f32 lanes per register.
+        const L: usize;
+        /// Query rows per pass of [`pv8x32`] (its accumulators fill the register file).
+        const PV_ROWS: usize;
+        unsafe fn zero() -> Self::F;
+        unsafe fn load(p: *const f32) -> Self::F;
+        unsafe fn store(p: *mut f32, v: Self::F);
+        unsafe fn set1(v: f32) -> Self::F;
+        /// a b + c
+        unsafe fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+        unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
+        /// The sum of the lanes.
+        unsafe fn reduce(v: Self::F) -> f32;
+        /// L values at element j of a row of E as f32 ([`load16`], [`load8`]).
+        unsafe fn elems<const E: u8>(row: *const u8, j: usize) -> Self::F;
+        /// [`dot`]'s end: the tail j in i..n (n - i < L) and the sum of the 4 accumulators.
+        unsafe fn dot_tail(acc: [Self::F; 4], a: *const f32, b: *const f32, i: usize, n: usize) -> f32;
+        /// sum_{j in group g} w_j x_j as L partial sums (8-bit codes w).
+        unsafe fn q8_group(w: *const u8, x: *const f32, g: usize, group: usize) -> Self::F;
+        /// Keys per pass of [`qk8`] (1 or 2).
+        const QK_KEYS: usize;
+        /// [`qk8`]'s end for keys s.. (`QK_KEYS` of them, those < kn): the sums of the accumulators
+        /// `a[r][t]` (row r, key s + t), times `scale`, into out[r * ostride + s + t].
+        unsafe fn qk_store(a: [[Self::F; 2]; 8], scale: f32, out: (*mut f32, usize), s: usize, kn: usize);
+    }
+
+    /// AVX-512: 16 lanes in zmm registers.
+    struct W512;
+    /// AVX2: 8 lanes in ymm registers.
+    struct W256;
+
+    /// The methods of [`Width`] that are one intrinsic (or helper) each, for vectors `$f`.
+    macro_rules! width_ops {
+        ($f:ty, zero = $zero:ident, load = $load:ident, store = $store:ident, set1 = $set1:ident, fma = $fma:ident,
+         add = $add:ident, reduce = $reduce:ident, elems = $elems:ident, q8_group = $q8:ident) => {
+            type F = $f;
+            #[inline(always)]
+            unsafe fn zero() -> $f {
+                unsafe { $zero() }
+            }
+            #[inline(always)]
+            unsafe fn load(p: *const f32) -> $f {
+                unsafe { $load(p) }
+            }
+            #[inline(always)]
+            unsafe fn store(p: *mut f32, v: $f) {
+                unsafe { $store(p, v) }
+            }
+            #[inline(always)]
+            unsafe fn set1(v: f32) -> $f {
+                unsafe { $set1(v) }
+            }
+            #[inline(always)]
+            unsafe fn fma(a: $f, b: $f, c: $f) -> $f {
+                unsafe { $fma(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn add(a: $f, b: $f) -> $f {
+                unsafe { $add(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn reduce(v: $f) -> f32 {
+                unsafe { $reduce(v) }
+            }
+            #[inline(always)]
+            unsafe fn elems<const E: u8>(row: *const u8, j: usize) -> $f {
+                unsafe { $elems::<E>(row, j) }
+            }
+            #[inline(always)]
+            unsafe fn q8_group(w: *const u8, x: *const f32, g: usize, group: usize) -> $f {
+                unsafe { $q8(w, x, g, group) }
+            }
+        };
+    }
+
+    impl Width for W512 {
+        const L: usize = 16;
+        const PV_ROWS: usize = 8;
+        width_ops! {
+            __m512, zero = _mm512_setzero_ps, load = _mm512_loadu_ps, store = _mm512_storeu_ps, set1 = _mm512_set1_ps,
+            fma = _mm512_fmadd_ps, add = _mm512_add_ps, reduce = _mm512_reduce_add_ps, elems = load16,
+            q8_group = q8_group_avx512
+        }
+
+        const QK_KEYS: usize = 2;
+
+        #[inline(always)]
+        unsafe fn qk_store(a: [[__m512; 2]; 8], scale: f32, (out, ostride): (*mut f32, usize), s: usize, kn: usize) {
+            unsafe {
+                let pair = s + 1 < kn;
+                // Element n of the sums: row n / 2, key s + n % 2.
+                let sums = hsum16(std::array::from_fn(|i| {
+                    std::array::from_fn(|t| a[(4 * i + t) / 2][t % 2])
+                }));
+                let mut o = [0f32; 16];
+                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+                for r in 0..8 {
+                    *out.add(r * ostride + s) = o[2 * r];
+                    if pair {
+                        *out.add(r * ostride + s + 1) = o[2 * r + 1];
+                    }
+                }
+            }
+        }
+
+        /// The tail by masked loads into a spare accumulator.
+        #[inline(always)]
+        unsafe fn dot_tail(mut acc: [__m512; 4], a: *const f32, b: *const f32, i: usize, n: usize) -> f32 {
+            unsafe {
+                if i < n {
+                    let m: __mmask16 = (1u32 << (n - i)) as u16 - 1;
+                    acc[1] = _mm512_fmadd_ps(
+                        _mm512_maskz_loadu_ps(m, a.add(i)),
+                        _mm512_maskz_loadu_ps(m, b.add(i)),
+                        acc[1],
                     );
                 }
-                i += 64;
+                _mm512_reduce_add_ps(_mm512_add_ps(
+                    _mm512_add_ps(acc[0], acc[1]),
+                    _mm512_add_ps(acc[2], acc[3]),
+                ))
             }
-            while i + 16 <= n {
-                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(i)), _mm512_loadu_ps(b.add(i)), acc[0]);
-                i += 16;
-            }
-            if i < n {
-                let m: __mmask16 = (1u32 << (n - i)) as u16 - 1;
-                acc[1] = _mm512_fmadd_ps(
-                    _mm512_maskz_loadu_ps(m, a.add(i)),
-                    _mm512_maskz_loadu_ps(m, b.add(i)),
-                    acc[1],
-                );
-            }
-            _mm512_reduce_add_ps(_mm512_add_ps(
-                _mm512_add_ps(acc[0], acc[1]),
-                _mm512_add_ps(acc[2], acc[3]),
-            ))
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_avx2(a: *const f32, b: *const f32, n: usize) -> f32 {
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut i = 0;
-            while i + 32 <= n {
-                for u in 0..4 {
-                    acc[u] = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(a.add(i + 8 * u)),
-                        _mm256_loadu_ps(b.add(i + 8 * u)),
-                        acc[u],
-                    );
+    impl Width for W256 {
+        const L: usize = 8;
+        const PV_ROWS: usize = 4;
+        width_ops! {
+            __m256, zero = _mm256_setzero_ps, load = _mm256_loadu_ps, store = _mm256_storeu_ps, set1 = _mm256_set1_ps,
+            fma = _mm256_fmadd_ps, add = _mm256_add_ps, reduce = hsum256, elems = load8, q8_group = q8_group_avx2
+        }
+
+        const QK_KEYS: usize = 1;
+
+        #[inline(always)]
+        unsafe fn qk_store(a: [[__m256; 2]; 8], scale: f32, (out, ostride): (*mut f32, usize), s: usize, _: usize) {
+            unsafe {
+                // Per 128-bit half: u0 = [a0, a1, a2, a3] and u1 = [a4 .. a7] partial sums.
+                let t: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(a[2 * i][0], a[2 * i + 1][0]));
+                let (u0, u1) = (_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+                let sums = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(u0, u1),
+                    _mm256_permute2f128_ps::<0x31>(u0, u1),
+                );
+                let mut o = [0f32; 8];
+                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+                for (r, &x) in o.iter().enumerate() {
+                    *out.add(r * ostride + s) = x;
                 }
-                i += 32;
             }
-            while i + 8 <= n {
-                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
-                i += 8;
+        }
+
+        /// The tail element by element after the horizontal sum.
+        #[inline(always)]
+        unsafe fn dot_tail(acc: [__m256; 4], a: *const f32, b: *const f32, mut i: usize, n: usize) -> f32 {
+            unsafe {
+                let mut s = hsum256(_mm256_add_ps(
+                    _mm256_add_ps(acc[0], acc[1]),
+                    _mm256_add_ps(acc[2], acc[3]),
+                ));
+                while i < n {
+                    s += *a.add(i) * *b.add(i);
+                    i += 1;
+                }
+                s
             }
-            let mut s = hsum256(_mm256_add_ps(
-                _mm256_add_ps(acc[0], acc[1]),
-                _mm256_add_ps(acc[2], acc[3]),
-            ));
-            while i < n {
-                s += *a.add(i) * *b.add(i);
-                i += 1;
+        }
+    }
+
+    /// The kernels of one width (module `$m`: `dot`, `q8_dot`, `dot16`, `pv8x32`, `qk8`), each a
+    /// `#[target_feature]` wrapper around its generic body below.
+    macro_rules! per_width {
+        ($m:ident, $w:ty, $feat:literal) => {
+            pub mod $m {
+                use super::*;
+
+                #[target_feature(enable = $feat)]
+                pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
+                    unsafe { super::dot::<$w>(a, b, n) }
+                }
+                #[target_feature(enable = $feat)]
+                pub unsafe fn q8_dot(w: *const u8, s: *const f32, x: *const f32, groups: usize, group: usize) -> f32 {
+                    unsafe { super::q8_dot::<$w>(w, s, x, groups, group) }
+                }
+                #[target_feature(enable = $feat)]
+                pub unsafe fn dot16<const E: u8>(w: *const u8, x: *const f32, k: usize) -> f32 {
+                    unsafe { super::dot16::<$w, E>(w, x, k) }
+                }
+                #[target_feature(enable = $feat)]
+                pub unsafe fn pv8x32<const E: u8>(
+                    p: [*const f32; 8],
+                    v: *const u8,
+                    stride: usize,
+                    kn: usize,
+                    acc: &mut [[f32; 32]; 8],
+                ) {
+                    unsafe { super::pv8x32::<$w, E, { <$w as Width>::PV_ROWS }>(p, v, stride, kn, acc) }
+                }
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = $feat)]
+                pub unsafe fn qk8<const E: u8>(
+                    q: [*const f32; 8],
+                    k: (*const u8, usize),
+                    kn: usize,
+                    hd: usize,
+                    scale: f32,
+                    out: (*mut f32, usize),
+                    ahead: [Ahead; 2],
+                ) {
+                    unsafe { super::qk8::<$w, E>(q, k, kn, hd, scale, out, ahead) }
+                }
             }
-            s
+        };
+    }
+
+    per_width!(avx512, W512, "avx512f,avx512bw,avx512vl,avx2,fma,f16c");
+    per_width!(avx2, W256, "avx2,fma,f16c");
+
+    // -- dot f32 ---------------------------------------------------------------------------------
+
+    /// sum a_i b_i; 4 independent accumulators hide the FMA latency.
+    #[inline(always)]
+    unsafe fn dot<W: Width>(a: *const f32, b: *const f32, n: usize) -> f32 {
+        unsafe {
+            let mut acc = [W::zero(); 4];
+            let mut i = 0;
+            while i + 4 * W::L <= n {
+                for u in 0..4 {
+                    acc[u] = W::fma(W::load(a.add(i + W::L * u)), W::load(b.add(i + W::L * u)), acc[u]);
+                }
+                i += 4 * W::L;
+            }
+            while i + W::L <= n {
+                acc[0] = W::fma(W::load(a.add(i)), W::load(b.add(i)), acc[0]);
+                i += W::L;
+            }
+            W::dot_tail(acc, a, b, i, n)
+        }
+    }
+
+    // -- 8-bit rows ------------------------------------------------------------------------------
+
+    /// sum_g s_g sum_{j in g} w_j x_j: two groups at a time into two accumulators.
+    #[inline(always)]
+    unsafe fn q8_dot<W: Width>(w: *const u8, s: *const f32, x: *const f32, groups: usize, group: usize) -> f32 {
+        unsafe {
+            let (mut t0, mut t1) = (W::zero(), W::zero());
+            let mut g = 0;
+            while g + 2 <= groups {
+                t0 = W::fma(W::set1(*s.add(g)), W::q8_group(w, x, g, group), t0);
+                t1 = W::fma(W::set1(*s.add(g + 1)), W::q8_group(w, x, g + 1, group), t1);
+                g += 2;
+            }
+            if g < groups {
+                t0 = W::fma(W::set1(*s.add(g)), W::q8_group(w, x, g, group), t0);
+            }
+            W::reduce(W::add(t0, t1))
         }
     }
 
@@ -814,23 +1013,6 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn q8_dot_avx512(w: *const u8, s: *const f32, x: *const f32, groups: usize, group: usize) -> f32 {
-        unsafe {
-            let (mut t0, mut t1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let mut g = 0;
-            while g + 2 <= groups {
-                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q8_group_avx512(w, x, g, group), t0);
-                t1 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g + 1)), q8_group_avx512(w, x, g + 1, group), t1);
-                g += 2;
-            }
-            if g < groups {
-                t0 = _mm512_fmadd_ps(_mm512_set1_ps(*s.add(g)), q8_group_avx512(w, x, g, group), t0);
-            }
-            _mm512_reduce_add_ps(_mm512_add_ps(t0, t1))
-        }
-    }
-
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn q8_group_avx2(w: *const u8, x: *const f32, g: usize, group: usize) -> __m256 {
@@ -848,102 +1030,26 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_dot_avx2(w: *const u8, s: *const f32, x: *const f32, groups: usize, group: usize) -> f32 {
-        unsafe {
-            let (mut t0, mut t1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut g = 0;
-            while g + 2 <= groups {
-                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q8_group_avx2(w, x, g, group), t0);
-                t1 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g + 1)), q8_group_avx2(w, x, g + 1, group), t1);
-                g += 2;
-            }
-            if g < groups {
-                t0 = _mm256_fmadd_ps(_mm256_set1_ps(*s.add(g)), q8_group_avx2(w, x, g, group), t0);
-            }
-            hsum256(_mm256_add_ps(t0, t1))
-        }
-    }
-
     // -- bf16 / f16 ------------------------------------------------------------------------------
 
-    /// bf16 row: widen 16 u16 to u32 lanes, shift into the f32 high half.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub unsafe fn bf16_dot_avx512(w: *const u8, x: *const f32, k: usize) -> f32 {
+    /// A 16-bit row (E: bf16 widened by a shift into the f32 high half, f16 by F16C) times x.
+    #[inline(always)]
+    unsafe fn dot16<W: Width, const E: u8>(w: *const u8, x: *const f32, k: usize) -> f32 {
         unsafe {
-            let mut acc0 = _mm512_setzero_ps();
+            let mut acc0 = W::zero();
             let mut i = 0;
-            while i + 16 <= k {
-                let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(w.add(2 * i) as *const __m256i));
-                let f = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                acc0 = _mm512_fmadd_ps(f, _mm512_loadu_ps(x.add(i)), acc0);
-                i += 16;
+            while i + W::L <= k {
+                acc0 = W::fma(W::elems::<E>(w, i), W::load(x.add(i)), acc0);
+                i += W::L;
             }
-            let mut s = _mm512_reduce_add_ps(acc0);
+            let mut s = W::reduce(acc0);
+            let dt = if E == super::x86_elem::BF16 {
+                crate::safetensors::DType::BF16
+            } else {
+                crate::safetensors::DType::F16
+            };
             while i < k {
-                s += super::read_scalar(crate::safetensors::DType::BF16, std::slice::from_raw_parts(w, 2 * k), i)
-                    * *x.add(i);
-                i += 1;
-            }
-            s
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn f16_dot_avx512(w: *const u8, x: *const f32, k: usize) -> f32 {
-        unsafe {
-            let mut acc0 = _mm512_setzero_ps();
-            let mut i = 0;
-            while i + 16 <= k {
-                let f = _mm512_cvtph_ps(_mm256_loadu_si256(w.add(2 * i) as *const __m256i));
-                acc0 = _mm512_fmadd_ps(f, _mm512_loadu_ps(x.add(i)), acc0);
-                i += 16;
-            }
-            let mut s = _mm512_reduce_add_ps(acc0);
-            while i < k {
-                s += super::read_scalar(crate::safetensors::DType::F16, std::slice::from_raw_parts(w, 2 * k), i)
-                    * *x.add(i);
-                i += 1;
-            }
-            s
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn bf16_dot_avx2(w: *const u8, x: *const f32, k: usize) -> f32 {
-        unsafe {
-            let mut acc0 = _mm256_setzero_ps();
-            let mut i = 0;
-            while i + 8 <= k {
-                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(2 * i) as *const __m128i));
-                let f = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                acc0 = _mm256_fmadd_ps(f, _mm256_loadu_ps(x.add(i)), acc0);
-                i += 8;
-            }
-            let mut s = hsum256(acc0);
-            while i < k {
-                s += super::read_scalar(crate::safetensors::DType::BF16, std::slice::from_raw_parts(w, 2 * k), i)
-                    * *x.add(i);
-                i += 1;
-            }
-            s
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn f16_dot_avx2(w: *const u8, x: *const f32, k: usize) -> f32 {
-        unsafe {
-            let mut acc0 = _mm256_setzero_ps();
-            let mut i = 0;
-            while i + 8 <= k {
-                let f = _mm256_cvtph_ps(_mm_loadu_si128(w.add(2 * i) as *const __m128i));
-                acc0 = _mm256_fmadd_ps(f, _mm256_loadu_ps(x.add(i)), acc0);
-                i += 8;
-            }
-            let mut s = hsum256(acc0);
-            while i < k {
-                s += super::read_scalar(crate::safetensors::DType::F16, std::slice::from_raw_parts(w, 2 * k), i)
-                    * *x.add(i);
+                s += super::read_scalar(dt, std::slice::from_raw_parts(w, 2 * k), i) * *x.add(i);
                 i += 1;
             }
             s
@@ -1055,10 +1161,13 @@ mod x86 {
     }
 
     /// Decode attention P.V tile: acc[r] += sum_s p[r][s] v[s][0..32] for 8 query rows, with V rows
-    /// `stride` values apart (E: their dtype). 16 zmm accumulators; per key 2 V loads (widened in
-    /// registers) and 8 broadcasts feed 16 FMAs.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn pv8x32_avx512<const E: u8>(
+    /// `stride` values apart (E: their dtype). Per pass R rows x 32 dims over all kn keys (the
+    /// kn x 32 V tile stays in L1 between passes): on AVX-512 one pass, 16 zmm accumulators, per
+    /// key 2 V loads (widened in registers) and 8 broadcasts feed 16 FMAs; in AVX2's 16 ymm
+    /// registers four passes of 4 rows x 16 dims (8 accumulators; per key 2 V loads and 4
+    /// broadcasts feed 8 FMAs).
+    #[inline(always)]
+    unsafe fn pv8x32<W: Width, const E: u8, const R: usize>(
         p: [*const f32; 8],
         v: *const u8,
         stride: usize,
@@ -1066,60 +1175,28 @@ mod x86 {
         acc: &mut [[f32; 32]; 8],
     ) {
         unsafe {
-            let mut a: [[__m512; 2]; 8] = std::array::from_fn(|r| {
-                [
-                    _mm512_loadu_ps(acc[r].as_ptr()),
-                    _mm512_loadu_ps(acc[r].as_ptr().add(16)),
-                ]
-            });
-            for s in 0..kn {
-                let row = v.add(s * stride * elem_size(E));
-                let (v0, v1) = (load16::<E>(row, 0), load16::<E>(row, 16));
-                for r in 0..8 {
-                    let b = _mm512_set1_ps(*p[r].add(s));
-                    a[r][0] = _mm512_fmadd_ps(v0, b, a[r][0]);
-                    a[r][1] = _mm512_fmadd_ps(v1, b, a[r][1]);
-                }
-            }
-            for r in 0..8 {
-                _mm512_storeu_ps(acc[r].as_mut_ptr(), a[r][0]);
-                _mm512_storeu_ps(acc[r].as_mut_ptr().add(16), a[r][1]);
-            }
-        }
-    }
-
-    /// [`pv8x32_avx512`] in AVX2's 16 ymm registers: four passes of 4 rows x 16 dims (8
-    /// accumulators; per key 2 V loads and 4 broadcasts feed 8 FMAs), each over all kn keys (the
-    /// kn x 32 V tile stays in L1 between passes).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn pv8x32_avx2<const E: u8>(
-        p: [*const f32; 8],
-        v: *const u8,
-        stride: usize,
-        kn: usize,
-        acc: &mut [[f32; 32]; 8],
-    ) {
-        unsafe {
-            for r0 in [0, 4] {
-                for d0 in [0, 16] {
-                    let mut a: [[__m256; 2]; 4] = std::array::from_fn(|r| {
+            for pass in 0..8 / R {
+                let r0 = pass * R;
+                for half in 0..32 / (2 * W::L) {
+                    let d0 = half * 2 * W::L;
+                    let mut a: [[W::F; 2]; R] = std::array::from_fn(|r| {
                         [
-                            _mm256_loadu_ps(acc[r0 + r].as_ptr().add(d0)),
-                            _mm256_loadu_ps(acc[r0 + r].as_ptr().add(d0 + 8)),
+                            W::load(acc[r0 + r].as_ptr().add(d0)),
+                            W::load(acc[r0 + r].as_ptr().add(d0 + W::L)),
                         ]
                     });
                     for s in 0..kn {
                         let row = v.add(s * stride * elem_size(E));
-                        let (v0, v1) = (load8::<E>(row, d0), load8::<E>(row, d0 + 8));
-                        for r in 0..4 {
-                            let b = _mm256_set1_ps(*p[r0 + r].add(s));
-                            a[r][0] = _mm256_fmadd_ps(v0, b, a[r][0]);
-                            a[r][1] = _mm256_fmadd_ps(v1, b, a[r][1]);
+                        let (v0, v1) = (W::elems::<E>(row, d0), W::elems::<E>(row, d0 + W::L));
+                        for r in 0..R {
+                            let b = W::set1(*p[r0 + r].add(s));
+                            a[r][0] = W::fma(v0, b, a[r][0]);
+                            a[r][1] = W::fma(v1, b, a[r][1]);
                         }
                     }
-                    for r in 0..4 {
-                        _mm256_storeu_ps(acc[r0 + r].as_mut_ptr().add(d0), a[r][0]);
-                        _mm256_storeu_ps(acc[r0 + r].as_mut_ptr().add(d0 + 8), a[r][1]);
+                    for r in 0..R {
+                        W::store(acc[r0 + r].as_mut_ptr().add(d0), a[r][0]);
+                        W::store(acc[r0 + r].as_mut_ptr().add(d0 + W::L), a[r][1]);
                     }
                 }
             }
@@ -1148,88 +1225,47 @@ mod x86 {
         }
     }
 
-    /// Decode attention scores of 8 query rows: two keys at a time into 16 zmm accumulators (per
-    /// 16 dims: 2 K loads widened in registers and 8 q loads feed 16 FMAs), then the 16 sums by
-    /// one transpose-and-add tree. An odd last key runs as a pair with itself.
+    /// Decode attention scores of 8 query rows, `QK_KEYS` keys at a time into 8 x `QK_KEYS`
+    /// accumulators, each K row widened in registers once for the 8 rows. AVX-512: two keys into
+    /// 16 zmm accumulators (per 16 dims: 2 K loads and 8 q loads feed 16 FMAs), the 16 sums by one
+    /// transpose-and-add tree; an odd last key runs as a pair with itself. AVX2 (16 ymm
+    /// registers): one key into 8 accumulators (per 8 dims: 1 K load and 8 q loads feed 8 FMAs),
+    /// the 8 sums by a hadd tree.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn qk8_avx512<const E: u8>(
+    #[inline(always)]
+    unsafe fn qk8<W: Width, const E: u8>(
         q: [*const f32; 8],
         (k, stride): (*const u8, usize),
         kn: usize,
         hd: usize,
         scale: f32,
-        (out, ostride): (*mut f32, usize),
+        out: (*mut f32, usize),
         ahead: [Ahead; 2],
     ) {
         unsafe {
             let row = |s: usize| k.add(s * stride * elem_size(E));
-            for s in (0..kn).step_by(2) {
-                let pair = s + 1 < kn;
-                prefetch_ahead(&ahead, s);
-                prefetch_ahead(&ahead, s + 1);
-                let (k0, k1) = (row(s), row(if pair { s + 1 } else { s }));
-                let mut a = [[_mm512_setzero_ps(); 2]; 8];
-                for j in (0..hd).step_by(16) {
-                    let (x0, x1) = (load16::<E>(k0, j), load16::<E>(k1, j));
+            for s in (0..kn).step_by(W::QK_KEYS) {
+                for t in 0..W::QK_KEYS {
+                    prefetch_ahead(&ahead, s + t);
+                }
+                let keys: [*const u8; 2] = std::array::from_fn(|t| row(if s + t < kn { s + t } else { s }));
+                let mut a = [[W::zero(); 2]; 8];
+                for j in (0..hd).step_by(W::L) {
+                    let x: [W::F; 2] = std::array::from_fn(|t| {
+                        if t < W::QK_KEYS {
+                            W::elems::<E>(keys[t], j)
+                        } else {
+                            W::zero()
+                        }
+                    });
                     for r in 0..8 {
-                        let qv = _mm512_loadu_ps(q[r].add(j));
-                        a[r][0] = _mm512_fmadd_ps(qv, x0, a[r][0]);
-                        a[r][1] = _mm512_fmadd_ps(qv, x1, a[r][1]);
+                        let qv = W::load(q[r].add(j));
+                        for t in 0..W::QK_KEYS {
+                            a[r][t] = W::fma(qv, x[t], a[r][t]);
+                        }
                     }
                 }
-                // Element n of the sums: row n / 2, key s + n % 2.
-                let sums = hsum16(std::array::from_fn(|i| {
-                    std::array::from_fn(|t| a[(4 * i + t) / 2][t % 2])
-                }));
-                let mut o = [0f32; 16];
-                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
-                for r in 0..8 {
-                    *out.add(r * ostride + s) = o[2 * r];
-                    if pair {
-                        *out.add(r * ostride + s + 1) = o[2 * r + 1];
-                    }
-                }
-            }
-        }
-    }
-
-    /// [`qk8_avx512`] in AVX2's 16 ymm registers: one key at a time into 8 accumulators (per 8
-    /// dims: 1 K load widened in registers and 8 q loads feed 8 FMAs), the 8 sums by a hadd tree.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn qk8_avx2<const E: u8>(
-        q: [*const f32; 8],
-        (k, stride): (*const u8, usize),
-        kn: usize,
-        hd: usize,
-        scale: f32,
-        (out, ostride): (*mut f32, usize),
-        ahead: [Ahead; 2],
-    ) {
-        unsafe {
-            for s in 0..kn {
-                let kr = k.add(s * stride * elem_size(E));
-                prefetch_ahead(&ahead, s);
-                let mut a = [_mm256_setzero_ps(); 8];
-                for j in (0..hd).step_by(8) {
-                    let x = load8::<E>(kr, j);
-                    for r in 0..8 {
-                        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r].add(j)), x, a[r]);
-                    }
-                }
-                // Per 128-bit half: u0 = [a0, a1, a2, a3] and u1 = [a4 .. a7] partial sums.
-                let t: [__m256; 4] = std::array::from_fn(|i| _mm256_hadd_ps(a[2 * i], a[2 * i + 1]));
-                let (u0, u1) = (_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
-                let sums = _mm256_add_ps(
-                    _mm256_permute2f128_ps::<0x20>(u0, u1),
-                    _mm256_permute2f128_ps::<0x31>(u0, u1),
-                );
-                let mut o = [0f32; 8];
-                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-                for (r, &x) in o.iter().enumerate() {
-                    *out.add(r * ostride + s) = x;
-                }
+                W::qk_store(a, scale, out, s, kn);
             }
         }
     }
