@@ -154,7 +154,15 @@ pub fn delta_net_gated<X: Executor>(
         Ok(checks) => checks,
         Err(e) => return c.fail(e),
     };
-    let have = [r.proj.len, r.a.len, r.b.len, r.a_log.len, r.dt_bias.len, state.len, out.len];
+    let have = [
+        r.proj.len,
+        r.a.len,
+        r.b.len,
+        r.a_log.len,
+        r.dt_bias.len,
+        state.len,
+        out.len,
+    ];
     let delta = match super::delta_net_checks(p, have) {
         Ok(checks) => checks,
         Err(e) => return c.fail(e),
