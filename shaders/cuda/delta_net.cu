@@ -325,3 +325,166 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
     if (d < Dk && col) S[(size_t)d * Dv + c] = s[i];
   }
 }
+
+// ------------------------------------------------------------------ decode: conv + recurrence + gated norm
+// delta_net_gated: a decode step's DeltaNet core in one kernel, T tokens of one sequence (the host
+// takes it up to the GEMV token limit): out = rms_norm_gated(delta_net(delta_net_conv(proj)), z),
+// the kernels above and rms_norm.cu's rms_norm_gated composed, without their round trips.
+// proj [T, C] (q | k | v before the conv, C = 2 Hk Dk + Hv Dv), conv_w [C, taps], conv_state
+// [taps - 1, C] (oldest first, in/out), a / b [T, Hv], a_log / dt_bias [Hv], norm_w [Dv], z / out
+// [T, Hv Dv], state [Hv, Dk, Dv] f32 (in/out), counts [Hk] u32 (zero; left zero). Dk, Dv <= 128.
+// Arguments: DeltaNetParams p, ConvParams cp (channels C, taps), RmsNormParams np (eps), conv_w,
+// conv_state, proj, a, b, a_log, dt_bias, norm_w, z, state, out, counts.
+// Grid (Hv), 512 threads = 16 warps: block j is value head j, key head kh = j / (Hv / Hk).
+// - Conv: thread i < Dk owns q channel i of key head kh, Dk <= i < 2 Dk its k channel i - Dk, and
+//   thread 2 DNG_DK + c the v channel c of head j; each keeps its channel's last taps rows in a
+//   register window across the T tokens (as delta_net_conv with one tile) and puts each token's
+//   silu(conv) in shared memory (qs, kn, vs).
+// - Recurrence: warp w holds columns c = 32 (w % 4) + lane and rows d = w / 4 + 4 i of S_j in
+//   registers for all T tokens (delta_net's layout, the 4 column blocks of a head in one block);
+//   S^T k and S^T q are summed over the 4 row warps of a column through shared memory.
+// - Norm: the head's Dv outputs are in the block (warps 0-3): one block_sum of their squares,
+//   then out = o / rms * norm_w * silu(z).
+// Conv state ownership (each channel updated exactly once, never read after another block updated
+// it): the v channels of head j are read and written by block j alone, after its reads. The q/k
+// channels of key head kh are read by the Hv / Hk blocks of its value heads; each block, done with
+// its reads, counts itself on counts[kh] (a device-scope fence, then atomicAdd; last-block-done as
+// moe_router), and the last one writes their new state and sets the count back to 0. f32 throughout.
+#define DNG_DK 128      // Dk and Dv at most
+#define DNG_THREADS 512 // 4 column warps x 4 row warps of 32 lanes
+#define DNG_ROWS (DNG_DK / 4)
+extern "C" __global__ void __launch_bounds__(DNG_THREADS) delta_net_gated(const DeltaNetParams p, const ConvParams cp,
+                                                                         const RmsNormParams np,
+                                                                         const float* __restrict__ conv_w,
+                                                                         float* __restrict__ conv_state,
+                                                                         const float* __restrict__ proj,
+                                                                         const float* __restrict__ a,
+                                                                         const float* __restrict__ b,
+                                                                         const float* __restrict__ a_log,
+                                                                         const float* __restrict__ dt_bias,
+                                                                         const float* __restrict__ norm_w,
+                                                                         const float* __restrict__ z,
+                                                                         float* __restrict__ state,
+                                                                         float* __restrict__ out, uint* __restrict__ counts) {
+  kernel_start();
+  __shared__ float qs[DNG_DK];
+  __shared__ float kn[DNG_DK];
+  __shared__ float vs[DNG_DK];
+  __shared__ float red[DNG_THREADS];
+  __shared__ float partial[32];
+  __shared__ uint last[1];
+  const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
+  const uint C = cp.channels, taps = cp.taps, hist = taps - 1;
+  const uint j = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const uint kh = j / (Hv / Hk);
+  // This thread's conv channel (C: none) and where its output goes.
+  uint ch = C;
+  float* dst = vs;
+  if (tid < Dk) {
+    ch = kh * Dk + tid;
+    dst = qs + tid;
+  } else if (tid < 2 * Dk) {
+    ch = Hk * Dk + kh * Dk + (tid - Dk);
+    dst = kn + (tid - Dk);
+  } else if (tid >= 2 * DNG_DK && tid < 2 * DNG_DK + Dv) {
+    ch = 2 * Hk * Dk + j * Dv + (tid - 2 * DNG_DK);
+    dst = vs + (tid - 2 * DNG_DK);
+  }
+  const bool conv = ch < C, qk = tid < 2 * Dk;
+  // Window as delta_net_conv's: win[MAX_CONV_TAPS - 1 - k] holds row t - k (rows -hist .. -1 are
+  // the state), wr[MAX_CONV_TAPS - 1 - k] = w[ch, taps - 1 - k] (0 for k >= taps). Every read of
+  // the old conv state happens here, before any write.
+  float win[MAX_CONV_TAPS], wr[MAX_CONV_TAPS];
+#pragma unroll
+  for (uint i = 0; i < MAX_CONV_TAPS; ++i) {
+    const uint k = MAX_CONV_TAPS - 1 - i;
+    wr[i] = conv && k < taps ? conv_w[(size_t)ch * taps + (taps - 1 - k)] : 0.0f;
+    win[i] = conv && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch] : 0.0f;
+  }
+  const uint cg = warp % 4, rg = warp / 4, c = 32 * cg + lane;
+  const bool col = c < Dv;
+  float* S = state + (size_t)j * Dk * Dv;
+  float s[DNG_ROWS];  // rows rg + 4 i; indexed only by unrolled loops: registers
+#pragma unroll
+  for (uint i = 0; i < DNG_ROWS; ++i) {
+    const uint d = rg + 4 * i;
+    s[i] = col && d < Dk ? S[(size_t)d * Dv + c] : 0.0f;
+  }
+  const float q_scale = rsqrtf((float)Dk), decay_rate = -expf(a_log[j]), dtb = dt_bias[j];
+  const float wn = col ? norm_w[c] : 0.0f;
+  for (uint t = 0; t < T; ++t) {
+    const size_t o_at = ((size_t)t * Hv + j) * Dv + c;
+    const float zt = rg == 0 && col ? z[o_at] : 0.0f;
+    const float bt = b[(size_t)t * Hv + j], at = a[(size_t)t * Hv + j];
+    float y = 0.0f;
+    if (conv) {
+#pragma unroll
+      for (uint i = 0; i + 1 < MAX_CONV_TAPS; ++i) win[i] = win[i + 1];
+      win[MAX_CONV_TAPS - 1] = proj[(size_t)t * C + ch];
+      float acc = 0.0f;
+#pragma unroll
+      for (uint i = 0; i < MAX_CONV_TAPS; ++i) acc += wr[i] * win[i];
+      y = silu(acc);
+      *dst = y;
+    }
+    const float q_inv = rsqrtf(block_sum(tid < Dk ? y * y : 0.0f, partial) + 1e-6f) * q_scale;
+    // block_sum's barriers also publish qs, kn and vs
+    const float k_inv = rsqrtf(block_sum(qk && tid >= Dk ? y * y : 0.0f, partial) + 1e-6f);
+    const float beta = sigmoid(bt), alpha = expf(decay_rate * softplus(at + dtb));
+    float pred = 0.0f;
+#pragma unroll
+    for (uint i = 0; i < DNG_ROWS; ++i) {
+      const uint d = rg + 4 * i;
+      if (d < Dk) {
+        s[i] *= alpha;
+        pred += s[i] * kn[d];
+      }
+    }
+    red[tid] = pred;
+    __syncthreads();
+    pred = 0.0f;
+#pragma unroll
+    for (uint r = 0; r < 4; ++r) pred += red[(4 * r + cg) * 32 + lane];
+    const float delta = beta * ((col ? vs[c] : 0.0f) - pred * k_inv);
+    float o = 0.0f;
+#pragma unroll
+    for (uint i = 0; i < DNG_ROWS; ++i) {
+      const uint d = rg + 4 * i;
+      if (d < Dk) {
+        s[i] += kn[d] * k_inv * delta;
+        o += s[i] * qs[d];
+      }
+    }
+    __syncthreads();  // every warp has read red (pred) before it is overwritten
+    red[tid] = o;
+    __syncthreads();
+    o = 0.0f;
+#pragma unroll
+    for (uint r = 0; r < 4; ++r) o += red[(4 * r + cg) * 32 + lane];
+    o *= q_inv;
+    // The gated norm over the head's Dv columns (warps 0-3 hold each once). Its barriers also
+    // order this token's reads of qs, kn, vs and red before the next token's writes.
+    const float inv = rsqrtf(block_sum(rg == 0 && col ? o * o : 0.0f, partial) / (float)Dv + np.eps);
+    if (rg == 0 && col) out[o_at] = o * inv * wn * silu(zt);
+  }
+#pragma unroll
+  for (uint i = 0; i < DNG_ROWS; ++i) {
+    const uint d = rg + 4 * i;
+    if (col && d < Dk) S[(size_t)d * Dv + c] = s[i];
+  }
+  // The new conv state: the window ends at row T - 1; state row hist - 1 - k = row T - 1 - k.
+  auto store_conv = [&]() {
+#pragma unroll
+    for (uint k = 0; k + 1 < MAX_CONV_TAPS; ++k)
+      if (k < hist) conv_state[(size_t)(hist - 1 - k) * C + ch] = win[MAX_CONV_TAPS - 1 - k];
+  };
+  if (conv && !qk) store_conv();  // v channels: this block's alone
+  __syncthreads();                // every read of the q/k state in this block is done (consumed)
+  if (tid == 0) {
+    __threadfence();
+    last[0] = atomicAdd(&counts[kh], 1u) == Hv / Hk - 1 ? 1u : 0u;
+    if (last[0]) counts[kh] = 0u;  // every block of this key head has counted
+  }
+  __syncthreads();
+  if (last[0] && conv && qk) store_conv();
+}

@@ -16,7 +16,7 @@ use lily_core::{
         cuda::{Cuda, Null},
         Backend, KvDtype, StreamKind,
     },
-    config::ModelConfig,
+    config::{LayerKind, ModelConfig},
     model::{
         state::{Scratch, State},
         Model,
@@ -108,8 +108,7 @@ fn a_decode_step_launches_the_expected_kernels() {
         "moe_experts_add_rms_norm",
         "attention",
         "attention_reduce",
-        "delta_net_conv",
-        "delta_net",
+        "delta_net_gated",
         "gate_up_swiglu_q4_bf16",
     ] {
         assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
@@ -124,6 +123,9 @@ fn a_decode_step_launches_the_expected_kernels() {
         "moe_combine",
         "add_gated_rms_norm",
         "moe_route",
+        "delta_net_conv",
+        "delta_net",
+        "rms_norm_gated",
     ] {
         assert!(
             !names.iter().any(|n| n == k),
@@ -136,5 +138,11 @@ fn a_decode_step_launches_the_expected_kernels() {
     // One routing launch per layer: the router and shared-gate GEMV, softmax, top K and renorm.
     let routers = names.iter().filter(|n| n.starts_with("moe_router_")).count();
     assert_eq!(routers, 2, "{names:?}");
+    // One DeltaNet launch per DeltaNet layer: the conv, the recurrence and the gated norm.
+    let delta_layers = cfg.layer_types.iter().filter(|k| **k == LayerKind::DeltaNet).count();
+    let delta_nets = names.iter().filter(|n| *n == "delta_net_gated").count();
+    assert_eq!((delta_layers, delta_nets), (1, 1), "{names:?}");
+    // 27 before delta_net_gated (conv, recurrence and gated norm were three launches).
+    assert_eq!(names.len(), 25, "{names:?}");
     eprintln!("{} launches in a decode step: {names:?}", names.len());
 }

@@ -1,4 +1,5 @@
-//! The DeltaNet family (delta_net_conv; delta_net: step recurrence and chunked form): the CPU
+//! The DeltaNet family (delta_net_conv; delta_net: step recurrence and chunked form;
+//! delta_net_gated: conv, recurrence and gated norm of a decode step): the CPU
 //! kernels and the GPU kernels (Metal and CUDA, simulators and devices: `gpu_tests!`) against the
 //! reference twins,
 //! the chunked twin against the step recurrence, over many steps and calls that carry state.
@@ -13,8 +14,8 @@ use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, Metal},
-        params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
-        Backend,
+        params::{ConvParams, DeltaNetParams, RmsNormParams, DELTA_NET_CHUNK, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
+        Backend, DeltaNetGated,
     },
     ops::delta_net::{cpu::CHUNK, reference},
 };
@@ -153,6 +154,7 @@ mod cpu {
 gpu_tests!(
     delta_net_conv_matches_reference,
     delta_net_matches_reference,
+    delta_net_gated_matches_reference,
     delta_net_rejects_unsupported_heads;
     metal: delta_net_chunked_matches_reference;
     cuda: delta_net_scan_matches_reference,
@@ -182,6 +184,16 @@ mod cuda_sim_reversed {
         if let Some(mut c) = crate::gpu_common::cuda_sim() {
             c.executor().set_reverse(Some(true));
             super::delta_net_scan_matches_reference(&mut c, 1.0);
+        }
+    }
+
+    /// delta_net_gated hands each token's conv outputs and partial sums between its warps through
+    /// shared memory.
+    #[test]
+    fn delta_net_gated_matches_reference() {
+        if let Some(mut c) = crate::gpu_common::cuda_sim() {
+            c.executor().set_reverse(Some(true));
+            super::delta_net_gated_matches_reference(&mut c, 1.0);
         }
     }
 
@@ -377,6 +389,70 @@ fn delta_net_chunked_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f3
     }
     dev.delta_net_chunk_tokens = saved;
     eprintln!("delta_net chunked: max |Δ| / max(1, max |reference|) = {worst:.2e}");
+}
+
+/// `delta_net_gated` (conv, recurrence and gated norm; CUDA: one kernel up to its GEMV token
+/// limit, a block per value head) against its parts on the reference, over consecutive calls that
+/// carry the conv and recurrent states from nonzero ones, for several sequences in turn (each its
+/// own states, as a batch's rows): the model's widths (16 key heads, 32 value heads, Dk = Dv =
+/// 128, 4 taps) in decode steps of 1 token and calls of 2 and 8 (the GEMV limit: the
+/// fused kernel loops over the tokens); an odd small config (3 value heads per key head, Dk = 24,
+/// Dv = 40, 3 taps) including a 12-token call (CUDA: the parts) between fused ones; one value head
+/// per key head, 2 taps (a history shorter than some calls). Each call's gated output, then every
+/// sequence's final conv and recurrent state.
+fn delta_net_gated_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    // (Hk, Hv, Dk, Dv, taps, sequences, tokens of each call: call i runs sequence i % sequences)
+    let cases: [(usize, usize, usize, usize, usize, usize, &[usize]); 3] = [
+        (16, 32, 128, 128, 4, 2, &[1, 1, 2, 1, 1, 8, 1, 1]),
+        (2, 6, 24, 40, 3, 3, &[1, 3, 1, 1, 12, 1, 1, 2, 1]),
+        (1, 1, 16, 16, 2, 1, &[1, 3, 1]),
+    ];
+    for (ci, (hk, hv, dk, dv, taps, seqs, calls)) in cases.into_iter().enumerate() {
+        let seed = 600 + 100 * ci as u64;
+        let width = 2 * hk * dk + hv * dv;
+        let what = format!("delta_net_gated Hk={hk} Hv={hv} Dk={dk} Dv={dv} taps={taps} T={calls:?}");
+        both!(dev, tolx * 1e-4, what, b => {
+            let up = |v: Vec<f32>| b.upload(&v).unwrap();
+            let (conv1d, a_log) = (up(rand_vec(width * taps, seed, -0.6, 0.6)), up(rand_vec(hv, seed + 1, -3.0, 0.7)));
+            let (dt_bias, norm_w) = (up(rand_vec(hv, seed + 2, -1.0, 1.0)), up(rand_vec(dv, seed + 3, 0.5, 1.5)));
+            let mut states: Vec<_> = (0..seqs as u64)
+                .map(|q| {
+                    let conv = up(rand_vec((taps - 1) * width, seed + 10 + q, -2.0, 2.0));
+                    (conv, up(rand_vec(hv * dk * dv, seed + 20 + q, -0.5, 0.5)))
+                })
+                .collect();
+            let mut outs = Vec::new();
+            for (i, &t) in calls.iter().enumerate() {
+                let k = seed + 30 + 5 * i as u64;
+                let (proj, a) = (up(rand_vec(t * width, k, -2.0, 2.0)), up(rand_vec(t * hv, k + 1, -2.0, 2.0)));
+                let (bb, z) = (up(rand_vec(t * hv, k + 2, -2.0, 2.0)), up(rand_vec(t * hv * dv, k + 3, -2.0, 2.0)));
+                let r = DeltaNetGated {
+                    conv: ConvParams { tokens: t as u32, channels: width as u32, taps: taps as u32 },
+                    delta: params(t, hk, hv, dk, dv),
+                    norm: RmsNormParams { rows: (t * hv) as u32, dim: dv as u32, eps: 1e-6 },
+                    conv1d: &conv1d,
+                    a_log: &a_log,
+                    dt_bias: &dt_bias,
+                    norm_w: &norm_w,
+                    proj: &proj,
+                    a: &a,
+                    b: &bb,
+                    z: &z,
+                };
+                let (mut mixed, mut core) = (b.alloc(t * width).unwrap(), b.alloc(t * hv * dv).unwrap());
+                let mut out = b.alloc(t * hv * dv).unwrap();
+                let (conv_state, ssm) = &mut states[i % seqs];
+                b.delta_net_gated(&r, conv_state, ssm, &mut mixed, &mut core, &mut out);
+                b.finish().unwrap();
+                outs.push(read_all(b, &out, t * hv * dv));
+            }
+            for (conv_state, ssm) in &states {
+                outs.push(read_all(b, conv_state, (taps - 1) * width));
+                outs.push(read_all(b, ssm, hv * dk * dv));
+            }
+            outs
+        });
+    }
 }
 
 /// A DeltaNet layer's shape and the seed of its random inputs.

@@ -382,6 +382,23 @@ pub trait Backend: Send + Sized + 'static {
         state: &mut Self::Buf,
         out: &mut Self::Buf,
     );
+    /// A DeltaNet layer's core from its input projections to its gated output, over T tokens of
+    /// one sequence (`r` gives the three ops' params and the read-only operands): mixed =
+    /// delta_net_conv(r.proj) (advancing conv_state), core = delta_net(mixed) (advancing state),
+    /// out = rms_norm_gated(core, r.z, r.norm_w). mixed [T, C] and core [T, Hv Dv] are scratch
+    /// (their contents afterwards are the backend's). A backend may run it as one kernel for a
+    /// decode step; by default, the three ops.
+    fn delta_net_gated(
+        &self,
+        r: &DeltaNetGated<'_, Self>,
+        conv_state: &mut Self::Buf,
+        state: &mut Self::Buf,
+        mixed: &mut Self::Buf,
+        core: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        delta_net_gated_unfused(self, r, conv_state, state, mixed, core, out)
+    }
     /// ids/weights [T, K] from router logits [T, E].
     fn moe_route(&self, p: &RouteParams, logits: &Self::Buf, ids: &mut Self::Ids, weights: &mut Self::Buf);
     /// The MoE block's routing from its input x [T, D]: logits [T, E] = x router^T and shared [T]
@@ -505,6 +522,41 @@ pub struct MoeAddNorm<'a, B: Backend> {
     pub shared_gate: &'a B::Buf,
     /// [D].
     pub norm_w: &'a B::Buf,
+}
+
+/// The operands of `delta_net_gated` that it only reads: the params of its three parts, the
+/// layer's weights and the step's projections.
+pub struct DeltaNetGated<'a, B: Backend> {
+    /// T tokens, C channels, taps; T tokens, heads and head dims; T Hv rows of Dv, eps.
+    pub conv: ConvParams,
+    pub delta: DeltaNetParams,
+    pub norm: RmsNormParams,
+    /// [C, taps], [Hv] f32, [Hv], [Dv].
+    pub conv1d: &'a B::Buf,
+    pub a_log: &'a B::Buf,
+    pub dt_bias: &'a B::Buf,
+    pub norm_w: &'a B::Buf,
+    /// [T, C] (q | k | v before the conv), [T, Hv], [T, Hv], [T, Hv Dv].
+    pub proj: &'a B::Buf,
+    pub a: &'a B::Buf,
+    pub b: &'a B::Buf,
+    pub z: &'a B::Buf,
+}
+
+/// `delta_net_gated` as its parts (the trait's default; a backend's fallback where its fused
+/// kernel does not apply).
+pub(crate) fn delta_net_gated_unfused<B: Backend>(
+    b: &B,
+    r: &DeltaNetGated<'_, B>,
+    conv_state: &mut B::Buf,
+    state: &mut B::Buf,
+    mixed: &mut B::Buf,
+    core: &mut B::Buf,
+    out: &mut B::Buf,
+) {
+    b.delta_net_conv(&r.conv, r.conv1d, conv_state, r.proj, mixed);
+    b.delta_net(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias, state, core);
+    b.rms_norm_gated(&r.norm, core, r.z, r.norm_w, out);
 }
 
 /// `moe_experts_add_rms_norm` as its parts (the trait's default; a backend's fallback where its

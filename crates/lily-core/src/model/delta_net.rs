@@ -7,7 +7,7 @@
 
 use super::state::{DeltaNetState, Scratch};
 use crate::{
-    backend::{Backend, ConvParams, DeltaNetParams, MatmulParams, RmsNormParams},
+    backend::{Backend, ConvParams, DeltaNetGated, DeltaNetParams, MatmulParams, RmsNormParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -58,8 +58,22 @@ impl<B: Backend> DeltaNet<B> {
     /// s.mix = delta_net(s.h) for `t` tokens, advancing the conv and recurrent state.
     pub fn forward(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
         self.project(b, t, s);
-        self.recur(b, t, st, s);
-        self.output(b, t, s);
+        // s.gated = gated norm of the recurrence's output of the conv of s.proj, by s.z
+        let r = DeltaNetGated {
+            conv: self.conv_params(t),
+            delta: self.delta_params(t),
+            norm: self.norm_params(t),
+            conv1d: &self.conv1d,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm_w: &self.norm,
+            proj: &s.proj,
+            a: &s.a,
+            b: &s.b,
+            z: &s.z,
+        };
+        b.delta_net_gated(&r, &mut st.conv, &mut st.ssm, &mut s.conv, &mut s.core, &mut s.gated);
+        self.out_proj(b, t, s);
     }
 
     /// Row `i` of a batch (one token of its own sequence, state `st`): its projections are moved
@@ -101,18 +115,9 @@ impl<B: Backend> DeltaNet<B> {
 
     /// s.core = the recurrence's output of the conv of s.proj, advancing the states.
     fn recur(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
-        let conv = ConvParams {
-            tokens: t as u32,
-            channels: self.conv_dim(),
-            taps: self.taps as u32,
-        };
-        b.delta_net_conv(&conv, &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
-        let p = DeltaNetParams {
-            tokens: t as u32,
-            ..self.dims
-        };
+        b.delta_net_conv(&self.conv_params(t), &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
         b.delta_net(
-            &p,
+            &self.delta_params(t),
             &s.conv,
             &s.a,
             &s.b,
@@ -125,16 +130,42 @@ impl<B: Backend> DeltaNet<B> {
 
     /// s.mix = out_proj(gated norm of s.core by s.z).
     pub fn output(&self, b: &B, t: usize, s: &mut Scratch<B>) {
-        let norm = RmsNormParams {
-            rows: t as u32 * self.dims.value_heads,
-            dim: self.dims.value_dim,
-            eps: self.eps,
-        };
-        b.rms_norm_gated(&norm, &s.core, &s.z, &self.norm, &mut s.gated);
+        b.rms_norm_gated(&self.norm_params(t), &s.core, &s.z, &self.norm, &mut s.gated);
+        self.out_proj(b, t, s);
+    }
+
+    /// s.mix = out_proj(s.gated).
+    fn out_proj(&self, b: &B, t: usize, s: &mut Scratch<B>) {
         let mm = MatmulParams {
             tokens: t as u32,
             x_row0: 0,
         };
         b.matmul(&mm, &self.out_proj, &s.gated, &mut s.mix);
+    }
+
+    /// The conv over `t` tokens of [q | k | v].
+    fn conv_params(&self, t: usize) -> ConvParams {
+        ConvParams {
+            tokens: t as u32,
+            channels: self.conv_dim(),
+            taps: self.taps as u32,
+        }
+    }
+
+    /// The recurrence over `t` tokens.
+    fn delta_params(&self, t: usize) -> DeltaNetParams {
+        DeltaNetParams {
+            tokens: t as u32,
+            ..self.dims
+        }
+    }
+
+    /// The output norm: per value head of `t` tokens.
+    fn norm_params(&self, t: usize) -> RmsNormParams {
+        RmsNormParams {
+            rows: t as u32 * self.dims.value_heads,
+            dim: self.dims.value_dim,
+            eps: self.eps,
+        }
     }
 }

@@ -48,7 +48,7 @@ pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, StreamKind};
+use super::{check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, StreamKind};
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
     error::{Error, Result},
@@ -158,6 +158,9 @@ pub(crate) struct Stream<X: Executor> {
     pub(crate) router_counts: Option<(Arc<Alloc<X>>, usize)>,
     /// f32 per-token q, k and gates of the DeltaNet prefill scan, grown to the largest need seen.
     pub(crate) delta_scratch: Option<(Arc<Alloc<X>>, usize)>,
+    /// u32 per-key-head block counters of `delta_net_gated` (zero as allocated; the kernel leaves
+    /// them 0).
+    pub(crate) delta_counts: Option<(Arc<Alloc<X>>, usize)>,
 }
 
 /// Weight tensors on the device by host (address, length).
@@ -183,6 +186,9 @@ pub struct Cuda<X: Executor> {
     /// `moe_router` as one kernel for a decode step (default; `LILY_CUDA_FUSED_ROUTER=0`: its
     /// parts, the router GEMV then `moe_route`, should the last-block-done kernel misbehave).
     pub fused_router: bool,
+    /// `delta_net_gated` as one kernel for a decode step (default; `LILY_CUDA_FUSED_DELTA_NET=0`:
+    /// its parts, `delta_net_conv`, `delta_net`, `rms_norm_gated`).
+    pub fused_delta_net: bool,
 }
 
 #[cfg(unix)]
@@ -258,6 +264,7 @@ impl<X: Executor> Cuda<X> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(GEMV_TOKENS);
         let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
+        let fused_delta_net = std::env::var("LILY_CUDA_FUSED_DELTA_NET").map_or(true, |v| v != "0");
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
@@ -272,12 +279,14 @@ impl<X: Executor> Cuda<X> {
                 moe_scratch: None,
                 router_counts: None,
                 delta_scratch: None,
+                delta_counts: None,
             }),
             step,
             uploads: Mutex::new(HashMap::new()),
             graphs,
             gemv_tokens,
             fused_router,
+            fused_delta_net,
         })
     }
 
@@ -818,6 +827,18 @@ impl<X: Executor> Backend for Cuda<X> {
         out: &mut CudaBuf<X>,
     ) {
         delta_net::cuda::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    }
+
+    fn delta_net_gated(
+        &self,
+        r: &DeltaNetGated<'_, Self>,
+        conv_state: &mut CudaBuf<X>,
+        state: &mut CudaBuf<X>,
+        mixed: &mut CudaBuf<X>,
+        core: &mut CudaBuf<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        delta_net::cuda::delta_net_gated(self, r, conv_state, state, mixed, core, out)
     }
 
     fn moe_route(&self, p: &RouteParams, logits: &CudaBuf<X>, ids: &mut CudaBuf<X>, weights: &mut CudaBuf<X>) {

@@ -1,11 +1,18 @@
 //! The Gated DeltaNet on CUDA (`shaders/cuda/delta_net.cu`): the causal conv, and the recurrence
-//! (one-kernel step for decode; per-token prep + scan for prefill).
+//! (one-kernel step for decode; per-token prep + scan for prefill); for a decode step, the conv,
+//! the recurrence and the gated output norm as one kernel (`delta_net_gated`).
 
 use crate::backend::{
     cuda::{div, kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
+    delta_net_gated_unfused,
     params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
+    DeltaNetGated,
 };
 use crate::ops::elementwise::cuda::copy_rows;
+
+/// Dk and Dv at most of `delta_net_gated` (DNG_DK in the kernel: its conv threads and the 4 x 32
+/// columns and rows of a head's state in one block).
+const GATED_DIM_MAX: usize = 128;
 
 /// Tokens per conv tile (the kernel derives its tile from the grid); at least the longest
 /// history, so a call of several tiles has its new state entirely in x.
@@ -107,4 +114,95 @@ pub fn delta_net<X: Executor>(
         .ptr(state.ptr())
         .ptr(out.ptr());
     c.launch(F::DeltaNet, shape([div(dv, 32), hv as u32, 1], 128), args);
+}
+
+/// `delta_net_gated`: one `delta_net_gated` launch (a block per value head) up to `gemv_tokens`
+/// tokens with Dk, Dv <= 128 (the model's); otherwise, or with `LILY_CUDA_FUSED_DELTA_NET=0`, its
+/// parts (`delta_net_conv`, `delta_net`, `rms_norm_gated`). The fused kernel leaves mixed and
+/// core alone.
+pub fn delta_net_gated<X: Executor>(
+    c: &Cuda<X>,
+    r: &DeltaNetGated<'_, Cuda<X>>,
+    conv_state: &mut CudaBuf<X>,
+    state: &mut CudaBuf<X>,
+    mixed: &mut CudaBuf<X>,
+    core: &mut CudaBuf<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let p = &r.delta;
+    let (t, hk, hv, dk, dv) = (
+        p.tokens as usize,
+        p.key_heads as usize,
+        p.value_heads as usize,
+        p.key_dim as usize,
+        p.value_dim as usize,
+    );
+    let width = 2 * hk * dk + hv * dv;
+    let fused = c.fused_delta_net
+        && t <= c.gemv_tokens
+        && dk <= GATED_DIM_MAX
+        && dv <= GATED_DIM_MAX
+        && r.conv.tokens == p.tokens
+        && r.conv.channels as usize == width
+        && r.norm.rows as usize == t * hv
+        && r.norm.dim as usize == dv;
+    if !fused {
+        return delta_net_gated_unfused(c, r, conv_state, state, mixed, core, out);
+    }
+    // The parts' own checks (taps, head shapes, every buffer the kernel reads or writes).
+    let conv = match super::conv_checks(&r.conv, [r.conv1d.len, conv_state.len, r.proj.len, usize::MAX]) {
+        Ok(checks) => checks,
+        Err(e) => return c.fail(e),
+    };
+    let have = [
+        r.proj.len,
+        r.a.len,
+        r.b.len,
+        r.a_log.len,
+        r.dt_bias.len,
+        state.len,
+        out.len,
+    ];
+    let delta = match super::delta_net_checks(p, have) {
+        Ok(checks) => checks,
+        Err(e) => return c.fail(e),
+    };
+    let n = t * hv * dv;
+    let checks = [
+        conv[0],
+        ("conv_state", conv[1].1, conv[1].2),
+        ("proj", r.proj.len, t * width),
+        delta[1],
+        delta[2],
+        delta[3],
+        delta[4],
+        ("norm_w", r.norm_w.len, dv),
+        ("z", r.z.len, n),
+        delta[5],
+        ("out", out.len, n),
+    ];
+    if !c.fits("delta_net_gated", &checks) {
+        return;
+    }
+    // One counter per key head; room for any model's (never regrown under a recorded launch).
+    let Some(counts) = c.scratch(hk.max(64), "delta_net_gated counts", |s| &mut s.delta_counts) else {
+        return;
+    };
+    let args = Args::new()
+        .push(*p)
+        .push(r.conv)
+        .push(r.norm)
+        .ptr(r.conv1d.ptr())
+        .ptr(conv_state.ptr())
+        .ptr(r.proj.ptr())
+        .ptr(r.a.ptr())
+        .ptr(r.b.ptr())
+        .ptr(r.a_log.ptr())
+        .ptr(r.dt_bias.ptr())
+        .ptr(r.norm_w.ptr())
+        .ptr(r.z.ptr())
+        .ptr(state.ptr())
+        .ptr(out.ptr())
+        .ptr(counts);
+    c.launch(F::DeltaNetGated, shape([hv as u32, 1, 1], 512), args);
 }
