@@ -168,8 +168,10 @@ extern "C" __global__ void __launch_bounds__(256) add_gated_rms_norm(const RmsNo
 // one launch: x += sigmoid(gate[row]) * shared, x += sum_k weights[row, k] * y[row*K + k] (k
 // ascending from 0, summed apart first: the order of moe_combine then add_gated_rms_norm, so the
 // result is theirs), then out = rms_norm(x, w). The routed [T, D] sum is never written and read back.
-// x (in/out), shared, out [rows, dim]; y [rows*K, dim]; weights [rows, K]; gate [rows]; w [dim] f32.
-// Arguments: RmsNormParams p, MoeParams mp (top_k K), weights, y, x, shared, gate, w, out.
+// x (in/out), shared, out [rows, dim]; y [rows*KP, dim]; weights [rows, K]; gate [rows]; w [dim] f32.
+// KP = K, or K + 1 when the shared expert ran as each row's last pair (moe_gate_up / moe_down with
+// MoeShared): its output is then y[row*KP + K] and `shared` is not read.
+// Arguments: RmsNormParams p, MoeParams mp (top_k K), uint kp, weights, y, x, shared, gate, w, out.
 // Grid (rows), 256 threads; the register path as add_gated_rms_norm's (thread i owns float4 pieces
 // i, i + 256 of the row: the K expert rows' pieces summed (routed4), x and shared loaded once, the
 // new x kept in registers for the output, w loaded after the block sum: ptxas sm_90, 40 registers,
@@ -187,6 +189,7 @@ __device__ __forceinline__ float4 routed4(const float* __restrict__ wr, const fl
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const RmsNormParams p, const MoeParams mp,
+                                                                           const uint kp,
                                                                            const float* __restrict__ weights,
                                                                            const float* __restrict__ y, float* x,
                                                                            const float* __restrict__ shared,
@@ -198,9 +201,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
   const uint K = mp.top_k;
   const size_t r0 = (size_t)blockIdx.x * p.dim;
   const float* __restrict__ wr = weights + (size_t)blockIdx.x * K;
-  const float* __restrict__ yr = y + r0 * K;
+  const float* __restrict__ yr = y + r0 * kp;
+  const float* __restrict__ sr = kp > K ? yr + (size_t)K * p.dim : shared + r0;  // the row's shared expert
   const float g = sigmoid(gate[blockIdx.x]);
-  if (norm_in_registers(p, x, y, shared, w) && aligned16(out)) {
+  if (norm_in_registers(p, x, y, sr, w) && aligned16(out)) {
     float4 v[NORM_V];
     float ss = 0.0f;
 #pragma unroll
@@ -208,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
       const uint i = 4 * (threadIdx.x + j * blockDim.x);
       if (i < p.dim) {
         const float4 r = routed4(wr, yr + i, K, p.dim);
-        const float4 a = load_f4(x + r0 + i), s = load_f4(shared + r0 + i);
+        const float4 a = load_f4(x + r0 + i), s = load_f4(sr + i);
         v[j] = make_float4(a.x + g * s.x + r.x, a.y + g * s.y + r.y, a.z + g * s.z + r.z, a.w + g * s.w + r.w);
         store_f4(x + r0 + i, v[j]);
         ss += sq4(v[j]);
@@ -230,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
   for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
     float r = 0.0f;
     for (uint k = 0; k < K; ++k) r += wr[k] * yr[(size_t)k * p.dim + i];
-    const float v = x[r0 + i] + g * shared[r0 + i] + r;
+    const float v = x[r0 + i] + g * sr[i] + r;
     x[r0 + i] = v;
     ss += v * v;
   }

@@ -168,7 +168,6 @@ fn a_decode_step_launches_the_expected_kernels() {
         "attention_reduce",
         "delta_net_conv",
         "delta_net",
-        "gate_up_swiglu_q4_bf16",
     ] {
         assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
     }
@@ -194,5 +193,26 @@ fn a_decode_step_launches_the_expected_kernels() {
     // One routing launch per layer: the router and shared-gate GEMV, softmax, top K and renorm.
     let routers = names.iter().filter(|n| n.starts_with("moe_router_")).count();
     assert_eq!(routers, 2, "{names:?}");
+    // The shared expert runs as each token's last pair of the routed experts' GEMVs (it has their
+    // format and shapes): one moe_gate_up and one moe_down per layer, no gate_up_swiglu and no
+    // down GEMV of its own.
+    for k in ["moe_gate_up_", "moe_down_"] {
+        let n = names.iter().filter(|n| n.starts_with(k)).count();
+        assert_eq!(n, 2, "{k}: {names:?}");
+    }
+    assert!(
+        !names.iter().any(|n| n.starts_with("gate_up_swiglu_")),
+        "the shared expert launched apart: {names:?}"
+    );
+    // A layer's MoE block is 4 launches: routing, the experts' two GEMVs, combine + residual + norm.
+    for (i, _) in names.iter().enumerate().filter(|(_, n)| n.starts_with("moe_router_")) {
+        let block: Vec<&str> = names[i + 1..i + 4].iter().map(|n| n.as_str()).collect();
+        assert!(
+            block[0].starts_with("moe_gate_up_")
+                && block[1].starts_with("moe_down_")
+                && block[2] == "moe_experts_add_rms_norm",
+            "the MoE block after its router: {block:?}"
+        );
+    }
     eprintln!("{} launches in a decode step: {names:?}", names.len());
 }

@@ -43,12 +43,12 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs};
+pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeShared, MoeSortArgs};
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, StreamKind};
+use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind};
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
     error::{Error, Result},
@@ -752,6 +752,18 @@ impl<X: Executor> Backend for Cuda<X> {
         h: &mut CudaBuf<X>,
     ) {
         norm::cuda::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
+    }
+
+    fn moe_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeBlock<'_, Self>,
+        s: &mut MoeScratch<'_, Self>,
+        x: &mut CudaBuf<X>,
+        h: &mut CudaBuf<X>,
+    ) {
+        moe::cuda::moe_add_rms_norm(self, moe, norm, r, s, x, h)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {
