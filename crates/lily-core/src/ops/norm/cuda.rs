@@ -144,7 +144,12 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
     }
     let (x_ptr, h_ptr) = (x.ptr(), h.ptr());
     // mix stands for moe_experts' output only in its checks: the sum goes into x.
-    let kp = moe.top_k + shared.is_some() as u32;
+    // y's rows per token, and where each token's shared expert row is (the kernel's comment).
+    let (k, dim) = (moe.top_k as u64, p.dim as u64);
+    let (y_stride, shared_stride) = match shared {
+        Some(_) => ((k + 1) * dim, (k + 1) * dim),
+        None => (k * dim, dim),
+    };
     moe_experts_then(
         c,
         moe,
@@ -161,11 +166,16 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
             let args = Args::new()
                 .push(*p)
                 .push(*moe)
-                .push(kp)
+                .push(y_stride)
                 .ptr(r.weights.ptr())
                 .ptr(y)
                 .ptr(x_ptr)
-                .ptr(r.shared.ptr())
+                .ptr(if shared.is_some() {
+                    y + k * dim * 4
+                } else {
+                    r.shared.ptr()
+                })
+                .push(shared_stride)
                 .ptr(r.shared_gate.ptr())
                 .ptr(r.norm_w.ptr())
                 .ptr(h_ptr);
