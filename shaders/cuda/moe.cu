@@ -140,32 +140,47 @@ __device__ __forceinline__ void moe_router(const RouteParams p, const GemvMulti 
   route_token(p, logits + (size_t)t * rm.rows, ids + (size_t)t * p.top_k, weights + (size_t)t * p.top_k);
 }
 
-// moe_gate_up_<w>: act [T*K, I], act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
-// e = ids[t*K + k]; gate / up [E, I, D] in one weight format. Arguments: MoeParams p,
-// CudaMatrix gate, CudaMatrix up, gate w / scales / biases, up w / scales / biases, uint ks, x [T, D],
-// ids [T*K], act. Grid (ceil(I / (32 / ks)), T*K), 256 threads = 8 warps in the staged GEMV layout
+// moe_gate_up_<w>: act [T*KP, I], act[t*KP + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
+// e = ids[t*K + k] for k < K; KP = K, or K + 1 with the MoE block's shared expert as each token's
+// last pair k = K (its plain gate / up [I, D], the same weight format and group as the experts':
+// the host checks; one launch runs the routed and the shared expert's input half). gate / up
+// [E, I, D] in one weight format. Arguments: MoeParams p, CudaMatrix gate, CudaMatrix up, gate w /
+// scales / biases, up w / scales / biases, uint ks, MoeShared sh (KP and the shared pair's gate /
+// up), x [T, D], ids [T*K], act. Grid (ceil(I / (32 / ks)), T*KP), 256 threads = 8 warps in the staged GEMV layout
 // of common.cuh (x[t] staged in shared memory; groups of ks warps split D), a group owning the 4 gate
 // and the 4 up rows (b (8 / ks) + w / ks) 4 .. + 4 of pair blockIdx.y: each lane's x chunk serves 8
 // rows, its 8 independent 16-byte weight loads (and their scales) issued before x is staged
 // (gemv_staged, one step ahead). Accumulation: f32. ids == nullptr: expert 0 for every pair
 // (gate_up_swiglu's plain matrices).
 #define MOE_ROWS 4
+// The MoE block's shared expert as the last pair k = K of each token in moe_gate_up / moe_down
+// (pairs = K + shared per token; shared = 0: the routed experts alone, the rest unused): its plain
+// gate, up [I, D] and down [D, I] descriptors, then their w / scales / biases (MoeShared in args.rs).
+struct MoeShared {
+  CudaMatrix gm, um, dm;
+  uint shared, pad;
+  const uchar *gw, *gs, *gb, *uw, *us, *ub, *dw, *ds, *db;
+};
+static_assert(sizeof(MoeShared) == 176, "MoeShared");
 template <typename W>
-__device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix gm, const CudaMatrix um,
+__device__ __forceinline__ void moe_gate_up(const MoeParams p, const CudaMatrix gm_e, const CudaMatrix um_e,
                                             const uchar* gw, const uchar* gs, const uchar* gb, const uchar* uw,
-                                            const uchar* us, const uchar* ub, const uint ks,
+                                            const uchar* us, const uchar* ub, const uint ks, const MoeShared& sh,
                                             const float* __restrict__ x, const uint* __restrict__ ids,
                                             float* __restrict__ act) {
   __shared__ __align__(16) float4 xs[GEMV_XS / 4];
   __shared__ float part[8][2 * MOE_ROWS];
   const uint warp = threadIdx.x / 32, tk = blockIdx.y, s = warp % ks;
+  const uint kp = p.top_k + sh.shared, t = tk / kp, k = tk % kp;
+  const bool shared = k == p.top_k;  // whole block: the shared expert's pair
+  const CudaMatrix gm = shared ? sh.gm : gm_e, um = shared ? sh.um : um_e;
   const uint r0 = (blockIdx.x * (8 / ks) + warp / ks) * MOE_ROWS;
   const bool active = r0 < gm.rows;  // whole warp
   const uint nr = active ? min((uint)MOE_ROWS, gm.rows - r0) : 1;
-  const uint t = tk / p.top_k, D = gm.cols;
-  const uint e = ids != nullptr ? ids[tk] : 0u;
-  const W g = make_w<W>(gw, gs, gb, gm);
-  const W u = make_w<W>(uw, us, ub, um);
+  const uint D = gm.cols;
+  const uint e = shared || ids == nullptr ? 0u : ids[t * p.top_k + k];
+  const W g = shared ? make_w<W>(sh.gw, sh.gs, sh.gb, gm) : make_w<W>(gw, gs, gb, gm);
+  const W u = shared ? make_w<W>(sh.uw, sh.us, sh.ub, um) : make_w<W>(uw, us, ub, um);
   size_t grows[MOE_ROWS], urows[MOE_ROWS];
 #pragma unroll
   for (uint r = 0; r < MOE_ROWS; ++r) {
@@ -207,24 +222,30 @@ __device__ __forceinline__ void gate_up_swiglu(const RowsParams p, const CudaMat
   MoeParams one;
   one.tokens = p.tokens;
   one.top_k = 1;
-  moe_gate_up<W>(one, gm, um, gw, gs, gb, uw, us, ub, ks, x, nullptr, out);
+  MoeShared none{};
+  moe_gate_up<W>(one, gm, um, gw, gs, gb, uw, us, ub, ks, none, x, nullptr, out);
 }
 
-// moe_down_<w>: y [T*K, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Arguments:
-// MoeParams p, CudaMatrix m, w / scales / biases, uint ks, ids [T*K], act [T*K, I], y. Grid
-// (ceil(D / (32 / ks)), T*K), 256 threads in the staged GEMV layout of common.cuh (gemv_block:
+// moe_down_<w>: y [T*KP, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I], e = ids[t*K + k] for
+// pair tk = t*KP + k, k < K; the shared expert's down [D, I] for k = K (KP = K + sh.shared, as in
+// moe_gate_up). Arguments: MoeParams p, CudaMatrix m, w / scales / biases, uint ks, MoeShared sh,
+// ids [T*K], act [T*KP, I], y. Grid (ceil(D / (32 / ks)), T*KP), 256 threads in the staged GEMV layout of common.cuh (gemv_block:
 // act[tk] staged in shared memory, 4 rows a warp group, weight loads issued before the staging; at
 // I = 512 and 4 bits a row is 16 chunks, so lanes 16 .. 31 of a warp have no chunk). Accumulation: f32.
 template <typename W>
-__device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s,
-                                         const uchar* b, const uint ks, const uint* __restrict__ ids,
-                                         const float* __restrict__ act, float* __restrict__ y) {
+__device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m_e, const uchar* w, const uchar* s,
+                                         const uchar* b, const uint ks, const MoeShared& sh,
+                                         const uint* __restrict__ ids, const float* __restrict__ act,
+                                         float* __restrict__ y) {
   __shared__ __align__(16) float4 xs[GEMV_XS / 4];
   __shared__ float part[8][GEMV_ROWS];
-  (void)p;
-  const uint tk = blockIdx.y, e = ids[tk];
-  gemv_block<W, 2>(make_w<W>(w, s, b, m), (size_t)e * m.expert_stride + m.row_offset, blockIdx.x, ks,
-                   act + (size_t)tk * m.cols, y + (size_t)tk * m.rows, xs, part);
+  const uint tk = blockIdx.y, kp = p.top_k + sh.shared, t = tk / kp, k = tk % kp;
+  const bool shared = k == p.top_k;  // whole block: the shared expert's pair
+  const CudaMatrix m = shared ? sh.dm : m_e;
+  const uint e = shared ? 0u : ids[t * p.top_k + k];
+  const W wr = shared ? make_w<W>(sh.dw, sh.ds, sh.db, m) : make_w<W>(w, s, b, m);
+  gemv_block<W, 2>(wr, (size_t)e * m.expert_stride + m.row_offset, blockIdx.x, ks, act + (size_t)tk * m.cols,
+                   y + (size_t)tk * m.rows, xs, part);
 }
 
 // moe_combine: out [T, D] = sum_k weights[t, k] * y[t*K + k, :] (k ascending, f32). Arguments:
@@ -386,17 +407,17 @@ FOR_EACH_WEIGHT(MOE_ROUTER)
 #define MOE(sfx)                                                                                                 \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_gate_up_##sfx(                                           \
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
-      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks,                         \
+      const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks, const MoeShared sh,     \
       const float* __restrict__ x, const uint* __restrict__ ids, float* __restrict__ act) {                     \
     kernel_start(); \
-    moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, x, ids, act);                                        \
+    moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, sh, x, ids, act);                                    \
   }                                                                                                              \
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_##sfx(                                              \
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
-      const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {                      \
+      const MoeShared sh, const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {  \
     kernel_start(); \
-    moe_down<W_##sfx>(p, m, w, s, b, ks, ids, act, y);                                                               \
+    moe_down<W_##sfx>(p, m, w, s, b, ks, sh, ids, act, y);                                                           \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
   extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) moe_gemm_gate_up_##sfx(                                      \

@@ -168,8 +168,13 @@ extern "C" __global__ void __launch_bounds__(256) add_gated_rms_norm(const RmsNo
 // one launch: x += sigmoid(gate[row]) * shared, x += sum_k weights[row, k] * y[row*K + k] (k
 // ascending from 0, summed apart first: the order of moe_combine then add_gated_rms_norm, so the
 // result is theirs), then out = rms_norm(x, w). The routed [T, D] sum is never written and read back.
-// x (in/out), shared, out [rows, dim]; y [rows*K, dim]; weights [rows, K]; gate [rows]; w [dim] f32.
-// Arguments: RmsNormParams p, MoeParams mp (top_k K), weights, y, x, shared, gate, w, out.
+// x (in/out), out [rows, dim]; y [rows*KP, dim]; weights [rows, K]; gate [rows]; w [dim] f32; row r's
+// K expert rows at y + r y_stride (y_stride = KP dim), its shared expert row at shared + r shared_stride:
+// KP = K and a [rows, dim] shared (stride dim), or KP = K + 1 when the shared expert ran as each row's
+// last pair (moe_gate_up / moe_down with MoeShared): shared = y + K dim, stride (K + 1) dim. (The strides
+// are u64 arguments: computed in the kernel from a u32 KP, ptxas sm_90 spilled 16 bytes.)
+// Arguments: RmsNormParams p, MoeParams mp (top_k K), u64 y_stride, weights, y, x, shared, u64
+// shared_stride, gate, w, out.
 // Grid (rows), 256 threads; the register path as add_gated_rms_norm's (thread i owns float4 pieces
 // i, i + 256 of the row: the K expert rows' pieces summed (routed4), x and shared loaded once, the
 // new x kept in registers for the output, w loaded after the block sum: ptxas sm_90, 40 registers,
@@ -187,9 +192,11 @@ __device__ __forceinline__ float4 routed4(const float* __restrict__ wr, const fl
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const RmsNormParams p, const MoeParams mp,
+                                                                           const u64 y_stride,
                                                                            const float* __restrict__ weights,
                                                                            const float* __restrict__ y, float* x,
                                                                            const float* __restrict__ shared,
+                                                                           const u64 shared_stride,
                                                                            const float* __restrict__ gate,
                                                                            const float* __restrict__ w,
                                                                            float* __restrict__ out) {
@@ -198,9 +205,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
   const uint K = mp.top_k;
   const size_t r0 = (size_t)blockIdx.x * p.dim;
   const float* __restrict__ wr = weights + (size_t)blockIdx.x * K;
-  const float* __restrict__ yr = y + r0 * K;
+  const float* __restrict__ yr = y + blockIdx.x * y_stride;
+  const float* __restrict__ sr = shared + blockIdx.x * shared_stride;  // the row's shared expert
   const float g = sigmoid(gate[blockIdx.x]);
-  if (norm_in_registers(p, x, y, shared, w) && aligned16(out)) {
+  if (norm_in_registers(p, x, y, sr, w) && aligned16(out)) {
     float4 v[NORM_V];
     float ss = 0.0f;
 #pragma unroll
@@ -208,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
       const uint i = 4 * (threadIdx.x + j * blockDim.x);
       if (i < p.dim) {
         const float4 r = routed4(wr, yr + i, K, p.dim);
-        const float4 a = load_f4(x + r0 + i), s = load_f4(shared + r0 + i);
+        const float4 a = load_f4(x + r0 + i), s = load_f4(sr + i);
         v[j] = make_float4(a.x + g * s.x + r.x, a.y + g * s.y + r.y, a.z + g * s.z + r.z, a.w + g * s.w + r.w);
         store_f4(x + r0 + i, v[j]);
         ss += sq4(v[j]);
@@ -230,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_experts_add_rms_norm(const
   for (uint i = threadIdx.x; i < p.dim; i += blockDim.x) {
     float r = 0.0f;
     for (uint k = 0; k < K; ++k) r += wr[k] * yr[(size_t)k * p.dim + i];
-    const float v = x[r0 + i] + g * shared[r0 + i] + r;
+    const float v = x[r0 + i] + g * sr[i] + r;
     x[r0 + i] = v;
     ss += v * v;
   }

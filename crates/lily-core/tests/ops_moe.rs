@@ -13,7 +13,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
         params::{MoeParams, RmsNormParams, RouteParams, RowsParams, MOE_TILE},
-        Backend, MoeAddNorm, StreamKind,
+        Backend, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -99,6 +99,7 @@ gpu_tests!(
     moe_experts_matches_reference,
     moe_experts_prefill_matches_reference,
     moe_experts_add_rms_norm_matches_reference,
+    moe_add_rms_norm_matches_reference,
     gate_up_swiglu_matches_reference;
     metal:
     moe_experts_variants_match_reference,
@@ -625,6 +626,88 @@ fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32
                 vec![read_all(b, &xb, n), read_all(b, &hb, n)]
             });
         }
+    }
+}
+
+/// `moe_add_rms_norm` (the MoE block after routing: routed experts, shared expert, residual, next
+/// norm) against the reference's parts (the shared expert's `gate_up_swiglu` and down `matmul`,
+/// then `moe_experts_add_rms_norm`): the new residual x and the norm h. The model's widths (D =
+/// 2048, I = Is = 512, top 8; E = 16, not 256: the routed matrices are generated whole and only
+/// the chosen experts' rows matter, the last expert among them), 4 bits with group 64 (gate / up
+/// views of one fused tensor, the checkpoint's layout) and 8 bits with group 32; T = 1 and 3 (a
+/// batched decode step): on CUDA the shared expert as each token's pair K of the expert GEMVs.
+/// The shared expert in another format (bf16) or group (4 bits, group 32 beside 64) takes the
+/// parts on every backend; T = 9 the prefill path (CUDA's bf16 tensor cores there, hence 1e-2).
+fn moe_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    let (d, inter, e, k) = (2048usize, 512usize, 16usize, 8usize);
+    let q4 = Format::Affine { bits: 4, group: 64 };
+    // (expert format, shared expert format, T)
+    let cases = [
+        (q4, q4, 1usize),
+        (q4, q4, 3),
+        (
+            Format::Affine { bits: 8, group: 32 },
+            Format::Affine { bits: 8, group: 32 },
+            3,
+        ),
+        (q4, Format::BF16, 3),
+        (q4, Format::Affine { bits: 4, group: 32 }, 1),
+        (q4, q4, 9),
+    ];
+    for (format, shared_format, t) in cases {
+        let (gate, up, down) = experts(format, DType::BF16, e, d, inter, format == q4, 130);
+        let sg = stored_matrix(shared_format, DType::BF16, inter, d, 131);
+        let su = stored_matrix(shared_format, DType::BF16, inter, d, 132);
+        let sd = stored_matrix(shared_format, DType::BF16, d, inter, 133);
+        let n = t * d;
+        let (h, x) = (rand_vec(n, 134, -1.0, 1.0), rand_vec(n, 135, -2.0, 2.0));
+        let shared_logit = rand_vec(t, 136, -4.0, 4.0);
+        let norm_w = rand_vec(d, 137, 0.5, 1.5);
+        // Distinct per token; expert e - 1 in token 0's last slot.
+        let ids: Vec<u32> = (0..t * k)
+            .map(|i| ((i / k) * 3 + (i % k) * 2 + 1) as u32 % e as u32)
+            .collect();
+        let weights = rand_vec(t * k, 138, 0.0, 1.0);
+        let moe = MoeParams {
+            tokens: t as u32,
+            top_k: k as u32,
+        };
+        let norm = RmsNormParams {
+            rows: t as u32,
+            dim: d as u32,
+            eps: 1e-6,
+        };
+        let tol = if t > 8 { 1e-2 } else { TOL };
+        let at = format!("moe_add_rms_norm experts {format:?} shared {shared_format:?} T={t}");
+        both!(dev, tolx * tol, at, b => {
+            let mats = [&gate, &up, &down, &sg, &su, &sd].map(|m| b.upload_matrix(m).unwrap());
+            let (ib, wb) = (ids_buf(b, &ids), b.upload(&weights).unwrap());
+            let (lb, nw) = (b.upload(&shared_logit).unwrap(), b.upload(&norm_w).unwrap());
+            let (mut xb, mut hb) = (b.upload(&x).unwrap(), b.upload(&h).unwrap());
+            let mut tmp = b.alloc(t * (k + 1) * (inter + d)).unwrap();
+            let mut mix = b.alloc(n).unwrap();
+            let [mut g, mut u, mut act] = [0; 3].map(|_| b.alloc(t * inter).unwrap());
+            let mut y = b.alloc(n).unwrap();
+            b.begin(StreamKind::Other).unwrap();
+            let [gate, up, down, shared_gate, shared_up, shared_down] = &mats;
+            let r = MoeBlock {
+                gate,
+                up,
+                down,
+                ids: &ib,
+                weights: &wb,
+                shared_gate,
+                shared_up,
+                shared_down,
+                shared_inter: inter as u32,
+                shared_logit: &lb,
+                norm_w: &nw,
+            };
+            let mut s = MoeScratch { tmp: &mut tmp, mix: &mut mix, g: &mut g, u: &mut u, act: &mut act, y: &mut y };
+            b.moe_add_rms_norm(&moe, &norm, &r, &mut s, &mut xb, &mut hb);
+            b.finish().unwrap();
+            vec![read_all(b, &xb, n), read_all(b, &hb, n)]
+        });
     }
 }
 

@@ -315,6 +315,23 @@ pub trait Backend: Send + Sized + 'static {
     ) {
         moe_experts_add_rms_norm_unfused(self, moe, norm, r, tmp, mix, x, h)
     }
+    /// The MoE block after its routing: x += moe_experts(h) + sigmoid(shared_logit[t]) *
+    /// down_s(silu(gate_s h) * up_s h), then h = rms_norm(x, norm_w) (`moe` gives T and K, `norm`
+    /// the norm's rows T, width D and eps; the read-only operands in `r`, the scratch in `s`). A
+    /// backend may run the shared expert as one more (token, slot) pair of the routed experts'
+    /// kernels; by default, `gate_up_swiglu` and `matmul` of the shared expert, then
+    /// `moe_experts_add_rms_norm`.
+    fn moe_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeBlock<'_, Self>,
+        s: &mut MoeScratch<'_, Self>,
+        x: &mut Self::Buf,
+        h: &mut Self::Buf,
+    ) {
+        moe_add_rms_norm_unfused(self, moe, norm, r, s, x, h)
+    }
     /// out [T, N] = x[x_row0.., K] W^T with W [N, K] (in-kernel dequantization).
     fn matmul(&self, p: &MatmulParams, w: &Self::Matrix, x: &Self::Buf, out: &mut Self::Buf);
     /// outs[i] = x W_i^T for several matrices reading the same x (a layer's input projections).
@@ -557,6 +574,74 @@ pub(crate) fn delta_net_gated_unfused<B: Backend>(
     b.delta_net_conv(&r.conv, r.conv1d, conv_state, r.proj, mixed);
     b.delta_net(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias, state, core);
     b.rms_norm_gated(&r.norm, core, r.z, r.norm_w, out);
+}
+
+/// The read-only operands of `moe_add_rms_norm`: the routed experts and their routing, the shared
+/// expert and its gate logit, the next norm's weight.
+pub struct MoeBlock<'a, B: Backend> {
+    /// [E, I, D], [E, I, D], [E, D, I].
+    pub gate: &'a B::Matrix,
+    pub up: &'a B::Matrix,
+    pub down: &'a B::Matrix,
+    /// [T, K] each: the routing.
+    pub ids: &'a B::Ids,
+    pub weights: &'a B::Buf,
+    /// The shared expert: [Is, D], [Is, D], [D, Is] (Is = `shared_inter`).
+    pub shared_gate: &'a B::Matrix,
+    pub shared_up: &'a B::Matrix,
+    pub shared_down: &'a B::Matrix,
+    pub shared_inter: u32,
+    /// [T]: the shared expert's gate logit (`moe_router`'s `shared`).
+    pub shared_logit: &'a B::Buf,
+    /// [D].
+    pub norm_w: &'a B::Buf,
+}
+
+/// The scratch of `moe_add_rms_norm`: tmp [T*(K+1), I + D] (`moe_experts`' scratch, room for the
+/// shared expert as one more pair), mix [T, D]; the shared expert's g, u, act [T, Is] and y [T, D]
+/// (its parts).
+pub struct MoeScratch<'a, B: Backend> {
+    pub tmp: &'a mut B::Buf,
+    pub mix: &'a mut B::Buf,
+    pub g: &'a mut B::Buf,
+    pub u: &'a mut B::Buf,
+    pub act: &'a mut B::Buf,
+    pub y: &'a mut B::Buf,
+}
+
+/// `moe_add_rms_norm` as its parts (the trait's default; a backend's fallback where its fused
+/// kernels do not apply): the shared expert's `gate_up_swiglu` and down `matmul`, then
+/// `moe_experts_add_rms_norm`.
+pub(crate) fn moe_add_rms_norm_unfused<B: Backend>(
+    b: &B,
+    moe: &MoeParams,
+    norm: &RmsNormParams,
+    r: &MoeBlock<'_, B>,
+    s: &mut MoeScratch<'_, B>,
+    x: &mut B::Buf,
+    h: &mut B::Buf,
+) {
+    let shared = RowsParams {
+        tokens: moe.tokens,
+        dim: r.shared_inter,
+    };
+    b.gate_up_swiglu(&shared, r.shared_gate, r.shared_up, h, s.g, s.u, s.act);
+    let mm = MatmulParams {
+        tokens: moe.tokens,
+        x_row0: 0,
+    };
+    b.matmul(&mm, r.shared_down, s.act, s.y);
+    let end = MoeAddNorm {
+        gate: r.gate,
+        up: r.up,
+        down: r.down,
+        ids: r.ids,
+        weights: r.weights,
+        shared: s.y,
+        shared_gate: r.shared_logit,
+        norm_w: r.norm_w,
+    };
+    b.moe_experts_add_rms_norm(moe, norm, &end, s.tmp, s.mix, x, h);
 }
 
 /// `moe_experts_add_rms_norm` as its parts (the trait's default; a backend's fallback where its

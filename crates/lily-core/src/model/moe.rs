@@ -5,7 +5,7 @@
 
 use super::state::Scratch;
 use crate::{
-    backend::{Backend, MatmulParams, MoeAddNorm, MoeParams, RmsNormParams, RouteParams, RowsParams},
+    backend::{Backend, MoeBlock, MoeParams, MoeScratch, RmsNormParams, RouteParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -52,8 +52,8 @@ impl<B: Backend> Moe<B> {
     pub fn forward(&self, b: &B, t: usize, norm: &RmsNormParams, w: &B::Buf, s: &mut Scratch<B>) {
         let tokens = t as u32;
         // The router and the shared expert's gate logit read s.h together, and the routing
-        // follows from the router's logits; the shared expert is its input half in one op,
-        // silu(gate_s h) * up_s h, then its down projection.
+        // follows from the router's logits; then the routed experts and the shared one, whose
+        // weighted sum goes into the residual before the next norm.
         let route = RouteParams {
             tokens,
             experts: self.experts as u32,
@@ -70,36 +70,32 @@ impl<B: Backend> Moe<B> {
             &mut s.expert_ids,
             &mut s.expert_w,
         );
-        let shared = RowsParams {
-            tokens,
-            dim: self.shared_inter as u32,
-        };
-        b.gate_up_swiglu(
-            &shared,
-            &self.shared_gate_proj,
-            &self.shared_up_proj,
-            &s.h,
-            &mut s.shared_g,
-            &mut s.shared_u,
-            &mut s.shared_act,
-        );
-        let mm = MatmulParams { tokens, x_row0: 0 };
-        b.matmul(&mm, &self.shared_down_proj, &s.shared_act, &mut s.shared_y);
         // x += routed + sigmoid(shared_gate) shared; s.h = rms_norm(x, w).
         let moe = MoeParams {
             tokens,
             top_k: self.top_k as u32,
         };
-        let end = MoeAddNorm {
+        let block = MoeBlock {
             gate: &self.experts_gate,
             up: &self.experts_up,
             down: &self.experts_down,
             ids: &s.expert_ids,
             weights: &s.expert_w,
-            shared: &s.shared_y,
-            shared_gate: &s.shared_gate,
+            shared_gate: &self.shared_gate_proj,
+            shared_up: &self.shared_up_proj,
+            shared_down: &self.shared_down_proj,
+            shared_inter: self.shared_inter as u32,
+            shared_logit: &s.shared_gate,
             norm_w: w,
         };
-        b.moe_experts_add_rms_norm(&moe, norm, &end, &mut s.moe_tmp, &mut s.mix, &mut s.x, &mut s.h);
+        let mut scratch = MoeScratch {
+            tmp: &mut s.moe_tmp,
+            mix: &mut s.mix,
+            g: &mut s.shared_g,
+            u: &mut s.shared_u,
+            act: &mut s.shared_act,
+            y: &mut s.shared_y,
+        };
+        b.moe_add_rms_norm(&moe, norm, &block, &mut scratch, &mut s.x, &mut s.h);
     }
 }

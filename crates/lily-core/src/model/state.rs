@@ -181,7 +181,7 @@ pub struct Scratch<B: Backend> {
     pub router: B::Buf,      // [chunk, E] router logits
     pub expert_ids: B::Ids,  // [chunk, K]
     pub expert_w: B::Buf,    // [chunk, K]
-    pub moe_tmp: B::Buf,     // [chunk * K, I + D]
+    pub moe_tmp: B::Buf,     // [chunk * (K + 1), I + D]: the shared expert may run as one more pair
     pub shared_g: B::Buf,    // [chunk, Is]
     pub shared_u: B::Buf,    // [chunk, Is]
     pub shared_act: B::Buf,  // [chunk, Is]
@@ -277,7 +277,7 @@ impl<B: Backend> Scratch<B> {
             router: b.alloc(chunk * e)?,
             expert_ids: b.alloc_ids(chunk * k)?,
             expert_w: b.alloc(chunk * k)?,
-            moe_tmp: b.alloc(chunk * k * (i + d))?,
+            moe_tmp: b.alloc(chunk * (k + 1) * (i + d))?,
             shared_g: b.alloc(chunk * is)?,
             shared_u: b.alloc(chunk * is)?,
             shared_act: b.alloc(chunk * is)?,

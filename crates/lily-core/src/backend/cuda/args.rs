@@ -70,7 +70,22 @@ pub struct MoeSortArgs {
     pub max_tiles: u32,
 }
 
+/// The MoE block's shared expert as each token's last (token, slot) pair of `moe_gate_up` /
+/// `moe_down` (`MoeShared` in moe.cu): `shared` 1 runs it (pairs K + 1 a token), 0 not (the rest
+/// unused); its gate, up and down descriptors, then each one's (weights, scales, biases).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoeShared {
+    pub gate: CudaMatrix,
+    pub up: CudaMatrix,
+    pub down: CudaMatrix,
+    pub shared: u32,
+    pub pad: u32,
+    pub ptrs: [DevPtr; 9],
+}
+
 const _: () = assert!(size_of::<CudaMatrix>() == 32);
+const _: () = assert!(size_of::<MoeShared>() == 176);
 const _: () = assert!(size_of::<KvDesc>() == 24);
 const _: () = assert!(size_of::<MoeSortArgs>() == 8);
 const _: () = assert!(size_of::<GemvMulti>() == 32);
@@ -105,6 +120,7 @@ params!(
     CudaMatrix,
     KvDesc,
     MoeSortArgs,
+    MoeShared,
     GemvMulti,
     u32,
     u64,
@@ -124,8 +140,9 @@ pub struct Args {
 impl Args {
     /// The most arguments of one kernel (matmul_gemv_multi takes 23).
     pub const MAX: usize = 24;
-    /// Bytes of argument values / 8 (the largest launch, matmul_gemv_multi, takes 304 bytes).
-    pub const WORDS: usize = 38;
+    /// Bytes of argument values / 8 (the largest launch, moe_gate_up with its `MoeShared`, takes
+    /// 328 bytes).
+    pub const WORDS: usize = 41;
 
     pub fn new() -> Args {
         Args {

@@ -19,9 +19,9 @@
 //! exactly the commands of the previous one (a decode step after a decode step), the backend
 //! captures them into a graph once and replays that graph from then on: one launch per step
 //! instead of hundreds. Any other call runs its kernels one by one. `LILY_CUDA_GRAPHS=0` turns
-//! graphs off. On compute capability 9.0+ the device launches every kernel with programmatic
-//! dependent launch (each may start while the one before it drains: `device.rs`);
-//! `LILY_CUDA_PDL=0` turns that off. Argument errors found while encoding (shapes a kernel does not support, buffers
+//! graphs off. On compute capability 9.0+ the device captures those graphs with programmatic
+//! dependent launch (each kernel may start while the one before it drains; eager launches stay
+//! plain: `device.rs` says why); `LILY_CUDA_PDL=0` turns that off. Argument errors found while encoding (shapes a kernel does not support, buffers
 //! too small) are kept and returned by `finish`: a bad shape is an error, never a fault.
 //!
 //! Encoding allocates nothing once warm: the command list is reused, arguments are packed inline
@@ -43,12 +43,14 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeSortArgs};
+pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeShared, MoeSortArgs};
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
-use super::{check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, StreamKind};
+use super::{
+    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+};
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
     error::{Error, Result},
@@ -761,6 +763,18 @@ impl<X: Executor> Backend for Cuda<X> {
         h: &mut CudaBuf<X>,
     ) {
         norm::cuda::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
+    }
+
+    fn moe_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeBlock<'_, Self>,
+        s: &mut MoeScratch<'_, Self>,
+        x: &mut CudaBuf<X>,
+        h: &mut CudaBuf<X>,
+    ) {
+        moe::cuda::moe_add_rms_norm(self, moe, norm, r, s, x, h)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {

@@ -6,10 +6,11 @@ use crate::backend::{
     cuda::{
         div, gemv_split,
         kernels::{Fixed as F, Kernel, WeightOp},
-        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeSortArgs, GEMV_TOKENS,
+        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeShared, MoeSortArgs, GEMV_TOKENS,
     },
-    gate_up_swiglu_unfused, moe_router_unfused,
-    params::{MoeParams, RouteParams, RowsParams},
+    gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
+    params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
+    MoeAddNorm, MoeBlock, MoeScratch,
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
@@ -150,7 +151,7 @@ pub fn moe_experts<X: Executor>(
     out: &mut CudaBuf<X>,
 ) {
     let (t, d, out_ptr) = (p.tokens as usize, gate.desc.cols, out.ptr());
-    moe_experts_then(c, p, x, ids, weights, gate, up, down, tmp, out, |y| {
+    moe_experts_then(c, p, x, ids, weights, gate, up, down, None, tmp, out, |y| {
         let rows = RowsParams {
             tokens: p.tokens,
             dim: d,
@@ -166,10 +167,16 @@ pub(crate) fn decodes_per_pair<X: Executor>(c: &Cuda<X>, p: &MoeParams) -> bool 
     p.tokens as usize <= c.gemv_tokens
 }
 
-/// `moe_experts` up to its sum: where [`decodes_per_pair`], the per-pair GEMVs into y [T*K, D]
-/// (in tmp, after act [T*K, I]), then `combine(y's address)` launches what sums the K rows of each
-/// token (into `out`, or folded into the residual norm: `ops::norm::cuda::moe_experts_add_rms_norm`);
-/// otherwise the expert-sorted path, which writes `out` itself (`combine` is not called).
+/// The shared expert's gate, up and down matrices where it runs as each token's last pair of the
+/// routed experts' kernels (`moe_add_rms_norm`).
+pub(crate) type SharedPair<'a, X> = [&'a CudaMat<X>; 3];
+
+/// `moe_experts` up to its sum: where [`decodes_per_pair`], the per-pair GEMVs into y [T*KP, D]
+/// (in tmp, after act [T*KP, I]; KP = K, or K + 1 with `shared`: the shared expert as each token's
+/// last pair, which the caller has checked to be in the experts' format and shape), then
+/// `combine(y's address)` launches what sums the KP rows of each token (into `out`, or folded into
+/// the residual norm: `ops::norm::cuda::moe_experts_add_rms_norm`); otherwise the expert-sorted
+/// path, which writes `out` itself (`combine` is not called; `shared` must then be None).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_experts_then<X: Executor>(
     c: &Cuda<X>,
@@ -180,13 +187,14 @@ pub(crate) fn moe_experts_then<X: Executor>(
     gate: &CudaMat<X>,
     up: &CudaMat<X>,
     down: &CudaMat<X>,
+    shared: Option<SharedPair<'_, X>>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
     combine: impl FnOnce(u64),
 ) {
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
-    let pairs = t * k;
+    let pairs = t * (k + shared.is_some() as usize);
     if pairs > 65535 || up.desc.rows != gate.desc.rows || down.desc.cols as usize != i || down.desc.rows as usize != d {
         c.fail(format!(
             "moe_experts: {pairs} token-expert pairs (at most 65535) or mismatched expert shapes"
@@ -197,8 +205,8 @@ pub(crate) fn moe_experts_then<X: Executor>(
         "moe_experts",
         &[
             ("x", x.len, t * d),
-            ("ids", ids.len, pairs),
-            ("weights", weights.len, pairs),
+            ("ids", ids.len, t * k),
+            ("weights", weights.len, t * k),
             ("tmp", tmp.len, pairs * (i + d)),
             ("out", out.len, t * d),
         ],
@@ -207,12 +215,29 @@ pub(crate) fn moe_experts_then<X: Executor>(
         return;
     }
     if !decodes_per_pair(c, p) {
+        if shared.is_some() {
+            return c.fail("moe_experts: the shared expert as a pair past the GEMV token limit".into());
+        }
         return experts_sorted(c, p, x, ids, weights, gate, up, down, tmp, out);
     }
+    let sh = match shared {
+        Some([sg, su, sd]) => {
+            let ([gw, gs, gb], [uw, us, ub], [dw, ds, db]) = (sg.ptrs(), su.ptrs(), sd.ptrs());
+            MoeShared {
+                gate: sg.desc,
+                up: su.desc,
+                down: sd.desc,
+                shared: 1,
+                pad: 0,
+                ptrs: [gw, gs, gb, uw, us, ub, dw, ds, db],
+            }
+        }
+        None => MoeShared::default(),
+    };
     let act = tmp.ptr();
     let y = tmp.ptr() + (pairs * i * 4) as u64;
     let (args, ks) = gate_up_args(Args::new().push(*p), gate, up, i, pairs);
-    let args = args.ptr(x.ptr()).ptr(ids.ptr()).ptr(act);
+    let args = args.push(sh).ptr(x.ptr()).ptr(ids.ptr()).ptr(act);
     let launch = shape([div(i, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
     let [dw, ds, db] = down.ptrs();
@@ -224,12 +249,62 @@ pub(crate) fn moe_experts_then<X: Executor>(
         .ptr(ds)
         .ptr(db)
         .push(ks)
+        .push(sh)
         .ptr(ids.ptr())
         .ptr(act)
         .ptr(y);
     let launch = shape([div(d, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
     combine(y);
+}
+
+/// `moe_add_rms_norm`: for a decode step (T <= `gemv_tokens`) whose shared expert has the routed
+/// experts' weight format and shapes (intermediate size, group, row layout: [`runs_as_pair`]), the
+/// shared expert as each token's pair K of `moe_gate_up` and `moe_down` (T*(K+1) pairs) and
+/// `moe_experts_add_rms_norm` reading its output from their y with weight sigmoid(shared_logit):
+/// three launches after the routing instead of five (the shared expert's `gate_up_swiglu` and down
+/// GEMV are gone). Otherwise (prefill, other shared formats) the parts.
+pub fn moe_add_rms_norm<X: Executor>(
+    c: &Cuda<X>,
+    moe: &MoeParams,
+    norm: &RmsNormParams,
+    r: &MoeBlock<'_, Cuda<X>>,
+    s: &mut MoeScratch<'_, Cuda<X>>,
+    x: &mut CudaBuf<X>,
+    h: &mut CudaBuf<X>,
+) {
+    if moe.tokens == 0 || !decodes_per_pair(c, moe) || !runs_as_pair(r) {
+        return moe_add_rms_norm_unfused(c, moe, norm, r, s, x, h);
+    }
+    let end = MoeAddNorm {
+        gate: r.gate,
+        up: r.up,
+        down: r.down,
+        ids: r.ids,
+        weights: r.weights,
+        // Not read: the shared expert's output is the last pair's row of the experts' y.
+        shared: s.y,
+        shared_gate: r.shared_logit,
+        norm_w: r.norm_w,
+    };
+    let shared = [r.shared_gate, r.shared_up, r.shared_down];
+    crate::ops::norm::cuda::experts_add_rms_norm(c, moe, norm, &end, Some(shared), s.tmp, s.mix, x, h);
+}
+
+/// Whether the shared expert can run as one more pair of the routed experts' kernels: each of its
+/// matrices in the weight format, shape and row layout of the routed one it stands beside (the
+/// kernels then differ only in where the rows are: its own row_offset, expert 0).
+fn runs_as_pair<X: Executor>(r: &MoeBlock<'_, Cuda<X>>) -> bool {
+    let like = |s: &CudaMat<X>, e: &CudaMat<X>| {
+        let (a, b) = (&s.desc, &e.desc);
+        s.weight == e.weight
+            && (a.rows, a.cols, a.group, a.row_bytes, a.vec, a.group_shift)
+                == (b.rows, b.cols, b.group, b.row_bytes, b.vec, b.group_shift)
+    };
+    r.shared_inter == r.gate.desc.rows
+        && like(r.shared_gate, r.gate)
+        && like(r.shared_up, r.up)
+        && like(r.shared_down, r.down)
 }
 
 /// The gate/up GEMV kernels' shared arguments after their params: [`gate_up_mats`], then ks

@@ -9,7 +9,7 @@ use crate::{
         params::{MoeParams, RmsNormParams},
         MoeAddNorm,
     },
-    ops::moe::cuda::{decodes_per_pair, moe_experts_then},
+    ops::moe::cuda::{decodes_per_pair, moe_experts_then, SharedPair},
 };
 
 /// Launch a norm kernel over `p.rows` rows (one block of 256 threads per row) after checking
@@ -103,7 +103,26 @@ pub fn moe_experts_add_rms_norm<X: Executor>(
     x: &mut CudaBuf<X>,
     h: &mut CudaBuf<X>,
 ) {
-    if !decodes_per_pair(c, moe) {
+    experts_add_rms_norm(c, moe, p, r, None, tmp, mix, x, h)
+}
+
+/// `moe_experts_add_rms_norm`, and with `shared` `ops::moe::cuda::moe_add_rms_norm`'s decode path:
+/// the shared expert as each token's last pair of the expert GEMVs (the caller has checked that it
+/// may: a decode step, the experts' format), whose row of y the combine kernel then reads in place
+/// of `r.shared`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn experts_add_rms_norm<X: Executor>(
+    c: &Cuda<X>,
+    moe: &MoeParams,
+    p: &RmsNormParams,
+    r: &MoeAddNorm<'_, Cuda<X>>,
+    shared: Option<SharedPair<'_, X>>,
+    tmp: &mut CudaBuf<X>,
+    mix: &mut CudaBuf<X>,
+    x: &mut CudaBuf<X>,
+    h: &mut CudaBuf<X>,
+) {
+    if !decodes_per_pair(c, moe) && shared.is_none() {
         return moe_experts_add_rms_norm_unfused(c, moe, p, r, tmp, mix, x, h);
     }
     let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
@@ -125,17 +144,42 @@ pub fn moe_experts_add_rms_norm<X: Executor>(
     }
     let (x_ptr, h_ptr) = (x.ptr(), h.ptr());
     // mix stands for moe_experts' output only in its checks: the sum goes into x.
-    moe_experts_then(c, moe, h, r.ids, r.weights, r.gate, r.up, r.down, tmp, mix, |y| {
-        let args = Args::new()
-            .push(*p)
-            .push(*moe)
-            .ptr(r.weights.ptr())
-            .ptr(y)
-            .ptr(x_ptr)
-            .ptr(r.shared.ptr())
-            .ptr(r.shared_gate.ptr())
-            .ptr(r.norm_w.ptr())
-            .ptr(h_ptr);
-        c.launch(F::MoeExpertsAddRmsNorm, shape([p.rows, 1, 1], 256), args);
-    });
+    // y's rows per token, and where each token's shared expert row is (the kernel's comment).
+    let (k, dim) = (moe.top_k as u64, p.dim as u64);
+    let (y_stride, shared_stride) = match shared {
+        Some(_) => ((k + 1) * dim, (k + 1) * dim),
+        None => (k * dim, dim),
+    };
+    moe_experts_then(
+        c,
+        moe,
+        h,
+        r.ids,
+        r.weights,
+        r.gate,
+        r.up,
+        r.down,
+        shared,
+        tmp,
+        mix,
+        |y| {
+            let args = Args::new()
+                .push(*p)
+                .push(*moe)
+                .push(y_stride)
+                .ptr(r.weights.ptr())
+                .ptr(y)
+                .ptr(x_ptr)
+                .ptr(if shared.is_some() {
+                    y + k * dim * 4
+                } else {
+                    r.shared.ptr()
+                })
+                .push(shared_stride)
+                .ptr(r.shared_gate.ptr())
+                .ptr(r.norm_w.ptr())
+                .ptr(h_ptr);
+            c.launch(F::MoeExpertsAddRmsNorm, shape([p.rows, 1, 1], 256), args);
+        },
+    );
 }
