@@ -65,6 +65,8 @@ static_assert(sizeof(MoeSortDesc) == 16, "MoeSortDesc");
 // ---- limits and layouts (the reasons: params.rs)
 LILY_CONST uint MAX_CONV_TAPS = 16;            // delta_net_conv: taps - 1 rows of history in registers
 LILY_CONST uint DELTA_NET_KEY_DIM_MAX = 256;   // delta_net: 8 state values per lane
+LILY_CONST uint DELTA_NET_GATED_DIM_MAX = 128; // CUDA delta_net_gated: Dk, Dv at most (a head in one block)
+LILY_CONST uint DELTA_NET_GATED_TAPS_MAX = 4;  // CUDA delta_net_gated: conv taps at most (window in registers)
 LILY_CONST uint DELTA_NET_CHUNK = 32;          // tokens per chunk of the chunked prefill
 LILY_CONST uint DELTA_NET_COLS = 16;           // state columns per threadgroup of delta_net_chunk
 LILY_CONST uint KV_SEGMENT_ROWS = 1024;        // KV-cache rows per segment by default (a power of two)

@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
 // channels of key head kh are read by the Hv / Hk blocks of its value heads; each block, done with
 // its reads, counts itself on counts[kh] (a device-scope fence, then atomicAdd; last-block-done as
 // moe_router), and the last one writes their new state and sets the count back to 0. f32 throughout.
-#define DNG_DK 128      // Dk and Dv at most
+#define DNG_DK DELTA_NET_GATED_DIM_MAX // Dk and Dv at most
 #define DNG_THREADS 512 // 4 column warps x 4 row warps of 32 lanes
 #define DNG_ROWS (DNG_DK / 4)
 extern "C" __global__ void __launch_bounds__(DNG_THREADS) delta_net_gated(const DeltaNetParams p, const ConvParams cp,
@@ -391,13 +391,13 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS) delta_net_gated(const 
     dst = vs + (tid - 2 * DNG_DK);
   }
   const bool conv = ch < C, qk = tid < 2 * Dk;
-  // Window as delta_net_conv's: win[MAX_CONV_TAPS - 1 - k] holds row t - k (rows -hist .. -1 are
-  // the state), wr[MAX_CONV_TAPS - 1 - k] = w[ch, taps - 1 - k] (0 for k >= taps). Every read of
-  // the old conv state happens here, before any write.
-  float win[MAX_CONV_TAPS], wr[MAX_CONV_TAPS];
+  // Window as delta_net_conv's, of W = DELTA_NET_GATED_TAPS_MAX (the host checks taps <= W):
+  // win[W - 1 - k] holds row t - k (rows -hist .. -1 are the state), wr[W - 1 - k] = w[ch, taps - 1 - k]
+  // (0 for k >= taps). Every read of the old conv state happens here, before any write.
+  float win[DELTA_NET_GATED_TAPS_MAX], wr[DELTA_NET_GATED_TAPS_MAX];
 #pragma unroll
-  for (uint i = 0; i < MAX_CONV_TAPS; ++i) {
-    const uint k = MAX_CONV_TAPS - 1 - i;
+  for (uint i = 0; i < DELTA_NET_GATED_TAPS_MAX; ++i) {
+    const uint k = DELTA_NET_GATED_TAPS_MAX - 1 - i;
     wr[i] = conv && k < taps ? conv_w[(size_t)ch * taps + (taps - 1 - k)] : 0.0f;
     win[i] = conv && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch] : 0.0f;
   }
@@ -419,11 +419,11 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS) delta_net_gated(const 
     float y = 0.0f;
     if (conv) {
 #pragma unroll
-      for (uint i = 0; i + 1 < MAX_CONV_TAPS; ++i) win[i] = win[i + 1];
-      win[MAX_CONV_TAPS - 1] = proj[(size_t)t * C + ch];
+      for (uint i = 0; i + 1 < DELTA_NET_GATED_TAPS_MAX; ++i) win[i] = win[i + 1];
+      win[DELTA_NET_GATED_TAPS_MAX - 1] = proj[(size_t)t * C + ch];
       float acc = 0.0f;
 #pragma unroll
-      for (uint i = 0; i < MAX_CONV_TAPS; ++i) acc += wr[i] * win[i];
+      for (uint i = 0; i < DELTA_NET_GATED_TAPS_MAX; ++i) acc += wr[i] * win[i];
       y = silu(acc);
       *dst = y;
     }
@@ -475,8 +475,8 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS) delta_net_gated(const 
   // The new conv state: the window ends at row T - 1; state row hist - 1 - k = row T - 1 - k.
   auto store_conv = [&]() {
 #pragma unroll
-    for (uint k = 0; k + 1 < MAX_CONV_TAPS; ++k)
-      if (k < hist) conv_state[(size_t)(hist - 1 - k) * C + ch] = win[MAX_CONV_TAPS - 1 - k];
+    for (uint k = 0; k + 1 < DELTA_NET_GATED_TAPS_MAX; ++k)
+      if (k < hist) conv_state[(size_t)(hist - 1 - k) * C + ch] = win[DELTA_NET_GATED_TAPS_MAX - 1 - k];
   };
   if (conv && !qk) store_conv();  // v channels: this block's alone
   __syncthreads();                // every read of the q/k state in this block is done (consumed)

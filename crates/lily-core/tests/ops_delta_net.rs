@@ -398,14 +398,17 @@ fn delta_net_chunked_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f3
 /// 128, 4 taps) in decode steps of 1 token and calls of 2 and 8 (the GEMV limit: the
 /// fused kernel loops over the tokens); an odd small config (3 value heads per key head, Dk = 24,
 /// Dv = 40, 3 taps) including a 12-token call (CUDA: the parts) between fused ones; one value head
-/// per key head, 2 taps (a history shorter than some calls). Each call's gated output, then every
+/// per key head, 2 taps (a history shorter than some calls); 6 taps (CUDA: the parts). Each call's gated output, then every
 /// sequence's final conv and recurrent state.
 fn delta_net_gated_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     // (Hk, Hv, Dk, Dv, taps, sequences, tokens of each call: call i runs sequence i % sequences)
-    let cases: [(usize, usize, usize, usize, usize, usize, &[usize]); 3] = [
+    type Case = (usize, usize, usize, usize, usize, usize, &'static [usize]);
+    let cases: [Case; 4] = [
         (16, 32, 128, 128, 4, 2, &[1, 1, 2, 1, 1, 8, 1, 1]),
         (2, 6, 24, 40, 3, 3, &[1, 3, 1, 1, 12, 1, 1, 2, 1]),
         (1, 1, 16, 16, 2, 1, &[1, 3, 1]),
+        // More taps than the CUDA kernel's window (DELTA_NET_GATED_TAPS_MAX): the parts there.
+        (1, 2, 16, 16, 6, 1, &[1, 2, 1]),
     ];
     for (ci, (hk, hv, dk, dv, taps, seqs, calls)) in cases.into_iter().enumerate() {
         let seed = 600 + 100 * ci as u64;

@@ -208,6 +208,15 @@ constants! {
     /// threadgroup memory.
     pub const DELTA_NET_KEY_DIM_MAX: usize = 256;
 
+    /// Dk and Dv at most of the CUDA `delta_net_gated` (a decode step's conv + recurrence + gated
+    /// norm): its conv threads and the 4 x 32 columns and rows of a head's state in one block.
+    pub const DELTA_NET_GATED_DIM_MAX: usize = 128;
+
+    /// Conv taps at most of the CUDA `delta_net_gated` (Qwen3.6: 4): each conv thread keeps a window
+    /// and weights of this many registers beside 32 state registers, under the 128-register cap of
+    /// 512 threads (windows of `MAX_CONV_TAPS` spilled); more taps run the parts.
+    pub const DELTA_NET_GATED_TAPS_MAX: usize = 4;
+
     /// Tokens per chunk of the Metal chunked DeltaNet prefill: one token per lane of a
     /// simdgroup, [32, 32] intra-chunk matrices.
     pub const DELTA_NET_CHUNK: usize = 32;

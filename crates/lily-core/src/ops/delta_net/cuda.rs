@@ -5,14 +5,10 @@
 use crate::backend::{
     cuda::{div, kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
     delta_net_gated_unfused,
-    params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
+    params::{ConvParams, DeltaNetParams, DELTA_NET_GATED_DIM_MAX, DELTA_NET_GATED_TAPS_MAX, MAX_CONV_TAPS},
     DeltaNetGated,
 };
 use crate::ops::elementwise::cuda::copy_rows;
-
-/// Dk and Dv at most of `delta_net_gated` (DNG_DK in the kernel: its conv threads and the 4 x 32
-/// columns and rows of a head's state in one block).
-const GATED_DIM_MAX: usize = 128;
 
 /// Tokens per conv tile (the kernel derives its tile from the grid); at least the longest
 /// history, so a call of several tiles has its new state entirely in x.
@@ -140,8 +136,9 @@ pub fn delta_net_gated<X: Executor>(
     let width = 2 * hk * dk + hv * dv;
     let fused = c.fused_delta_net
         && t <= c.gemv_tokens
-        && dk <= GATED_DIM_MAX
-        && dv <= GATED_DIM_MAX
+        && dk <= DELTA_NET_GATED_DIM_MAX
+        && dv <= DELTA_NET_GATED_DIM_MAX
+        && r.conv.taps as usize <= DELTA_NET_GATED_TAPS_MAX
         && r.conv.tokens == p.tokens
         && r.conv.channels as usize == width
         && r.norm.rows as usize == t * hv
