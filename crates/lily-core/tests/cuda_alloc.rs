@@ -68,6 +68,12 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
         (1, 1),
         "one capture, one replay"
     );
+    // The prefill chunks' graph was captured plain, the decode step's with programmatic launch.
+    assert_eq!(
+        (c.executor().programmatic_captures(), graphs),
+        (1, 2),
+        "programmatic captures of all captures"
+    );
     for i in 2..=9 {
         let (n, ()) = allocations_in(|| step(i, &mut s, &mut state));
         assert_eq!(n, 0, "{n} allocations encoding warm decode step {i}");

@@ -11,12 +11,12 @@
 //! - Memory: `cuMemAlloc` (plain device memory), zeroed; host copies on the stream, waited for.
 //! - Graphs: stream capture (thread-local mode) instantiated with `cuGraphInstantiateWithFlags`.
 //! - Programmatic dependent launch (compute capability 9.0+, driver 12.3+; `LILY_CUDA_PDL=0` turns
-//!   it off): every kernel captured into a graph (the decode steps) is launched with
+//!   it off): every kernel captured into a decode step's graph is launched with
 //!   `cuLaunchKernelEx` and the attribute `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`,
 //!   so the graph gets programmatic edges and a kernel may start while the one before it drains.
 //!   The kernels make this safe: each waits (`grid_dep_wait`, shaders/cuda/common.cuh) before its
-//!   first access to memory other than weights. Eager launches (prefill chunks, the first decode
-//!   steps) stay plain: on the H200 (2026-12-02) the attribute made a decode step 9 % faster (206 ->
+//!   first access to memory other than weights. Prefill chunks (eager or captured) and eager decode
+//!   steps stay plain: on the H200 (2026-12-02) the attribute made a decode step 9 % faster (206 ->
 //!   226 tok/s at depth 4,100) and a 4,096-token prefill 8 % slower (9,884 -> 9,116 tok/s: the big
 //!   GEMMs' early-resident dependents take SM room and gain nothing from a hidden launch gap).
 //! - Profile: `LILY_CUDA_PROFILE=1` keeps the graphs and records a CUDA event node between every
@@ -111,8 +111,8 @@ pub struct Device {
     /// driver can (and no profile runs), and whether it is on now.
     pdl_capable: bool,
     pdl: AtomicBool,
-    /// Between `capture_begin` and `capture_end`: the launches are graph nodes (programmatic edges
-    /// only there).
+    /// Between `capture_begin(true)` and `capture_end`: the launches are nodes of a decode step's
+    /// graph (programmatic edges only there).
     capturing: AtomicBool,
     /// `LILY_CUDA_PROFILE`: events of the launches since the last sync, and the totals per kernel.
     profile: Option<Mutex<Profile>>,
@@ -547,7 +547,7 @@ impl Executor for Device {
         Ok(())
     }
 
-    fn capture_begin(&self) -> Result<bool> {
+    fn capture_begin(&self, programmatic: bool) -> Result<bool> {
         self.current()?;
         // SAFETY: a valid stream, not capturing (the backend captures one list at a time).
         check(
@@ -562,7 +562,7 @@ impl Executor for Device {
         if let Some(mut p) = self.profile() {
             p.capturing = Some(Vec::new());
         }
-        self.capturing.store(true, Relaxed);
+        self.capturing.store(programmatic, Relaxed);
         Ok(true)
     }
 

@@ -61,7 +61,10 @@ pub trait Executor: Send + Sync + Sized + 'static {
     fn sync(&self) -> Result<()>;
     /// Start recording the launches that follow into a graph instead of running them; `false`
     /// when this executor has no graphs (the commands then run as they are launched).
-    fn capture_begin(&self) -> Result<bool> {
+    /// `programmatic`: launch the captured kernels with programmatic dependent launch where the
+    /// executor has it (the backend asks for it for decode steps only).
+    fn capture_begin(&self, programmatic: bool) -> Result<bool> {
+        let _ = programmatic;
         Ok(false)
     }
     /// End the recording begun by `capture_begin` and instantiate it.
@@ -101,6 +104,7 @@ pub struct Null {
     log: Mutex<Vec<Recorded>>,
     launches: std::sync::atomic::AtomicUsize,
     graphs: std::sync::atomic::AtomicUsize,
+    programmatic: std::sync::atomic::AtomicUsize,
     replays: std::sync::atomic::AtomicUsize,
 }
 
@@ -115,6 +119,10 @@ impl Null {
     /// Launches recorded since the last call (with `record`).
     pub fn take_log(&self) -> Vec<Recorded> {
         std::mem::take(&mut *self.log.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+    /// Graphs captured with programmatic dependent launch asked for, so far.
+    pub fn programmatic_captures(&self) -> usize {
+        self.programmatic.load(std::sync::atomic::Ordering::Relaxed)
     }
     /// (eager launches, graphs captured, graph replays) so far.
     pub fn counts(&self) -> (usize, usize, usize) {
@@ -176,8 +184,10 @@ impl Executor for Null {
     fn sync(&self) -> Result<()> {
         Ok(())
     }
-    fn capture_begin(&self) -> Result<bool> {
+    fn capture_begin(&self, programmatic: bool) -> Result<bool> {
         self.graphs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.programmatic
+            .fetch_add(programmatic as usize, std::sync::atomic::Ordering::Relaxed);
         Ok(true)
     }
     fn capture_end(&self) -> Result<()> {

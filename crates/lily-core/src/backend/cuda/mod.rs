@@ -152,6 +152,9 @@ pub(crate) struct Stream<X: Executor> {
     last: Vec<Cmd>,
     /// The captured graph and the commands it holds.
     graph: Option<(Vec<Cmd>, X::Graph)>,
+    /// What the engine said this call is (`begin`): a decode step's graph is captured with
+    /// programmatic dependent launch, a prefill chunk's is not (device.rs says why).
+    kind: StreamKind,
     /// Split-attention partials [H, splits, 2 + hd], grown to the largest need seen.
     pub(crate) partials: Option<(Arc<Alloc<X>>, usize)>,
     /// u32 routing scratch of the expert-sorted MoE prefill, grown to the largest need seen.
@@ -277,6 +280,7 @@ impl<X: Executor> Cuda<X> {
                 error: None,
                 last: Vec::new(),
                 graph: None,
+                kind: StreamKind::Other,
                 partials: None,
                 moe_scratch: None,
                 router_counts: None,
@@ -392,7 +396,7 @@ impl<X: Executor> Cuda<X> {
     /// Capture the recorded commands into a graph and launch it (eagerly when the executor has
     /// no graphs).
     fn capture(&self, st: &mut Stream<X>) -> Result<()> {
-        if !self.x.capture_begin()? {
+        if !self.x.capture_begin(st.kind == StreamKind::Decode)? {
             return self.run(&mut st.cmds);
         }
         let r = self.run(&mut st.cmds);
@@ -704,8 +708,9 @@ impl<X: Executor> Backend for Cuda<X> {
         Ok(u32::from_le_bytes(b))
     }
     /// Nothing to open: commands are recorded and launched at `finish` (a repeated list, whatever
-    /// its kind, replays its graph).
-    fn begin(&self, _kind: StreamKind) -> Result<()> {
+    /// its kind, replays its graph; the kind decides only programmatic launch in a new graph).
+    fn begin(&self, kind: StreamKind) -> Result<()> {
+        self.lock().kind = kind;
         Ok(())
     }
     fn finish(&self) -> Result<()> {
