@@ -238,7 +238,7 @@ pub fn scratch_elements(cfg: &ModelConfig, chunk: usize, logit_rows: usize) -> u
         + w.core
         + w.e
         + 2 * w.k
-        + w.k * (w.i + w.d)
+        + (w.k + 1) * (w.i + w.d)
         + 3 * w.is
         + 1;
     chunk * per_token + logit_rows * cfg.vocab_size
