@@ -54,13 +54,16 @@ print(json.dumps({"result": "interrupted", "at": stopped, "position": position, 
                   "max_diff": float(np.abs(rest - ref).max()), "end": eng.position}), flush=True)
 """
 
+# 4,000 tokens in one chunk: long enough (over a second on a quiet 2-core machine) that the signal, sent 0.1 s
+# after "go", lands inside the call (1,000 tokens finished within 0.3 s on a quiet machine: the test then saw
+# "finished").
 ONE_CHUNK = """
 import json, sys, time
 import lily
-eng = lily.Engine(sys.argv[1], backend="cpu", max_seq=4096)
+eng = lily.Engine(sys.argv[1], backend="cpu", max_seq=8192, prefill_chunk=4096)
 print("go", flush=True)
 try:
-    eng.prefill([(7 * i) % 1000 + 1 for i in range(1000)])  # one chunk, the process's first logits array
+    eng.prefill([(7 * i) % 1000 + 1 for i in range(4000)])  # one chunk, the process's first logits array
     print(json.dumps({"result": "finished"}), flush=True)
 except KeyboardInterrupt:
     print(json.dumps({"result": "interrupted", "position": eng.position}), flush=True)
@@ -146,8 +149,8 @@ def test_ctrl_c_in_the_last_chunk_is_a_keyboard_interrupt(ckpts):
     """A signal during the last (here: only) chunk is raised when the call returns, as KeyboardInterrupt with
     the prefill complete. It used to surface as a Rust panic: making the process's first logits array imported
     NumPy's C API, which ran Python code that raised the pending KeyboardInterrupt inside rust-numpy."""
-    report, _ = _interrupt(ONE_CHUNK, ckpts.path("real-s0"), 0.3)
-    assert report == {"result": "interrupted", "position": 1000}, report
+    report, _ = _interrupt(ONE_CHUNK, ckpts.path("real-s0"), 0.1)
+    assert report == {"result": "interrupted", "position": 4000}, report
 
 
 def test_ctrl_c_during_generation_leaves_the_model_usable(ckpts):
