@@ -86,12 +86,7 @@ fn delta_inputs<'a>(
     q: &mut [f32],
     k: &mut [f32],
 ) -> (&'a [f32], f32, f32) {
-    let (hk, hv, dk, dv) = (
-        p.key_heads as usize,
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-    );
+    let (_, hk, hv, dk, dv) = p.dims();
     let width = 2 * hk * dk + hv * dv;
     let row = &qkv[t * width..][..width];
     let kh = j / (hv / hk).max(1); // value head j reads q/k head j / (Hv/Hk)

@@ -60,13 +60,7 @@ pub fn delta_net<X: Executor>(
     state: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let (t, hk, hv, dk, dv) = (
-        p.tokens as usize,
-        p.key_heads as usize,
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-    );
+    let (t, hk, hv, dk, dv) = p.dims();
     let have = [qkv.len, a.len, b.len, a_log.len, dt_bias.len, state.len, out.len];
     let checks = match super::delta_net_checks(p, have) {
         Ok(checks) => checks,
@@ -126,13 +120,7 @@ pub fn delta_net_gated<X: Executor>(
     out: &mut CudaBuf<X>,
 ) {
     let p = &r.delta;
-    let (t, hk, hv, dk, dv) = (
-        p.tokens as usize,
-        p.key_heads as usize,
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-    );
+    let (t, hk, hv, dk, dv) = p.dims();
     let width = 2 * hk * dk + hv * dv;
     let fused = c.fused_delta_net
         && t <= c.gemv_tokens

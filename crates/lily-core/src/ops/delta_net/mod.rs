@@ -30,17 +30,24 @@ pub fn conv_checks(p: &ConvParams, have: [usize; 4]) -> Result<[(&'static str, u
     Ok(std::array::from_fn(|i| (names[i], have[i], need[i])))
 }
 
+impl DeltaNetParams {
+    /// (T tokens, Hk key heads, Hv value heads, Dk, Dv) as sizes.
+    pub fn dims(&self) -> (usize, usize, usize, usize, usize) {
+        (
+            self.tokens as usize,
+            self.key_heads as usize,
+            self.value_heads as usize,
+            self.key_dim as usize,
+            self.value_dim as usize,
+        )
+    }
+}
+
 /// As [`conv_checks`] for `delta_net`: the head shapes every kernel supports (value heads a
 /// multiple of the key heads, Dk <= `DELTA_NET_KEY_DIM_MAX`), then the buffers. `have`: the
 /// lengths of qkv, a, b, a_log, dt_bias, state, out.
 pub fn delta_net_checks(p: &DeltaNetParams, have: [usize; 7]) -> Result<[(&'static str, usize, usize); 7], String> {
-    let (t, hk, hv, dk, dv) = (
-        p.tokens as usize,
-        p.key_heads as usize,
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-    );
+    let (t, hk, hv, dk, dv) = p.dims();
     if hk == 0 || hv % hk != 0 || dk == 0 || dk > DELTA_NET_KEY_DIM_MAX || dv == 0 {
         return Err(format!(
             "delta_net: {hv} value heads on {hk} key heads of dim {dk}, value dim {dv} unsupported \

@@ -44,12 +44,7 @@ pub fn delta_net_inputs(
     t: usize,
     j: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, f32, f32) {
-    let (hk, hv, dk, dv) = (
-        p.key_heads as usize,
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-    );
+    let (_, hk, hv, dk, dv) = p.dims();
     let width = 2 * hk * dk + hv * dv;
     let row = &qkv[t * width..][..width];
     let kh = j / (hv / hk); // value head j reads q/k head j / (Hv/Hk)
