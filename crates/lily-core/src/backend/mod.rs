@@ -597,6 +597,23 @@ pub struct MoeBlock<'a, B: Backend> {
     pub norm_w: &'a B::Buf,
 }
 
+impl<'a, B: Backend> MoeBlock<'a, B> {
+    /// The operands of `moe_experts_add_rms_norm` for this block, the shared expert's output in
+    /// `shared` [T, D].
+    pub fn end<'s>(&'s self, shared: &'s B::Buf) -> MoeAddNorm<'s, B> {
+        MoeAddNorm {
+            gate: self.gate,
+            up: self.up,
+            down: self.down,
+            ids: self.ids,
+            weights: self.weights,
+            shared,
+            shared_gate: self.shared_logit,
+            norm_w: self.norm_w,
+        }
+    }
+}
+
 /// The scratch of `moe_add_rms_norm`: tmp [T*(K+1), I + D] (`moe_experts`' scratch, room for the
 /// shared expert as one more pair), mix [T, D]; the shared expert's g, u, act [T, Is] and y [T, D]
 /// (its parts).
@@ -631,17 +648,7 @@ pub(crate) fn moe_add_rms_norm_unfused<B: Backend>(
         x_row0: 0,
     };
     b.matmul(&mm, r.shared_down, s.act, s.y);
-    let end = MoeAddNorm {
-        gate: r.gate,
-        up: r.up,
-        down: r.down,
-        ids: r.ids,
-        weights: r.weights,
-        shared: s.y,
-        shared_gate: r.shared_logit,
-        norm_w: r.norm_w,
-    };
-    b.moe_experts_add_rms_norm(moe, norm, &end, s.tmp, s.mix, x, h);
+    b.moe_experts_add_rms_norm(moe, norm, &r.end(s.y), s.tmp, s.mix, x, h);
 }
 
 /// `moe_experts_add_rms_norm` as its parts (the trait's default; a backend's fallback where its

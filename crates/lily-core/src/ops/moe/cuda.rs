@@ -10,7 +10,7 @@ use crate::backend::{
     },
     gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
     params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
-    MoeAddNorm, MoeBlock, MoeScratch,
+    MoeBlock, MoeScratch,
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
@@ -276,17 +276,8 @@ pub fn moe_add_rms_norm<X: Executor>(
     if moe.tokens == 0 || !decodes_per_pair(c, moe) || !runs_as_pair(r) {
         return moe_add_rms_norm_unfused(c, moe, norm, r, s, x, h);
     }
-    let end = MoeAddNorm {
-        gate: r.gate,
-        up: r.up,
-        down: r.down,
-        ids: r.ids,
-        weights: r.weights,
-        // Not read: the shared expert's output is the last pair's row of the experts' y.
-        shared: s.y,
-        shared_gate: r.shared_logit,
-        norm_w: r.norm_w,
-    };
+    // `shared` is not read: the shared expert's output is the last pair's row of the experts' y.
+    let end = r.end(s.y);
     let shared = [r.shared_gate, r.shared_up, r.shared_down];
     crate::ops::norm::cuda::experts_add_rms_norm(c, moe, norm, &end, Some(shared), s.tmp, s.mix, x, h);
 }
