@@ -45,6 +45,10 @@
 #            llama-bench)
 #   depth    the host's CPU: python -m lily.bench.depth at 4K, 32K (prefilled, beside llama-bench -d) and
 #            128K, 255K (fill_context): decode tok/s, bytes per token, peak memory (after llama)
+#   ncu      Nsight Compute on two decode steps (graph nodes) of the 4-layer checkpoint after a 4096-token
+#            prefill: per kernel its duration without event overhead, DRAM throughput, occupancy and
+#            warp stall reasons ($OUT/ncu_decode.csv, .ncu-rep; needs the Firecracker runtime, where ncu
+#            reads the counters)
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
 #            128K, all cores and 2), batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2)
 #            and the CPU profile of a batched step at B = 1 and 4 (decode_profile, all cores; after cpu, which
@@ -285,6 +289,33 @@ if want depth; then
         --depths 4K,32K,128K,255K --prefill-upto 32K --decode-steps 16 --llama-bench "$LLAMA" --gguf "$GGUF4" \
         --llama-reps 1 --json "$WORK/depth.json" || fail=1
     [ -n "${OUT:-}" ] && cp "$WORK/depth.json" "$OUT/" 2>/dev/null
+fi
+if want ncu; then
+    synth4
+    step "Nsight Compute: two decode steps at depth ~4100 of the 4-layer checkpoint (cuProfilerStart/Stop around them)"
+    ncu --version | tail -1
+    cat > "$WORK/ncu_decode.py" <<'EOF'
+import ctypes, sys, lily
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+eng.prefill([1 + (i * 7919) % 240000 for i in range(4096)])
+tok = 1
+for _ in range(4):
+    tok = eng.decode_greedy(tok)
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuProfilerStart() == 0, "cuProfilerStart"
+for _ in range(2):
+    tok = eng.decode_greedy(tok)
+assert cuda.cuProfilerStop() == 0, "cuProfilerStop"
+EOF
+    rep="${OUT:-$WORK}/ncu_decode"
+    ncu --clock-control none --profile-from-start off --graph-profiling node --target-processes all \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats -f -o "$rep" \
+        python3 "$WORK/ncu_decode.py" "$SYNTH4" > "$WORK/ncu.log" 2>&1 || { tail -30 "$WORK/ncu.log"; fail=1; }
+    tail -5 "$WORK/ncu.log"
+    ncu --import "$rep.ncu-rep" --csv --page details > "$rep.csv" || fail=1
+    ncu --import "$rep.ncu-rep" --csv --print-summary per-kernel > "$rep-summary.csv" 2>&1 || fail=1
+    head -c 3000 "$rep-summary.csv"
 fi
 if want extras; then
     cores=$(nproc)

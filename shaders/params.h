@@ -81,3 +81,4 @@ LILY_CONST uint ROUTE_TOP_K_MAX = 64;          // moe_route picks
 LILY_CONST uint ROUTE_TG_WORDS = 224;          // route_token's threadgroup scratch: 3 x 32 + 2 x ROUTE_TOP_K_MAX
 LILY_CONST uint MMA_TILE = 32;                 // matmul_mma: token rows and K step of a tile
 LILY_CONST uint MOE_TILE = 32;                 // expert-sorted MoE: pairs per block, K step
+LILY_CONST uint ARGMAX_BLOCKS = 128;           // CUDA argmax: blocks at most (their results in the step buffer)

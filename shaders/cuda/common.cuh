@@ -194,6 +194,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// A hint that p's 128-byte line will be read soon by this SM: fetched into L1 (PTX
+// prefetch.global.L1; no effect on results, none in the simulator).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#if !defined(LILY_CUDA_SIM)
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
 // ---------------------------------------------------------------- int8 activation planes (GEMV)
 // The decode GEMVs of 4- and 8-bit weights multiply codes by integers (dp4a), not floats, as the
 // CPU backend does (backend/cpu/int8.rs, whose argument carries over): each 16-byte weight chunk's
@@ -557,6 +565,12 @@ __device__ __forceinline__ void rows_dot_tail(const W& wr, const Row* rows, uint
 // so a pass covers whole 32-chunk steps; K of the model's matrices (<= 8192 at 4 bits) is one pass.
 #define GEMV_XS 8192
 
+// Whether x [K] of matrix m is staged in one pass of gemv_staged (so a block that loops over row
+// groups stages it once): K's whole chunks fit GEMV_XS.
+template <typename W> __device__ __forceinline__ bool gemv_one_pass(const CudaMatrix& m) {
+  return m.cols / W::EPC <= GEMV_XS / W::EPC;
+}
+
 // The int8-plane staging of x (W::PLANAR formats: 4- and 8-bit, 16 or 32 columns a chunk; the
 // planes' arithmetic is described above XPlanes) for the n chunks of x [n * EPC] of one pass, into
 // the GEMV_XS-float buffer xs: plane p's int4 h of chunk c at int4 ((c / 32) 3 H + p H + h) 32 +
@@ -576,6 +590,9 @@ __device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, u
   int* qs = reinterpret_cast<int*>(xs);
   float* ds = reinterpret_cast<float*>(xs + SEG * GEMV_PLANES * H);
   const uint total = n * Q;
+  // Every round's piece asked for at once: the rounds below then read L1, instead of each waiting
+  // its own L2 round trip (x was just written by the kernel before; 4 rounds at K = 4096).
+  for (uint f = threadIdx.x; f < total; f += blockDim.x) prefetch_l1(x + (size_t)f * 4);
   for (uint f0 = 0; f0 < total; f0 += blockDim.x) {
     const uint f = f0 + threadIdx.x, c = f / Q, q = f % Q;
     const bool real = f < total;  // the same for the Q lanes of a chunk
@@ -667,9 +684,12 @@ template <int EPC> __device__ __forceinline__ XPlanes<EPC / 16> gemv_planes_at(c
 // chunks inside one group (group % EPC == 0, true of MLX's groups 32, 64, 128): other groups of a
 // PLANAR format take the element path (returns 0). It calls grid_dep_wait() after the first weight
 // loads and before touching x, on every path: the caller may read x, and write, once it returns.
+// `staged`: xs already holds this x from the block's previous call (the caller passes it only when
+// K fits one pass, gemv_one_pass): the staging and its barrier are skipped.
 template <typename W, int R, int NC, typename Load, typename Dot>
 __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint K, const float* __restrict__ x,
-                                            float4* xs, bool active, uint s, uint ks, Load load, Dot dot) {
+                                            float4* xs, bool active, uint s, uint ks, Load load, Dot dot,
+                                            bool staged = false) {
   constexpr uint EPC = W::EPC, Q = EPC / 4, SEG = GEMV_XS / EPC;
   if (!vec || (W::PLANAR && m.group % EPC != 0)) {
     grid_dep_wait();
@@ -693,7 +713,9 @@ __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint 
     // Programmatic dependent launch: the first pass's weight loads (weights: never written by a
     // kernel) are in flight while the kernel before this one drains; x is read only after it.
     grid_dep_wait();
-    if constexpr (W::PLANAR) {
+    if (staged) {
+      // xs holds this pass already (one pass: s0 == 0); no thread writes it
+    } else if constexpr (W::PLANAR) {
       gemv_stage_planes<EPC>(x + (size_t)s0 * EPC, n, xs);
     } else {
       for (uint f = threadIdx.x; f < n * Q; f += blockDim.x) {
@@ -701,7 +723,7 @@ __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint 
         xs[(cc / 32) * 32 * Q + 32 * q + cc % 32] = load_f4(x + (size_t)(s0 + cc) * EPC + 4 * q);
       }
     }
-    __syncthreads();
+    if (!staged) __syncthreads();
     if (active) {
       const float* xf = reinterpret_cast<const float*>(xs);
 #pragma unroll 1
@@ -755,10 +777,12 @@ __device__ __forceinline__ void gemv_combine(float* v, float (*part)[R], uint ks
 // GEMV_ROWS rows of each of its 8 / ks warp groups (group g of block b owns rows (b (8 / ks) + g) 4
 // .. + 4, stored rows base + r: base = row_offset (+ an expert's rows)); x [K], out [N] f32. A partial
 // last group repeats its last row and stores only the valid ones. Accumulation: f32. NC: chunks a
-// lane loads ahead per row (gemv_staged). xs (GEMV_XS floats) and part: the caller's shared memory.
+// lane loads ahead per row (gemv_staged). xs (GEMV_XS floats) and part: the caller's shared memory;
+// staged: xs holds this x already (gemv_staged).
 template <typename W, int NC>
 __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uint ks, const float* __restrict__ x,
-                                           float* __restrict__ out, float4* xs, float (*part)[GEMV_ROWS]) {
+                                           float* __restrict__ out, float4* xs, float (*part)[GEMV_ROWS],
+                                           bool staged = false) {
   const CudaMatrix m = wr.m;
   const uint warp = threadIdx.x / 32, s = warp % ks;
   const uint r0 = (b * (8 / ks) + warp / ks) * GEMV_ROWS;
@@ -772,7 +796,8 @@ __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uin
   for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
   const uint done = gemv_staged<W, GEMV_ROWS, NC>(
       m, m.vec, m.cols, x, xs, active, s, ks, [&](int r, uint c) { return wr.load(rows[r], c); },
-      [&](int r, const typename W::Item& it, uint c, const auto& xv) { acc[r] += wr.dot_x(rows[r], it, c, xv); });
+      [&](int r, const typename W::Item& it, uint c, const auto& xv) { acc[r] += wr.dot_x(rows[r], it, c, xv); },
+      staged);
   if (active && s == 0) rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, m.cols, x, acc);
   gemv_combine<GEMV_ROWS>(acc, part, ks);
   if (active && s == 0 && threadIdx.x % 32 == 0) {

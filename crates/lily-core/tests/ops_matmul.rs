@@ -200,6 +200,14 @@ fn matmul_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     {
         cases.push((matrix(1, 9, cols, format, DType::BF16, 40 + i as u64), cols));
     }
+    // More row blocks than CUDA's GEMV grid (264 blocks, 32 rows each at these K): a block runs
+    // several row blocks, x staged once (int8 planes; f32 for the dense matrix).
+    for (i, (format, cols)) in [(Format::Affine { bits: 4, group: 64 }, 256), (Format::F32, 64)]
+        .into_iter()
+        .enumerate()
+    {
+        cases.push((matrix(1, 9000, cols, format, DType::BF16, 45 + i as u64), cols));
+    }
     for (i, (m, cols)) in cases.into_iter().enumerate() {
         for (tokens, x_row0) in [(1, 2), (5, 0)] {
             let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);

@@ -278,6 +278,11 @@ constants! {
     /// Token pairs per expert block of the Metal expert-sorted MoE prefill (and the K step of its
     /// GEMMs); the weight-row side of the tiles is the `GemmTile` variant.
     pub const MOE_TILE: usize = 32;
+
+    /// Blocks at most of the CUDA `argmax` (greedy decoding's vocabulary scan): each block scans
+    /// its share of the logits and the last one to finish combines the block results, kept in
+    /// the device's step buffer (2 words a block).
+    pub const ARGMAX_BLOCKS: usize = 128;
 }
 
 #[cfg(test)]

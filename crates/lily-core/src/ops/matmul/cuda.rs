@@ -6,7 +6,7 @@ use crate::backend::{
     cuda::{
         div, gemv_split,
         kernels::{Kernel, WeightOp},
-        shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti,
+        shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, GEMV_BLOCKS,
     },
     params::MatmulParams,
 };
@@ -31,7 +31,10 @@ pub fn matmul<X: Executor>(c: &Cuda<X>, p: &MatmulParams, w: &CudaMat<X>, x: &Cu
     if t <= c.gemv_tokens {
         let ks = gemv_split(n, w.desc.row_bytes as usize / 16, t);
         let args = args.push(ks).ptr(x.ptr()).ptr(out.ptr());
-        let launch = shape([div(n, 32 / ks as usize), t as u32, 1], 256);
+        // At most one wave of blocks: a block loops over row blocks, staging x once (the
+        // vocabulary projection: 7,760 row blocks, each staging x anew when launched one each).
+        let blocks = div(n, 32 / ks as usize).min(div(GEMV_BLOCKS, t));
+        let launch = shape([blocks, t as u32, 1], 256);
         c.launch(Kernel::weight(WeightOp::MatmulGemv, w.weight), launch, args);
     } else {
         let args = args.ptr(x.ptr()).ptr(out.ptr());
