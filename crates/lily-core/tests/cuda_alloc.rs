@@ -62,7 +62,7 @@ fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
     step(1, &mut s, &mut state); // the same commands again: captured into a graph, replayed
     let (launches, graphs, replays) = c.executor().counts();
     let per_step = launches - before.0;
-    assert!(per_step > 40, "{per_step} launches in two steps");
+    assert!(per_step >= 40, "{per_step} launches in two steps");
     assert_eq!(
         (graphs - before.1, replays - before.2),
         (1, 1),
@@ -113,7 +113,6 @@ fn a_decode_step_launches_the_expected_kernels() {
         "add_rms_norm",
         "moe_experts_add_rms_norm",
         "attention",
-        "attention_reduce",
         "delta_net_gated",
     ] {
         assert!(names.iter().any(|n| n == k), "{k} not launched: {names:?}");
@@ -131,6 +130,7 @@ fn a_decode_step_launches_the_expected_kernels() {
         "delta_net_conv",
         "delta_net",
         "rms_norm_gated",
+        "attention_reduce",
     ] {
         assert!(
             !names.iter().any(|n| n == k),
@@ -169,7 +169,8 @@ fn a_decode_step_launches_the_expected_kernels() {
         );
     }
     // 27 before delta_net_gated (conv, recurrence and gated norm were three launches) and the
-    // shared expert as a pair of the routed experts' GEMVs (two launches fewer per layer).
-    assert_eq!(names.len(), 21, "{names:?}");
+    // shared expert as a pair of the routed experts' GEMVs (two launches fewer per layer); 21
+    // before decode attention combined its splits in the same launch (no attention_reduce).
+    assert_eq!(names.len(), 20, "{names:?}");
     eprintln!("{} launches in a decode step: {names:?}", names.len());
 }

@@ -231,7 +231,8 @@ gpu_tests!(
     unsupported_shape_is_an_error_not_a_panic,
     kv_copy_matches_reference,
     kv_share_copies_on_write;
-    metal: attention_splits_match_reference,
+    metal: attention_splits_match_reference;
+    cuda: attention_decode_long_matches_reference,
 );
 
 fn qk_norm_rope_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
@@ -387,6 +388,31 @@ fn attention_splits_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
         attention_cases(&*dev, tolx, &format!(", splits of 16+ rows, at most {max_splits}"));
     }
     (dev.split_rows, dev.max_splits) = saved;
+}
+
+/// CUDA's decode attention past 1024 rows at the real head shapes (16 heads on 2 KV heads, hd 256):
+/// splits of 32 rows (a bf16 stage of two tiles, the pair loads of hd % 64 == 0), most of the
+/// 64 splits non-empty, so both levels of the in-launch combine add several partials; every
+/// dtype; segment boundaries inside splits. Several calls in a row: the split counters must be
+/// back at 0 after each.
+fn attention_decode_long_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    for (pos0, steps, dtype, seg) in [
+        (1300, 2, KvDtype::BF16, 256),
+        (1100, 1, KvDtype::F16, 1024),
+        (1030, 1, KvDtype::F32, 64),
+    ] {
+        let (h, kv, hd) = (16, 2, 256);
+        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, 1, steps, dtype, seg);
+        let got = run_attention(&*dev, h, kv, hd, pos0, 1, steps, dtype, seg);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_near(
+                g,
+                w,
+                tolx * TOL,
+                &format!("decode attention at {pos0} rows {dtype:?} seg {seg}, call {i}"),
+            );
+        }
+    }
 }
 
 /// Shapes the kernels do not support (a head_dim not a multiple of 32, buffers too small) are

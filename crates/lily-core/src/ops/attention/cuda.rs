@@ -172,10 +172,22 @@ pub fn attention<X: Executor>(
         c.launch(F::AttentionPrefill, shape(grid, 128), args);
         return;
     }
-    // Decode: split over the keys, then attention_reduce.
+    // Decode: split over the keys, combined in the same launch (attention.cu: last-block-done in
+    // two levels of ATT_GROUP). Scratch: the counters (u32, zero as allocated, left 0 by the
+    // kernel) in a fixed room at the front, so that a call of another shape never finds its
+    // counters where an earlier call stored partials; then part1 [H, splits, 2 + hd] and part2
+    // [H, groups, 2 + hd].
     let splits = DECODE_SPLITS;
-    let size = h * splits as usize * (hd + 2);
-    let Some(partials) = c.scratch(size, "attention partials", |s| &mut s.partials) else {
+    let groups = splits.div_ceil(ATT_GROUP) as usize;
+    if kvh * (groups + 1) > ATT_COUNTERS {
+        c.fail(format!(
+            "attention: {kvh} KV heads need {} split counters (room for {ATT_COUNTERS})",
+            kvh * (groups + 1)
+        ));
+        return;
+    }
+    let size = ATT_COUNTERS + h * (splits as usize + groups) * (hd + 2);
+    let Some(scratch) = c.scratch(size, "attention partials", |s| &mut s.partials) else {
         return;
     };
     let args = Args::new()
@@ -185,14 +197,14 @@ pub fn attention<X: Executor>(
         .push(kd)
         .push(vd)
         .ptr(qg.ptr())
-        .ptr(partials);
+        .ptr(scratch)
+        .ptr(scratch + 4 * ATT_COUNTERS as u64)
+        .ptr(out.ptr());
     let grid = [kvh as u32, 1, splits];
     c.launch(F::Attention, shape(grid, (h / kvh * 32) as u32), args);
-    let args = Args::new()
-        .push(pp)
-        .push(splits)
-        .ptr(partials)
-        .ptr(qg.ptr())
-        .ptr(out.ptr());
-    c.launch(F::AttentionReduce, shape([h as u32, 1, 1], 256), args);
 }
+
+/// Splits (then groups) one last block of decode attention combines (ATT_GROUP in attention.cu).
+const ATT_GROUP: u32 = 8;
+/// u32 counters at the front of the decode scratch: [Hkv, groups + 1] for one token.
+const ATT_COUNTERS: usize = 256;
