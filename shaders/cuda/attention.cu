@@ -1,7 +1,8 @@
-// kv_store and gated GQA attention over a KV cache read through a segment table (the 16-bit
-// segmented cache of issue 13: KvDesc in common.cuh; dtype f32, bf16 or f16, widened to f32 on
-// read, rounded to nearest even on store). Positions come from step[0] (pos0 of this forward
-// call, in device memory so a captured decode graph replays at any position).
+// The attention family: q/k norm + RoPE, kv_store and gated GQA attention over a KV cache read
+// through a segment table (the 16-bit segmented cache of issue 13: KvDesc in common.cuh; dtype
+// f32, bf16 or f16, widened to f32 on read, rounded to nearest even on store). Positions come
+// from step[0] (pos0 of this forward call, in device memory so a captured decode graph replays
+// at any position). One file: decode attention does the norm + RoPE + store itself.
 #include "common.cuh"
 
 // kv_store: cache[pos0 + t, :] = x[t, :] in the cache dtype; x [T, width] f32. Arguments:
@@ -37,6 +38,86 @@ __device__ __forceinline__ void kv_load16(const KvDesc kd, const KvDesc vd, uint
   v = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
 }
 
+// ---------------------------------------------------------------- q/k norm + RoPE (+ the cache store)
+// qk_norm_rope: per-head RMSNorm (weight already 1 + w) then partial rotate-half RoPE on dims
+// 0..rotary_dim at position pos0 + t, in place, for q inside qg [T, H, 2*hd] (q = the first hd
+// values of each head) and k [T, Hkv, hd]. inv_freq_j = theta^(-2j/rotary_dim); angles in f32.
+// pos0 is read from step[0] (device memory, so a captured decode graph replays at any position);
+// RopeParams.pos0 is not used. Arguments: RopeParams p, step [1] u32, q_norm [hd], k_norm [hd],
+// qg (in/out), k (in/out). Grid (H + Hkv, T): heads 0..H-1 are q heads, then the k heads;
+// 128 threads striding over hd (<= 1024), normed values staged in shared memory.
+// The per-head RMSNorm (weight already 1 + w) of x[0..hd) staged in v, ending with a barrier (any
+// thread may then read any v[i]); shared by qk_norm_rope and qk_norm_rope_store.
+__device__ __forceinline__ void stage_normed(const RopeParams p, const float* x, const float* __restrict__ w,
+                                             float* v) {
+  __shared__ float partial[32];
+  const uint hd = p.head_dim;
+  float ss = 0.0f;
+  for (uint i = threadIdx.x; i < hd; i += blockDim.x) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(block_sum(ss, partial) / (float)hd + p.eps);
+  for (uint i = threadIdx.x; i < hd; i += blockDim.x) v[i] = x[i] * inv * w[i];
+  __syncthreads();
+}
+
+// Value i of the staged head v after partial rotate-half RoPE at position pos.
+__device__ __forceinline__ float rope_at(const RopeParams p, const float* v, uint i, float pos) {
+  if (i >= p.rotary_dim) return v[i];
+  const uint half_rot = p.rotary_dim / 2;
+  const uint j = i % half_rot;
+  const float inv_freq = powf(p.theta, -2.0f * (float)j / (float)p.rotary_dim);
+  float s, c;
+  sincosf(pos * inv_freq, &s, &c);
+  return i < half_rot ? v[i] * c - v[i + half_rot] * s : v[i] * c + v[i - half_rot] * s;
+}
+
+extern "C" __global__ void __launch_bounds__(128) qk_norm_rope(const RopeParams p, const uint* __restrict__ step,
+                                                               const float* __restrict__ q_norm,
+                                                               const float* __restrict__ k_norm, float* qg,
+                                                               float* k) {
+  kernel_start();
+  __shared__ float v[1024];
+  const uint hh = blockIdx.x, t = blockIdx.y, hd = p.head_dim;
+  const bool is_q = hh < p.heads;
+  float* x = is_q ? qg + ((size_t)t * p.heads + hh) * 2 * hd : k + ((size_t)t * p.kv_heads + (hh - p.heads)) * hd;
+  stage_normed(p, x, is_q ? q_norm : k_norm, v);
+  const float pos = (float)(step[0] + t);
+  for (uint i = threadIdx.x; i < hd; i += blockDim.x) x[i] = rope_at(p, v, i, pos);
+}
+
+// qk_norm_rope_store: qk_norm_rope fused with both kv_store's of an attention layer (one launch
+// instead of three): q is normed and roped in place in qg [T, H, 2*hd]; k [T, Hkv, hd] is normed
+// and roped straight into row step[0] + t of the K cache (k itself is left as it was); v [T, Hkv, hd]
+// is copied into the V cache; both rounded to the cache dtype through their segment tables (KvDesc).
+// Arguments: RopeParams p (pos0 unused), step, KvDesc k_cache, KvDesc v_cache, q_norm, k_norm,
+// qg (in/out), k, v. Grid (H + 2 Hkv, T): q heads, then k heads, then v heads; threads as qk_norm_rope.
+extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_store(
+    const RopeParams p, const uint* __restrict__ step, const KvDesc kd, const KvDesc vd,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float* qg, const float* __restrict__ k,
+    const float* __restrict__ v) {
+  kernel_start();
+  __shared__ float staged[1024];
+  const uint hh = blockIdx.x, t = blockIdx.y, hd = p.head_dim, kvw = p.kv_heads * hd;
+  const uint row = step[0] + t;
+  const float pos = (float)row;
+  if (hh < p.heads) {
+    float* x = qg + ((size_t)t * p.heads + hh) * 2 * hd;
+    stage_normed(p, x, q_norm, staged);
+    for (uint i = threadIdx.x; i < hd; i += blockDim.x) x[i] = rope_at(p, staged, i, pos);
+  } else if (hh < p.heads + p.kv_heads) {
+    const uint kh = hh - p.heads;
+    stage_normed(p, k + (size_t)t * kvw + kh * hd, k_norm, staged);
+    for (uint i = threadIdx.x; i < hd; i += blockDim.x) kv_put(kd, row, kh * hd + i, rope_at(p, staged, i, pos));
+  } else {
+    const uint vh = hh - p.heads - p.kv_heads;
+    for (uint i = threadIdx.x; i < hd; i += blockDim.x) kv_put(vd, row, vh * hd + i, v[(size_t)t * kvw + vh * hd + i]);
+  }
+}
+
+// v as a cache of `dtype` holds it (0 f32, 1 bf16, 2 f16: kv_put's rounding), as f32.
+__device__ __forceinline__ float kv_round(uint dtype, float v) {
+  return dtype == 0 ? v : dtype == 1 ? bf16_float(float_bf16(v)) : f16_float(float_f16(v));
+}
+
 // ---------------------------------------------------------------- decode (one token, split keys)
 // attention (decode): out = softmax(q K^T * scale, causal) V * sigmoid(gate) for one query token,
 // flash-decoding in ONE launch (the split pass and the combine; prefill, T > 1, runs
@@ -62,8 +143,13 @@ __device__ __forceinline__ void kv_load16(const KvDesc kd, const KvDesc vd, uint
 // share of L2 bandwidth). The last blocks set their counters back to 0 (a replayed graph finds
 // them 0; zero as allocated). An empty split (rows past len) stores max -FLT_MAX, sum 0: it
 // weighs nothing. counts [T, Hkv, groups + 1] u32: groups level-1 counters, then the level-2 one.
+// Fused qk_norm_rope_store (q_norm not null; T = 1, the host's qk_norm_rope_store_attention):
+// qg holds q as the projection left it; every block norms and ropes its G heads' q (registers
+// only); the block whose split holds the new row len - 1 norms and ropes k [Hkv, hd] into it and
+// copies v [Hkv, hd] (AttRope; the other blocks never read that row).
 // Arguments: AttentionParams p (pos0 unused), uint splits, step, KvDesc k, KvDesc v, qg, counts,
-// part (part1 then part2), out. Grid (Hkv, T, splits), G * 32 threads.
+// part (part1 then part2), out, RopeParams rp (pos0 unused), q_norm, k_norm, k, v (all null when
+// not fused). Grid (Hkv, T, splits), G * 32 threads (G * hd <= 4096 when fused: the q scratch).
 #define KV_BATCH 4
 #define ATT_TILE 16
 #define ATT_HD_MAX ATTENTION_HEAD_DIM_MAX
@@ -108,17 +194,19 @@ __device__ __forceinline__ void att_put(uint dtype, uint idx, uint per_row, uint
 }
 
 // Stage cache rows base .. base + n: the pieces loaded ahead in `a`, then any past them (blocks
-// of fewer than 8 warps, f32 caches) loaded here.
+// of fewer than 8 warps, f32 caches) loaded here; row `skip` left out (the new row of a fused
+// decode step: its caller stages it from registers, the loads of it are stale).
 template <bool BF>
 __device__ __forceinline__ void att_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
-                                          const AttAhead& a, uint4* ks, uint4* vs) {
+                                          uint skip, const AttAhead& a, uint4* ks, uint4* vs) {
   const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row;
 #pragma unroll
   for (int j = 0; j < KV_BATCH; ++j) {
     const uint idx = j * blockDim.x + threadIdx.x;
-    if (idx < total) att_put<BF>(kd.dtype, idx, per_row, epv, hd, a.k[j], a.v[j], ks, vs);
+    if (idx < total && base + idx / per_row != skip) att_put<BF>(kd.dtype, idx, per_row, epv, hd, a.k[j], a.v[j], ks, vs);
   }
   for (uint idx = KV_BATCH * blockDim.x + threadIdx.x; idx < total; idx += blockDim.x) {
+    if (base + idx / per_row == skip) continue;
     uint4 k, v;
     kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, k, v);
     att_put<BF>(kd.dtype, idx, per_row, epv, hd, k, v, ks, vs);
@@ -251,11 +339,42 @@ __device__ __forceinline__ bool att_last(uint* count, uint of, uint* flag) {
   return last;
 }
 
+// The inputs of qk_norm_rope_store when decode attention does its work (q_norm null: not fused).
+struct AttRope {
+  RopeParams p;
+  const float* q_norm;
+  const float* k_norm;
+  const float* k;  // [Hkv, hd] the new row's k before norm + RoPE
+  const float* v;  // [Hkv, hd]
+};
+
+// One warp's head x [hd] (this lane's dims in x[], P as att_dim) normed with weight w and roped at
+// pos into y[] (qk_norm_rope_store's math: stage_normed, rope_at); xs: the warp's hd floats of
+// shared scratch (RoPE pairs dims across lanes).
+template <int P>
+__device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* x, const float* __restrict__ w,
+                                              float pos, uint hd, uint lane, float* xs, float* y) {
+  constexpr uint NS = ATT_HD_MAX / 32;
+  const uint nd = hd / 32;
+  float ss = 0.0f;
+#pragma unroll
+  for (uint i = 0; i < NS; ++i)
+    if (i < nd) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)hd + rp.eps);
+#pragma unroll
+  for (uint i = 0; i < NS; ++i)
+    if (i < nd) xs[att_dim<P>(i, lane)] = x[i] * inv * w[att_dim<P>(i, lane)];
+  __syncwarp();
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) y[i] = i < nd ? rope_at(rp, xs, att_dim<P>(i, lane), pos) : 0.0f;
+  __syncwarp();  // xs may be reused
+}
+
 template <int P, bool BF>
 __device__ __forceinline__ void attention_decode(const AttentionParams p, uint splits, uint len, const KvDesc kd,
                                                  const KvDesc vd, const float* __restrict__ qg, uint* counts,
-                                                 float* part, float* __restrict__ out, uint4* ks, uint4* vs,
-                                                 uint* flag) {
+                                                 float* part, float* __restrict__ out, const AttRope& rope,
+                                                 uint4* ks, uint4* vs, float* nk, float* nv, uint* flag) {
   constexpr uint NS = ATT_HD_MAX / 32, SR = BF ? 2 * ATT_TILE : ATT_TILE;  // rows a stage
   const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z, T = gridDim.y;
   const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -268,15 +387,57 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   float q[NS], o[NS];
 #pragma unroll
   for (uint i = 0; i < NS; ++i) {
-    q[i] = i < nd ? qh[att_dim<P>(i, lane)] * p.scale : 0.0f;
+    q[i] = i < nd ? qh[att_dim<P>(i, lane)] : 0.0f;
     o[i] = 0.0f;
   }
   float mx = NEG_BIG, l = 0.0f;
   AttAhead a;
   if (s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
+  // Fused (one token): q normed and roped by every block for its G heads, in registers only (the
+  // other splits read qg too: it is not written back). The new row len - 1 is read by one block
+  // only, the split that holds it: that block norms and ropes k into the cache row and copies v
+  // (kv_put: visible to the kernels after this one), and stages the row from nk / nv, as the cache
+  // rounds it, instead of loading it (its loads, issued above, may precede the stores: skipped).
+  const uint row = len - 1, skip = rope.q_norm && s0 <= row && row < s1 ? row : 0xffffffffu;
+  if (rope.q_norm) {
+    float* xs = reinterpret_cast<float*>(ks) + warp * hd;  // scratch until the first stage
+    att_norm_rope<P>(rope.p, q, rope.q_norm, (float)row, hd, lane, xs, q);
+    if (skip == row && warp == 0) {
+      float x[NS], y[NS];
+#pragma unroll
+      for (uint i = 0; i < NS; ++i) x[i] = i < nd ? rope.k[col0 + att_dim<P>(i, lane)] : 0.0f;
+      att_norm_rope<P>(rope.p, x, rope.k_norm, (float)row, hd, lane, xs, y);
+#pragma unroll
+      for (uint i = 0; i < NS; ++i) {
+        if (i < nd) {
+          const uint d = att_dim<P>(i, lane);
+          const float v = rope.v[col0 + d];
+          kv_put(kd, row, col0 + d, y[i]);
+          kv_put(vd, row, col0 + d, v);
+          nk[d] = kv_round(kd.dtype, y[i]);
+          nv[d] = kv_round(vd.dtype, v);
+        }
+      }
+    }
+    __syncthreads();  // ks is staged next; nk / nv are read by every thread
+  }
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) q[i] *= p.scale;
   for (uint base = s0; base < s1; base += SR) {
     const uint n = min(SR, s1 - base);
-    att_stage<BF>(kd, vd, base, n, col0, hd, a, ks, vs);
+    att_stage<BF>(kd, vd, base, n, col0, hd, skip, a, ks, vs);
+    if (skip - base < n) {  // the new row: from nk / nv, in the staged form
+      const uint r = skip - base;
+      for (uint d = threadIdx.x; d < hd; d += blockDim.x) {
+        if constexpr (BF) {
+          reinterpret_cast<ushort*>(ks)[r * hd + d] = float_bf16(nk[d]);
+          reinterpret_cast<ushort*>(vs)[r * hd + d] = float_bf16(nv[d]);
+        } else {
+          reinterpret_cast<float*>(ks)[r * hd + d] = nk[d];
+          reinterpret_cast<float*>(vs)[r * hd + d] = nv[d];
+        }
+      }
+    }
     __syncthreads();
     if (base + SR < s1) att_fetch(kd, vd, base + SR, min(SR, s1 - base - SR), col0, hd, a);  // during the scores
     for (uint r0 = 0; r0 < n; r0 += ATT_TILE) att_tile<P, BF>(ks, vs, r0, min((uint)ATT_TILE, n - r0), hd, lane, q, o, mx, l);
@@ -307,26 +468,29 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) attention(const AttentionParams p, const uint splits,
-                                                            const uint* __restrict__ step, const KvDesc kd,
-                                                            const KvDesc vd, const float* __restrict__ qg,
-                                                            uint* counts, float* part, float* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(512, 1) attention(
+    const AttentionParams p, const uint splits, const uint* __restrict__ step, const KvDesc kd, const KvDesc vd,
+    const float* __restrict__ qg, uint* counts, float* part, float* __restrict__ out, const RopeParams rp,
+    const float* q_norm, const float* k_norm, const float* k, const float* v) {
   kernel_start();
   __shared__ uint4 ks[ATT_STAGE_BYTES / 16];
   __shared__ uint4 vs[ATT_STAGE_BYTES / 16];
+  __shared__ float nk[ATT_HD_MAX];
+  __shared__ float nv[ATT_HD_MAX];
   __shared__ uint flag[1];
+  const AttRope rope{rp, q_norm, k_norm, k, v};
   const uint len = step[0] + blockIdx.y + 1;
   const bool pairs = p.head_dim % 64 == 0;
   if (kd.dtype == 1) {
     if (pairs)
-      attention_decode<2, true>(p, splits, len, kd, vd, qg, counts, part, out, ks, vs, flag);
+      attention_decode<2, true>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
     else
-      attention_decode<1, true>(p, splits, len, kd, vd, qg, counts, part, out, ks, vs, flag);
+      attention_decode<1, true>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
   } else {
     if (pairs)
-      attention_decode<2, false>(p, splits, len, kd, vd, qg, counts, part, out, ks, vs, flag);
+      attention_decode<2, false>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
     else
-      attention_decode<1, false>(p, splits, len, kd, vd, qg, counts, part, out, ks, vs, flag);
+      attention_decode<1, false>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
   }
 }
 

@@ -28,7 +28,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     source!("cuda", "matmul.cu"),
     source!("cuda", "moe.cu"),
     source!("cuda", "rms_norm.cu"),
-    source!("cuda", "rope.cu"),
 ];
 
 /// Host-name suffixes of the weight formats (`FOR_EACH_WEIGHT` in common.cuh, same order).

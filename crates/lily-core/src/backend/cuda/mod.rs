@@ -818,6 +818,22 @@ impl<X: Executor> Backend for Cuda<X> {
         attention::cuda::qk_norm_rope_store(self, p, q_norm, k_norm, qg, k, v, k_cache, v_cache)
     }
 
+    fn qk_norm_rope_store_attention(
+        &self,
+        rope: &RopeParams,
+        p: &AttentionParams,
+        q_norm: &CudaBuf<X>,
+        k_norm: &CudaBuf<X>,
+        qg: &mut CudaBuf<X>,
+        k: &mut CudaBuf<X>,
+        v: &CudaBuf<X>,
+        k_cache: &mut CudaKv<X>,
+        v_cache: &mut CudaKv<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        attention::cuda::qk_norm_rope_store_attention(self, rope, p, q_norm, k_norm, qg, k, v, k_cache, v_cache, out)
+    }
+
     fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>) {
         attention::cuda::attention(self, p, qg, k, v, out)
     }

@@ -1,9 +1,10 @@
-//! The attention family on CUDA (`shaders/cuda/rope.cu`, `shaders/cuda/attention.cu`): q/k norm +
-//! RoPE, the KV store into the segmented cache (both fused in `qk_norm_rope_store`), and attention
-//! (`attention_prefill` on the tensor cores for a prefill chunk, split-KV for one token).
+//! The attention family on CUDA (`shaders/cuda/attention.cu`): q/k norm + RoPE, the KV store into
+//! the segmented cache (both fused in `qk_norm_rope_store`), and attention (`attention_prefill` on
+//! the tensor cores for a prefill chunk, split-KV for one token, which also does
+//! `qk_norm_rope_store`'s work when called as `qk_norm_rope_store_attention`).
 
 use crate::backend::{
-    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, Executor, DECODE_SPLITS},
+    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, DevPtr, Executor, DECODE_SPLITS},
     params::{AttentionParams, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ATTENTION_QUERY_ROWS},
 };
 
@@ -126,6 +127,70 @@ pub fn attention<X: Executor>(
     v: &CudaKv<X>,
     out: &mut CudaBuf<X>,
 ) {
+    attention_launch(c, p, qg, k, v, out, None);
+}
+
+/// `qk_norm_rope_store` then `attention`; for one token (a decode step) in one launch: the
+/// decode attention kernel norms and ropes q itself (qg is left as it was) and the block whose
+/// split holds the new row stores it (attention.cu: AttRope). Otherwise the two ops.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_store_attention<X: Executor>(
+    c: &Cuda<X>,
+    rope: &RopeParams,
+    p: &AttentionParams,
+    q_norm: &CudaBuf<X>,
+    k_norm: &CudaBuf<X>,
+    qg: &mut CudaBuf<X>,
+    k: &mut CudaBuf<X>,
+    v: &CudaBuf<X>,
+    k_cache: &mut CudaKv<X>,
+    v_cache: &mut CudaKv<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let same = (rope.tokens, rope.pos0, rope.heads, rope.kv_heads, rope.head_dim)
+        == (p.tokens, p.pos0, p.heads, p.kv_heads, p.head_dim);
+    // The q scratch of a block: G heads of hd floats in one 16 KiB stage (attention.cu).
+    let fits = p.kv_heads > 0 && (p.heads / p.kv_heads) * p.head_dim <= 4096;
+    if p.tokens != 1 || !same || !fits {
+        qk_norm_rope_store(c, rope, q_norm, k_norm, qg, k, v, k_cache, v_cache);
+        attention(c, p, qg, k_cache, v_cache, out);
+        return;
+    }
+    let (hd, w) = (p.head_dim as usize, (p.kv_heads * p.head_dim) as usize);
+    let rows = p.pos0 as usize + 1;
+    if !rope_shape_ok(c, "qk_norm_rope_store", rope)
+        || !c.fits(
+            "qk_norm_rope_store",
+            &[
+                ("k", k.len, w),
+                ("v", v.len, w),
+                ("q_norm", q_norm.len, hd),
+                ("k_norm", k_norm.len, hd),
+            ],
+        )
+        || !c.cache_fits("qk_norm_rope_store", "k_cache", k_cache, rows, w)
+        || !c.cache_fits("qk_norm_rope_store", "v_cache", v_cache, rows, w)
+    {
+        return;
+    }
+    let fused = (
+        RopeParams { pos0: 0, ..*rope },
+        [q_norm.ptr(), k_norm.ptr(), k.ptr(), v.ptr()],
+    );
+    attention_launch(c, p, qg, k_cache, v_cache, out, Some(fused));
+}
+
+/// `attention`, with `rope` (its parameters and q_norm, k_norm, k, v) the decode kernel's fused
+/// qk_norm_rope_store (one token only: the caller checked).
+fn attention_launch<X: Executor>(
+    c: &Cuda<X>,
+    p: &AttentionParams,
+    qg: &CudaBuf<X>,
+    k: &CudaKv<X>,
+    v: &CudaKv<X>,
+    out: &mut CudaBuf<X>,
+    rope: Option<(RopeParams, [DevPtr; 4])>,
+) {
     let (t, h, kvh, hd) = (
         p.tokens as usize,
         p.heads as usize,
@@ -200,6 +265,8 @@ pub fn attention<X: Executor>(
         .ptr(scratch)
         .ptr(scratch + 4 * ATT_COUNTERS as u64)
         .ptr(out.ptr());
+    let (rp, [qn, kn, kr, vr]) = rope.unwrap_or_default();
+    let args = args.push(rp).ptr(qn).ptr(kn).ptr(kr).ptr(vr);
     let grid = [kvh as u32, 1, splits];
     c.launch(F::Attention, shape(grid, (h / kvh * 32) as u32), args);
 }
