@@ -1,7 +1,8 @@
-// kv_store and gated GQA attention over a KV cache read through a segment table (the 16-bit
-// segmented cache of issue 13: KvDesc in common.cuh; dtype f32, bf16 or f16, widened to f32 on
-// read, rounded to nearest even on store). Positions come from step[0] (pos0 of this forward
-// call, in device memory so a captured decode graph replays at any position).
+// The attention family: q/k norm + RoPE, kv_store and gated GQA attention over a KV cache read
+// through a segment table (the 16-bit segmented cache of issue 13: KvDesc in common.cuh; dtype
+// f32, bf16 or f16, widened to f32 on read, rounded to nearest even on store). Positions come
+// from step[0] (pos0 of this forward call, in device memory so a captured decode graph replays
+// at any position). One file: decode attention does the norm + RoPE + store itself.
 #include "common.cuh"
 
 // kv_store: cache[pos0 + t, :] = x[t, :] in the cache dtype; x [T, width] f32. Arguments:
@@ -37,130 +38,460 @@ __device__ __forceinline__ void kv_load16(const KvDesc kd, const KvDesc vd, uint
   v = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
 }
 
-// Stage columns col0 .. col0 + hd of cache rows base .. base + n of K and V as f32 into ks / vs
-// ([n][hd]): 16-byte loads (a row's hd values are 16-byte aligned: hd % 32 == 0), issued in batches
-// of KV_BATCH per thread and tensor before any is widened, so a thread has 2 KV_BATCH loads in
-// flight instead of one dependent (segment table, element) pair at a time.
+// ---------------------------------------------------------------- q/k norm + RoPE (+ the cache store)
+// qk_norm_rope: per-head RMSNorm (weight already 1 + w) then partial rotate-half RoPE on dims
+// 0..rotary_dim at position pos0 + t, in place, for q inside qg [T, H, 2*hd] (q = the first hd
+// values of each head) and k [T, Hkv, hd]. inv_freq_j = theta^(-2j/rotary_dim); angles in f32.
+// pos0 is read from step[0] (device memory, so a captured decode graph replays at any position);
+// RopeParams.pos0 is not used. Arguments: RopeParams p, step [1] u32, q_norm [hd], k_norm [hd],
+// qg (in/out), k (in/out). Grid (H + Hkv, T): heads 0..H-1 are q heads, then the k heads;
+// 128 threads striding over hd (<= 1024), normed values staged in shared memory.
+// The per-head RMSNorm (weight already 1 + w) of x[0..hd) staged in v, ending with a barrier (any
+// thread may then read any v[i]); shared by qk_norm_rope and qk_norm_rope_store.
+__device__ __forceinline__ void stage_normed(const RopeParams p, const float* x, const float* __restrict__ w,
+                                             float* v) {
+  __shared__ float partial[32];
+  const uint hd = p.head_dim;
+  float ss = 0.0f;
+  for (uint i = threadIdx.x; i < hd; i += blockDim.x) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(block_sum(ss, partial) / (float)hd + p.eps);
+  for (uint i = threadIdx.x; i < hd; i += blockDim.x) v[i] = x[i] * inv * w[i];
+  __syncthreads();
+}
+
+// Value i of the staged head v after partial rotate-half RoPE at position pos.
+__device__ __forceinline__ float rope_at(const RopeParams p, const float* v, uint i, float pos) {
+  if (i >= p.rotary_dim) return v[i];
+  const uint half_rot = p.rotary_dim / 2;
+  const uint j = i % half_rot;
+  const float inv_freq = powf(p.theta, -2.0f * (float)j / (float)p.rotary_dim);
+  float s, c;
+  sincosf(pos * inv_freq, &s, &c);
+  return i < half_rot ? v[i] * c - v[i + half_rot] * s : v[i] * c + v[i - half_rot] * s;
+}
+
+extern "C" __global__ void __launch_bounds__(128) qk_norm_rope(const RopeParams p, const uint* __restrict__ step,
+                                                               const float* __restrict__ q_norm,
+                                                               const float* __restrict__ k_norm, float* qg,
+                                                               float* k) {
+  kernel_start();
+  __shared__ float v[1024];
+  const uint hh = blockIdx.x, t = blockIdx.y, hd = p.head_dim;
+  const bool is_q = hh < p.heads;
+  float* x = is_q ? qg + ((size_t)t * p.heads + hh) * 2 * hd : k + ((size_t)t * p.kv_heads + (hh - p.heads)) * hd;
+  stage_normed(p, x, is_q ? q_norm : k_norm, v);
+  const float pos = (float)(step[0] + t);
+  for (uint i = threadIdx.x; i < hd; i += blockDim.x) x[i] = rope_at(p, v, i, pos);
+}
+
+// qk_norm_rope_store: qk_norm_rope fused with both kv_store's of an attention layer (one launch
+// instead of three): q is normed and roped in place in qg [T, H, 2*hd]; k [T, Hkv, hd] is normed
+// and roped straight into row step[0] + t of the K cache (k itself is left as it was); v [T, Hkv, hd]
+// is copied into the V cache; both rounded to the cache dtype through their segment tables (KvDesc).
+// Arguments: RopeParams p (pos0 unused), step, KvDesc k_cache, KvDesc v_cache, q_norm, k_norm,
+// qg (in/out), k, v. Grid (H + 2 Hkv, T): q heads, then k heads, then v heads; threads as qk_norm_rope.
+extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_store(
+    const RopeParams p, const uint* __restrict__ step, const KvDesc kd, const KvDesc vd,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float* qg, const float* __restrict__ k,
+    const float* __restrict__ v) {
+  kernel_start();
+  __shared__ float staged[1024];
+  const uint hh = blockIdx.x, t = blockIdx.y, hd = p.head_dim, kvw = p.kv_heads * hd;
+  const uint row = step[0] + t;
+  const float pos = (float)row;
+  if (hh < p.heads) {
+    float* x = qg + ((size_t)t * p.heads + hh) * 2 * hd;
+    stage_normed(p, x, q_norm, staged);
+    for (uint i = threadIdx.x; i < hd; i += blockDim.x) x[i] = rope_at(p, staged, i, pos);
+  } else if (hh < p.heads + p.kv_heads) {
+    const uint kh = hh - p.heads;
+    stage_normed(p, k + (size_t)t * kvw + kh * hd, k_norm, staged);
+    for (uint i = threadIdx.x; i < hd; i += blockDim.x) kv_put(kd, row, kh * hd + i, rope_at(p, staged, i, pos));
+  } else {
+    const uint vh = hh - p.heads - p.kv_heads;
+    for (uint i = threadIdx.x; i < hd; i += blockDim.x) kv_put(vd, row, vh * hd + i, v[(size_t)t * kvw + vh * hd + i]);
+  }
+}
+
+// v as a cache of `dtype` holds it (0 f32, 1 bf16, 2 f16: kv_put's rounding), as f32.
+__device__ __forceinline__ float kv_round(uint dtype, float v) {
+  return dtype == 0 ? v : dtype == 1 ? bf16_float(float_bf16(v)) : f16_float(float_f16(v));
+}
+
+// ---------------------------------------------------------------- decode (one token, split keys)
+// attention (decode): out = softmax(q K^T * scale, causal) V * sigmoid(gate) for one query token,
+// flash-decoding in ONE launch (the split pass and the combine; prefill, T > 1, runs
+// attention_prefill below). q / gate from qg [T, H, 2*hd] (q then gate per head); token t sees
+// cache rows 0 .. pos0 + t (pos0 = step[0]).
+// Split pass: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
+// sharing that KV head. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
+// range, rows = ceil(len / splits) rounded up to ATT_TILE, so the grid does not depend on the
+// position (a decode graph stays valid). The split's rows go through shared memory in stages of
+// 32 rows (bf16 caches, staged as their bits: half the shared-memory bytes the G warps read) or
+// 16 rows (f32 and f16 caches, widened to f32); the 16-byte loads of the NEXT stage are issued
+// into registers (AttAhead) before this stage is scored, so their latency hides behind the
+// arithmetic instead of following a barrier. A warp scores ATT_TILE rows together (independent
+// lane partials and warp sums), then rescales once per tile: online softmax in f32. Lanes hold
+// ATT_HD_MAX / 32 dims (att_dim: pairs 64 i + 2 lane + {0, 1} when hd % 64 == 0, read as one
+// 4- or 8-byte shared load, else 32 i + lane).
+// Combine (last-block-done, the pattern of moe_router): each block stores its partial (running
+// max, sum of exp, unnormalised o) per head into part1 [T, H, splits, 2 + hd]; the last block of
+// each group of ATT_GROUP splits to finish (a device-scope fence, then atomicAdd on its counter)
+// combines the group's partials into part2 [T, H, groups, 2 + hd]; the last group to finish
+// combines those into out [T, H * hd] with the sigmoid gate. Two levels of ATT_GROUP instead of
+// one block reading all `splits` partials of its G heads (half a megabyte at 64 splits: one SM's
+// share of L2 bandwidth). The last blocks set their counters back to 0 (a replayed graph finds
+// them 0; zero as allocated). An empty split (rows past len) stores max -FLT_MAX, sum 0: it
+// weighs nothing. counts [T, Hkv, groups + 1] u32: groups level-1 counters, then the level-2 one.
+// Fused qk_norm_rope_store (q_norm not null; T = 1, the host's qk_norm_rope_store_attention):
+// qg holds q as the projection left it; every block norms and ropes its G heads' q (registers
+// only); the block whose split holds the new row len - 1 norms and ropes k [Hkv, hd] into it and
+// copies v [Hkv, hd] (AttRope; the other blocks never read that row).
+// Arguments: AttentionParams p (pos0 unused), uint splits, step, KvDesc k, KvDesc v, qg, counts,
+// part (part1 then part2), out, RopeParams rp (pos0 unused), q_norm, k_norm, k, v (all null when
+// not fused). Grid (Hkv, T, splits), G * 32 threads (G * hd <= 4096 when fused: the q scratch).
 #define KV_BATCH 4
-__device__ __forceinline__ void kv_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
-                                         float* ks, float* vs) {
+#define ATT_TILE 16
+#define ATT_HD_MAX ATTENTION_HEAD_DIM_MAX
+#define ATT_STAGE_BYTES (ATT_TILE * ATT_HD_MAX * 4)  // a tensor's stage: 16 f32 or 32 bf16 rows of 256
+#define ATT_GROUP 8                                   // splits (then groups) a last block combines
+
+// Lane `lane`'s dim of its slot i (i < hd / 32): pairs 64 (i / 2) + 2 lane + i % 2 when P = 2.
+template <int P>
+__device__ __forceinline__ uint att_dim(uint i, uint lane) {
+  return P == 2 ? 32 * (i & ~1u) + 2 * lane + (i & 1u) : 32 * i + lane;
+}
+
+// The K and V pieces (16 bytes of a cache row each) a thread loads ahead for one stage: piece
+// idx = j blockDim + tid is row idx / per_row, bytes 16 (idx % per_row) of the head's columns.
+struct AttAhead {
+  uint4 k[KV_BATCH], v[KV_BATCH];
+};
+
+// Issue the loads of the first KV_BATCH * blockDim pieces of cache rows base .. base + n.
+__device__ __forceinline__ void att_fetch(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
+                                          AttAhead& a) {
   const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row;
-  for (uint b0 = 0; b0 < total; b0 += KV_BATCH * blockDim.x) {
-    uint4 kv[KV_BATCH], vv[KV_BATCH];
 #pragma unroll
-    for (int j = 0; j < KV_BATCH; ++j) {
-      const uint idx = b0 + j * blockDim.x + threadIdx.x;
-      if (idx < total) kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, kv[j], vv[j]);
+  for (int j = 0; j < KV_BATCH; ++j) {
+    const uint idx = j * blockDim.x + threadIdx.x;
+    if (idx < total) kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, a.k[j], a.v[j]);
+  }
+}
+
+// Piece idx (k, v) into the staged rows ks / vs [n][hd]: BF as the cache's bf16 bits, else f32.
+template <bool BF>
+__device__ __forceinline__ void att_put(uint dtype, uint idx, uint per_row, uint epv, uint hd, const uint4 k,
+                                        const uint4 v, uint4* ks, uint4* vs) {
+  const uint o = (idx / per_row) * hd + (idx % per_row) * epv;  // element of the staged rows
+  if constexpr (BF) {
+    ks[o / 8] = k;
+    vs[o / 8] = v;
+  } else {
+    kv_widen(dtype, k, reinterpret_cast<float*>(ks) + o);
+    kv_widen(dtype, v, reinterpret_cast<float*>(vs) + o);
+  }
+}
+
+// Stage cache rows base .. base + n: the pieces loaded ahead in `a`, then any past them (blocks
+// of fewer than 8 warps, f32 caches) loaded here; row `skip` left out (the new row of a fused
+// decode step: its caller stages it from registers, the loads of it are stale).
+template <bool BF>
+__device__ __forceinline__ void att_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
+                                          uint skip, const AttAhead& a, uint4* ks, uint4* vs) {
+  const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row;
+#pragma unroll
+  for (int j = 0; j < KV_BATCH; ++j) {
+    const uint idx = j * blockDim.x + threadIdx.x;
+    if (idx < total && base + idx / per_row != skip) att_put<BF>(kd.dtype, idx, per_row, epv, hd, a.k[j], a.v[j], ks, vs);
+  }
+  for (uint idx = KV_BATCH * blockDim.x + threadIdx.x; idx < total; idx += blockDim.x) {
+    if (base + idx / per_row == skip) continue;
+    uint4 k, v;
+    kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, k, v);
+    att_put<BF>(kd.dtype, idx, per_row, epv, hd, k, v, ks, vs);
+  }
+}
+
+// The P staged values at element `at` (at % P == 0) of s, as f32.
+template <int P, bool BF>
+__device__ __forceinline__ void att_at(const uint4* s, uint at, float* v) {
+  if constexpr (BF && P == 2) {
+    const uint w = reinterpret_cast<const uint*>(s)[at / 2];
+    v[0] = bf16_float((ushort)(w & 0xffffu));
+    v[1] = bf16_float((ushort)(w >> 16));
+  } else if constexpr (BF) {
+    v[0] = bf16_float(reinterpret_cast<const ushort*>(s)[at]);
+  } else if constexpr (P == 2) {
+    const float2 f = reinterpret_cast<const float2*>(s)[at / 2];
+    v[0] = f.x;
+    v[1] = f.y;
+  } else {
+    v[0] = reinterpret_cast<const float*>(s)[at];
+  }
+}
+
+// Staged rows r0 .. r0 + n (n <= ATT_TILE) into this warp's online softmax (mx, l, o).
+template <int P, bool BF>
+__device__ __forceinline__ void att_tile(const uint4* ks, const uint4* vs, uint r0, uint n, uint hd, uint lane,
+                                         const float* q, float* o, float& mx, float& l) {
+  constexpr uint NS = ATT_HD_MAX / 32;
+  const uint nd = hd / 32;
+  // Scores of the tile's rows (rows past n hold stale values: never used).
+  float sc[ATT_TILE];
+#pragma unroll
+  for (uint r = 0; r < ATT_TILE; ++r) {
+    float a = 0.0f;
+#pragma unroll
+    for (uint i = 0; i < NS; i += P) {
+      if (i < nd) {
+        float k[P];
+        att_at<P, BF>(ks, (r0 + r) * hd + att_dim<P>(i, lane), k);
+#pragma unroll
+        for (int e = 0; e < P; ++e) a += q[i + e] * k[e];
+      }
     }
+    sc[r] = a;
+  }
 #pragma unroll
-    for (int j = 0; j < KV_BATCH; ++j) {
-      const uint idx = b0 + j * blockDim.x + threadIdx.x;
-      if (idx < total) {
-        const uint o = (idx / per_row) * hd + (idx % per_row) * epv;
-        kv_widen(kd.dtype, kv[j], ks + o);
-        kv_widen(vd.dtype, vv[j], vs + o);
+  for (int d = 16; d > 0; d >>= 1)
+#pragma unroll
+    for (uint r = 0; r < ATT_TILE; ++r) sc[r] += __shfl_xor_sync(FULL_MASK, sc[r], d);
+  float m_new = mx;
+#pragma unroll
+  for (uint r = 0; r < ATT_TILE; ++r)
+    if (r < n) m_new = fmaxf(m_new, sc[r]);
+  const float corr = expf(mx - m_new);
+  l *= corr;
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) o[i] *= corr;
+#pragma unroll
+  for (uint r = 0; r < ATT_TILE; ++r) {
+    if (r >= n) break;
+    const float e = expf(sc[r] - m_new);
+    l += e;
+#pragma unroll
+    for (uint i = 0; i < NS; i += P) {
+      if (i < nd) {
+        float v[P];
+        att_at<P, BF>(vs, (r0 + r) * hd + att_dim<P>(i, lane), v);
+#pragma unroll
+        for (int j = 0; j < P; ++j) o[i + j] += e * v[j];
       }
     }
   }
+  mx = m_new;
 }
 
-// Prefetch cache rows base .. base + n of columns col0 .. col0 + hd of K and V into L2 (one
-// prefetch per 128-byte line: a row's hd values start 16-byte aligned, so a line is touched by
-// at most two threads' pieces), so the next kv_stage waits on L2 instead of memory.
-__device__ __forceinline__ void kv_prefetch(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd) {
-  const uint bytes = hd * (kd.dtype == 0 ? 4 : 2), lines = (bytes + 127) / 128, total = n * lines;
-  for (uint idx = threadIdx.x; idx < total; idx += blockDim.x) {
-    const uint row = base + idx / lines, at = (idx % lines) * 128;
-    const size_t off = ((size_t)(row & ((1u << kd.seg_shift) - 1)) * kd.width + col0) * (kd.dtype == 0 ? 4 : 2) + at;
-    prefetch_l2(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + off);
-    prefetch_l2(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + off);
-  }
-}
-
-// attention (decode): out = softmax(q K^T * scale, causal) V * sigmoid(gate) for one query token
-// per step, split over the keys (flash-decoding); prefill (T > 1) runs attention_prefill below.
-// q / gate from qg [T, H, 2*hd] (q then gate per head); token t sees cache rows 0 .. pos0 + t.
-// GQA packing: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
-// sharing that KV head; each tile of ATT_TILE K/V rows is staged once in shared memory (f32,
-// kv_stage) and read by all G heads, and the next tile's rows are prefetched into L2 while this one
-// is scored. Lanes hold dims lane + 32 i (hd % 32 == 0, hd <= 256). A warp scores the tile's rows
-// together (ATT_TILE independent lane partials and warp sums, not one dependent dot / shuffle /
-// exp chain per row), then rescales once per tile: online softmax in f32. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal range,
-// rows = ceil(len / splits) rounded up to the tile, so the grid does not depend on the position (a
-// decode graph stays valid); out is the partials buffer [T, H, splits, 2 + hd] (running max, sum
-// of exp, unnormalised o) for attention_reduce. Arguments: AttentionParams p (pos0 unused), uint
-// splits, step, KvDesc k, KvDesc v, qg, partials. Grid (Hkv, T, splits), G * 32 threads.
-#define ATT_TILE 16
-#define ATT_HD_MAX ATTENTION_HEAD_DIM_MAX
-extern "C" __global__ void __launch_bounds__(512, 1) attention(const AttentionParams p, const uint splits,
-                                                            const uint* __restrict__ step, const KvDesc kd,
-                                                            const KvDesc vd, const float* __restrict__ qg,
-                                                            float* __restrict__ out) {
-  kernel_start();
-  __shared__ float ks[ATT_TILE * ATT_HD_MAX];
-  __shared__ float vs[ATT_TILE * ATT_HD_MAX];
-  const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z;
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint hd = p.head_dim, group = p.heads / p.kv_heads, h = kvh * group + warp;
-  const uint len = step[0] + t + 1;
-  const uint per = (len + splits - 1) / splits;
-  const uint rows = (per + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
-  const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows);
-  const uint nd = hd / 32;
-  const float* qh = qg + ((size_t)t * p.heads + h) * 2 * hd;
-  float q[ATT_HD_MAX / 32], o[ATT_HD_MAX / 32];
-  for (uint i = 0; i < ATT_HD_MAX / 32; ++i) {
-    q[i] = i < nd ? qh[lane + 32 * i] * p.scale : 0.0f;
-    o[i] = 0.0f;
-  }
-  float mx = NEG_BIG, l = 0.0f;
-  for (uint base = s0; base < s1; base += ATT_TILE) {
-    const uint n = min((uint)ATT_TILE, s1 - base);
-    kv_stage(kd, vd, base, n, kvh * hd, hd, ks, vs);
-    __syncthreads();
-    if (base + ATT_TILE < s1) kv_prefetch(kd, vd, base + ATT_TILE, min((uint)ATT_TILE, s1 - base - ATT_TILE), kvh * hd, hd);
-    // Scores of the tile's rows (rows past n hold an earlier tile's values: never used).
-    float sc[ATT_TILE];
-#pragma unroll
-    for (uint r = 0; r < ATT_TILE; ++r) {
-      float a = 0.0f;
-#pragma unroll
-      for (uint i = 0; i < ATT_HD_MAX / 32; ++i)
-        if (i < nd) a += q[i] * ks[r * hd + lane + 32 * i];
-      sc[r] = a;
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1)
-#pragma unroll
-      for (uint r = 0; r < ATT_TILE; ++r) sc[r] += __shfl_xor_sync(FULL_MASK, sc[r], d);
-    float m_new = mx;
-#pragma unroll
-    for (uint r = 0; r < ATT_TILE; ++r)
-      if (r < n) m_new = fmaxf(m_new, sc[r]);
-    const float corr = expf(mx - m_new);
-    l *= corr;
-#pragma unroll
-    for (uint i = 0; i < ATT_HD_MAX / 32; ++i) o[i] *= corr;
-#pragma unroll
-    for (uint r = 0; r < ATT_TILE; ++r) {
-      if (r >= n) break;
-      const float e = expf(sc[r] - m_new);
-      l += e;
-#pragma unroll
-      for (uint i = 0; i < ATT_HD_MAX / 32; ++i)
-        if (i < nd) o[i] += e * vs[r * hd + lane + 32 * i];
-    }
-    mx = m_new;
-    __syncthreads();
-  }
-  float* part = out + (((size_t)t * p.heads + h) * splits + split) * (hd + 2);
+// A head's partial (max, sum, this lane's dims of o) into dst [2 + hd].
+template <int P>
+__device__ __forceinline__ void att_put_partial(float* dst, uint hd, uint lane, float mx, float l, const float* o) {
   if (lane == 0) {
-    part[0] = mx;
-    part[1] = l;
+    dst[0] = mx;
+    dst[1] = l;
   }
 #pragma unroll
   for (uint i = 0; i < ATT_HD_MAX / 32; ++i)
-    if (i < nd) part[2 + lane + 32 * i] = o[i];
+    if (i < hd / 32) dst[2 + att_dim<P>(i, lane)] = o[i];
+}
+
+// The n partials src, src + (2 + hd), ... of one head combined by its warp into (mx, l, o). Read
+// through L2 (volatile: other blocks of this launch wrote them; never a stale L1 line); the loads
+// of one pass do not depend on each other.
+template <int P>
+__device__ __forceinline__ void att_combine(const volatile float* src, uint n, uint hd, uint lane, float& mx,
+                                            float& l, float* o) {
+  constexpr uint NS = ATT_HD_MAX / 32;
+  const uint nd = hd / 32;
+  float m = NEG_BIG;
+  for (uint z = 0; z < n; ++z) m = fmaxf(m, src[(size_t)z * (hd + 2)]);
+  float lz = 0.0f, acc[NS];
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) acc[i] = 0.0f;
+#pragma unroll 4
+  for (uint z = 0; z < n; ++z) {
+    const volatile float* s = src + (size_t)z * (hd + 2);
+    const float w = expf(s[0] - m);  // an empty partial: exp(-FLT_MAX - m) = 0, or 1 times l = 0
+    lz += s[1] * w;
+#pragma unroll
+    for (uint i = 0; i < NS; ++i)
+      if (i < nd) acc[i] += s[2 + att_dim<P>(i, lane)] * w;
+  }
+  mx = m;
+  l = lz;
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) o[i] = acc[i];
+}
+
+// Count this block on *count, after its stores (every thread of the block calls it): true in the
+// last of `of` blocks to arrive, which sets the count back to 0 and may then read what the others
+// stored (last-block-done: each thread fences its stores to device scope before the count).
+__device__ __forceinline__ bool att_last(uint* count, uint of, uint* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    flag[0] = atomicAdd(count, 1u) == of - 1 ? 1u : 0u;
+    if (flag[0] != 0u) *count = 0u;  // every block of this count has counted
+  }
+  __syncthreads();
+  const bool last = flag[0] != 0u;
+  if (last) __threadfence();
+  return last;
+}
+
+// The inputs of qk_norm_rope_store when decode attention does its work (q_norm null: not fused).
+struct AttRope {
+  RopeParams p;
+  const float* q_norm;
+  const float* k_norm;
+  const float* k;  // [Hkv, hd] the new row's k before norm + RoPE
+  const float* v;  // [Hkv, hd]
+};
+
+// One warp's head x [hd] (this lane's dims in x[], P as att_dim) normed with weight w and roped at
+// pos into y[] (qk_norm_rope_store's math: stage_normed, rope_at); xs: the warp's hd floats of
+// shared scratch (RoPE pairs dims across lanes).
+template <int P>
+__device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* x, const float* __restrict__ w,
+                                              float pos, uint hd, uint lane, float* xs, float* y) {
+  constexpr uint NS = ATT_HD_MAX / 32;
+  const uint nd = hd / 32;
+  float ss = 0.0f;
+#pragma unroll
+  for (uint i = 0; i < NS; ++i)
+    if (i < nd) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)hd + rp.eps);
+#pragma unroll
+  for (uint i = 0; i < NS; ++i)
+    if (i < nd) xs[att_dim<P>(i, lane)] = x[i] * inv * w[att_dim<P>(i, lane)];
+  __syncwarp();
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) y[i] = i < nd ? rope_at(rp, xs, att_dim<P>(i, lane), pos) : 0.0f;
+  __syncwarp();  // xs may be reused
+}
+
+template <int P, bool BF>
+__device__ __forceinline__ void attention_decode(const AttentionParams p, uint splits, uint len, const KvDesc kd,
+                                                 const KvDesc vd, const float* __restrict__ qg, uint* counts,
+                                                 float* part, float* __restrict__ out, const AttRope& rope,
+                                                 uint4* ks, uint4* vs, float* nk, float* nv, uint* flag) {
+  constexpr uint NS = ATT_HD_MAX / 32, SR = BF ? 2 * ATT_TILE : ATT_TILE;  // rows a stage
+  const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z, T = gridDim.y;
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint hd = p.head_dim, nd = hd / 32, group = p.heads / p.kv_heads, h = kvh * group + warp;
+  const uint per = (len + splits - 1) / splits;
+  const uint rows = (per + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+  const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows), col0 = kvh * hd;
+  const size_t qi = (size_t)t * p.heads + h;  // (token, head)
+  const float* qh = qg + qi * 2 * hd;
+  float q[NS], o[NS];
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) {
+    q[i] = i < nd ? qh[att_dim<P>(i, lane)] : 0.0f;
+    o[i] = 0.0f;
+  }
+  float mx = NEG_BIG, l = 0.0f;
+  AttAhead a;
+  if (s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
+  // Fused (one token): q normed and roped by every block for its G heads, in registers only (the
+  // other splits read qg too: it is not written back). The new row len - 1 is read by one block
+  // only, the split that holds it: that block norms and ropes k into the cache row and copies v
+  // (kv_put: visible to the kernels after this one), and stages the row from nk / nv, as the cache
+  // rounds it, instead of loading it (its loads, issued above, may precede the stores: skipped).
+  const uint row = len - 1, skip = rope.q_norm && s0 <= row && row < s1 ? row : 0xffffffffu;
+  if (rope.q_norm) {
+    float* xs = reinterpret_cast<float*>(ks) + warp * hd;  // scratch until the first stage
+    att_norm_rope<P>(rope.p, q, rope.q_norm, (float)row, hd, lane, xs, q);
+    if (skip == row && warp == 0) {
+      float x[NS], y[NS];
+#pragma unroll
+      for (uint i = 0; i < NS; ++i) x[i] = i < nd ? rope.k[col0 + att_dim<P>(i, lane)] : 0.0f;
+      att_norm_rope<P>(rope.p, x, rope.k_norm, (float)row, hd, lane, xs, y);
+#pragma unroll
+      for (uint i = 0; i < NS; ++i) {
+        if (i < nd) {
+          const uint d = att_dim<P>(i, lane);
+          const float v = rope.v[col0 + d];
+          kv_put(kd, row, col0 + d, y[i]);
+          kv_put(vd, row, col0 + d, v);
+          nk[d] = kv_round(kd.dtype, y[i]);
+          nv[d] = kv_round(vd.dtype, v);
+        }
+      }
+    }
+    __syncthreads();  // ks is staged next; nk / nv are read by every thread
+  }
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) q[i] *= p.scale;
+  for (uint base = s0; base < s1; base += SR) {
+    const uint n = min(SR, s1 - base);
+    att_stage<BF>(kd, vd, base, n, col0, hd, skip, a, ks, vs);
+    if (skip - base < n) {  // the new row: from nk / nv, in the staged form
+      const uint r = skip - base;
+      for (uint d = threadIdx.x; d < hd; d += blockDim.x) {
+        if constexpr (BF) {
+          reinterpret_cast<ushort*>(ks)[r * hd + d] = float_bf16(nk[d]);
+          reinterpret_cast<ushort*>(vs)[r * hd + d] = float_bf16(nv[d]);
+        } else {
+          reinterpret_cast<float*>(ks)[r * hd + d] = nk[d];
+          reinterpret_cast<float*>(vs)[r * hd + d] = nv[d];
+        }
+      }
+    }
+    __syncthreads();
+    if (base + SR < s1) att_fetch(kd, vd, base + SR, min(SR, s1 - base - SR), col0, hd, a);  // during the scores
+    for (uint r0 = 0; r0 < n; r0 += ATT_TILE) att_tile<P, BF>(ks, vs, r0, min((uint)ATT_TILE, n - r0), hd, lane, q, o, mx, l);
+    __syncthreads();  // the stage is refilled next
+  }
+  // Level 1: the partial of this split; the group's last block combines the group's.
+  const uint groups = (splits + ATT_GROUP - 1) / ATT_GROUP, g = split / ATT_GROUP;
+  const uint in_group = min((uint)ATT_GROUP, splits - g * ATT_GROUP);
+  float* part1 = part + qi * splits * (hd + 2);
+  float* part2 = part + (size_t)T * p.heads * splits * (hd + 2) + qi * groups * (hd + 2);
+  uint* cnt = counts + ((size_t)t * p.kv_heads + kvh) * (groups + 1);
+  att_put_partial<P>(part1 + (size_t)split * (hd + 2), hd, lane, mx, l, o);
+  if (!att_last(cnt + g, in_group, flag)) return;  // whole block
+  att_combine<P>(part1 + (size_t)g * ATT_GROUP * (hd + 2), in_group, hd, lane, mx, l, o);
+  // Level 2: the group's partial; the last group's block combines them all.
+  if (groups > 1) {
+    att_put_partial<P>(part2 + (size_t)g * (hd + 2), hd, lane, mx, l, o);
+    if (!att_last(cnt + groups, groups, flag)) return;  // whole block
+    att_combine<P>(part2, groups, hd, lane, mx, l, o);
+  }
+  const float* gate = qh + hd;
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) {
+    if (i < nd) {
+      const uint d = att_dim<P>(i, lane);
+      out[qi * hd + d] = o[i] / l * sigmoid(gate[d]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attention(
+    const AttentionParams p, const uint splits, const uint* __restrict__ step, const KvDesc kd, const KvDesc vd,
+    const float* __restrict__ qg, uint* counts, float* part, float* __restrict__ out, const RopeParams rp,
+    const float* q_norm, const float* k_norm, const float* k, const float* v) {
+  kernel_start();
+  __shared__ uint4 ks[ATT_STAGE_BYTES / 16];
+  __shared__ uint4 vs[ATT_STAGE_BYTES / 16];
+  __shared__ float nk[ATT_HD_MAX];
+  __shared__ float nv[ATT_HD_MAX];
+  __shared__ uint flag[1];
+  const AttRope rope{rp, q_norm, k_norm, k, v};
+  const uint len = step[0] + blockIdx.y + 1;
+  const bool pairs = p.head_dim % 64 == 0;
+  if (kd.dtype == 1) {
+    if (pairs)
+      attention_decode<2, true>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+    else
+      attention_decode<1, true>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+  } else {
+    if (pairs)
+      attention_decode<2, false>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+    else
+      attention_decode<1, false>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+  }
 }
 
 // attention_prefill: out = softmax(q K^T * scale, causal) V * sigmoid(gate) for the T > 1 query
@@ -376,37 +707,5 @@ extern "C" __global__ void __launch_bounds__(128) attention_prefill(const Attent
         dst[1] = o[j][2 * i + 1] / l[i] * sigmoid(gate[1]);
       }
     }
-  }
-}
-
-// attention_reduce: combine the split partials [T, H, splits, 2 + hd] into out [T, H * hd] and
-// apply the sigmoid gate from qg; an empty split (l = 0, max -FLT_MAX) weighs nothing. At most
-// ATT_SPLITS_MAX splits (the host's DECODE_SPLITS is checked against it).
-// Arguments: AttentionParams p, uint splits, partials, qg, out. Grid (H, T), 256 threads over hd.
-#define ATT_SPLITS_MAX 256
-extern "C" __global__ void attention_reduce(const AttentionParams p, const uint splits,
-                                            const float* __restrict__ part, const float* __restrict__ qg,
-                                            float* __restrict__ out) {
-  kernel_start();
-  // exp(max_z - max): each split's weight, computed once.
-  __shared__ float wz[ATT_SPLITS_MAX];
-  __shared__ float red[32];
-  const uint h = blockIdx.x, t = blockIdx.y, hd = p.head_dim, n = min(splits, (uint)ATT_SPLITS_MAX);
-  const float* ph = part + ((size_t)t * p.heads + h) * splits * (hd + 2);
-  float mz = NEG_BIG;
-  for (uint z = threadIdx.x; z < n; z += blockDim.x) mz = fmaxf(mz, ph[z * (hd + 2)]);
-  const float m = block_max(mz, red);
-  float lz = 0.0f;
-  for (uint z = threadIdx.x; z < n; z += blockDim.x) {
-    wz[z] = expf(ph[z * (hd + 2)] - m);
-    lz += ph[z * (hd + 2) + 1] * wz[z];
-  }
-  const float l = block_sum(lz, red);  // its barrier also publishes wz
-  const float* gate = qg + ((size_t)t * p.heads + h) * 2 * hd + hd;
-  for (uint d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0.0f;
-#pragma unroll 8
-    for (uint z = 0; z < n; ++z) acc += ph[z * (hd + 2) + 2 + d] * wz[z];
-    out[((size_t)t * p.heads + h) * hd + d] = acc / l * sigmoid(gate[d]);
   }
 }

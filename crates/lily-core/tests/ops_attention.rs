@@ -231,7 +231,8 @@ gpu_tests!(
     unsupported_shape_is_an_error_not_a_panic,
     kv_copy_matches_reference,
     kv_share_copies_on_write;
-    metal: attention_splits_match_reference,
+    metal: attention_splits_match_reference;
+    cuda: attention_decode_long_matches_reference, qk_norm_rope_store_attention_matches_reference,
 );
 
 fn qk_norm_rope_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
@@ -387,6 +388,123 @@ fn attention_splits_match_reference<X: Executor>(dev: &mut Metal<X>, tolx: f32) 
         attention_cases(&*dev, tolx, &format!(", splits of 16+ rows, at most {max_splits}"));
     }
     (dev.split_rows, dev.max_splits) = saved;
+}
+
+/// CUDA's decode attention past 1024 rows at the real head shapes (16 heads on 2 KV heads, hd 256):
+/// splits of 32 rows (a bf16 stage of two tiles, the pair loads of hd % 64 == 0), most of the
+/// 64 splits non-empty, so both levels of the in-launch combine add several partials; every
+/// dtype; segment boundaries inside splits. Several calls in a row: the split counters must be
+/// back at 0 after each.
+fn attention_decode_long_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    for (pos0, steps, dtype, seg) in [
+        (1300, 2, KvDtype::BF16, 256),
+        (1100, 1, KvDtype::F16, 1024),
+        (1030, 1, KvDtype::F32, 64),
+    ] {
+        let (h, kv, hd) = (16, 2, 256);
+        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, 1, steps, dtype, seg);
+        let got = run_attention(&*dev, h, kv, hd, pos0, 1, steps, dtype, seg);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_near(
+                g,
+                w,
+                tolx * TOL,
+                &format!("decode attention at {pos0} rows {dtype:?} seg {seg}, call {i}"),
+            );
+        }
+    }
+}
+
+/// `qk_norm_rope_store_attention` (CUDA: one launch for a decode step, the attention blocks norm
+/// and rope q and the block holding the new row stores it) against the reference's two ops: the
+/// output and both caches after three decode steps in a row (the split counters back at 0, the
+/// new row moving through a stage), at the real head shapes in every dtype (the new row in the
+/// first and in the second tile of a stage, on segment boundaries) and at small heads (hd 32: one
+/// dim a lane; hd 64) with rotary dims not a multiple of 32; a prefill chunk takes the two ops.
+fn qk_norm_rope_store_attention_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    for case in [
+        (16, 2, 256, 64, 9, 1, KvDtype::BF16, 16),
+        (16, 2, 256, 64, 1300, 1, KvDtype::BF16, 256),
+        (16, 2, 256, 64, 1055, 1, KvDtype::F16, 32),
+        (16, 2, 256, 64, 47, 1, KvDtype::F32, 16),
+        (4, 2, 32, 16, 30, 1, KvDtype::F16, 4),
+        (8, 2, 64, 24, 70, 1, KvDtype::BF16, 8),
+        (16, 2, 256, 64, 20, 5, KvDtype::BF16, 16),
+    ] {
+        let (h, _, hd, _, pos0, _, dtype, _) = case;
+        let want = fused_attention_steps(&Cpu::reference(), case);
+        let got = fused_attention_steps(&*dev, case);
+        // 16-bit caches round: a rounding step of a stored value is the cache's tolerance there.
+        let (tol_out, tol_cache) = if dtype == KvDtype::F32 {
+            (tolx * 1e-4, tolx * 1e-4)
+        } else {
+            (tolx * 1e-3, 1e-2)
+        };
+        let n = got.len();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (tol, what) = if i + 2 < n {
+                (tol_out, "out")
+            } else {
+                (tol_cache, "cache")
+            };
+            let at = format!("qk_norm_rope_store_attention H={h} hd={hd} at {pos0} {dtype:?}: {what} {i}");
+            assert_near(g, w, tol, &at);
+        }
+    }
+}
+
+/// A chunk of T tokens then 3 decode steps through `qk_norm_rope_store_attention` on a cache of
+/// pos0 rows: each call's out, then both caches. Case (H, Hkv, hd, rotary_dim, pos0, T, dtype,
+/// segment rows).
+fn fused_attention_steps<B: Backend>(
+    b: &B,
+    (h, kv, hd, rot, pos0, t, dtype, seg): (usize, usize, usize, u32, usize, usize, KvDtype, usize),
+) -> Vec<Vec<f32>> {
+    let (w, steps) = (kv * hd, 3);
+    let rows = pos0 + t + steps;
+    let (qn, kn) = (rand_vec(hd, 90, 0.5, 1.5), rand_vec(hd, 91, 0.5, 1.5));
+    let (qnb, knb) = (b.upload(&qn).unwrap(), b.upload(&kn).unwrap());
+    let mut kc = filled_cache(b, w, pos0, rows, dtype, seg, 92);
+    let mut vc = filled_cache(b, w, pos0, rows, dtype, seg, 93);
+    let mut outs = Vec::new();
+    let mut pos = pos0;
+    for (i, n) in std::iter::once(t).chain(std::iter::repeat_n(1, steps)).enumerate() {
+        let i = i as u64;
+        let mut qg = b.upload(&rand_vec(n * h * 2 * hd, 94 + i, -2.0, 2.0)).unwrap();
+        let mut k = b.upload(&rand_vec(n * w, 100 + i, -2.0, 2.0)).unwrap();
+        let v = b.upload(&rand_vec(n * w, 110 + i, -2.0, 2.0)).unwrap();
+        let mut out = b.alloc(n * h * hd).unwrap();
+        b.kv_reserve(&mut kc, pos + n).unwrap();
+        b.kv_reserve(&mut vc, pos + n).unwrap();
+        let rope = RopeParams {
+            tokens: n as u32,
+            pos0: pos as u32,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            rotary_dim: rot,
+            eps: 1e-6,
+            theta: 1e4,
+        };
+        let p = AttentionParams {
+            tokens: n as u32,
+            pos0: pos as u32,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        b.qk_norm_rope_store_attention(&rope, &p, &qnb, &knb, &mut qg, &mut k, &v, &mut kc, &mut vc, &mut out);
+        b.finish().unwrap();
+        outs.push(read_all(b, &out, n * h * hd));
+        pos += n;
+    }
+    let (mut ko, mut vo) = (vec![0f32; pos * w], vec![0f32; pos * w]);
+    b.kv_read(&kc, 0, &mut ko).unwrap();
+    b.kv_read(&vc, 0, &mut vo).unwrap();
+    outs.push(ko);
+    outs.push(vo);
+    outs
 }
 
 /// Shapes the kernels do not support (a head_dim not a multiple of 32, buffers too small) are

@@ -376,6 +376,26 @@ pub trait Backend: Send + Sized + 'static {
         self.kv_store(&store, k, k_cache);
         self.kv_store(&store, v, v_cache);
     }
+    /// `qk_norm_rope_store` (`rope`) then `attention` (`p`): a layer's attention core. A backend
+    /// may fuse them (CUDA, for one token: one launch); afterwards qg's q halves are either normed
+    /// and roped or as they were. By default, the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_store_attention(
+        &self,
+        rope: &RopeParams,
+        p: &AttentionParams,
+        q_norm: &Self::Buf,
+        k_norm: &Self::Buf,
+        qg: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        k_cache: &mut Self::Kv,
+        v_cache: &mut Self::Kv,
+        out: &mut Self::Buf,
+    ) {
+        self.qk_norm_rope_store(rope, q_norm, k_norm, qg, k, v, k_cache, v_cache);
+        self.attention(p, qg, k_cache, v_cache, out);
+    }
     /// out [T, H*hd] = softmax(q K^T * scale, causal) V, times sigmoid(gate) from qg.
     fn attention(
         &self,

@@ -109,16 +109,6 @@ impl<B: Backend> Attention<B> {
             eps: self.eps,
             theta: self.theta,
         };
-        b.qk_norm_rope_store(
-            &rope,
-            &self.q_norm,
-            &self.k_norm,
-            &mut s.proj,
-            &mut s.k,
-            &s.v,
-            &mut kv.k,
-            &mut kv.v,
-        );
         let attn = AttentionParams {
             tokens: t as u32,
             pos0: pos0 as u32,
@@ -127,7 +117,18 @@ impl<B: Backend> Attention<B> {
             head_dim: self.head_dim as u32,
             scale: 1.0 / (self.head_dim as f32).sqrt(),
         };
-        b.attention(&attn, &s.proj, &kv.k, &kv.v, &mut s.core);
+        b.qk_norm_rope_store_attention(
+            &rope,
+            &attn,
+            &self.q_norm,
+            &self.k_norm,
+            &mut s.proj,
+            &mut s.k,
+            &s.v,
+            &mut kv.k,
+            &mut kv.v,
+            &mut s.core,
+        );
     }
 
     /// s.mix = o_proj s.core.

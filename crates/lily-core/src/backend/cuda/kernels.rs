@@ -28,7 +28,6 @@ pub const SOURCES: &[(&str, &str)] = &[
     source!("cuda", "matmul.cu"),
     source!("cuda", "moe.cu"),
     source!("cuda", "rms_norm.cu"),
-    source!("cuda", "rope.cu"),
 ];
 
 /// Host-name suffixes of the weight formats (`FOR_EACH_WEIGHT` in common.cuh, same order).
@@ -61,7 +60,6 @@ pub enum Fixed {
     Argmax,
     Attention,
     AttentionPrefill,
-    AttentionReduce,
     CopyRows,
     DeltaNet,
     DeltaNetConv,
@@ -90,7 +88,6 @@ impl Fixed {
         Fixed::Argmax,
         Fixed::Attention,
         Fixed::AttentionPrefill,
-        Fixed::AttentionReduce,
         Fixed::CopyRows,
         Fixed::DeltaNet,
         Fixed::DeltaNetConv,
@@ -118,7 +115,6 @@ impl Fixed {
             Fixed::Argmax => "argmax",
             Fixed::Attention => "attention",
             Fixed::AttentionPrefill => "attention_prefill",
-            Fixed::AttentionReduce => "attention_reduce",
             Fixed::CopyRows => "copy_rows",
             Fixed::DeltaNet => "delta_net",
             Fixed::DeltaNetConv => "delta_net_conv",

@@ -81,10 +81,9 @@ pub(crate) fn gemv_split(rows: usize, chunks: usize, grid_y: usize) -> u32 {
 
 /// Key splits of single-token attention (flash-decoding): fixed, so a decode graph does not
 /// depend on the position; each split covers ceil(len / splits) rows, rounded up to the 16-row
-/// tile (64 splits: 4 tiles a split at 4K rows, 128 blocks for 2 KV heads; at most
-/// ATT_SPLITS_MAX = 256 in attention.cu).
+/// tile (64 splits: 5 tiles a split at 4K rows, 128 blocks for 2 KV heads; the same launch
+/// combines them, in two levels of 8: attention.cu).
 pub const DECODE_SPLITS: u32 = 64;
-const _: () = assert!(DECODE_SPLITS <= 256);
 
 /// Tokens per forward call during prefill: enough rows for the tensor-core GEMMs to pay.
 pub const PREFILL_CHUNK: usize = 1024;
@@ -831,6 +830,22 @@ impl<X: Executor> Backend for Cuda<X> {
         v_cache: &mut CudaKv<X>,
     ) {
         attention::cuda::qk_norm_rope_store(self, p, q_norm, k_norm, qg, k, v, k_cache, v_cache)
+    }
+
+    fn qk_norm_rope_store_attention(
+        &self,
+        rope: &RopeParams,
+        p: &AttentionParams,
+        q_norm: &CudaBuf<X>,
+        k_norm: &CudaBuf<X>,
+        qg: &mut CudaBuf<X>,
+        k: &mut CudaBuf<X>,
+        v: &CudaBuf<X>,
+        k_cache: &mut CudaKv<X>,
+        v_cache: &mut CudaKv<X>,
+        out: &mut CudaBuf<X>,
+    ) {
+        attention::cuda::qk_norm_rope_store_attention(self, rope, p, q_norm, k_norm, qg, k, v, k_cache, v_cache, out)
     }
 
     fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>) {

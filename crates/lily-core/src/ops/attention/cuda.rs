@@ -1,9 +1,10 @@
-//! The attention family on CUDA (`shaders/cuda/rope.cu`, `shaders/cuda/attention.cu`): q/k norm +
-//! RoPE, the KV store into the segmented cache (both fused in `qk_norm_rope_store`), and attention
-//! (`attention_prefill` on the tensor cores for a prefill chunk, split-KV for one token).
+//! The attention family on CUDA (`shaders/cuda/attention.cu`): q/k norm + RoPE, the KV store into
+//! the segmented cache (both fused in `qk_norm_rope_store`), and attention (`attention_prefill` on
+//! the tensor cores for a prefill chunk, split-KV for one token, which also does
+//! `qk_norm_rope_store`'s work when called as `qk_norm_rope_store_attention`).
 
 use crate::backend::{
-    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, Executor, DECODE_SPLITS},
+    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, DevPtr, Executor, DECODE_SPLITS},
     params::{AttentionParams, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ATTENTION_QUERY_ROWS},
 };
 
@@ -126,6 +127,70 @@ pub fn attention<X: Executor>(
     v: &CudaKv<X>,
     out: &mut CudaBuf<X>,
 ) {
+    attention_launch(c, p, qg, k, v, out, None);
+}
+
+/// `qk_norm_rope_store` then `attention`; for one token (a decode step) in one launch: the
+/// decode attention kernel norms and ropes q itself (qg is left as it was) and the block whose
+/// split holds the new row stores it (attention.cu: AttRope). Otherwise the two ops.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_store_attention<X: Executor>(
+    c: &Cuda<X>,
+    rope: &RopeParams,
+    p: &AttentionParams,
+    q_norm: &CudaBuf<X>,
+    k_norm: &CudaBuf<X>,
+    qg: &mut CudaBuf<X>,
+    k: &mut CudaBuf<X>,
+    v: &CudaBuf<X>,
+    k_cache: &mut CudaKv<X>,
+    v_cache: &mut CudaKv<X>,
+    out: &mut CudaBuf<X>,
+) {
+    let same = (rope.tokens, rope.pos0, rope.heads, rope.kv_heads, rope.head_dim)
+        == (p.tokens, p.pos0, p.heads, p.kv_heads, p.head_dim);
+    // The q scratch of a block: G heads of hd floats in one 16 KiB stage (attention.cu).
+    let fits = p.kv_heads > 0 && (p.heads / p.kv_heads) * p.head_dim <= 4096;
+    if p.tokens != 1 || !same || !fits {
+        qk_norm_rope_store(c, rope, q_norm, k_norm, qg, k, v, k_cache, v_cache);
+        attention(c, p, qg, k_cache, v_cache, out);
+        return;
+    }
+    let (hd, w) = (p.head_dim as usize, (p.kv_heads * p.head_dim) as usize);
+    let rows = p.pos0 as usize + 1;
+    if !rope_shape_ok(c, "qk_norm_rope_store", rope)
+        || !c.fits(
+            "qk_norm_rope_store",
+            &[
+                ("k", k.len, w),
+                ("v", v.len, w),
+                ("q_norm", q_norm.len, hd),
+                ("k_norm", k_norm.len, hd),
+            ],
+        )
+        || !c.cache_fits("qk_norm_rope_store", "k_cache", k_cache, rows, w)
+        || !c.cache_fits("qk_norm_rope_store", "v_cache", v_cache, rows, w)
+    {
+        return;
+    }
+    let fused = (
+        RopeParams { pos0: 0, ..*rope },
+        [q_norm.ptr(), k_norm.ptr(), k.ptr(), v.ptr()],
+    );
+    attention_launch(c, p, qg, k_cache, v_cache, out, Some(fused));
+}
+
+/// `attention`, with `rope` (its parameters and q_norm, k_norm, k, v) the decode kernel's fused
+/// qk_norm_rope_store (one token only: the caller checked).
+fn attention_launch<X: Executor>(
+    c: &Cuda<X>,
+    p: &AttentionParams,
+    qg: &CudaBuf<X>,
+    k: &CudaKv<X>,
+    v: &CudaKv<X>,
+    out: &mut CudaBuf<X>,
+    rope: Option<(RopeParams, [DevPtr; 4])>,
+) {
     let (t, h, kvh, hd) = (
         p.tokens as usize,
         p.heads as usize,
@@ -172,10 +237,22 @@ pub fn attention<X: Executor>(
         c.launch(F::AttentionPrefill, shape(grid, 128), args);
         return;
     }
-    // Decode: split over the keys, then attention_reduce.
+    // Decode: split over the keys, combined in the same launch (attention.cu: last-block-done in
+    // two levels of ATT_GROUP). Scratch: the counters (u32, zero as allocated, left 0 by the
+    // kernel) in a fixed room at the front, so that a call of another shape never finds its
+    // counters where an earlier call stored partials; then part1 [H, splits, 2 + hd] and part2
+    // [H, groups, 2 + hd].
     let splits = DECODE_SPLITS;
-    let size = h * splits as usize * (hd + 2);
-    let Some(partials) = c.scratch(size, "attention partials", |s| &mut s.partials) else {
+    let groups = splits.div_ceil(ATT_GROUP) as usize;
+    if kvh * (groups + 1) > ATT_COUNTERS {
+        c.fail(format!(
+            "attention: {kvh} KV heads need {} split counters (room for {ATT_COUNTERS})",
+            kvh * (groups + 1)
+        ));
+        return;
+    }
+    let size = ATT_COUNTERS + h * (splits as usize + groups) * (hd + 2);
+    let Some(scratch) = c.scratch(size, "attention partials", |s| &mut s.partials) else {
         return;
     };
     let args = Args::new()
@@ -185,14 +262,16 @@ pub fn attention<X: Executor>(
         .push(kd)
         .push(vd)
         .ptr(qg.ptr())
-        .ptr(partials);
+        .ptr(scratch)
+        .ptr(scratch + 4 * ATT_COUNTERS as u64)
+        .ptr(out.ptr());
+    let (rp, [qn, kn, kr, vr]) = rope.unwrap_or_default();
+    let args = args.push(rp).ptr(qn).ptr(kn).ptr(kr).ptr(vr);
     let grid = [kvh as u32, 1, splits];
     c.launch(F::Attention, shape(grid, (h / kvh * 32) as u32), args);
-    let args = Args::new()
-        .push(pp)
-        .push(splits)
-        .ptr(partials)
-        .ptr(qg.ptr())
-        .ptr(out.ptr());
-    c.launch(F::AttentionReduce, shape([h as u32, 1, 1], 256), args);
 }
+
+/// Splits (then groups) one last block of decode attention combines (ATT_GROUP in attention.cu).
+const ATT_GROUP: u32 = 8;
+/// u32 counters at the front of the decode scratch: [Hkv, groups + 1] for one token.
+const ATT_COUNTERS: usize = 256;

@@ -9,7 +9,10 @@
 //!   fused (Metal: k normed and roped straight into its cache, one dispatch for the three);
 //! - `attention` (`AttentionParams`): out [T, H hd] = softmax(q K^T scale, causal) V times
 //!   sigmoid(gate), token t seeing cache rows 0..=pos0 + t; GQA: query head h reads KV head
-//!   h / (H / Hkv).
+//!   h / (H / Hkv);
+//! - `qk_norm_rope_store_attention` (`RopeParams`, `AttentionParams`): `qk_norm_rope_store` then
+//!   `attention`, a layer's attention core in one call (CUDA: one launch for a decode step, the
+//!   attention blocks doing the norm, RoPE and store; elsewhere the two ops).
 
 pub mod cpu;
 pub mod cuda;
