@@ -50,7 +50,7 @@ pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Place
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, StreamKind};
+use super::{check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, StreamKind};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -560,6 +560,18 @@ impl<X: Executor> Backend for Metal<X> {
         out: &mut MetalBuf<X>,
     ) {
         delta_net::metal::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    }
+
+    fn delta_net_gated(
+        &self,
+        r: &DeltaNetGated<'_, Self>,
+        conv_state: &mut MetalBuf<X>,
+        state: &mut MetalBuf<X>,
+        mixed: &mut MetalBuf<X>,
+        core: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        delta_net::metal::delta_net_gated(self, r, conv_state, state, mixed, core, out)
     }
 
     fn moe_route(&self, p: &RouteParams, logits: &MetalBuf<X>, ids: &mut MetalBuf<X>, weights: &mut MetalBuf<X>) {
