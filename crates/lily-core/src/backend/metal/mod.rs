@@ -50,7 +50,9 @@ pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Place
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, StreamKind};
+use super::{
+    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -491,6 +493,18 @@ impl<X: Executor> Backend for Metal<X> {
         h: &mut MetalBuf<X>,
     ) {
         norm::metal::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
+    }
+
+    fn moe_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeBlock<'_, Self>,
+        s: &mut MoeScratch<'_, Self>,
+        x: &mut MetalBuf<X>,
+        h: &mut MetalBuf<X>,
+    ) {
+        moe::metal::moe_add_rms_norm(self, moe, norm, r, s, x, h)
     }
 
     fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
