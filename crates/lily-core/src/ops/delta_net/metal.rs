@@ -178,7 +178,7 @@ pub fn delta_net_gated<X: Executor>(
     let width = 2 * hk * dk + hv * dv;
     // Threadgroup memory: qk [T, 2 Dk], vo [T, G Dv], gates [T, 2 G] (G = Hv / Hk; hk = 0 or a
     // G that is not whole fails the checks below, in the parts).
-    let g = if hk > 0 { hv / hk } else { 0 };
+    let g = hv.checked_div(hk).unwrap_or(0);
     let tg_mem = [4 * t * 2 * dk, 4 * t * g * dv, 4 * t * 2 * g];
     let fused = (1..=GATED_TOKENS).contains(&t)
         && tg_mem.iter().map(|b| b.next_multiple_of(16)).sum::<usize>() <= THREADGROUP_BYTES
