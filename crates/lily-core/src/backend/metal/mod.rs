@@ -95,6 +95,9 @@ pub struct Metal<X: Executor> {
     /// (`delta_net_chunk_prep` + `delta_net_chunk`); fewer run the step recurrence
     /// (`delta_net`). Default one chunk (32); `LILY_METAL_DELTA_CHUNK_TOKENS` overrides it.
     pub delta_net_chunk_tokens: u32,
+    /// `delta_net_gated` as one dispatch for a decode step (default; `LILY_METAL_FUSED_DELTA_NET=0`:
+    /// its parts, to compare on a Mac).
+    pub fused_delta_net: bool,
 }
 
 #[cfg(unix)]
@@ -194,6 +197,7 @@ impl<X: Executor> Metal<X> {
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
             .unwrap_or(DELTA_NET_CHUNK as u32);
+        let fused_delta_net = std::env::var("LILY_METAL_FUSED_DELTA_NET").map_or(true, |v| v != "0");
         let m = Metal {
             x,
             kernels,
@@ -208,6 +212,7 @@ impl<X: Executor> Metal<X> {
             moe_gemm_tokens,
             piece_seconds: stream::PIECE_SECONDS,
             delta_net_chunk_tokens,
+            fused_delta_net,
         };
         for &f in Fixed::ALL {
             m.pipeline(f.into())?;

@@ -162,8 +162,9 @@ fn delta_net_chunked<X: Executor>(
 
 /// `delta_net_gated`: one `delta_net_gated_f32` dispatch (a threadgroup per key head, covering its
 /// value heads: the kernel's comment says why) up to [`GATED_TOKENS`] tokens whose staged q, k, v
-/// and gates fit in a threadgroup's memory; otherwise its parts (`delta_net_conv`, `delta_net`,
-/// `rms_norm_gated`). The fused dispatch leaves mixed and core alone.
+/// and gates fit in a threadgroup's memory; otherwise, or with `LILY_METAL_FUSED_DELTA_NET=0`, its
+/// parts (`delta_net_conv`, `delta_net`, `rms_norm_gated`). The fused dispatch leaves mixed and
+/// core alone.
 pub fn delta_net_gated<X: Executor>(
     m: &Metal<X>,
     r: &DeltaNetGated<'_, Metal<X>>,
@@ -180,7 +181,8 @@ pub fn delta_net_gated<X: Executor>(
     // G that is not whole fails the checks below, in the parts).
     let g = hv.checked_div(hk).unwrap_or(0);
     let tg_mem = [4 * t * 2 * dk, 4 * t * g * dv, 4 * t * 2 * g];
-    let fused = (1..=GATED_TOKENS).contains(&t)
+    let fused = m.fused_delta_net
+        && (1..=GATED_TOKENS).contains(&t)
         && tg_mem.iter().map(|b| b.next_multiple_of(16)).sum::<usize>() <= THREADGROUP_BYTES
         && r.conv.tokens == p.tokens
         && r.conv.channels as usize == width
