@@ -95,6 +95,154 @@ kernel void delta_net_f32(constant DeltaNetParams& p [[buffer(0)]], device const
   }
 }
 
+// ------------------------------------------------------------------ decode: conv + recurrence + gated norm
+// delta_net_gated: a decode step's DeltaNet core in one dispatch, T tokens of one sequence (the host
+// takes it up to GATED_TOKENS, ops/delta_net/metal.rs): out =
+// rms_norm_gated(delta_net(delta_net_conv(proj)), z), delta_net_conv_f32, delta_net_f32 and
+// norm.metal's rms_norm_gated_f32 composed, without their round trips through device memory.
+// proj [T, C] (q | k | v before the conv, C = 2 Hk Dk + Hv Dv), conv_w [C, taps], conv_state
+// [taps - 1, C] (oldest first, in/out), a / b [T, Hv], a_log / dt_bias [Hv], norm_w [Dv], z / out
+// [T, Hv Dv], state [Hv, Dk, Dv] f32 (in/out). Dk <= DELTA_NET_KEY_DIM_MAX.
+// Bindings: 0 DeltaNetParams, 1 ConvParams (channels C, taps), 2 RmsNormParams (eps), 3 conv_w,
+// 4 conv_state, 5 proj, 6 a, 7 b, 8 a_log, 9 dt_bias, 10 norm_w, 11 z, 12 state, 13 out;
+// threadgroup memory 0: qk [T][2 Dk] (this key head's q | k after the conv, then l2-normed), 1: vo
+// [T][G Dv] (its value heads' v after the conv, then each column's recurrence output o in the same
+// slot), 2: gates [T][2 G] (alpha = e^g, beta); the host checks they fit in 32 KiB.
+// Grid: threadgroups (Hk), 1024 threads = 32 simdgroups: threadgroup kh is key head kh with its
+// G = Hv / Hk value heads j = kh G .. kh G + G - 1 (contiguous, as j / G = kh).
+// Why one threadgroup per key head: the q/k conv channels (and their conv state) of a key head are
+// shared by its G value heads. With one threadgroup per value head (CUDA's grid), the G threadgroups
+// would each read the old q/k conv state and one of them must write the new state only after all
+// have read it (CUDA: a device-scope counter, last block done). Here every conv channel, its
+// state included, belongs to exactly one threadgroup and one thread, so no threadgroup ever waits
+// on another and the conv state needs no barrier at all; the model's 16 key heads give 16
+// threadgroups, each streaming 2 x 64 KiB of recurrent state.
+// - Conv: thread i strides over the 2 Dk + G Dv channels of the key head; for each token it sums
+//   taps rows of [conv_state; proj] read straight from device memory (neither is written before
+//   the thread's own last read of its channel), writes silu into qk / vo, then stores its
+//   channel's new state (row r <- row T + r of [state; proj], r ascending: a row is overwritten
+//   only after it was read). Threads below 2 T G compute the gates of one (token, value head).
+// - Norms of q and k: simdgroup s takes the rows (t, q|k) = s, s + 32, ...: simd_sum of squares,
+//   then the row scaled in place (q also by 1 / sqrt(Dk)).
+// - Recurrence: simdgroup s owns the columns c = s, s + 32, ... of the G Dv (head g = c / Dv,
+//   column c % Dv); lane holds S_j[d, c % Dv] for d = lane + 32 i in registers through the T tokens
+//   (delta_net_f32's layout): S <- alpha S; delta = beta (v - S^T k); S += k delta; o = S^T q
+//   (simd_sum); lane 0 puts o where v was (every lane has read v before the first simd_sum).
+// - Gated norm: simdgroup s takes the rows (t, g) = s, s + 32, ...: rms over the Dv outputs,
+//   out = o / rms * norm_w * silu(z).
+// Three threadgroup barriers in all (not per token). f32 throughout.
+// Row r of [conv_state; proj] in channel ch (r < hist: the state).
+inline float dng_conv_row(device const float* conv_state, device const float* proj, uint r, uint hist, uint C,
+                          uint ch) {
+  return r < hist ? conv_state[(ulong)r * C + ch] : proj[(ulong)(r - hist) * C + ch];
+}
+kernel void delta_net_gated_f32(constant DeltaNetParams& p [[buffer(0)]], constant ConvParams& cp [[buffer(1)]],
+                                constant RmsNormParams& np [[buffer(2)]], device const float* conv_w [[buffer(3)]],
+                                device float* conv_state [[buffer(4)]], device const float* proj [[buffer(5)]],
+                                device const float* a [[buffer(6)]], device const float* b [[buffer(7)]],
+                                device const float* a_log [[buffer(8)]], device const float* dt_bias [[buffer(9)]],
+                                device const float* norm_w [[buffer(10)]], device const float* z [[buffer(11)]],
+                                device float* state [[buffer(12)]], device float* out [[buffer(13)]],
+                                threadgroup float* qk [[threadgroup(0)]], threadgroup float* vo [[threadgroup(1)]],
+                                threadgroup float* gates [[threadgroup(2)]],
+                                uint kh [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                                uint ntg [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+  const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
+  const uint C = cp.channels, taps = cp.taps, hist = taps - 1;
+  const uint G = Hv / Hk, GD = G * Dv, j0 = kh * G;
+  // Conv, channel by channel. Local channel i: q (i < Dk), k (i < 2 Dk), else v column i - 2 Dk of
+  // the key head's value heads; ch its place in proj's rows, dst / ld where its outputs go.
+  for (uint i = tid; i < 2 * Dk + GD; i += ntg) {
+    uint ch = 0, ld = 0;
+    threadgroup float* dst = qk;
+    if (i < 2 * Dk) {
+      ch = (i < Dk ? 0u : Hk * Dk - Dk) + kh * Dk + i;
+      dst = qk + i;
+      ld = 2 * Dk;
+    } else {
+      ch = 2 * Hk * Dk + j0 * Dv + (i - 2 * Dk);
+      dst = vo + (i - 2 * Dk);
+      ld = GD;
+    }
+    device const float* w = conv_w + (ulong)ch * taps;
+    for (uint t = 0; t < T; ++t) {
+      float acc = 0.0f;
+      for (uint m = 0; m < taps; ++m) acc += w[m] * dng_conv_row(conv_state, proj, t + m, hist, C, ch);
+      dst[t * ld] = silu(acc);
+    }
+    for (uint r = 0; r < hist; ++r) conv_state[(ulong)r * C + ch] = dng_conv_row(conv_state, proj, T + r, hist, C, ch);
+  }
+  for (uint e = tid; e < T * G; e += ntg) {
+    const uint t = e / G, g = e % G, j = j0 + g;
+    gates[t * 2 * G + g] =
+        metal::precise::exp(-metal::precise::exp(a_log[j]) * softplus(a[t * Hv + j] + dt_bias[j]));
+    gates[t * 2 * G + G + g] = sigmoid(b[t * Hv + j]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // l2 norms of each token's q and k (row 2 t: q, 2 t + 1: k).
+  const float q_scale = 1.0f / metal::precise::sqrt(float(Dk));
+  for (uint r = sg; r < 2 * T; r += nsg) {
+    threadgroup float* x = qk + r * Dk;
+    float ss = 0.0f;
+    for (uint d = lane; d < Dk; d += 32) ss += x[d] * x[d];
+    const float inv = 1.0f / metal::precise::sqrt(simd_sum(ss) + 1e-6f) * (r % 2 == 0 ? q_scale : 1.0f);
+    for (uint d = lane; d < Dk; d += 32) x[d] *= inv;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // The recurrence, a column per simdgroup at a time.
+  const uint nd = (Dk + 31) / 32;
+  for (uint c = sg; c < GD; c += nsg) {
+    const uint g = c / Dv, cc = c % Dv;
+    device float* S = state + (ulong)(j0 + g) * Dk * Dv;
+    float s[DELTA_NET_KEY_DIM_MAX / 32];
+    for (uint i = 0; i < nd; ++i) {
+      const uint d = lane + 32 * i;
+      s[i] = d < Dk ? S[(ulong)d * Dv + cc] : 0.0f;
+    }
+    for (uint t = 0; t < T; ++t) {
+      threadgroup const float* q = qk + 2 * t * Dk;
+      threadgroup const float* k = q + Dk;
+      const float alpha = gates[t * 2 * G + g], beta = gates[t * 2 * G + G + g];
+      const float v = vo[t * GD + c];
+      float pred = 0.0f;
+      for (uint i = 0; i < nd; ++i) {
+        const uint d = lane + 32 * i;
+        s[i] *= alpha;
+        pred += d < Dk ? s[i] * k[d] : 0.0f;
+      }
+      const float delta = beta * (v - simd_sum(pred));
+      float o = 0.0f;
+      for (uint i = 0; i < nd; ++i) {
+        const uint d = lane + 32 * i;
+        if (d < Dk) {
+          s[i] += k[d] * delta;
+          o += s[i] * q[d];
+        }
+      }
+      o = simd_sum(o);
+      if (lane == 0) vo[t * GD + c] = o;
+    }
+    for (uint i = 0; i < nd; ++i) {
+      const uint d = lane + 32 * i;
+      if (d < Dk) S[(ulong)d * Dv + cc] = s[i];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // The gated norm of each (token, value head) row of Dv outputs.
+  for (uint r = sg; r < T * G; r += nsg) {
+    const uint t = r / G, g = r % G;
+    threadgroup const float* o = vo + t * GD + g * Dv;
+    float ss = 0.0f;
+    for (uint c = lane; c < Dv; c += 32) ss += o[c] * o[c];
+    const float inv = 1.0f / metal::precise::sqrt(simd_sum(ss) / float(Dv) + np.eps);
+    for (uint c = lane; c < Dv; c += 32) {
+      const ulong at = ((ulong)t * Hv + j0 + g) * Dv + c;
+      out[at] = o[c] * inv * norm_w[c] * silu(z[at]);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ chunked prefill
 // The chunked (WY / UT-transform) form of the same recurrence (architecture.md 6.1), in chunks of
 // DELTA_NET_CHUNK = 32 tokens: one token per lane of a simdgroup, [32, 32] intra-chunk matrices of 4 KiB

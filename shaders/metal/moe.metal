@@ -191,13 +191,18 @@ inline void gate_up_rows(thread const W& g, uint grow, thread const W& u, uint u
     for (uint r = 0; r < nr; ++r) out[r] = silu(gv[r]) * uv[r];
 }
 
-// moe_gate_up_<w>_r<R>: act [T*K, I] with act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
-// e = ids[t*K + k]; gate/up [E, I, D] in one weight format. Bindings: 0 MoeParams,
-// 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up w/scales/biases,
-// 9 x [T, D], 10 ids [T*K], 11 act. Grid: threadgroups (ceil(I / (4 R)), T*K), 128 threads =
-// 4 simdgroups; simdgroup s owns the R rows (4 tg.x + s) R .. + R of pair tg.y (rows_dot in
-// common.h for the gate rows, then the up rows; lanes over D). R = 2 on Apple7/8, 4 on Apple9+
-// (kernels.rs). Accumulation: f32.
+// moe_gate_up_<w>_r<R>: act [P, I] with act[t*K + k, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]),
+// e = ids[t*K + k]; gate/up [E, I, D] in one weight format. P = T*K, or T*K + T with the shared
+// expert as pairs (ops/moe/metal.rs `moe_add_rms_norm`): pair T*K + t is token t's shared expert,
+// sgate/sup [I, D] (plain matrices of the experts' format and shape, read as expert 0), so its
+// act rows, and moe_down's y rows, follow the T*K routed ones as one [T, *] block. Bindings:
+// 0 MoeParams, 1 MatrixDesc gate, 2 MatrixDesc up, 3-5 gate w/scales/biases, 6-8 up
+// w/scales/biases, 9 x [T, D], 10 ids [T*K], 11 act, 12 MatrixDesc sgate, 13 MatrixDesc sup,
+// 14-16 sgate w/scales/biases, 17-19 sup w/scales/biases (without shared pairs: gate's and up's
+// again, never read). Grid: threadgroups (ceil(I / (4 R)), P), 128 threads = 4 simdgroups;
+// simdgroup s owns the R rows (4 tg.x + s) R .. + R of pair tg.y (rows_dot in common.h for the
+// gate rows, then the up rows; lanes over D). R = 2 on Apple7/8, 4 on Apple9+ (kernels.rs).
+// Accumulation: f32.
 template <typename W, int R>
 TKERNEL void moe_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& gm [[buffer(1)]],
                          constant MatrixDesc& um [[buffer(2)]], device const uchar* gw [[buffer(3)]],
@@ -205,16 +210,28 @@ TKERNEL void moe_gate_up(constant MoeParams& p [[buffer(0)]], constant MatrixDes
                          device const uchar* uw [[buffer(6)]], device const uchar* us [[buffer(7)]],
                          device const uchar* ub [[buffer(8)]], device const float* x [[buffer(9)]],
                          device const uint* ids [[buffer(10)]], device float* act [[buffer(11)]],
+                         constant MatrixDesc& sgm [[buffer(12)]], constant MatrixDesc& sud [[buffer(13)]],
+                         device const uchar* sgw [[buffer(14)]], device const uchar* sgs [[buffer(15)]],
+                         device const uchar* sgb [[buffer(16)]], device const uchar* suw [[buffer(17)]],
+                         device const uchar* sus [[buffer(18)]], device const uchar* sub [[buffer(19)]],
                          uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
-  const uint r0 = (tg.x * nsg + sg) * R, tk = tg.y;
+  const uint r0 = (tg.x * nsg + sg) * R, tk = tg.y, routed = p.tokens * p.top_k;
   if (r0 >= gm.rows) return;  // whole simdgroup
   const uint nr = min((uint)R, gm.rows - r0);
+  device float* out = act + (ulong)tk * gm.rows + r0;
+  if (tk >= routed) {  // token tk - T*K's shared expert
+    const W g = W::make(sgw, sgs, sgb, sgm);
+    const W u = W::make(suw, sus, sub, sud);
+    gate_up_rows<W, R>(g, sgm.row_offset + r0, u, sud.row_offset + r0, nr, gm.cols,
+                       x + (ulong)(tk - routed) * gm.cols, lane, out);
+    return;
+  }
   const uint t = tk / p.top_k, e = ids[tk];
   const W g = W::make(gw, gs, gb, gm);
   const W u = W::make(uw, us, ub, um);
   gate_up_rows<W, R>(g, e * gm.expert_stride + gm.row_offset + r0, u, e * um.expert_stride + um.row_offset + r0, nr,
-                     gm.cols, x + (ulong)t * gm.cols, lane, act + (ulong)tk * gm.rows + r0);
+                     gm.cols, x + (ulong)t * gm.cols, lane, out);
 }
 
 // gate_up_swiglu_<w>_r<R>: out [T, N] = silu(x gate^T) * (x up^T) for one pair of matrices gate,
@@ -241,24 +258,30 @@ TKERNEL void gate_up_swiglu(constant RowsParams& p [[buffer(0)]], constant Matri
                      out + (ulong)t * gm.rows + r0);
 }
 
-// moe_down_<w>_r<R>: y [T*K, D] with y[tk, r] = down_e[r] . act[tk], down [E, D, I]. Bindings:
-// 0 MoeParams, 1 MatrixDesc, 2-4 w/scales/biases, 5 ids [T*K], 6 act [T*K, I], 7 y.
-// Grid: threadgroups (ceil(D / (4 R)), T*K), 128 threads, R rows per simdgroup as moe_gate_up.
+// moe_down_<w>_r<R>: y [P, D] with y[tk, r] = down_e[r] . act[tk], down [E, D, I]; P and the
+// shared pairs as moe_gate_up (pair T*K + t: sdown [D, I], read as expert 0). Bindings:
+// 0 MoeParams, 1 MatrixDesc, 2-4 w/scales/biases, 5 ids [T*K], 6 act [P, I], 7 y, 8 MatrixDesc
+// sdown, 9-11 sdown w/scales/biases (without shared pairs: down's again, never read).
+// Grid: threadgroups (ceil(D / (4 R)), P), 128 threads, R rows per simdgroup as moe_gate_up.
 // Accumulation: f32.
 template <typename W, int R>
 TKERNEL void moe_down(constant MoeParams& p [[buffer(0)]], constant MatrixDesc& m [[buffer(1)]],
                       device const uchar* w [[buffer(2)]], device const uchar* scales [[buffer(3)]],
                       device const uchar* biases [[buffer(4)]], device const uint* ids [[buffer(5)]],
                       device const float* act [[buffer(6)]], device float* y [[buffer(7)]],
+                      constant MatrixDesc& sm [[buffer(8)]], device const uchar* sw [[buffer(9)]],
+                      device const uchar* ss [[buffer(10)]], device const uchar* sb [[buffer(11)]],
                       uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
   const uint r0 = (tg.x * nsg + sg) * R, tk = tg.y;
   if (r0 >= m.rows) return;  // whole simdgroup
   const uint nr = min((uint)R, m.rows - r0);
-  const uint e = ids[tk], I = m.cols;
-  const W wr = W::make(w, scales, biases, m);
+  const uint I = m.cols;
+  const bool shared = tk >= p.tokens * p.top_k;
+  const W wr = shared ? W::make(sw, ss, sb, sm) : W::make(w, scales, biases, m);
+  const uint row0 = shared ? sm.row_offset + r0 : ids[tk] * m.expert_stride + m.row_offset + r0;
   float v[R];
-  rows_dot<W, R>(wr, e * m.expert_stride + m.row_offset + r0, nr, I, act + (ulong)tk * I, lane, v);
+  rows_dot<W, R>(wr, row0, nr, I, act + (ulong)tk * I, lane, v);
   if (lane == 0)
     for (uint r = 0; r < nr; ++r) y[(ulong)tk * m.rows + r0 + r] = v[r];
 }

@@ -172,6 +172,16 @@ mod metal_sim_reversed {
             super::delta_net_chunked_matches_reference(&mut m, 1.0);
         }
     }
+
+    /// delta_net_gated hands the conv outputs, the normed q / k and the recurrence outputs
+    /// between its simdgroups through threadgroup memory.
+    #[test]
+    fn delta_net_gated_matches_reference() {
+        if let Some(mut m) = crate::gpu_common::metal_sim() {
+            m.executor().set_reverse(Some(true));
+            super::delta_net_gated_matches_reference(&mut m, 1.0);
+        }
+    }
 }
 
 /// The CUDA prefill kernels again with the threads of each block run in reverse order

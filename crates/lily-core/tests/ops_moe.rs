@@ -635,9 +635,11 @@ fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32
 /// 2048, I = Is = 512, top 8; E = 16, not 256: the routed matrices are generated whole and only
 /// the chosen experts' rows matter, the last expert among them), 4 bits with group 64 (gate / up
 /// views of one fused tensor, the checkpoint's layout) and 8 bits with group 32; T = 1 and 3 (a
-/// batched decode step): on CUDA the shared expert as each token's pair K of the expert GEMVs.
-/// The shared expert in another format (bf16) or group (4 bits, group 32 beside 64) takes the
-/// parts on every backend; T = 9 the prefill path (CUDA's bf16 tensor cores there, hence 1e-2).
+/// batched decode step): on CUDA the shared expert as each token's pair K of the expert GEMVs, on
+/// Metal as T more pairs after the T*K routed ones. The shared expert in another format (bf16)
+/// takes the parts on every backend, in another group (4 bits, group 32 beside 64) on CUDA (Metal
+/// reads it through its own descriptor: pairs); T = 9 the prefill path (CUDA's bf16 tensor cores
+/// there, hence 1e-2).
 fn moe_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     let (d, inter, e, k) = (2048usize, 512usize, 16usize, 8usize);
     let q4 = Format::Affine { bits: 4, group: 64 };

@@ -97,6 +97,7 @@ kernel_enum!(
         DeltaNetChunkPrep = "delta_net_chunk_prep_f32",
         DeltaNetConv = "delta_net_conv_f32",
         DeltaNet = "delta_net_f32",
+        DeltaNetGated = "delta_net_gated_f32",
         KvStoreF32 = "kv_store_f32",
         KvStoreBf16 = "kv_store_bf16",
         KvStoreF16 = "kv_store_f16",

@@ -50,7 +50,9 @@ pub use executor::{Arg, DeviceInfo, Executor, GpuFamily, Grid, ParamBytes, Place
 pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, Weight, WeightOp};
 use stream::Stream;
 
-use super::{check_rows, params::*, Backend, KvDtype, KvSegment, MoeAddNorm, StreamKind};
+use super::{
+    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+};
 use crate::{
     error::{Error, Result},
     ops::{attention, delta_net, elementwise, embed, matmul, moe, norm},
@@ -93,6 +95,9 @@ pub struct Metal<X: Executor> {
     /// (`delta_net_chunk_prep` + `delta_net_chunk`); fewer run the step recurrence
     /// (`delta_net`). Default one chunk (32); `LILY_METAL_DELTA_CHUNK_TOKENS` overrides it.
     pub delta_net_chunk_tokens: u32,
+    /// `delta_net_gated` as one dispatch for a decode step (default; `LILY_METAL_FUSED_DELTA_NET=0`:
+    /// its parts, to compare on a Mac).
+    pub fused_delta_net: bool,
 }
 
 #[cfg(unix)]
@@ -192,6 +197,7 @@ impl<X: Executor> Metal<X> {
             .and_then(|v| v.parse().ok())
             .filter(|&v| v > 0)
             .unwrap_or(DELTA_NET_CHUNK as u32);
+        let fused_delta_net = std::env::var("LILY_METAL_FUSED_DELTA_NET").map_or(true, |v| v != "0");
         let m = Metal {
             x,
             kernels,
@@ -206,6 +212,7 @@ impl<X: Executor> Metal<X> {
             moe_gemm_tokens,
             piece_seconds: stream::PIECE_SECONDS,
             delta_net_chunk_tokens,
+            fused_delta_net,
         };
         for &f in Fixed::ALL {
             m.pipeline(f.into())?;
@@ -493,6 +500,18 @@ impl<X: Executor> Backend for Metal<X> {
         norm::metal::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
     }
 
+    fn moe_add_rms_norm(
+        &self,
+        moe: &MoeParams,
+        norm: &RmsNormParams,
+        r: &MoeBlock<'_, Self>,
+        s: &mut MoeScratch<'_, Self>,
+        x: &mut MetalBuf<X>,
+        h: &mut MetalBuf<X>,
+    ) {
+        moe::metal::moe_add_rms_norm(self, moe, norm, r, s, x, h)
+    }
+
     fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
         matmul::metal::matmul(self, p, w, x, out)
     }
@@ -560,6 +579,18 @@ impl<X: Executor> Backend for Metal<X> {
         out: &mut MetalBuf<X>,
     ) {
         delta_net::metal::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    }
+
+    fn delta_net_gated(
+        &self,
+        r: &DeltaNetGated<'_, Self>,
+        conv_state: &mut MetalBuf<X>,
+        state: &mut MetalBuf<X>,
+        mixed: &mut MetalBuf<X>,
+        core: &mut MetalBuf<X>,
+        out: &mut MetalBuf<X>,
+    ) {
+        delta_net::metal::delta_net_gated(self, r, conv_state, state, mixed, core, out)
     }
 
     fn moe_route(&self, p: &RouteParams, logits: &MetalBuf<X>, ids: &mut MetalBuf<X>, weights: &mut MetalBuf<X>) {

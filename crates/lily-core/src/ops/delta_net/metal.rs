@@ -1,10 +1,25 @@
 //! The DeltaNet ops on Metal (`shaders/metal/delta_net.metal`): the conv, the step recurrence
-//! (decode and short prefills) and the chunked prefill.
+//! (decode and short prefills) and the chunked prefill; for a decode step, the conv, the
+//! recurrence and the gated output norm as one dispatch (`delta_net_gated`).
 
 use crate::backend::{
+    delta_net_gated_unfused,
     metal::{args::bytes_of, ceil_div, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
     params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_COLS},
+    DeltaNetGated,
 };
+
+/// Tokens up to which `delta_net_gated` runs as one dispatch: its threadgroup of a key head walks
+/// the tokens one after another, which beats the parts' wider grids only for decode steps (one
+/// token a sequence; a few with speculative or batched rows); as the MoE's `moe_gemm_tokens`.
+const GATED_TOKENS: usize = 8;
+
+/// Threads of a `delta_net_gated` threadgroup (a key head): 32 simdgroups, so the model's 256
+/// value columns of a key head take 8 rounds of a simdgroup each.
+const GATED_THREADS: u32 = 1024;
+
+/// Threadgroup memory every Apple GPU (Apple7+) gives a threadgroup, in bytes.
+const THREADGROUP_BYTES: usize = 32 * 1024;
 
 pub fn delta_net_conv<X: Executor>(
     m: &Metal<X>,
@@ -142,5 +157,98 @@ fn delta_net_chunked<X: Executor>(
             size: [128, 1, 1],
         },
         &[state_block, cols, cols],
+    );
+}
+
+/// `delta_net_gated`: one `delta_net_gated_f32` dispatch (a threadgroup per key head, covering its
+/// value heads: the kernel's comment says why) up to [`GATED_TOKENS`] tokens whose staged q, k, v
+/// and gates fit in a threadgroup's memory; otherwise, or with `LILY_METAL_FUSED_DELTA_NET=0`, its
+/// parts (`delta_net_conv`, `delta_net`, `rms_norm_gated`). The fused dispatch leaves mixed and
+/// core alone.
+pub fn delta_net_gated<X: Executor>(
+    m: &Metal<X>,
+    r: &DeltaNetGated<'_, Metal<X>>,
+    conv_state: &mut MetalBuf<X>,
+    state: &mut MetalBuf<X>,
+    mixed: &mut MetalBuf<X>,
+    core: &mut MetalBuf<X>,
+    out: &mut MetalBuf<X>,
+) {
+    let p = &r.delta;
+    let (t, hk, hv, dk, dv) = p.dims();
+    let width = 2 * hk * dk + hv * dv;
+    // Threadgroup memory: qk [T, 2 Dk], vo [T, G Dv], gates [T, 2 G] (G = Hv / Hk; hk = 0 or a
+    // G that is not whole fails the checks below, in the parts).
+    let g = hv.checked_div(hk).unwrap_or(0);
+    let tg_mem = [4 * t * 2 * dk, 4 * t * g * dv, 4 * t * 2 * g];
+    let fused = m.fused_delta_net
+        && (1..=GATED_TOKENS).contains(&t)
+        && tg_mem.iter().map(|b| b.next_multiple_of(16)).sum::<usize>() <= THREADGROUP_BYTES
+        && r.conv.tokens == p.tokens
+        && r.conv.channels as usize == width
+        && r.norm.rows as usize == t * hv
+        && r.norm.dim as usize == dv;
+    if !fused {
+        return delta_net_gated_unfused(m, r, conv_state, state, mixed, core, out);
+    }
+    // The parts' own checks (taps, head shapes, every buffer the kernel reads or writes).
+    let conv = match super::conv_checks(&r.conv, [r.conv1d.len(), conv_state.len(), r.proj.len(), usize::MAX]) {
+        Ok(checks) => checks,
+        Err(e) => return m.fail(e),
+    };
+    let have = [
+        r.proj.len(),
+        r.a.len(),
+        r.b.len(),
+        r.a_log.len(),
+        r.dt_bias.len(),
+        state.len(),
+        out.len(),
+    ];
+    let delta = match super::delta_net_checks(p, have) {
+        Ok(checks) => checks,
+        Err(e) => return m.fail(e),
+    };
+    let n = t * hv * dv;
+    let checks = [
+        conv[0],
+        ("conv_state", conv[1].1, conv[1].2),
+        ("proj", r.proj.len(), t * width),
+        delta[1],
+        delta[2],
+        delta[3],
+        delta[4],
+        ("norm_w", r.norm_w.len(), dv),
+        ("z", r.z.len(), n),
+        delta[5],
+        ("out", out.len(), n),
+    ];
+    if !m.fits("delta_net_gated", &checks) {
+        return;
+    }
+    let args = [
+        Arg::Bytes(bytes_of(p)),
+        Arg::Bytes(bytes_of(&r.conv)),
+        Arg::Bytes(bytes_of(&r.norm)),
+        r.conv1d.arg(),
+        conv_state.arg(),
+        r.proj.arg(),
+        r.a.arg(),
+        r.b.arg(),
+        r.a_log.arg(),
+        r.dt_bias.arg(),
+        r.norm_w.arg(),
+        r.z.arg(),
+        state.arg(),
+        out.arg(),
+    ];
+    m.encode_tg(
+        Fixed::DeltaNetGated,
+        &args,
+        Grid::Groups {
+            count: [hk as u32, 1, 1],
+            size: [GATED_THREADS, 1, 1],
+        },
+        &tg_mem,
     );
 }

@@ -12,11 +12,12 @@ use crate::{
             stream::{Scratch, Work},
             Arg, Executor, Fixed, GemmOp, GemvOp, Grid, Metal, MetalBuf, MetalMatrix,
         },
-        moe_router_unfused,
+        moe_add_rms_norm_unfused, moe_router_unfused,
         params::{
-            MoeParams, MoeSortDesc, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS, ROUTE_TOP_K_MAX,
+            MoeParams, MoeSortDesc, RmsNormParams, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS,
+            ROUTE_TOP_K_MAX,
         },
-        Backend,
+        Backend, MoeBlock, MoeScratch,
     },
     error::{Error, Result},
 };
@@ -173,7 +174,7 @@ pub fn moe_experts<X: Executor>(
     if !decodes_per_pair(m, p, gate) {
         return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
     }
-    let (y0, yn) = expert_gemvs(m, p, x, ids, [gate, up, down], tmp);
+    let (y0, yn) = expert_gemvs(m, p, x, ids, [gate, up, down], None, tmp);
     let y = tmp.part(y0, yn);
     let rows = RowsParams {
         tokens: p.tokens,
@@ -229,36 +230,47 @@ pub(crate) fn decodes_per_pair<X: Executor>(m: &Metal<X>, p: &MoeParams, gate: &
     p.tokens <= m.moe_gemm_tokens || gate.experts as usize > MOE_EXPERTS_MAX
 }
 
-/// The per-pair path's GEMVs: `moe_gate_up` (act [T*K, I] = SwiGLU of each pair's expert, the
-/// first part of tmp) and `moe_down` (y [T*K, D], the part after it); returns where y lies in
-/// tmp (first element, elements).
+/// The shared expert's gate, up and down matrices where it runs as T more pairs of the routed
+/// experts' GEMVs (`moe_add_rms_norm`).
+pub(crate) type SharedPair<'a, X> = [&'a MetalMatrix<X>; 3];
+
+/// The per-pair path's GEMVs: `moe_gate_up` (act [P, I] = SwiGLU of each pair's expert, the
+/// first part of tmp) and `moe_down` (y [P, D], the part after it), P = T*K pairs, or T*K + T
+/// with `shared` (pair T*K + t: token t's shared expert, which the caller has checked to be in the
+/// experts' format and shapes; its y rows are then one [T, D] block after the routed ones);
+/// returns where y lies in tmp (first element, elements).
 pub(crate) fn expert_gemvs<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
     x: &MetalBuf<X>,
     ids: &MetalBuf<X>,
     [gate, up, down]: [&MetalMatrix<X>; 3],
+    shared: Option<SharedPair<'_, X>>,
     tmp: &MetalBuf<X>,
 ) -> (usize, usize) {
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
-    // tmp = [act [T*K, I] | y [T*K, D]]: two disjoint bindings of one buffer.
-    let act = || tmp.part(0, t * k * i);
+    let pairs = t * k + shared.map_or(0, |_| t);
+    // Without shared pairs the kernels' shared bindings are the routed matrices again (never read).
+    let [s_gate, s_up, s_down] = shared.unwrap_or([gate, up, down]);
+    // tmp = [act [P, I] | y [P, D]]: two disjoint bindings of one buffer.
+    let act = || tmp.part(0, pairs * i);
     let pb = || Arg::Bytes(bytes_of(p));
-    let tk = (t * k) as u32;
     let v = m.variants;
     let rows_per_group = 4 * v.gemv.rows();
-    let args = gate_up_bindings!(m, pb(), gate, up; x.arg(), ids.arg(), act());
+    let [sg0, sg1, sg2, sg3, sg4, sg5, sg6, sg7] = gate_up_args(m, s_gate, s_up);
+    let args = gate_up_bindings!(m, pb(), gate, up; x.arg(), ids.arg(), act(), sg0, sg1, sg2, sg3, sg4, sg5, sg6, sg7);
     m.encode(
         v.gemv_kernel(GemvOp::MoeGateUp, gate.weight),
         &args,
         Grid::Groups {
-            count: [ceil_div(i, rows_per_group), tk, 1],
+            count: [ceil_div(i, rows_per_group), pairs as u32, 1],
             size: [128, 1, 1],
         },
     );
     let [dw, ds, db] = m.weights(down);
-    let y = (t * k * i, t * k * d);
+    let [sw, ss, sb] = m.weights(s_down);
+    let y = (pairs * i, pairs * d);
     let args = [
         pb(),
         Arg::Bytes(bytes_of(&down.desc)),
@@ -268,16 +280,57 @@ pub(crate) fn expert_gemvs<X: Executor>(
         ids.arg(),
         act(),
         tmp.part(y.0, y.1),
+        Arg::Bytes(bytes_of(&s_down.desc)),
+        sw,
+        ss,
+        sb,
     ];
     m.encode(
         v.gemv_kernel(GemvOp::MoeDown, down.weight),
         &args,
         Grid::Groups {
-            count: [ceil_div(d, rows_per_group), tk, 1],
+            count: [ceil_div(d, rows_per_group), pairs as u32, 1],
             size: [128, 1, 1],
         },
     );
     y
+}
+
+/// `moe_add_rms_norm`: for a decode step (the per-pair path) whose shared expert has the routed
+/// experts' weight format and shapes ([`runs_as_pair`]), the shared expert as T more pairs of
+/// `moe_gate_up` and `moe_down` (T*K + T pairs) and `moe_experts_add_rms_norm` reading its output
+/// from their y with weight sigmoid(shared_logit): three dispatches after the routing instead of
+/// five (the shared expert's `gate_up_swiglu` and down GEMV are gone). Otherwise (prefill, other
+/// shared formats) the parts.
+pub fn moe_add_rms_norm<X: Executor>(
+    m: &Metal<X>,
+    moe: &MoeParams,
+    norm: &RmsNormParams,
+    r: &MoeBlock<'_, Metal<X>>,
+    s: &mut MoeScratch<'_, Metal<X>>,
+    x: &mut MetalBuf<X>,
+    h: &mut MetalBuf<X>,
+) {
+    if moe.tokens == 0 || !decodes_per_pair(m, moe, r.gate) || !runs_as_pair(r) {
+        return moe_add_rms_norm_unfused(m, moe, norm, r, s, x, h);
+    }
+    // `s.y` is not read: the shared expert's output is its pairs' rows of the experts' y.
+    let end = r.end(s.y);
+    let shared = [r.shared_gate, r.shared_up, r.shared_down];
+    crate::ops::norm::metal::experts_add_rms_norm(m, moe, norm, &end, Some(shared), s.tmp, s.mix, x, h);
+}
+
+/// Whether the shared expert can run as more pairs of the routed experts' kernels: its matrices
+/// in the routed ones' weight format, gate and up [I, D], down [D, I] (the kernels read it as
+/// expert 0 through its own descriptor, so its row layout and groups may differ).
+fn runs_as_pair<X: Executor>(r: &MoeBlock<'_, Metal<X>>) -> bool {
+    let like = |s: &MetalMatrix<X>, e: &MetalMatrix<X>| {
+        s.weight == e.weight && (s.desc.rows, s.desc.cols) == (e.desc.rows, e.desc.cols)
+    };
+    r.shared_inter == r.gate.desc.rows
+        && like(r.shared_gate, r.gate)
+        && like(r.shared_up, r.up)
+        && like(r.shared_down, r.down)
 }
 
 /// The gate and up matrices as every gate/up kernel (`moe_gate_up`, `gate_up_swiglu`,

@@ -8,7 +8,7 @@ use crate::{
         params::{MoeParams, RmsNormParams},
         MoeAddNorm,
     },
-    ops::moe::metal::{decodes_per_pair, expert_gemvs, experts_fit},
+    ops::moe::metal::{decodes_per_pair, expert_gemvs, experts_fit, SharedPair},
 };
 
 pub fn rms_norm<X: Executor>(m: &Metal<X>, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
@@ -114,7 +114,26 @@ pub fn moe_experts_add_rms_norm<X: Executor>(
     x: &mut MetalBuf<X>,
     h: &mut MetalBuf<X>,
 ) {
-    if !decodes_per_pair(m, moe, r.gate) {
+    experts_add_rms_norm(m, moe, p, r, None, tmp, mix, x, h)
+}
+
+/// `moe_experts_add_rms_norm`, and with `shared` `ops::moe::metal::moe_add_rms_norm`'s decode path:
+/// the shared expert as T more pairs of the expert GEMVs (the caller has checked that it may: the
+/// per-pair path, the experts' format and shapes), whose y rows [T, D] the norm kernel then reads
+/// in place of `r.shared`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn experts_add_rms_norm<X: Executor>(
+    m: &Metal<X>,
+    moe: &MoeParams,
+    p: &RmsNormParams,
+    r: &MoeAddNorm<'_, Metal<X>>,
+    shared: Option<SharedPair<'_, X>>,
+    tmp: &mut MetalBuf<X>,
+    mix: &mut MetalBuf<X>,
+    x: &mut MetalBuf<X>,
+    h: &mut MetalBuf<X>,
+) {
+    if !decodes_per_pair(m, moe, r.gate) && shared.is_none() {
         return moe_experts_add_rms_norm_unfused(m, moe, p, r, tmp, mix, x, h);
     }
     let (n, d) = ((p.rows * p.dim) as usize, r.gate.desc.cols as usize);
@@ -125,23 +144,31 @@ pub fn moe_experts_add_rms_norm<X: Executor>(
         ));
     }
     let experts = [r.gate, r.up, r.down];
+    let (t, k, i) = (moe.tokens as usize, moe.top_k as usize, r.gate.desc.rows as usize);
+    let pairs = t * k + shared.map_or(0, |_| t);
     let checks = [
         ("x", x.len(), n),
         ("shared", r.shared.len(), n),
         ("shared_gate", r.shared_gate.len(), p.rows as usize),
         ("norm_w", r.norm_w.len(), d),
+        ("tmp", tmp.len(), pairs * (i + d)),
     ];
     if !experts_fit(m, moe, h, r.ids, r.weights, experts, tmp, h) || !m.fits("moe_experts_add_rms_norm", &checks) {
         return;
     }
-    let (y0, yn) = expert_gemvs(m, moe, h, r.ids, experts, tmp);
+    let (y0, yn) = expert_gemvs(m, moe, h, r.ids, experts, shared, tmp);
+    // The shared expert's output: its T pairs' rows of y, after the T*K routed ones.
+    let shared_out = match shared {
+        Some(_) => tmp.part(y0 + t * k * d, t * d),
+        None => r.shared.arg(),
+    };
     let args = [
         Arg::Bytes(bytes_of(p)),
         Arg::Bytes(bytes_of(moe)),
         r.weights.arg(),
         tmp.part(y0, yn),
         x.arg(),
-        r.shared.arg(),
+        shared_out,
         r.shared_gate.arg(),
         r.norm_w.arg(),
         h.arg(),
