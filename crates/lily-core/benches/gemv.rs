@@ -138,6 +138,32 @@ fn bench() {
         println!("{name:<42} {gbs:6.1}   {:4.0}%", 100.0 * gbs / bw);
     }
 
+    // The batched row kernel's compute ceiling: the in-cache matrix above against B tokens (a
+    // batched decode step's shared weights). GB/s counts the weight bytes once per call, so a kernel
+    // that keeps B tokens at the one-token byte rate shows the same GB/s at every B (B x the tok/s).
+    for b in [1usize, 2, 4, 8] {
+        let name = format!("in-cache batch {b} 2048->512 q4");
+        if !run(&name) {
+            continue;
+        }
+        let m = matrix(1, 512, 2048, q4);
+        let x: Vec<f32> = (0..b * 2048).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut out = vec![0f32; b * 512];
+        let s = time(reps * 20, || {
+            if b == 1 {
+                matmul::cpu::gemv(isa, prec, &m, 0, &x, &mut out)
+            } else {
+                matmul::cpu::gemv_batch(isa, prec, &m, 0, &x, b, &mut out)
+            }
+        });
+        let gbs = (m.bytes_per_row() * 512) as f64 / s / 1e9;
+        println!(
+            "{name:<42} {gbs:6.1}   {:4.0}%  {:8.0} tok/s",
+            100.0 * gbs / bw,
+            b as f64 / s
+        );
+    }
+
     // MoE decode: 8 of 256 experts, gate + up [512, 2048] and down [2048, 512], as the kernel runs.
     if run("MoE 8 experts 2048->512x2->2048 q4") {
         use lily_core::{backend::params::MoeParams, ops::moe};

@@ -258,16 +258,27 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
 
 #[test]
 fn every_rows_batch_kernel_is_the_row_kernel_per_token() {
-    // Rows: R-ths of 9 (R = 2 or 4) and a tail; tokens: one pass of each width (1..=4) and
-    // passes of 4 + a tail (up to 9).
-    let n = 37;
+    // Rows: R-ths of 9 (R = 2 or 4) and a tail, or only a tail (3); tokens: one pass of each
+    // width (1..=4) and passes of 4 + a tail (up to 9, so B = 2, 3, 4, 8 are each one call);
+    // K: whole chunks, a partial last chunk, rows of fewer groups than a chunk, and odd block
+    // counts (the kernels' K tails: 320 / 640 are 5 blocks of 64 / 128 elements, 96 is 3 of 32).
+    let shapes = [
+        (32, 512),
+        (64, 2048),
+        (128, 1536),
+        (64, 4096 + 512),
+        (256, 512),
+        (64, 640),
+        (32, 320),
+        (32, 96),
+    ];
     for (dot, np) in Dot::all_available().into_iter().flat_map(|d| MODES.map(|n| (d, n))) {
         for dtype in [DType::BF16, DType::F16, DType::F32] {
-            for (group, cols) in [(32, 512), (64, 2048), (128, 1536), (64, 4096 + 512), (256, 512)] {
+            for ((group, cols), n) in shapes.into_iter().flat_map(|s| [(s, 37), (s, 3)]) {
                 if cols % (2 * dot.block()) != 0 {
                     continue;
                 }
-                let what = format!("{dot:?} {np} planes {dtype:?} group {group} cols {cols}");
+                let what = format!("{dot:?} {np} planes {dtype:?} group {group} cols {cols} rows {n}");
                 let (g_n, g_pad) = (cols / group, (cols / group).next_multiple_of(CHUNK_GROUPS));
                 let w = codes(n * cols / 2, 13 + cols as u64);
                 let scales = float_bytes(&rand_vec(n * g_n, 5, 0.001, 0.02), dtype);

@@ -380,7 +380,7 @@ pub const BATCH_TOKENS: usize = 4;
 /// alone, bit for bit (the same integer lane sums, the same f32 order per row and token), with
 /// each loaded weight block unpacked once for up to [`BATCH_TOKENS`] tokens and the row's scales
 /// converted once per chunk for all of them. Every x must have the same dot and plane count.
-/// Kernels without a batched form (arm64, the portable twin) run [`rows`] per token.
+/// The portable twin (no batched form) runs [`rows`] per token.
 pub fn rows_batch(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: usize) {
     let Some(x0) = xs.first() else { return };
     assert!(
@@ -405,6 +405,21 @@ pub fn rows_batch(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: us
         // SAFETY: lengths checked above; the kernel's CPU features were checked by `available`;
         // the group size and dtype are the ones the kernels handle (`fused_rows`).
         unsafe { fused!(x0.dot, x0.n, rows_batch(m, xs, n, out, stride)) }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if x0.dot == Dot::NeonSdot && x0.dot.fused_rows(m.group, m.dtype) && x0.dot.available() {
+        for x in xs {
+            check_rows(m, x, n);
+        }
+        // SAFETY: lengths checked above; `dotprod` checked by `available`; groups of 32k.
+        unsafe {
+            if x0.n == 1 {
+                neon::rows_batch_sdot::<1>(m, xs, n, out, stride)
+            } else {
+                neon::rows_batch_sdot::<PLANES>(m, xs, n, out, stride)
+            }
+        };
         return;
     }
     for (j, x) in xs.iter().enumerate() {
@@ -1086,7 +1101,7 @@ mod neon {
     //! scales. `sdot` is written as inline assembly because its intrinsic is not stable Rust yet.
     use std::arch::{aarch64::*, asm};
 
-    use super::{unit, Planes, Rows, SHIFT};
+    use super::{unit, Planes, Rows, BATCH_TOKENS, SHIFT};
     use crate::quant::read_scalar;
 
     /// Weight bytes ahead of the current read to prefetch (as the x86 kernels).
@@ -1191,6 +1206,132 @@ mod neon {
             }
             for i in 0..R {
                 out[rows[i]] = vaddvq_f32(t[i]) + bias[i];
+            }
+        }
+    }
+
+    /// [`super::rows_batch`] on arm64: [`run`]'s loop with a token dimension, R = 4 rows (one
+    /// from each quarter of the run, as [`rows_sdot`]) times T <= `BATCH_TOKENS` tokens per pass.
+    /// Per group, each row's scale is read once and meets every token's step (one vector per
+    /// row: lane j is token j's lane scale, applied by `fmla` by element); per block, each row's
+    /// 16 weight bytes are loaded and split into nibbles once, then dotted with every token's
+    /// planes (x's six plane loads per token shared by the four rows). Registers (32 q): 16
+    /// accumulators, 8 nibble vectors, 4 scale vectors, a token's 6 plane vectors (a few spill
+    /// at T = 4). Per block and row, T tokens: 1 load, `and` + `ushr`, then per token 6 `sdot`,
+    /// 2 `shl`, `scvtf`, `fmla` (+ 1.5 shared plane loads), where [`rows_sdot`] per token
+    /// repeats the load and the nibble split. Each (row, token) takes [`run`]'s integer lane
+    /// sums and f32 steps in its order, so the results are bit-identical to [`rows_sdot`].
+    /// Further tokens run in further passes over the same rows (in L1 by then); a tail of fewer
+    /// than 4 rows runs one row at a time, as [`rows_sdot`].
+    #[target_feature(enable = "neon,dotprod")]
+    pub unsafe fn rows_batch_sdot<const P: usize>(m: &Rows, xs: &[Planes], n: usize, out: &mut [f32], stride: usize) {
+        let q = n / 4;
+        let o = out.as_mut_ptr();
+        unsafe {
+            for k in 0..q + (n - 4 * q) {
+                for t0 in (0..xs.len()).step_by(BATCH_TOKENS) {
+                    let (x, o) = (&xs[t0..], o.add(t0 * stride));
+                    if k < q {
+                        let rows = [k, k + q, k + 2 * q, k + 3 * q];
+                        match x.len() {
+                            1 => run_batch::<4, 1, P>(m, [&x[0]], rows, o, stride),
+                            2 => run_batch::<4, 2, P>(m, [&x[0], &x[1]], rows, o, stride),
+                            3 => run_batch::<4, 3, P>(m, [&x[0], &x[1], &x[2]], rows, o, stride),
+                            _ => run_batch::<4, 4, P>(m, [&x[0], &x[1], &x[2], &x[3]], rows, o, stride),
+                        }
+                    } else {
+                        let rows = [3 * q + k];
+                        match x.len() {
+                            1 => run_batch::<1, 1, P>(m, [&x[0]], rows, o, stride),
+                            2 => run_batch::<1, 2, P>(m, [&x[0], &x[1]], rows, o, stride),
+                            3 => run_batch::<1, 3, P>(m, [&x[0], &x[1], &x[2]], rows, o, stride),
+                            _ => run_batch::<1, 4, P>(m, [&x[0], &x[1], &x[2], &x[3]], rows, o, stride),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows `rows` times tokens `xs` into `out[j * stride + rows[i]]` ([`rows_batch_sdot`]).
+    #[target_feature(enable = "neon,dotprod")]
+    #[inline]
+    unsafe fn run_batch<const R: usize, const T: usize, const P: usize>(
+        m: &Rows,
+        xs: [&Planes; T],
+        rows: [usize; R],
+        out: *mut f32,
+        stride: usize,
+    ) {
+        const { assert!(T <= BATCH_TOKENS && BATCH_TOKENS == 4) };
+        let (g_n, sz) = (m.cols / m.group, m.dtype.size());
+        let (row_w, row_s, bpg) = (m.cols / 2, g_n * sz, m.group / 32);
+        unsafe {
+            let mask = vdupq_n_u8(15);
+            let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
+            let (sc, bi): ([&[u8]; R], [&[u8]; R]) = (
+                std::array::from_fn(|i| &m.scales[rows[i] * row_s..][..row_s]),
+                std::array::from_fn(|i| &m.biases[rows[i] * row_s..][..row_s]),
+            );
+            let (mut t, mut bias) = ([[vdupq_n_f32(0.0); T]; R], [[0f32; T]; R]);
+            for g in 0..g_n {
+                // [`run`]'s lane scale and bias term per (row, token), in its order.
+                let step: [f32; T] = std::array::from_fn(|j| xs[j].dx[g] / unit(P));
+                let ls: [float32x4_t; R] = std::array::from_fn(|i| {
+                    let s = read_scalar(m.dtype, sc[i], g);
+                    let l: [f32; 4] = std::array::from_fn(|j| if j < T { s * step[j] } else { 0.0 });
+                    vld1q_f32(l.as_ptr())
+                });
+                for i in 0..R {
+                    let b = read_scalar(m.dtype, bi[i], g);
+                    for j in 0..T {
+                        bias[i][j] = b.mul_add(xs[j].gsum[g], bias[i][j]);
+                    }
+                }
+                for blk in g * bpg..(g + 1) * bpg {
+                    let wn: [(int8x16_t, int8x16_t); R] = std::array::from_fn(|i| {
+                        let at = w[i].wrapping_add(blk * 16 + PREFETCH);
+                        // SAFETY: a prefetch never faults.
+                        asm!("prfm pldl1keep, [{p}]", p = in(reg) at, options(nostack, readonly, preserves_flags));
+                        let v = vld1q_u8(w[i].add(blk * 16));
+                        (
+                            vreinterpretq_s8_u8(vandq_u8(v, mask)),
+                            vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)),
+                        )
+                    });
+                    // The token loop written out (J a constant in each copy), so `t` stays in
+                    // registers and the lane of `ls` is an immediate (a loop LLVM left rolled at
+                    // T = 3, 4 kept `t` on the stack and branched on the lane).
+                    macro_rules! token {
+                        ($j:literal) => {
+                            if $j < T {
+                                let xb = xs[$j].xq.as_ptr().add(blk * 32 * P);
+                                let xp: [(int8x16_t, int8x16_t); P] =
+                                    std::array::from_fn(|p| (vld1q_s8(xb.add(p * 32)), vld1q_s8(xb.add(p * 32 + 16))));
+                                for i in 0..R {
+                                    let (lo, hi) = wn[i];
+                                    let mut acc = vdupq_n_s32(0);
+                                    for (p, &(xl, xh)) in xp.iter().enumerate() {
+                                        if p > 0 {
+                                            acc = vshlq_n_s32::<SHIFT>(acc);
+                                        }
+                                        acc = sdot(sdot(acc, lo, xl), hi, xh);
+                                    }
+                                    t[i][$j] = vfmaq_laneq_f32::<$j>(t[i][$j], vcvtq_f32_s32(acc), ls[i]);
+                                }
+                            }
+                        };
+                    }
+                    token!(0);
+                    token!(1);
+                    token!(2);
+                    token!(3);
+                }
+            }
+            for i in 0..R {
+                for j in 0..T {
+                    *out.add(j * stride + rows[i]) = vaddvq_f32(t[i][j]) + bias[i][j];
+                }
             }
         }
     }

@@ -192,8 +192,8 @@ fn moe_decode(
 pub fn rows_tokens_max(isa: Isa, prec: Precision, m: &Matrix) -> usize {
     match (simd::int8_rows_dot(isa, m), prec) {
         (None, _) => 0,
-        // arm64 has no batched row kernel (`int8::rows_batch` runs the row kernel per token) and
-        // no outer-product tile: unmeasured, so as before (exact: tiles; fast: rows).
+        // arm64 (a batched row kernel since 2026-12-02, no outer-product tile): the crossover
+        // is unmeasured there (no arm64 machine), so as before (exact: tiles; fast: rows).
         (Some(Dot::NeonSdot | Dot::Portable), Precision::Exact) => 0,
         (Some(Dot::NeonSdot | Dot::Portable), Precision::Fast) => usize::MAX,
         (Some(Dot::Maddubs256), Precision::Exact) => 12,
