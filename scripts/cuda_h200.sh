@@ -314,8 +314,20 @@ EOF
         python3 "$WORK/ncu_decode.py" "$SYNTH4" > "$WORK/ncu.log" 2>&1 || { tail -30 "$WORK/ncu.log"; fail=1; }
     tail -5 "$WORK/ncu.log"
     ncu --import "$rep.ncu-rep" --csv --page details > "$rep.csv" || fail=1
-    ncu --import "$rep.ncu-rep" --csv --print-summary per-kernel > "$rep-summary.csv" 2>&1 || fail=1
-    head -c 3000 "$rep-summary.csv"
+    # One line per kernel launch: duration (no event overhead), DRAM throughput, registers, grid.
+    python3 - "$rep.csv" <<'PY' || fail=1
+import collections, csv, sys
+launches = collections.OrderedDict()
+for r in csv.DictReader(open(sys.argv[1])):
+    launches.setdefault((r["ID"], r["Kernel Name"], r["Grid Size"]), {})[r["Metric Name"]] = r["Metric Value"]
+total = 0.0
+for (i, name, grid), m in launches.items():
+    us = float(m.get("Duration", "0").replace(",", ""))
+    total += us
+    print(f"{i:>4} {name[:30]:30} {grid:>14} {us:8.2f} us  DRAM {m.get('DRAM Throughput', '-'):>6} %  "
+          f"{m.get('Registers Per Thread', '-')} regs  occupancy {m.get('Achieved Occupancy', '-')} %")
+print(f"{len(launches)} launches, {total:.1f} us of kernel time")
+PY
 fi
 if want extras; then
     cores=$(nproc)
