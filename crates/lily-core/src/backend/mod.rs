@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod metal;
 pub mod params;
+pub mod simlib;
 
 pub use params::*;
 
