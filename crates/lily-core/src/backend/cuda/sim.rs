@@ -25,12 +25,17 @@ use super::{
     kernels,
 };
 use crate::{
-    backend::simlib::{self, Fnv},
+    backend::simlib::Tool,
     error::{Error, Result},
 };
 
-/// The simulator's name in its errors.
-const SIM: &str = "cuda-sim";
+const TOOL: Tool = Tool {
+    name: "cuda-sim",
+    device: "CUDA",
+    cxx_var: "LILY_CUDA_SIM_CXX",
+    cache_var: "LILY_CUDA_SIM_CACHE",
+    cache_default: "lily-cuda-sim",
+};
 
 const PRELUDE: &str = include_str!("../../../../../tools/cuda-sim/include/cuda_sim.h");
 const FLAGS: &[&str] = &["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-DLILY_CUDA_SIM", "-w"];
@@ -74,7 +79,7 @@ impl Sim {
 
     /// A simulator running the kernels of a library made by [`build_library`].
     pub fn from_library(so: &Path) -> Result<Sim> {
-        let lib = simlib::load(SIM, so)?;
+        let lib = TOOL.load(so)?;
         // SAFETY: the symbol types are the C ABI at the end of cuda_sim.h.
         unsafe {
             let sym = |n: &[u8]| -> Result<*const c_void> {
@@ -103,25 +108,19 @@ impl Sim {
 }
 
 /// The simulator's compiler (`LILY_CUDA_SIM_CXX`, default `clang++-19`) and its `--version`
-/// output, or why it cannot run (`simlib::compiler`).
+/// output, or why it cannot run (`Tool::compiler`).
 pub fn compiler() -> std::result::Result<(String, Vec<u8>), String> {
-    simlib::compiler("LILY_CUDA_SIM_CXX", "CUDA")
+    TOOL.compiler()
 }
 
 /// Compile `sources` (with the kernel headers) into one simulator library, cached by content.
 /// Public for the simulator's own tests, which build planted-bug kernels through it.
 pub fn build_library(sources: &[(&str, &str)]) -> Result<PathBuf> {
-    // One build at a time per process: concurrent engines / tests then hit the cache.
+    // This simulator's builds run one at a time (`Tool::build`).
     static BUILD: Mutex<()> = Mutex::new(());
-    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let (cxx, version) = compiler().map_err(Error::Device)?;
-    let cache = simlib::cache_dir("LILY_CUDA_SIM_CACHE", "lily-cuda-sim");
-    let mut h = Fnv::new();
-    h.add(&version);
+    let build = TOOL.build(&BUILD, FLAGS)?;
+    let (cxx, cache, mut h) = (&build.cxx, &build.cache, build.key);
     h.add(PRELUDE.as_bytes());
-    for f in FLAGS {
-        h.add(f.as_bytes());
-    }
     for (n, s) in kernels::HEADERS.iter().chain(sources) {
         h.add(n.as_bytes());
         h.add(s.as_bytes());
@@ -170,9 +169,9 @@ pub fn build_library(sources: &[(&str, &str)]) -> Result<PathBuf> {
     });
     let objs = results.into_iter().collect::<Result<Vec<_>>>()?;
     let tmp = so.with_extension(format!("tmp{}.so", std::process::id()));
-    let mut link = Command::new(&cxx);
+    let mut link = Command::new(cxx);
     link.arg("-shared").args(&objs).arg("-o").arg(&tmp);
-    simlib::compile(SIM, &cxx, "link failed", &mut link)?;
+    TOOL.compile(cxx, "link failed", &mut link)?;
     std::fs::rename(&tmp, &so).map_err(|e| dev_err("cannot write", &so, e))?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(so)
@@ -189,12 +188,12 @@ fn compile(cxx: &str, dir: &Path, src: &str, extra: &[String]) -> Result<PathBuf
         .arg(dir.join(src))
         .arg("-o")
         .arg(&obj);
-    simlib::compile(SIM, cxx, &format!("{src} does not compile"), &mut cmd)?;
+    TOOL.compile(cxx, &format!("{src} does not compile"), &mut cmd)?;
     Ok(obj)
 }
 
 fn dev_err(what: &str, path: &Path, e: impl std::fmt::Display) -> Error {
-    simlib::dev_err(SIM, what, path, e)
+    TOOL.io_err(what, path, e)
 }
 
 /// The textual rewrites C++ macros cannot express: kernel-scope `__shared__ T name[N]...;`
@@ -279,7 +278,7 @@ impl Sim {
 }
 
 impl Executor for Sim {
-    const NAME: &'static str = SIM;
+    const NAME: &'static str = TOOL.name;
     type Function = SimFunction;
     type Graph = ();
 

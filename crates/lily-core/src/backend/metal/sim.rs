@@ -39,13 +39,18 @@ use super::{
     kernels, traffic,
 };
 use crate::{
-    backend::simlib::{self, Fnv},
+    backend::simlib::{Fnv, Tool},
     error::{Error, Result},
     safetensors::Bytes,
 };
 
-/// The simulator's name in its errors.
-const SIM: &str = "metal-sim";
+const TOOL: Tool = Tool {
+    name: "metal-sim",
+    device: "Metal",
+    cxx_var: "LILY_METAL_SIM_CXX",
+    cache_var: "LILY_METAL_SIM_CACHE",
+    cache_default: "lily-metal-sim",
+};
 
 macro_rules! prelude {
     ($file:literal) => {
@@ -211,16 +216,10 @@ impl Sim {
 
     /// [`Sim::new`] reporting GPU family `family` (whatever `LILY_METAL_FAMILY` says).
     pub fn with_family(family: GpuFamily) -> Result<Sim> {
-        // One build at a time per process: concurrent engines/tests then hit the cache.
+        // This simulator's builds run one at a time (`Tool::build`).
         static BUILD: Mutex<()> = Mutex::new(());
-        let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-        let (cxx, version) = compiler().map_err(Error::Device)?;
-        let cache = simlib::cache_dir("LILY_METAL_SIM_CACHE", "lily-metal-sim");
-        let mut common = Fnv::new();
-        common.add(&version);
-        for s in FLAGS {
-            common.add(s.as_bytes());
-        }
+        let b = TOOL.build(&BUILD, FLAGS)?;
+        let (cxx, cache, mut common) = (&b.cxx, &b.cache, b.key);
         for (n, s) in PRELUDE
             .iter()
             .chain(kernels::SOURCES.iter().filter(|(n, _)| n.ends_with(".h")))
@@ -250,7 +249,7 @@ impl Sim {
         let mut libs = Vec::new();
         for r in results {
             let so = r?;
-            libs.push(simlib::load(SIM, &so)?);
+            libs.push(TOOL.load(&so)?);
         }
         let traffic = std::env::var_os("LILY_METAL_SIM_TRAFFIC")
             .filter(|v| !v.is_empty())
@@ -295,13 +294,13 @@ impl Sim {
 }
 
 /// The simulator's compiler (`LILY_METAL_SIM_CXX`, default `clang++-19`) and its `--version`
-/// output, or why it cannot run (`simlib::compiler`).
+/// output, or why it cannot run (`Tool::compiler`).
 pub fn compiler() -> std::result::Result<(String, Vec<u8>), String> {
-    simlib::compiler("LILY_METAL_SIM_CXX", "Metal")
+    TOOL.compiler()
 }
 
 fn dev_err(what: &str, path: &Path, e: impl std::fmt::Display) -> Error {
-    simlib::dev_err(SIM, what, path, e)
+    TOOL.io_err(what, path, e)
 }
 
 /// Write `content` to `path` through a temporary name (concurrent builders never see half a file).
@@ -345,7 +344,7 @@ fn build(cxx: &str, src_dir: &Path, cache: &Path, common: &Fnv, name: &str, src:
     let tmp = so.with_extension(format!("tmp{}.so", std::process::id()));
     let mut cmd = Command::new(cxx);
     cmd.args(FLAGS).arg("-I").arg(src_dir).arg(&cpp).arg("-o").arg(&tmp);
-    simlib::compile(SIM, cxx, &format!("{name} does not compile"), &mut cmd)?;
+    TOOL.compile(cxx, &format!("{name} does not compile"), &mut cmd)?;
     std::fs::rename(&tmp, &so).map_err(|e| dev_err("cannot write", &so, e))?;
     Ok(so)
 }
@@ -402,7 +401,7 @@ fn is_variable_decl(rest: &str) -> bool {
 }
 
 impl Executor for Sim {
-    const NAME: &'static str = SIM;
+    const NAME: &'static str = TOOL.name;
     type Buffer = Arc<SimAlloc>;
     type Pipeline = SimPipeline;
     type Encoder = SimEncoder;
