@@ -48,8 +48,8 @@ pub struct Tool {
 }
 
 /// A library build of one simulator, holding its lock while it lives (one build at a time per
-/// simulator and process: concurrent engines and tests then find the cache): the compiler, the cache directory
-/// and the start of every cache key (the compiler's version, then the flags).
+/// simulator and process: concurrent engines and tests then find the cache): the compiler, the
+/// cache directory and the start of every cache key (the compiler's version, then the flags).
 pub struct Build {
     pub cxx: String,
     pub cache: PathBuf,
