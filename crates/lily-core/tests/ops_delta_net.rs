@@ -17,7 +17,7 @@ use lily_core::{
         params::{ConvParams, DeltaNetParams, RmsNormParams, DELTA_NET_CHUNK, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
         Backend, DeltaNetGated,
     },
-    ops::delta_net::{cpu::CHUNK, reference},
+    ops::delta_net::{cpu::CHUNK, reference, DeltaNetIn},
 };
 
 /// The params of a DeltaNet call of `t` tokens, Hk / Hv heads of Dk / Dv.
@@ -57,7 +57,8 @@ mod cpu {
         assert_close(&oa, &ob, 2e-5, &format!("delta_net out t={t}"));
         assert_close(&sa, &sb, 2e-5, &format!("delta_net state t={t}"));
         // The chunked kernel (t > 1) against its own twin, the chunked form in plain loops.
-        reference::delta_net_chunked(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sc, &mut oc, CHUNK);
+        let x = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
+        reference::delta_net_chunked(&x, &mut sc, &mut oc, CHUNK);
         assert_close(&oa, &oc, 5e-6, &format!("delta_net out t={t} vs the chunked reference"));
         assert_close(
             &sa,
@@ -139,11 +140,12 @@ mod cpu {
             let (a_log, dt_bias) = (rand_vec(hv, seed + 3, -3.0, 0.7), rand_vec(hv, seed + 4, -1.0, 1.0));
             let s0 = rand_vec(hv * dk * dv, seed + 5, -0.5, 0.5);
             let p = params(t, hk, hv, dk, dv);
+            let x = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
             let (mut s_step, mut o_step) = (s0.clone(), vec![0f32; t * hv * dv]);
-            reference::delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut s_step, &mut o_step);
+            reference::delta_net(&x, &mut s_step, &mut o_step);
             for chunk in [1, 7, 32, 64] {
                 let (mut s, mut o) = (s0.clone(), vec![0f32; t * hv * dv]);
-                reference::delta_net_chunked(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut s, &mut o, chunk);
+                reference::delta_net_chunked(&x, &mut s, &mut o, chunk);
                 assert_close(&o, &o_step, 2e-5, &format!("out t={t} chunk={chunk}"));
                 assert_close(&s, &s_step, 2e-5, &format!("state t={t} chunk={chunk}"));
             }
@@ -540,7 +542,8 @@ fn delta_net_calls_chunked(s: &DeltaShape, calls: &[usize], chunk: usize) -> Vec
     let mut outs = Vec::new();
     for (p, qkv, a, b) in &c.calls {
         let mut out = vec![0f32; p.tokens as usize * s.hv * s.dv];
-        reference::delta_net_chunked(p, qkv, a, b, &c.a_log, &c.dt_bias, &mut c.state, &mut out, chunk);
+        let x = DeltaNetIn::new(p, qkv, a, b, &c.a_log, &c.dt_bias);
+        reference::delta_net_chunked(&x, &mut c.state, &mut out, chunk);
         outs.push(out);
     }
     outs.push(c.state);

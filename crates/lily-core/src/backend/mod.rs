@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod metal;
 pub mod params;
+pub mod simlib;
 
 pub use params::*;
 
@@ -500,6 +501,11 @@ fn rows_of(p: &RmsNormParams) -> RowsParams {
     }
 }
 
+/// A matmul of the first `tokens` rows of its input (the unfused forms' projections).
+fn first_rows(tokens: u32) -> MatmulParams {
+    MatmulParams { tokens, x_row0: 0 }
+}
+
 /// `gate_up_swiglu` as its parts (the trait's default; a backend's fallback where its fused
 /// kernel does not apply).
 #[allow(clippy::too_many_arguments)]
@@ -513,11 +519,7 @@ pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
     u: &mut B::Buf,
     out: &mut B::Buf,
 ) {
-    let mm = MatmulParams {
-        tokens: p.tokens,
-        x_row0: 0,
-    };
-    b.matmuls(&mm, x, &[gate, up], &mut [g, u]);
+    b.matmuls(&first_rows(p.tokens), x, &[gate, up], &mut [g, u]);
     b.swiglu(p, g, u, out);
 }
 
@@ -535,10 +537,7 @@ pub(crate) fn moe_router_unfused<B: Backend>(
     ids: &mut B::Ids,
     weights: &mut B::Buf,
 ) {
-    let mm = MatmulParams {
-        tokens: p.tokens,
-        x_row0: 0,
-    };
+    let mm = first_rows(p.tokens);
     b.matmuls(&mm, x, &[router, shared_gate], &mut [&mut *logits, shared]);
     b.moe_route(p, logits, ids, weights);
 }
@@ -663,11 +662,7 @@ pub(crate) fn moe_add_rms_norm_unfused<B: Backend>(
         dim: r.shared_inter,
     };
     b.gate_up_swiglu(&shared, r.shared_gate, r.shared_up, h, s.g, s.u, s.act);
-    let mm = MatmulParams {
-        tokens: moe.tokens,
-        x_row0: 0,
-    };
-    b.matmul(&mm, r.shared_down, s.act, s.y);
+    b.matmul(&first_rows(moe.tokens), r.shared_down, s.act, s.y);
     b.moe_experts_add_rms_norm(moe, norm, &r.end(s.y), s.tmp, s.mix, x, h);
 }
 

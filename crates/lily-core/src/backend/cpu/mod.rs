@@ -261,7 +261,8 @@ impl Backend for Cpu {
         state: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) {
-        dispatch!(self, delta_net::delta_net(p, qkv, a, b, a_log, dt_bias, state, out))
+        let x = ops::delta_net::DeltaNetIn::new(p, qkv, a, b, a_log, dt_bias);
+        dispatch!(self, delta_net::delta_net(&x, state, out))
     }
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         dispatch!(self, moe::moe_route(p, logits, ids, weights))

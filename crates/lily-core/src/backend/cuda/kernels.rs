@@ -229,25 +229,7 @@ pub fn kernel_names() -> Vec<String> {
     Kernel::all().map(Kernel::name).collect()
 }
 
-/// FNV-1a, 64 bit: a stable content hash for cache keys.
-#[derive(Clone, Copy)]
-pub struct Fnv(pub u64);
-impl Fnv {
-    pub fn new() -> Self {
-        Fnv(0xcbf29ce484222325)
-    }
-    pub fn add(&mut self, bytes: &[u8]) {
-        for &b in bytes.iter().chain(&[0xffu8]) {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100000001b3);
-        }
-    }
-}
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv::new()
-    }
-}
+pub use crate::backend::simlib::Fnv;
 
 /// The hash of every source and header (part of every compiled-kernel cache key).
 pub fn sources_hash() -> Fnv {

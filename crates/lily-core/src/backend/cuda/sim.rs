@@ -22,9 +22,20 @@ use std::{
 
 use super::{
     executor::{Args, DevPtr, Executor, Launch},
-    kernels::{self, Fnv},
+    kernels,
 };
-use crate::error::{Error, Result};
+use crate::{
+    backend::simlib::Tool,
+    error::{Error, Result},
+};
+
+const TOOL: Tool = Tool {
+    name: "cuda-sim",
+    device: "CUDA",
+    cxx_var: "LILY_CUDA_SIM_CXX",
+    cache_var: "LILY_CUDA_SIM_CACHE",
+    cache_default: "lily-cuda-sim",
+};
 
 const PRELUDE: &str = include_str!("../../../../../tools/cuda-sim/include/cuda_sim.h");
 const FLAGS: &[&str] = &["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-DLILY_CUDA_SIM", "-w"];
@@ -68,7 +79,7 @@ impl Sim {
 
     /// A simulator running the kernels of a library made by [`build_library`].
     pub fn from_library(so: &Path) -> Result<Sim> {
-        let lib = load(so)?;
+        let lib = TOOL.load(so)?;
         // SAFETY: the symbol types are the C ABI at the end of cuda_sim.h.
         unsafe {
             let sym = |n: &[u8]| -> Result<*const c_void> {
@@ -97,35 +108,19 @@ impl Sim {
 }
 
 /// The simulator's compiler (`LILY_CUDA_SIM_CXX`, default `clang++-19`) and its `--version`
-/// output, or why it cannot run: the one thing the simulator needs from the machine (tests skip
-/// for this reason only, and fail on every other).
+/// output, or why it cannot run (`Tool::compiler`).
 pub fn compiler() -> std::result::Result<(String, Vec<u8>), String> {
-    let cxx = std::env::var("LILY_CUDA_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
-    match Command::new(&cxx).arg("--version").output() {
-        Ok(out) if out.status.success() => Ok((cxx, out.stdout)),
-        Ok(out) => Err(format!("{cxx} --version failed ({})", out.status)),
-        Err(e) => Err(format!(
-            "the CUDA simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_CUDA_SIM_CXX): {e}"
-        )),
-    }
+    TOOL.compiler()
 }
 
 /// Compile `sources` (with the kernel headers) into one simulator library, cached by content.
 /// Public for the simulator's own tests, which build planted-bug kernels through it.
 pub fn build_library(sources: &[(&str, &str)]) -> Result<PathBuf> {
-    // One build at a time per process: concurrent engines / tests then hit the cache.
+    // This simulator's builds run one at a time (`Tool::build`).
     static BUILD: Mutex<()> = Mutex::new(());
-    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let (cxx, version) = compiler().map_err(Error::Device)?;
-    let cache = std::env::var_os("LILY_CUDA_SIM_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("lily-cuda-sim"));
-    let mut h = Fnv::new();
-    h.add(&version);
+    let build = TOOL.build(&BUILD, FLAGS)?;
+    let (cxx, cache, mut h) = (&build.cxx, &build.cache, build.key);
     h.add(PRELUDE.as_bytes());
-    for f in FLAGS {
-        h.add(f.as_bytes());
-    }
     for (n, s) in kernels::HEADERS.iter().chain(sources) {
         h.add(n.as_bytes());
         h.add(s.as_bytes());
@@ -174,19 +169,9 @@ pub fn build_library(sources: &[(&str, &str)]) -> Result<PathBuf> {
     });
     let objs = results.into_iter().collect::<Result<Vec<_>>>()?;
     let tmp = so.with_extension(format!("tmp{}.so", std::process::id()));
-    let out = Command::new(&cxx)
-        .arg("-shared")
-        .args(&objs)
-        .arg("-o")
-        .arg(&tmp)
-        .output()
-        .map_err(|e| Error::Device(format!("cuda-sim: cannot run {cxx}: {e}")))?;
-    if !out.status.success() {
-        return Err(Error::Device(format!(
-            "cuda-sim: link failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
+    let mut link = Command::new(cxx);
+    link.arg("-shared").args(&objs).arg("-o").arg(&tmp);
+    TOOL.compile(cxx, "link failed", &mut link)?;
     std::fs::rename(&tmp, &so).map_err(|e| dev_err("cannot write", &so, e))?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(so)
@@ -194,49 +179,21 @@ pub fn build_library(sources: &[(&str, &str)]) -> Result<PathBuf> {
 
 fn compile(cxx: &str, dir: &Path, src: &str, extra: &[String]) -> Result<PathBuf> {
     let obj = dir.join(format!("{src}.o"));
-    let out = Command::new(cxx)
-        .args(FLAGS)
+    let mut cmd = Command::new(cxx);
+    cmd.args(FLAGS)
         .arg("-I")
         .arg(dir)
         .args(extra)
         .arg("-c")
         .arg(dir.join(src))
         .arg("-o")
-        .arg(&obj)
-        .output()
-        .map_err(|e| Error::Device(format!("cuda-sim: cannot run {cxx}: {e}")))?;
-    if !out.status.success() {
-        return Err(Error::Device(format!(
-            "cuda-sim: {src} does not compile:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .take(40)
-                .collect::<Vec<_>>()
-                .join("\n")
-        )));
-    }
+        .arg(&obj);
+    TOOL.compile(cxx, &format!("{src} does not compile"), &mut cmd)?;
     Ok(obj)
 }
 
-/// Load a built library once per process and keep it loaded (its signal handler and
-/// thread-locals must outlive every backend).
-fn load(so: &Path) -> Result<Arc<libloading::Library>> {
-    static LIBS: Mutex<Vec<(PathBuf, Arc<libloading::Library>)>> = Mutex::new(Vec::new());
-    let mut libs = LIBS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, l)) = libs.iter().find(|(p, _)| p == so) {
-        return Ok(l.clone());
-    }
-    // SAFETY: a library built from our own sources; its initializers are the prelude's only.
-    let lib = Arc::new(
-        unsafe { libloading::Library::new(so) }
-            .map_err(|e| Error::Device(format!("cuda-sim: cannot load {}: {e}", so.display())))?,
-    );
-    libs.push((so.to_path_buf(), lib.clone()));
-    Ok(lib)
-}
-
 fn dev_err(what: &str, path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Device(format!("cuda-sim: {what} {}: {e}", path.display()))
+    TOOL.io_err(what, path, e)
 }
 
 /// The textual rewrites C++ macros cannot express: kernel-scope `__shared__ T name[N]...;`
@@ -321,7 +278,7 @@ impl Sim {
 }
 
 impl Executor for Sim {
-    const NAME: &'static str = "cuda-sim";
+    const NAME: &'static str = TOOL.name;
     type Function = SimFunction;
     type Graph = ();
 

@@ -39,8 +39,17 @@ use super::{
     kernels, traffic,
 };
 use crate::{
+    backend::simlib::{Fnv, Tool},
     error::{Error, Result},
     safetensors::Bytes,
+};
+
+const TOOL: Tool = Tool {
+    name: "metal-sim",
+    device: "Metal",
+    cxx_var: "LILY_METAL_SIM_CXX",
+    cache_var: "LILY_METAL_SIM_CACHE",
+    cache_default: "lily-metal-sim",
 };
 
 macro_rules! prelude {
@@ -207,18 +216,10 @@ impl Sim {
 
     /// [`Sim::new`] reporting GPU family `family` (whatever `LILY_METAL_FAMILY` says).
     pub fn with_family(family: GpuFamily) -> Result<Sim> {
-        // One build at a time per process: concurrent engines/tests then hit the cache.
+        // This simulator's builds run one at a time (`Tool::build`).
         static BUILD: Mutex<()> = Mutex::new(());
-        let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-        let (cxx, version) = compiler().map_err(Error::Device)?;
-        let cache = std::env::var_os("LILY_METAL_SIM_CACHE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| std::env::temp_dir().join("lily-metal-sim"));
-        let mut common = Fnv::new();
-        common.add(&version);
-        for s in FLAGS {
-            common.add(s.as_bytes());
-        }
+        let b = TOOL.build(&BUILD, FLAGS)?;
+        let (cxx, cache, mut common) = (&b.cxx, &b.cache, b.key);
         for (n, s) in PRELUDE
             .iter()
             .chain(kernels::SOURCES.iter().filter(|(n, _)| n.ends_with(".h")))
@@ -248,7 +249,7 @@ impl Sim {
         let mut libs = Vec::new();
         for r in results {
             let so = r?;
-            libs.push(load(&so)?);
+            libs.push(TOOL.load(&so)?);
         }
         let traffic = std::env::var_os("LILY_METAL_SIM_TRAFFIC")
             .filter(|v| !v.is_empty())
@@ -293,52 +294,13 @@ impl Sim {
 }
 
 /// The simulator's compiler (`LILY_METAL_SIM_CXX`, default `clang++-19`) and its `--version`
-/// output, or why it cannot run: the one thing the simulator needs from the machine (tests skip
-/// for this reason only, and fail on every other).
+/// output, or why it cannot run (`Tool::compiler`).
 pub fn compiler() -> std::result::Result<(String, Vec<u8>), String> {
-    let cxx = std::env::var("LILY_METAL_SIM_CXX").unwrap_or_else(|_| "clang++-19".into());
-    match Command::new(&cxx).arg("--version").output() {
-        Ok(out) if out.status.success() => Ok((cxx, out.stdout)),
-        Ok(out) => Err(format!("{cxx} --version failed ({})", out.status)),
-        Err(e) => Err(format!(
-            "the Metal simulator needs {cxx} (Debian: apt-get install -y clang-19; or set LILY_METAL_SIM_CXX): {e}"
-        )),
-    }
-}
-
-/// Load a built library once per process and keep it loaded for good: its signal handler
-/// and thread-locals must outlive every engine (no dlclose at teardown).
-fn load(so: &Path) -> Result<Arc<libloading::Library>> {
-    static LIBS: Mutex<Vec<(PathBuf, Arc<libloading::Library>)>> = Mutex::new(Vec::new());
-    let mut libs = LIBS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, l)) = libs.iter().find(|(p, _)| p == so) {
-        return Ok(l.clone());
-    }
-    // SAFETY: a library built from our own sources; its initializers are the prelude's only.
-    let lib = Arc::new(
-        unsafe { libloading::Library::new(so) }
-            .map_err(|e| Error::Device(format!("metal-sim: cannot load {}: {e}", so.display())))?,
-    );
-    libs.push((so.to_path_buf(), lib.clone()));
-    Ok(lib)
-}
-
-/// FNV-1a, 64 bit: a stable content hash for the cache keys.
-#[derive(Clone, Copy)]
-struct Fnv(u64);
-impl Fnv {
-    fn new() -> Self {
-        Fnv(0xcbf29ce484222325)
-    }
-    fn add(&mut self, bytes: &[u8]) {
-        for &b in bytes.iter().chain(&[0xffu8]) {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100000001b3);
-        }
-    }
+    TOOL.compiler()
 }
 
 fn dev_err(what: &str, path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Device(format!("metal-sim: {what} {}: {e}", path.display()))
+    TOOL.io_err(what, path, e)
 }
 
 /// Write `content` to `path` through a temporary name (concurrent builders never see half a file).
@@ -380,25 +342,9 @@ fn build(cxx: &str, src_dir: &Path, cache: &Path, common: &Fnv, name: &str, src:
     let cpp = src_dir.join(format!("{stem}-{:016x}.cpp", h.0));
     write_atomic(&cpp, lower(name, src).as_bytes())?;
     let tmp = so.with_extension(format!("tmp{}.so", std::process::id()));
-    let out = Command::new(cxx)
-        .args(FLAGS)
-        .arg("-I")
-        .arg(src_dir)
-        .arg(&cpp)
-        .arg("-o")
-        .arg(&tmp)
-        .output()
-        .map_err(|e| Error::Device(format!("metal-sim: cannot run {cxx}: {e}")))?;
-    if !out.status.success() {
-        return Err(Error::Device(format!(
-            "metal-sim: {name} does not compile:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .take(30)
-                .collect::<Vec<_>>()
-                .join("\n")
-        )));
-    }
+    let mut cmd = Command::new(cxx);
+    cmd.args(FLAGS).arg("-I").arg(src_dir).arg(&cpp).arg("-o").arg(&tmp);
+    TOOL.compile(cxx, &format!("{name} does not compile"), &mut cmd)?;
     std::fs::rename(&tmp, &so).map_err(|e| dev_err("cannot write", &so, e))?;
     Ok(so)
 }
@@ -455,7 +401,7 @@ fn is_variable_decl(rest: &str) -> bool {
 }
 
 impl Executor for Sim {
-    const NAME: &'static str = "metal-sim";
+    const NAME: &'static str = TOOL.name;
     type Buffer = Arc<SimAlloc>;
     type Pipeline = SimPipeline;
     type Encoder = SimEncoder;

@@ -9,9 +9,9 @@ use crate::{
             scratch::{with_task, Out},
             simd,
         },
-        params::{ConvParams, DeltaNetParams, MAX_CONV_TAPS},
+        params::{ConvParams, MAX_CONV_TAPS},
     },
-    ops::{matmul::cpu as matmul, sigmoid, softplus},
+    ops::{delta_net::DeltaNetIn, matmul::cpu as matmul},
 };
 
 /// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
@@ -24,23 +24,9 @@ pub const CHUNK: usize = 64;
 /// to the task). One token runs the step recurrence; more run the chunked form (§6.1) in chunks
 /// of CHUNK tokens, whose products are blocked matrix loops over the task's scratch.
 /// Accumulation: f32; only exponentials of non-positive numbers.
-pub fn delta_net(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) {
+pub fn delta_net(x: &DeltaNetIn, state: &mut [f32], out: &mut [f32]) {
     let isa = Isa::get();
-    let (hv, dk, dv, t_n) = (
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-        p.tokens as usize,
-    );
+    let (t_n, _, hv, dk, dv) = x.p.dims();
     let o = Out(out.as_mut_ptr());
     let n = t_n.min(CHUNK);
     let scratch = n * (3 * dk + 2 * dv + 2 + n) + 3 * dv + 2 * dk;
@@ -59,9 +45,9 @@ pub fn delta_net(
                 while t0 < t_n {
                     let n = (t_n - t0).min(CHUNK);
                     if n == 1 {
-                        delta_step(isa, p, qkv, a, b, a_log, dt_bias, t0, j, s, scr, o);
+                        delta_step(isa, x, t0, j, s, scr, o);
                     } else {
-                        delta_chunk(isa, p, qkv, a, b, a_log, dt_bias, t0, n, j, s, scr, o);
+                        delta_chunk(isa, x, t0, n, j, s, scr, o);
                     }
                     t0 += n;
                 }
@@ -71,68 +57,43 @@ pub fn delta_net(
 }
 
 /// Inputs of value head j at token t: writes l2-normed q (times Dk^-1/2) and k into `q`, `k`;
-/// returns (v, beta, g) with v borrowed from qkv.
+/// returns (v, beta, g) with v borrowed from qkv (the twin's `heads` and `gates`, the norms in
+/// SIMD).
 #[inline(always)]
 fn delta_inputs<'a>(
     isa: Isa,
-    p: &DeltaNetParams,
-    qkv: &'a [f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
+    x: &DeltaNetIn<'a>,
     t: usize,
     j: usize,
     q: &mut [f32],
     k: &mut [f32],
 ) -> (&'a [f32], f32, f32) {
-    let (_, hk, hv, dk, dv) = p.dims();
-    let width = 2 * hk * dk + hv * dv;
-    let row = &qkv[t * width..][..width];
-    let kh = j / (hv / hk).max(1); // value head j reads q/k head j / (Hv/Hk)
-    let (qs, ks) = (&row[kh * dk..][..dk], &row[hk * dk + kh * dk..][..dk]);
-    let scale = 1.0 / (dk as f32).sqrt();
+    let (qs, ks, v) = x.heads(t, j);
+    let scale = 1.0 / (x.p.key_dim as f32).sqrt();
     let qi = scale / (simd::dot(isa, qs, qs) + 1e-6).sqrt();
     let ki = 1.0 / (simd::dot(isa, ks, ks) + 1e-6).sqrt();
-    q.iter_mut().zip(qs).for_each(|(o, x)| *o = x * qi);
-    k.iter_mut().zip(ks).for_each(|(o, x)| *o = x * ki);
-    let beta = sigmoid(b[t * hv + j]);
-    let g = -a_log[j].exp() * softplus(a[t * hv + j] + dt_bias[j]);
-    (&row[2 * hk * dk + j * dv..][..dv], beta, g)
+    q.iter_mut().zip(qs).for_each(|(o, e)| *o = e * qi);
+    k.iter_mut().zip(ks).for_each(|(o, e)| *o = e * ki);
+    let (beta, g) = x.gates(t, j);
+    (v, beta, g)
 }
 
 multiversion! {
-    fn delta_step(
-        p: &DeltaNetParams, qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32],
-        t: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
-    ) = delta_step_body;
+    fn delta_step(x: &DeltaNetIn, t: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out) = delta_step_body;
 }
 
 /// One token of value head j: decay, read, delta, write, read out. S is [Dk, Dv], swept twice
 /// over contiguous rows: a read-only pass for the prediction alpha S^T k, then one pass that
 /// writes S = alpha S + k delta^T and reads out S^T q (S is written once per token).
 #[inline(always)]
-fn delta_step_body(
-    isa: Isa,
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    t: usize,
-    j: usize,
-    s: &mut [f32],
-    scr: &mut [f32],
-    o: Out,
-) {
-    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+fn delta_step_body(isa: Isa, x: &DeltaNetIn, t: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out) {
+    let (_, _, hv, dk, dv) = x.p.dims();
     let (q, rest) = scr.split_at_mut(dk);
     let (k, rest) = rest.split_at_mut(dk);
     let (pred, rest) = rest.split_at_mut(dv);
     let (delta, rest) = rest.split_at_mut(dv);
     let outv = &mut rest[..dv];
-    let (v, beta, g) = delta_inputs(isa, p, qkv, a, b, a_log, dt_bias, t, j, q, k);
+    let (v, beta, g) = delta_inputs(isa, x, t, j, q, k);
     let alpha = g.exp();
     pred.fill(0.0);
     for d in 0..dk {
@@ -171,30 +132,15 @@ fn delta_step_body(
 
 multiversion! {
     fn delta_chunk(
-        p: &DeltaNetParams, qkv: &[f32], a: &[f32], b: &[f32], a_log: &[f32], dt_bias: &[f32],
-        t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
+        x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out
     ) = delta_chunk_body;
 }
 
 /// The chunked form (architecture.md §6.1) for tokens t0..t0+n of value head j, as blocked
 /// matrix products over [n, Dk] / [n, Dv] panels and the [Dk, Dv] state.
 #[inline(always)]
-fn delta_chunk_body(
-    isa: Isa,
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    t0: usize,
-    n: usize,
-    j: usize,
-    s: &mut [f32],
-    scr: &mut [f32],
-    o: Out,
-) {
-    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
+fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out) {
+    let (_, _, hv, dk, dv) = x.p.dims();
     let (q, rest) = scr.split_at_mut(n * dk);
     let (k, rest) = rest.split_at_mut(n * dk);
     let (w, rest) = rest.split_at_mut(n * dk);
@@ -206,19 +152,7 @@ fn delta_chunk_body(
     let oi = &mut rest[..dv];
     let mut acc = 0f32;
     for i in 0..n {
-        let (vi, bi, gi) = delta_inputs(
-            isa,
-            p,
-            qkv,
-            a,
-            b,
-            a_log,
-            dt_bias,
-            t0 + i,
-            j,
-            &mut q[i * dk..][..dk],
-            &mut k[i * dk..][..dk],
-        );
+        let (vi, bi, gi) = delta_inputs(isa, x, t0 + i, j, &mut q[i * dk..][..dk], &mut k[i * dk..][..dk]);
         v[i * dv..][..dv].copy_from_slice(vi);
         beta[i] = bi;
         acc += gi;

@@ -15,7 +15,10 @@ pub mod cuda;
 pub mod metal;
 pub mod reference;
 
-use crate::backend::params::{ConvParams, DeltaNetParams, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS};
+use crate::{
+    backend::params::{ConvParams, DeltaNetParams, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
+    ops::{sigmoid, softplus},
+};
 
 /// What a GPU encoder checks before a `delta_net_conv` dispatch, in one place for every backend:
 /// the taps it supports, then (name, have, need) per buffer (in elements, argument order) for
@@ -65,4 +68,62 @@ pub fn delta_net_checks(p: &DeltaNetParams, have: [usize; 7]) -> Result<[(&'stat
     ];
     let names = ["qkv", "a", "b", "a_log", "dt_bias", "state", "out"];
     Ok(std::array::from_fn(|i| (names[i], have[i], need[i])))
+}
+
+/// The operands of `delta_net` that it only reads, as host slices: what the reference twins and
+/// the CPU kernel take. Both read a token's q / k / v rows and gates through [`DeltaNetIn::heads`]
+/// and [`DeltaNetIn::gates`]; they differ in how they norm and recur.
+pub struct DeltaNetIn<'a> {
+    pub p: &'a DeltaNetParams,
+    /// [T, 2 Hk Dk + Hv Dv] (q | k | v), [T, Hv], [T, Hv], [Hv], [Hv].
+    pub qkv: &'a [f32],
+    pub a: &'a [f32],
+    pub b: &'a [f32],
+    pub a_log: &'a [f32],
+    pub dt_bias: &'a [f32],
+}
+
+impl<'a> DeltaNetIn<'a> {
+    /// The operands in `delta_net`'s argument order.
+    pub fn new(
+        p: &'a DeltaNetParams,
+        qkv: &'a [f32],
+        a: &'a [f32],
+        b: &'a [f32],
+        a_log: &'a [f32],
+        dt_bias: &'a [f32],
+    ) -> Self {
+        DeltaNetIn {
+            p,
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+        }
+    }
+
+    /// Token t's q, k (before their norms) and v for value head j: q/k head j / (Hv/Hk).
+    #[inline]
+    pub fn heads(&self, t: usize, j: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
+        let (_, hk, hv, dk, dv) = self.p.dims();
+        let width = 2 * hk * dk + hv * dv;
+        let row = &self.qkv[t * width..][..width];
+        let kh = j / (hv / hk).max(1);
+        (
+            &row[kh * dk..][..dk],
+            &row[hk * dk + kh * dk..][..dk],
+            &row[2 * hk * dk + j * dv..][..dv],
+        )
+    }
+
+    /// (beta, g) of value head j at token t: beta = sigmoid(b), g = -exp(A_log) softplus(a +
+    /// dt_bias), the log of the step's decay.
+    #[inline]
+    pub fn gates(&self, t: usize, j: usize) -> (f32, f32) {
+        let hv = self.p.value_heads as usize;
+        let beta = sigmoid(self.b[t * hv + j]);
+        let g = -self.a_log[j].exp() * softplus(self.a[t * hv + j] + self.dt_bias[j]);
+        (beta, g)
+    }
 }

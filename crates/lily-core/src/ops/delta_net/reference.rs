@@ -1,9 +1,7 @@
 //! The reference twins of the DeltaNet ops (shapes: `ops/delta_net/mod.rs`).
 
-use crate::{
-    backend::params::{ConvParams, DeltaNetParams},
-    ops::{sigmoid, silu, softplus},
-};
+use super::DeltaNetIn;
+use crate::{backend::params::ConvParams, ops::silu};
 
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
     let (c_n, taps) = (p.channels as usize, p.taps as usize);
@@ -34,48 +32,24 @@ pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], o
 }
 
 /// Per-token DeltaNet inputs for value head `j`: (q, k) l2-normed (q scaled by Dk^-1/2), v, beta, decay g.
-pub fn delta_net_inputs(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    t: usize,
-    j: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>, f32, f32) {
-    let (_, hk, hv, dk, dv) = p.dims();
-    let width = 2 * hk * dk + hv * dv;
-    let row = &qkv[t * width..][..width];
-    let kh = j / (hv / hk); // value head j reads q/k head j / (Hv/Hk)
-    let l2 = |v: &[f32]| {
-        let inv = 1.0 / (v.iter().map(|x| x * x).sum::<f32>() + 1e-6).sqrt();
-        v.iter().map(|x| x * inv).collect::<Vec<f32>>()
+pub fn delta_net_inputs(x: &DeltaNetIn, t: usize, j: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, f32, f32) {
+    let (qs, ks, v) = x.heads(t, j);
+    let l2 = |r: &[f32]| {
+        let inv = 1.0 / (r.iter().map(|e| e * e).sum::<f32>() + 1e-6).sqrt();
+        r.iter().map(|e| e * inv).collect::<Vec<f32>>()
     };
-    let scale = 1.0 / (dk as f32).sqrt();
-    let q: Vec<f32> = l2(&row[kh * dk..][..dk]).into_iter().map(|x| x * scale).collect();
-    let k = l2(&row[hk * dk + kh * dk..][..dk]);
-    let v = row[2 * hk * dk + j * dv..][..dv].to_vec();
-    let beta = sigmoid(b[t * hv + j]);
-    let g = -a_log[j].exp() * softplus(a[t * hv + j] + dt_bias[j]);
-    (q, k, v, beta, g)
+    let scale = 1.0 / (x.p.key_dim as f32).sqrt();
+    let q: Vec<f32> = l2(qs).into_iter().map(|e| e * scale).collect();
+    let (beta, g) = x.gates(t, j);
+    (q, l2(ks), v.to_vec(), beta, g)
 }
 
 /// The step recurrence, token by token: decay, read, delta, write, read out.
-pub fn delta_net(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-) {
-    let (hv, dk, dv) = (p.value_heads as usize, p.key_dim as usize, p.value_dim as usize);
-    for t in 0..p.tokens as usize {
+pub fn delta_net(x: &DeltaNetIn, state: &mut [f32], out: &mut [f32]) {
+    let (t_n, _, hv, dk, dv) = x.p.dims();
+    for t in 0..t_n {
         for j in 0..hv {
-            let (q, k, v, beta, g) = delta_net_inputs(p, qkv, a, b, a_log, dt_bias, t, j);
+            let (q, k, v, beta, g) = delta_net_inputs(x, t, j);
             let s = &mut state[j * dk * dv..][..dk * dv]; // [Dk, Dv]
             let alpha = g.exp();
             s.iter_mut().for_each(|x| *x *= alpha);
@@ -103,24 +77,9 @@ pub fn delta_net(
 /// (I + A) U = diag(beta) V and (I + A) W = diag(beta e^gam) K (forward substitution);
 /// V' = U - W S; O_i = e^gam_i q_i S + sum_{s <= i} (q_i . k_s) e^(gam_i - gam_s) V'_s;
 /// S <- e^gam_{n-1} S + sum_s e^(gam_{n-1} - gam_s) k_s V'_s^T.
-pub fn delta_net_chunked(
-    p: &DeltaNetParams,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    a_log: &[f32],
-    dt_bias: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-    chunk: usize,
-) {
+pub fn delta_net_chunked(x: &DeltaNetIn, state: &mut [f32], out: &mut [f32], chunk: usize) {
     assert!(chunk > 0, "delta_net_chunked: chunks of 0 tokens");
-    let (hv, dk, dv, t_n) = (
-        p.value_heads as usize,
-        p.key_dim as usize,
-        p.value_dim as usize,
-        p.tokens as usize,
-    );
+    let (t_n, _, hv, dk, dv) = x.p.dims();
     let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(u, v)| u * v).sum::<f32>();
     for j in 0..hv {
         let s = &mut state[j * dk * dv..][..dk * dv]; // [Dk, Dv]
@@ -129,7 +88,7 @@ pub fn delta_net_chunked(
             let (mut q, mut k, mut v, mut beta, mut gam) = (vec![], vec![], vec![], vec![], vec![]);
             let mut acc = 0f32;
             for i in 0..n {
-                let (qi, ki, vi, bi, gi) = delta_net_inputs(p, qkv, a, b, a_log, dt_bias, t0 + i, j);
+                let (qi, ki, vi, bi, gi) = delta_net_inputs(x, t0 + i, j);
                 acc += gi;
                 q.push(qi);
                 k.push(ki);
