@@ -37,6 +37,8 @@
 #   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
 #   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
 #            both speeds without profiling, one engine each (after synth)
+#   splits   decode tok/s at depth ~512 and ~4100 for 32, 64, 128 and 256 attention key splits
+#            (LILY_CUDA_DECODE_SPLITS; after synth)
 #   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): the CPU kernel tests (the test binaries'
 #            CPU cases, on the host's ISA), a 4-layer full-width checkpoint and its GGUF; lily bench
 #            --compare llama.cpp at 2 threads (taskset) and at all cores, prefill 256 / 4096 and decode at
@@ -255,6 +257,26 @@ eng.prefill([1])
 tok = 1
 for _ in range(64):
     tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -90
+fi
+if want splits; then
+    for s in 32 64 128 256; do
+    step "decode speed with LILY_CUDA_DECODE_SPLITS=$s (attention key splits): 64 greedy steps at depth ~512 and ~4100"
+    LILY_CUDA_DECODE_SPLITS=$s python3 - "$SYNTH" <<'PY' || fail=1
+import sys, time, lily
+eng = lily.Engine(sys.argv[1], backend="cuda", max_seq=8192)
+for depth in (512, 4096):
+    eng.reset()
+    eng.prefill([1 + (i * 7919) % 240000 for i in range(depth)])
+    tok = 1
+    for _ in range(4):
+        tok = eng.decode_greedy(tok)
+    t = time.perf_counter()
+    for _ in range(64):
+        tok = eng.decode_greedy(tok)
+    s = time.perf_counter() - t
+    print(f"depth ~{depth + 4}: {64 / s:.1f} tok/s ({s / 64 * 1e6:.0f} us/step)")
+PY
+    done
 fi
 if want cpu; then
     step "the 4-layer full-width checkpoint for the CPU measurements"

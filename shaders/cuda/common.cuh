@@ -194,14 +194,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-// A hint that p's 128-byte line will be read soon by this SM: fetched into L1 (PTX
-// prefetch.global.L1; no effect on results, none in the simulator).
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-#if !defined(LILY_CUDA_SIM)
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-#endif
-}
-
 // ---------------------------------------------------------------- int8 activation planes (GEMV)
 // The decode GEMVs of 4- and 8-bit weights multiply codes by integers (dp4a), not floats, as the
 // CPU backend does (backend/cpu/int8.rs, whose argument carries over): each 16-byte weight chunk's
@@ -590,9 +582,6 @@ __device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, u
   int* qs = reinterpret_cast<int*>(xs);
   float* ds = reinterpret_cast<float*>(xs + SEG * GEMV_PLANES * H);
   const uint total = n * Q;
-  // Every round's piece asked for at once: the rounds below then read L1, instead of each waiting
-  // its own L2 round trip (x was just written by the kernel before; 4 rounds at K = 4096).
-  for (uint f = threadIdx.x; f < total; f += blockDim.x) prefetch_l1(x + (size_t)f * 4);
   for (uint f0 = 0; f0 < total; f0 += blockDim.x) {
     const uint f = f0 + threadIdx.x, c = f / Q, q = f % Q;
     const bool real = f < total;  // the same for the Q lanes of a chunk

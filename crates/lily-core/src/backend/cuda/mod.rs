@@ -84,6 +84,8 @@ pub(crate) fn gemv_split(rows: usize, chunks: usize, grid_y: usize) -> u32 {
 /// tile (64 splits: 5 tiles a split at 4K rows, 128 blocks for 2 KV heads; the same launch
 /// combines them, in two levels of 8: attention.cu).
 pub const DECODE_SPLITS: u32 = 64;
+/// The most key splits `LILY_CUDA_DECODE_SPLITS` may ask for.
+pub const DECODE_SPLITS_MAX: u32 = 256;
 
 /// Tokens per forward call during prefill: enough rows for the tensor-core GEMMs to pay.
 pub const PREFILL_CHUNK: usize = 1024;
@@ -196,6 +198,9 @@ pub struct Cuda<X: Executor> {
     /// `delta_net_gated` as one kernel for a decode step (default; `LILY_CUDA_FUSED_DELTA_NET=0`:
     /// its parts, `delta_net_conv`, `delta_net`, `rms_norm_gated`).
     pub fused_delta_net: bool,
+    /// Key splits of decode attention (default [`DECODE_SPLITS`]; `LILY_CUDA_DECODE_SPLITS`,
+    /// 1 ..= [`DECODE_SPLITS_MAX`], for measuring other splits).
+    pub decode_splits: u32,
 }
 
 #[cfg(unix)]
@@ -272,6 +277,17 @@ impl<X: Executor> Cuda<X> {
             .unwrap_or(GEMV_TOKENS);
         let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
         let fused_delta_net = std::env::var("LILY_CUDA_FUSED_DELTA_NET").map_or(true, |v| v != "0");
+        let decode_splits = match std::env::var("LILY_CUDA_DECODE_SPLITS") {
+            Err(_) => DECODE_SPLITS,
+            Ok(v) => match v.parse::<u32>() {
+                Ok(n) if (1..=DECODE_SPLITS_MAX).contains(&n) => n,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "LILY_CUDA_DECODE_SPLITS={v}: expected 1 to {DECODE_SPLITS_MAX}"
+                    )))
+                }
+            },
+        };
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
@@ -295,6 +311,7 @@ impl<X: Executor> Cuda<X> {
             gemv_tokens,
             fused_router,
             fused_delta_net,
+            decode_splits,
         })
     }
 

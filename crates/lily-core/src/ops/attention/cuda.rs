@@ -4,7 +4,7 @@
 //! `qk_norm_rope_store`'s work when called as `qk_norm_rope_store_attention`).
 
 use crate::backend::{
-    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, DevPtr, Executor, DECODE_SPLITS},
+    cuda::{kernels::Fixed as F, rows_launch, shape, Args, Cuda, CudaBuf, CudaKv, DevPtr, Executor},
     params::{AttentionParams, KvStoreParams, RopeParams, ATTENTION_HEAD_DIM_MAX, ATTENTION_QUERY_ROWS},
 };
 
@@ -242,7 +242,7 @@ fn attention_launch<X: Executor>(
     // kernel) in a fixed room at the front, so that a call of another shape never finds its
     // counters where an earlier call stored partials; then part1 [H, splits, 2 + hd] and part2
     // [H, groups, 2 + hd].
-    let splits = DECODE_SPLITS;
+    let splits = c.decode_splits;
     let groups = splits.div_ceil(ATT_GROUP) as usize;
     if kvh * (groups + 1) > ATT_COUNTERS {
         c.fail(format!(
