@@ -152,6 +152,10 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // not fused). Grid (Hkv, T, splits), G * 32 threads (G * hd <= 4096 when fused: the q scratch).
 #define KV_BATCH 4
 #define ATT_TILE 16
+// Rows a warp scores together (att_tile; a loop over them, not unrolled, covers a stage): the
+// kernel's hot loop must fit the instruction cache (16 rows unrolled made the decode instantiation
+// ~8.5 k SASS instructions).
+#define ATT_SUB 4
 #define ATT_HD_MAX ATTENTION_HEAD_DIM_MAX
 #define ATT_STAGE_BYTES (ATT_TILE * ATT_HD_MAX * 4)  // a tensor's stage: 16 f32 or 32 bf16 rows of 256
 #define ATT_GROUP 8                                   // splits (then groups) a last block combines
@@ -231,16 +235,16 @@ __device__ __forceinline__ void att_at(const uint4* s, uint at, float* v) {
   }
 }
 
-// Staged rows r0 .. r0 + n (n <= ATT_TILE) into this warp's online softmax (mx, l, o).
-template <int P, bool BF>
+// Staged rows r0 .. r0 + n (n <= R) into this warp's online softmax (mx, l, o).
+template <int P, bool BF, uint R>
 __device__ __forceinline__ void att_tile(const uint4* ks, const uint4* vs, uint r0, uint n, uint hd, uint lane,
                                          const float* q, float* o, float& mx, float& l) {
   constexpr uint NS = ATT_HD_MAX / 32;
   const uint nd = hd / 32;
   // Scores of the tile's rows (rows past n hold stale values: never used).
-  float sc[ATT_TILE];
+  float sc[R];
 #pragma unroll
-  for (uint r = 0; r < ATT_TILE; ++r) {
+  for (uint r = 0; r < R; ++r) {
     float a = 0.0f;
 #pragma unroll
     for (uint i = 0; i < NS; i += P) {
@@ -256,17 +260,17 @@ __device__ __forceinline__ void att_tile(const uint4* ks, const uint4* vs, uint 
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1)
 #pragma unroll
-    for (uint r = 0; r < ATT_TILE; ++r) sc[r] += __shfl_xor_sync(FULL_MASK, sc[r], d);
+    for (uint r = 0; r < R; ++r) sc[r] += __shfl_xor_sync(FULL_MASK, sc[r], d);
   float m_new = mx;
 #pragma unroll
-  for (uint r = 0; r < ATT_TILE; ++r)
+  for (uint r = 0; r < R; ++r)
     if (r < n) m_new = fmaxf(m_new, sc[r]);
   const float corr = expf(mx - m_new);
   l *= corr;
 #pragma unroll
   for (uint i = 0; i < NS; ++i) o[i] *= corr;
 #pragma unroll
-  for (uint r = 0; r < ATT_TILE; ++r) {
+  for (uint r = 0; r < R; ++r) {
     if (r >= n) break;
     const float e = expf(sc[r] - m_new);
     l += e;
@@ -445,7 +449,8 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     }
     __syncthreads();
     if (base + SR < s1) att_fetch(kd, vd, base + SR, min(SR, s1 - base - SR), col0, hd, a);  // during the scores
-    for (uint r0 = 0; r0 < n; r0 += ATT_TILE) att_tile<P, BF>(ks, vs, r0, min((uint)ATT_TILE, n - r0), hd, lane, q, o, mx, l);
+#pragma unroll 1
+    for (uint r0 = 0; r0 < n; r0 += ATT_SUB) att_tile<P, BF, ATT_SUB>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
     __syncthreads();  // the stage is refilled next
   }
   // Level 1: the partial of this split; the group's last block combines the group's.
