@@ -15,6 +15,12 @@ __device__ __forceinline__ float route_logit(float x) {
 }
 // exp(x - m) for route_logit values x <= m: exactly 0 where it underflows, so x - m never overflows.
 __device__ __forceinline__ float route_exp(float x, float m) { return x >= m - 110.0f ? expf(x - m) : 0.0f; }
+// The ranking key of an expert with route_logit value x (softmax max m, sum z): the bits of its
+// probability p = exp(x - m) / z, plus 1 (so a key is >= 1 until taken, then 0; larger p, larger key).
+__device__ __forceinline__ uint route_key(float x, float m, float z) {
+  const uint bits = __float_as_uint(route_exp(x, m) / z);
+  return (bits >> 31) != 0u ? 1u : min(bits, 0x7f800000u) + 1u;
+}
 
 // The routing of one token, run by a whole block: p = softmax(l) over all E experts, top K by p
 // (ties: lower id first), weights p / sum(top K p) when renorm != 0, into ids [K] and weights [K].
@@ -44,10 +50,7 @@ __device__ __forceinline__ void route_token(const RouteParams p, const volatile 
   float z = 0.0f;
   for (uint e = tid; e < E; e += blockDim.x) z += route_exp(__uint_as_float(key[e]), m);
   z = block_sum(z, partial);  // >= 1: the maximum contributes exp(0)
-  for (uint e = tid; e < E; e += blockDim.x) {
-    const uint bits = __float_as_uint(route_exp(__uint_as_float(key[e]), m) / z);
-    key[e] = (bits >> 31) != 0u ? 1u : min(bits, 0x7f800000u) + 1u;
-  }
+  for (uint e = tid; e < E; e += blockDim.x) key[e] = route_key(__uint_as_float(key[e]), m, z);
   __syncthreads();
   for (uint k = 0; k < K; ++k) {
     uint best = 0u, best_id = E;
@@ -117,10 +120,7 @@ __device__ __forceinline__ void route_token_warp(const RouteParams p, const vola
     if (lane + 32 * i < E) z += route_exp(__uint_as_float(key[i]), m);
   z = warp_sum(z);  // >= 1: the maximum contributes exp(0)
 #pragma unroll
-  for (int i = 0; i < ROUTE_WARP_KEYS; ++i) {
-    const uint bits = __float_as_uint(route_exp(__uint_as_float(key[i]), m) / z);
-    key[i] = lane + 32 * i >= E ? 0u : (bits >> 31) != 0u ? 1u : min(bits, 0x7f800000u) + 1u;
-  }
+  for (int i = 0; i < ROUTE_WARP_KEYS; ++i) key[i] = lane + 32 * i >= E ? 0u : route_key(__uint_as_float(key[i]), m, z);
   uint my_id = 0u;
   float my_p = 0.0f, sum = 0.0f;
   for (uint k = 0; k < K; ++k) {
