@@ -286,6 +286,13 @@ pub fn matrix(
         .iter()
         .try_fold(1usize, |a, &x| a.checked_mul(x))
         .ok_or_else(|| Error::weight(&wname, "expert count overflows"))?;
+    if experts == 0 {
+        // A zero leading dimension holds no bytes; the matrix would still be read as one expert.
+        return Err(Error::weight(
+            &wname,
+            format!("a leading (expert) dimension is 0: {lead:?}"),
+        ));
+    }
     let expected: Vec<usize> = lead.iter().copied().chain([rows, cols]).collect();
     let sname = format!("{base}.scales");
     let Some((scales, biases)) = groups else {
