@@ -231,19 +231,78 @@ pub fn kernel_names() -> Vec<String> {
 
 pub use crate::backend::simlib::Fnv;
 
-/// The hash of every source and header (part of every compiled-kernel cache key).
-pub fn sources_hash() -> Fnv {
-    let mut h = Fnv::new();
-    for (n, s) in HEADERS.iter().chain(SOURCES) {
-        h.add(n.as_bytes());
-        h.add(s.as_bytes());
+/// The sources NVRTC compiles: the embedded ones, or, for kernel development on a GPU machine,
+/// the files of the folder `LILY_CUDA_SOURCES` names (a copy of `shaders/`: `params.h` and
+/// `cuda/<file>` for every header and source above), so a changed kernel runs without a new
+/// build of the package. Only kernels' bodies may differ: the host still launches the kernels
+/// of this build with its argument layouts.
+pub struct Sources {
+    pub headers: Vec<(&'static str, String)>,
+    pub files: Vec<(&'static str, String)>,
+}
+
+impl Sources {
+    pub fn load() -> crate::error::Result<Sources> {
+        let dir = std::env::var_os("LILY_CUDA_SOURCES").filter(|d| !d.is_empty());
+        Sources::from(dir.as_deref().map(std::path::Path::new))
     }
-    h
+
+    /// The embedded sources (`None`), or those of a folder laid out as `shaders/`.
+    pub fn from(dir: Option<&std::path::Path>) -> crate::error::Result<Sources> {
+        let own = |list: &[(&'static str, &str)]| list.iter().map(|&(n, s)| (n, s.to_string())).collect();
+        let Some(dir) = dir else {
+            return Ok(Sources {
+                headers: own(HEADERS),
+                files: own(SOURCES),
+            });
+        };
+        let read = |list: &[(&'static str, &str)]| -> crate::error::Result<Vec<(&'static str, String)>> {
+            list.iter()
+                .map(|&(n, _)| {
+                    let path = if n == "params.h" {
+                        dir.join(n)
+                    } else {
+                        dir.join("cuda").join(n)
+                    };
+                    std::fs::read_to_string(&path)
+                        .map(|s| (n, s))
+                        .map_err(|e| crate::error::Error::Device(format!("LILY_CUDA_SOURCES: {}: {e}", path.display())))
+                })
+                .collect()
+        };
+        Ok(Sources {
+            headers: read(HEADERS)?,
+            files: read(SOURCES)?,
+        })
+    }
+
+    /// The hash of every source and header (part of every compiled-kernel cache key).
+    pub fn hash(&self) -> Fnv {
+        let mut h = Fnv::new();
+        for (n, s) in self.headers.iter().chain(&self.files) {
+            h.add(n.as_bytes());
+            h.add(s.as_bytes());
+        }
+        h
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder of the same files hashes as the embedded sources; a missing file is an error
+    /// that names it.
+    #[test]
+    fn sources_from_a_folder() {
+        let shaders = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shaders");
+        let embedded = Sources::from(None).unwrap();
+        assert_eq!(Sources::from(Some(&shaders)).unwrap().hash().0, embedded.hash().0);
+        let err = Sources::from(Some(std::path::Path::new("/nonexistent-lily")))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("/nonexistent-lily/params.h"), "{err}");
+    }
 
     /// Every kernel of the table is defined in the sources: written out (`extern "C" __global__`
     /// ... `name(`) or instantiated per weight format by a macro (`<op>_##sfx(`).

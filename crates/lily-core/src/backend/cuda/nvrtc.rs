@@ -153,7 +153,8 @@ pub struct Compiled {
 /// ptxas's resource report: registers, stack frame and spills of each kernel).
 pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
     let version = load()?;
-    let mut key = kernels::sources_hash();
+    let sources = kernels::Sources::load()?;
+    let mut key = sources.hash();
     key.add(&arch.to_le_bytes());
     key.add(&version.0.to_le_bytes());
     key.add(&version.1.to_le_bytes());
@@ -162,10 +163,11 @@ pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
     }
     let dir = cache_dir();
     let results: Vec<Result<Compiled>> = std::thread::scope(|s| {
-        let handles: Vec<_> = kernels::SOURCES
+        let handles: Vec<_> = sources
+            .files
             .iter()
-            .map(|&(file, src)| {
-                let dir = dir.clone();
+            .map(|(file, src)| {
+                let (file, dir, headers) = (*file, dir.clone(), &sources.headers);
                 s.spawn(move || -> Result<Compiled> {
                     let mut h: Fnv = key;
                     h.add(file.as_bytes());
@@ -181,7 +183,7 @@ pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
                             });
                         }
                     }
-                    let (cubin, log) = compile(file, src, arch, !use_cache)?;
+                    let (cubin, log) = compile(file, src, headers, arch, !use_cache)?;
                     if let (Some(p), Some(d)) = (path, dir.as_ref()) {
                         // The cache is an optimisation: a read-only home still works.
                         let tmp = p.with_extension(format!("tmp{}", std::process::id()));
@@ -206,13 +208,13 @@ pub fn compile_all(arch: u32, use_cache: bool) -> Result<Vec<Compiled>> {
 
 /// Compile one source to a cubin for `sm_<arch>`; (cubin, log), the log with ptxas's resource
 /// report when `report` (the same machine code either way).
-fn compile(file: &str, src: &str, arch: u32, report: bool) -> Result<(Vec<u8>, String)> {
+fn compile(file: &str, src: &str, headers: &[(&str, String)], arch: u32, report: bool) -> Result<(Vec<u8>, String)> {
     use cudarc::nvrtc::sys::{self, nvrtcResult::NVRTC_SUCCESS};
     let cstr = |s: &str| CString::new(s).map_err(|_| Error::Device(format!("NVRTC: NUL in {file}")));
     let source = cstr(src)?;
     let name = cstr(file)?;
-    let header_src: Vec<CString> = kernels::HEADERS.iter().map(|(_, s)| cstr(s)).collect::<Result<_>>()?;
-    let header_names: Vec<CString> = kernels::HEADERS.iter().map(|(n, _)| cstr(n)).collect::<Result<_>>()?;
+    let header_src: Vec<CString> = headers.iter().map(|(_, s)| cstr(s)).collect::<Result<_>>()?;
+    let header_names: Vec<CString> = headers.iter().map(|(n, _)| cstr(n)).collect::<Result<_>>()?;
     let hp: Vec<*const c_char> = header_src.iter().map(|c| c.as_ptr()).collect();
     let hn: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
     let mut opts: Vec<CString> = vec![cstr(&format!("--gpu-architecture=sm_{arch}"))?];
