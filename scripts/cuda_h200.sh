@@ -37,7 +37,7 @@
 #   bench    step 4 (llama-bench and the ratios only where llama.cpp was built)
 #   profile  per-kernel profiles (CUDA events) of one 4096-token prefill and of 64 decode steps, and
 #            both speeds without profiling, one engine each (after synth)
-#   splits   decode tok/s at depth ~512 and ~4100 for 32, 64, 128 and 256 attention key splits
+#   splits   decode tok/s at depth ~512 and ~4100 for 32, 64, 128 and 256 attention key splits (or those in SPLITS)
 #            (LILY_CUDA_DECODE_SPLITS; after synth)
 #   cpu      the host's CPU, GPU hidden (CUDA_VISIBLE_DEVICES=): the CPU kernel tests (the test binaries'
 #            CPU cases, on the host's ISA), a 4-layer full-width checkpoint and its GGUF; lily bench
@@ -259,7 +259,7 @@ for _ in range(64):
     tok = eng.decode_greedy(tok)' "$SYNTH" 2>&1 | head -90
 fi
 if want splits; then
-    for s in 32 64 128 256; do
+    for s in ${SPLITS:-32 64 128 256}; do
     step "decode speed with LILY_CUDA_DECODE_SPLITS=$s (attention key splits): 64 greedy steps at depth ~512 and ~4100"
     LILY_CUDA_DECODE_SPLITS=$s python3 - "$SYNTH" <<'PY' || fail=1
 import sys, time, lily

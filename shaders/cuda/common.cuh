@@ -197,27 +197,30 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // ---------------------------------------------------------------- int8 activation planes (GEMV)
 // The decode GEMVs of 4- and 8-bit weights multiply codes by integers (dp4a), not floats, as the
 // CPU backend does (backend/cpu/int8.rs, whose argument carries over): each 16-byte weight chunk's
-// EPC values of x (32 at 4 bits, 16 at 8; a chunk lies in one weight group) are written as
-// GEMV_PLANES int8 planes in fixed point, x ~= d (q0 + q1 / 256 + q2 / 256^2), d = max|x_chunk| / 127:
-// plane 0 rounds x / d (|q0| <= 127), each next plane rounds what is left at 256x finer steps
-// (|q| <= 128; a +128 carries into the plane before as -128, the same value, so every plane fits
-// i8). Per element the error is at most max|x_chunk| / (127 * 2 * 256^2) ~= 6e-8 max|x_chunk|, at
-// f32 rounding of x: the GEMV stays within the f32 tolerances of the reference. The scale is per
-// chunk, a finer cut than the CPU's per weight group (as exact or more, and the same staging for
-// every group size). The bias term of the affine form, b_g sum(x), uses the chunk's exact f32 sum.
-// Per plane a chunk's dot product is an int32 (|sum| <= 32 * 15 * 128 = 61440 at 4 bits, 16 * 255 *
-// 128 = 522240 at 8) started at DP4A_ZERO, the bits of the float 1.5 * 2^23: the sum stays below
-// 2^22, so the bits read back as the float 1.5 * 2^23 + sum, and one subtraction converts it exactly
-// (no int-to-float instruction, a quarter-rate one).
+// EPC values of x (32 at 4 bits, 16 at 8; a chunk lies in one weight group) are written in fixed
+// point as a 24-bit integer v = rint(x / u) per value, u = the chunk's unit, a power of two with
+// max|x_chunk| / u in [2^22, 2^23) (so |v| <= 2^23 - 1 after a clamp of the one rounding edge), and
+// stored as GEMV_PLANES = 3 byte planes of v + 2^23: plane 0 its top byte minus 128 (signed, |q| <=
+// 128), planes 1 and 2 its middle and low bytes (unsigned, 0..255), so v = 2^16 q0 + 2^8 q1 + q2.
+// The unit's exponent comes from the bits of max|x| and the bytes are gathered by byte
+// permutations: a few instructions a value (the staging was about half of a decode GEMV's
+// instructions when it rounded plane by plane). Per element the error is at most u / 2, one f32
+// ulp of the chunk's largest value (<= 2^-23 max|x_chunk|): the GEMV stays within the f32
+// tolerances of the reference. The scale is per chunk, a finer cut
+// than the CPU's per weight group. The bias term of the affine form, b_g sum(x), uses the chunk's
+// exact f32 sum. Per plane a chunk's dot product is an int32 (|sum| <= 32 * 15 * 255 = 122,400 at
+// 4 bits, 16 * 255 * 255 = 1,040,400 at 8) started at DP4A_ZERO, the bits of the float 1.5 *
+// 2^23: the sum stays below 2^22, so the bits read back as the float 1.5 * 2^23 + sum, and one
+// subtraction converts it exactly (no int-to-float instruction, a quarter-rate one).
 #define GEMV_PLANES 3
 #define DP4A_ZERO 0x4b400000
 #define DP4A_ZERO_F 12582912.0f
-// Plane scale below which a chunk's integer part is zero (1 / d would overflow): such x (< 1e-28)
-// contributes only through the exact bias sum.
-#define PLANE_MIN_STEP 1e-30f
+// Biased f32 exponent of max|x_chunk| below which a chunk's integer part is zero (max < 2^-104:
+// its unit would not be a normal float); such x contributes only through the exact bias sum.
+#define PLANE_MIN_EXP 23
 // One chunk's planes as a lane reads them from shared memory: q[p][h] = plane p's bytes 16 h ..
-// 16 h + 15 (H = EPC / 16 int4 a plane), d = the chunk's plane-0 step / 256^2 (the unit of the
-// combined sum), sum = the f32 sum of the chunk's x.
+// 16 h + 15 (H = EPC / 16 int4 a plane), d = the chunk's unit u (of the combined sum), sum = the
+// f32 sum of the chunk's x.
 template <int H> struct XPlanes {
   int4 q[GEMV_PLANES][H];
   float d, sum;
@@ -228,7 +231,7 @@ struct XFloats {
   uint step;
 };
 // The combined value of a chunk's plane sums a[p] (each started at DP4A_ZERO), in units of d:
-// a0 256^2 + a1 256 + a2 (the inner FMA is exact at 4 bits: < 2^24).
+// a0 256^2 + a1 256 + a2 (rounded to f32 once past 2^24: a relative 2^-24 of the chunk's sum).
 __device__ __forceinline__ float planes_total(const int* a) {
   const float t0 = __int_as_float(a[0]) - DP4A_ZERO_F, t1 = __int_as_float(a[1]) - DP4A_ZERO_F,
               t2 = __int_as_float(a[2]) - DP4A_ZERO_F;
@@ -395,12 +398,13 @@ template <int BITS, typename S> struct AffineW {
   __device__ __forceinline__ float dot_x(size_t row, const Item& it, uint c, const XFloats& x) const {
     return dot_item(row, it, c, x.p, x.step);
   }
-  // The chunk times its x planes (int8 planes above; needs group % EPC == 0, so it.s / it.b are the
-  // chunk's): s d (sum_p 256^(2 - p) codes . plane p) + b sum(x). 4 bits: a u32 of 8 codes splits
-  // into its low nibbles (columns 0, 2, 4, 6 of the word, one per byte: w & 0x0f0f0f0f) and its high
-  // ones (1, 3, 5, 7), which meet the planes' even / odd bytes (the staging's order); 8 bits: a u32
-  // is 4 codes in column order. One dp4a per 4 codes and plane: 3 planes, 32 codes: 24 dp4a + 12
-  // unpacking + 8 to combine, ~1.4 instructions a code (the f32 path: ~4.3).
+  // The chunk times its x planes (byte planes above; needs group % EPC == 0, so it.s / it.b are
+  // the chunk's): s d (sum_p 256^(2 - p) codes . plane p) + b sum(x). 4 bits: a u32 of 8 codes
+  // splits into its low nibbles (columns 0, 2, 4, 6 of the word, one per byte: w & 0x0f0f0f0f) and
+  // its high ones (1, 3, 5, 7), which meet the planes' even / odd ints (the staging's order); 8
+  // bits: a u32 is 4 codes in column order. Plane 0 is signed (dp4a with signed bytes), planes 1
+  // and 2 unsigned (unsigned dp4a). One dp4a per 4 codes and plane: 3 planes, 32 codes: 24 dp4a +
+  // 12 unpacking + 8 to combine, ~1.4 instructions a code (the f32 path: ~4.3).
   __device__ __forceinline__ float dot_x(size_t, const Item& it, uint, const XPlanes<EPC / 16>& x) const {
     static_assert(PLANAR, "dot_x on planes: 4- and 8-bit codes only");
     const uint u[4] = {it.v.x, it.v.y, it.v.z, it.v.w};
@@ -411,17 +415,15 @@ template <int BITS, typename S> struct AffineW {
 #pragma unroll
       for (int h = 0; h < EPC / 16; ++h) {
         const int4 q = x.q[p][h];
-        if (BITS == 4) {
-          const uint w0 = u[2 * h], w1 = u[2 * h + 1];
-          acc = __dp4a((int)(w0 & 0x0f0f0f0fu), q.x, acc);
-          acc = __dp4a((int)((w0 >> 4) & 0x0f0f0f0fu), q.y, acc);
-          acc = __dp4a((int)(w1 & 0x0f0f0f0fu), q.z, acc);
-          acc = __dp4a((int)((w1 >> 4) & 0x0f0f0f0fu), q.w, acc);
-        } else {
-          acc = dp4a_us(u[0], q.x, acc);
-          acc = dp4a_us(u[1], q.y, acc);
-          acc = dp4a_us(u[2], q.z, acc);
-          acc = dp4a_us(u[3], q.w, acc);
+        const int qv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          // 4 bits: word 2h + k / 2, low nibbles for even k; 8 bits: word k.
+          const uint w = BITS == 4 ? (u[2 * h + k / 2] >> (4 * (k % 2))) & 0x0f0f0f0fu : u[k];
+          if (p == 0)
+            acc = BITS == 4 ? __dp4a((int)w, qv[k], acc) : dp4a_us(w, qv[k], acc);
+          else
+            acc = (int)__dp4a(w, (uint)qv[k], (uint)acc);
         }
       }
       a[p] = acc;
@@ -563,81 +565,72 @@ template <typename W> __device__ __forceinline__ bool gemv_one_pass(const CudaMa
   return m.cols / W::EPC <= GEMV_XS / W::EPC;
 }
 
-// The int8-plane staging of x (W::PLANAR formats: 4- and 8-bit, 16 or 32 columns a chunk; the
+// The byte-plane staging of x (W::PLANAR formats: 4- and 8-bit, 16 or 32 columns a chunk; the
 // planes' arithmetic is described above XPlanes) for the n chunks of x [n * EPC] of one pass, into
 // the GEMV_XS-float buffer xs: plane p's int4 h of chunk c at int4 ((c / 32) 3 H + p H + h) 32 +
 // c % 32 (H = EPC / 16: the 32 lanes reading chunks c .. c + 31 read 512 consecutive bytes), then
-// (d / 256^2, sum) of chunk c as float2 c after the SEG chunks' planes (SEG = GEMV_XS / EPC: 26 KiB
-// at 4 bits, 28 KiB at 8, of the 32 KiB). Thread mapping: piece f = 4 floats (columns 4 (f % Q) ..
-// of chunk f / Q, Q = EPC / 4 pieces a chunk) per thread and round; a chunk's Q lanes meet by xor
+// (u, sum) of chunk c as float2 c after the SEG chunks' planes (SEG = GEMV_XS / EPC: 26 KiB at 4
+// bits, 28 KiB at 8, of the 32 KiB). Thread mapping: piece f = 8 floats (columns 8 (f % P) .. of
+// chunk f / P, P = EPC / 8 pieces a chunk) per thread and round; a chunk's P lanes meet by xor
 // shuffles for its max |x| and sum (the same butterfly in every lane: the same bits whatever the
-// order threads run in). Plane bytes in the order dot_x reads them: at 8 bits column order (piece f
-// is int f % Q of a plane); at 4 bits a u32 of 8 codes splits into even / odd columns, so int 2k of a
-// plane holds columns 8k, 8k+2, 8k+4, 8k+6 of the chunk and int 2k + 1 the odd ones: the pieces 2k
-// and 2k + 1 (lanes l, l ^ 1) swap halves and each stores one int. Reached by every thread of the
-// block (whole warps shuffle: rounds past the end run with zeros and store nothing).
+// order threads run in). A piece fills ints 2k and 2k + 1 of each plane (k = f % P), the bytes in
+// the order dot_x reads them: at 8 bits column order (int 2k columns 0-3 of the piece, 2k + 1
+// columns 4-7); at 4 bits a u32 of 8 codes splits into even / odd columns, so int 2k holds the
+// piece's columns 0, 2, 4, 6 and int 2k + 1 the odd ones. Reached by every thread of the block
+// (whole warps shuffle: rounds past the end run with zeros and store nothing).
 template <int EPC>
 __device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, uint n, float4* xs) {
-  constexpr uint Q = EPC / 4, H = EPC / 16, SEG = GEMV_XS / EPC;
-  int* qs = reinterpret_cast<int*>(xs);
+  constexpr uint P = EPC / 8, H = EPC / 16, SEG = GEMV_XS / EPC;
+  uint2* qs = reinterpret_cast<uint2*>(xs);
   float* ds = reinterpret_cast<float*>(xs + SEG * GEMV_PLANES * H);
-  const uint total = n * Q;
+  const uint total = n * P;
   for (uint f0 = 0; f0 < total; f0 += blockDim.x) {
-    const uint f = f0 + threadIdx.x, c = f / Q, q = f % Q;
-    const bool real = f < total;  // the same for the Q lanes of a chunk
-    const float4 v = real ? load_f4(x + (size_t)f * 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-    float sum = (v.x + v.y) + (v.z + v.w);
+    const uint f = f0 + threadIdx.x, c = f / P, k = f % P;
+    const bool real = f < total;  // the same for the P lanes of a chunk
+    const float4 lo = real ? load_f4(x + (size_t)f * 8) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 hi = real ? load_f4(x + (size_t)f * 8 + 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float m = 0.0f, sum = 0.0f;
 #pragma unroll
-    for (uint o = 1; o < Q; o <<= 1) {
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(e[i]));
+    sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+#pragma unroll
+    for (uint o = 1; o < P; o <<= 1) {
       m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
       sum += __shfl_xor_sync(FULL_MASK, sum, o);
     }
-    const float d = m / 127.0f;
-    const bool some = d >= PLANE_MIN_STEP;
-    float step = d, inv = some ? 1.0f / d : 0.0f;
-    float r[4] = {v.x, v.y, v.z, v.w};
-    int qv[GEMV_PLANES][4];
+    // max|x| in [2^(E - 127), 2^(E - 126)) for its biased exponent E: u = 2^(E - 127 - 22), so
+    // x / u = x 2^(149 - E) has |x / u| < 2^23. fmaxf drops a NaN (then sum is NaN, and so is the
+    // result); an infinite max (E = 255) still gives a normal scale.
+    const int E = (int)(__float_as_uint(m) >> 23);
+    const bool some = E >= PLANE_MIN_EXP;
+    const float scale = some ? __uint_as_float((uint)(276 - E) << 23) : 0.0f;
+    uint b[8];  // v + 2^23 in [0, 2^24): its three low bytes are the planes
 #pragma unroll
-    for (int p = 0; p < GEMV_PLANES; ++p) {
-      const float lim = p == 0 ? 127.0f : 128.0f;
+    for (int i = 0; i < 8; ++i) b[i] = (uint)min(__float2int_rn(e[i] * scale), 8388607) + 8388608u;
+    // Words A (the piece's first int of a plane) and B (its second), from the values in order
+    // ia[0..4) / ib[0..4): 4 bits even / odd columns, 8 bits columns 0-3 / 4-7.
+    const uint ia[4] = {b[0], EPC == 32 ? b[2] : b[1], EPC == 32 ? b[4] : b[2], EPC == 32 ? b[6] : b[3]};
+    const uint ib[4] = {EPC == 32 ? b[1] : b[4], EPC == 32 ? b[3] : b[5], EPC == 32 ? b[5] : b[6], b[7]};
+    uint2 w[GEMV_PLANES];
+    const auto gather = [](const uint* v, int* out) {
+      // byte j of v[0..4) for j = 2, 1, 0 (planes 0, 1, 2): pairs first, then the pairs' halves.
+      const uint p01 = __byte_perm(v[0], v[1], 0x5140), p23 = __byte_perm(v[2], v[3], 0x5140);  // bytes 0, 1
+      const uint h01 = __byte_perm(v[0], v[1], 0x0062), h23 = __byte_perm(v[2], v[3], 0x0062);  // byte 2
+      out[0] = (int)(__byte_perm(h01, h23, 0x5410) ^ 0x80808080u);  // top byte - 128: signed
+      out[1] = (int)__byte_perm(p01, p23, 0x7632);
+      out[2] = (int)__byte_perm(p01, p23, 0x5410);
+    };
+    int wa[GEMV_PLANES], wb[GEMV_PLANES];
+    gather(ia, wa);
+    gather(ib, wb);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        // fmaxf / fminf drop a NaN (x NaN: sum is NaN, and so is the result), so q is finite.
-        const float t = fminf(fmaxf(rintf(r[e] * inv), -lim), lim);
-        qv[p][e] = (int)t;
-        r[e] = fmaf(-t, step, r[e]);
-      }
-      step *= 1.0f / 256.0f;
-      inv *= 256.0f;
-    }
+    for (int p = 0; p < GEMV_PLANES; ++p) w[p] = make_uint2((uint)wa[p], (uint)wb[p]);
 #pragma unroll
-    for (int p = GEMV_PLANES - 1; p > 0; --p)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (qv[p][e] >= 128) {  // +128 = -128 + one step of the plane before
-          qv[p][e] -= 256;
-          qv[p - 1][e] += 1;
-        }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) qv[0][e] = min(qv[0][e], 127);  // f32 rounding of x / d at |x| = max
-#pragma unroll
-    for (int p = 0; p < GEMV_PLANES; ++p) {
-      const int* e = qv[p];
-      uint word;
-      if (EPC == 16) {
-        word = (uint)(e[0] & 0xff) | (uint)(e[1] & 0xff) << 8 | (uint)(e[2] & 0xff) << 16 | (uint)(e[3] & 0xff) << 24;
-      } else {
-        // This piece's even columns (0, 2) in the low half, odd ones (1, 3) in the high half.
-        const uint mine = (uint)(e[0] & 0xff) | (uint)(e[2] & 0xff) << 8 | (uint)(e[1] & 0xff) << 16 |
-                          (uint)(e[3] & 0xff) << 24;
-        const uint other = __shfl_xor_sync(FULL_MASK, mine, 1);
-        word = q % 2 == 0 ? (mine & 0xffffu) | (other << 16) : (other >> 16) | (mine & 0xffff0000u);
-      }
-      if (real) qs[(((c / 32) * GEMV_PLANES * H + p * H + q / 4) * 32 + c % 32) * 4 + q % 4] = (int)word;
-    }
-    if (real && q == 0) {
-      ds[2 * c] = d * (some ? 1.0f / 65536.0f : 0.0f);
+    for (int p = 0; p < GEMV_PLANES; ++p)
+      if (real) qs[(((c / 32) * GEMV_PLANES * H + p * H + k / 2) * 32 + c % 32) * 2 + k % 2] = w[p];
+    if (real && k == 0) {
+      ds[2 * c] = some ? __uint_as_float((uint)(E - 22) << 23) : 0.0f;
       ds[2 * c + 1] = sum;
     }
   }

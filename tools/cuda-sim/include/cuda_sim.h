@@ -93,6 +93,20 @@ inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
   for (int i = 0; i < 32; i += 8) c += ((a >> i) & 0xffu) * ((b >> i) & 0xffu);
   return c;
 }
+// Bytes of the pair (y:x) picked by the selector's nibbles (x bytes 0-3, y 4-7; PTX prmt, default mode:
+// only selectors 0-7 are used by the kernels).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long v = (unsigned long long)y << 32 | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+}
+// Round to nearest even, saturating; NaN -> 0 (PTX cvt.rni.s32.f32).
+inline int __float2int_rn(float x) {
+  if (x != x) return 0;
+  const float r = rintf(x);
+  return r >= 2147483648.0f ? 2147483647 : r < -2147483648.0f ? (-2147483647 - 1) : (int)r;
+}
 inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 using std::max;
