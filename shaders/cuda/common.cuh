@@ -525,10 +525,11 @@ AFFINE_MAKE(W_q8_f32)
 
 // acc[r] += the dot products of columns done .. K of the R stored rows rows[r] with x, element by
 // element over the lanes of a warp (a row that is not 16-byte aligned, m.vec == 0, or a K tail).
-template <typename W, int R, typename Row>
+// LG: the lanes that share the rows (a lane group: 32, or fewer for short rows, gemv_block).
+template <typename W, int R, typename Row, uint LG = 32>
 __device__ __forceinline__ void rows_dot_tail(const W& wr, const Row* rows, uint done, uint K,
                                               const float* __restrict__ x, float* acc) {
-  for (uint j = done + threadIdx.x % 32; j < K; j += 32) {
+  for (uint j = done + threadIdx.x % LG; j < K; j += LG) {
     const float xj = x[j];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] += wr.at(rows[r], j) * xj;
@@ -540,7 +541,9 @@ __device__ __forceinline__ void rows_dot_tail(const W& wr, const Row* rows, uint
 // 8 / ks groups of rows (ks = 1, 2, 4 or 8, the host's choice: enough blocks to fill the GPU when
 // rows are few); the ks warps of a group split K in steps of 32 16-byte chunks (warp s of the group
 // takes steps s, s + ks, ..; lane l chunk l of a step: a warp reads 512 contiguous bytes of a row),
-// and their partial sums meet in shared memory (gemv_combine).
+// and their partial sums meet in shared memory (gemv_combine). Short rows (16 chunks or fewer: the
+// experts' down projection, K = 512 at 4 bits) split a warp into 32 / LG lane groups of LG lanes,
+// each with its own rows, instead of leaving lanes without a chunk (gemv_block's LG).
 // Latency, not bandwidth, bounds a decode GEMV (a few MB over 132 SMs), so a warp issues the weight
 // loads of its first NC steps for all R rows (R x NC 16-byte loads a lane, with their scales and
 // biases, into registers) BEFORE the block stages x: the weights' HBM round trip and x's L2 round
@@ -668,7 +671,8 @@ template <int EPC> __device__ __forceinline__ XPlanes<EPC / 16> gemv_planes_at(c
 // loads and before touching x, on every path: the caller may read x, and write, once it returns.
 // `staged`: xs already holds this x from the block's previous call (the caller passes it only when
 // K fits one pass, gemv_one_pass): the staging and its barrier are skipped.
-template <typename W, int R, int NC, typename Load, typename Dot>
+// LG: lanes a row group (32; 16 or 8 for short rows: lane l takes chunks l % LG + LG i).
+template <typename W, int R, int NC, typename Load, typename Dot, uint LG = 32>
 __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint K, const float* __restrict__ x,
                                             float4* xs, bool active, uint s, uint ks, Load load, Dot dot,
                                             bool staged = false) {
@@ -678,7 +682,7 @@ __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint 
     return 0;
   }
   typedef decltype(load(0, 0u)) Item;
-  const uint chunks = K / EPC, stride = 32 * ks;
+  const uint chunks = K / EPC, stride = LG * ks;
   if (chunks == 0) grid_dep_wait();
   for (uint s0 = 0; s0 < chunks; s0 += SEG) {
     const uint n = min(SEG, chunks - s0), c1 = s0 + n;
@@ -690,7 +694,7 @@ __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint 
         for (int r = 0; r < R; ++r)
           if (active && c + i * stride < c1) items[i][r] = load(r, c + i * stride);
     };
-    uint c = s0 + 32 * s + threadIdx.x % 32;
+    uint c = s0 + LG * s + threadIdx.x % LG;
     fetch(c);
     // Programmatic dependent launch: the first pass's weight loads (weights: never written by a
     // kernel) are in flight while the kernel before this one drains; x is read only after it.
@@ -737,20 +741,25 @@ __device__ __forceinline__ uint gemv_staged(const CudaMatrix& m, bool vec, uint 
 // The warp-summed partials v[0..R) of every warp into part[warp][..]; returns, for the first warp
 // of each group (warp % ks == 0), the group's sums in v (the ks slices added in warp order).
 // Reached by every thread of the block.
-template <int R>
+// With LG < 32 lanes a row group, each lane group is summed alone (the first lane of each holds
+// its sums) and part has 8 * 32 / LG rows (slot: warp 32 / LG + lane / LG).
+template <int R, uint LG = 32>
 __device__ __forceinline__ void gemv_combine(float* v, float (*part)[R], uint ks) {
-  const uint warp = threadIdx.x / 32;
+  constexpr uint G = 32 / LG;
+  const uint warp = threadIdx.x / 32, slot = warp * G + threadIdx.x % 32 / LG;
 #pragma unroll
-  for (int r = 0; r < R; ++r) v[r] = warp_sum(v[r]);
-  if (threadIdx.x % 32 == 0)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int r = 0; r < R; ++r) part[warp][r] = v[r];
+    for (uint o = LG / 2; o > 0; o >>= 1) v[r] += __shfl_xor_sync(FULL_MASK, v[r], o);
+  if (threadIdx.x % LG == 0)
+#pragma unroll
+    for (int r = 0; r < R; ++r) part[slot][r] = v[r];
   __syncthreads();
   if (warp % ks == 0)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float a = part[warp][r];
-      for (uint j = 1; j < ks; ++j) a += part[warp + j][r];
+      float a = part[slot][r];
+      for (uint j = 1; j < ks; ++j) a += part[slot + j * G][r];
       v[r] = a;
     }
 }
@@ -760,15 +769,17 @@ __device__ __forceinline__ void gemv_combine(float* v, float (*part)[R], uint ks
 // .. + 4, stored rows base + r: base = row_offset (+ an expert's rows)); x [K], out [N] f32. A partial
 // last group repeats its last row and stores only the valid ones. Accumulation: f32. NC: chunks a
 // lane loads ahead per row (gemv_staged). xs (GEMV_XS floats) and part: the caller's shared memory;
-// staged: xs holds this x already (gemv_staged).
-template <typename W, int NC>
+// staged: xs holds this x already (gemv_staged). LG < 32 (short rows: gemv_lanes on the host):
+// 32 / LG lane groups a warp, group j of warp group g owning rows ((b (8 / ks) + g) 32 / LG + j) 4
+// .. + 4 (a block covers 32 / ks * 32 / LG rows), part with 8 * 32 / LG rows.
+template <typename W, int NC, uint LG = 32>
 __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uint ks, const float* __restrict__ x,
                                            float* __restrict__ out, float4* xs, float (*part)[GEMV_ROWS],
                                            bool staged = false) {
   const CudaMatrix m = wr.m;
-  const uint warp = threadIdx.x / 32, s = warp % ks;
-  const uint r0 = (b * (8 / ks) + warp / ks) * GEMV_ROWS;
-  const bool active = r0 < m.rows;  // whole warp
+  const uint warp = threadIdx.x / 32, s = warp % ks, lane = threadIdx.x % 32;
+  const uint r0 = ((b * (8 / ks) + warp / ks) * (32 / LG) + lane / LG) * GEMV_ROWS;
+  const bool active = r0 < m.rows;  // whole lane group
   const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
   uint rows[GEMV_ROWS];  // stored rows (< 2^32): half the registers of size_t
 #pragma unroll
@@ -776,13 +787,15 @@ __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uin
   float acc[GEMV_ROWS];
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
-  const uint done = gemv_staged<W, GEMV_ROWS, NC>(
-      m, m.vec, m.cols, x, xs, active, s, ks, [&](int r, uint c) { return wr.load(rows[r], c); },
-      [&](int r, const typename W::Item& it, uint c, const auto& xv) { acc[r] += wr.dot_x(rows[r], it, c, xv); },
-      staged);
-  if (active && s == 0) rows_dot_tail<W, GEMV_ROWS>(wr, rows, done, m.cols, x, acc);
-  gemv_combine<GEMV_ROWS>(acc, part, ks);
-  if (active && s == 0 && threadIdx.x % 32 == 0) {
+  const auto load = [&](int r, uint c) { return wr.load(rows[r], c); };
+  const auto dot = [&](int r, const typename W::Item& it, uint c, const auto& xv) {
+    acc[r] += wr.dot_x(rows[r], it, c, xv);
+  };
+  const uint done = gemv_staged<W, GEMV_ROWS, NC, decltype(load), decltype(dot), LG>(m, m.vec, m.cols, x, xs, active,
+                                                                                    s, ks, load, dot, staged);
+  if (active && s == 0) rows_dot_tail<W, GEMV_ROWS, uint, LG>(wr, rows, done, m.cols, x, acc);
+  gemv_combine<GEMV_ROWS, LG>(acc, part, ks);
+  if (active && s == 0 && lane % LG == 0) {
 #pragma unroll
     for (uint r = 0; r < GEMV_ROWS; ++r)
       if (r < nr) out[r0 + r] = acc[r];

@@ -301,23 +301,29 @@ __device__ __forceinline__ void gate_up_swiglu(const RowsParams p, const CudaMat
 // moe_down_<w>: y [T*KP, D], y[tk, r] = down_e[r] . act[tk], down [E, D, I], e = ids[t*K + k] for
 // pair tk = t*KP + k, k < K; the shared expert's down [D, I] for k = K (KP = K + sh.shared, as in
 // moe_gate_up). Arguments: MoeParams p, CudaMatrix m, w / scales / biases, uint ks, MoeShared sh,
-// ids [T*K], act [T*KP, I], y. Grid (ceil(D / (32 / ks)), T*KP), 256 threads in the staged GEMV layout of common.cuh (gemv_block:
-// act[tk] staged in shared memory, 4 rows a warp group, weight loads issued before the staging; at
-// I = 512 and 4 bits a row is 16 chunks, so lanes 16 .. 31 of a warp have no chunk). Accumulation: f32.
+// uint lanes, ids [T*K], act [T*KP, I], y. Grid (ceil(D / (32 / ks * 32 / lanes)), T*KP), 256 threads
+// in the staged GEMV layout of common.cuh (gemv_block: act[tk] staged in shared memory, 4 rows a
+// lane group, weight loads issued before the staging). lanes = 32, or 8 for short rows (the host's
+// gemv_lanes): at I = 512 and 4 bits a row is 16 chunks, which left half of each warp without a
+// chunk and took 64 blocks a pair (576 at 9 pairs: 2.2 waves, 11.1 us on the H200); 8 lanes a row
+// group give each lane 2 chunks of 4 rows and a block 128 rows. Accumulation: f32.
 template <typename W>
 __device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m_e, const uchar* w, const uchar* s,
-                                         const uchar* b, const uint ks, const MoeShared& sh,
+                                         const uchar* b, const uint ks, const uint lanes, const MoeShared& sh,
                                          const uint* __restrict__ ids, const float* __restrict__ act,
                                          float* __restrict__ y) {
   __shared__ __align__(16) float4 xs[GEMV_XS / 4];
-  __shared__ float part[8][GEMV_ROWS];
+  __shared__ float part[32][GEMV_ROWS];
   const uint tk = blockIdx.y, kp = p.top_k + sh.shared, t = tk / kp, k = tk % kp;
   const bool shared = k == p.top_k;  // whole block: the shared expert's pair
   const CudaMatrix m = shared ? sh.dm : m_e;
   const uint e = shared ? 0u : ids[t * p.top_k + k];
   const W wr = shared ? make_w<W>(sh.dw, sh.ds, sh.db, m) : make_w<W>(w, s, b, m);
-  gemv_block<W, 2>(wr, (size_t)e * m.expert_stride + m.row_offset, blockIdx.x, ks, act + (size_t)tk * m.cols,
-                   y + (size_t)tk * m.rows, xs, part);
+  const size_t base = (size_t)e * m.expert_stride + m.row_offset;
+  if (lanes == 8)
+    gemv_block<W, 2, 8>(wr, base, blockIdx.x, ks, act + (size_t)tk * m.cols, y + (size_t)tk * m.rows, xs, part);
+  else
+    gemv_block<W, 2>(wr, base, blockIdx.x, ks, act + (size_t)tk * m.cols, y + (size_t)tk * m.rows, xs, part);
 }
 
 // moe_combine: out [T, D] = sum_k weights[t, k] * y[t*K + k, :] (k ascending, f32). Arguments:
@@ -487,9 +493,9 @@ FOR_EACH_WEIGHT(MOE_ROUTER)
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_##sfx(                                              \
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
-      const MoeShared sh, const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {  \
+      const uint lanes, const MoeShared sh, const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {  \
     kernel_start(); \
-    moe_down<W_##sfx>(p, m, w, s, b, ks, sh, ids, act, y);                                                           \
+    moe_down<W_##sfx>(p, m, w, s, b, ks, lanes, sh, ids, act, y);                                                           \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
   extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) moe_gemm_gate_up_##sfx(                                      \

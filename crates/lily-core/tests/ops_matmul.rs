@@ -208,6 +208,12 @@ fn matmul_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     {
         cases.push((matrix(1, 9000, cols, format, DType::BF16, 45 + i as u64), cols));
     }
+    // Looping blocks on 4- and 8-bit rows of 2 and 3 warp steps of 32 chunks, the last partial:
+    // at 5 tokens the grid (52 blocks) is smaller than the 63 row blocks.
+    for (i, bits) in [4, 8].into_iter().enumerate() {
+        let format = Format::Affine { bits, group: 64 };
+        cases.push((matrix(1, 2000, 1536, format, DType::BF16, 47 + i as u64), 1536));
+    }
     for (i, (m, cols)) in cases.into_iter().enumerate() {
         for (tokens, x_row0) in [(1, 2), (5, 0)] {
             let x = rand_vec((tokens + x_row0) * cols, 20 + i as u64, -1.0, 1.0);

@@ -79,6 +79,18 @@ pub(crate) fn gemv_split(rows: usize, chunks: usize, grid_y: usize) -> u32 {
     ks as u32
 }
 
+/// Lanes a row group of the staged GEMV (`gemv_block`'s LG; `moe_down` takes it as `lanes`): 8 for
+/// rows of 16 chunks or fewer when ks = 1 (the experts' down projection, K = 512 at 4 bits: with
+/// 32 lanes a row group half of each warp had no chunk, and 9 pairs took 576 blocks, 2.2 waves),
+/// else 32. A block then covers `32 / ks * 32 / lanes` rows.
+pub(crate) fn gemv_lanes(chunks: usize, ks: u32) -> u32 {
+    if ks == 1 && chunks <= 16 {
+        8
+    } else {
+        32
+    }
+}
+
 /// Key splits of single-token attention (flash-decoding): fixed, so a decode graph does not
 /// depend on the position; each split covers ceil(len / splits) rows, rounded up to the 16-row
 /// tile (64 splits: 5 tiles a split at 4K rows, 128 blocks for 2 KV heads; the same launch
@@ -964,6 +976,15 @@ impl<X: Executor> Backend for Cuda<X> {
 #[cfg(test)]
 mod tests {
     use super::gemv_split;
+
+    #[test]
+    fn gemv_lanes_split_warps_only_for_short_rows() {
+        // The experts' down projection (K = 512 at 4 bits: 16 chunks): 4 lane groups a warp.
+        assert_eq!(gemv_lanes(16, gemv_split(2048, 16, 9)), 8);
+        // Rows of 64 chunks, or warps that split K: whole warps.
+        assert_eq!(gemv_lanes(64, 1), 32);
+        assert_eq!(gemv_lanes(16, 2), 32);
+    }
 
     #[test]
     fn gemv_split_fills_the_gpu_only_when_rows_are_few() {

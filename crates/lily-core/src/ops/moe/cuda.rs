@@ -4,7 +4,7 @@
 
 use crate::backend::{
     cuda::{
-        div, gemv_split,
+        div, gemv_lanes, gemv_split,
         kernels::{Fixed as F, Kernel, WeightOp},
         rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeShared, MoeSortArgs, GEMV_TOKENS,
     },
@@ -241,7 +241,9 @@ pub(crate) fn moe_experts_then<X: Executor>(
     let launch = shape([div(i, 32 / ks as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeGateUp, gate.weight), launch, args);
     let [dw, ds, db] = down.ptrs();
-    let ks = gemv_split(d, down.desc.row_bytes as usize / 16, pairs);
+    let chunks = down.desc.row_bytes as usize / 16;
+    let ks = gemv_split(d, chunks, pairs);
+    let lanes = gemv_lanes(chunks, ks);
     let args = Args::new()
         .push(*p)
         .push(down.desc)
@@ -249,11 +251,12 @@ pub(crate) fn moe_experts_then<X: Executor>(
         .ptr(ds)
         .ptr(db)
         .push(ks)
+        .push(lanes)
         .push(sh)
         .ptr(ids.ptr())
         .ptr(act)
         .ptr(y);
-    let launch = shape([div(d, 32 / ks as usize), pairs as u32, 1], 256);
+    let launch = shape([div(d, 32 / ks as usize * 32 / lanes as usize), pairs as u32, 1], 256);
     c.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
     combine(y);
 }
