@@ -975,7 +975,7 @@ impl<X: Executor> Backend for Cuda<X> {
 
 #[cfg(test)]
 mod tests {
-    use super::gemv_split;
+    use super::{gemv_lanes, gemv_split};
 
     #[test]
     fn gemv_lanes_split_warps_only_for_short_rows() {
