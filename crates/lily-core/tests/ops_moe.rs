@@ -13,7 +13,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
         params::{MoeParams, RmsNormParams, RouteParams, RowsParams, MOE_TILE},
-        Backend, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+        Backend, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -59,8 +59,15 @@ mod cpu {
                 };
                 let mut tmp = vec![0f32; t * k * (i + d)];
                 let (mut a, mut b) = (vec![0f32; t * d], vec![0f32; t * d]);
-                fast.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut a);
-                refr.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut b);
+                let experts = MoeExperts {
+                    gate: &gate,
+                    up: &up,
+                    down: &down,
+                    ids: &ia,
+                    weights: &wa,
+                };
+                fast.moe_experts(&mp, &experts, &x, &mut tmp, &mut a);
+                refr.moe_experts(&mp, &experts, &x, &mut tmp, &mut b);
                 assert_close(&a, &b, 1e-5, &format!("moe_experts {format:?} t={t}"));
             }
         }
@@ -403,7 +410,14 @@ fn run_moe<B: Backend>(
         tokens: t as u32,
         top_k: k as u32,
     };
-    b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+    let experts = MoeExperts {
+        gate: &g,
+        up: &u,
+        down: &dn,
+        ids: &ib,
+        weights: &wb,
+    };
+    b.moe_experts(&p, &experts, &xb, &mut tmp, &mut out);
     b.finish().unwrap();
     read_all(b, &out, t * d)
 }
@@ -620,7 +634,8 @@ fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32
                 let (mut tmp, mut mix) = (b.alloc(t * k * (inter + d)).unwrap(), b.alloc(n).unwrap());
                 b.begin(StreamKind::Other).unwrap();
                 let [gate, up, down] = &mats;
-                let r = MoeAddNorm { gate, up, down, ids: &ib, weights: &wb, shared: &sb, shared_gate: &gb, norm_w: &nw };
+                let experts = MoeExperts { gate, up, down, ids: &ib, weights: &wb };
+                let r = MoeAddNorm { experts, shared: &sb, shared_gate: &gb, norm_w: &nw };
                 b.moe_experts_add_rms_norm(&moe, &norm, &r, &mut tmp, &mut mix, &mut xb, &mut hb);
                 b.finish().unwrap();
                 vec![read_all(b, &xb, n), read_all(b, &hb, n)]
@@ -693,11 +708,7 @@ fn moe_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
             b.begin(StreamKind::Other).unwrap();
             let [gate, up, down, shared_gate, shared_up, shared_down] = &mats;
             let r = MoeBlock {
-                gate,
-                up,
-                down,
-                ids: &ib,
-                weights: &wb,
+                experts: MoeExperts { gate, up, down, ids: &ib, weights: &wb },
                 shared_gate,
                 shared_up,
                 shared_down,

@@ -458,16 +458,13 @@ pub trait Backend: Send + Sized + 'static {
     ) {
         moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
     }
-    /// out [T, D] = sum over the K selected experts; tmp is scratch of [T*K, I + D].
+    /// out [T, D] = sum over the K experts each token is routed to of weight times the expert's
+    /// FFN of x [T, D]; tmp is scratch of [T*K, I + D].
     fn moe_experts(
         &self,
         p: &MoeParams,
+        experts: &MoeExperts<'_, Self>,
         x: &Self::Buf,
-        ids: &Self::Ids,
-        weights: &Self::Buf,
-        gate: &Self::Matrix,
-        up: &Self::Matrix,
-        down: &Self::Matrix,
         tmp: &mut Self::Buf,
         out: &mut Self::Buf,
     );
@@ -542,17 +539,38 @@ pub(crate) fn moe_router_unfused<B: Backend>(
     b.moe_route(p, logits, ids, weights);
 }
 
-/// The read-only operands of `moe_experts_add_rms_norm`: the routed experts as `moe_experts`
-/// takes them, the shared expert's output and gate logit as `add_gated_rms_norm` takes them, and
-/// the next norm's weight.
-pub struct MoeAddNorm<'a, B: Backend> {
+/// The routed experts of a MoE block and the routing that picks them: what `moe_experts` reads
+/// besides its input.
+pub struct MoeExperts<'a, B: Backend> {
     /// [E, I, D], [E, I, D], [E, D, I].
     pub gate: &'a B::Matrix,
     pub up: &'a B::Matrix,
     pub down: &'a B::Matrix,
-    /// [T, K] each: the routing.
+    /// [T, K] each: token t's K experts and their weights.
     pub ids: &'a B::Ids,
     pub weights: &'a B::Buf,
+}
+
+// By hand: a derive would ask `B: Copy`, while only the references are copied.
+impl<B: Backend> Clone for MoeExperts<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for MoeExperts<'_, B> {}
+
+impl<'a, B: Backend> MoeExperts<'a, B> {
+    /// gate, up, down.
+    pub fn matrices(&self) -> [&'a B::Matrix; 3] {
+        [self.gate, self.up, self.down]
+    }
+}
+
+/// The read-only operands of `moe_experts_add_rms_norm`: the routed experts as `moe_experts`
+/// takes them, the shared expert's output and gate logit as `add_gated_rms_norm` takes them, and
+/// the next norm's weight.
+pub struct MoeAddNorm<'a, B: Backend> {
+    pub experts: MoeExperts<'a, B>,
     /// [T, D] and [T].
     pub shared: &'a B::Buf,
     pub shared_gate: &'a B::Buf,
@@ -598,13 +616,7 @@ pub(crate) fn delta_net_gated_unfused<B: Backend>(
 /// The read-only operands of `moe_add_rms_norm`: the routed experts and their routing, the shared
 /// expert and its gate logit, the next norm's weight.
 pub struct MoeBlock<'a, B: Backend> {
-    /// [E, I, D], [E, I, D], [E, D, I].
-    pub gate: &'a B::Matrix,
-    pub up: &'a B::Matrix,
-    pub down: &'a B::Matrix,
-    /// [T, K] each: the routing.
-    pub ids: &'a B::Ids,
-    pub weights: &'a B::Buf,
+    pub experts: MoeExperts<'a, B>,
     /// The shared expert: [Is, D], [Is, D], [D, Is] (Is = `shared_inter`).
     pub shared_gate: &'a B::Matrix,
     pub shared_up: &'a B::Matrix,
@@ -621,11 +633,7 @@ impl<'a, B: Backend> MoeBlock<'a, B> {
     /// `shared` [T, D].
     pub fn end<'s>(&'s self, shared: &'s B::Buf) -> MoeAddNorm<'s, B> {
         MoeAddNorm {
-            gate: self.gate,
-            up: self.up,
-            down: self.down,
-            ids: self.ids,
-            weights: self.weights,
+            experts: self.experts,
             shared,
             shared_gate: self.shared_logit,
             norm_w: self.norm_w,
@@ -679,7 +687,7 @@ pub(crate) fn moe_experts_add_rms_norm_unfused<B: Backend>(
     x: &mut B::Buf,
     h: &mut B::Buf,
 ) {
-    b.moe_experts(moe, h, r.ids, r.weights, r.gate, r.up, r.down, tmp, mix);
+    b.moe_experts(moe, &r.experts, h, tmp, mix);
     b.add_gated_rms_norm(norm, x, mix, r.shared, r.shared_gate, r.norm_w, h);
 }
 

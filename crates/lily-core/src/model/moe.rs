@@ -5,7 +5,7 @@
 
 use super::state::Scratch;
 use crate::{
-    backend::{Backend, MoeBlock, MoeParams, MoeScratch, RmsNormParams, RouteParams},
+    backend::{Backend, MoeBlock, MoeExperts, MoeParams, MoeScratch, RmsNormParams, RouteParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -76,11 +76,13 @@ impl<B: Backend> Moe<B> {
             top_k: self.top_k as u32,
         };
         let block = MoeBlock {
-            gate: &self.experts_gate,
-            up: &self.experts_up,
-            down: &self.experts_down,
-            ids: &s.expert_ids,
-            weights: &s.expert_w,
+            experts: MoeExperts {
+                gate: &self.experts_gate,
+                up: &self.experts_up,
+                down: &self.experts_down,
+                ids: &s.expert_ids,
+                weights: &s.expert_w,
+            },
             shared_gate: &self.shared_gate_proj,
             shared_up: &self.shared_up_proj,
             shared_down: &self.shared_down_proj,

@@ -18,7 +18,7 @@ pub mod simd;
 
 pub use int8::Precision;
 
-use super::{check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, StreamKind};
+use super::{check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, MoeExperts, StreamKind};
 use crate::{
     error::{Error, Result},
     ops,
@@ -287,15 +287,12 @@ impl Backend for Cpu {
     fn moe_experts(
         &self,
         p: &MoeParams,
+        e: &MoeExperts<'_, Self>,
         x: &Vec<f32>,
-        ids: &Vec<u32>,
-        weights: &Vec<f32>,
-        gate: &Matrix,
-        up: &Matrix,
-        down: &Matrix,
         tmp: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) {
+        let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
         // Weight bytes read (the profiler counts them for decode): the K experts' rows.
         let per_expert = [gate, up, down]
             .map(|m| m.rows * m.bytes_per_row())

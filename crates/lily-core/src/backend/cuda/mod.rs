@@ -49,7 +49,8 @@ use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch,
+    StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -927,16 +928,12 @@ impl<X: Executor> Backend for Cuda<X> {
     fn moe_experts(
         &self,
         p: &MoeParams,
+        e: &MoeExperts<'_, Self>,
         x: &CudaBuf<X>,
-        ids: &CudaBuf<X>,
-        weights: &CudaBuf<X>,
-        gate: &CudaMat<X>,
-        up: &CudaMat<X>,
-        down: &CudaMat<X>,
         tmp: &mut CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        moe::cuda::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
+        moe::cuda::moe_experts(self, p, e, x, tmp, out)
     }
 
     fn gate_up_swiglu(

@@ -51,7 +51,8 @@ pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, W
 use stream::Stream;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch,
+    StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -600,16 +601,12 @@ impl<X: Executor> Backend for Metal<X> {
     fn moe_experts(
         &self,
         p: &MoeParams,
+        e: &MoeExperts<'_, Self>,
         x: &MetalBuf<X>,
-        ids: &MetalBuf<X>,
-        weights: &MetalBuf<X>,
-        gate: &MetalMatrix<X>,
-        up: &MetalMatrix<X>,
-        down: &MetalMatrix<X>,
         tmp: &mut MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        moe::metal::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
+        moe::metal::moe_experts(self, p, e, x, tmp, out)
     }
 
     fn moe_router(

@@ -10,7 +10,7 @@ use crate::backend::{
     },
     gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
     params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
-    MoeBlock, MoeScratch,
+    MoeBlock, MoeExperts, MoeScratch,
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
@@ -137,21 +137,16 @@ pub fn moe_router<X: Executor>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_experts<X: Executor>(
     c: &Cuda<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Cuda<X>>,
     x: &CudaBuf<X>,
-    ids: &CudaBuf<X>,
-    weights: &CudaBuf<X>,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
-    down: &CudaMat<X>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let (t, d, out_ptr) = (p.tokens as usize, gate.desc.cols, out.ptr());
-    moe_experts_then(c, p, x, ids, weights, gate, up, down, None, tmp, out, |y| {
+    let (t, d, out_ptr, weights) = (p.tokens as usize, e.gate.desc.cols, out.ptr(), e.weights);
+    moe_experts_then(c, p, e, x, None, tmp, out, |y| {
         let rows = RowsParams {
             tokens: p.tokens,
             dim: d,
@@ -181,17 +176,14 @@ pub(crate) type SharedPair<'a, X> = [&'a CudaMat<X>; 3];
 pub(crate) fn moe_experts_then<X: Executor>(
     c: &Cuda<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Cuda<X>>,
     x: &CudaBuf<X>,
-    ids: &CudaBuf<X>,
-    weights: &CudaBuf<X>,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
-    down: &CudaMat<X>,
     shared: Option<SharedPair<'_, X>>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
     combine: impl FnOnce(u64),
 ) {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * (k + shared.is_some() as usize);
@@ -218,7 +210,7 @@ pub(crate) fn moe_experts_then<X: Executor>(
         if shared.is_some() {
             return c.fail("moe_experts: the shared expert as a pair past the GEMV token limit".into());
         }
-        return experts_sorted(c, p, x, ids, weights, gate, up, down, tmp, out);
+        return experts_sorted(c, p, e, x, tmp, out);
     }
     let sh = match shared {
         Some([sg, su, sd]) => {
@@ -292,10 +284,11 @@ fn runs_as_pair<X: Executor>(r: &MoeBlock<'_, Cuda<X>>) -> bool {
             && (a.rows, a.cols, a.group, a.row_bytes, a.vec, a.group_shift)
                 == (b.rows, b.cols, b.group, b.row_bytes, b.vec, b.group_shift)
     };
-    r.shared_inter == r.gate.desc.rows
-        && like(r.shared_gate, r.gate)
-        && like(r.shared_up, r.up)
-        && like(r.shared_down, r.down)
+    let e = &r.experts;
+    r.shared_inter == e.gate.desc.rows
+        && like(r.shared_gate, e.gate)
+        && like(r.shared_up, e.up)
+        && like(r.shared_down, e.down)
 }
 
 /// The gate/up GEMV kernels' shared arguments after their params: [`gate_up_mats`], then ks
@@ -363,19 +356,15 @@ pub fn gate_up_swiglu<X: Executor>(
 /// act) run one block row per tile, the grid sized for the most tiles there can be
 /// (`max_tiles`; blocks past the count return at once); `moe_combine_sorted` sums each token's
 /// K rows in slot order. The caller has checked shapes and sizes.
-#[allow(clippy::too_many_arguments)]
 fn experts_sorted<X: Executor>(
     c: &Cuda<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Cuda<X>>,
     x: &CudaBuf<X>,
-    ids: &CudaBuf<X>,
-    weights: &CudaBuf<X>,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
-    down: &CudaMat<X>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d, e) = (gate.desc.rows as usize, gate.desc.cols as usize, gate.experts as usize);
     let pairs = t * k;

@@ -17,7 +17,7 @@ use crate::{
             MoeParams, MoeSortDesc, RmsNormParams, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS,
             ROUTE_TOP_K_MAX,
         },
-        Backend, MoeBlock, MoeScratch,
+        Backend, MoeBlock, MoeExperts, MoeScratch,
     },
     error::{Error, Result},
 };
@@ -154,27 +154,22 @@ pub fn moe_router<X: Executor>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_experts<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    weights: &MetalBuf<X>,
-    gate: &MetalMatrix<X>,
-    up: &MetalMatrix<X>,
-    down: &MetalMatrix<X>,
     tmp: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    if !experts_fit(m, p, x, ids, weights, [gate, up, down], tmp, out) {
+    if !experts_fit(m, p, e, x, tmp, out) {
         return;
     }
-    let (t, d) = (p.tokens as usize, gate.desc.cols as usize);
-    if !decodes_per_pair(m, p, gate) {
-        return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
+    let (t, d) = (p.tokens as usize, e.gate.desc.cols as usize);
+    if !decodes_per_pair(m, p, e.gate) {
+        return moe_experts_sorted(m, p, e, x, tmp, out);
     }
-    let (y0, yn) = expert_gemvs(m, p, x, ids, [gate, up, down], None, tmp);
+    let (y0, yn) = expert_gemvs(m, p, e, x, None, tmp);
     let y = tmp.part(y0, yn);
     let rows = RowsParams {
         tokens: p.tokens,
@@ -183,7 +178,7 @@ pub fn moe_experts<X: Executor>(
     let args = [
         Arg::Bytes(bytes_of(p)),
         Arg::Bytes(bytes_of(&rows)),
-        weights.arg(),
+        e.weights.arg(),
         y,
         out.arg(),
     ];
@@ -192,17 +187,15 @@ pub fn moe_experts<X: Executor>(
 
 /// The checks of `moe_experts` (one weight format for gate, up and down; every buffer long
 /// enough; `out` [T, D]), failing the stream when one does not hold.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn experts_fit<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    weights: &MetalBuf<X>,
-    [gate, up, down]: [&MetalMatrix<X>; 3],
     tmp: &MetalBuf<X>,
     out: &MetalBuf<X>,
 ) -> bool {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     if gate.weight != up.weight || gate.weight != down.weight {
@@ -242,12 +235,12 @@ pub(crate) type SharedPair<'a, X> = [&'a MetalMatrix<X>; 3];
 pub(crate) fn expert_gemvs<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    [gate, up, down]: [&MetalMatrix<X>; 3],
     shared: Option<SharedPair<'_, X>>,
     tmp: &MetalBuf<X>,
 ) -> (usize, usize) {
+    let ([gate, up, down], ids) = (e.matrices(), e.ids);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * k + shared.map_or(0, |_| t);
@@ -311,7 +304,7 @@ pub fn moe_add_rms_norm<X: Executor>(
     x: &mut MetalBuf<X>,
     h: &mut MetalBuf<X>,
 ) {
-    if moe.tokens == 0 || !decodes_per_pair(m, moe, r.gate) || !runs_as_pair(r) {
+    if moe.tokens == 0 || !decodes_per_pair(m, moe, r.experts.gate) || !runs_as_pair(r) {
         return moe_add_rms_norm_unfused(m, moe, norm, r, s, x, h);
     }
     // `s.y` is not read: the shared expert's output is its pairs' rows of the experts' y.
@@ -327,10 +320,11 @@ fn runs_as_pair<X: Executor>(r: &MoeBlock<'_, Metal<X>>) -> bool {
     let like = |s: &MetalMatrix<X>, e: &MetalMatrix<X>| {
         s.weight == e.weight && (s.desc.rows, s.desc.cols) == (e.desc.rows, e.desc.cols)
     };
-    r.shared_inter == r.gate.desc.rows
-        && like(r.shared_gate, r.gate)
-        && like(r.shared_up, r.up)
-        && like(r.shared_down, r.down)
+    let e = &r.experts;
+    r.shared_inter == e.gate.desc.rows
+        && like(r.shared_gate, e.gate)
+        && like(r.shared_up, e.up)
+        && like(r.shared_down, e.down)
 }
 
 /// The gate and up matrices as every gate/up kernel (`moe_gate_up`, `gate_up_swiglu`,
@@ -504,15 +498,12 @@ pub fn moe_sort<X: Executor>(m: &Metal<X>, p: &MoeParams, ids: &MetalBuf<X>, exp
 fn moe_experts_sorted<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    weights: &MetalBuf<X>,
-    gate: &MetalMatrix<X>,
-    up: &MetalMatrix<X>,
-    down: &MetalMatrix<X>,
     tmp: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * k;
