@@ -13,7 +13,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
         params::{MoeParams, RmsNormParams, RouteParams, RowsParams, MOE_TILE},
-        Backend, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, StreamKind,
+        Backend, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -338,44 +338,20 @@ fn moe_router_matches_reference<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
                 top_k: k as u32,
                 renorm,
             };
-            let run = |b: &B| {
-                let (rm, gm, xb) = (
-                    b.upload_matrix(&router).unwrap(),
-                    b.upload_matrix(&gate).unwrap(),
-                    b.upload(&x).unwrap(),
-                );
-                let (mut lb, mut sb) = (b.alloc(t * e).unwrap(), b.alloc(t).unwrap());
-                let (mut ib, mut wb) = (b.alloc_ids(t * k).unwrap(), b.alloc(t * k).unwrap());
-                b.begin(StreamKind::Other).unwrap();
-                b.moe_router(&p, &xb, &rm, &gm, &mut lb, &mut sb, &mut ib, &mut wb);
-                b.finish().unwrap();
-                (b.ids(&ib), read_all(b, &wb, t * k), read_all(b, &sb, t))
-            };
             let at = format!("moe_router {rf:?}/{sf:?} E={e} D={d} top {k} T={t}");
-            let cpu = Cpu::reference();
-            let (ci, cw, cs) = {
-                let (rm, gm, xb) = (
-                    cpu.upload_matrix(&router).unwrap(),
-                    cpu.upload_matrix(&gate).unwrap(),
-                    cpu.upload(&x).unwrap(),
+            let (ci, cw, cs, logits) = run_router(&Cpu::reference(), &p, &router, &gate, &x);
+            // The test data leaves no near-tie at the K-th place (ids must match exactly).
+            for l in logits.chunks(e) {
+                let mut v = l.to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                assert!(
+                    v[k - 1] - v[k] > 1e-3,
+                    "{at}: logits {} and {} nearly tie",
+                    v[k - 1],
+                    v[k]
                 );
-                let (mut lb, mut sb) = (cpu.alloc(t * e).unwrap(), cpu.alloc(t).unwrap());
-                let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
-                cpu.moe_router(&p, &xb, &rm, &gm, &mut lb, &mut sb, &mut ib, &mut wb);
-                // The test data leaves no near-tie at the K-th place (ids must match exactly).
-                for l in lb.chunks(e) {
-                    let mut v = l.to_vec();
-                    v.sort_by(|a, b| b.total_cmp(a));
-                    assert!(
-                        v[k - 1] - v[k] > 1e-3,
-                        "{at}: logits {} and {} nearly tie",
-                        v[k - 1],
-                        v[k]
-                    );
-                }
-                (cpu.ids(&ib), wb, sb)
-            };
-            let (gi, gw, gs) = run(&*dev);
+            }
+            let (gi, gw, gs, _) = run_router(&*dev, &p, &router, &gate, &x);
             assert_eq!(gi, ci, "{at} ids");
             // Past 8 tokens CUDA's parts run the bf16 tensor-core GEMM (as the other prefill tests).
             let tol = if t > 8 { 1e-2 } else { TOL };
@@ -383,6 +359,41 @@ fn moe_router_matches_reference<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
             assert_near(&gs, &cs, tolx * tol, &format!("{at} shared gate"));
         }
     }
+}
+
+/// `moe_router` on backend `b`: ids, weights [T, K], the shared gate's logit [T] and the logits
+/// [T, E] (a fused kernel leaves the last as its scratch).
+fn run_router<B: Backend + ReadIds>(
+    b: &B,
+    p: &RouteParams,
+    router: &Matrix,
+    gate: &Matrix,
+    x: &[f32],
+) -> (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
+    let r = [router, gate].map(|m| b.upload_matrix(m).unwrap());
+    let xb = b.upload(x).unwrap();
+    let (mut lb, mut sb) = (b.alloc(t * e).unwrap(), b.alloc(t).unwrap());
+    let (mut ib, mut wb) = (b.alloc_ids(t * k).unwrap(), b.alloc(t * k).unwrap());
+    b.begin(StreamKind::Other).unwrap();
+    let router = Router {
+        router: &r[0],
+        shared_gate: &r[1],
+    };
+    let mut out = Routing {
+        logits: &mut lb,
+        shared: &mut sb,
+        ids: &mut ib,
+        weights: &mut wb,
+    };
+    b.moe_router(p, &xb, &router, &mut out);
+    b.finish().unwrap();
+    (
+        b.ids(&ib),
+        read_all(b, &wb, t * k),
+        read_all(b, &sb, t),
+        read_all(b, &lb, t * e),
+    )
 }
 
 /// `moe_experts` on backend `b`: the output [T, D].

@@ -444,19 +444,8 @@ pub trait Backend: Send + Sized + 'static {
     /// `moe_route` of the logits into ids / weights [T, K]. A backend may run it as one kernel
     /// (the logits are then its scratch: their contents afterwards are the backend's); by
     /// default, `matmuls` of the two matrices, then `moe_route`.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &Self::Buf,
-        router: &Self::Matrix,
-        shared_gate: &Self::Matrix,
-        logits: &mut Self::Buf,
-        shared: &mut Self::Buf,
-        ids: &mut Self::Ids,
-        weights: &mut Self::Buf,
-    ) {
-        moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    fn moe_router(&self, p: &RouteParams, x: &Self::Buf, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
+        moe_router_unfused(self, p, x, r, out)
     }
     /// out [T, D] = sum over the K experts each token is routed to of weight times the expert's
     /// FFN of x [T, D]; tmp is scratch of [T*K, I + D].
@@ -520,23 +509,38 @@ pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
     b.swiglu(p, g, u, out);
 }
 
+/// The matrices `moe_router` reads: the router [E, D] and the shared expert's gate [1, D].
+pub struct Router<'a, B: Backend> {
+    pub router: &'a B::Matrix,
+    pub shared_gate: &'a B::Matrix,
+}
+
+/// What `moe_router` writes: logits [T, E] (the router's), shared [T] (the shared expert's gate
+/// logit), and the routing, ids / weights [T, K].
+pub struct Routing<'a, B: Backend> {
+    pub logits: &'a mut B::Buf,
+    pub shared: &'a mut B::Buf,
+    pub ids: &'a mut B::Ids,
+    pub weights: &'a mut B::Buf,
+}
+
 /// `moe_router` as its parts (the trait's default; a backend's fallback where its fused kernel
 /// does not apply).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_router_unfused<B: Backend>(
     b: &B,
     p: &RouteParams,
     x: &B::Buf,
-    router: &B::Matrix,
-    shared_gate: &B::Matrix,
-    logits: &mut B::Buf,
-    shared: &mut B::Buf,
-    ids: &mut B::Ids,
-    weights: &mut B::Buf,
+    r: &Router<'_, B>,
+    out: &mut Routing<'_, B>,
 ) {
     let mm = first_rows(p.tokens);
-    b.matmuls(&mm, x, &[router, shared_gate], &mut [&mut *logits, shared]);
-    b.moe_route(p, logits, ids, weights);
+    b.matmuls(
+        &mm,
+        x,
+        &[r.router, r.shared_gate],
+        &mut [&mut *out.logits, &mut *out.shared],
+    );
+    b.moe_route(p, out.logits, out.ids, out.weights);
 }
 
 /// The routed experts of a MoE block and the routing that picks them: what `moe_experts` reads

@@ -5,7 +5,7 @@
 
 use super::state::Scratch;
 use crate::{
-    backend::{Backend, MoeBlock, MoeExperts, MoeParams, MoeScratch, RmsNormParams, RouteParams},
+    backend::{Backend, MoeBlock, MoeExperts, MoeParams, MoeScratch, RmsNormParams, RouteParams, Router, Routing},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -60,16 +60,17 @@ impl<B: Backend> Moe<B> {
             top_k: self.top_k as u32,
             renorm: self.renorm as u32,
         };
-        b.moe_router(
-            &route,
-            &s.h,
-            &self.gate,
-            &self.shared_expert_gate,
-            &mut s.router,
-            &mut s.shared_gate,
-            &mut s.expert_ids,
-            &mut s.expert_w,
-        );
+        let router = Router {
+            router: &self.gate,
+            shared_gate: &self.shared_expert_gate,
+        };
+        let mut routing = Routing {
+            logits: &mut s.router,
+            shared: &mut s.shared_gate,
+            ids: &mut s.expert_ids,
+            weights: &mut s.expert_w,
+        };
+        b.moe_router(&route, &s.h, &router, &mut routing);
         // x += routed + sigmoid(shared_gate) shared; s.h = rms_norm(x, w).
         let moe = MoeParams {
             tokens,

@@ -18,7 +18,9 @@ pub mod simd;
 
 pub use int8::Precision;
 
-use super::{check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, MoeExperts, StreamKind};
+use super::{
+    check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, MoeExperts, Router, Routing, StreamKind,
+};
 use crate::{
     error::{Error, Result},
     ops,
@@ -267,21 +269,20 @@ impl Backend for Cpu {
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         dispatch!(self, moe::moe_route(p, logits, ids, weights))
     }
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &Vec<f32>,
-        router: &Matrix,
-        shared_gate: &Matrix,
-        logits: &mut Vec<f32>,
-        shared: &mut Vec<f32>,
-        ids: &mut Vec<u32>,
-        weights: &mut Vec<f32>,
-    ) {
+    fn moe_router(&self, p: &RouteParams, x: &Vec<f32>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
         if self.reference {
-            ops::moe::reference::moe_router(p, x, router, shared_gate, logits, shared, ids, weights)
+            ops::moe::reference::moe_router(
+                p,
+                x,
+                r.router,
+                r.shared_gate,
+                out.logits,
+                out.shared,
+                out.ids,
+                out.weights,
+            )
         } else {
-            moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
+            moe_router_unfused(self, p, x, r, out)
         }
     }
     fn moe_experts(

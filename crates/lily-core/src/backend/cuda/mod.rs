@@ -50,7 +50,7 @@ pub use kv::CudaKv;
 
 use super::{
     check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch,
-    StreamKind,
+    Router, Routing, StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -911,18 +911,8 @@ impl<X: Executor> Backend for Cuda<X> {
         moe::cuda::moe_route(self, p, logits, ids, weights)
     }
 
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &CudaBuf<X>,
-        router: &CudaMat<X>,
-        shared_gate: &CudaMat<X>,
-        logits: &mut CudaBuf<X>,
-        shared: &mut CudaBuf<X>,
-        ids: &mut CudaBuf<X>,
-        weights: &mut CudaBuf<X>,
-    ) {
-        moe::cuda::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    fn moe_router(&self, p: &RouteParams, x: &CudaBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
+        moe::cuda::moe_router(self, p, x, r, out)
     }
 
     fn moe_experts(

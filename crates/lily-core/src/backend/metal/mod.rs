@@ -52,7 +52,7 @@ use stream::Stream;
 
 use super::{
     check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch,
-    StreamKind,
+    Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -609,18 +609,8 @@ impl<X: Executor> Backend for Metal<X> {
         moe::metal::moe_experts(self, p, e, x, tmp, out)
     }
 
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &MetalBuf<X>,
-        router: &MetalMatrix<X>,
-        shared_gate: &MetalMatrix<X>,
-        logits: &mut MetalBuf<X>,
-        shared: &mut MetalBuf<X>,
-        ids: &mut MetalBuf<X>,
-        weights: &mut MetalBuf<X>,
-    ) {
-        moe::metal::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    fn moe_router(&self, p: &RouteParams, x: &MetalBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
+        moe::metal::moe_router(self, p, x, r, out)
     }
     fn gate_up_swiglu(
         &self,

@@ -10,7 +10,7 @@ use crate::backend::{
     },
     gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
     params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
-    MoeBlock, MoeExperts, MoeScratch,
+    MoeBlock, MoeExperts, MoeScratch, Router, Routing,
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
@@ -56,18 +56,14 @@ pub fn moe_route<X: Executor>(
 /// [1, D] of one weight format and one D: the GEMV's blocks, then the last block of each token
 /// routes it, counted in the stream's `router_counts`); otherwise (prefill, other shapes,
 /// `LILY_CUDA_FUSED_ROUTER=0`) its parts, `matmuls` then `moe_route`.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_router<X: Executor>(
     c: &Cuda<X>,
     p: &RouteParams,
     x: &CudaBuf<X>,
-    router: &CudaMat<X>,
-    shared_gate: &CudaMat<X>,
-    logits: &mut CudaBuf<X>,
-    shared: &mut CudaBuf<X>,
-    ids: &mut CudaBuf<X>,
-    weights: &mut CudaBuf<X>,
+    r: &Router<'_, Cuda<X>>,
+    out: &mut Routing<'_, Cuda<X>>,
 ) {
+    let (router, shared_gate) = (r.router, r.shared_gate);
     let (t, e, k, d) = (
         p.tokens as usize,
         p.experts as usize,
@@ -80,17 +76,17 @@ pub fn moe_router<X: Executor>(
         && shared_gate.desc.rows == 1
         && router.desc.rows as usize == e;
     if t == 0 || t > c.gemv_tokens || !one_launch {
-        return moe_router_unfused(c, p, x, router, shared_gate, logits, shared, ids, weights);
+        return moe_router_unfused(c, p, x, r, out);
     }
     if !route_fits(c, "moe_router", p)
         || !c.fits(
             "moe_router",
             &[
                 ("x", x.len, t * d),
-                ("logits", logits.len, t * e),
-                ("shared", shared.len, t),
-                ("ids", ids.len, t * k),
-                ("weights", weights.len, t * k),
+                ("logits", out.logits.len, t * e),
+                ("shared", out.shared.len, t),
+                ("ids", out.ids.len, t * k),
+                ("weights", out.weights.len, t * k),
             ],
         )
     {
@@ -125,11 +121,11 @@ pub fn moe_router<X: Executor>(
         .ptr(ss)
         .ptr(sb)
         .ptr(x.ptr())
-        .ptr(logits.ptr())
-        .ptr(shared.ptr())
+        .ptr(out.logits.ptr())
+        .ptr(out.shared.ptr())
         .ptr(counts)
-        .ptr(ids.ptr())
-        .ptr(weights.ptr());
+        .ptr(out.ids.ptr())
+        .ptr(out.weights.ptr());
     c.launch(
         Kernel::weight(WeightOp::MoeRouter, router.weight),
         shape([ends[1], t as u32, 1], 256),

@@ -17,7 +17,7 @@ use crate::{
             MoeParams, MoeSortDesc, RmsNormParams, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS,
             ROUTE_TOP_K_MAX,
         },
-        Backend, MoeBlock, MoeExperts, MoeScratch,
+        Backend, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
     },
     error::{Error, Result},
 };
@@ -80,18 +80,14 @@ pub fn moe_route<X: Executor>(
 /// [1, D] of one weight format and one D: the GEMV's threadgroups hand the logits to the last one
 /// through the `RouterMail` scratch, which routes); otherwise (prefill, other shapes) its parts,
 /// the two matmuls then `moe_route`. The logits buffer is not written by the dispatch.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_router<X: Executor>(
     m: &Metal<X>,
     p: &RouteParams,
     x: &MetalBuf<X>,
-    router: &MetalMatrix<X>,
-    shared_gate: &MetalMatrix<X>,
-    logits: &mut MetalBuf<X>,
-    shared: &mut MetalBuf<X>,
-    ids: &mut MetalBuf<X>,
-    weights: &mut MetalBuf<X>,
+    r: &Router<'_, Metal<X>>,
+    out: &mut Routing<'_, Metal<X>>,
 ) {
+    let (router, shared_gate) = (r.router, r.shared_gate);
     let (t, e, k, d) = (
         p.tokens as usize,
         p.experts as usize,
@@ -104,16 +100,16 @@ pub fn moe_router<X: Executor>(
         && shared_gate.desc.rows == 1
         && router.desc.rows as usize == e;
     if !one_dispatch {
-        return moe_router_unfused(m, p, x, router, shared_gate, logits, shared, ids, weights);
+        return moe_router_unfused(m, p, x, r, out);
     }
     if !route_fits(m, "moe_router", p)
         || !m.fits(
             "moe_router",
             &[
                 ("x", x.len(), d),
-                ("shared", shared.len(), 1),
-                ("ids", ids.len(), k),
-                ("weights", weights.len(), k),
+                ("shared", out.shared.len(), 1),
+                ("ids", out.ids.len(), k),
+                ("weights", out.weights.len(), k),
             ],
         )
     {
@@ -136,10 +132,10 @@ pub fn moe_router<X: Executor>(
         ss,
         sb,
         x.arg(),
-        shared.arg(),
+        out.shared.arg(),
         mail.part(0, e + 1),
-        ids.arg(),
-        weights.arg(),
+        out.ids.arg(),
+        out.weights.arg(),
     ];
     let v = m.variants;
     let grid = Grid::Groups {
