@@ -13,7 +13,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
         params::{MoeParams, RmsNormParams, RouteParams, RowsParams, MOE_TILE},
-        Backend, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
+        Backend, GateUp, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -464,7 +464,7 @@ fn gate_up_swiglu_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
                 let (g, u, xb) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload(&x).unwrap());
                 let (mut gs, mut us, mut out) = (b.alloc(t * n).unwrap(), b.alloc(t * n).unwrap(), b.alloc(t * n).unwrap());
                 b.begin(StreamKind::Other).unwrap();
-                b.gate_up_swiglu(&p, &g, &u, &xb, &mut gs, &mut us, &mut out);
+                b.gate_up_swiglu(&p, &GateUp { gate: &g, up: &u }, &xb, &mut gs, &mut us, &mut out);
                 b.finish().unwrap();
                 vec![read_all(b, &out, t * n)]
             });

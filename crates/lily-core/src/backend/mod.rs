@@ -460,18 +460,16 @@ pub trait Backend: Send + Sized + 'static {
     /// out [T, N] = silu(x gate^T) * (x up^T) for gate, up [N, K], x [T, K] (p: T, N): an FFN's
     /// input half, the MoE block's shared expert. A backend may run it as one kernel; by default,
     /// the two matmuls into the scratch g, u [T, N], then `swiglu`.
-    #[allow(clippy::too_many_arguments)]
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,
-        gate: &Self::Matrix,
-        up: &Self::Matrix,
+        w: &GateUp<'_, Self>,
         x: &Self::Buf,
         g: &mut Self::Buf,
         u: &mut Self::Buf,
         out: &mut Self::Buf,
     ) {
-        gate_up_swiglu_unfused(self, p, gate, up, x, g, u, out)
+        gate_up_swiglu_unfused(self, p, w, x, g, u, out)
     }
     /// out = silu(gate) * up over [T, dim].
     fn swiglu(&self, p: &RowsParams, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf);
@@ -492,20 +490,24 @@ fn first_rows(tokens: u32) -> MatmulParams {
     MatmulParams { tokens, x_row0: 0 }
 }
 
+/// The matrices of an FFN's input half, `gate_up_swiglu`'s weights: gate, up [N, K].
+pub struct GateUp<'a, B: Backend> {
+    pub gate: &'a B::Matrix,
+    pub up: &'a B::Matrix,
+}
+
 /// `gate_up_swiglu` as its parts (the trait's default; a backend's fallback where its fused
 /// kernel does not apply).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
     b: &B,
     p: &RowsParams,
-    gate: &B::Matrix,
-    up: &B::Matrix,
+    w: &GateUp<'_, B>,
     x: &B::Buf,
     g: &mut B::Buf,
     u: &mut B::Buf,
     out: &mut B::Buf,
 ) {
-    b.matmuls(&first_rows(p.tokens), x, &[gate, up], &mut [g, u]);
+    b.matmuls(&first_rows(p.tokens), x, &[w.gate, w.up], &mut [g, u]);
     b.swiglu(p, g, u, out);
 }
 
@@ -673,7 +675,11 @@ pub(crate) fn moe_add_rms_norm_unfused<B: Backend>(
         tokens: moe.tokens,
         dim: r.shared_inter,
     };
-    b.gate_up_swiglu(&shared, r.shared_gate, r.shared_up, h, s.g, s.u, s.act);
+    let w = GateUp {
+        gate: r.shared_gate,
+        up: r.shared_up,
+    };
+    b.gate_up_swiglu(&shared, &w, h, s.g, s.u, s.act);
     b.matmul(&first_rows(moe.tokens), r.shared_down, s.act, s.y);
     b.moe_experts_add_rms_norm(moe, norm, &r.end(s.y), s.tmp, s.mix, x, h);
 }

@@ -49,8 +49,8 @@ use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch,
-    Router, Routing, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, GateUp, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts,
+    MoeScratch, Router, Routing, StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -929,14 +929,13 @@ impl<X: Executor> Backend for Cuda<X> {
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,
-        gate: &CudaMat<X>,
-        up: &CudaMat<X>,
+        w: &GateUp<'_, Self>,
         x: &CudaBuf<X>,
         g: &mut CudaBuf<X>,
         u: &mut CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        moe::cuda::gate_up_swiglu(self, p, gate, up, x, g, u, out)
+        moe::cuda::gate_up_swiglu(self, p, w, x, g, u, out)
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &CudaBuf<X>, up: &CudaBuf<X>, out: &mut CudaBuf<X>) {

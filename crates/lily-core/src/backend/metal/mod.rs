@@ -51,8 +51,8 @@ pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, W
 use stream::Stream;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch,
-    Router, Routing, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, GateUp, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts,
+    MoeScratch, Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -615,14 +615,13 @@ impl<X: Executor> Backend for Metal<X> {
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,
-        gate: &MetalMatrix<X>,
-        up: &MetalMatrix<X>,
+        w: &GateUp<'_, Self>,
         x: &MetalBuf<X>,
         g: &mut MetalBuf<X>,
         u: &mut MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        moe::metal::gate_up_swiglu(self, p, gate, up, x, g, u, out)
+        moe::metal::gate_up_swiglu(self, p, w, x, g, u, out)
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {

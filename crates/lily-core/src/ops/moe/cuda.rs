@@ -10,7 +10,7 @@ use crate::backend::{
     },
     gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
     params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
-    MoeBlock, MoeExperts, MoeScratch, Router, Routing,
+    GateUp, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
@@ -314,21 +314,20 @@ fn gate_up_mats<X: Executor>(args: Args, gate: &CudaMat<X>, up: &CudaMat<X>) -> 
 /// `gate_up_swiglu`: one `gate_up_swiglu` launch up to `gemv_tokens` tokens (gate and up of one
 /// weight format and shape); otherwise (prefill: the tensor-core GEMMs) its unfused parts, into
 /// the scratch g, u.
-#[allow(clippy::too_many_arguments)]
 pub fn gate_up_swiglu<X: Executor>(
     c: &Cuda<X>,
     p: &RowsParams,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
+    w: &GateUp<'_, Cuda<X>>,
     x: &CudaBuf<X>,
     g: &mut CudaBuf<X>,
     u: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let (gate, up) = (w.gate, w.up);
     let (t, n, k) = (p.tokens as usize, gate.desc.rows as usize, gate.desc.cols as usize);
     let same = gate.weight == up.weight && (up.desc.rows, up.desc.cols) == (gate.desc.rows, gate.desc.cols);
     if t == 0 || t > c.gemv_tokens || !same {
-        return gate_up_swiglu_unfused(c, p, gate, up, x, g, u, out);
+        return gate_up_swiglu_unfused(c, p, w, x, g, u, out);
     }
     if n != p.dim as usize {
         return c.fail(format!(

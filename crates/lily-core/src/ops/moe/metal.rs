@@ -17,7 +17,7 @@ use crate::{
             MoeParams, MoeSortDesc, RmsNormParams, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS,
             ROUTE_TOP_K_MAX,
         },
-        Backend, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
+        Backend, GateUp, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
     },
     error::{Error, Result},
 };
@@ -348,21 +348,20 @@ fn gate_up_args<'a, X: Executor>(
 /// `gate_up_swiglu`: one `gate_up_swiglu` GEMV dispatch for a decode token (gate and up of one
 /// weight format and shape); otherwise (prefill: the GEMMs read each weight once per tile of
 /// tokens) its unfused parts, into the scratch g, u.
-#[allow(clippy::too_many_arguments)]
 pub fn gate_up_swiglu<X: Executor>(
     m: &Metal<X>,
     p: &RowsParams,
-    gate: &MetalMatrix<X>,
-    up: &MetalMatrix<X>,
+    w: &GateUp<'_, Metal<X>>,
     x: &MetalBuf<X>,
     g: &mut MetalBuf<X>,
     u: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let (gate, up) = (w.gate, w.up);
     let (t, n, k) = (p.tokens as usize, gate.desc.rows as usize, gate.desc.cols as usize);
     let fused = t == 1 && gate.weight == up.weight && (up.desc.rows, up.desc.cols) == (gate.desc.rows, gate.desc.cols);
     if !fused {
-        return gate_up_swiglu_unfused(m, p, gate, up, x, g, u, out);
+        return gate_up_swiglu_unfused(m, p, w, x, g, u, out);
     }
     if n != p.dim as usize {
         return m.fail(format!(
