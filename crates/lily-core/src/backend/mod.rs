@@ -279,22 +279,20 @@ pub trait Backend: Send + Sized + 'static {
         self.add(&rows_of(p), x, y);
         self.rms_norm(p, x, w, out);
     }
-    /// x += y + sigmoid(gate[t]) * shared[t, :], then out = rms_norm(x, w); gate [rows]: the MoE
-    /// block's end (routed sum y, gated shared expert) folded into the residual and the next
-    /// norm. A backend may fuse them; by default, `sigmoid_gate_add`, `add`, `rms_norm`.
-    #[allow(clippy::too_many_arguments)]
+    /// x += y + sigmoid(gate[t]) * shared[t, :] (y, shared, gate in `add`), then out =
+    /// rms_norm(x, w): the MoE block's end (routed sum y, gated shared expert) folded into the
+    /// residual and the next norm. A backend may fuse them; by default, `sigmoid_gate_add`, `add`,
+    /// `rms_norm`.
     fn add_gated_rms_norm(
         &self,
         p: &RmsNormParams,
         x: &mut Self::Buf,
-        y: &Self::Buf,
-        shared: &Self::Buf,
-        gate: &Self::Buf,
+        add: &GatedAdd<'_, Self>,
         w: &Self::Buf,
         out: &mut Self::Buf,
     ) {
-        self.sigmoid_gate_add(&rows_of(p), shared, gate, x);
-        self.add(&rows_of(p), x, y);
+        self.sigmoid_gate_add(&rows_of(p), add.shared, add.gate, x);
+        self.add(&rows_of(p), x, add.y);
         self.rms_norm(p, x, w, out);
     }
     /// The MoE block's end: x += moe_experts(h) + sigmoid(shared_gate[t]) * shared[t, :], then
@@ -572,6 +570,14 @@ impl<'a, B: Backend> MoeExperts<'a, B> {
     }
 }
 
+/// What `add_gated_rms_norm` adds to the residual: y + sigmoid(gate[t]) * shared[t, :]; y,
+/// shared [rows, dim], gate [rows].
+pub struct GatedAdd<'a, B: Backend> {
+    pub y: &'a B::Buf,
+    pub shared: &'a B::Buf,
+    pub gate: &'a B::Buf,
+}
+
 /// The read-only operands of `moe_experts_add_rms_norm`: the routed experts as `moe_experts`
 /// takes them, the shared expert's output and gate logit as `add_gated_rms_norm` takes them, and
 /// the next norm's weight.
@@ -698,7 +704,12 @@ pub(crate) fn moe_experts_add_rms_norm_unfused<B: Backend>(
     h: &mut B::Buf,
 ) {
     b.moe_experts(moe, &r.experts, h, tmp, mix);
-    b.add_gated_rms_norm(norm, x, mix, r.shared, r.shared_gate, r.norm_w, h);
+    let add = GatedAdd {
+        y: mix,
+        shared: r.shared,
+        gate: r.shared_gate,
+    };
+    b.add_gated_rms_norm(norm, x, &add, r.norm_w, h);
 }
 
 #[cfg(test)]

@@ -49,8 +49,8 @@ use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, GateUp, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts,
-    MoeScratch, Router, Routing, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm, MoeBlock,
+    MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -779,13 +779,11 @@ impl<X: Executor> Backend for Cuda<X> {
         &self,
         p: &RmsNormParams,
         x: &mut CudaBuf<X>,
-        y: &CudaBuf<X>,
-        shared: &CudaBuf<X>,
-        gate: &CudaBuf<X>,
+        add: &GatedAdd<'_, Self>,
         w: &CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        norm::cuda::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+        norm::cuda::add_gated_rms_norm(self, p, x, add, w, out)
     }
 
     fn moe_experts_add_rms_norm(

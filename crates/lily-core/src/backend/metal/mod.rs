@@ -51,8 +51,8 @@ pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, W
 use stream::Stream;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, GateUp, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeExperts,
-    MoeScratch, Router, Routing, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm, MoeBlock,
+    MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -479,13 +479,11 @@ impl<X: Executor> Backend for Metal<X> {
         &self,
         p: &RmsNormParams,
         x: &mut MetalBuf<X>,
-        y: &MetalBuf<X>,
-        shared: &MetalBuf<X>,
-        gate: &MetalBuf<X>,
+        add: &GatedAdd<'_, Self>,
         w: &MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        norm::metal::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+        norm::metal::add_gated_rms_norm(self, p, x, add, w, out)
     }
 
     fn moe_experts_add_rms_norm(

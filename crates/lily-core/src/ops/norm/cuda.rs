@@ -7,7 +7,7 @@ use crate::{
         cuda::{kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
         moe_experts_add_rms_norm_unfused,
         params::{MoeParams, RmsNormParams},
-        MoeAddNorm,
+        GatedAdd, MoeAddNorm,
     },
     ops::moe::cuda::{decodes_per_pair, moe_experts_then, SharedPair},
 };
@@ -65,17 +65,15 @@ pub fn add_rms_norm<X: Executor>(
     row_norm(c, "add_rms_norm", F::AddRmsNorm, p, &bufs);
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn add_gated_rms_norm<X: Executor>(
     c: &Cuda<X>,
     p: &RmsNormParams,
     x: &mut CudaBuf<X>,
-    y: &CudaBuf<X>,
-    shared: &CudaBuf<X>,
-    gate: &CudaBuf<X>,
+    add: &GatedAdd<'_, Cuda<X>>,
     w: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let GatedAdd { y, shared, gate } = *add;
     let (n, d, rows) = ((p.rows * p.dim) as usize, p.dim as usize, p.rows as usize);
     let bufs = [
         ("x", &*x, n),

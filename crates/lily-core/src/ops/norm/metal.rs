@@ -6,7 +6,7 @@ use crate::{
         metal::{args::bytes_of, norm_threads, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
         moe_experts_add_rms_norm_unfused,
         params::{MoeParams, RmsNormParams},
-        MoeAddNorm,
+        GatedAdd, MoeAddNorm,
     },
     ops::moe::metal::{decodes_per_pair, expert_gemvs, experts_fit, SharedPair},
 };
@@ -65,17 +65,15 @@ pub fn add_rms_norm<X: Executor>(
 
 /// x += y + sigmoid(gate[row]) * shared, then out = rms_norm(x, w), in one pass
 /// (`add_gated_rms_norm`).
-#[allow(clippy::too_many_arguments)]
 pub fn add_gated_rms_norm<X: Executor>(
     m: &Metal<X>,
     p: &RmsNormParams,
     x: &mut MetalBuf<X>,
-    y: &MetalBuf<X>,
-    shared: &MetalBuf<X>,
-    gate: &MetalBuf<X>,
+    add: &GatedAdd<'_, Metal<X>>,
     w: &MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let GatedAdd { y, shared, gate } = *add;
     let n = (p.rows * p.dim) as usize;
     let checks = [
         ("x", x.len(), n),
