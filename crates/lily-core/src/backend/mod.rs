@@ -16,6 +16,7 @@ pub mod simlib;
 
 pub use params::*;
 
+pub use crate::ops::delta_net::DeltaNetIn;
 use crate::{error::Result, quant::Matrix};
 
 /// What the command stream opened by [`Backend::begin`] runs, as the engine states it: a GPU
@@ -407,17 +408,8 @@ pub trait Backend: Send + Sized + 'static {
     /// out [T, C] = silu(causal depthwise conv of [state; x]); state [taps-1, C] becomes the last rows.
     fn delta_net_conv(&self, p: &ConvParams, w: &Self::Buf, state: &mut Self::Buf, x: &Self::Buf, out: &mut Self::Buf);
     /// Gated DeltaNet over T tokens (l2-norm q/k, gates, delta-rule recurrence); out [T, Hv, Dv].
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
-        a_log: &Self::Buf,
-        dt_bias: &Self::Buf,
-        state: &mut Self::Buf,
-        out: &mut Self::Buf,
-    );
+    /// qkv, a, b, a_log, dt_bias in `x` (`ops::delta_net` gives their shapes).
+    fn delta_net(&self, x: &DeltaNetIn<'_, Self::Buf>, state: &mut Self::Buf, out: &mut Self::Buf);
     /// A DeltaNet layer's core from its input projections to its gated output, over T tokens of
     /// one sequence (`r` gives the three ops' params and the read-only operands): mixed =
     /// delta_net_conv(r.proj) (advancing conv_state), core = delta_net(mixed) (advancing state),
@@ -621,7 +613,11 @@ pub(crate) fn delta_net_gated_unfused<B: Backend>(
     out: &mut B::Buf,
 ) {
     b.delta_net_conv(&r.conv, r.conv1d, conv_state, r.proj, mixed);
-    b.delta_net(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias, state, core);
+    b.delta_net(
+        &DeltaNetIn::new(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias),
+        state,
+        core,
+    );
     b.rms_norm_gated(&r.norm, core, r.z, r.norm_w, out);
 }
 

@@ -19,7 +19,8 @@ pub mod simd;
 pub use int8::Precision;
 
 use super::{
-    check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, MoeExperts, Router, Routing, StreamKind,
+    check_rows, moe_router_unfused, params::*, Backend, DeltaNetIn, KvDtype, KvSegment, MoeExperts, Router, Routing,
+    StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -252,19 +253,8 @@ impl Backend for Cpu {
     fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {
         dispatch!(self, delta_net::delta_net_conv(p, w, state, x, out))
     }
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        a_log: &Vec<f32>,
-        dt_bias: &Vec<f32>,
-        state: &mut Vec<f32>,
-        out: &mut Vec<f32>,
-    ) {
-        let x = ops::delta_net::DeltaNetIn::new(p, qkv, a, b, a_log, dt_bias);
-        dispatch!(self, delta_net::delta_net(&x, state, out))
+    fn delta_net(&self, x: &DeltaNetIn<'_, Vec<f32>>, state: &mut Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, delta_net::delta_net(&x.slices(), state, out))
     }
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         dispatch!(self, moe::moe_route(p, logits, ids, weights))

@@ -49,8 +49,8 @@ use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm, MoeBlock,
-    MoeExperts, MoeScratch, Router, Routing, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm,
+    MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -879,18 +879,8 @@ impl<X: Executor> Backend for Cuda<X> {
         delta_net::cuda::delta_net_conv(self, p, w, state, x, out)
     }
 
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &CudaBuf<X>,
-        a: &CudaBuf<X>,
-        b: &CudaBuf<X>,
-        a_log: &CudaBuf<X>,
-        dt_bias: &CudaBuf<X>,
-        state: &mut CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        delta_net::cuda::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    fn delta_net(&self, x: &DeltaNetIn<'_, CudaBuf<X>>, state: &mut CudaBuf<X>, out: &mut CudaBuf<X>) {
+        delta_net::cuda::delta_net(self, x, state, out)
     }
 
     fn delta_net_gated(

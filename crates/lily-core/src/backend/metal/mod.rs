@@ -51,8 +51,8 @@ pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, W
 use stream::Stream;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm, MoeBlock,
-    MoeExperts, MoeScratch, Router, Routing, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm,
+    MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -566,18 +566,8 @@ impl<X: Executor> Backend for Metal<X> {
         delta_net::metal::delta_net_conv(self, p, w, state, x, out)
     }
 
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &MetalBuf<X>,
-        a: &MetalBuf<X>,
-        b: &MetalBuf<X>,
-        a_log: &MetalBuf<X>,
-        dt_bias: &MetalBuf<X>,
-        state: &mut MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        delta_net::metal::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    fn delta_net(&self, x: &DeltaNetIn<'_, MetalBuf<X>>, state: &mut MetalBuf<X>, out: &mut MetalBuf<X>) {
+        delta_net::metal::delta_net(self, x, state, out)
     }
 
     fn delta_net_gated(
