@@ -294,18 +294,8 @@ fn delta_net_conv_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 /// dispatch; the same shared check (`ops::delta_net::delta_net_checks`) guards every GPU backend.
 fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     for (hk, hv, dk) in [(2, 3, 16), (1, 2, DELTA_NET_KEY_DIM_MAX + 32), (0, 2, 16)] {
-        let (t, dv) = (2, 16);
-        let p = params(t, hk, hv, dk, dv);
-        let qkv = dev.alloc(t * (2 * hk * dk + hv * dv)).unwrap();
-        let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
-        let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
-        let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
-        dev.delta_net(
-            &DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias),
-            &mut state,
-            &mut out,
-        );
-        let err = dev.finish().unwrap_err().to_string();
+        let p = params(2, hk, hv, dk, 16);
+        let err = delta_net_error(dev, &p, 2 * (2 * hk * dk + hv * 16));
         assert!(
             err.contains(&format!("{hv} value heads on {hk} key heads of dim {dk}")),
             "{err}"
@@ -314,21 +304,27 @@ fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     // A supported shape with a buffer one element short: the size check names it.
     let (t, hk, hv, dk, dv) = (2, 1, 2, 16, 16);
     let need = t * (2 * hk * dk + hv * dv);
-    let qkv = dev.alloc(need - 1).unwrap();
-    let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
-    let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
-    let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
-    let p = params(t, hk, hv, dk, dv);
-    dev.delta_net(
-        &DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias),
-        &mut state,
-        &mut out,
-    );
-    let err = dev.finish().unwrap_err().to_string();
+    let err = delta_net_error(dev, &params(t, hk, hv, dk, dv), need - 1);
     assert!(
         err.contains(&format!("delta_net: qkv has {} elements, needs {need}", need - 1)),
         "{err}"
     );
+}
+
+/// The error `finish` reports after `delta_net` of `p` with a qkv of `qkv_len` elements (the
+/// other buffers as long as `p` needs).
+fn delta_net_error<B: Backend>(dev: &B, p: &DeltaNetParams, qkv_len: usize) -> String {
+    let (t, _, hv, dk, dv) = p.dims();
+    let qkv = dev.alloc(qkv_len).unwrap();
+    let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
+    let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
+    let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
+    dev.delta_net(
+        &DeltaNetIn::new(p, &qkv, &a, &b, &a_log, &dt_bias),
+        &mut state,
+        &mut out,
+    );
+    dev.finish().unwrap_err().to_string()
 }
 
 /// Tiny heads (Dk = 16: fewer rows than lanes, warps x lanes), Dv not a multiple of 32 (40: a
