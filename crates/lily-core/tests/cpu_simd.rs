@@ -481,7 +481,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
     let (a, rest) = s.gates.split_at(4);
     let (b, rest) = rest.split_at(4);
     let (alog, dtb) = rest.split_at(4);
-    let x = delta_net::DeltaNetIn::new(&dp, &s.qkv, a, b, alog, dtb);
+    let x: delta_net::DeltaNetIn = delta_net::DeltaNetIn::new(&dp, &s.qkv, a, b, alog, dtb);
     delta_net::cpu::delta_net(&x, &mut s.state, &mut s.core);
 }
 

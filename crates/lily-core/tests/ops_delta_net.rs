@@ -52,13 +52,13 @@ mod cpu {
         let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
         let n = t * hv * dv;
         let (mut oa, mut ob, mut oc) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-        fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
-        refr.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sb, &mut ob);
+        let x = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
+        fast.delta_net(&x, &mut sa, &mut oa);
+        refr.delta_net(&x, &mut sb, &mut ob);
         assert_close(&oa, &ob, 2e-5, &format!("delta_net out t={t}"));
         assert_close(&sa, &sb, 2e-5, &format!("delta_net state t={t}"));
         // The chunked kernel (t > 1) against its own twin, the chunked form in plain loops.
-        let x = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
-        reference::delta_net_chunked(&x, &mut sc, &mut oc, CHUNK);
+        reference::delta_net_chunked(&x.slices(), &mut sc, &mut oc, CHUNK);
         assert_close(&oa, &oc, 5e-6, &format!("delta_net out t={t} vs the chunked reference"));
         assert_close(
             &sa,
@@ -92,8 +92,9 @@ mod cpu {
         for step in 0..64 {
             let qkv = rand_vec(width, 100 + step, -1.0, 1.0);
             let (a, b) = (rand_vec(hv, 200 + step, -2.0, 2.0), rand_vec(hv, 300 + step, -2.0, 2.0));
-            fast.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sa, &mut oa);
-            refr.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut sb, &mut ob);
+            let x = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
+            fast.delta_net(&x, &mut sa, &mut oa);
+            refr.delta_net(&x, &mut sb, &mut ob);
             assert_close(&oa, &ob, 1e-5, &format!("step {step}"));
         }
         assert_close(&sa, &sb, 1e-5, "state after 64 steps");
@@ -140,7 +141,7 @@ mod cpu {
             let (a_log, dt_bias) = (rand_vec(hv, seed + 3, -3.0, 0.7), rand_vec(hv, seed + 4, -1.0, 1.0));
             let s0 = rand_vec(hv * dk * dv, seed + 5, -0.5, 0.5);
             let p = params(t, hk, hv, dk, dv);
-            let x = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
+            let x: DeltaNetIn = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
             let (mut s_step, mut o_step) = (s0.clone(), vec![0f32; t * hv * dv]);
             reference::delta_net(&x, &mut s_step, &mut o_step);
             for chunk in [1, 7, 32, 64] {
@@ -293,14 +294,8 @@ fn delta_net_conv_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 /// dispatch; the same shared check (`ops::delta_net::delta_net_checks`) guards every GPU backend.
 fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     for (hk, hv, dk) in [(2, 3, 16), (1, 2, DELTA_NET_KEY_DIM_MAX + 32), (0, 2, 16)] {
-        let (t, dv) = (2, 16);
-        let p = params(t, hk, hv, dk, dv);
-        let qkv = dev.alloc(t * (2 * hk * dk + hv * dv)).unwrap();
-        let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
-        let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
-        let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
-        dev.delta_net(&p, &qkv, &a, &b, &a_log, &dt_bias, &mut state, &mut out);
-        let err = dev.finish().unwrap_err().to_string();
+        let p = params(2, hk, hv, dk, 16);
+        let err = delta_net_error(dev, &p, 2 * (2 * hk * dk + hv * 16));
         assert!(
             err.contains(&format!("{hv} value heads on {hk} key heads of dim {dk}")),
             "{err}"
@@ -309,25 +304,27 @@ fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     // A supported shape with a buffer one element short: the size check names it.
     let (t, hk, hv, dk, dv) = (2, 1, 2, 16, 16);
     let need = t * (2 * hk * dk + hv * dv);
-    let qkv = dev.alloc(need - 1).unwrap();
-    let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
-    let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
-    let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
-    dev.delta_net(
-        &params(t, hk, hv, dk, dv),
-        &qkv,
-        &a,
-        &b,
-        &a_log,
-        &dt_bias,
-        &mut state,
-        &mut out,
-    );
-    let err = dev.finish().unwrap_err().to_string();
+    let err = delta_net_error(dev, &params(t, hk, hv, dk, dv), need - 1);
     assert!(
         err.contains(&format!("delta_net: qkv has {} elements, needs {need}", need - 1)),
         "{err}"
     );
+}
+
+/// The error `finish` reports after `delta_net` of `p` with a qkv of `qkv_len` elements (the
+/// other buffers as long as `p` needs).
+fn delta_net_error<B: Backend>(dev: &B, p: &DeltaNetParams, qkv_len: usize) -> String {
+    let (t, _, hv, dk, dv) = p.dims();
+    let qkv = dev.alloc(qkv_len).unwrap();
+    let (a, b) = (dev.alloc(t * hv).unwrap(), dev.alloc(t * hv).unwrap());
+    let (a_log, dt_bias) = (dev.alloc(hv).unwrap(), dev.alloc(hv).unwrap());
+    let (mut state, mut out) = (dev.alloc(hv * dk * dv).unwrap(), dev.alloc(t * hv * dv).unwrap());
+    dev.delta_net(
+        &DeltaNetIn::new(p, &qkv, &a, &b, &a_log, &dt_bias),
+        &mut state,
+        &mut out,
+    );
+    dev.finish().unwrap_err().to_string()
 }
 
 /// Tiny heads (Dk = 16: fewer rows than lanes, warps x lanes), Dv not a multiple of 32 (40: a
@@ -528,7 +525,7 @@ fn delta_net_calls<B: Backend>(b: &B, s: &DeltaShape, calls: &[usize]) -> Vec<Ve
         let n = p.tokens as usize * s.hv * s.dv;
         let (qkv, a, bb) = (b.upload(qkv).unwrap(), b.upload(a).unwrap(), b.upload(bb).unwrap());
         let mut out = b.alloc(n).unwrap();
-        b.delta_net(p, &qkv, &a, &bb, &al, &dt, &mut state, &mut out);
+        b.delta_net(&DeltaNetIn::new(p, &qkv, &a, &bb, &al, &dt), &mut state, &mut out);
         b.finish().unwrap();
         outs.push(read_all(b, &out, n));
     }
@@ -542,7 +539,7 @@ fn delta_net_calls_chunked(s: &DeltaShape, calls: &[usize], chunk: usize) -> Vec
     let mut outs = Vec::new();
     for (p, qkv, a, b) in &c.calls {
         let mut out = vec![0f32; p.tokens as usize * s.hv * s.dv];
-        let x = DeltaNetIn::new(p, qkv, a, b, &c.a_log, &c.dt_bias);
+        let x: DeltaNetIn = DeltaNetIn::new(p, qkv, a, b, &c.a_log, &c.dt_bias);
         reference::delta_net_chunked(&x, &mut c.state, &mut out, chunk);
         outs.push(out);
     }

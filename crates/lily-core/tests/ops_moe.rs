@@ -13,7 +13,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, GemmTile, GemvRows, Metal},
         params::{MoeParams, RmsNormParams, RouteParams, RowsParams, MOE_TILE},
-        Backend, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+        Backend, GateUp, MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
     },
     ops::moe::{cpu as moe_cpu, metal as moe_metal, reference},
     quant::{Format, Matrix},
@@ -59,8 +59,15 @@ mod cpu {
                 };
                 let mut tmp = vec![0f32; t * k * (i + d)];
                 let (mut a, mut b) = (vec![0f32; t * d], vec![0f32; t * d]);
-                fast.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut a);
-                refr.moe_experts(&mp, &x, &ia, &wa, &gate, &up, &down, &mut tmp, &mut b);
+                let experts = MoeExperts {
+                    gate: &gate,
+                    up: &up,
+                    down: &down,
+                    ids: &ia,
+                    weights: &wa,
+                };
+                fast.moe_experts(&mp, &experts, &x, &mut tmp, &mut a);
+                refr.moe_experts(&mp, &experts, &x, &mut tmp, &mut b);
                 assert_close(&a, &b, 1e-5, &format!("moe_experts {format:?} t={t}"));
             }
         }
@@ -331,44 +338,20 @@ fn moe_router_matches_reference<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
                 top_k: k as u32,
                 renorm,
             };
-            let run = |b: &B| {
-                let (rm, gm, xb) = (
-                    b.upload_matrix(&router).unwrap(),
-                    b.upload_matrix(&gate).unwrap(),
-                    b.upload(&x).unwrap(),
-                );
-                let (mut lb, mut sb) = (b.alloc(t * e).unwrap(), b.alloc(t).unwrap());
-                let (mut ib, mut wb) = (b.alloc_ids(t * k).unwrap(), b.alloc(t * k).unwrap());
-                b.begin(StreamKind::Other).unwrap();
-                b.moe_router(&p, &xb, &rm, &gm, &mut lb, &mut sb, &mut ib, &mut wb);
-                b.finish().unwrap();
-                (b.ids(&ib), read_all(b, &wb, t * k), read_all(b, &sb, t))
-            };
             let at = format!("moe_router {rf:?}/{sf:?} E={e} D={d} top {k} T={t}");
-            let cpu = Cpu::reference();
-            let (ci, cw, cs) = {
-                let (rm, gm, xb) = (
-                    cpu.upload_matrix(&router).unwrap(),
-                    cpu.upload_matrix(&gate).unwrap(),
-                    cpu.upload(&x).unwrap(),
+            let (ci, cw, cs, logits) = run_router(&Cpu::reference(), &p, &router, &gate, &x);
+            // The test data leaves no near-tie at the K-th place (ids must match exactly).
+            for l in logits.chunks(e) {
+                let mut v = l.to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                assert!(
+                    v[k - 1] - v[k] > 1e-3,
+                    "{at}: logits {} and {} nearly tie",
+                    v[k - 1],
+                    v[k]
                 );
-                let (mut lb, mut sb) = (cpu.alloc(t * e).unwrap(), cpu.alloc(t).unwrap());
-                let (mut ib, mut wb) = (cpu.alloc_ids(t * k).unwrap(), cpu.alloc(t * k).unwrap());
-                cpu.moe_router(&p, &xb, &rm, &gm, &mut lb, &mut sb, &mut ib, &mut wb);
-                // The test data leaves no near-tie at the K-th place (ids must match exactly).
-                for l in lb.chunks(e) {
-                    let mut v = l.to_vec();
-                    v.sort_by(|a, b| b.total_cmp(a));
-                    assert!(
-                        v[k - 1] - v[k] > 1e-3,
-                        "{at}: logits {} and {} nearly tie",
-                        v[k - 1],
-                        v[k]
-                    );
-                }
-                (cpu.ids(&ib), wb, sb)
-            };
-            let (gi, gw, gs) = run(&*dev);
+            }
+            let (gi, gw, gs, _) = run_router(&*dev, &p, &router, &gate, &x);
             assert_eq!(gi, ci, "{at} ids");
             // Past 8 tokens CUDA's parts run the bf16 tensor-core GEMM (as the other prefill tests).
             let tol = if t > 8 { 1e-2 } else { TOL };
@@ -376,6 +359,41 @@ fn moe_router_matches_reference<B: Backend + ReadIds>(dev: &mut B, tolx: f32) {
             assert_near(&gs, &cs, tolx * tol, &format!("{at} shared gate"));
         }
     }
+}
+
+/// `moe_router` on backend `b`: ids, weights [T, K], the shared gate's logit [T] and the logits
+/// [T, E] (a fused kernel leaves the last as its scratch).
+fn run_router<B: Backend + ReadIds>(
+    b: &B,
+    p: &RouteParams,
+    router: &Matrix,
+    gate: &Matrix,
+    x: &[f32],
+) -> (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
+    let r = [router, gate].map(|m| b.upload_matrix(m).unwrap());
+    let xb = b.upload(x).unwrap();
+    let (mut lb, mut sb) = (b.alloc(t * e).unwrap(), b.alloc(t).unwrap());
+    let (mut ib, mut wb) = (b.alloc_ids(t * k).unwrap(), b.alloc(t * k).unwrap());
+    b.begin(StreamKind::Other).unwrap();
+    let router = Router {
+        router: &r[0],
+        shared_gate: &r[1],
+    };
+    let mut out = Routing {
+        logits: &mut lb,
+        shared: &mut sb,
+        ids: &mut ib,
+        weights: &mut wb,
+    };
+    b.moe_router(p, &xb, &router, &mut out);
+    b.finish().unwrap();
+    (
+        b.ids(&ib),
+        read_all(b, &wb, t * k),
+        read_all(b, &sb, t),
+        read_all(b, &lb, t * e),
+    )
 }
 
 /// `moe_experts` on backend `b`: the output [T, D].
@@ -403,7 +421,14 @@ fn run_moe<B: Backend>(
         tokens: t as u32,
         top_k: k as u32,
     };
-    b.moe_experts(&p, &xb, &ib, &wb, &g, &u, &dn, &mut tmp, &mut out);
+    let experts = MoeExperts {
+        gate: &g,
+        up: &u,
+        down: &dn,
+        ids: &ib,
+        weights: &wb,
+    };
+    b.moe_experts(&p, &experts, &xb, &mut tmp, &mut out);
     b.finish().unwrap();
     read_all(b, &out, t * d)
 }
@@ -439,7 +464,7 @@ fn gate_up_swiglu_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
                 let (g, u, xb) = (b.upload_matrix(&gate).unwrap(), b.upload_matrix(&up).unwrap(), b.upload(&x).unwrap());
                 let (mut gs, mut us, mut out) = (b.alloc(t * n).unwrap(), b.alloc(t * n).unwrap(), b.alloc(t * n).unwrap());
                 b.begin(StreamKind::Other).unwrap();
-                b.gate_up_swiglu(&p, &g, &u, &xb, &mut gs, &mut us, &mut out);
+                b.gate_up_swiglu(&p, &GateUp { gate: &g, up: &u }, &xb, &mut gs, &mut us, &mut out);
                 b.finish().unwrap();
                 vec![read_all(b, &out, t * n)]
             });
@@ -620,7 +645,8 @@ fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32
                 let (mut tmp, mut mix) = (b.alloc(t * k * (inter + d)).unwrap(), b.alloc(n).unwrap());
                 b.begin(StreamKind::Other).unwrap();
                 let [gate, up, down] = &mats;
-                let r = MoeAddNorm { gate, up, down, ids: &ib, weights: &wb, shared: &sb, shared_gate: &gb, norm_w: &nw };
+                let experts = MoeExperts { gate, up, down, ids: &ib, weights: &wb };
+                let r = MoeAddNorm { experts, shared: &sb, shared_gate: &gb, norm_w: &nw };
                 b.moe_experts_add_rms_norm(&moe, &norm, &r, &mut tmp, &mut mix, &mut xb, &mut hb);
                 b.finish().unwrap();
                 vec![read_all(b, &xb, n), read_all(b, &hb, n)]
@@ -693,11 +719,7 @@ fn moe_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
             b.begin(StreamKind::Other).unwrap();
             let [gate, up, down, shared_gate, shared_up, shared_down] = &mats;
             let r = MoeBlock {
-                gate,
-                up,
-                down,
-                ids: &ib,
-                weights: &wb,
+                experts: MoeExperts { gate, up, down, ids: &ib, weights: &wb },
                 shared_gate,
                 shared_up,
                 shared_down,

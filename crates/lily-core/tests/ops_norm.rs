@@ -8,7 +8,7 @@ mod gpu_common;
 
 use common::{assert_close, rand_vec};
 use gpu_common::{read_all, TOL};
-use lily_core::backend::{cpu::Cpu, params::RmsNormParams, Backend, StreamKind};
+use lily_core::backend::{cpu::Cpu, params::RmsNormParams, Backend, GatedAdd, StreamKind};
 
 mod cpu {
     use super::*;
@@ -87,7 +87,8 @@ fn add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
             let (mut out1, mut out2) = (b.alloc(n).unwrap(), b.alloc(n).unwrap());
             b.begin(StreamKind::Other).unwrap();
             b.add_rms_norm(&p, &mut x1, &yb, &wb, &mut out1);
-            b.add_gated_rms_norm(&p, &mut x2, &yb, &sb, &gb, &wb, &mut out2);
+            let add = GatedAdd { y: &yb, shared: &sb, gate: &gb };
+            b.add_gated_rms_norm(&p, &mut x2, &add, &wb, &mut out2);
             b.finish().unwrap();
             vec![
                 read_all(b, &x1, n),

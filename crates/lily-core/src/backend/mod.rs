@@ -16,6 +16,7 @@ pub mod simlib;
 
 pub use params::*;
 
+pub use crate::ops::delta_net::DeltaNetIn;
 use crate::{error::Result, quant::Matrix};
 
 /// What the command stream opened by [`Backend::begin`] runs, as the engine states it: a GPU
@@ -279,22 +280,20 @@ pub trait Backend: Send + Sized + 'static {
         self.add(&rows_of(p), x, y);
         self.rms_norm(p, x, w, out);
     }
-    /// x += y + sigmoid(gate[t]) * shared[t, :], then out = rms_norm(x, w); gate [rows]: the MoE
-    /// block's end (routed sum y, gated shared expert) folded into the residual and the next
-    /// norm. A backend may fuse them; by default, `sigmoid_gate_add`, `add`, `rms_norm`.
-    #[allow(clippy::too_many_arguments)]
+    /// x += y + sigmoid(gate[t]) * shared[t, :] (y, shared, gate in `add`), then out =
+    /// rms_norm(x, w): the MoE block's end (routed sum y, gated shared expert) folded into the
+    /// residual and the next norm. A backend may fuse them; by default, `sigmoid_gate_add`, `add`,
+    /// `rms_norm`.
     fn add_gated_rms_norm(
         &self,
         p: &RmsNormParams,
         x: &mut Self::Buf,
-        y: &Self::Buf,
-        shared: &Self::Buf,
-        gate: &Self::Buf,
+        add: &GatedAdd<'_, Self>,
         w: &Self::Buf,
         out: &mut Self::Buf,
     ) {
-        self.sigmoid_gate_add(&rows_of(p), shared, gate, x);
-        self.add(&rows_of(p), x, y);
+        self.sigmoid_gate_add(&rows_of(p), add.shared, add.gate, x);
+        self.add(&rows_of(p), x, add.y);
         self.rms_norm(p, x, w, out);
     }
     /// The MoE block's end: x += moe_experts(h) + sigmoid(shared_gate[t]) * shared[t, :], then
@@ -409,17 +408,8 @@ pub trait Backend: Send + Sized + 'static {
     /// out [T, C] = silu(causal depthwise conv of [state; x]); state [taps-1, C] becomes the last rows.
     fn delta_net_conv(&self, p: &ConvParams, w: &Self::Buf, state: &mut Self::Buf, x: &Self::Buf, out: &mut Self::Buf);
     /// Gated DeltaNet over T tokens (l2-norm q/k, gates, delta-rule recurrence); out [T, Hv, Dv].
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &Self::Buf,
-        a: &Self::Buf,
-        b: &Self::Buf,
-        a_log: &Self::Buf,
-        dt_bias: &Self::Buf,
-        state: &mut Self::Buf,
-        out: &mut Self::Buf,
-    );
+    /// qkv, a, b, a_log, dt_bias in `x` (`ops::delta_net` gives their shapes).
+    fn delta_net(&self, x: &DeltaNetIn<'_, Self::Buf>, state: &mut Self::Buf, out: &mut Self::Buf);
     /// A DeltaNet layer's core from its input projections to its gated output, over T tokens of
     /// one sequence (`r` gives the three ops' params and the read-only operands): mixed =
     /// delta_net_conv(r.proj) (advancing conv_state), core = delta_net(mixed) (advancing state),
@@ -444,48 +434,32 @@ pub trait Backend: Send + Sized + 'static {
     /// `moe_route` of the logits into ids / weights [T, K]. A backend may run it as one kernel
     /// (the logits are then its scratch: their contents afterwards are the backend's); by
     /// default, `matmuls` of the two matrices, then `moe_route`.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &Self::Buf,
-        router: &Self::Matrix,
-        shared_gate: &Self::Matrix,
-        logits: &mut Self::Buf,
-        shared: &mut Self::Buf,
-        ids: &mut Self::Ids,
-        weights: &mut Self::Buf,
-    ) {
-        moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    fn moe_router(&self, p: &RouteParams, x: &Self::Buf, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
+        moe_router_unfused(self, p, x, r, out)
     }
-    /// out [T, D] = sum over the K selected experts; tmp is scratch of [T*K, I + D].
+    /// out [T, D] = sum over the K experts each token is routed to of weight times the expert's
+    /// FFN of x [T, D]; tmp is scratch of [T*K, I + D].
     fn moe_experts(
         &self,
         p: &MoeParams,
+        experts: &MoeExperts<'_, Self>,
         x: &Self::Buf,
-        ids: &Self::Ids,
-        weights: &Self::Buf,
-        gate: &Self::Matrix,
-        up: &Self::Matrix,
-        down: &Self::Matrix,
         tmp: &mut Self::Buf,
         out: &mut Self::Buf,
     );
     /// out [T, N] = silu(x gate^T) * (x up^T) for gate, up [N, K], x [T, K] (p: T, N): an FFN's
     /// input half, the MoE block's shared expert. A backend may run it as one kernel; by default,
     /// the two matmuls into the scratch g, u [T, N], then `swiglu`.
-    #[allow(clippy::too_many_arguments)]
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,
-        gate: &Self::Matrix,
-        up: &Self::Matrix,
+        w: &GateUp<'_, Self>,
         x: &Self::Buf,
         g: &mut Self::Buf,
         u: &mut Self::Buf,
         out: &mut Self::Buf,
     ) {
-        gate_up_swiglu_unfused(self, p, gate, up, x, g, u, out)
+        gate_up_swiglu_unfused(self, p, w, x, g, u, out)
     }
     /// out = silu(gate) * up over [T, dim].
     fn swiglu(&self, p: &RowsParams, gate: &Self::Buf, up: &Self::Buf, out: &mut Self::Buf);
@@ -506,53 +480,101 @@ fn first_rows(tokens: u32) -> MatmulParams {
     MatmulParams { tokens, x_row0: 0 }
 }
 
+/// The matrices of an FFN's input half, `gate_up_swiglu`'s weights: gate, up [N, K].
+pub struct GateUp<'a, B: Backend> {
+    pub gate: &'a B::Matrix,
+    pub up: &'a B::Matrix,
+}
+
 /// `gate_up_swiglu` as its parts (the trait's default; a backend's fallback where its fused
 /// kernel does not apply).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn gate_up_swiglu_unfused<B: Backend>(
     b: &B,
     p: &RowsParams,
-    gate: &B::Matrix,
-    up: &B::Matrix,
+    w: &GateUp<'_, B>,
     x: &B::Buf,
     g: &mut B::Buf,
     u: &mut B::Buf,
     out: &mut B::Buf,
 ) {
-    b.matmuls(&first_rows(p.tokens), x, &[gate, up], &mut [g, u]);
+    b.matmuls(&first_rows(p.tokens), x, &[w.gate, w.up], &mut [g, u]);
     b.swiglu(p, g, u, out);
+}
+
+/// The matrices `moe_router` reads: the router [E, D] and the shared expert's gate [1, D].
+pub struct Router<'a, B: Backend> {
+    pub router: &'a B::Matrix,
+    pub shared_gate: &'a B::Matrix,
+}
+
+/// What `moe_router` writes: logits [T, E] (the router's), shared [T] (the shared expert's gate
+/// logit), and the routing, ids / weights [T, K].
+pub struct Routing<'a, B: Backend> {
+    pub logits: &'a mut B::Buf,
+    pub shared: &'a mut B::Buf,
+    pub ids: &'a mut B::Ids,
+    pub weights: &'a mut B::Buf,
 }
 
 /// `moe_router` as its parts (the trait's default; a backend's fallback where its fused kernel
 /// does not apply).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_router_unfused<B: Backend>(
     b: &B,
     p: &RouteParams,
     x: &B::Buf,
-    router: &B::Matrix,
-    shared_gate: &B::Matrix,
-    logits: &mut B::Buf,
-    shared: &mut B::Buf,
-    ids: &mut B::Ids,
-    weights: &mut B::Buf,
+    r: &Router<'_, B>,
+    out: &mut Routing<'_, B>,
 ) {
     let mm = first_rows(p.tokens);
-    b.matmuls(&mm, x, &[router, shared_gate], &mut [&mut *logits, shared]);
-    b.moe_route(p, logits, ids, weights);
+    b.matmuls(
+        &mm,
+        x,
+        &[r.router, r.shared_gate],
+        &mut [&mut *out.logits, &mut *out.shared],
+    );
+    b.moe_route(p, out.logits, out.ids, out.weights);
+}
+
+/// The routed experts of a MoE block and the routing that picks them: what `moe_experts` reads
+/// besides its input.
+pub struct MoeExperts<'a, B: Backend> {
+    /// [E, I, D], [E, I, D], [E, D, I].
+    pub gate: &'a B::Matrix,
+    pub up: &'a B::Matrix,
+    pub down: &'a B::Matrix,
+    /// [T, K] each: token t's K experts and their weights.
+    pub ids: &'a B::Ids,
+    pub weights: &'a B::Buf,
+}
+
+// By hand: a derive would ask `B: Copy`, while only the references are copied.
+impl<B: Backend> Clone for MoeExperts<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for MoeExperts<'_, B> {}
+
+impl<'a, B: Backend> MoeExperts<'a, B> {
+    /// gate, up, down.
+    pub fn matrices(&self) -> [&'a B::Matrix; 3] {
+        [self.gate, self.up, self.down]
+    }
+}
+
+/// What `add_gated_rms_norm` adds to the residual: y + sigmoid(gate[t]) * shared[t, :]; y,
+/// shared [rows, dim], gate [rows].
+pub struct GatedAdd<'a, B: Backend> {
+    pub y: &'a B::Buf,
+    pub shared: &'a B::Buf,
+    pub gate: &'a B::Buf,
 }
 
 /// The read-only operands of `moe_experts_add_rms_norm`: the routed experts as `moe_experts`
 /// takes them, the shared expert's output and gate logit as `add_gated_rms_norm` takes them, and
 /// the next norm's weight.
 pub struct MoeAddNorm<'a, B: Backend> {
-    /// [E, I, D], [E, I, D], [E, D, I].
-    pub gate: &'a B::Matrix,
-    pub up: &'a B::Matrix,
-    pub down: &'a B::Matrix,
-    /// [T, K] each: the routing.
-    pub ids: &'a B::Ids,
-    pub weights: &'a B::Buf,
+    pub experts: MoeExperts<'a, B>,
     /// [T, D] and [T].
     pub shared: &'a B::Buf,
     pub shared_gate: &'a B::Buf,
@@ -591,20 +613,18 @@ pub(crate) fn delta_net_gated_unfused<B: Backend>(
     out: &mut B::Buf,
 ) {
     b.delta_net_conv(&r.conv, r.conv1d, conv_state, r.proj, mixed);
-    b.delta_net(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias, state, core);
+    b.delta_net(
+        &DeltaNetIn::new(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias),
+        state,
+        core,
+    );
     b.rms_norm_gated(&r.norm, core, r.z, r.norm_w, out);
 }
 
 /// The read-only operands of `moe_add_rms_norm`: the routed experts and their routing, the shared
 /// expert and its gate logit, the next norm's weight.
 pub struct MoeBlock<'a, B: Backend> {
-    /// [E, I, D], [E, I, D], [E, D, I].
-    pub gate: &'a B::Matrix,
-    pub up: &'a B::Matrix,
-    pub down: &'a B::Matrix,
-    /// [T, K] each: the routing.
-    pub ids: &'a B::Ids,
-    pub weights: &'a B::Buf,
+    pub experts: MoeExperts<'a, B>,
     /// The shared expert: [Is, D], [Is, D], [D, Is] (Is = `shared_inter`).
     pub shared_gate: &'a B::Matrix,
     pub shared_up: &'a B::Matrix,
@@ -621,11 +641,7 @@ impl<'a, B: Backend> MoeBlock<'a, B> {
     /// `shared` [T, D].
     pub fn end<'s>(&'s self, shared: &'s B::Buf) -> MoeAddNorm<'s, B> {
         MoeAddNorm {
-            gate: self.gate,
-            up: self.up,
-            down: self.down,
-            ids: self.ids,
-            weights: self.weights,
+            experts: self.experts,
             shared,
             shared_gate: self.shared_logit,
             norm_w: self.norm_w,
@@ -661,7 +677,11 @@ pub(crate) fn moe_add_rms_norm_unfused<B: Backend>(
         tokens: moe.tokens,
         dim: r.shared_inter,
     };
-    b.gate_up_swiglu(&shared, r.shared_gate, r.shared_up, h, s.g, s.u, s.act);
+    let w = GateUp {
+        gate: r.shared_gate,
+        up: r.shared_up,
+    };
+    b.gate_up_swiglu(&shared, &w, h, s.g, s.u, s.act);
     b.matmul(&first_rows(moe.tokens), r.shared_down, s.act, s.y);
     b.moe_experts_add_rms_norm(moe, norm, &r.end(s.y), s.tmp, s.mix, x, h);
 }
@@ -679,8 +699,13 @@ pub(crate) fn moe_experts_add_rms_norm_unfused<B: Backend>(
     x: &mut B::Buf,
     h: &mut B::Buf,
 ) {
-    b.moe_experts(moe, h, r.ids, r.weights, r.gate, r.up, r.down, tmp, mix);
-    b.add_gated_rms_norm(norm, x, mix, r.shared, r.shared_gate, r.norm_w, h);
+    b.moe_experts(moe, &r.experts, h, tmp, mix);
+    let add = GatedAdd {
+        y: mix,
+        shared: r.shared,
+        gate: r.shared_gate,
+    };
+    b.add_gated_rms_norm(norm, x, &add, r.norm_w, h);
 }
 
 #[cfg(test)]

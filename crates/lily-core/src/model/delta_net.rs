@@ -7,7 +7,7 @@
 
 use super::state::{DeltaNetState, Scratch};
 use crate::{
-    backend::{Backend, ConvParams, DeltaNetGated, DeltaNetParams, MatmulParams, RmsNormParams},
+    backend::{Backend, ConvParams, DeltaNetGated, DeltaNetIn, DeltaNetParams, MatmulParams, RmsNormParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -116,16 +116,9 @@ impl<B: Backend> DeltaNet<B> {
     /// s.core = the recurrence's output of the conv of s.proj, advancing the states.
     fn recur(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
         b.delta_net_conv(&self.conv_params(t), &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
-        b.delta_net(
-            &self.delta_params(t),
-            &s.conv,
-            &s.a,
-            &s.b,
-            &self.a_log,
-            &self.dt_bias,
-            &mut st.ssm,
-            &mut s.core,
-        );
+        let p = self.delta_params(t);
+        let x = DeltaNetIn::new(&p, &s.conv, &s.a, &s.b, &self.a_log, &self.dt_bias);
+        b.delta_net(&x, &mut st.ssm, &mut s.core);
     }
 
     /// s.mix = out_proj(gated norm of s.core by s.z).

@@ -5,7 +5,7 @@
 
 use super::state::Scratch;
 use crate::{
-    backend::{Backend, MoeBlock, MoeParams, MoeScratch, RmsNormParams, RouteParams},
+    backend::{Backend, MoeBlock, MoeExperts, MoeParams, MoeScratch, RmsNormParams, RouteParams, Router, Routing},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -60,27 +60,30 @@ impl<B: Backend> Moe<B> {
             top_k: self.top_k as u32,
             renorm: self.renorm as u32,
         };
-        b.moe_router(
-            &route,
-            &s.h,
-            &self.gate,
-            &self.shared_expert_gate,
-            &mut s.router,
-            &mut s.shared_gate,
-            &mut s.expert_ids,
-            &mut s.expert_w,
-        );
+        let router = Router {
+            router: &self.gate,
+            shared_gate: &self.shared_expert_gate,
+        };
+        let mut routing = Routing {
+            logits: &mut s.router,
+            shared: &mut s.shared_gate,
+            ids: &mut s.expert_ids,
+            weights: &mut s.expert_w,
+        };
+        b.moe_router(&route, &s.h, &router, &mut routing);
         // x += routed + sigmoid(shared_gate) shared; s.h = rms_norm(x, w).
         let moe = MoeParams {
             tokens,
             top_k: self.top_k as u32,
         };
         let block = MoeBlock {
-            gate: &self.experts_gate,
-            up: &self.experts_up,
-            down: &self.experts_down,
-            ids: &s.expert_ids,
-            weights: &s.expert_w,
+            experts: MoeExperts {
+                gate: &self.experts_gate,
+                up: &self.experts_up,
+                down: &self.experts_down,
+                ids: &s.expert_ids,
+                weights: &s.expert_w,
+            },
             shared_gate: &self.shared_gate_proj,
             shared_up: &self.shared_up_proj,
             shared_down: &self.shared_down_proj,

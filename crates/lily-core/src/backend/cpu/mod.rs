@@ -18,7 +18,10 @@ pub mod simd;
 
 pub use int8::Precision;
 
-use super::{check_rows, moe_router_unfused, params::*, Backend, KvDtype, KvSegment, StreamKind};
+use super::{
+    check_rows, moe_router_unfused, params::*, Backend, DeltaNetIn, KvDtype, KvSegment, MoeExperts, Router, Routing,
+    StreamKind,
+};
 use crate::{
     error::{Error, Result},
     ops,
@@ -250,52 +253,37 @@ impl Backend for Cpu {
     fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {
         dispatch!(self, delta_net::delta_net_conv(p, w, state, x, out))
     }
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &Vec<f32>,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        a_log: &Vec<f32>,
-        dt_bias: &Vec<f32>,
-        state: &mut Vec<f32>,
-        out: &mut Vec<f32>,
-    ) {
-        let x = ops::delta_net::DeltaNetIn::new(p, qkv, a, b, a_log, dt_bias);
-        dispatch!(self, delta_net::delta_net(&x, state, out))
+    fn delta_net(&self, x: &DeltaNetIn<'_, Vec<f32>>, state: &mut Vec<f32>, out: &mut Vec<f32>) {
+        dispatch!(self, delta_net::delta_net(&x.slices(), state, out))
     }
     fn moe_route(&self, p: &RouteParams, logits: &Vec<f32>, ids: &mut Vec<u32>, weights: &mut Vec<f32>) {
         dispatch!(self, moe::moe_route(p, logits, ids, weights))
     }
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &Vec<f32>,
-        router: &Matrix,
-        shared_gate: &Matrix,
-        logits: &mut Vec<f32>,
-        shared: &mut Vec<f32>,
-        ids: &mut Vec<u32>,
-        weights: &mut Vec<f32>,
-    ) {
+    fn moe_router(&self, p: &RouteParams, x: &Vec<f32>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
         if self.reference {
-            ops::moe::reference::moe_router(p, x, router, shared_gate, logits, shared, ids, weights)
+            ops::moe::reference::moe_router(
+                p,
+                x,
+                r.router,
+                r.shared_gate,
+                out.logits,
+                out.shared,
+                out.ids,
+                out.weights,
+            )
         } else {
-            moe_router_unfused(self, p, x, router, shared_gate, logits, shared, ids, weights)
+            moe_router_unfused(self, p, x, r, out)
         }
     }
     fn moe_experts(
         &self,
         p: &MoeParams,
+        e: &MoeExperts<'_, Self>,
         x: &Vec<f32>,
-        ids: &Vec<u32>,
-        weights: &Vec<f32>,
-        gate: &Matrix,
-        up: &Matrix,
-        down: &Matrix,
         tmp: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) {
+        let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
         // Weight bytes read (the profiler counts them for decode): the K experts' rows.
         let per_expert = [gate, up, down]
             .map(|m| m.rows * m.bytes_per_row())

@@ -49,7 +49,8 @@ use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm,
+    MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -790,13 +791,11 @@ impl<X: Executor> Backend for Cuda<X> {
         &self,
         p: &RmsNormParams,
         x: &mut CudaBuf<X>,
-        y: &CudaBuf<X>,
-        shared: &CudaBuf<X>,
-        gate: &CudaBuf<X>,
+        add: &GatedAdd<'_, Self>,
         w: &CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        norm::cuda::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+        norm::cuda::add_gated_rms_norm(self, p, x, add, w, out)
     }
 
     fn moe_experts_add_rms_norm(
@@ -892,18 +891,8 @@ impl<X: Executor> Backend for Cuda<X> {
         delta_net::cuda::delta_net_conv(self, p, w, state, x, out)
     }
 
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &CudaBuf<X>,
-        a: &CudaBuf<X>,
-        b: &CudaBuf<X>,
-        a_log: &CudaBuf<X>,
-        dt_bias: &CudaBuf<X>,
-        state: &mut CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        delta_net::cuda::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    fn delta_net(&self, x: &DeltaNetIn<'_, CudaBuf<X>>, state: &mut CudaBuf<X>, out: &mut CudaBuf<X>) {
+        delta_net::cuda::delta_net(self, x, state, out)
     }
 
     fn delta_net_gated(
@@ -922,46 +911,31 @@ impl<X: Executor> Backend for Cuda<X> {
         moe::cuda::moe_route(self, p, logits, ids, weights)
     }
 
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &CudaBuf<X>,
-        router: &CudaMat<X>,
-        shared_gate: &CudaMat<X>,
-        logits: &mut CudaBuf<X>,
-        shared: &mut CudaBuf<X>,
-        ids: &mut CudaBuf<X>,
-        weights: &mut CudaBuf<X>,
-    ) {
-        moe::cuda::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    fn moe_router(&self, p: &RouteParams, x: &CudaBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
+        moe::cuda::moe_router(self, p, x, r, out)
     }
 
     fn moe_experts(
         &self,
         p: &MoeParams,
+        e: &MoeExperts<'_, Self>,
         x: &CudaBuf<X>,
-        ids: &CudaBuf<X>,
-        weights: &CudaBuf<X>,
-        gate: &CudaMat<X>,
-        up: &CudaMat<X>,
-        down: &CudaMat<X>,
         tmp: &mut CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        moe::cuda::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
+        moe::cuda::moe_experts(self, p, e, x, tmp, out)
     }
 
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,
-        gate: &CudaMat<X>,
-        up: &CudaMat<X>,
+        w: &GateUp<'_, Self>,
         x: &CudaBuf<X>,
         g: &mut CudaBuf<X>,
         u: &mut CudaBuf<X>,
         out: &mut CudaBuf<X>,
     ) {
-        moe::cuda::gate_up_swiglu(self, p, gate, up, x, g, u, out)
+        moe::cuda::gate_up_swiglu(self, p, w, x, g, u, out)
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &CudaBuf<X>, up: &CudaBuf<X>, out: &mut CudaBuf<X>) {

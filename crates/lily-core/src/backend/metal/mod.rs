@@ -51,7 +51,8 @@ pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, W
 use stream::Stream;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, KvDtype, KvSegment, MoeAddNorm, MoeBlock, MoeScratch, StreamKind,
+    check_rows, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm,
+    MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -478,13 +479,11 @@ impl<X: Executor> Backend for Metal<X> {
         &self,
         p: &RmsNormParams,
         x: &mut MetalBuf<X>,
-        y: &MetalBuf<X>,
-        shared: &MetalBuf<X>,
-        gate: &MetalBuf<X>,
+        add: &GatedAdd<'_, Self>,
         w: &MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        norm::metal::add_gated_rms_norm(self, p, x, y, shared, gate, w, out)
+        norm::metal::add_gated_rms_norm(self, p, x, add, w, out)
     }
 
     fn moe_experts_add_rms_norm(
@@ -567,18 +566,8 @@ impl<X: Executor> Backend for Metal<X> {
         delta_net::metal::delta_net_conv(self, p, w, state, x, out)
     }
 
-    fn delta_net(
-        &self,
-        p: &DeltaNetParams,
-        qkv: &MetalBuf<X>,
-        a: &MetalBuf<X>,
-        b: &MetalBuf<X>,
-        a_log: &MetalBuf<X>,
-        dt_bias: &MetalBuf<X>,
-        state: &mut MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        delta_net::metal::delta_net(self, p, qkv, a, b, a_log, dt_bias, state, out)
+    fn delta_net(&self, x: &DeltaNetIn<'_, MetalBuf<X>>, state: &mut MetalBuf<X>, out: &mut MetalBuf<X>) {
+        delta_net::metal::delta_net(self, x, state, out)
     }
 
     fn delta_net_gated(
@@ -600,42 +589,27 @@ impl<X: Executor> Backend for Metal<X> {
     fn moe_experts(
         &self,
         p: &MoeParams,
+        e: &MoeExperts<'_, Self>,
         x: &MetalBuf<X>,
-        ids: &MetalBuf<X>,
-        weights: &MetalBuf<X>,
-        gate: &MetalMatrix<X>,
-        up: &MetalMatrix<X>,
-        down: &MetalMatrix<X>,
         tmp: &mut MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        moe::metal::moe_experts(self, p, x, ids, weights, gate, up, down, tmp, out)
+        moe::metal::moe_experts(self, p, e, x, tmp, out)
     }
 
-    fn moe_router(
-        &self,
-        p: &RouteParams,
-        x: &MetalBuf<X>,
-        router: &MetalMatrix<X>,
-        shared_gate: &MetalMatrix<X>,
-        logits: &mut MetalBuf<X>,
-        shared: &mut MetalBuf<X>,
-        ids: &mut MetalBuf<X>,
-        weights: &mut MetalBuf<X>,
-    ) {
-        moe::metal::moe_router(self, p, x, router, shared_gate, logits, shared, ids, weights)
+    fn moe_router(&self, p: &RouteParams, x: &MetalBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
+        moe::metal::moe_router(self, p, x, r, out)
     }
     fn gate_up_swiglu(
         &self,
         p: &RowsParams,
-        gate: &MetalMatrix<X>,
-        up: &MetalMatrix<X>,
+        w: &GateUp<'_, Self>,
         x: &MetalBuf<X>,
         g: &mut MetalBuf<X>,
         u: &mut MetalBuf<X>,
         out: &mut MetalBuf<X>,
     ) {
-        moe::metal::gate_up_swiglu(self, p, gate, up, x, g, u, out)
+        moe::metal::gate_up_swiglu(self, p, w, x, g, u, out)
     }
 
     fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {

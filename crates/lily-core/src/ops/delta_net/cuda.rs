@@ -5,8 +5,8 @@
 use crate::backend::{
     cuda::{div, kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
     delta_net_gated_unfused,
-    params::{ConvParams, DeltaNetParams, DELTA_NET_GATED_DIM_MAX, DELTA_NET_GATED_TAPS_MAX, MAX_CONV_TAPS},
-    DeltaNetGated,
+    params::{ConvParams, DELTA_NET_GATED_DIM_MAX, DELTA_NET_GATED_TAPS_MAX, MAX_CONV_TAPS},
+    DeltaNetGated, DeltaNetIn,
 };
 use crate::ops::elementwise::cuda::copy_rows;
 
@@ -48,18 +48,13 @@ pub fn delta_net_conv<X: Executor>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn delta_net<X: Executor>(
     c: &Cuda<X>,
-    p: &DeltaNetParams,
-    qkv: &CudaBuf<X>,
-    a: &CudaBuf<X>,
-    b: &CudaBuf<X>,
-    a_log: &CudaBuf<X>,
-    dt_bias: &CudaBuf<X>,
+    x: &DeltaNetIn<'_, CudaBuf<X>>,
     state: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let (p, [qkv, a, b, a_log, dt_bias]) = (x.p, x.bufs());
     let (t, hk, hv, dk, dv) = p.dims();
     let have = [qkv.len, a.len, b.len, a_log.len, dt_bias.len, state.len, out.len];
     let checks = match super::delta_net_checks(p, have) {

@@ -5,8 +5,8 @@
 use crate::backend::{
     delta_net_gated_unfused,
     metal::{args::bytes_of, ceil_div, stream::Scratch, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
-    params::{ConvParams, DeltaNetParams, DELTA_NET_CHUNK, DELTA_NET_COLS},
-    DeltaNetGated,
+    params::{ConvParams, DELTA_NET_CHUNK, DELTA_NET_COLS},
+    DeltaNetGated, DeltaNetIn,
 };
 
 /// Tokens up to which `delta_net_gated` runs as one dispatch: its threadgroup of a key head walks
@@ -50,15 +50,11 @@ pub fn delta_net_conv<X: Executor>(
 
 pub fn delta_net<X: Executor>(
     m: &Metal<X>,
-    p: &DeltaNetParams,
-    qkv: &MetalBuf<X>,
-    a: &MetalBuf<X>,
-    b: &MetalBuf<X>,
-    a_log: &MetalBuf<X>,
-    dt_bias: &MetalBuf<X>,
+    x: &DeltaNetIn<'_, MetalBuf<X>>,
     state: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let (p, [qkv, a, b, a_log, dt_bias]) = (x.p, x.bufs());
     let (t, hv, dv) = (p.tokens as usize, p.value_heads as usize, p.value_dim as usize);
     let have = [
         qkv.len(),
@@ -77,7 +73,7 @@ pub fn delta_net<X: Executor>(
         return;
     }
     if t > 0 && t >= m.delta_net_chunk_tokens as usize {
-        return delta_net_chunked(m, p, qkv, a, b, a_log, dt_bias, state, out);
+        return delta_net_chunked(m, x, state, out);
     }
     let args = [
         Arg::Bytes(bytes_of(p)),
@@ -114,15 +110,11 @@ fn delta_net_block(dk: usize, dv: usize) -> usize {
 /// value heads). The caller has checked the shapes and buffer sizes.
 fn delta_net_chunked<X: Executor>(
     m: &Metal<X>,
-    p: &DeltaNetParams,
-    qkv: &MetalBuf<X>,
-    a: &MetalBuf<X>,
-    b: &MetalBuf<X>,
-    a_log: &MetalBuf<X>,
-    dt_bias: &MetalBuf<X>,
+    x: &DeltaNetIn<'_, MetalBuf<X>>,
     state: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let (p, [qkv, a, b, a_log, dt_bias]) = (x.p, x.bufs());
     let (t, hv, dk, dv) = (
         p.tokens as usize,
         p.value_heads as usize,

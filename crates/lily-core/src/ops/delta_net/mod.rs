@@ -70,29 +70,23 @@ pub fn delta_net_checks(p: &DeltaNetParams, have: [usize; 7]) -> Result<[(&'stat
     Ok(std::array::from_fn(|i| (names[i], have[i], need[i])))
 }
 
-/// The operands of `delta_net` that it only reads, as host slices: what the reference twins and
-/// the CPU kernel take. Both read a token's q / k / v rows and gates through [`DeltaNetIn::heads`]
-/// and [`DeltaNetIn::gates`]; they differ in how they norm and recur.
-pub struct DeltaNetIn<'a> {
+/// The operands of `delta_net` that it only reads, in buffers of a backend (`Backend::delta_net`
+/// takes `DeltaNetIn<B::Buf>`) or as host slices (the default, `DeltaNetIn<[f32]>`: what the
+/// reference twins and the CPU kernel take). Both of those read a token's q / k / v rows and gates
+/// through [`DeltaNetIn::heads`] and [`DeltaNetIn::gates`]; they differ in how they norm and recur.
+pub struct DeltaNetIn<'a, Buf: ?Sized = [f32]> {
     pub p: &'a DeltaNetParams,
     /// [T, 2 Hk Dk + Hv Dv] (q | k | v), [T, Hv], [T, Hv], [Hv], [Hv].
-    pub qkv: &'a [f32],
-    pub a: &'a [f32],
-    pub b: &'a [f32],
-    pub a_log: &'a [f32],
-    pub dt_bias: &'a [f32],
+    pub qkv: &'a Buf,
+    pub a: &'a Buf,
+    pub b: &'a Buf,
+    pub a_log: &'a Buf,
+    pub dt_bias: &'a Buf,
 }
 
-impl<'a> DeltaNetIn<'a> {
-    /// The operands in `delta_net`'s argument order.
-    pub fn new(
-        p: &'a DeltaNetParams,
-        qkv: &'a [f32],
-        a: &'a [f32],
-        b: &'a [f32],
-        a_log: &'a [f32],
-        dt_bias: &'a [f32],
-    ) -> Self {
+impl<'a, Buf: ?Sized> DeltaNetIn<'a, Buf> {
+    /// The operands in the order the math names them.
+    pub fn new(p: &'a DeltaNetParams, qkv: &'a Buf, a: &'a Buf, b: &'a Buf, a_log: &'a Buf, dt_bias: &'a Buf) -> Self {
         DeltaNetIn {
             p,
             qkv,
@@ -103,6 +97,22 @@ impl<'a> DeltaNetIn<'a> {
         }
     }
 
+    /// The five buffers: qkv, a, b, a_log, dt_bias.
+    pub fn bufs(&self) -> [&'a Buf; 5] {
+        [self.qkv, self.a, self.b, self.a_log, self.dt_bias]
+    }
+
+    /// The same operands as host slices (the CPU backend's `Vec<f32>` buffers).
+    pub fn slices(&self) -> DeltaNetIn<'a>
+    where
+        Buf: AsRef<[f32]>,
+    {
+        let [qkv, a, b, a_log, dt_bias] = self.bufs().map(AsRef::as_ref);
+        DeltaNetIn::new(self.p, qkv, a, b, a_log, dt_bias)
+    }
+}
+
+impl<'a> DeltaNetIn<'a> {
     /// Token t's q, k (before their norms) and v for value head j: q/k head j / (Hv/Hk).
     #[inline]
     pub fn heads(&self, t: usize, j: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {

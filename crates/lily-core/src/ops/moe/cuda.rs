@@ -10,7 +10,7 @@ use crate::backend::{
     },
     gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
     params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
-    MoeBlock, MoeScratch,
+    GateUp, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
@@ -56,18 +56,14 @@ pub fn moe_route<X: Executor>(
 /// [1, D] of one weight format and one D: the GEMV's blocks, then the last block of each token
 /// routes it, counted in the stream's `router_counts`); otherwise (prefill, other shapes,
 /// `LILY_CUDA_FUSED_ROUTER=0`) its parts, `matmuls` then `moe_route`.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_router<X: Executor>(
     c: &Cuda<X>,
     p: &RouteParams,
     x: &CudaBuf<X>,
-    router: &CudaMat<X>,
-    shared_gate: &CudaMat<X>,
-    logits: &mut CudaBuf<X>,
-    shared: &mut CudaBuf<X>,
-    ids: &mut CudaBuf<X>,
-    weights: &mut CudaBuf<X>,
+    r: &Router<'_, Cuda<X>>,
+    out: &mut Routing<'_, Cuda<X>>,
 ) {
+    let (router, shared_gate) = (r.router, r.shared_gate);
     let (t, e, k, d) = (
         p.tokens as usize,
         p.experts as usize,
@@ -80,17 +76,17 @@ pub fn moe_router<X: Executor>(
         && shared_gate.desc.rows == 1
         && router.desc.rows as usize == e;
     if t == 0 || t > c.gemv_tokens || !one_launch {
-        return moe_router_unfused(c, p, x, router, shared_gate, logits, shared, ids, weights);
+        return moe_router_unfused(c, p, x, r, out);
     }
     if !route_fits(c, "moe_router", p)
         || !c.fits(
             "moe_router",
             &[
                 ("x", x.len, t * d),
-                ("logits", logits.len, t * e),
-                ("shared", shared.len, t),
-                ("ids", ids.len, t * k),
-                ("weights", weights.len, t * k),
+                ("logits", out.logits.len, t * e),
+                ("shared", out.shared.len, t),
+                ("ids", out.ids.len, t * k),
+                ("weights", out.weights.len, t * k),
             ],
         )
     {
@@ -125,11 +121,11 @@ pub fn moe_router<X: Executor>(
         .ptr(ss)
         .ptr(sb)
         .ptr(x.ptr())
-        .ptr(logits.ptr())
-        .ptr(shared.ptr())
+        .ptr(out.logits.ptr())
+        .ptr(out.shared.ptr())
         .ptr(counts)
-        .ptr(ids.ptr())
-        .ptr(weights.ptr());
+        .ptr(out.ids.ptr())
+        .ptr(out.weights.ptr());
     c.launch(
         Kernel::weight(WeightOp::MoeRouter, router.weight),
         shape([ends[1], t as u32, 1], 256),
@@ -137,21 +133,16 @@ pub fn moe_router<X: Executor>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_experts<X: Executor>(
     c: &Cuda<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Cuda<X>>,
     x: &CudaBuf<X>,
-    ids: &CudaBuf<X>,
-    weights: &CudaBuf<X>,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
-    down: &CudaMat<X>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let (t, d, out_ptr) = (p.tokens as usize, gate.desc.cols, out.ptr());
-    moe_experts_then(c, p, x, ids, weights, gate, up, down, None, tmp, out, |y| {
+    let (t, d, out_ptr, weights) = (p.tokens as usize, e.gate.desc.cols, out.ptr(), e.weights);
+    moe_experts_then(c, p, e, x, None, tmp, out, |y| {
         let rows = RowsParams {
             tokens: p.tokens,
             dim: d,
@@ -181,17 +172,14 @@ pub(crate) type SharedPair<'a, X> = [&'a CudaMat<X>; 3];
 pub(crate) fn moe_experts_then<X: Executor>(
     c: &Cuda<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Cuda<X>>,
     x: &CudaBuf<X>,
-    ids: &CudaBuf<X>,
-    weights: &CudaBuf<X>,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
-    down: &CudaMat<X>,
     shared: Option<SharedPair<'_, X>>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
     combine: impl FnOnce(u64),
 ) {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * (k + shared.is_some() as usize);
@@ -218,7 +206,7 @@ pub(crate) fn moe_experts_then<X: Executor>(
         if shared.is_some() {
             return c.fail("moe_experts: the shared expert as a pair past the GEMV token limit".into());
         }
-        return experts_sorted(c, p, x, ids, weights, gate, up, down, tmp, out);
+        return experts_sorted(c, p, e, x, tmp, out);
     }
     let sh = match shared {
         Some([sg, su, sd]) => {
@@ -295,10 +283,11 @@ fn runs_as_pair<X: Executor>(r: &MoeBlock<'_, Cuda<X>>) -> bool {
             && (a.rows, a.cols, a.group, a.row_bytes, a.vec, a.group_shift)
                 == (b.rows, b.cols, b.group, b.row_bytes, b.vec, b.group_shift)
     };
-    r.shared_inter == r.gate.desc.rows
-        && like(r.shared_gate, r.gate)
-        && like(r.shared_up, r.up)
-        && like(r.shared_down, r.down)
+    let e = &r.experts;
+    r.shared_inter == e.gate.desc.rows
+        && like(r.shared_gate, e.gate)
+        && like(r.shared_up, e.up)
+        && like(r.shared_down, e.down)
 }
 
 /// The gate/up GEMV kernels' shared arguments after their params: [`gate_up_mats`], then ks
@@ -328,21 +317,20 @@ fn gate_up_mats<X: Executor>(args: Args, gate: &CudaMat<X>, up: &CudaMat<X>) -> 
 /// `gate_up_swiglu`: one `gate_up_swiglu` launch up to `gemv_tokens` tokens (gate and up of one
 /// weight format and shape); otherwise (prefill: the tensor-core GEMMs) its unfused parts, into
 /// the scratch g, u.
-#[allow(clippy::too_many_arguments)]
 pub fn gate_up_swiglu<X: Executor>(
     c: &Cuda<X>,
     p: &RowsParams,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
+    w: &GateUp<'_, Cuda<X>>,
     x: &CudaBuf<X>,
     g: &mut CudaBuf<X>,
     u: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let (gate, up) = (w.gate, w.up);
     let (t, n, k) = (p.tokens as usize, gate.desc.rows as usize, gate.desc.cols as usize);
     let same = gate.weight == up.weight && (up.desc.rows, up.desc.cols) == (gate.desc.rows, gate.desc.cols);
     if t == 0 || t > c.gemv_tokens || !same {
-        return gate_up_swiglu_unfused(c, p, gate, up, x, g, u, out);
+        return gate_up_swiglu_unfused(c, p, w, x, g, u, out);
     }
     if n != p.dim as usize {
         return c.fail(format!(
@@ -366,19 +354,15 @@ pub fn gate_up_swiglu<X: Executor>(
 /// act) run one block row per tile, the grid sized for the most tiles there can be
 /// (`max_tiles`; blocks past the count return at once); `moe_combine_sorted` sums each token's
 /// K rows in slot order. The caller has checked shapes and sizes.
-#[allow(clippy::too_many_arguments)]
 fn experts_sorted<X: Executor>(
     c: &Cuda<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Cuda<X>>,
     x: &CudaBuf<X>,
-    ids: &CudaBuf<X>,
-    weights: &CudaBuf<X>,
-    gate: &CudaMat<X>,
-    up: &CudaMat<X>,
-    down: &CudaMat<X>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d, e) = (gate.desc.rows as usize, gate.desc.cols as usize, gate.experts as usize);
     let pairs = t * k;

@@ -17,7 +17,7 @@ use crate::{
             MoeParams, MoeSortDesc, RmsNormParams, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS,
             ROUTE_TOP_K_MAX,
         },
-        Backend, MoeBlock, MoeScratch,
+        Backend, GateUp, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
     },
     error::{Error, Result},
 };
@@ -80,18 +80,14 @@ pub fn moe_route<X: Executor>(
 /// [1, D] of one weight format and one D: the GEMV's threadgroups hand the logits to the last one
 /// through the `RouterMail` scratch, which routes); otherwise (prefill, other shapes) its parts,
 /// the two matmuls then `moe_route`. The logits buffer is not written by the dispatch.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_router<X: Executor>(
     m: &Metal<X>,
     p: &RouteParams,
     x: &MetalBuf<X>,
-    router: &MetalMatrix<X>,
-    shared_gate: &MetalMatrix<X>,
-    logits: &mut MetalBuf<X>,
-    shared: &mut MetalBuf<X>,
-    ids: &mut MetalBuf<X>,
-    weights: &mut MetalBuf<X>,
+    r: &Router<'_, Metal<X>>,
+    out: &mut Routing<'_, Metal<X>>,
 ) {
+    let (router, shared_gate) = (r.router, r.shared_gate);
     let (t, e, k, d) = (
         p.tokens as usize,
         p.experts as usize,
@@ -104,16 +100,16 @@ pub fn moe_router<X: Executor>(
         && shared_gate.desc.rows == 1
         && router.desc.rows as usize == e;
     if !one_dispatch {
-        return moe_router_unfused(m, p, x, router, shared_gate, logits, shared, ids, weights);
+        return moe_router_unfused(m, p, x, r, out);
     }
     if !route_fits(m, "moe_router", p)
         || !m.fits(
             "moe_router",
             &[
                 ("x", x.len(), d),
-                ("shared", shared.len(), 1),
-                ("ids", ids.len(), k),
-                ("weights", weights.len(), k),
+                ("shared", out.shared.len(), 1),
+                ("ids", out.ids.len(), k),
+                ("weights", out.weights.len(), k),
             ],
         )
     {
@@ -136,10 +132,10 @@ pub fn moe_router<X: Executor>(
         ss,
         sb,
         x.arg(),
-        shared.arg(),
+        out.shared.arg(),
         mail.part(0, e + 1),
-        ids.arg(),
-        weights.arg(),
+        out.ids.arg(),
+        out.weights.arg(),
     ];
     let v = m.variants;
     let grid = Grid::Groups {
@@ -154,27 +150,22 @@ pub fn moe_router<X: Executor>(
     );
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_experts<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    weights: &MetalBuf<X>,
-    gate: &MetalMatrix<X>,
-    up: &MetalMatrix<X>,
-    down: &MetalMatrix<X>,
     tmp: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    if !experts_fit(m, p, x, ids, weights, [gate, up, down], tmp, out) {
+    if !experts_fit(m, p, e, x, tmp, out) {
         return;
     }
-    let (t, d) = (p.tokens as usize, gate.desc.cols as usize);
-    if !decodes_per_pair(m, p, gate) {
-        return moe_experts_sorted(m, p, x, ids, weights, gate, up, down, tmp, out);
+    let (t, d) = (p.tokens as usize, e.gate.desc.cols as usize);
+    if !decodes_per_pair(m, p, e.gate) {
+        return moe_experts_sorted(m, p, e, x, tmp, out);
     }
-    let (y0, yn) = expert_gemvs(m, p, x, ids, [gate, up, down], None, tmp);
+    let (y0, yn) = expert_gemvs(m, p, e, x, None, tmp);
     let y = tmp.part(y0, yn);
     let rows = RowsParams {
         tokens: p.tokens,
@@ -183,7 +174,7 @@ pub fn moe_experts<X: Executor>(
     let args = [
         Arg::Bytes(bytes_of(p)),
         Arg::Bytes(bytes_of(&rows)),
-        weights.arg(),
+        e.weights.arg(),
         y,
         out.arg(),
     ];
@@ -192,17 +183,15 @@ pub fn moe_experts<X: Executor>(
 
 /// The checks of `moe_experts` (one weight format for gate, up and down; every buffer long
 /// enough; `out` [T, D]), failing the stream when one does not hold.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn experts_fit<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    weights: &MetalBuf<X>,
-    [gate, up, down]: [&MetalMatrix<X>; 3],
     tmp: &MetalBuf<X>,
     out: &MetalBuf<X>,
 ) -> bool {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     if gate.weight != up.weight || gate.weight != down.weight {
@@ -242,12 +231,12 @@ pub(crate) type SharedPair<'a, X> = [&'a MetalMatrix<X>; 3];
 pub(crate) fn expert_gemvs<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    [gate, up, down]: [&MetalMatrix<X>; 3],
     shared: Option<SharedPair<'_, X>>,
     tmp: &MetalBuf<X>,
 ) -> (usize, usize) {
+    let ([gate, up, down], ids) = (e.matrices(), e.ids);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * k + shared.map_or(0, |_| t);
@@ -311,7 +300,7 @@ pub fn moe_add_rms_norm<X: Executor>(
     x: &mut MetalBuf<X>,
     h: &mut MetalBuf<X>,
 ) {
-    if moe.tokens == 0 || !decodes_per_pair(m, moe, r.gate) || !runs_as_pair(r) {
+    if moe.tokens == 0 || !decodes_per_pair(m, moe, r.experts.gate) || !runs_as_pair(r) {
         return moe_add_rms_norm_unfused(m, moe, norm, r, s, x, h);
     }
     // `s.y` is not read: the shared expert's output is its pairs' rows of the experts' y.
@@ -327,10 +316,11 @@ fn runs_as_pair<X: Executor>(r: &MoeBlock<'_, Metal<X>>) -> bool {
     let like = |s: &MetalMatrix<X>, e: &MetalMatrix<X>| {
         s.weight == e.weight && (s.desc.rows, s.desc.cols) == (e.desc.rows, e.desc.cols)
     };
-    r.shared_inter == r.gate.desc.rows
-        && like(r.shared_gate, r.gate)
-        && like(r.shared_up, r.up)
-        && like(r.shared_down, r.down)
+    let e = &r.experts;
+    r.shared_inter == e.gate.desc.rows
+        && like(r.shared_gate, e.gate)
+        && like(r.shared_up, e.up)
+        && like(r.shared_down, e.down)
 }
 
 /// The gate and up matrices as every gate/up kernel (`moe_gate_up`, `gate_up_swiglu`,
@@ -358,21 +348,20 @@ fn gate_up_args<'a, X: Executor>(
 /// `gate_up_swiglu`: one `gate_up_swiglu` GEMV dispatch for a decode token (gate and up of one
 /// weight format and shape); otherwise (prefill: the GEMMs read each weight once per tile of
 /// tokens) its unfused parts, into the scratch g, u.
-#[allow(clippy::too_many_arguments)]
 pub fn gate_up_swiglu<X: Executor>(
     m: &Metal<X>,
     p: &RowsParams,
-    gate: &MetalMatrix<X>,
-    up: &MetalMatrix<X>,
+    w: &GateUp<'_, Metal<X>>,
     x: &MetalBuf<X>,
     g: &mut MetalBuf<X>,
     u: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let (gate, up) = (w.gate, w.up);
     let (t, n, k) = (p.tokens as usize, gate.desc.rows as usize, gate.desc.cols as usize);
     let fused = t == 1 && gate.weight == up.weight && (up.desc.rows, up.desc.cols) == (gate.desc.rows, gate.desc.cols);
     if !fused {
-        return gate_up_swiglu_unfused(m, p, gate, up, x, g, u, out);
+        return gate_up_swiglu_unfused(m, p, w, x, g, u, out);
     }
     if n != p.dim as usize {
         return m.fail(format!(
@@ -504,15 +493,12 @@ pub fn moe_sort<X: Executor>(m: &Metal<X>, p: &MoeParams, ids: &MetalBuf<X>, exp
 fn moe_experts_sorted<X: Executor>(
     m: &Metal<X>,
     p: &MoeParams,
+    e: &MoeExperts<'_, Metal<X>>,
     x: &MetalBuf<X>,
-    ids: &MetalBuf<X>,
-    weights: &MetalBuf<X>,
-    gate: &MetalMatrix<X>,
-    up: &MetalMatrix<X>,
-    down: &MetalMatrix<X>,
     tmp: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d) = (gate.desc.rows as usize, gate.desc.cols as usize);
     let pairs = t * k;

@@ -7,7 +7,7 @@ use crate::{
         cuda::{kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
         moe_experts_add_rms_norm_unfused,
         params::{MoeParams, RmsNormParams},
-        MoeAddNorm,
+        GatedAdd, MoeAddNorm,
     },
     ops::moe::cuda::{decodes_per_pair, moe_experts_then, SharedPair},
 };
@@ -65,17 +65,15 @@ pub fn add_rms_norm<X: Executor>(
     row_norm(c, "add_rms_norm", F::AddRmsNorm, p, &bufs);
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn add_gated_rms_norm<X: Executor>(
     c: &Cuda<X>,
     p: &RmsNormParams,
     x: &mut CudaBuf<X>,
-    y: &CudaBuf<X>,
-    shared: &CudaBuf<X>,
-    gate: &CudaBuf<X>,
+    add: &GatedAdd<'_, Cuda<X>>,
     w: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
+    let GatedAdd { y, shared, gate } = *add;
     let (n, d, rows) = ((p.rows * p.dim) as usize, p.dim as usize, p.rows as usize);
     let bufs = [
         ("x", &*x, n),
@@ -126,10 +124,10 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
         return moe_experts_add_rms_norm_unfused(c, moe, p, r, tmp, mix, x, h);
     }
     let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
-    if p.rows != moe.tokens || r.gate.desc.cols != p.dim {
+    if p.rows != moe.tokens || r.experts.gate.desc.cols != p.dim {
         return c.fail(format!(
             "moe_experts_add_rms_norm: a norm of {} rows of {d} after experts of {} tokens of {}",
-            p.rows, moe.tokens, r.gate.desc.cols
+            p.rows, moe.tokens, r.experts.gate.desc.cols
         ));
     }
     let checks = [
@@ -150,36 +148,23 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
         Some(_) => ((k + 1) * dim, (k + 1) * dim),
         None => (k * dim, dim),
     };
-    moe_experts_then(
-        c,
-        moe,
-        h,
-        r.ids,
-        r.weights,
-        r.gate,
-        r.up,
-        r.down,
-        shared,
-        tmp,
-        mix,
-        |y| {
-            let args = Args::new()
-                .push(*p)
-                .push(*moe)
-                .push(y_stride)
-                .ptr(r.weights.ptr())
-                .ptr(y)
-                .ptr(x_ptr)
-                .ptr(if shared.is_some() {
-                    y + k * dim * 4
-                } else {
-                    r.shared.ptr()
-                })
-                .push(shared_stride)
-                .ptr(r.shared_gate.ptr())
-                .ptr(r.norm_w.ptr())
-                .ptr(h_ptr);
-            c.launch(F::MoeExpertsAddRmsNorm, shape([p.rows, 1, 1], 256), args);
-        },
-    );
+    moe_experts_then(c, moe, &r.experts, h, shared, tmp, mix, |y| {
+        let args = Args::new()
+            .push(*p)
+            .push(*moe)
+            .push(y_stride)
+            .ptr(r.experts.weights.ptr())
+            .ptr(y)
+            .ptr(x_ptr)
+            .ptr(if shared.is_some() {
+                y + k * dim * 4
+            } else {
+                r.shared.ptr()
+            })
+            .push(shared_stride)
+            .ptr(r.shared_gate.ptr())
+            .ptr(r.norm_w.ptr())
+            .ptr(h_ptr);
+        c.launch(F::MoeExpertsAddRmsNorm, shape([p.rows, 1, 1], 256), args);
+    });
 }

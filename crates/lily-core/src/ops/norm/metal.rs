@@ -6,7 +6,7 @@ use crate::{
         metal::{args::bytes_of, norm_threads, Arg, Executor, Fixed, Grid, Metal, MetalBuf},
         moe_experts_add_rms_norm_unfused,
         params::{MoeParams, RmsNormParams},
-        MoeAddNorm,
+        GatedAdd, MoeAddNorm,
     },
     ops::moe::metal::{decodes_per_pair, expert_gemvs, experts_fit, SharedPair},
 };
@@ -65,17 +65,15 @@ pub fn add_rms_norm<X: Executor>(
 
 /// x += y + sigmoid(gate[row]) * shared, then out = rms_norm(x, w), in one pass
 /// (`add_gated_rms_norm`).
-#[allow(clippy::too_many_arguments)]
 pub fn add_gated_rms_norm<X: Executor>(
     m: &Metal<X>,
     p: &RmsNormParams,
     x: &mut MetalBuf<X>,
-    y: &MetalBuf<X>,
-    shared: &MetalBuf<X>,
-    gate: &MetalBuf<X>,
+    add: &GatedAdd<'_, Metal<X>>,
     w: &MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
+    let GatedAdd { y, shared, gate } = *add;
     let n = (p.rows * p.dim) as usize;
     let checks = [
         ("x", x.len(), n),
@@ -133,18 +131,21 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
     x: &mut MetalBuf<X>,
     h: &mut MetalBuf<X>,
 ) {
-    if !decodes_per_pair(m, moe, r.gate) && shared.is_none() {
+    if !decodes_per_pair(m, moe, r.experts.gate) && shared.is_none() {
         return moe_experts_add_rms_norm_unfused(m, moe, p, r, tmp, mix, x, h);
     }
-    let (n, d) = ((p.rows * p.dim) as usize, r.gate.desc.cols as usize);
+    let (n, d) = ((p.rows * p.dim) as usize, r.experts.gate.desc.cols as usize);
     if p.rows != moe.tokens || p.dim as usize != d {
         return m.fail(format!(
             "moe_experts_add_rms_norm: a norm of {} rows of {} after experts of {} tokens of {d}",
             p.rows, p.dim, moe.tokens
         ));
     }
-    let experts = [r.gate, r.up, r.down];
-    let (t, k, i) = (moe.tokens as usize, moe.top_k as usize, r.gate.desc.rows as usize);
+    let (t, k, i) = (
+        moe.tokens as usize,
+        moe.top_k as usize,
+        r.experts.gate.desc.rows as usize,
+    );
     let pairs = t * k + shared.map_or(0, |_| t);
     let checks = [
         ("x", x.len(), n),
@@ -153,10 +154,10 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
         ("norm_w", r.norm_w.len(), d),
         ("tmp", tmp.len(), pairs * (i + d)),
     ];
-    if !experts_fit(m, moe, h, r.ids, r.weights, experts, tmp, h) || !m.fits("moe_experts_add_rms_norm", &checks) {
+    if !experts_fit(m, moe, &r.experts, h, tmp, h) || !m.fits("moe_experts_add_rms_norm", &checks) {
         return;
     }
-    let (y0, yn) = expert_gemvs(m, moe, h, r.ids, experts, shared, tmp);
+    let (y0, yn) = expert_gemvs(m, moe, &r.experts, h, shared, tmp);
     // The shared expert's output: its T pairs' rows of y, after the T*K routed ones.
     let shared_out = match shared {
         Some(_) => tmp.part(y0 + t * k * d, t * d),
@@ -165,7 +166,7 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
     let args = [
         Arg::Bytes(bytes_of(p)),
         Arg::Bytes(bytes_of(moe)),
-        r.weights.arg(),
+        r.experts.weights.arg(),
         tmp.part(y0, yn),
         x.arg(),
         shared_out,
