@@ -167,6 +167,44 @@ fn dequant_every_isa_matches_reference_exactly() {
 }
 
 #[test]
+fn gemm_every_pass_width_matches_reference() {
+    let _g = serial();
+    // 1..=25 tokens: every width of the outer-product kernel's passes (1..=12 on AVX-512, 1..=6 on
+    // AVX2) and the even split of the rows over passes (AVX-512: 13 = 7 + 6, 25 = 9 + 8 + 8); 40
+    // rows: a full and a partial tile block; 64-column groups of 4-bit rows (the 16-row AVX-512
+    // dequantization, then 8 rows and a scalar tail).
+    let format = Format::Affine { bits: 4, group: 64 };
+    let (n, k) = (40, 192);
+    let w = matrix(1, n, k, format, DType::BF16, 31);
+    for t in 1..=25 {
+        let x = rand_vec(t * k, 7 + t as u64, -1.0, 1.0);
+        let p = MatmulParams {
+            tokens: t as u32,
+            x_row0: 0,
+        };
+        let mut b = vec![f32::NAN; t * n];
+        matmul::reference::matmul(&p, &w, &x, &mut b);
+        let mut outer: Option<Vec<f32>> = None;
+        for isa in Isa::all_available() {
+            let mut a = vec![f32::NAN; t * n];
+            matmul::cpu::gemm(isa, &w, 0, &x, t, &mut a);
+            assert_close(&a, &b, tol(Precision::Exact, format), &format!("{isa:?} gemm t={t}"));
+            // One f32 FMA chain per output in column order, whatever the tile width and pass
+            // width: the outer-product ISAs agree to the bit (so the prefill's accuracy is theirs).
+            if simd::kmajor_rows(isa) > 0 {
+                match &outer {
+                    Some(o) => assert!(
+                        o.iter().zip(&a).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "{isa:?} gemm t={t}: not bitwise equal to the other outer-product ISA"
+                    ),
+                    None => outer = Some(a),
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn kmajor_tiles_match_reference_exactly() {
     let _g = serial();
     for isa in Isa::all_available().into_iter().filter(|&i| simd::kmajor_rows(i) > 0) {
@@ -176,8 +214,16 @@ fn kmajor_tiles_match_reference_exactly() {
             let (k, rows) = (2304, 2 * r_n + 8);
             let m = matrix(2, rows, k, format, sd, 21 + fi as u64);
             let mut b = vec![0f32; k];
-            // Whole 8-row blocks, a partial tail, a tile short of full, at an odd first row.
-            for (e, r0, rn) in [(0, 0, r_n), (1, 3, r_n), (1, r_n, 13), (0, 8, 5), (1, 2 * r_n, 8)] {
+            // Whole 8-row blocks, a partial tail, a tile short of full, at an odd first row; 29 rows:
+            // one 16-row block (AVX-512), one of 8 and 5 rows left.
+            for (e, r0, rn) in [
+                (0, 0, r_n),
+                (1, 3, r_n),
+                (1, r_n, 13),
+                (0, 8, 5),
+                (1, 2 * r_n, 8),
+                (0, 5, 29.min(r_n)),
+            ] {
                 let (mut wt, mut row) = (vec![f32::NAN; r_n * k], vec![0f32; k]);
                 simd::dequant_kmajor(isa, &m, e, r0..r0 + rn, &mut wt, &mut row);
                 for i in 0..rn {

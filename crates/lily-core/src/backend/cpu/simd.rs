@@ -612,6 +612,62 @@ pub fn tile_kxn(isa: Isa, wt: &[f32], x: [&[f32]; 6], n: usize, k: usize, out: &
     *out = [[0.0; 32]; 6];
 }
 
+/// Most activation rows one pass of [`tile_kxn_wide`] takes.
+pub const TILE_N_WIDE: usize = 12;
+
+/// Activation rows per pass of the outer-product kernel ([`tile_kxn_wide`]): 12 with AVX-512 (24
+/// of its 32 registers accumulate: 2 weight loads and 12 broadcasts per 24 FMAs, and a 256-token
+/// prompt sweeps each tile 22 times instead of 43), 6 with AVX2 (12 of its 16; [`tile_kxn`]); 0
+/// where there is no outer-product kernel.
+pub fn kmajor_cols(isa: Isa) -> usize {
+    match kmajor_rows(isa) {
+        32 => TILE_N_WIDE,
+        0 => 0,
+        _ => 6,
+    }
+}
+
+/// [`tile_kxn`] for up to [`kmajor_cols`]`(isa)` activation rows (1..=12 with AVX-512, 1..=6 with
+/// AVX2): out[t][r] = sum_j wt[j][r] x[t][j] for r < [`kmajor_rows`]`(isa)`, t < n. The same f32
+/// FMA chain per output (one per column, in column order) as [`tile_kxn`], so the same bits.
+/// Only for ISAs where `kmajor_rows(isa) > 0`; others get zeros.
+#[inline]
+pub fn tile_kxn_wide(
+    isa: Isa,
+    wt: &[f32],
+    x: [&[f32]; TILE_N_WIDE],
+    n: usize,
+    k: usize,
+    out: &mut [[f32; 32]; TILE_N_WIDE],
+) {
+    assert!(
+        wt.len() >= kmajor_rows(isa) * k
+            && (1..=kmajor_cols(isa).max(1)).contains(&n)
+            && x[..n].iter().all(|r| r.len() >= k)
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512 {
+            let xp = x.map(|r| r.as_ptr());
+            macro_rules! by_n {
+                ($($n:literal)*) => {
+                    // SAFETY: ISA available; the tile and the first n rows hold k columns.
+                    unsafe {
+                        match n {
+                            $($n => x86::tile32x12_avx512::<$n>(wt.as_ptr(), xp, k, out),)*
+                            _ => x86::tile32x12_avx512::<12>(wt.as_ptr(), xp, k, out),
+                        }
+                    }
+                };
+            }
+            return by_n!(1 2 3 4 5 6 7 8 9 10 11);
+        }
+    }
+    let (head, _) = out.split_at_mut(6);
+    let head: &mut [[f32; 32]; 6] = head.try_into().expect("6 rows");
+    tile_kxn(isa, wt, std::array::from_fn(|t| x[t]), n, k, head)
+}
+
 /// The K-major tile of rows `rows` of expert `e` of `m`: wt[j * R + i] = W[rows.start + i][j] for
 /// R = [`kmajor_rows`]`(isa)` > 0 (columns i >= rows.len() are left as they were). 4-bit affine rows
 /// with groups of a multiple of 32 are dequantized straight into that layout, 8 rows at a time
@@ -628,9 +684,17 @@ pub fn dequant_kmajor(isa: Isa, m: &Matrix, e: usize, rows: std::ops::Range<usiz
         0
     };
     #[cfg(target_arch = "x86_64")]
-    for i in (0..fast).step_by(8) {
-        // SAFETY: AVX2 is part of every ISA with r_n > 0; 8 stored rows exist; wt holds r_n * k.
-        unsafe { x86::dequant8_kmajor_q4(m, m.stored_row(e, rows.start + i), wt.as_mut_ptr().add(i), r_n) };
+    {
+        // AVX-512: 16 rows per call (one zmm per nibble position), the packed rows prefetched ahead.
+        let wide = if isa == Isa::Avx512 { fast / 16 * 16 } else { 0 };
+        for i in (0..wide).step_by(16) {
+            // SAFETY: ISA available; 16 stored rows exist; wt holds r_n * k.
+            unsafe { x86::dequant16_kmajor_q4_avx512(m, m.stored_row(e, rows.start + i), wt.as_mut_ptr().add(i), r_n) };
+        }
+        for i in (wide..fast).step_by(8) {
+            // SAFETY: AVX2 is part of every ISA with r_n > 0; 8 stored rows exist; wt holds r_n * k.
+            unsafe { x86::dequant8_kmajor_q4(m, m.stored_row(e, rows.start + i), wt.as_mut_ptr().add(i), r_n) };
+        }
     }
     for i in fast..rows.len() {
         dequant_row(isa, m, m.stored_row(e, rows.start + i), row);
@@ -1324,6 +1388,35 @@ mod x86 {
         _mm256_storeu_ps
     );
 
+    /// [`tile32xn_avx512`] for N <= 12 activation rows: 2 N = 24 accumulators, the two weight
+    /// vectors and a broadcast take 27 of the 32 zmm registers; per column 2 loads and N broadcasts
+    /// per 2 N FMAs (at N = 12, 14 load ops per 24 FMAs against 8 per 12 at N = 6), and the tile
+    /// is swept half as often. out[t][r] = row r . x[t], one FMA chain per output in column order.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn tile32x12_avx512<const N: usize>(
+        wt: *const f32,
+        x: [*const f32; super::TILE_N_WIDE],
+        k: usize,
+        out: &mut [[f32; 32]; super::TILE_N_WIDE],
+    ) {
+        unsafe {
+            let mut c = [[_mm512_setzero_ps(); 2]; N];
+            for j in 0..k {
+                let w0 = _mm512_loadu_ps(wt.add(32 * j));
+                let w1 = _mm512_loadu_ps(wt.add(32 * j + 16));
+                for (t, ct) in c.iter_mut().enumerate() {
+                    let b = _mm512_set1_ps(*x[t].add(j));
+                    ct[0] = _mm512_fmadd_ps(w0, b, ct[0]);
+                    ct[1] = _mm512_fmadd_ps(w1, b, ct[1]);
+                }
+            }
+            for (t, ct) in c.iter().enumerate() {
+                _mm512_storeu_ps(out[t].as_mut_ptr(), ct[0]);
+                _mm512_storeu_ps(out[t].as_mut_ptr().add(16), ct[1]);
+            }
+        }
+    }
+
     /// 8 consecutive stored 4-bit affine rows (groups a multiple of 32) into 8 columns of a K-major
     /// tile: wt[j * stride + i] = s_i,g q_i,j + b_i,g for i < 8, j < cols. Per 32 columns: the 16
     /// bytes of each row (four 32-bit words of 8 nibbles) are transposed so that word c of all 8 rows
@@ -1351,6 +1444,7 @@ mod x86 {
         let w: [*const u8; 8] = parts.map(|p| p.0.as_ptr());
         let (mut sc, mut bi) = ([[0f32; PIECE]; 8], [[0f32; PIECE]; 8]);
         unsafe {
+            prefetch_rows(&w, 0, cols / 2, true);
             let mask = _mm256_set1_epi32(15);
             for g0 in (0..g_n).step_by(PIECE) {
                 let gn = PIECE.min(g_n - g0);
@@ -1365,6 +1459,7 @@ mod x86 {
                     let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
                     let first = (g0 + gi) * group;
                     for c0 in (first..first + group).step_by(32) {
+                        prefetch_rows(&w, c0 / 2, cols / 2, false);
                         // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
                         let v: [__m256i; 4] = std::array::from_fn(|r| {
                             // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
@@ -1392,6 +1487,104 @@ mod x86 {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// [`dequant8_kmajor_q4`] for 16 consecutive rows with AVX-512: wt[j * stride + i] = s_i,g q_i,j +
+    /// b_i,g for i < 16, j < cols. Per 32 columns the 16 bytes of each row are loaded as four zmm of
+    /// four rows each (rows r, r + 4, r + 8, r + 12 in the 128-bit lanes) and 4 x 4 word-transposed
+    /// within each lane, so word c of row i lands in lane i of one register; then shift, mask,
+    /// convert, scale, bias (mul then add, as the reference) and one 64-byte store per nibble
+    /// position: half the instructions per weight of the 8-row AVX2 version. The packed rows are
+    /// prefetched [`KMAJOR_AHEAD`] bytes ahead: an expert's rows are read once per prefill chunk,
+    /// straight from DRAM, in 16 streams of 1 KiB or less (too short for the hardware prefetcher
+    /// to ramp up: with ~8 tokens per expert the 8-row version spent most of its time on the loads).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dequant16_kmajor_q4_avx512(m: &Matrix, stored: usize, wt: *mut f32, stride: usize) {
+        const PIECE: usize = 64;
+        let Format::Affine { group, .. } = m.format else {
+            unreachable!("dequant16_kmajor_q4_avx512 takes 4-bit affine rows")
+        };
+        let (sd, cols) = (m.scale_dtype(), m.cols);
+        let (sz, g_n) = (sd.size(), cols / group);
+        let parts: [(&[u8], &[u8], &[u8]); 16] = std::array::from_fn(|i| m.row_parts(stored + i));
+        assert!(
+            parts
+                .iter()
+                .all(|p| p.0.len() >= cols / 2 && p.1.len() >= g_n * sz && p.2.len() >= g_n * sz),
+            "dequant16_kmajor_q4_avx512: row lengths"
+        );
+        let w: [*const u8; 16] = parts.map(|p| p.0.as_ptr());
+        let (mut sc, mut bi) = ([[0f32; PIECE]; 16], [[0f32; PIECE]; 16]);
+        unsafe {
+            prefetch_rows(&w, 0, cols / 2, true);
+            let mask = _mm512_set1_epi32(15);
+            for g0 in (0..g_n).step_by(PIECE) {
+                let gn = PIECE.min(g_n - g0);
+                for i in 0..16 {
+                    super::scalars_f32(sd, &parts[i].1[g0 * sz..][..gn * sz], &mut sc[i][..gn]);
+                    super::scalars_f32(sd, &parts[i].2[g0 * sz..][..gn * sz], &mut bi[i][..gn]);
+                }
+                for gi in 0..gn {
+                    // The 16 rows' scale and bias of group g0 + gi, one vector each.
+                    let (sv, bv): ([f32; 16], [f32; 16]) =
+                        (std::array::from_fn(|i| sc[i][gi]), std::array::from_fn(|i| bi[i][gi]));
+                    let (s, b) = (_mm512_loadu_ps(sv.as_ptr()), _mm512_loadu_ps(bv.as_ptr()));
+                    let first = (g0 + gi) * group;
+                    for c0 in (first..first + group).step_by(32) {
+                        prefetch_rows(&w, c0 / 2, cols / 2, false);
+                        let v: [__m512i; 4] = std::array::from_fn(|r| {
+                            // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
+                            let ld = |i: usize| _mm_loadu_si128(w[i].add(c0 / 2) as *const __m128i);
+                            let lo = _mm256_set_m128i(ld(r + 4), ld(r));
+                            let hi = _mm256_set_m128i(ld(r + 12), ld(r + 8));
+                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                        });
+                        let (a0, a1) = (_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+                        let (a2, a3) = (_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+                        let words = [
+                            _mm512_unpacklo_epi64(a0, a2),
+                            _mm512_unpackhi_epi64(a0, a2),
+                            _mm512_unpacklo_epi64(a1, a3),
+                            _mm512_unpackhi_epi64(a1, a3),
+                        ];
+                        for (c, &w) in words.iter().enumerate() {
+                            let mut w = w;
+                            for n in 0..8 {
+                                let q = _mm512_cvtepi32_ps(_mm512_and_si512(w, mask));
+                                // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
+                                let v = _mm512_add_ps(_mm512_mul_ps(s, q), b);
+                                _mm512_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
+                                w = _mm512_srli_epi32::<4>(w);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Bytes ahead of the current column that the K-major dequantizations prefetch in each row:
+    /// 4 cache lines of 16 rows = 64 misses in flight at most, about what a core's miss buffers hold.
+    const KMAJOR_AHEAD: usize = 256;
+
+    /// Prefetch for the K-major dequantizations, whose rows (`rows[i]`, `len` packed bytes each)
+    /// are read side by side, `at` bytes in: at the start (`first`) the rows' first
+    /// [`KMAJOR_AHEAD`] bytes, then at each cache line boundary the line [`KMAJOR_AHEAD`] ahead.
+    #[inline(always)]
+    unsafe fn prefetch_rows<const R: usize>(rows: &[*const u8; R], at: usize, len: usize, first: bool) {
+        let lines = if first {
+            0..KMAJOR_AHEAD.min(len)
+        } else if at % 64 == 0 && at + KMAJOR_AHEAD < len {
+            at + KMAJOR_AHEAD..at + KMAJOR_AHEAD + 1
+        } else {
+            return;
+        };
+        for l in lines.step_by(64) {
+            for &r in rows {
+                // SAFETY: a prefetch never faults; l < len, inside the row.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(l) as *const i8) };
             }
         }
     }

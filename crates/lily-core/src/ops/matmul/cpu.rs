@@ -9,7 +9,7 @@
 //!   it is in cache.
 //! - [`gemm`] (prefill, many activation rows): a block of weight rows is dequantized once into
 //!   an f32 tile (per-thread scratch), K-major for the outer-product kernel where the ISA has one
-//!   (32 or 16 rows x up to 6 activation rows per pass), else row-major for 4 x 4 dot tiles
+//!   (32 x up to 12 activation rows per pass on AVX-512, 16 x 6 on AVX2), else row-major for 4 x 4 dot tiles
 //!   ([`simd::dot4x4`]); row blocks are the parallel tasks ([`tile_sweep`]). The MoE experts
 //!   reuse the sweep, the chunked DeltaNet the 4 x 4 tiles ([`tile_products`]).
 
@@ -271,9 +271,11 @@ pub fn sweep_scratch_len(isa: Isa, k: usize) -> usize {
 /// The prefill sweep of one block of weight rows: dequantize rows `rows` (at most [`sweep_rows`])
 /// of expert `e` of `m` once, then call `emit(item, i, W[rows.start + i] . xrow(item))` for every
 /// item < items and i < rows.len(). `scr` holds [`sweep_scratch_len`] floats.
-/// With the outer-product kernel: a K-major tile, 6 activation rows per pass and a last pass of
-/// exactly the rows left (an expert sees ~8 tokens of a 256-token prompt: 6 + 2, not 6 + 6);
-/// otherwise a row-major tile and 4 x 4 dot tiles ([`tile_products`]). Accumulation f32.
+/// With the outer-product kernel: a K-major tile, up to [`simd::kmajor_cols`] activation rows per
+/// pass (12 on AVX-512, 6 on AVX2), the rows split into passes as even as that allows (an expert's
+/// ~8 tokens of a 256-token prompt in one pass on AVX-512, 4 + 4 on AVX2); otherwise a row-major
+/// tile and 4 x 4 dot tiles ([`tile_products`]). Accumulation f32, one FMA chain per output in
+/// column order whatever the pass width.
 #[inline]
 pub fn tile_sweep<'x>(
     isa: Isa,
@@ -294,18 +296,20 @@ pub fn tile_sweep<'x>(
     }
     let (wt, row) = scr.split_at_mut(r_n * k);
     simd::dequant_kmajor(isa, m, e, rows, wt, row);
-    let mut acc = [[0f32; 32]; 6];
-    let mut t0 = 0;
+    let mut acc = [[0f32; 32]; simd::TILE_N_WIDE];
+    let (pass, mut t0) = (simd::kmajor_cols(isa), 0);
     while t0 < items {
-        let tn = (items - t0).min(6);
-        let xs = [0, 1, 2, 3, 4, 5].map(|j| xrow(t0 + j.min(tn - 1)));
-        simd::tile_kxn(isa, wt, xs, tn, k, &mut acc);
+        // Passes as even as the pass width allows: 8 tokens in one pass, 14 as 7 + 7 (not 12 + 2,
+        // whose second pass spends 2 loads per 4 FMAs).
+        let tn = (items - t0).div_ceil((items - t0).div_ceil(pass));
+        let xs: [&[f32]; simd::TILE_N_WIDE] = std::array::from_fn(|j| xrow(t0 + j.min(tn - 1)));
+        simd::tile_kxn_wide(isa, wt, xs, tn, k, &mut acc);
         for (j, a) in acc[..tn].iter().enumerate() {
             for (i, &v) in a[..rn].iter().enumerate() {
                 emit(t0 + j, i, v);
             }
         }
-        t0 += 6;
+        t0 += tn;
     }
 }
 

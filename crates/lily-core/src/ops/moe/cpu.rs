@@ -188,7 +188,10 @@ fn moe_decode(
 /// at every count measured. The VNNI dots (one instruction per byte-dot pair instead of three)
 /// and the 512-bit tile (FMAs twice as wide, the same dequantization) move the exact crossover
 /// later by instruction count; 16 is argued, not measured. Fast at 128 tokens per expert measured
-/// slower on the Xeon's VNNI rows than the tile (the journal's 4096-token row), so 64.
+/// slower on the Xeon's VNNI rows than the tile (the journal's 4096-token row), so 64. On Zen 5
+/// (AVX-512 VNNI, one thread, CPU time; 2026-12-02) the exact row kernel ran 142-155 GFLOP/s at 8
+/// and 16 tokens per expert and 137-139 at 32, the tile (16-row 512-bit dequantization, packed rows
+/// prefetched) 70-77 / 102-118 / 136-148: crossover between 16 and 32, so 16 stays.
 pub fn rows_tokens_max(isa: Isa, prec: Precision, m: &Matrix) -> usize {
     match (simd::int8_rows_dot(isa, m), prec) {
         (None, _) => 0,
