@@ -523,17 +523,6 @@ mod x86 {
     /// 4 KiB 13.8, 8 KiB 13.2 (read bandwidth 24 GB/s).
     const PREFETCH: usize = 2048;
 
-    /// 1.5 * 2^23 and its bits: an i32 v with |v| < 2^22 added to the bits reads as the f32
-    /// 1.5 * 2^23 + v exactly, so `f32(bits + v) - MAGIC` is v as f32, as `cvt` gives it. The
-    /// one-plane batched kernel on 512 bits starts its dots from these bits instead of zero and
-    /// subtracts instead of converting: on Intel server cores `vcvtdq2ps` and `vpdpbusd` on 512
-    /// bits both issue on port 0 only, `vsubps` on port 0 or 5 (Intel's port tables), so per
-    /// (row, token) and 64 weight bytes port 0 carries the 2 dots and no convert, and the bound of
-    /// a 4 x 4 pass drops from 52 port-0 cycles to 46 on both ports (journal, 2026-12-02 b16).
-    const MAGIC: f32 = 12_582_912.0;
-    const MAGIC_BITS: i32 = 0x4B40_0000;
-    const _: () = assert!(MAGIC == (3 << 22) as f32);
-
     /// The pair of byte dots acc + lo.xe + hi.xo, per instruction choice: `dpbusd` twice (VNNI),
     /// or `maddubs` summed to i32 by `madd` with ones (u4 x s8 pairs: |2 * 15 * 127| and the sum
     /// of two such fit i16 without saturating).
@@ -659,7 +648,7 @@ mod x86 {
         ($m:ident, $feat:literal, b = $b:literal, lanes = $lanes:literal, $vi:ty, $vf:ty, $half:ty,
          load = $load:ident, loadh = $loadh:ident, loadf = $loadf:ident, set1 = $set1:ident, set1f = $set1f:ident,
          and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, shl8 = $shl8:path, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
-         cvt = $cvt:ident, fma = $fma:ident, mul = $mul:ident, sub = $sub:ident, set1i = $set1i:ident, hsum = $hsum:path, perm = $perm:expr,
+         cvt = $cvt:ident, fma = $fma:ident, mul = $mul:ident, hsum = $hsum:path, perm = $perm:expr,
          widen16 = $widen16:ident, cvtph = $cvtph:ident, cast = $cast:ident, part = $part:ident) => {
             mod $m {
                 use std::arch::x86_64::*;
@@ -721,20 +710,6 @@ mod x86 {
                 #[inline]
                 pub fn fma_i(acc: I, s: F, t: F) -> F {
                     $fma($cvt(acc), s, t)
-                }
-                /// The i32 lanes' start value for [`fma_m`]: the bits of 1.5 * 2^23.
-                #[target_feature(enable = $feat)]
-                #[inline]
-                pub fn magic() -> I {
-                    $set1i(super::MAGIC_BITS)
-                }
-                /// t + (acc - magic() as i32 lanes, as f32) * s for |acc - magic()| < 2^22: the lanes
-                /// read as f32 are 1.5 * 2^23 + v exactly (ulp 1 there), so the subtraction gives v
-                /// exactly, the same f32 as cvt(v), with no convert (module x86's docs: why).
-                #[target_feature(enable = $feat)]
-                #[inline]
-                pub fn fma_m(acc: I, s: F, t: F) -> F {
-                    $fma($sub($cast(acc), $set1f(super::MAGIC)), s, t)
                 }
                 #[target_feature(enable = $feat)]
                 #[inline]
@@ -876,8 +851,6 @@ mod x86 {
         cvt = _mm512_cvtepi32_ps,
         fma = _mm512_fmadd_ps,
         mul = _mm512_mul_ps,
-        sub = _mm512_sub_ps,
-        set1i = _mm512_set1_epi32,
         hsum = _mm512_reduce_add_ps,
         perm = |i, t| _mm512_permutexvar_ps(i, t),
         widen16 = _mm512_cvtepu16_epi32,
@@ -908,8 +881,6 @@ mod x86 {
         cvt = _mm256_cvtepi32_ps,
         fma = _mm256_fmadd_ps,
         mul = _mm256_mul_ps,
-        sub = _mm256_sub_ps,
-        set1i = _mm256_set1_epi32,
         hsum = super::hsum256,
         perm = |i, t| _mm256_permutevar8x32_ps(t, i),
         widen16 = _mm256_cvtepu16_epi32,
@@ -1010,9 +981,7 @@ mod x86 {
     /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers).
     /// Further tokens run in further
     /// passes over the same R rows (in L1 by then); a tail of fewer than R rows repeats its
-    /// last row (the duplicate writes the same value). One plane on 512 bits (the fast precision's
-    /// batched decode) converts the lane sums by [`MAGIC`] instead of `cvt`: the same f32 values
-    /// (|acc| <= 8 * 15 * 127 < 2^22), off port 0.
+    /// last row (the duplicate writes the same value).
     macro_rules! rows_batch_kernel {
         ($name:ident, $feat:literal, $w:ident, $dot2:ident) => {
             #[target_feature(enable = $feat)]
@@ -1060,13 +1029,6 @@ mod x86 {
                                         std::array::from_fn(|p| (load(xb.add(p * 2 * B)), load(xb.add(p * 2 * B + B))));
                                     for i in 0..R {
                                         let (lo, hi) = wn[i];
-                                        if P == 1 && LANES == 16 {
-                                            // One plane (|acc| <= 8 * 15 * 127): the dots start
-                                            // from the magic bits, so no convert (port 0).
-                                            let acc = $dot2(magic(), lo, xp[0].0, hi, xp[0].1);
-                                            t[i][j] = fma_m(acc, perm(ix.as_ptr(), table[i][j]), t[i][j]);
-                                            continue;
-                                        }
                                         let mut acc = $dot2(zero(), lo, xp[0].0, hi, xp[0].1);
                                         for &(xe, xo) in &xp[1..] {
                                             acc = $dot2(shift(acc), lo, xe, hi, xo);
