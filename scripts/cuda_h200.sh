@@ -361,7 +361,7 @@ if want extras; then
         CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
             --dtype bf16,f16,f32 || fail=1
     done
-    lscpu | grep -i 'model name\|thread(s) per core\|core(s) per socket\|socket(s)\|max mhz'
+    lscpu 2>/dev/null | grep -i 'model name\|thread(s) per core\|core(s) per socket\|socket(s)\|max mhz' || true
     for prec in ${PRECISION:-exact}; do
         sfx=$([ "$prec" = exact ] || echo "-$prec")
         for t in "$cores" 2; do
