@@ -54,7 +54,8 @@
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
 #            128K, all cores and 2), batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2)
 #            and the CPU profile of a batched step at B = 1 and 4 (decode_profile, all cores; after cpu, which
-#            writes the 4-layer checkpoint)
+#            writes the 4-layer checkpoint); the last two once per CPU precision in PRECISION (default "exact";
+#            PRECISION=fast: the one-plane batched kernels, records as concurrencyN-fast.json)
 # Step 1 (installing the carried wheels) runs first in every call.
 # A device command is limited to 10 minutes: run `setup` in one call and `bench` in the next, back to
 # back (the machine keeps $WORK only while it stays warm, 30 s after a call). Output also goes to
@@ -360,17 +361,22 @@ if want extras; then
         CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
             --dtype bf16,f16,f32 || fail=1
     done
-    for t in "$cores" 2; do
-        pin=""; [ "$t" = 2 ] && pin="taskset -c 0,1"
-        step "batched decode, $t threads: lily bench --concurrency 1,2,4,8 (prompts of 256)"
-        CUDA_VISIBLE_DEVICES= $pin python3 -m lily bench "$SYNTH4" --backend cpu --concurrency 1,2,4,8 \
-            --lengths 256 --decode-steps 32 --threads "$t" --json "$WORK/concurrency$t.json" || fail=1
+    lscpu 2>/dev/null | grep -i 'model name\|thread(s) per core\|core(s) per socket\|socket(s)\|max mhz' || true
+    for prec in ${PRECISION:-exact}; do
+        sfx=$([ "$prec" = exact ] || echo "-$prec")
+        for t in "$cores" 2; do
+            pin=""; [ "$t" = 2 ] && pin="taskset -c 0,1"
+            step "batched decode, $t threads, precision $prec: lily bench --concurrency 1,2,4,8 (prompts of 256)"
+            CUDA_VISIBLE_DEVICES= $pin python3 -m lily bench "$SYNTH4" --backend cpu --concurrency 1,2,4,8 \
+                --lengths 256 --decode-steps 32 --threads "$t" --precision "$prec" \
+                --json "$WORK/concurrency$t$sfx.json" || fail=1
+        done
+        step "batched decode, $cores threads, precision $prec: CPU profile of 32 steps at B = 1 and B = 4 (kernels' sum vs wall)"
+        for b in 1 4; do
+            CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores LILY_CPU_PROFILE=1 "$DEV/bin/decode_profile" "$SYNTH4" 32 256 $b \
+                "$prec" || fail=1
+        done
     done
     [ -n "${OUT:-}" ] && cp "$WORK"/concurrency*.json "$OUT/" 2>/dev/null
-    step "batched decode, $cores threads: CPU profile of 32 steps at B = 1 and B = 4 (kernels' sum vs wall)"
-    for b in 1 4; do
-        CUDA_VISIBLE_DEVICES= LILY_THREADS=$cores LILY_CPU_PROFILE=1 "$DEV/bin/decode_profile" "$SYNTH4" 32 256 $b \
-            || fail=1
-    done
 fi
 exit $fail

@@ -290,9 +290,10 @@ FAST_TOP1 = 0.93
 @pytest.mark.parametrize("name", Q4_CHECKPOINTS)
 def test_fast_precision_against_mlx(lily, ckpts, oracle_cache, name):
     """Mean KL(oracle || engine) and top-1 agreement of precision="fast" within its stated tolerance, for the
-    prefill and for step-by-step decode (the int8 GEMV); and the fast path is taken (its logits are not the exact
-    path's) in decode and in a short prefill. A long prefill may equal the exact one: an expert routed more than
-    `rows_tokens_max` tokens (64 for fast) runs the dequantized f32 tile in both precisions, faster there and exact."""
+    prefill, for step-by-step decode (the int8 GEMV) and for batched decode (equal to decode alone); and the fast
+    path is taken (its logits are not the exact path's) in decode and in a short prefill. A long prefill may equal
+    the exact one: an expert routed more than `rows_tokens_max` tokens (64 for fast) runs the dequantized f32 tile
+    in both precisions, faster there and exact."""
     from test_kv_cache import kl_and_top1
 
     toks = tokens_for(ckpts, name)
@@ -314,6 +315,29 @@ def test_fast_precision_against_mlx(lily, ckpts, oracle_cache, name):
     print("\n".join(msgs))
     assert ok, "\n".join(msgs)
     assert np.abs(dec - exact).max() > ORACLE_TOL, "fast decode equals the exact prefill: the fast path was not taken"
+    # Batched decode (issue 16: the one-plane batched row kernels): three sequences fed the same tokens, started
+    # LAG steps apart, so each step's batch (1-3 rows) mixes positions, tokens and experts. Each sequence's logits
+    # must meet the same tolerance against MLX-LM, and be the lone decode's within fp32 tolerance (the batched
+    # kernels give each token the row kernel's numbers bit for bit; only the MoE's sum over experts may reorder).
+    lag, n = 5, len(toks)
+    fast.reset()
+    seqs = [0, fast.new_sequence(), fast.new_sequence()]
+    rows: list[list[np.ndarray]] = [[] for _ in seqs]
+    for step in range(n + lag * (len(seqs) - 1)):
+        live = [(i, step - lag * i) for i in range(len(seqs)) if 0 <= step - lag * i < n]
+        got = fast.decode_batch([(seqs[i], int(toks[p])) for i, p in live])
+        for (i, _), row in zip(live, got):
+            rows[i].append(row)
+    for i, r in enumerate(rows):
+        got = np.stack(r)
+        kl, top1 = kl_and_top1(got, ref)
+        d = np.abs(got - dec).max()
+        print(f"{name} fast batched decode, sequence {i} vs MLX-LM: mean KL {kl:.2e}, top-1 {top1:.2%}; "
+              f"vs decode alone max|Δ| {d:.2e}")
+        assert np.isfinite(got).all() and kl <= FAST_KL and top1 >= FAST_TOP1, (i, kl, top1)
+        assert d <= 1e-4, (i, d)
+    for s in seqs[1:]:
+        fast.drop_sequence(s)
     # 16 tokens: past the batched-decode sizes (<= 8), so the prefill path, with at most 16 pairs per expert, all
     # on the int8 row kernel in fast.
     short = toks[:16].tolist()

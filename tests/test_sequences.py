@@ -13,6 +13,12 @@ def engine(lily, ckpts):
     return lily.Engine(ckpts.path("real-s0-q4g64"), backend="cpu", max_seq=512, kv_dtype="f32")
 
 
+@pytest.fixture(scope="module")
+def fast_engine(lily, ckpts):
+    # The fast precision: one int8 plane of x, so batched steps run the one-plane batched row kernels.
+    return lily.Engine(ckpts.path("real-s0-q4g64"), backend="cpu", max_seq=512, kv_dtype="f32", precision="fast")
+
+
 def toks(seed, n, vocab=512):
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
 
@@ -53,8 +59,11 @@ def test_copy_sequence_resumes_a_kept_prefix(engine):
         engine.drop_sequence(s)
 
 
+@pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("n", [1, 3, 5])
-def test_batched_decode_equals_each_sequence_alone(engine, n):
+def test_batched_decode_equals_each_sequence_alone(request, precision, n):
+    engine = request.getfixturevalue("engine" if precision == "exact" else "fast_engine")
+    assert engine.precision == precision
     seqs = [engine.new_sequence() for _ in range(n)]
     twins = []
     for i, s in enumerate(seqs):

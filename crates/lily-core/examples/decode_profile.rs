@@ -2,28 +2,39 @@
 //! warm, is timed), run decode steps, and print the per-kernel wall time (per weight matrix for
 //! matmuls, with the GB/s each reached; prefill and decode kernels apart).
 //!
-//! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT] [BATCH]`
+//! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT] [BATCH] [PRECISION]`
 //! (e.g. on `lily synth /tmp/synth4 --layers 4`; pin cores with `taskset` for stable numbers).
 //! BATCH > 1: BATCH - 1 more sequences, each prefilled with its own prompt (so each routes to its
 //! own experts, as independent requests do), and the steps are batched decode steps over all of
-//! them (`Engine::decode_batch`), each sequence fed its own token.
+//! them (`Engine::decode_batch`), each sequence fed its own token. PRECISION: the CPU's
+//! activation rounding, `exact` (default) or `fast` (one int8 plane, `lily bench --precision`).
 
 use std::{path::Path, time::Instant};
 
-use lily_core::engine::{BackendKind, Engine};
+use lily_core::{
+    backend::cpu::int8::Precision,
+    engine::{BackendKind, Engine, Options},
+};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let Some(dir) = args.get(1) else {
-        return Err("usage: decode_profile MODEL [STEPS=32] [CONTEXT=256] [BATCH=1]".into());
+        return Err("usage: decode_profile MODEL [STEPS=32] [CONTEXT=256] [BATCH=1] [PRECISION=exact]".into());
     };
     let steps: usize = args.get(2).map_or(Ok(32), |s| s.parse())?;
     let context: usize = args.get(3).map_or(Ok(256), |s| s.parse())?;
     let batch: usize = args.get(4).map_or(Ok(1), |s| s.parse())?;
+    let precision = args.get(5).map_or(Ok(Precision::Exact), |s| Precision::parse(s))?;
     if std::env::var("LILY_CPU_PROFILE").is_err() {
         eprintln!("note: set LILY_CPU_PROFILE=1 for the per-kernel table");
     }
-    let mut engine = Engine::new(Path::new(dir), BackendKind::Cpu, Some(context + steps + 8))?;
+    let opts = Options {
+        backend: BackendKind::Cpu,
+        max_seq: Some(context + steps + 8),
+        precision,
+        ..Options::default()
+    };
+    let mut engine = Engine::load(Path::new(dir), &opts, &mut |_, _| Ok(()))?;
     let prompt: Vec<u32> = (1..=context as u32).collect();
     engine.prefill(&prompt, false)?; // warm-up: maps the weights in
     engine.reset()?;
