@@ -52,7 +52,8 @@
 #            warp stall reasons ($OUT/ncu_decode.csv, .ncu-rep; needs the Firecracker runtime, where ncu
 #            reads the counters)
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
-#            128K, all cores and 2), batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2)
+#            128K, all cores and 2; bf16 also without avx512_bf16 where the CPU has it), batched decode
+#            (lily bench --concurrency 1,2,4,8 at all cores and 2)
 #            and the CPU profile of a batched step at B = 1 and 4 (decode_profile, all cores; after cpu, which
 #            writes the 4-layer checkpoint)
 # Step 1 (installing the carried wheels) runs first in every call.
@@ -359,6 +360,12 @@ if want extras; then
         step "decode attention alone, $t threads: bf16 / f16 / f32 KV at 32K and 128K"
         CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
             --dtype bf16,f16,f32 || fail=1
+        if grep -qw avx512_bf16 /proc/cpuinfo; then
+            # bf16 KV without avx512_bf16 (the widening kernels) beside the default (vdpbf16ps).
+            step "decode attention alone, $t threads, bf16 KV without avx512_bf16 (--isa avx512)"
+            CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
+                --dtype bf16 --isa avx512 || fail=1
+        fi
     done
     for t in "$cores" 2; do
         pin=""; [ "$t" = 2 ] && pin="taskset -c 0,1"

@@ -2,9 +2,8 @@
 //! the CPU supports, or `LILY_CPU_ISA=portable|avx2|avx512` to force a lower one), and every
 //! kernel takes it as an argument, so tests can run each path against the portable one.
 //! One extension rides on AVX-512 without being an ISA of its own: avx512_bf16 (`vdpbf16ps`,
-//! [`Isa::bf16_dot`]), which decode attention on a bf16 cache can use. Opt-in for now
-//! (`LILY_CPU_ISA=avx512bf16`): on our Zen 5 it is no faster than widening the rows (same count
-//! of vector multiply-adds once q is split into two bf16 parts); the Xeon decides.
+//! [`Isa::bf16_dot`]), used by decode attention on a bf16 cache where the CPU has it;
+//! `LILY_CPU_ISA=avx512` runs AVX-512 without it (`avx512bf16` names the default explicitly).
 //! [`multiversion!`] compiles one `#[inline(always)]` body per vector width.
 
 use std::sync::OnceLock;
@@ -81,11 +80,11 @@ impl Isa {
         false
     }
 
-    /// Whether the production kernels of this ISA use avx512_bf16: available, and asked for by
-    /// `LILY_CPU_ISA=avx512bf16`. Decided once.
+    /// Whether the production kernels of this ISA use avx512_bf16: available, and not turned off
+    /// by `LILY_CPU_ISA=avx512` (AVX-512 without the extension). Decided once.
     pub fn bf16_dot(self) -> bool {
-        static ASKED: OnceLock<bool> = OnceLock::new();
-        self.bf16_dot_available() && *ASKED.get_or_init(|| std::env::var("LILY_CPU_ISA").as_deref() == Ok("avx512bf16"))
+        static ALLOWED: OnceLock<bool> = OnceLock::new();
+        self.bf16_dot_available() && *ALLOWED.get_or_init(|| std::env::var("LILY_CPU_ISA").as_deref() != Ok("avx512"))
     }
 
     /// Every ISA this CPU can run, best last (the tests run each).
