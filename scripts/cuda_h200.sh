@@ -52,7 +52,8 @@
 #            warp stall reasons ($OUT/ncu_decode.csv, .ncu-rep; needs the Firecracker runtime, where ncu
 #            reads the counters)
 #   extras   the host's CPU, GPU hidden: the decode attention kernel alone (bf16 / f16 / f32 KV at 32K and
-#            128K, all cores and 2), batched decode (lily bench --concurrency 1,2,4,8 at all cores and 2)
+#            128K, all cores and 2; bf16 also without avx512_bf16 where the CPU has it), batched decode
+#            (lily bench --concurrency 1,2,4,8 at all cores and 2)
 #            and the CPU profile of a batched step at B = 1 and 4 (decode_profile, all cores; after cpu, which
 #            writes the 4-layer checkpoint); the last two once per CPU precision in PRECISION (default "exact";
 #            PRECISION=fast: the one-plane batched kernels, records as concurrencyN-fast.json)
@@ -360,6 +361,12 @@ if want extras; then
         step "decode attention alone, $t threads: bf16 / f16 / f32 KV at 32K and 128K"
         CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
             --dtype bf16,f16,f32 || fail=1
+        if grep -qw avx512_bf16 /proc/cpuinfo; then
+            # bf16 KV without avx512_bf16 (the widening kernels) beside the default (vdpbf16ps).
+            step "decode attention alone, $t threads, bf16 KV without avx512_bf16 (--isa avx512)"
+            CUDA_VISIBLE_DEVICES= LILY_THREADS=$t $pin "$DEV/bin/attention" --context 32768,131072 \
+                --dtype bf16 --isa avx512 || fail=1
+        fi
     done
     lscpu 2>/dev/null | grep -i 'model name\|thread(s) per core\|core(s) per socket\|socket(s)\|max mhz' || true
     for prec in ${PRECISION:-exact}; do

@@ -4,7 +4,7 @@
 //! row once: 2 x context x 512 values in the cache's dtype, and does 2 x 16 x 256 multiply-adds
 //! per key (scores and P.V). `--tokens T` times a prefill chunk of T tokens ending at the context
 //! instead (token t sees pos0 + t + 1 keys; KV GB/s then counts each row once). A plain binary:
-//! `cargo bench -p lily-core --bench attention [-- --context 4096,32768,131072] [--dtype bf16,f32] [--tokens 1] [--isa avx2|portable]`.
+//! `cargo bench -p lily-core --bench attention [-- --context 4096,32768,131072] [--dtype bf16,f32] [--tokens 1] [--isa avx512bf16|avx512|avx2|portable]`.
 
 mod common;
 
@@ -49,12 +49,32 @@ fn main() {
 }
 
 fn bench() {
-    let isa = match arg("--isa").as_deref() {
-        Some("portable") => Isa::Portable,
-        Some("avx2") => Isa::Avx2,
-        _ => Isa::get(),
+    // `--isa avx512` runs AVX-512 without avx512_bf16 (the widening kernels), `avx512bf16` with.
+    let kern = match arg("--isa").as_deref() {
+        Some("portable") => attention::cpu::Kernels {
+            isa: Isa::Portable,
+            bf16_dot: false,
+        },
+        Some("avx2") => attention::cpu::Kernels {
+            isa: Isa::Avx2,
+            bf16_dot: false,
+        },
+        Some("avx512") => attention::cpu::Kernels {
+            isa: Isa::Avx512,
+            bf16_dot: false,
+        },
+        Some("avx512bf16") => attention::cpu::Kernels {
+            isa: Isa::Avx512,
+            bf16_dot: true,
+        },
+        _ => attention::cpu::Kernels::of(Isa::get()),
     };
+    let isa = kern.isa;
     assert!(isa.available(), "{isa:?} is not available on this CPU");
+    assert!(
+        !kern.bf16_dot || isa.bf16_dot_available(),
+        "avx512_bf16 is not available on this CPU"
+    );
     let contexts: Vec<usize> = arg("--context")
         .unwrap_or("4096,32768,131072".into())
         .split(',')
@@ -69,7 +89,8 @@ fn bench() {
     let bw = read_bandwidth(5);
     let peak = peak_gflops(isa, 5);
     println!(
-        "isa {isa:?}, {} threads: read {bw:.1} GB/s, f32 FMA peak {peak:.0} GFLOP/s",
+        "isa {isa:?} (avx512_bf16 dot: {}), {} threads: read {bw:.1} GB/s, f32 FMA peak {peak:.0} GFLOP/s",
+        kern.bf16_dot,
         pool::threads()
     );
     println!("{tokens} token(s) per step");
@@ -90,7 +111,7 @@ fn bench() {
                 head_dim: HEAD_DIM as u32,
                 scale: 1.0 / (HEAD_DIM as f32).sqrt(),
             };
-            let s = time(9, || attention::cpu::attention_with(isa, &p, &qg, &k, &v, &mut out));
+            let s = time(9, || attention::cpu::attention_kernels(kern, &p, &qg, &k, &v, &mut out));
             let bytes = 2.0 * ctx as f64 * (KV_HEADS * HEAD_DIM) as f64 * dtype.size() as f64;
             let keys: usize = (ctx - tokens + 1..=ctx).sum();
             let flops = 2.0 * 2.0 * (keys * HEADS * HEAD_DIM) as f64;

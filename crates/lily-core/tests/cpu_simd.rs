@@ -340,8 +340,9 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
         ((16, 4, 64), 9, 37),
         ((8, 1, 32), 3, 0),
     ] {
-        // Every dtype; segments of 64 rows cut key blocks and decode splits.
-        for (isa, (dtype, seg)) in Isa::all_available()
+        // Every dtype; segments of 64 rows cut key blocks and decode splits. Every kernel variant:
+        // each ISA, and AVX-512 with avx512_bf16 where the CPU has it.
+        for (kern, (dtype, seg)) in attention::cpu::Kernels::all_available()
             .into_iter()
             .flat_map(|i| [(KvDtype::F32, 1024), (KvDtype::BF16, 64), (KvDtype::F16, 64)].map(|d| (i, d)))
         {
@@ -358,13 +359,13 @@ fn attention_every_isa_matches_reference_across_key_blocks() {
                 scale: 0.4,
             };
             let (mut a, mut b) = (vec![f32::NAN; t * h * hd], vec![f32::NAN; t * h * hd]);
-            attention::cpu::attention_with(isa, &p, &qg, &kc, &vc, &mut a);
+            attention::cpu::attention_kernels(kern, &p, &qg, &kc, &vc, &mut a);
             attention::reference::attention(&p, &qg, &kc, &vc, &mut b);
             assert_close(
                 &a,
                 &b,
                 1e-5,
-                &format!("{isa:?} attention ({h}, {kv}, {hd}) t={t} pos0={pos0} {dtype:?} seg {seg}"),
+                &format!("{kern:?} attention ({h}, {kv}, {hd}) t={t} pos0={pos0} {dtype:?} seg {seg}"),
             );
         }
     }

@@ -1,6 +1,9 @@
 //! Which instruction set the CPU kernels run: an [`Isa`] is chosen once per process (the best
 //! the CPU supports, or `LILY_CPU_ISA=portable|avx2|avx512` to force a lower one), and every
 //! kernel takes it as an argument, so tests can run each path against the portable one.
+//! One extension rides on AVX-512 without being an ISA of its own: avx512_bf16 (`vdpbf16ps`,
+//! [`Isa::bf16_dot`]), used by decode attention on a bf16 cache where the CPU has it;
+//! `LILY_CPU_ISA=avx512` runs AVX-512 without it (`avx512bf16` names the default explicitly).
 //! [`multiversion!`] compiles one `#[inline(always)]` body per vector width.
 
 use std::sync::OnceLock;
@@ -67,6 +70,23 @@ impl Isa {
         }
     }
 
+    /// Whether the CPU has avx512_bf16 on top of this ISA (AVX-512 only): `vdpbf16ps`, a bf16
+    /// pair dot product with f32 accumulation.
+    pub fn bf16_dot_available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512 {
+            return self.available() && is_x86_feature_detected!("avx512bf16");
+        }
+        false
+    }
+
+    /// Whether the production kernels of this ISA use avx512_bf16: available, and not turned off
+    /// by `LILY_CPU_ISA=avx512` (AVX-512 without the extension). Decided once.
+    pub fn bf16_dot(self) -> bool {
+        static ALLOWED: OnceLock<bool> = OnceLock::new();
+        self.bf16_dot_available() && *ALLOWED.get_or_init(|| std::env::var("LILY_CPU_ISA").as_deref() != Ok("avx512"))
+    }
+
     /// Every ISA this CPU can run, best last (the tests run each).
     pub fn all_available() -> Vec<Isa> {
         [Isa::Portable, Isa::Avx2, Isa::Avx512]
@@ -84,7 +104,7 @@ impl Isa {
             let want = match std::env::var("LILY_CPU_ISA").as_deref() {
                 Ok("portable") => Isa::Portable,
                 Ok("avx2") => Isa::Avx2,
-                Ok("avx512") => Isa::Avx512,
+                Ok("avx512") | Ok("avx512bf16") => Isa::Avx512,
                 _ => best,
             };
             if want.available() {

@@ -546,6 +546,120 @@ pub fn qk8(
     let _ = (q, k, elem, scale, out, ostride, ahead);
 }
 
+/// x split into two bf16 parts, hi = bf16(x) and lo = bf16(x - hi) (both round to nearest even;
+/// inputs and outputs below 2^-126 flushed to zero, as `vdpbf16ps` reads them): |x - hi - lo| <=
+/// 2^-16 |x| (hi errs by at most half an ulp of 8 significant bits, 2^-8 |x|, and lo re-rounds that
+/// remainder to 8 bits), so hi . k + lo . k carries ~16 of x's 24 significant bits into a bf16
+/// pair dot product. avx512_bf16 only ([`Isa::bf16_dot_available`]).
+pub fn split_bf16(x: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    assert!(Isa::Avx512.bf16_dot_available(), "split_bf16: no avx512_bf16");
+    assert!(hi.len() >= x.len() && lo.len() >= x.len(), "split_bf16: short output");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: avx512_bf16 checked; the reads and writes stay inside x, hi and lo (checked above).
+    unsafe {
+        x86::bf16dot::split(x.as_ptr(), x.len(), hi.as_mut_ptr(), lo.as_mut_ptr())
+    };
+}
+
+/// [`qk8`] for a bf16 cache on avx512_bf16: out[r * ostride + s] = scale * (hi_r . k_s + lo_r .
+/// k_s) for 8 query rows r, each product pair by `vdpbf16ps` on the stored K row (no widening).
+/// q is the rows' [`split_bf16`] parts packed by [`pack_q8_bf16`] (one pointer, fixed offsets). Error against the f32 dot product: q's
+/// split, |q - hi - lo| <= 2^-16 |q| elementwise, so |err| <= 2^-16 sum_j |q_j k_j| plus the f32
+/// summation's rounding (as the f32 kernel's, in another order). hd a multiple of 32; `ahead` as
+/// [`qk8`] (bf16 streams: `stride` and the row width in values).
+#[allow(clippy::too_many_arguments)]
+pub fn qk8_bf16(
+    q: &[u16],
+    (k, stride): (&[u16], usize),
+    kn: usize,
+    hd: usize,
+    scale: f32,
+    (out, ostride): (&mut [f32], usize),
+    ahead: [(&[u16], usize, usize); 2],
+) {
+    assert!(Isa::Avx512.bf16_dot_available(), "qk8_bf16: no avx512_bf16");
+    if kn == 0 {
+        return;
+    }
+    assert!(
+        hd % 32 == 0
+            && q.len() >= 16 * hd
+            && k.len() >= (kn - 1) * stride + hd
+            && ostride >= kn
+            && out.len() >= 7 * ostride + kn,
+        "qk8_bf16: short input"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: avx512_bf16 checked; the reads and writes stay inside q, k and out (checked above),
+    // the prefetches inside the `ahead` rows (counted from their lengths).
+    unsafe {
+        let ahead = ahead.map(|(rows, stride, width)| x86::Ahead {
+            ptr: rows.as_ptr().cast(),
+            stride: 2 * stride,
+            bytes: 2 * width,
+            n: if rows.len() >= width {
+                (rows.len() - width) / stride.max(1) + 1
+            } else {
+                0
+            },
+        });
+        x86::bf16dot::qk8(
+            q.as_ptr(),
+            (k.as_ptr(), stride),
+            kn,
+            hd,
+            scale,
+            (out.as_mut_ptr(), ostride),
+            ahead,
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (q, k, stride, hd, scale, out, ostride, ahead);
+}
+
+/// 8 query rows (hd values each) as [`qk8_bf16`] reads them: each row's [`split_bf16`] parts,
+/// packed per 32 dims as [chunk][row][hi, lo][32] (`out` holds 16 hd values; `tmp` 2 hd).
+pub fn pack_q8_bf16(q: [&[f32]; 8], hd: usize, tmp: &mut [u16], out: &mut [u16]) {
+    assert!(
+        hd % 32 == 0 && out.len() >= 16 * hd && tmp.len() >= 2 * hd,
+        "pack_q8_bf16: short buffers"
+    );
+    for (r, qr) in q.iter().enumerate() {
+        let (hi, lo) = tmp[..2 * hd].split_at_mut(hd);
+        split_bf16(&qr[..hd], hi, lo);
+        for (c, (h, l)) in hi.chunks_exact(32).zip(lo.chunks_exact(32)).enumerate() {
+            let o = &mut out[(c * 16 + 2 * r) * 32..][..64];
+            o[..32].copy_from_slice(h);
+            o[32..].copy_from_slice(l);
+        }
+    }
+}
+
+/// [`pv8x32`] for a bf16 cache on avx512_bf16: acc[r][..] += sum over s < kn of p_s v_s[..32] for
+/// 8 rows, with each row's weights split into bf16 parts ([`split_bf16`]): p[r * pstride..] holds
+/// hi_0 .. hi_kn, then from `pstride / 2` lo_0 .. lo_kn, each padded with a zero at kn when kn is
+/// odd. Keys go in pairs: two V rows interleaved by 16-bit unpacks, one `vdpbf16ps` per part, row
+/// and 16 dims. Error against f32 weights: |p - hi - lo| <= 2^-16 p, so |err| <= 2^-16 sum_s p_s
+/// |v_s| plus f32 summation rounding.
+pub fn pv8x32_bf16(p: &[u16], pstride: usize, kn: usize, v: &[u16], stride: usize, acc: &mut [[f32; 32]; 8]) {
+    assert!(Isa::Avx512.bf16_dot_available(), "pv8x32_bf16: no avx512_bf16");
+    if kn == 0 {
+        return;
+    }
+    let kn2 = kn.next_multiple_of(2);
+    assert!(
+        pstride >= 2 * kn2 && p.len() >= 7 * pstride + pstride / 2 + kn2 && v.len() >= (kn - 1) * stride + 32,
+        "pv8x32_bf16: short input"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: avx512_bf16 checked; the reads stay inside p and v (checked above).
+    unsafe {
+        x86::bf16dot::pv8x32(p.as_ptr(), pstride, kn, v.as_ptr(), stride, acc)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, pstride, v, stride, acc);
+}
+
 /// out[i][t] = w[i] . x[t] for 4 weight rows and 4 activation rows of length k (f32).
 #[inline]
 pub fn dot4x4(isa: Isa, w: [&[f32]; 4], x: [&[f32]; 4], k: usize) -> [[f32; 4]; 4] {
@@ -1277,12 +1391,17 @@ mod x86 {
         pub n: usize,
     }
 
-    /// Prefetch row s of each stream that has it (into L1; a hint that never faults).
+    /// Prefetch part `part` of `parts` of row s of each stream that has it (into L1; a hint that
+    /// never faults): every `parts`-th line from line `part`, so a kernel spreads a row's
+    /// prefetches over its inner loop. Issued as a burst per key (32 lines at bf16, 64 at f32,
+    /// every KV head's K and V), they overflowed the core's miss buffers: spread over the 16
+    /// steps of a key's scores, decode attention at 32K on one Zen 5 core went 11.8 -> 8.1 ms
+    /// (f32) and 7.4 -> 6.5 ms (bf16).
     #[inline(always)]
-    unsafe fn prefetch_ahead(ahead: &[Ahead; 2], s: usize) {
+    unsafe fn prefetch_part(ahead: &[Ahead; 2], s: usize, part: usize, parts: usize) {
         for a in ahead {
             if s < a.n {
-                for o in (0..a.bytes).step_by(64) {
+                for o in (64 * part..a.bytes).step_by(64 * parts) {
                     unsafe { _mm_prefetch::<_MM_HINT_T0>(a.ptr.add(s * a.stride + o).cast()) };
                 }
             }
@@ -1309,12 +1428,12 @@ mod x86 {
         unsafe {
             let row = |s: usize| k.add(s * stride * elem_size(E));
             for s in (0..kn).step_by(W::QK_KEYS) {
-                for t in 0..W::QK_KEYS {
-                    prefetch_ahead(&ahead, s + t);
-                }
                 let keys: [*const u8; 2] = std::array::from_fn(|t| row(if s + t < kn { s + t } else { s }));
                 let mut a = [[W::zero(); 2]; 8];
                 for j in (0..hd).step_by(W::L) {
+                    for t in 0..W::QK_KEYS {
+                        prefetch_part(&ahead, s + t, j / W::L, hd / W::L);
+                    }
                     let x: [W::F; 2] = std::array::from_fn(|t| {
                         if t < W::QK_KEYS {
                             W::elems::<E>(keys[t], j)
@@ -1330,6 +1449,148 @@ mod x86 {
                     }
                 }
                 W::qk_store(a, scale, out, s, kn);
+            }
+        }
+    }
+
+    /// The avx512_bf16 kernels of decode attention on a bf16 cache (`vdpbf16ps`: per f32 lane,
+    /// acc += a0 b0 + a1 b1 over a pair of bf16 values, each product exact in f32). AVX-512 only,
+    /// so written at that width, not over [`Width`].
+    pub mod bf16dot {
+        use super::*;
+
+        /// The bf16 values of a 512-bit register of 16-bit lanes (same bits).
+        #[inline(always)]
+        fn bh(v: __m512i) -> __m512bh {
+            // SAFETY: both are 64 bytes of plain bits.
+            unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+        }
+
+        /// [`super::super::split_bf16`], 16 values at a time (a masked tail).
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+        pub unsafe fn split(x: *const f32, n: usize, hi: *mut u16, lo: *mut u16) {
+            unsafe {
+                for i in (0..n).step_by(16) {
+                    let m: __mmask16 = if n - i >= 16 { !0 } else { (1u16 << (n - i)) - 1 };
+                    let v = _mm512_maskz_loadu_ps(m, x.add(i));
+                    let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
+                    let hf = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+                    let l = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+                    _mm256_mask_storeu_epi16(hi.add(i).cast(), m, h);
+                    _mm256_mask_storeu_epi16(lo.add(i).cast(), m, l);
+                }
+            }
+        }
+
+        /// [`super::super::qk8_bf16`]: two keys at a time into 16 accumulators (row r, key t), per
+        /// 32 dims 2 K loads, 16 q loads (each part of each row, at fixed offsets of one pointer)
+        /// and 32 `vdpbf16ps` (hi then lo into the same accumulator: 2 dependent per 32 dims, ~12
+        /// cycles of latency under the 16 cycles of the pass's 32 at two a cycle); the 16 sums by
+        /// one transpose-and-add tree per pair, as [`qk8`]. An odd last key runs as a pair with
+        /// itself.
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+        pub unsafe fn qk8(
+            q: *const u16,
+            (k, stride): (*const u16, usize),
+            kn: usize,
+            hd: usize,
+            scale: f32,
+            (out, ostride): (*mut f32, usize),
+            ahead: [Ahead; 2],
+        ) {
+            unsafe {
+                let sc = _mm512_set1_ps(scale);
+                for s in (0..kn).step_by(2) {
+                    let pair = s + 1 < kn;
+                    let rows = [k.add(s * stride), k.add(if pair { s + 1 } else { s } * stride)];
+                    // Accumulator n = 2 r + t (element n of the sums: row r, key s + t).
+                    let mut a = [[_mm512_setzero_ps(); 4]; 4];
+                    for j in (0..hd).step_by(32) {
+                        for t in 0..2 {
+                            prefetch_part(&ahead, s + t, j / 32, hd / 32);
+                        }
+                        let kv = rows.map(|row| bh(_mm512_loadu_si512(row.add(j).cast())));
+                        let qc = q.add(16 * j);
+                        for r in 0..8 {
+                            let (i, t0) = (r / 2, 2 * (r % 2));
+                            for part in 0..2 {
+                                let qv = bh(_mm512_loadu_si512(qc.add(64 * r + 32 * part).cast()));
+                                for t in 0..2 {
+                                    a[i][t0 + t] = _mm512_dpbf16_ps(a[i][t0 + t], qv, kv[t]);
+                                }
+                            }
+                        }
+                    }
+                    let mut o = [0f32; 16];
+                    _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(hsum16(a), sc));
+                    for r in 0..8 {
+                        *out.add(r * ostride + s) = o[2 * r];
+                        if pair {
+                            *out.add(r * ostride + s + 1) = o[2 * r + 1];
+                        }
+                    }
+                }
+            }
+        }
+
+        /// [`super::super::pv8x32_bf16`]: per pair of keys and 32 dims, the two V rows loaded
+        /// (64 bytes each) and interleaved by `vpunpcklwd` / `vpunpckhwd` into (v_s, v_s+1) pairs
+        /// per dim (within 128-bit lanes: the low unpack holds dims 8 l + 0..4, the high one 8 l +
+        /// 4..8 of lane l), then per row the broadcast (hi_s, hi_s+1) and (lo_s, lo_s+1) pairs into
+        /// both halves: 2 loads + 2 shuffles + 16 broadcasts + 32 `vdpbf16ps` per 2 keys, 26 per key
+        /// where the widening tile takes 2 V loads, 2 widenings, 8 broadcasts and 16 FMAs (30, plus
+        /// the widening's shifts). The accumulators hold the unpacks' dim order: permuted on the
+        /// way in and out.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+        pub unsafe fn pv8x32(
+            p: *const u16,
+            pstride: usize,
+            kn: usize,
+            v: *const u16,
+            stride: usize,
+            acc: &mut [[f32; 32]; 8],
+        ) {
+            unsafe {
+                // Unpack order from dims (0..16 | 16..32 of the row) and back.
+                let to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+                let to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+                let back0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+                let back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+                let mut a: [[__m512; 2]; 8] = std::array::from_fn(|r| {
+                    let (x0, x1) = (
+                        _mm512_loadu_ps(acc[r].as_ptr()),
+                        _mm512_loadu_ps(acc[r].as_ptr().add(16)),
+                    );
+                    [
+                        _mm512_permutex2var_ps(x0, to_lo, x1),
+                        _mm512_permutex2var_ps(x0, to_hi, x1),
+                    ]
+                });
+                let pair = |r: usize, part: usize, s: usize| {
+                    let at = p.add(r * pstride + part * (pstride / 2) + s);
+                    bh(_mm512_set1_epi32(at.cast::<i32>().read_unaligned()))
+                };
+                for s in (0..kn).step_by(2) {
+                    let v0 = _mm512_loadu_si512(v.add(s * stride).cast());
+                    let v1 = if s + 1 < kn {
+                        _mm512_loadu_si512(v.add((s + 1) * stride).cast())
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    let (lo, hi) = (bh(_mm512_unpacklo_epi16(v0, v1)), bh(_mm512_unpackhi_epi16(v0, v1)));
+                    for (r, ar) in a.iter_mut().enumerate() {
+                        let (ph, pl) = (pair(r, 0, s), pair(r, 1, s));
+                        ar[0] = _mm512_dpbf16_ps(ar[0], ph, lo);
+                        ar[1] = _mm512_dpbf16_ps(ar[1], ph, hi);
+                        ar[0] = _mm512_dpbf16_ps(ar[0], pl, lo);
+                        ar[1] = _mm512_dpbf16_ps(ar[1], pl, hi);
+                    }
+                }
+                for (r, ar) in a.iter().enumerate() {
+                    _mm512_storeu_ps(acc[r].as_mut_ptr(), _mm512_permutex2var_ps(ar[0], back0, ar[1]));
+                    _mm512_storeu_ps(acc[r].as_mut_ptr().add(16), _mm512_permutex2var_ps(ar[0], back1, ar[1]));
+                }
             }
         }
     }

@@ -56,7 +56,53 @@ pub fn attention(p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &Cpu
     attention_with(Isa::get(), p, qg, k_cache, v_cache, out)
 }
 
+/// The attention kernels to run: an ISA and, on AVX-512, whether decode on a bf16 cache takes its
+/// rows straight into avx512_bf16's `vdpbf16ps` ([`Isa::bf16_dot`]): q and the softmax weights
+/// split into bf16 hi + lo parts ([`simd::split_bf16`]), each score and output then within 2^-16
+/// relative (of sum |q_j k_j|, of sum p_s |v_s|) of the f32 kernels'.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    pub isa: Isa,
+    pub bf16_dot: bool,
+}
+
+impl Kernels {
+    /// What production runs on `isa`.
+    pub fn of(isa: Isa) -> Kernels {
+        Kernels {
+            isa,
+            bf16_dot: isa.bf16_dot(),
+        }
+    }
+
+    /// Every variant this CPU can run (the tests run each): each ISA without avx512_bf16, then
+    /// AVX-512 with it where the CPU has it.
+    pub fn all_available() -> Vec<Kernels> {
+        let plain = Isa::all_available()
+            .into_iter()
+            .map(|isa| Kernels { isa, bf16_dot: false });
+        let bf16 = Isa::Avx512.bf16_dot_available().then_some(Kernels {
+            isa: Isa::Avx512,
+            bf16_dot: true,
+        });
+        plain.chain(bf16).collect()
+    }
+}
+
 pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &CpuKv, v_cache: &CpuKv, out: &mut [f32]) {
+    attention_kernels(Kernels::of(isa), p, qg, k_cache, v_cache, out)
+}
+
+/// [`attention`] on the kernels `kn` (tests run every variant against the reference).
+pub fn attention_kernels(
+    kn: Kernels,
+    p: &AttentionParams,
+    qg: &[f32],
+    k_cache: &CpuKv,
+    v_cache: &CpuKv,
+    out: &mut [f32],
+) {
+    let isa = kn.isa;
     let (h_n, kv_n, hd, t_n) = (
         p.heads as usize,
         p.kv_heads as usize,
@@ -68,7 +114,7 @@ pub fn attention_with(isa: Isa, p: &AttentionParams, qg: &[f32], k_cache: &CpuKv
     }
     let group = h_n / kv_n;
     if t_n == 1 {
-        return attention_decode(isa, p, qg, k_cache, v_cache, out);
+        return attention_decode(kn, p, qg, k_cache, v_cache, out);
     }
     // ~64 query rows per task so each key block in cache serves many rows.
     let bq = (64 / group.max(1)).max(1);
@@ -229,8 +275,14 @@ const DECODE_SPLIT: usize = 128;
 /// cache, which the hardware prefetchers follow (a run per KV head reads every other run of
 /// `hd` values, half of each row's lines, and the prefetchers fetch the other half too).
 /// Layout as `attention`; partials [splits, kv_n, group, hd + 2] in caller scratch.
-fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, out: &mut [f32]) {
+fn attention_decode(kern: Kernels, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, out: &mut [f32]) {
     let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
+    let isa = kern.isa;
+    // avx512_bf16 on a bf16 cache: scores from q's bf16 parts (split and packed once per call per
+    // 8-row tile of each KV head, `simd::pack_q8_bf16`), P.V from the weights' parts (split per
+    // block in the task).
+    let bf16 = |c: &CpuKv| kern.bf16_dot && c.dtype == KvDtype::BF16 && pv_in_registers(isa, hd);
+    let (bf16_qk, bf16_pv) = (bf16(kc), bf16(vc));
     let (group, len) = (h_n / kv_n, p.pos0 as usize + 1);
     let want = 4 * pool::threads();
     // Runs start on block boundaries, so no block of a run is cut short before the last.
@@ -241,14 +293,27 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &
     let part = group * (hd + 2);
     let rows8 = group.next_multiple_of(8);
     let o = Out(out.as_mut_ptr());
-    with_caller(splits * kv_n * part, |parts| {
+    // Per KV head and 8-row tile, 16 hd bf16 values (8 hd floats), then room for one row's parts.
+    let qlen = if bf16_qk { kv_n * rows8 * hd + hd } else { 0 };
+    with_caller(splits * kv_n * part + qlen, |buf| {
+        let (parts, qb) = buf.split_at_mut(splits * kv_n * part);
+        let qb = as_u16(qb);
+        if bf16_qk {
+            let (qb, tmp) = qb.split_at_mut(kv_n * rows8 * 2 * hd);
+            for (t, tile) in qb.chunks_exact_mut(16 * hd).enumerate() {
+                let (kvh, i0) = (t / (rows8 / 8), t % (rows8 / 8) * 8);
+                let q_of = |a: usize| &qg[(kvh * group + (i0 + a).min(group - 1)) * 2 * hd..][..hd];
+                simd::pack_q8_bf16([0, 1, 2, 3, 4, 5, 6, 7].map(q_of), hd, tmp, tile);
+            }
+        }
+        let qb = bf16_qk.then_some(&*qb);
         let po = Out(parts.as_mut_ptr());
         pool::for_each(splits, |sp| {
             let keys = (sp * per, ((sp + 1) * per).min(len));
-            with_task(rows8 * SPLIT_BLOCK + 2 * SPLIT_BLOCK * hd, |sc| {
+            with_task(rows8 * SPLIT_BLOCK + 8 * SPLIT_BLOCK + 2 * SPLIT_BLOCK * hd, |sc| {
                 // SAFETY: the partials of split `sp` are written by this task alone.
                 let dst = unsafe { po.slice(sp * kv_n * part, kv_n * part) };
-                attend_split(isa, p, qg, kc, vc, keys, sc, dst)
+                attend_split(isa, p, qg, kc, vc, keys, (qb, bf16_pv), sc, dst)
             });
         });
         let parts: &[f32] = parts;
@@ -275,7 +340,7 @@ fn attention_decode(isa: Isa, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &
 multiversion! {
     fn attend_split(
         p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, keys: (usize, usize),
-        scr: &mut [f32], dst: &mut [f32]
+        bf16: (Option<&[u16]>, bool), scr: &mut [f32], dst: &mut [f32]
     ) = attend_split_body;
 }
 
@@ -295,8 +360,12 @@ const K_AHEAD: usize = 8;
 /// both read the cache in place, 16-bit rows widened in registers: scores by [`simd::qk8`] (each
 /// K row loaded once for 8 query rows), P.V by [`simd::pv8x32`] (8 rows x 32 dims, each V row
 /// loaded once per tile). Elsewhere the rows of a block are widened into scratch, scores by 4 x 4
-/// tiles, P.V by [`pv_rows`]. dst [kv_n] of acc | m [group] | l [group] (sc needs rows8 *
-/// SPLIT_BLOCK floats, then room for a block of K and of V as f32).
+/// tiles, P.V by [`pv_rows`]. With avx512_bf16 on a bf16 cache (`bf16`: q's packed parts per KV
+/// head and 8-row tile, [`simd::pack_q8_bf16`], for the scores; whether P.V takes the weights' parts) the scores run [`simd::qk8_bf16`] and
+/// P.V [`simd::pv8x32_bf16`]. dst [kv_n] of acc | m [group] | l [group] (sc needs rows8 *
+/// SPLIT_BLOCK floats, 8 * SPLIT_BLOCK for the weights' bf16 parts, then room for a block of K and
+/// of V as f32).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend_split_body(
     isa: Isa,
@@ -305,6 +374,7 @@ fn attend_split_body(
     kc: &CpuKv,
     vc: &CpuKv,
     (k0, k1): (usize, usize),
+    (qb, bf16_pv): (Option<&[u16]>, bool),
     scr: &mut [f32],
     dst: &mut [f32],
 ) {
@@ -313,6 +383,8 @@ fn attend_split_body(
     let part = group * (hd + 2);
     let rows8 = group.next_multiple_of(8);
     let (sc, rest) = scr.split_at_mut(rows8 * SPLIT_BLOCK);
+    let (pb, rest) = rest.split_at_mut(8 * SPLIT_BLOCK);
+    let pb = as_u16(pb);
     let (kbuf, vbuf) = rest.split_at_mut(SPLIT_BLOCK * hd);
     for d in dst.chunks_exact_mut(part) {
         let (acc, ml) = d.split_at_mut(group * hd);
@@ -347,16 +419,18 @@ fn attend_split_body(
                             (vall.skip(vall.values()), vc.width),
                         ],
                     };
-                    simd::qk8(
-                        isa,
-                        qs,
-                        (krows, kc.width),
-                        kn,
-                        hd,
-                        p.scale,
-                        (&mut sc[i0 * kn..], kn),
-                        ahead.map(|(rows, stride)| (rows, stride, stride)),
-                    );
+                    let out = (&mut sc[i0 * kn..], kn);
+                    match qb {
+                        Some(qb) => {
+                            let qs = &qb[(kvh * rows8 + i0) * 2 * hd..][..16 * hd];
+                            let ahead = ahead.map(|(rows, stride)| (halves(rows), stride, stride));
+                            simd::qk8_bf16(qs, (halves(krows), kc.width), kn, hd, p.scale, out, ahead);
+                        }
+                        None => {
+                            let ahead = ahead.map(|(rows, stride)| (rows, stride, stride));
+                            simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, ahead);
+                        }
+                    }
                 }
                 if kb + kn < k1 && kvh + 1 == kv_n {
                     let next = block_len(kc, kb + kn, k1, K_AHEAD);
@@ -394,10 +468,66 @@ fn attend_split_body(
                     (mx[i], l[i]) = (m, l[i] * *c + simd::sum(sr));
                 }
                 let rows = (group - i0).min(8);
-                pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
+                let (psc, acc) = (&sc[i0 * kn..], &mut acc[i0 * hd..]);
+                match bf16_pv {
+                    true => pv_tile_bf16(psc, kn, rows, hd, &corr, (halves(vrows.0), vrows.1), pb, acc),
+                    false => pv_tile(isa, psc, kn, rows, hd, &corr, vrows, acc),
+                }
             }
         }
         kb += kn;
+    }
+}
+
+/// The 16-bit values of a bf16 or f16 cache's rows.
+#[inline(always)]
+fn halves(rows: KvRows<'_>) -> &[u16] {
+    match rows {
+        KvRows::Half(_, v) => v,
+        KvRows::F32(_) => unreachable!("the bf16 kernels read 16-bit rows"),
+    }
+}
+
+/// The u16 view of f32 scratch (bf16 parts of q and of the softmax weights).
+fn as_u16(v: &mut [f32]) -> &mut [u16] {
+    // SAFETY: same allocation, two u16 per f32, u16 has no stricter alignment and every bit
+    // pattern is valid.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 2) }
+}
+
+/// [`pv_tile`] on a bf16 cache with avx512_bf16: the 8 rows of weights P [8, kn] split into bf16
+/// hi + lo parts in `pb` (rows of hi | lo, each kn rounded up to even, a zero weight pairing an
+/// odd last key), then [`simd::pv8x32_bf16`] per 32 dims.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pv_tile_bf16(
+    p: &[f32],
+    kn: usize,
+    rows: usize,
+    hd: usize,
+    corr: &[f32; 8],
+    (v, stride): (&[u16], usize),
+    pb: &mut [u16],
+    acc: &mut [f32],
+) {
+    let half = kn.next_multiple_of(2);
+    for (r, pr) in pb.chunks_exact_mut(2 * half).take(8).enumerate() {
+        let (hi, lo) = pr.split_at_mut(half);
+        simd::split_bf16(&p[r * kn..][..kn], hi, lo);
+        if kn < half {
+            (hi[kn], lo[kn]) = (0, 0);
+        }
+    }
+    for j0 in (0..hd).step_by(32) {
+        let mut a = [[0f32; 32]; 8];
+        for (r, ar) in a.iter_mut().enumerate().take(rows) {
+            let src = &acc[r * hd + j0..][..32];
+            ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
+        }
+        simd::pv8x32_bf16(pb, 2 * half, kn, &v[j0..], stride, &mut a);
+        for (r, ar) in a.iter().enumerate().take(rows) {
+            acc[r * hd + j0..][..32].copy_from_slice(ar);
+        }
     }
 }
 
