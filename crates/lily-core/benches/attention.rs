@@ -50,25 +50,17 @@ fn main() {
 
 fn bench() {
     // `--isa avx512` runs AVX-512 without avx512_bf16 (the widening kernels), `avx512bf16` with.
-    let kern = match arg("--isa").as_deref() {
-        Some("portable") => attention::cpu::Kernels {
-            isa: Isa::Portable,
-            bf16_dot: false,
-        },
-        Some("avx2") => attention::cpu::Kernels {
-            isa: Isa::Avx2,
-            bf16_dot: false,
-        },
-        Some("avx512") => attention::cpu::Kernels {
-            isa: Isa::Avx512,
-            bf16_dot: false,
-        },
-        Some("avx512bf16") => attention::cpu::Kernels {
-            isa: Isa::Avx512,
-            bf16_dot: true,
-        },
-        _ => attention::cpu::Kernels::of(Isa::get()),
+    let chosen = match arg("--isa").as_deref() {
+        Some("portable") => Some((Isa::Portable, false)),
+        Some("avx2") => Some((Isa::Avx2, false)),
+        Some("avx512") => Some((Isa::Avx512, false)),
+        Some("avx512bf16") => Some((Isa::Avx512, true)),
+        _ => None,
     };
+    let kern = chosen.map_or_else(
+        || attention::cpu::Kernels::of(Isa::get()),
+        |(isa, bf16_dot)| attention::cpu::Kernels { isa, bf16_dot },
+    );
     let isa = kern.isa;
     assert!(isa.available(), "{isa:?} is not available on this CPU");
     assert!(
