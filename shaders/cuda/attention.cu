@@ -353,11 +353,15 @@ struct AttRope {
 };
 
 // One warp's head x [hd] (this lane's dims in x[], P as att_dim) normed with weight w and roped at
-// pos into y[] (qk_norm_rope_store's math: stage_normed, rope_at); xs: the warp's hd floats of
-// shared scratch (RoPE pairs dims across lanes).
+// pos into y[] (qk_norm_rope_store's math: stage_normed, rope_at); xs, ys: two of the warp's hd
+// floats of shared scratch (RoPE pairs dims across lanes). The rotation runs in a loop that is not
+// unrolled, through ys: rope_at (powf, sincosf with its large-argument path) unrolled for each of a
+// lane's 8 slots, for q and for k, was most of the decode kernel's ~7,600 SASS instructions, which a
+// block runs once, straight through: 59 % of its stall samples were instruction-cache misses
+// (Nsight Compute, 2026-12-02 13:01, depth ~516).
 template <int P>
 __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* x, const float* __restrict__ w,
-                                              float pos, uint hd, uint lane, float* xs, float* y) {
+                                              float pos, uint hd, uint lane, float* xs, float* ys, float* y) {
   constexpr uint NS = ATT_HD_MAX / 32;
   const uint nd = hd / 32;
   float ss = 0.0f;
@@ -369,9 +373,12 @@ __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* 
   for (uint i = 0; i < NS; ++i)
     if (i < nd) xs[att_dim<P>(i, lane)] = x[i] * inv * w[att_dim<P>(i, lane)];
   __syncwarp();
+#pragma unroll 1
+  for (uint i = 0; i < nd; ++i) ys[att_dim<P>(i, lane)] = rope_at(rp, xs, att_dim<P>(i, lane), pos);
+  __syncwarp();
 #pragma unroll
-  for (uint i = 0; i < NS; ++i) y[i] = i < nd ? rope_at(rp, xs, att_dim<P>(i, lane), pos) : 0.0f;
-  __syncwarp();  // xs may be reused
+  for (uint i = 0; i < NS; ++i) y[i] = i < nd ? ys[att_dim<P>(i, lane)] : 0.0f;
+  __syncwarp();  // xs, ys may be reused
 }
 
 // HD: the head dimension when known at compile time (0: p.head_dim). The model's 256 gets its own
@@ -410,12 +417,13 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   const uint row = len - 1, skip = rope.q_norm && s0 <= row && row < s1 ? row : 0xffffffffu;
   if (rope.q_norm) {
     float* xs = reinterpret_cast<float*>(ks) + warp * hd;  // scratch until the first stage
-    att_norm_rope<P>(rope.p, q, rope.q_norm, (float)row, hd, lane, xs, q);
+    float* ys = reinterpret_cast<float*>(vs) + warp * hd;
+    att_norm_rope<P>(rope.p, q, rope.q_norm, (float)row, hd, lane, xs, ys, q);
     if (skip == row && warp == 0) {
       float x[NS], y[NS];
 #pragma unroll
       for (uint i = 0; i < NS; ++i) x[i] = i < nd ? rope.k[col0 + att_dim<P>(i, lane)] : 0.0f;
-      att_norm_rope<P>(rope.p, x, rope.k_norm, (float)row, hd, lane, xs, y);
+      att_norm_rope<P>(rope.p, x, rope.k_norm, (float)row, hd, lane, xs, ys, y);
 #pragma unroll
       for (uint i = 0; i < NS; ++i) {
         if (i < nd) {
