@@ -593,10 +593,10 @@ __device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, u
     const float4 lo = real ? load_f4(x + (size_t)f * 8) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const float4 hi = real ? load_f4(x + (size_t)f * 8 + 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    float m = 0.0f, sum = 0.0f;
+    float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(e[i]));
-    sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+    float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
 #pragma unroll
     for (uint o = 1; o < P; o <<= 1) {
       m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
@@ -615,7 +615,6 @@ __device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, u
     // ia[0..4) / ib[0..4): 4 bits even / odd columns, 8 bits columns 0-3 / 4-7.
     const uint ia[4] = {b[0], EPC == 32 ? b[2] : b[1], EPC == 32 ? b[4] : b[2], EPC == 32 ? b[6] : b[3]};
     const uint ib[4] = {EPC == 32 ? b[1] : b[4], EPC == 32 ? b[3] : b[5], EPC == 32 ? b[5] : b[6], b[7]};
-    uint2 w[GEMV_PLANES];
     const auto gather = [](const uint* v, int* out) {
       // byte j of v[0..4) for j = 2, 1, 0 (planes 0, 1, 2): pairs first, then the pairs' halves.
       const uint p01 = __byte_perm(v[0], v[1], 0x5140), p23 = __byte_perm(v[2], v[3], 0x5140);  // bytes 0, 1
@@ -628,10 +627,10 @@ __device__ __forceinline__ void gemv_stage_planes(const float* __restrict__ x, u
     gather(ia, wa);
     gather(ib, wb);
 #pragma unroll
-    for (int p = 0; p < GEMV_PLANES; ++p) w[p] = make_uint2((uint)wa[p], (uint)wb[p]);
-#pragma unroll
     for (int p = 0; p < GEMV_PLANES; ++p)
-      if (real) qs[(((c / 32) * GEMV_PLANES * H + p * H + k / 2) * 32 + c % 32) * 2 + k % 2] = w[p];
+      if (real)
+        qs[(((c / 32) * GEMV_PLANES * H + p * H + k / 2) * 32 + c % 32) * 2 + k % 2] =
+            make_uint2((uint)wa[p], (uint)wb[p]);
     if (real && k == 0) {
       ds[2 * c] = some ? __uint_as_float((uint)(E - 22) << 23) : 0.0f;
       ds[2 * c + 1] = sum;
