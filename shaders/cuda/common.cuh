@@ -291,6 +291,20 @@ struct Half { ushort b; };
 template <> __device__ __forceinline__ float load_scale<Half>(const uchar* p, size_t i) {
   return f16_float(reinterpret_cast<const ushort*>(p)[i]);
 }
+// A scale's stored bits (loaded, not yet converted) and their value: a GEMV's items keep the bits,
+// so the conversion waits for the load only where the dot product needs the value. Converting at
+// load time made each of a lane's 8 loads-ahead wait for its scale (a DRAM round trip) before the
+// next item's loads were issued: the loads ahead were serialized (sm_90 SASS of the 4-bit GEMVs).
+template <typename S> __device__ __forceinline__ uint scale_bits(const uchar* p, size_t i) {
+  if constexpr (sizeof(S) == 4)
+    return reinterpret_cast<const uint*>(p)[i];
+  else
+    return reinterpret_cast<const ushort*>(p)[i];
+}
+template <typename S> __device__ __forceinline__ float scale_value(uint bits);
+template <> __device__ __forceinline__ float scale_value<float>(uint bits) { return __uint_as_float(bits); }
+template <> __device__ __forceinline__ float scale_value<ushort>(uint bits) { return bf16_float((ushort)bits); }
+template <> __device__ __forceinline__ float scale_value<Half>(uint bits) { return f16_float((ushort)bits); }
 
 // Dense weights: E elements of type T (0 f32, 1 bf16, 2 f16) per row. EPC: elements per 16 bytes.
 template <int KIND> struct DenseW {
@@ -378,17 +392,23 @@ template <int BITS, typename S> struct AffineW {
   // With a power-of-two group, the group index is a shift (no division per chunk). x as DenseW::dot.
   // Chunk c of stored row `row` as loaded, with its group's scale and bias when the chunk lies in
   // one group (group % EPC == 0: the usual 4-bit / 8-bit g64; else dot_item reads them itself).
-  struct Item { uint4 v; float s, b; };
+  // The scale and bias as stored bits (scale_bits): converted where the dot product uses them.
+  struct Item {
+    uint4 v;
+    uint sb, bb;
+    __device__ __forceinline__ float s() const { return scale_value<S>(sb); }
+    __device__ __forceinline__ float b() const { return scale_value<S>(bb); }
+  };
   __device__ __forceinline__ Item load(size_t row, uint c) const {
     Item it;
     it.v = load16(w + row * m.row_bytes + (size_t)c * 16);
-    it.s = it.b = 0.0f;
+    it.sb = it.bb = 0u;
     if (m.group % EPC == 0) {
       const uint j0 = c * EPC;
       const size_t g = m.group_shift != 0 ? row * (m.cols >> m.group_shift) + (j0 >> m.group_shift)
                                           : row * (m.cols / m.group) + j0 / m.group;
-      it.s = load_scale<S>(scales, g);
-      it.b = load_scale<S>(biases, g);
+      it.sb = scale_bits<S>(scales, g);
+      it.bb = scale_bits<S>(biases, g);
     }
     return it;
   }
@@ -428,7 +448,7 @@ template <int BITS, typename S> struct AffineW {
       }
       a[p] = acc;
     }
-    return fmaf(it.s * x.d, planes_total(a), it.b * x.sum);
+    return fmaf(it.s() * x.d, planes_total(a), it.b() * x.sum);
   }
   __device__ __forceinline__ float dot_item(size_t row, const Item& it, uint c, const float* xc, uint step) const {
     const uint4 v = it.v;
@@ -450,7 +470,7 @@ template <int BITS, typename S> struct AffineW {
     if (m.group % EPC == 0) {  // the whole chunk in one group (the usual case: 4-bit g64, 8-bit g64)
       float q = 0.0f, sx = 0.0f;
       for (int k = 0; k < EPC / 8; ++k) q += qx[k], sx += xs[k];
-      return it.s * q + it.b * sx;
+      return it.s() * q + it.b() * sx;
     }
     const size_t g0 = row * (m.cols / m.group);
     float acc = 0.0f;
@@ -467,11 +487,12 @@ template <int BITS, typename S> struct AffineW {
     const uint u[4] = {it.v.x, it.v.y, it.v.z, it.v.w};
     constexpr int PW = 32 / BITS;  // codes per word
     constexpr uint MASK = (1u << BITS) - 1u;
+    const float s = it.s(), b = it.b();
 #pragma unroll
     for (int j = 0; j < EPC; j += 2) {
       const uint word = u[j / PW], sh = (j % PW) * BITS;
-      out[j / 2] = pack_bf16x2(fmaf(it.s, code_float((word >> sh) & MASK), it.b),
-                               fmaf(it.s, code_float((word >> (sh + BITS)) & MASK), it.b));
+      out[j / 2] = pack_bf16x2(fmaf(s, code_float((word >> sh) & MASK), b),
+                               fmaf(s, code_float((word >> (sh + BITS)) & MASK), b));
     }
   }
 };
