@@ -131,10 +131,9 @@ __device__ __forceinline__ void route_token_warp(const RouteParams p, const vola
         best = key[i];
         best_id = lane + 32 * i;
       }
-    uint wbest = best;
-    for (int o = 16; o > 0; o >>= 1) wbest = max(wbest, __shfl_xor_sync(FULL_MASK, wbest, o));
-    uint id = best == wbest ? best_id : 0xffffffffu;
-    for (int o = 16; o > 0; o >>= 1) id = min(id, __shfl_xor_sync(FULL_MASK, id, o));
+    // One warp reduction each (redux.sync, sm_80+), not five dependent shuffles: a round's latency.
+    const uint wbest = __reduce_max_sync(FULL_MASK, best);
+    const uint id = __reduce_min_sync(FULL_MASK, best == wbest ? best_id : 0xffffffffu);
     const float pk = __uint_as_float(wbest - 1u);
     sum += pk;
 #pragma unroll

@@ -193,6 +193,21 @@ inline unsigned __ballot_sync(unsigned mask, int pred, CUDA_SIM_SITE) {
     if ((mask >> l & 1u) && ::cuda_sim::lane_value<int>(s, l)) r |= 1u << l;
   return r;
 }
+// redux.sync: every lane of mask gets the max / min of their values.
+inline unsigned __reduce_max_sync(unsigned mask, unsigned v, CUDA_SIM_SITE) {
+  const unsigned char* s = ::cuda_sim::warp_exchange(&v, 4, mask, _site, "__reduce_max_sync");
+  unsigned r = 0;
+  for (unsigned l = 0; l < 32; ++l)
+    if (mask >> l & 1u) r = ::cuda_sim::lane_value<unsigned>(s, l) > r ? ::cuda_sim::lane_value<unsigned>(s, l) : r;
+  return r;
+}
+inline unsigned __reduce_min_sync(unsigned mask, unsigned v, CUDA_SIM_SITE) {
+  const unsigned char* s = ::cuda_sim::warp_exchange(&v, 4, mask, _site, "__reduce_min_sync");
+  unsigned r = 0xffffffffu;
+  for (unsigned l = 0; l < 32; ++l)
+    if (mask >> l & 1u) r = ::cuda_sim::lane_value<unsigned>(s, l) < r ? ::cuda_sim::lane_value<unsigned>(s, l) : r;
+  return r;
+}
 inline int __any_sync(unsigned mask, int pred, CUDA_SIM_SITE) { return __ballot_sync(mask, pred, _site) != 0; }
 inline int __all_sync(unsigned mask, int pred, CUDA_SIM_SITE) {
   return __ballot_sync(mask, pred, _site) == (mask & ::cuda_sim::live_lanes());
