@@ -179,6 +179,61 @@ fn the_pick_fits_the_shape_and_the_isa() {
     }
 }
 
+/// `n` 4-bit rows of `cols` (random codes from `seed`), their scales and biases in `dtype` per
+/// `group` columns.
+struct Packed {
+    w: Vec<u8>,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+    dtype: DType,
+    cols: usize,
+    group: usize,
+}
+
+impl Packed {
+    fn new(n: usize, cols: usize, group: usize, dtype: DType, seed: u64) -> Self {
+        let g_n = cols / group;
+        Packed {
+            w: codes(n * cols / 2, seed),
+            scales: float_bytes(&rand_vec(n * g_n, 5, 0.001, 0.02), dtype),
+            biases: float_bytes(&rand_vec(n * g_n, 6, -0.1, 0.1), dtype),
+            dtype,
+            cols,
+            group,
+        }
+    }
+
+    fn rows(&self) -> Rows<'_> {
+        Rows {
+            w: &self.w,
+            scales: &self.scales,
+            biases: &self.biases,
+            dtype: self.dtype,
+            cols: self.cols,
+            group: self.group,
+        }
+    }
+
+    /// Row r times x: the exact affine product in f64, the scale of its terms, and the bound of
+    /// x's rounding in `np` planes of steps `dx` (per group: half a step of the last plane per
+    /// element; the bias term uses exact group sums).
+    fn exact(&self, r: usize, x: &[f32], dx: &[f32], np: usize) -> (f64, f64, f64) {
+        let (cols, group, g_n) = (self.cols, self.group, self.cols / self.group);
+        let (mut exact, mut mag, mut rounding) = (0f64, 0f64, 0f64);
+        for j in 0..cols {
+            let byte = self.w[r * cols / 2 + j / 2];
+            let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+            let s = read_scalar(self.dtype, &self.scales, r * g_n + j / group) as f64;
+            let b = read_scalar(self.dtype, &self.biases, r * g_n + j / group) as f64;
+            let x = x[j] as f64;
+            exact += (s * q + b) * x;
+            mag += (s * q + b.abs()) * x.abs();
+            rounding += s * q * dx[j / group] as f64 / (2.0 * 256f64.powi(np as i32 - 1));
+        }
+        (exact, mag, rounding)
+    }
+}
+
 #[test]
 fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
     // Quarters of 9 rows (the kernels run four streams) and a tail row.
@@ -202,17 +257,8 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
                     for (g, xg) in x.chunks_exact(group).enumerate() {
                         gsum[g] = xg.iter().sum();
                     }
-                    let w = codes(n * cols / 2, 11 + cols as u64);
-                    let scales = float_bytes(&rand_vec(n * g_n, 5, 0.001, 0.02), dtype);
-                    let biases = float_bytes(&rand_vec(n * g_n, 6, -0.1, 0.1), dtype);
-                    let rows = Rows {
-                        w: &w,
-                        scales: &scales,
-                        biases: &biases,
-                        dtype,
-                        cols,
-                        group,
-                    };
+                    let m = Packed::new(n, cols, group, dtype, 11 + cols as u64);
+                    let rows = m.rows();
                     let planes = Planes {
                         dot,
                         n: np,
@@ -224,19 +270,7 @@ fn every_rows_kernel_matches_the_twin_and_the_exact_product() {
                     int8::rows(&rows, &planes, &mut got);
                     int8::rows_portable(&rows, &planes, &mut twin);
                     for r in 0..n {
-                        // The exact affine product in f64, the scale of its terms, and the bound of
-                        // x's rounding (half a step of the last plane per element; the bias
-                        // term uses exact group sums).
-                        let (mut exact, mut mag, mut rounding) = (0f64, 0f64, 0f64);
-                        for j in 0..cols {
-                            let byte = w[r * cols / 2 + j / 2];
-                            let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
-                            let s = read_scalar(dtype, &scales, r * g_n + j / group) as f64;
-                            let b = read_scalar(dtype, &biases, r * g_n + j / group) as f64;
-                            exact += (s * q + b) * x[j] as f64;
-                            mag += (s * q + b.abs()) * x[j].abs() as f64;
-                            rounding += s * q * dx[j / group] as f64 / (2.0 * 256f64.powi(np as i32 - 1));
-                        }
+                        let (exact, mag, rounding) = m.exact(r, &x, &dx, np);
                         for (v, name) in [(got[r], "kernel"), (twin[r], "twin")] {
                             assert!(
                                 (v as f64 - exact).abs() <= 2e-6 * mag + rounding,
@@ -280,17 +314,8 @@ fn every_rows_batch_kernel_is_the_row_kernel_per_token() {
                 }
                 let what = format!("{dot:?} {np} planes {dtype:?} group {group} cols {cols} rows {n}");
                 let (g_n, g_pad) = (cols / group, (cols / group).next_multiple_of(CHUNK_GROUPS));
-                let w = codes(n * cols / 2, 13 + cols as u64);
-                let scales = float_bytes(&rand_vec(n * g_n, 5, 0.001, 0.02), dtype);
-                let biases = float_bytes(&rand_vec(n * g_n, 6, -0.1, 0.1), dtype);
-                let rows = Rows {
-                    w: &w,
-                    scales: &scales,
-                    biases: &biases,
-                    dtype,
-                    cols,
-                    group,
-                };
+                let m = Packed::new(n, cols, group, dtype, 13 + cols as u64);
+                let rows = m.rows();
                 let toks = 9;
                 let xs: Vec<Vec<f32>> = (0..toks)
                     .map(|t| activations(cols, 100 * t as u64 + cols as u64))
@@ -346,17 +371,7 @@ fn every_rows_batch_kernel_is_the_row_kernel_per_token() {
                 let mut got = vec![0f32; toks * n];
                 int8::rows_batch(&rows, &planes, n, &mut got, n);
                 for r in 0..n {
-                    let (mut exact, mut mag, mut rounding) = (0f64, 0f64, 0f64);
-                    for j in 0..cols {
-                        let byte = w[r * cols / 2 + j / 2];
-                        let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
-                        let s = read_scalar(dtype, &scales, r * g_n + j / group) as f64;
-                        let b = read_scalar(dtype, &biases, r * g_n + j / group) as f64;
-                        let x = xs[t][j] as f64;
-                        exact += (s * q + b) * x;
-                        mag += (s * q + b.abs()) * x.abs();
-                        rounding += s * q * dx[t * g_pad + j / group] as f64 / (2.0 * 256f64.powi(np as i32 - 1));
-                    }
+                    let (exact, mag, rounding) = m.exact(r, &xs[t], &dx[t * g_pad..], np);
                     let v = got[t * n + r] as f64;
                     assert!(
                         (v - exact).abs() <= 2e-6 * mag + rounding,

@@ -7,13 +7,13 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, filled_cache, rand_vec, run_attention};
+use common::{assert_close, attention_params, filled_cache, rand_vec, rope_params, run_attention};
 use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
         cpu::Cpu,
         metal::{Executor, Metal},
-        params::{AttentionParams, KvStoreParams, RopeParams, RowsParams},
+        params::{AttentionParams, KvStoreParams, RowsParams},
         Backend, KvDtype,
     },
     ops::attention::reference::norm_rope_head,
@@ -27,17 +27,7 @@ mod cpu {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         // Real per-head shapes: hd 256, rotary 64, 8 query heads per KV head.
         let (h, kv, hd, t, pos0) = (8, 1, 256, 9, 5);
-        let p = RopeParams {
-            tokens: t as u32,
-            pos0: pos0 as u32,
-            heads: h,
-            kv_heads: kv,
-            head_dim: hd,
-            rotary_dim: 64,
-            eps: 1e-6,
-            theta: 1e4,
-        };
-        let (hd, h, kv) = (hd as usize, h as usize, kv as usize);
+        let p = rope_params(t, pos0, h, kv, hd, 64, 1e4);
         let qg0 = rand_vec(t * h * 2 * hd, 1, -2.0, 2.0);
         let k0 = rand_vec(t * kv * hd, 2, -2.0, 2.0);
         let (qn, kn) = (rand_vec(hd, 3, 0.5, 1.5), rand_vec(hd, 4, 0.5, 1.5));
@@ -55,20 +45,13 @@ mod cpu {
             pos0: pos0 as u32,
             width: width as u32,
         };
-        let ap = AttentionParams {
-            tokens: t as u32,
-            pos0: pos0 as u32,
-            heads: h as u32,
-            kv_heads: kv as u32,
-            head_dim: hd as u32,
-            scale: 1.0 / 16.0,
-        };
+        let ap = attention_params(t, pos0, h, kv, hd); // scale 1 / 16
         for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
             for seg in [4, 1024] {
                 let what = format!("{dtype:?} KV, segments of {seg}");
-                let mut kc = filled(&fast, width, pos0, 32, dtype, seg, 5);
-                let mut vc = filled(&fast, width, pos0, 32, dtype, seg, 6);
-                let mut kc2 = filled(&fast, width, pos0, 32, dtype, seg, 5);
+                let mut kc = filled_cache(&fast, width, pos0, 32, dtype, seg, 5);
+                let mut vc = filled_cache(&fast, width, pos0, 32, dtype, seg, 6);
+                let mut kc2 = filled_cache(&fast, width, pos0, 32, dtype, seg, 5);
                 fast.kv_reserve(&mut kc, pos0 + t).unwrap();
                 fast.kv_reserve(&mut kc2, pos0 + t).unwrap();
                 fast.kv_reserve(&mut vc, pos0 + t).unwrap();
@@ -109,19 +92,6 @@ mod cpu {
                 }
             }
         }
-    }
-
-    /// A cache of `rows` rows of `width` random values in [-1, 1] (seed), room for `max` rows.
-    fn filled(
-        b: &Cpu,
-        width: usize,
-        rows: usize,
-        max: usize,
-        dtype: KvDtype,
-        seg: usize,
-        seed: u64,
-    ) -> <Cpu as Backend>::Kv {
-        common::filled_cache(b, width, rows, max, dtype, seg, seed)
     }
 
     fn rows(b: &Cpu, kv: &<Cpu as Backend>::Kv, n: usize) -> Vec<f32> {
@@ -238,17 +208,7 @@ gpu_tests!(
 fn qk_norm_rope_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     // Small theta makes rotation errors loud; the second case has the real head shapes.
     for (t, pos0, h, kv, hd, rot, theta) in [(3, 5, 4, 2, 64, 16, 100.0), (2, 40, 16, 2, 256, 64, 1e7)] {
-        let p = RopeParams {
-            tokens: t,
-            pos0,
-            heads: h,
-            kv_heads: kv,
-            head_dim: hd,
-            rotary_dim: rot,
-            eps: 1e-6,
-            theta,
-        };
-        let (t, h, kv, hd) = (t as usize, h as usize, kv as usize, hd as usize);
+        let p = rope_params(t, pos0, h, kv, hd, rot, theta);
         let qg = rand_vec(t * h * 2 * hd, 40, -2.0, 2.0);
         let k = rand_vec(t * kv * hd, 41, -2.0, 2.0);
         let (qn, kn) = (rand_vec(hd, 42, 0.5, 1.5), rand_vec(hd, 43, 0.5, 1.5));
@@ -271,18 +231,9 @@ fn qk_norm_rope_store_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
         (5, 6, 4, 2, 64, 16, KvDtype::F16),
         (1, 9, 16, 2, 256, 64, KvDtype::F32),
     ] {
-        let p = RopeParams {
-            tokens: t,
-            pos0,
-            heads: h,
-            kv_heads: kv,
-            head_dim: hd,
-            rotary_dim: rot,
-            eps: 1e-6,
-            theta: 100.0,
-        };
-        let (t, h, w, hd) = (t as usize, h as usize, (kv * hd) as usize, hd as usize);
-        let rows = pos0 as usize + t;
+        let p = rope_params(t, pos0, h, kv, hd, rot, 100.0);
+        let w = kv * hd;
+        let rows = pos0 + t;
         let qg = rand_vec(t * h * 2 * hd, 44, -2.0, 2.0);
         let (k, v) = (rand_vec(t * w, 45, -2.0, 2.0), rand_vec(t * w, 46, -2.0, 2.0));
         let (qn, kn) = (rand_vec(hd, 47, 0.5, 1.5), rand_vec(hd, 48, 0.5, 1.5));
@@ -291,8 +242,8 @@ fn qk_norm_rope_store_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
         both!(dev, tol, format!("qk_norm_rope_store hd={hd} {dtype:?}"), b => {
             let (qnb, knb, vb) = (b.upload(&qn).unwrap(), b.upload(&kn).unwrap(), b.upload(&v).unwrap());
             let (mut qb, mut kb) = (b.upload(&qg).unwrap(), b.upload(&k).unwrap());
-            let mut kc = filled_cache(b, w, pos0 as usize, rows, dtype, 4, 49);
-            let mut vc = filled_cache(b, w, pos0 as usize, rows, dtype, 4, 50);
+            let mut kc = filled_cache(b, w, pos0, rows, dtype, 4, 49);
+            let mut vc = filled_cache(b, w, pos0, rows, dtype, 4, 50);
             b.kv_reserve(&mut kc, rows).unwrap();
             b.kv_reserve(&mut vc, rows).unwrap();
             b.qk_norm_rope_store(&p, &qnb, &knb, &mut qb, &mut kb, &vb, &mut kc, &mut vc);
@@ -360,17 +311,23 @@ type AttentionCase = (usize, usize, usize, usize, usize, usize, KvDtype, usize);
 
 /// `ATTENTION_CASES` on `dev` as it is set up, against the reference.
 fn attention_cases<B: Backend>(dev: &B, tolx: f32, what: &str) {
-    for (h, kv, hd, pos0, t, steps, dtype, seg) in ATTENTION_CASES {
-        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
-        let got = run_attention(dev, h, kv, hd, pos0, t, steps, dtype, seg);
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_near(
-                g,
-                w,
-                tolx * TOL,
-                &format!("attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg}{what}, call {i}"),
-            );
-        }
+    for case in ATTENTION_CASES {
+        attention_case(dev, tolx, case, what);
+    }
+}
+
+/// One case's prefill and decode steps on `dev` against the reference, call by call.
+fn attention_case<B: Backend>(dev: &B, tolx: f32, case: AttentionCase, what: &str) {
+    let (h, kv, hd, pos0, t, steps, dtype, seg) = case;
+    let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, t, steps, dtype, seg);
+    let got = run_attention(dev, h, kv, hd, pos0, t, steps, dtype, seg);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_near(
+            g,
+            w,
+            tolx * TOL,
+            &format!("attention H={h} Hkv={kv} hd={hd} {dtype:?} seg {seg}{what}, call {i}"),
+        );
     }
 }
 
@@ -401,17 +358,8 @@ fn attention_decode_long_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
         (1100, 1, KvDtype::F16, 1024),
         (1030, 1, KvDtype::F32, 64),
     ] {
-        let (h, kv, hd) = (16, 2, 256);
-        let want = run_attention(&Cpu::reference(), h, kv, hd, pos0, 1, steps, dtype, seg);
-        let got = run_attention(&*dev, h, kv, hd, pos0, 1, steps, dtype, seg);
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_near(
-                g,
-                w,
-                tolx * TOL,
-                &format!("decode attention at {pos0} rows {dtype:?} seg {seg}, call {i}"),
-            );
-        }
+        let what = format!(", decode at {pos0} rows");
+        attention_case(&*dev, tolx, (16, 2, 256, pos0, 1, steps, dtype, seg), &what);
     }
 }
 
@@ -458,7 +406,7 @@ fn qk_norm_rope_store_attention_matches_reference<B: Backend>(dev: &mut B, tolx:
 /// segment rows).
 fn fused_attention_steps<B: Backend>(
     b: &B,
-    (h, kv, hd, rot, pos0, t, dtype, seg): (usize, usize, usize, u32, usize, usize, KvDtype, usize),
+    (h, kv, hd, rot, pos0, t, dtype, seg): (usize, usize, usize, usize, usize, usize, KvDtype, usize),
 ) -> Vec<Vec<f32>> {
     let (w, steps) = (kv * hd, 3);
     let rows = pos0 + t + steps;
@@ -476,24 +424,8 @@ fn fused_attention_steps<B: Backend>(
         let mut out = b.alloc(n * h * hd).unwrap();
         b.kv_reserve(&mut kc, pos + n).unwrap();
         b.kv_reserve(&mut vc, pos + n).unwrap();
-        let rope = RopeParams {
-            tokens: n as u32,
-            pos0: pos as u32,
-            heads: h as u32,
-            kv_heads: kv as u32,
-            head_dim: hd as u32,
-            rotary_dim: rot,
-            eps: 1e-6,
-            theta: 1e4,
-        };
-        let p = AttentionParams {
-            tokens: n as u32,
-            pos0: pos as u32,
-            heads: h as u32,
-            kv_heads: kv as u32,
-            head_dim: hd as u32,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let rope = rope_params(n, pos, h, kv, hd, rot, 1e4);
+        let p = attention_params(n, pos, h, kv, hd);
         b.qk_norm_rope_store_attention(&rope, &p, &qnb, &knb, &mut qg, &mut k, &v, &mut kc, &mut vc, &mut out);
         b.finish().unwrap();
         outs.push(read_all(b, &out, n * h * hd));

@@ -163,61 +163,18 @@ gpu_tests!(
     cuda: delta_net_scan_matches_reference,
 );
 
-/// The chunked DeltaNet prefill again with the threads of each threadgroup run in reverse order
-/// (both of its kernels hand data between threads through threadgroup memory): a missing
-/// barrier changes the result.
+// The kernels that hand data between threads through threadgroup (shared) memory again with the
+// threads of each threadgroup (block) run in reverse order: a missing barrier changes the result.
+// Metal: the chunked prefill's two kernels; delta_net_gated (the conv outputs, the normed q / k and
+// the recurrence outputs between its simdgroups). CUDA: delta_net_scan (each token's k and q
+// between its warps); delta_net_gated (each token's conv outputs and partial sums between warps);
+// the conv.
 #[cfg(unix)]
-mod metal_sim_reversed {
-    #[test]
-    fn delta_net_chunked_matches_reference() {
-        if let Some(mut m) = crate::gpu_common::metal_sim() {
-            m.executor().set_reverse(Some(true));
-            super::delta_net_chunked_matches_reference(&mut m, 1.0);
-        }
-    }
-
-    /// delta_net_gated hands the conv outputs, the normed q / k and the recurrence outputs
-    /// between its simdgroups through threadgroup memory.
-    #[test]
-    fn delta_net_gated_matches_reference() {
-        if let Some(mut m) = crate::gpu_common::metal_sim() {
-            m.executor().set_reverse(Some(true));
-            super::delta_net_gated_matches_reference(&mut m, 1.0);
-        }
-    }
-}
-
-/// The CUDA prefill kernels again with the threads of each block run in reverse order
-/// (delta_net_scan hands each token's k and q between its warps through shared memory): a
-/// missing barrier changes the result.
+gpu_module!(metal_sim_reversed, crate::gpu_common::metal_sim_reversed, 1.0;
+    delta_net_chunked_matches_reference delta_net_gated_matches_reference);
 #[cfg(unix)]
-mod cuda_sim_reversed {
-    #[test]
-    fn delta_net_scan_matches_reference() {
-        if let Some(mut c) = crate::gpu_common::cuda_sim() {
-            c.executor().set_reverse(Some(true));
-            super::delta_net_scan_matches_reference(&mut c, 1.0);
-        }
-    }
-
-    /// delta_net_gated hands each token's conv outputs and partial sums between its warps through
-    /// shared memory.
-    #[test]
-    fn delta_net_gated_matches_reference() {
-        if let Some(mut c) = crate::gpu_common::cuda_sim() {
-            c.executor().set_reverse(Some(true));
-            super::delta_net_gated_matches_reference(&mut c, 1.0);
-        }
-    }
-
-    #[test]
-    fn delta_net_conv_matches_reference() {
-        if let Some(mut c) = crate::gpu_common::cuda_sim() {
-            c.executor().set_reverse(Some(true));
-            super::delta_net_conv_matches_reference(&mut c, 1.0);
-        }
-    }
-}
+gpu_module!(cuda_sim_reversed, crate::gpu_common::cuda_sim_reversed, 1.0;
+    delta_net_scan_matches_reference delta_net_gated_matches_reference delta_net_conv_matches_reference);
 
 /// CUDA's prefill recurrence (`delta_net_prep` + `delta_net_scan`, each value column of S split
 /// over 4 lanes) for every call of 2 tokens or more (the step-kernel threshold lowered to 1),

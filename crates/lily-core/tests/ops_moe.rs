@@ -6,7 +6,7 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, matrix, rand_vec, stored_matrix};
+use common::{assert_close, matrix, norm_params, rand_vec, stored_matrix};
 use gpu_common::{assert_near, ids_buf, read_all, ReadIds, TOL};
 use lily_core::{
     backend::{
@@ -626,15 +626,7 @@ fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32
             let norm_w = rand_vec(d, 125, 0.5, 1.5);
             let ids: Vec<u32> = (0..t * k).map(|i| (((i / k) * 5 + (i % k) * 7) % e) as u32).collect();
             let weights = rand_vec(t * k, 126, 0.0, 1.0);
-            let moe = MoeParams {
-                tokens: t as u32,
-                top_k: k as u32,
-            };
-            let norm = RmsNormParams {
-                rows: t as u32,
-                dim: d as u32,
-                eps: 1e-6,
-            };
+            let (moe, norm) = moe_norm_params(t, k, d);
             let tol = if t > 8 { 1e-2 } else { TOL };
             let at = format!("moe_experts_add_rms_norm {format:?} I={inter} D={d} T={t} top {k} of {e}");
             both!(dev, tolx * tol, at, b => {
@@ -653,6 +645,15 @@ fn moe_experts_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32
             });
         }
     }
+}
+
+/// The MoE block end's parameters: T tokens, top K, the norm over T rows of D (eps 1e-6).
+fn moe_norm_params(t: usize, k: usize, d: usize) -> (MoeParams, RmsNormParams) {
+    let moe = MoeParams {
+        tokens: t as u32,
+        top_k: k as u32,
+    };
+    (moe, norm_params(t, d))
 }
 
 /// `moe_add_rms_norm` (the MoE block after routing: routed experts, shared expert, residual, next
@@ -696,15 +697,7 @@ fn moe_add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
             .map(|i| ((i / k) * 3 + (i % k) * 2 + 1) as u32 % e as u32)
             .collect();
         let weights = rand_vec(t * k, 138, 0.0, 1.0);
-        let moe = MoeParams {
-            tokens: t as u32,
-            top_k: k as u32,
-        };
-        let norm = RmsNormParams {
-            rows: t as u32,
-            dim: d as u32,
-            eps: 1e-6,
-        };
+        let (moe, norm) = moe_norm_params(t, k, d);
         let tol = if t > 8 { 1e-2 } else { TOL };
         let at = format!("moe_add_rms_norm experts {format:?} shared {shared_format:?} T={t}");
         both!(dev, tolx * tol, at, b => {

@@ -6,9 +6,9 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, rand_vec};
+use common::{assert_close, norm_params, rand_vec};
 use gpu_common::{read_all, TOL};
-use lily_core::backend::{cpu::Cpu, params::RmsNormParams, Backend, GatedAdd, StreamKind};
+use lily_core::backend::{cpu::Cpu, Backend, GatedAdd, StreamKind};
 
 mod cpu {
     use super::*;
@@ -20,11 +20,7 @@ mod cpu {
         let x = rand_vec(rows * dim, 1, -3.0, 3.0);
         let z = rand_vec(rows * dim, 2, -3.0, 3.0);
         let w = rand_vec(dim, 3, 0.5, 1.5);
-        let p = RmsNormParams {
-            rows: rows as u32,
-            dim: dim as u32,
-            eps: 1e-6,
-        };
+        let p = norm_params(rows, dim);
         let (mut a, mut b) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
         fast.rms_norm(&p, &x, &w, &mut a);
         refr.rms_norm(&p, &x, &w, &mut b);
@@ -44,11 +40,7 @@ fn rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
         let x = rand_vec(rows * dim, 1, -2.0, 2.0);
         let z = rand_vec(rows * dim, 4, -3.0, 3.0);
         let w = rand_vec(dim, 2, 0.5, 1.5);
-        let p = RmsNormParams {
-            rows: rows as u32,
-            dim: dim as u32,
-            eps: 1e-6,
-        };
+        let p = norm_params(rows, dim);
         both!(dev, tolx * TOL, format!("rms_norm(_gated) {rows}x{dim}"), b => {
             let (xb, zb, wb) = (b.upload(&x).unwrap(), b.upload(&z).unwrap(), b.upload(&w).unwrap());
             let (mut out, mut gated) = (b.alloc(rows * dim).unwrap(), b.alloc(rows * dim).unwrap());
@@ -71,11 +63,7 @@ fn add_rms_norm_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
         let shared = rand_vec(n, 13, -2.0, 2.0);
         let gate = rand_vec(rows, 14, -4.0, 4.0);
         let w = rand_vec(dim, 15, 0.5, 1.5);
-        let p = RmsNormParams {
-            rows: rows as u32,
-            dim: dim as u32,
-            eps: 1e-6,
-        };
+        let p = norm_params(rows, dim);
         both!(dev, tolx * TOL, format!("add_rms_norm {rows}x{dim}"), b => {
             let (yb, sb, gb, wb) = (
                 b.upload(&y).unwrap(),

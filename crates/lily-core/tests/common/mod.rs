@@ -5,7 +5,7 @@
 use lily_core::{
     backend::{
         cpu::kv::CpuKv,
-        params::{AttentionParams, KvStoreParams},
+        params::{AttentionParams, KvStoreParams, RmsNormParams, RopeParams},
         Backend, KvDtype,
     },
     ops::attention,
@@ -201,6 +201,51 @@ pub fn filled_cache<B: Backend>(
     kv
 }
 
+/// `rms_norm`'s parameters: `rows` rows of `dim`, eps 1e-6.
+pub fn norm_params(rows: usize, dim: usize) -> RmsNormParams {
+    RmsNormParams {
+        rows: rows as u32,
+        dim: dim as u32,
+        eps: 1e-6,
+    }
+}
+
+/// `attention`'s parameters for `tokens` tokens on `pos0` cached rows: `heads` query heads on
+/// `kv_heads` KV heads of `head_dim`, scale 1 / sqrt(head_dim).
+pub fn attention_params(tokens: usize, pos0: usize, heads: usize, kv_heads: usize, head_dim: usize) -> AttentionParams {
+    AttentionParams {
+        tokens: tokens as u32,
+        pos0: pos0 as u32,
+        heads: heads as u32,
+        kv_heads: kv_heads as u32,
+        head_dim: head_dim as u32,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    }
+}
+
+/// `qk_norm_rope`'s parameters for `tokens` tokens at `pos0` (the heads as in
+/// [`attention_params`]), RoPE on the first `rotary_dim` dims with base `theta`, eps 1e-6.
+pub fn rope_params(
+    tokens: usize,
+    pos0: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f32,
+) -> RopeParams {
+    RopeParams {
+        tokens: tokens as u32,
+        pos0: pos0 as u32,
+        heads: heads as u32,
+        kv_heads: kv_heads as u32,
+        head_dim: head_dim as u32,
+        rotary_dim: rotary_dim as u32,
+        eps: 1e-6,
+        theta,
+    }
+}
+
 /// Prefill of `t` tokens on a cache already holding `pos0` rows, then `decode` single steps
 /// (each appending a row first), in caches of `dtype` with segments of `seg` rows.
 #[allow(clippy::too_many_arguments)]
@@ -240,14 +285,7 @@ pub fn run_attention<B: Backend>(
         }
         let qg = b.upload(&rand_vec(n * h * 2 * hd, 62 + i as u64, -1.5, 1.5)).unwrap();
         let mut out = b.alloc(n * h * hd).unwrap();
-        let p = AttentionParams {
-            tokens: n as u32,
-            pos0: pos as u32,
-            heads: h as u32,
-            kv_heads: kv as u32,
-            head_dim: hd as u32,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let p = attention_params(n, pos, h, kv, hd);
         b.attention(&p, &qg, &kc, &vc, &mut out);
         b.finish().unwrap();
         let mut o = vec![0f32; n * h * hd];

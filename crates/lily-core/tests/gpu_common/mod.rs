@@ -16,14 +16,12 @@ use lily_core::backend::{cpu::Cpu, cuda::Cuda, metal::Metal, Backend};
 /// a library that does not load) fails the test.
 #[cfg(unix)]
 pub fn metal_sim() -> Option<Metal<lily_core::backend::metal::sim::Sim>> {
-    if let Err(why) = lily_core::backend::metal::sim::compiler() {
-        if std::env::var("LILY_REQUIRE_METAL_SIM").is_ok_and(|v| v == "1") {
-            panic!("LILY_REQUIRE_METAL_SIM=1: {why}");
-        }
-        eprintln!("SKIPPED: no Metal simulator: {why}");
-        return None;
-    }
-    Some(Metal::sim().unwrap_or_else(|e| panic!("the Metal simulator's compiler is here, but: {e}")))
+    simulator(
+        "Metal",
+        "LILY_REQUIRE_METAL_SIM",
+        lily_core::backend::metal::sim::compiler(),
+        Metal::sim,
+    )
 }
 
 /// The real Metal device (Apple silicon). `None` (with a message) only where this Mac can have
@@ -53,14 +51,31 @@ pub fn metal_device() -> Option<Metal<lily_core::backend::metal::device::Device>
 /// does not compile or is not found in the library) fails the test.
 #[cfg(unix)]
 pub fn cuda_sim() -> Option<Cuda<lily_core::backend::cuda::sim::Sim>> {
-    if let Err(why) = lily_core::backend::cuda::sim::compiler() {
-        if std::env::var("LILY_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1") {
-            panic!("LILY_REQUIRE_CUDA_SIM=1: {why}");
+    simulator(
+        "CUDA",
+        "LILY_REQUIRE_CUDA_SIM",
+        lily_core::backend::cuda::sim::compiler(),
+        Cuda::sim,
+    )
+}
+
+/// A simulator (`name`) made by `make`: `None` (with a message) only where its `compiler` lookup
+/// failed, and then a failure where `require`=1.
+#[cfg(unix)]
+fn simulator<B, C>(
+    name: &str,
+    require: &str,
+    compiler: Result<C, String>,
+    make: impl FnOnce() -> lily_core::error::Result<B>,
+) -> Option<B> {
+    if let Err(why) = compiler {
+        if std::env::var(require).is_ok_and(|v| v == "1") {
+            panic!("{require}=1: {why}");
         }
-        eprintln!("SKIPPED: no CUDA simulator: {why}");
+        eprintln!("SKIPPED: no {name} simulator: {why}");
         return None;
     }
-    Some(Cuda::sim().unwrap_or_else(|e| panic!("the CUDA simulator's compiler is here, but: {e}")))
+    Some(make().unwrap_or_else(|e| panic!("the {name} simulator's compiler is here, but: {e}")))
 }
 
 /// A real NVIDIA GPU. `None` (with a message) only where no NVIDIA driver is installed (no
@@ -76,6 +91,19 @@ pub fn cuda_device() -> Option<Cuda<lily_core::backend::cuda::device::Device>> {
         return None;
     }
     Some(Cuda::device().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// [`metal_sim`] running the threads of each threadgroup in reverse order: a kernel that hands
+/// data between threads through threadgroup memory without a barrier gets another result.
+#[cfg(unix)]
+pub fn metal_sim_reversed() -> Option<Metal<lily_core::backend::metal::sim::Sim>> {
+    metal_sim().inspect(|m| m.executor().set_reverse(Some(true)))
+}
+
+/// [`cuda_sim`] running the threads of each block in reverse order (as `CUDA_SIM_SCHED=reverse`).
+#[cfg(unix)]
+pub fn cuda_sim_reversed() -> Option<Cuda<lily_core::backend::cuda::sim::Sim>> {
+    cuda_sim().inspect(|c| c.executor().set_reverse(Some(true)))
 }
 
 /// `#[test]`s for the GPU cases of an op family's test file. Each case is a function of the

@@ -1166,15 +1166,10 @@ mod neon {
     #[target_feature(enable = "neon,dotprod")]
     #[inline]
     unsafe fn run<const R: usize, const P: usize>(m: &Rows, x: &Planes, rows: [usize; R], out: &mut [f32]) {
-        let (g_n, sz) = (m.cols / m.group, m.dtype.size());
-        let (row_w, row_s, bpg) = (m.cols / 2, g_n * sz, m.group / 32);
+        let (g_n, bpg) = (m.cols / m.group, m.group / 32);
         unsafe {
             let mask = vdupq_n_u8(15);
-            let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
-            let (sc, bi): ([&[u8]; R], [&[u8]; R]) = (
-                std::array::from_fn(|i| &m.scales[rows[i] * row_s..][..row_s]),
-                std::array::from_fn(|i| &m.biases[rows[i] * row_s..][..row_s]),
-            );
+            let (w, sc, bi) = row_parts(m, rows);
             let (mut t, mut bias) = ([vdupq_n_f32(0.0); R], [0f32; R]);
             for g in 0..g_n {
                 let step = x.dx[g] / unit(P);
@@ -1187,12 +1182,7 @@ mod neon {
                     let xp: [(int8x16_t, int8x16_t); P] =
                         std::array::from_fn(|p| (vld1q_s8(xb.add(p * 32)), vld1q_s8(xb.add(p * 32 + 16))));
                     for i in 0..R {
-                        let at = w[i].wrapping_add(blk * 16 + PREFETCH);
-                        // SAFETY: a prefetch never faults.
-                        asm!("prfm pldl1keep, [{p}]", p = in(reg) at, options(nostack, readonly, preserves_flags));
-                        let v = vld1q_u8(w[i].add(blk * 16));
-                        let lo = vreinterpretq_s8_u8(vandq_u8(v, mask));
-                        let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                        let (lo, hi) = nibbles(w[i], blk, mask);
                         let mut acc = vdupq_n_s32(0);
                         for (p, &(xl, xh)) in xp.iter().enumerate() {
                             if p > 0 {
@@ -1207,6 +1197,38 @@ mod neon {
             for i in 0..R {
                 out[rows[i]] = vaddvq_f32(t[i]) + bias[i];
             }
+        }
+    }
+
+    /// Rows `rows` of the run: their packed weights (`cols / 2` bytes each), scales and biases.
+    /// Unsafe: the rows must be inside the run (the weights' pointers are not checked).
+    #[inline(always)]
+    unsafe fn row_parts<'a, const R: usize>(
+        m: &Rows<'a>,
+        rows: [usize; R],
+    ) -> ([*const u8; R], [&'a [u8]; R], [&'a [u8]; R]) {
+        let row_s = m.cols / m.group * m.dtype.size();
+        (
+            // SAFETY: the caller's rows are inside the run.
+            std::array::from_fn(|i| unsafe { m.w.as_ptr().add(rows[i] * (m.cols / 2)) }),
+            std::array::from_fn(|i| &m.scales[rows[i] * row_s..][..row_s]),
+            std::array::from_fn(|i| &m.biases[rows[i] * row_s..][..row_s]),
+        )
+    }
+
+    /// Block `blk` (16 bytes, 32 weights) of the packed row at `w` as its low and high nibbles
+    /// (`mask` = 15 in every byte), the line [`PREFETCH`] bytes ahead prefetched.
+    #[inline(always)]
+    unsafe fn nibbles(w: *const u8, blk: usize, mask: uint8x16_t) -> (int8x16_t, int8x16_t) {
+        let at = w.wrapping_add(blk * 16 + PREFETCH);
+        unsafe {
+            // SAFETY: a prefetch never faults; the caller keeps the block inside the row.
+            asm!("prfm pldl1keep, [{p}]", p = in(reg) at, options(nostack, readonly, preserves_flags));
+            let v = vld1q_u8(w.add(blk * 16));
+            (
+                vreinterpretq_s8_u8(vandq_u8(v, mask)),
+                vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)),
+            )
         }
     }
 
@@ -1264,15 +1286,10 @@ mod neon {
         stride: usize,
     ) {
         const { assert!(T <= BATCH_TOKENS && BATCH_TOKENS == 4) };
-        let (g_n, sz) = (m.cols / m.group, m.dtype.size());
-        let (row_w, row_s, bpg) = (m.cols / 2, g_n * sz, m.group / 32);
+        let (g_n, bpg) = (m.cols / m.group, m.group / 32);
         unsafe {
             let mask = vdupq_n_u8(15);
-            let w: [*const u8; R] = std::array::from_fn(|i| m.w.as_ptr().add(rows[i] * row_w));
-            let (sc, bi): ([&[u8]; R], [&[u8]; R]) = (
-                std::array::from_fn(|i| &m.scales[rows[i] * row_s..][..row_s]),
-                std::array::from_fn(|i| &m.biases[rows[i] * row_s..][..row_s]),
-            );
+            let (w, sc, bi) = row_parts(m, rows);
             let (mut t, mut bias) = ([[vdupq_n_f32(0.0); T]; R], [[0f32; T]; R]);
             for g in 0..g_n {
                 // [`run`]'s lane scale and bias term per (row, token), in its order.
@@ -1289,16 +1306,7 @@ mod neon {
                     }
                 }
                 for blk in g * bpg..(g + 1) * bpg {
-                    let wn: [(int8x16_t, int8x16_t); R] = std::array::from_fn(|i| {
-                        let at = w[i].wrapping_add(blk * 16 + PREFETCH);
-                        // SAFETY: a prefetch never faults.
-                        asm!("prfm pldl1keep, [{p}]", p = in(reg) at, options(nostack, readonly, preserves_flags));
-                        let v = vld1q_u8(w[i].add(blk * 16));
-                        (
-                            vreinterpretq_s8_u8(vandq_u8(v, mask)),
-                            vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)),
-                        )
-                    });
+                    let wn: [(int8x16_t, int8x16_t); R] = std::array::from_fn(|i| nibbles(w[i], blk, mask));
                     // The token loop written out (J a constant in each copy), so `t` stays in
                     // registers and the lane of `ls` is an immediate (a loop LLVM left rolled at
                     // T = 3, 4 kept `t` on the stack and branched on the lane).

@@ -1682,73 +1682,43 @@ mod x86 {
     /// tile: wt[j * stride + i] = s_i,g q_i,j + b_i,g for i < 8, j < cols. Per 32 columns: the 16
     /// bytes of each row (four 32-bit words of 8 nibbles) are transposed so that word c of all 8 rows
     /// sits in one register (lane i = row i); nibble n of that word is column 8 c + n of every row:
-    /// shift, mask, convert, scale and bias (the rows' vectors), one store. The rows' scales and
-    /// biases are converted to f32 a piece of groups at a time (vectorized for bf16) and each
-    /// group's pair of vectors is built once (it was two dtype dispatches per row every 32
-    /// columns: by instruction count about as much as the vector work, which an expert's ~8
-    /// tokens do not amortize).
+    /// shift, mask, convert, scale and bias (the rows' vectors), one store. The checks, the group
+    /// loop and the scales and biases: [`kmajor_q4_groups`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dequant8_kmajor_q4(m: &Matrix, stored: usize, wt: *mut f32, stride: usize) {
-        const PIECE: usize = 64;
-        let Format::Affine { group, .. } = m.format else {
-            unreachable!("dequant8_kmajor_q4 takes 4-bit affine rows")
-        };
-        let (sd, cols) = (m.scale_dtype(), m.cols);
-        let (sz, g_n) = (sd.size(), cols / group);
-        let parts: [(&[u8], &[u8], &[u8]); 8] = std::array::from_fn(|i| m.row_parts(stored + i));
-        assert!(
-            parts
-                .iter()
-                .all(|p| p.0.len() >= cols / 2 && p.1.len() >= g_n * sz && p.2.len() >= g_n * sz),
-            "dequant8_kmajor_q4: row lengths"
-        );
-        let w: [*const u8; 8] = parts.map(|p| p.0.as_ptr());
-        let (mut sc, mut bi) = ([[0f32; PIECE]; 8], [[0f32; PIECE]; 8]);
         unsafe {
-            prefetch_rows(&w, 0, cols / 2, true);
             let mask = _mm256_set1_epi32(15);
-            for g0 in (0..g_n).step_by(PIECE) {
-                let gn = PIECE.min(g_n - g0);
-                for i in 0..8 {
-                    super::scalars_f32(sd, &parts[i].1[g0 * sz..][..gn * sz], &mut sc[i][..gn]);
-                    super::scalars_f32(sd, &parts[i].2[g0 * sz..][..gn * sz], &mut bi[i][..gn]);
-                }
-                for gi in 0..gn {
-                    // The 8 rows' scale and bias of group g0 + gi, one vector each.
-                    let (sv, bv): ([f32; 8], [f32; 8]) =
-                        (std::array::from_fn(|i| sc[i][gi]), std::array::from_fn(|i| bi[i][gi]));
-                    let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
-                    let first = (g0 + gi) * group;
-                    for c0 in (first..first + group).step_by(32) {
-                        prefetch_rows(&w, c0 / 2, cols / 2, false);
-                        // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
-                        let v: [__m256i; 4] = std::array::from_fn(|r| {
-                            // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
-                            let lo = _mm_loadu_si128(w[r].add(c0 / 2) as *const __m128i);
-                            let hi = _mm_loadu_si128(w[r + 4].add(c0 / 2) as *const __m128i);
-                            _mm256_set_m128i(hi, lo)
-                        });
-                        let (a0, a1) = (_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
-                        let (a2, a3) = (_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
-                        let words = [
-                            _mm256_unpacklo_epi64(a0, a2),
-                            _mm256_unpackhi_epi64(a0, a2),
-                            _mm256_unpacklo_epi64(a1, a3),
-                            _mm256_unpackhi_epi64(a1, a3),
-                        ];
-                        for (c, &w) in words.iter().enumerate() {
-                            let mut w = w;
-                            for n in 0..8 {
-                                let q = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
-                                // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
-                                let v = _mm256_add_ps(_mm256_mul_ps(s, q), b);
-                                _mm256_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
-                                w = _mm256_srli_epi32::<4>(w);
-                            }
+            kmajor_q4_groups::<8>(m, stored, "dequant8_kmajor_q4", |w, cols, columns, sv, bv| {
+                let (s, b) = (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(bv.as_ptr()));
+                for c0 in columns.step_by(32) {
+                    prefetch_rows(w, c0 / 2, cols / 2, false);
+                    // Rows r and r + 4 in the two 128-bit halves; a 4 x 4 word transpose per half.
+                    let v: [__m256i; 4] = std::array::from_fn(|r| {
+                        // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
+                        let lo = _mm_loadu_si128(w[r].add(c0 / 2) as *const __m128i);
+                        let hi = _mm_loadu_si128(w[r + 4].add(c0 / 2) as *const __m128i);
+                        _mm256_set_m128i(hi, lo)
+                    });
+                    let (a0, a1) = (_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+                    let (a2, a3) = (_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+                    let words = [
+                        _mm256_unpacklo_epi64(a0, a2),
+                        _mm256_unpackhi_epi64(a0, a2),
+                        _mm256_unpacklo_epi64(a1, a3),
+                        _mm256_unpackhi_epi64(a1, a3),
+                    ];
+                    for (c, &w) in words.iter().enumerate() {
+                        let mut w = w;
+                        for n in 0..8 {
+                            let q = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+                            // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
+                            let v = _mm256_add_ps(_mm256_mul_ps(s, q), b);
+                            _mm256_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
+                            w = _mm256_srli_epi32::<4>(w);
                         }
                     }
                 }
-            }
+            });
         }
     }
 
@@ -1763,65 +1733,85 @@ mod x86 {
     /// to ramp up: with ~8 tokens per expert the 8-row version spent most of its time on the loads).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dequant16_kmajor_q4_avx512(m: &Matrix, stored: usize, wt: *mut f32, stride: usize) {
+        unsafe {
+            let mask = _mm512_set1_epi32(15);
+            kmajor_q4_groups::<16>(m, stored, "dequant16_kmajor_q4_avx512", |w, cols, columns, sv, bv| {
+                let (s, b) = (_mm512_loadu_ps(sv.as_ptr()), _mm512_loadu_ps(bv.as_ptr()));
+                for c0 in columns.step_by(32) {
+                    prefetch_rows(w, c0 / 2, cols / 2, false);
+                    let v: [__m512i; 4] = std::array::from_fn(|r| {
+                        // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
+                        let ld = |i: usize| _mm_loadu_si128(w[i].add(c0 / 2) as *const __m128i);
+                        let lo = _mm256_set_m128i(ld(r + 4), ld(r));
+                        let hi = _mm256_set_m128i(ld(r + 12), ld(r + 8));
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                    });
+                    let (a0, a1) = (_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+                    let (a2, a3) = (_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+                    let words = [
+                        _mm512_unpacklo_epi64(a0, a2),
+                        _mm512_unpackhi_epi64(a0, a2),
+                        _mm512_unpacklo_epi64(a1, a3),
+                        _mm512_unpackhi_epi64(a1, a3),
+                    ];
+                    for (c, &w) in words.iter().enumerate() {
+                        let mut w = w;
+                        for n in 0..8 {
+                            let q = _mm512_cvtepi32_ps(_mm512_and_si512(w, mask));
+                            // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
+                            let v = _mm512_add_ps(_mm512_mul_ps(s, q), b);
+                            _mm512_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
+                            w = _mm512_srli_epi32::<4>(w);
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    /// What the K-major 4-bit dequantizations of `R` consecutive stored rows share (the width's
+    /// kernel is `block`): the format and row lengths checked (`name` in the messages), the rows'
+    /// first bytes prefetched, and per group, in order, `block(rows' packed bytes, cols, the
+    /// group's columns, the R rows' scales, their biases)`. The scales and biases are converted
+    /// to f32 a piece of groups at a time (vectorized for bf16) and each group's pair is built
+    /// once (it was two dtype dispatches per row every 32 columns: by instruction count about as
+    /// much as the vector work, which an expert's ~8 tokens do not amortize). Inlined into the
+    /// `#[target_feature]` kernel, `block` with it.
+    #[inline(always)]
+    unsafe fn kmajor_q4_groups<const R: usize>(
+        m: &Matrix,
+        stored: usize,
+        name: &str,
+        mut block: impl FnMut(&[*const u8; R], usize, std::ops::Range<usize>, &[f32; R], &[f32; R]),
+    ) {
         const PIECE: usize = 64;
         let Format::Affine { group, .. } = m.format else {
-            unreachable!("dequant16_kmajor_q4_avx512 takes 4-bit affine rows")
+            unreachable!("{name} takes 4-bit affine rows")
         };
         let (sd, cols) = (m.scale_dtype(), m.cols);
         let (sz, g_n) = (sd.size(), cols / group);
-        let parts: [(&[u8], &[u8], &[u8]); 16] = std::array::from_fn(|i| m.row_parts(stored + i));
+        let parts: [(&[u8], &[u8], &[u8]); R] = std::array::from_fn(|i| m.row_parts(stored + i));
         assert!(
             parts
                 .iter()
                 .all(|p| p.0.len() >= cols / 2 && p.1.len() >= g_n * sz && p.2.len() >= g_n * sz),
-            "dequant16_kmajor_q4_avx512: row lengths"
+            "{name}: row lengths"
         );
-        let w: [*const u8; 16] = parts.map(|p| p.0.as_ptr());
-        let (mut sc, mut bi) = ([[0f32; PIECE]; 16], [[0f32; PIECE]; 16]);
-        unsafe {
-            prefetch_rows(&w, 0, cols / 2, true);
-            let mask = _mm512_set1_epi32(15);
-            for g0 in (0..g_n).step_by(PIECE) {
-                let gn = PIECE.min(g_n - g0);
-                for i in 0..16 {
-                    super::scalars_f32(sd, &parts[i].1[g0 * sz..][..gn * sz], &mut sc[i][..gn]);
-                    super::scalars_f32(sd, &parts[i].2[g0 * sz..][..gn * sz], &mut bi[i][..gn]);
-                }
-                for gi in 0..gn {
-                    // The 16 rows' scale and bias of group g0 + gi, one vector each.
-                    let (sv, bv): ([f32; 16], [f32; 16]) =
-                        (std::array::from_fn(|i| sc[i][gi]), std::array::from_fn(|i| bi[i][gi]));
-                    let (s, b) = (_mm512_loadu_ps(sv.as_ptr()), _mm512_loadu_ps(bv.as_ptr()));
-                    let first = (g0 + gi) * group;
-                    for c0 in (first..first + group).step_by(32) {
-                        prefetch_rows(&w, c0 / 2, cols / 2, false);
-                        let v: [__m512i; 4] = std::array::from_fn(|r| {
-                            // SAFETY: c0 + 32 <= cols, and each row holds cols / 2 bytes (asserted).
-                            let ld = |i: usize| _mm_loadu_si128(w[i].add(c0 / 2) as *const __m128i);
-                            let lo = _mm256_set_m128i(ld(r + 4), ld(r));
-                            let hi = _mm256_set_m128i(ld(r + 12), ld(r + 8));
-                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-                        });
-                        let (a0, a1) = (_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
-                        let (a2, a3) = (_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
-                        let words = [
-                            _mm512_unpacklo_epi64(a0, a2),
-                            _mm512_unpackhi_epi64(a0, a2),
-                            _mm512_unpacklo_epi64(a1, a3),
-                            _mm512_unpackhi_epi64(a1, a3),
-                        ];
-                        for (c, &w) in words.iter().enumerate() {
-                            let mut w = w;
-                            for n in 0..8 {
-                                let q = _mm512_cvtepi32_ps(_mm512_and_si512(w, mask));
-                                // mul then add, rounded twice as the reference does (an FMA would differ in the last bit)
-                                let v = _mm512_add_ps(_mm512_mul_ps(s, q), b);
-                                _mm512_storeu_ps(wt.add((c0 + 8 * c + n) * stride), v);
-                                w = _mm512_srli_epi32::<4>(w);
-                            }
-                        }
-                    }
-                }
+        let w: [*const u8; R] = parts.map(|p| p.0.as_ptr());
+        let (mut sc, mut bi) = ([[0f32; PIECE]; R], [[0f32; PIECE]; R]);
+        unsafe { prefetch_rows(&w, 0, cols / 2, true) };
+        for g0 in (0..g_n).step_by(PIECE) {
+            let gn = PIECE.min(g_n - g0);
+            for i in 0..R {
+                super::scalars_f32(sd, &parts[i].1[g0 * sz..][..gn * sz], &mut sc[i][..gn]);
+                super::scalars_f32(sd, &parts[i].2[g0 * sz..][..gn * sz], &mut bi[i][..gn]);
+            }
+            for gi in 0..gn {
+                // The R rows' scale and bias of group g0 + gi.
+                let (sv, bv): ([f32; R], [f32; R]) =
+                    (std::array::from_fn(|i| sc[i][gi]), std::array::from_fn(|i| bi[i][gi]));
+                let first = (g0 + gi) * group;
+                block(&w, cols, first..first + group, &sv, &bv);
             }
         }
     }

@@ -297,6 +297,15 @@ pub(crate) fn norm_threads(dim: usize) -> u32 {
     (dim.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
+/// The `Backend` ops that are their family's encoder: `family::op(args)` writes
+/// `fn op(&self, args) { family::metal::op(self, args) }` (the encoder takes the trait method's
+/// arguments after the device), so the impl is one line per op.
+macro_rules! encoders {
+    ($($family:ident::$op:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {
+        $(fn $op(&self, $($arg: $ty),*) { $family::metal::$op(self, $($arg),*) })*
+    };
+}
+
 impl<X: Executor> Backend for Metal<X> {
     type Buf = MetalBuf<X>;
     type Ids = MetalBuf<X>;
@@ -441,93 +450,29 @@ impl<X: Executor> Backend for Metal<X> {
         done
     }
 
-    fn embed(&self, tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        embed::metal::embed(self, tokens, table, ids, out)
-    }
-
-    fn rms_norm(&self, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        norm::metal::rms_norm(self, p, x, w, out)
-    }
-
-    fn rms_norm_gated(
-        &self,
-        p: &RmsNormParams,
-        x: &MetalBuf<X>,
-        z: &MetalBuf<X>,
-        w: &MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        norm::metal::rms_norm_gated(self, p, x, z, w, out)
-    }
-
-    fn add(&self, p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>) {
-        elementwise::metal::add(self, p, x, y)
-    }
-
-    fn add_rms_norm(
-        &self,
-        p: &RmsNormParams,
-        x: &mut MetalBuf<X>,
-        y: &MetalBuf<X>,
-        w: &MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        norm::metal::add_rms_norm(self, p, x, y, w, out)
-    }
-
-    fn add_gated_rms_norm(
-        &self,
-        p: &RmsNormParams,
-        x: &mut MetalBuf<X>,
-        add: &GatedAdd<'_, Self>,
-        w: &MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        norm::metal::add_gated_rms_norm(self, p, x, add, w, out)
-    }
-
-    fn moe_experts_add_rms_norm(
-        &self,
-        moe: &MoeParams,
-        norm: &RmsNormParams,
-        r: &MoeAddNorm<'_, Self>,
-        tmp: &mut MetalBuf<X>,
-        mix: &mut MetalBuf<X>,
-        x: &mut MetalBuf<X>,
-        h: &mut MetalBuf<X>,
-    ) {
-        norm::metal::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
-    }
-
-    fn moe_add_rms_norm(
-        &self,
-        moe: &MoeParams,
-        norm: &RmsNormParams,
-        r: &MoeBlock<'_, Self>,
-        s: &mut MoeScratch<'_, Self>,
-        x: &mut MetalBuf<X>,
-        h: &mut MetalBuf<X>,
-    ) {
-        moe::metal::moe_add_rms_norm(self, moe, norm, r, s, x, h)
-    }
-
-    fn matmul(&self, p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        matmul::metal::matmul(self, p, w, x, out)
-    }
-
-    fn qk_norm_rope(
-        &self,
-        p: &RopeParams,
-        q_norm: &MetalBuf<X>,
-        k_norm: &MetalBuf<X>,
-        qg: &mut MetalBuf<X>,
-        k: &mut MetalBuf<X>,
-    ) {
-        attention::metal::qk_norm_rope(self, p, q_norm, k_norm, qg, k)
-    }
-
-    fn kv_store(&self, p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalKv<X>) {
-        attention::metal::kv_store(self, p, x, cache)
+    // Each op is its family's encoder, which takes the trait method's arguments after the device.
+    encoders! {
+        embed::embed(tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        norm::rms_norm(p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        norm::rms_norm_gated(p: &RmsNormParams, x: &MetalBuf<X>, z: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        elementwise::add(p: &RowsParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>);
+        norm::add_rms_norm(p: &RmsNormParams, x: &mut MetalBuf<X>, y: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        norm::add_gated_rms_norm(p: &RmsNormParams, x: &mut MetalBuf<X>, add: &GatedAdd<'_, Self>, w: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        norm::moe_experts_add_rms_norm(moe: &MoeParams, norm: &RmsNormParams, r: &MoeAddNorm<'_, Self>, tmp: &mut MetalBuf<X>, mix: &mut MetalBuf<X>, x: &mut MetalBuf<X>, h: &mut MetalBuf<X>);
+        moe::moe_add_rms_norm(moe: &MoeParams, norm: &RmsNormParams, r: &MoeBlock<'_, Self>, s: &mut MoeScratch<'_, Self>, x: &mut MetalBuf<X>, h: &mut MetalBuf<X>);
+        matmul::matmul(p: &MatmulParams, w: &MetalMatrix<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        attention::qk_norm_rope(p: &RopeParams, q_norm: &MetalBuf<X>, k_norm: &MetalBuf<X>, qg: &mut MetalBuf<X>, k: &mut MetalBuf<X>);
+        attention::kv_store(p: &KvStoreParams, x: &MetalBuf<X>, cache: &mut MetalKv<X>);
+        attention::attention(p: &AttentionParams, qg: &MetalBuf<X>, k_cache: &MetalKv<X>, v_cache: &MetalKv<X>, out: &mut MetalBuf<X>);
+        delta_net::delta_net_conv(p: &ConvParams, w: &MetalBuf<X>, state: &mut MetalBuf<X>, x: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        delta_net::delta_net(x: &DeltaNetIn<'_, MetalBuf<X>>, state: &mut MetalBuf<X>, out: &mut MetalBuf<X>);
+        delta_net::delta_net_gated(r: &DeltaNetGated<'_, Self>, conv_state: &mut MetalBuf<X>, state: &mut MetalBuf<X>, mixed: &mut MetalBuf<X>, core: &mut MetalBuf<X>, out: &mut MetalBuf<X>);
+        moe::moe_route(p: &RouteParams, logits: &MetalBuf<X>, ids: &mut MetalBuf<X>, weights: &mut MetalBuf<X>);
+        moe::moe_experts(p: &MoeParams, e: &MoeExperts<'_, Self>, x: &MetalBuf<X>, tmp: &mut MetalBuf<X>, out: &mut MetalBuf<X>);
+        moe::moe_router(p: &RouteParams, x: &MetalBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>);
+        moe::gate_up_swiglu(p: &RowsParams, w: &GateUp<'_, Self>, x: &MetalBuf<X>, g: &mut MetalBuf<X>, u: &mut MetalBuf<X>, out: &mut MetalBuf<X>);
+        elementwise::swiglu(p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>);
+        elementwise::sigmoid_gate_add(p: &RowsParams, y: &MetalBuf<X>, gate: &MetalBuf<X>, out: &mut MetalBuf<X>);
     }
 
     fn qk_norm_rope_store(
@@ -542,81 +487,5 @@ impl<X: Executor> Backend for Metal<X> {
         v_cache: &mut MetalKv<X>,
     ) {
         attention::metal::qk_norm_rope_store(self, p, q_norm, k_norm, qg, k, v, [k_cache, v_cache])
-    }
-
-    fn attention(
-        &self,
-        p: &AttentionParams,
-        qg: &MetalBuf<X>,
-        k_cache: &MetalKv<X>,
-        v_cache: &MetalKv<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        attention::metal::attention(self, p, qg, k_cache, v_cache, out)
-    }
-
-    fn delta_net_conv(
-        &self,
-        p: &ConvParams,
-        w: &MetalBuf<X>,
-        state: &mut MetalBuf<X>,
-        x: &MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        delta_net::metal::delta_net_conv(self, p, w, state, x, out)
-    }
-
-    fn delta_net(&self, x: &DeltaNetIn<'_, MetalBuf<X>>, state: &mut MetalBuf<X>, out: &mut MetalBuf<X>) {
-        delta_net::metal::delta_net(self, x, state, out)
-    }
-
-    fn delta_net_gated(
-        &self,
-        r: &DeltaNetGated<'_, Self>,
-        conv_state: &mut MetalBuf<X>,
-        state: &mut MetalBuf<X>,
-        mixed: &mut MetalBuf<X>,
-        core: &mut MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        delta_net::metal::delta_net_gated(self, r, conv_state, state, mixed, core, out)
-    }
-
-    fn moe_route(&self, p: &RouteParams, logits: &MetalBuf<X>, ids: &mut MetalBuf<X>, weights: &mut MetalBuf<X>) {
-        moe::metal::moe_route(self, p, logits, ids, weights)
-    }
-
-    fn moe_experts(
-        &self,
-        p: &MoeParams,
-        e: &MoeExperts<'_, Self>,
-        x: &MetalBuf<X>,
-        tmp: &mut MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        moe::metal::moe_experts(self, p, e, x, tmp, out)
-    }
-
-    fn moe_router(&self, p: &RouteParams, x: &MetalBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
-        moe::metal::moe_router(self, p, x, r, out)
-    }
-    fn gate_up_swiglu(
-        &self,
-        p: &RowsParams,
-        w: &GateUp<'_, Self>,
-        x: &MetalBuf<X>,
-        g: &mut MetalBuf<X>,
-        u: &mut MetalBuf<X>,
-        out: &mut MetalBuf<X>,
-    ) {
-        moe::metal::gate_up_swiglu(self, p, w, x, g, u, out)
-    }
-
-    fn swiglu(&self, p: &RowsParams, gate: &MetalBuf<X>, up: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        elementwise::metal::swiglu(self, p, gate, up, out)
-    }
-
-    fn sigmoid_gate_add(&self, p: &RowsParams, y: &MetalBuf<X>, gate: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-        elementwise::metal::sigmoid_gate_add(self, p, y, gate, out)
     }
 }

@@ -33,35 +33,10 @@ const MOE_DECODE_ROWS: usize = 256;
 /// and multiplies it against all of its tokens (the matmul family's [`matmul::tile_sweep`]), one
 /// with few dots the packed rows with each token ([`moe_batch`]). Accumulation f32; the K
 /// outputs are summed in slot order.
-pub fn moe_experts(
-    p: &MoeParams,
-    x: &[f32],
-    ids: &[u32],
-    weights: &[f32],
-    gate: &Matrix,
-    up: &Matrix,
-    down: &Matrix,
-    tmp: &mut [f32],
-    out: &mut [f32],
-) {
-    moe_experts_with(
-        Isa::get(),
-        Precision::Exact,
-        p,
-        x,
-        ids,
-        weights,
-        gate,
-        up,
-        down,
-        tmp,
-        out,
-    )
-}
-
-/// [`moe_experts`] on the ISA `isa` in the precision `prec` (x as three int8 planes or one where
-/// the row kernel runs). A prefill's experts with few pairs ([`rows_tokens_max`]) also run from
-/// the packed rows, as a batched decode step's do.
+///
+/// On the ISA `isa` in the precision `prec` (x as three int8 planes or one where the row kernel
+/// runs); a prefill's experts with few pairs ([`rows_tokens_max`]) also run from the packed rows,
+/// as a batched decode step's do.
 pub fn moe_experts_with(
     isa: Isa,
     prec: Precision,
@@ -81,9 +56,18 @@ pub fn moe_experts_with(
         return;
     }
     let (act, ys) = tmp[..pairs * (inter + d)].split_at_mut(pairs * inter);
-    let fused = [gate, up, down].iter().all(|m| simd::has_row_kernel(m)) && gate.format == up.format;
+    let m = [gate, up, down];
+    let fused = m.iter().all(|m| simd::has_row_kernel(m)) && gate.format == up.format;
+    let e = Experts {
+        isa,
+        prec,
+        k_n,
+        x,
+        ids,
+        m,
+    };
     if t_n == 1 && fused {
-        moe_decode(isa, prec, k_n, x, ids, gate, up, down, act, ys);
+        moe_decode(&e, act, ys);
     } else {
         // A batched decode step runs every expert on the row kernel; a prefill, those with few pairs.
         let rows_max = match (fused, t_n <= matmul::GEMV_BATCH_MAX) {
@@ -92,7 +76,7 @@ pub fn moe_experts_with(
             // gate and up have one format and width (`fused`).
             (true, false) => rows_tokens_max(isa, prec, gate).min(rows_tokens_max(isa, prec, down)),
         };
-        moe_batch(isa, prec, rows_max, pairs, k_n, x, ids, gate, up, down, act, ys);
+        moe_batch(&e, rows_max, pairs, act, ys);
     }
     let ys: &[f32] = ys;
     let combine = |t: usize, o: &mut [f32]| {
@@ -107,19 +91,22 @@ pub fn moe_experts_with(
     pool::for_chunks(&mut out[..t_n * d], d, combine);
 }
 
-/// One token: every slot's expert by GEMV from the packed rows.
-fn moe_decode(
+/// What [`moe_decode`] and [`moe_batch`] run on: the ISA and precision, K, the tokens' x [T, D]
+/// and expert ids [T, K], the experts' gate, up, down.
+#[derive(Clone, Copy)]
+struct Experts<'a> {
     isa: Isa,
     prec: Precision,
     k_n: usize,
-    x: &[f32],
-    ids: &[u32],
-    gate: &Matrix,
-    up: &Matrix,
-    down: &Matrix,
-    act: &mut [f32],
-    ys: &mut [f32],
-) {
+    x: &'a [f32],
+    ids: &'a [u32],
+    /// gate, up, down.
+    m: [&'a Matrix; 3],
+}
+
+/// One token: every slot's expert by GEMV from the packed rows.
+fn moe_decode(e: &Experts, act: &mut [f32], ys: &mut [f32]) {
+    let (isa, prec, k_n, x, ids, [gate, up, down]) = (e.isa, e.prec, e.k_n, e.x, e.ids, e.m);
     let (d, inter) = (gate.cols, gate.rows);
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));
     let sb_len = simd::row_scratch_len(gate).max(simd::row_scratch_len(down));
@@ -213,21 +200,8 @@ pub fn rows_tokens_max(isa: Isa, prec: Precision, m: &Matrix) -> usize {
 /// batched row kernel (each weight block unpacked once for all of them; each pair's result is what
 /// [`moe_decode`] gives it alone); one with more dequantizes a tile of its rows once and sweeps
 /// all its pairs over it (the matmul family's [`matmul::tile_sweep`]).
-#[allow(clippy::too_many_arguments)]
-fn moe_batch(
-    isa: Isa,
-    prec: Precision,
-    rows_max: usize,
-    pairs: usize,
-    k_n: usize,
-    x: &[f32],
-    ids: &[u32],
-    gate: &Matrix,
-    up: &Matrix,
-    down: &Matrix,
-    act: &mut [f32],
-    ys: &mut [f32],
-) {
+fn moe_batch(e: &Experts, rows_max: usize, pairs: usize, act: &mut [f32], ys: &mut [f32]) {
+    let (isa, prec, k_n, x, ids, [gate, up, down]) = (e.isa, e.prec, e.k_n, e.x, e.ids, e.m);
     let (d, inter, e_n) = (gate.cols, gate.rows, gate.experts.max(1));
     let t_n = pairs / k_n;
     let (act_o, ys_o) = (Out(act.as_mut_ptr()), Out(ys.as_mut_ptr()));

@@ -23,12 +23,37 @@ use crate::{
 };
 
 /// The bindings of a gate/up kernel: its params, the gate and up matrices ([`gate_up_args`]), then
-/// the rest, as one array on the stack (encoders allocate nothing).
+/// the rest, as one array on the stack (encoders allocate nothing). `moe_router` binds its router
+/// and shared gate the same way.
 macro_rules! gate_up_bindings {
     ($m:expr, $params:expr, $gate:expr, $up:expr; $($rest:expr),*) => {{
         let [g0, g1, g2, g3, g4, g5, g6, g7] = gate_up_args($m, $gate, $up);
         [$params, g0, g1, g2, g3, g4, g5, g6, g7, $($rest),*]
     }};
+}
+
+/// A one-matrix kernel's (the down projections') bindings: `$params`, the matrix's
+/// [`matrix_args`], then `$rest`.
+macro_rules! matrix_bindings {
+    ($m:expr, $params:expr, $w:expr; $($rest:expr),*) => {{
+        let [w0, w1, w2, w3] = matrix_args($m, $w);
+        [$params, w0, w1, w2, w3, $($rest),*]
+    }};
+}
+
+/// A matrix as the kernels bind it: its descriptor, then weights, scales, biases.
+fn matrix_args<'a, X: Executor>(m: &'a Metal<X>, w: &'a MetalMatrix<X>) -> [Arg<'a, X::Buffer>; 4] {
+    let [ww, ws, wb] = m.weights(w);
+    [Arg::Bytes(bytes_of(&w.desc)), ww, ws, wb]
+}
+
+/// Threadgroups of 128 threads: `n` output rows, `rows` per threadgroup across, `y` down (the
+/// pairs of the per-pair GEMVs, the blocks of the sorted GEMMs).
+fn groups_128(n: usize, rows: usize, y: usize) -> Grid {
+    Grid::Groups {
+        count: [ceil_div(n, rows), y as u32, 1],
+        size: [128, 1, 1],
+    }
 }
 
 /// Whether `route_token` (moe.metal) takes top `p.top_k` of `p.experts`; fails the stream for
@@ -119,24 +144,9 @@ pub fn moe_router<X: Executor>(
     let Some(mail) = m.scratch(Scratch::RouterMail, e + 1) else {
         return;
     };
-    let [rw, rs, rb] = m.weights(router);
-    let [sw, ss, sb] = m.weights(shared_gate);
-    let args = [
-        Arg::Bytes(bytes_of(p)),
-        Arg::Bytes(bytes_of(&router.desc)),
-        Arg::Bytes(bytes_of(&shared_gate.desc)),
-        rw,
-        rs,
-        rb,
-        sw,
-        ss,
-        sb,
-        x.arg(),
-        out.shared.arg(),
-        mail.part(0, e + 1),
-        out.ids.arg(),
-        out.weights.arg(),
-    ];
+    // The router and the shared gate bound as a gate/up pair.
+    let args = gate_up_bindings!(m, Arg::Bytes(bytes_of(p)), router, shared_gate;
+        x.arg(), out.shared.arg(), mail.part(0, e + 1), out.ids.arg(), out.weights.arg());
     let v = m.variants;
     let grid = Grid::Groups {
         count: [ceil_div(e, 4 * v.gemv.rows()) + 1, 1, 1],
@@ -249,39 +259,12 @@ pub(crate) fn expert_gemvs<X: Executor>(
     let rows_per_group = 4 * v.gemv.rows();
     let [sg0, sg1, sg2, sg3, sg4, sg5, sg6, sg7] = gate_up_args(m, s_gate, s_up);
     let args = gate_up_bindings!(m, pb(), gate, up; x.arg(), ids.arg(), act(), sg0, sg1, sg2, sg3, sg4, sg5, sg6, sg7);
-    m.encode(
-        v.gemv_kernel(GemvOp::MoeGateUp, gate.weight),
-        &args,
-        Grid::Groups {
-            count: [ceil_div(i, rows_per_group), pairs as u32, 1],
-            size: [128, 1, 1],
-        },
-    );
-    let [dw, ds, db] = m.weights(down);
-    let [sw, ss, sb] = m.weights(s_down);
+    let grid = |rows: usize| groups_128(rows, rows_per_group, pairs);
+    m.encode(v.gemv_kernel(GemvOp::MoeGateUp, gate.weight), &args, grid(i));
+    let [s0, s1, s2, s3] = matrix_args(m, s_down);
     let y = (pairs * i, pairs * d);
-    let args = [
-        pb(),
-        Arg::Bytes(bytes_of(&down.desc)),
-        dw,
-        ds,
-        db,
-        ids.arg(),
-        act(),
-        tmp.part(y.0, y.1),
-        Arg::Bytes(bytes_of(&s_down.desc)),
-        sw,
-        ss,
-        sb,
-    ];
-    m.encode(
-        v.gemv_kernel(GemvOp::MoeDown, down.weight),
-        &args,
-        Grid::Groups {
-            count: [ceil_div(d, rows_per_group), pairs as u32, 1],
-            size: [128, 1, 1],
-        },
-    );
+    let args = matrix_bindings!(m, pb(), down; ids.arg(), act(), tmp.part(y.0, y.1), s0, s1, s2, s3);
+    m.encode(v.gemv_kernel(GemvOp::MoeDown, down.weight), &args, grid(d));
     y
 }
 
@@ -520,40 +503,22 @@ fn moe_experts_sorted<X: Executor>(
     let v = m.variants;
     let tn = v.gemm.rows();
     let (x_tile, w_tile) = (MOE_TILE * MOE_TILE * 4, tn * MOE_TILE * 4);
+    let (grid, flops) = (|rows: usize| groups_128(rows, tn, max_blocks), (pairs * i * d) as f64);
     let args = gate_up_bindings!(m, pb(), gate, up; x.arg(), count(), blocks(), order(), act());
-    let grid = Grid::Groups {
-        count: [ceil_div(i, tn), max_blocks as u32, 1],
-        size: [128, 1, 1],
-    };
     m.encode_work(
         v.gemm_kernel(GemmOp::MoeGemmGateUp, gate.weight),
         &args,
-        grid,
+        grid(i),
         &[x_tile, w_tile, w_tile],
-        Work::flops(4.0 * (pairs * i * d) as f64),
+        Work::flops(4.0 * flops),
     );
-    let [dw, ds, db] = m.weights(down);
-    let args = [
-        pb(),
-        Arg::Bytes(bytes_of(&down.desc)),
-        dw,
-        ds,
-        db,
-        count(),
-        blocks(),
-        act(),
-        y(),
-    ];
-    let grid = Grid::Groups {
-        count: [ceil_div(d, tn), max_blocks as u32, 1],
-        size: [128, 1, 1],
-    };
+    let args = matrix_bindings!(m, pb(), down; count(), blocks(), act(), y());
     m.encode_work(
         v.gemm_kernel(GemmOp::MoeGemmDown, down.weight),
         &args,
-        grid,
+        grid(d),
         &[x_tile, w_tile],
-        Work::flops(2.0 * (pairs * i * d) as f64),
+        Work::flops(2.0 * flops),
     );
     let rows = RowsParams {
         tokens: p.tokens,
