@@ -19,8 +19,9 @@ pub mod simd;
 pub use int8::Precision;
 
 use super::{
-    check_rows, moe_router_unfused, params::*, Backend, DeltaNetIn, KvDtype, KvSegment, MoeExperts, Router, Routing,
-    StreamKind,
+    check_rows, delta_net_batch_by_row, moe_router_unfused, params::*, qk_norm_rope_store_attention_by_row,
+    AttentionBatch, Backend, DeltaNetBatch, DeltaNetIn, DeltaNetSeq, KvDtype, KvSegment, KvSeq, MoeExperts, OneRow,
+    Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -249,6 +250,62 @@ impl Backend for Cpu {
     }
     fn attention(&self, p: &AttentionParams, qg: &Vec<f32>, k: &CpuKv, v: &CpuKv, out: &mut Vec<f32>) {
         dispatch!(self, attention::attention(p, qg, k, v, out))
+    }
+    /// Every sequence's norms in one pool loop, the stores on the calling thread (a row each), the
+    /// attention of every sequence in two more (its key runs, then the merges).
+    fn qk_norm_rope_store_attention_batch(
+        &self,
+        r: &AttentionBatch<'_, Self>,
+        seqs: &mut [KvSeq<'_, CpuKv>],
+        qg: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        one: &mut OneRow<'_, Self>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        if self.reference {
+            return qk_norm_rope_store_attention_by_row(self, r, seqs, qg, k, one, out);
+        }
+        let pos = |i: usize| seqs[i].pos;
+        profile::timed("qk_norm_rope_batch", 0, || {
+            ops::attention::cpu::qk_norm_rope_batch(&r.rope, pos, r.q_norm, r.k_norm, qg, k)
+        });
+        let width = (r.rope.kv_heads * r.rope.head_dim) as usize;
+        profile::timed("kv_store", 0, || {
+            for (i, sq) in seqs.iter_mut().enumerate() {
+                let store = KvStoreParams {
+                    tokens: 1,
+                    pos0: sq.pos as u32,
+                    width: width as u32,
+                };
+                ops::attention::cpu::kv_store(&store, &k[i * width..][..width], sq.k);
+                ops::attention::cpu::kv_store(&store, &r.v[i * width..][..width], sq.v);
+            }
+        });
+        profile::timed("attention_batch", 0, || {
+            ops::attention::cpu::attention_batch(&r.attn, qg, seqs, out)
+        });
+        Ok(())
+    }
+    /// Every sequence's conv in one pool loop, every sequence's recurrence in one more.
+    fn delta_net_batch(
+        &self,
+        r: &DeltaNetBatch<'_, Self>,
+        seqs: &mut [DeltaNetSeq<'_, Vec<f32>>],
+        one: &mut OneRow<'_, Self>,
+        mixed: &mut Vec<f32>,
+        core: &mut Vec<f32>,
+    ) -> Result<()> {
+        if self.reference {
+            return delta_net_batch_by_row(self, r, seqs, one, mixed, core);
+        }
+        profile::timed("delta_net_conv_batch", 0, || {
+            ops::delta_net::cpu::delta_net_conv_batch(&r.conv, r.conv1d, seqs, r.proj, mixed)
+        });
+        let x = DeltaNetIn::new(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias);
+        profile::timed("delta_net_batch", 0, || {
+            ops::delta_net::cpu::delta_net_batch(&x.slices(), seqs, core)
+        });
+        Ok(())
     }
     fn delta_net_conv(&self, p: &ConvParams, w: &Vec<f32>, state: &mut Vec<f32>, x: &Vec<f32>, out: &mut Vec<f32>) {
         dispatch!(self, delta_net::delta_net_conv(p, w, state, x, out))
