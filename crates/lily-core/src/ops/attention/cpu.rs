@@ -1,5 +1,7 @@
 //! The attention ops on the CPU: tiled causal attention with online softmax (prefill) and
-//! split decode attention; `qk_norm_rope` runs the reference's per-head loop on the pool.
+//! split decode attention; `qk_norm_rope` runs the reference's per-head loop on the pool. The
+//! `_batch` forms run one token of each sequence of a batched decode step (its own position and
+//! caches) as one pool loop over (sequence, task of the one-token form).
 
 use super::reference::norm_rope_head;
 use crate::backend::{

@@ -1,5 +1,7 @@
 //! The DeltaNet ops on the CPU: the conv by channel blocks, the recurrence one value head per
-//! task (step form for one token, chunked form for more).
+//! task (step form for one token, chunked form for more). The `_batch` forms run one token of
+//! each sequence of a batched decode step, on its own states, as one pool loop over (sequence,
+//! task of the one-token form).
 
 use crate::{
     backend::{
