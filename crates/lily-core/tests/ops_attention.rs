@@ -21,6 +21,143 @@ use lily_core::{
 
 mod cpu {
     use super::*;
+    use lily_core::{
+        backend::{AttentionBatch, KvSeq, OneRow},
+        ops::attention::cpu::{attention_batch_kernels, attention_kernels, Kernels},
+    };
+
+    /// A batched decode step's attention core (`qk_norm_rope_store_attention_batch`: every
+    /// sequence's norms, then its key runs, then its merges, one pool loop each) against each row
+    /// run alone through `qk_norm_rope_store_attention` on its own caches: outputs and the stored
+    /// rows bit for bit. Sequences at positions 0 to 300 (1 to 3 key runs of 128 at two threads,
+    /// more at more), every dtype, segments of 16 and 1024; then `attention_batch` on every kernel
+    /// variant this CPU has against `attention` on that variant.
+    #[test]
+    fn attention_batch_is_each_row_alone() {
+        let b = Cpu::new();
+        let (h, kv, hd, rot) = (8usize, 2usize, 256usize, 64);
+        let (qw, width) = (h * 2 * hd, kv * hd);
+        let rope = RopeParams {
+            tokens: 0,
+            pos0: 0,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            rotary_dim: rot,
+            eps: 1e-6,
+            theta: 1e4,
+        };
+        let attn = AttentionParams {
+            tokens: 0,
+            pos0: 0,
+            heads: h as u32,
+            kv_heads: kv as u32,
+            head_dim: hd as u32,
+            scale: 1.0 / 16.0,
+        };
+        let (qn, kn) = (rand_vec(hd, 3, 0.5, 1.5), rand_vec(hd, 4, 0.5, 1.5));
+        for positions in [&[37usize][..], &[0, 300, 130, 64, 17]] {
+            let n = positions.len();
+            let qg0 = rand_vec(n * qw, 1, -2.0, 2.0);
+            let (k0, v) = (rand_vec(n * width, 2, -2.0, 2.0), rand_vec(n * width, 5, -1.0, 1.0));
+            for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
+                for seg in [16, 1024] {
+                    let cache = |i: usize, seed: u64| {
+                        let mut c = filled(&b, width, positions[i], 512, dtype, seg, seed + 10 * i as u64);
+                        b.kv_reserve(&mut c, positions[i] + 1).unwrap();
+                        c
+                    };
+                    let mut kcs: Vec<_> = (0..n).map(|i| cache(i, 7)).collect();
+                    let mut vcs: Vec<_> = (0..n).map(|i| cache(i, 8)).collect();
+                    let mut seqs: Vec<KvSeq<'_, _>> = kcs
+                        .iter_mut()
+                        .zip(vcs.iter_mut())
+                        .zip(positions)
+                        .map(|((k, v), &pos)| KvSeq { k, v, pos })
+                        .collect();
+                    let r = AttentionBatch::<Cpu> {
+                        rope: RopeParams {
+                            tokens: n as u32,
+                            ..rope
+                        },
+                        attn: AttentionParams {
+                            tokens: n as u32,
+                            ..attn
+                        },
+                        q_norm: &qn,
+                        k_norm: &kn,
+                        v: &v,
+                    };
+                    let mut row = [(); 7].map(|_| vec![0f32; qw]);
+                    let [p0, p1, p2, p3, p4, p5, p6] = &mut row;
+                    let mut one = OneRow::<Cpu> {
+                        proj: p0,
+                        a: p1,
+                        b: p2,
+                        k: p3,
+                        v: p4,
+                        mixed: p5,
+                        core: p6,
+                    };
+                    let (mut qg, mut k, mut out) = (qg0.clone(), k0.clone(), vec![0f32; n * h * hd]);
+                    b.qk_norm_rope_store_attention_batch(&r, &mut seqs, &mut qg, &mut k, &mut one, &mut out)
+                        .unwrap();
+                    for (i, &pos) in positions.iter().enumerate() {
+                        let what = format!("{dtype:?} KV, segments of {seg}, row {i} at {pos}");
+                        let (mut kc, mut vc) = (cache(i, 7), cache(i, 8));
+                        let mut q1 = qg0[i * qw..][..qw].to_vec();
+                        let mut k1 = k0[i * width..][..width].to_vec();
+                        let mut out1 = vec![0f32; h * hd];
+                        let (rope1, attn1) = (
+                            RopeParams {
+                                tokens: 1,
+                                pos0: pos as u32,
+                                ..rope
+                            },
+                            AttentionParams {
+                                tokens: 1,
+                                pos0: pos as u32,
+                                ..attn
+                            },
+                        );
+                        let v1 = v[i * width..][..width].to_vec();
+                        b.qk_norm_rope_store_attention(
+                            &rope1, &attn1, &qn, &kn, &mut q1, &mut k1, &v1, &mut kc, &mut vc, &mut out1,
+                        );
+                        assert!(bits(&out[i * h * hd..][..h * hd]) == bits(&out1), "{what}: output");
+                        assert!(
+                            bits(&rows(&b, &kcs[i], pos + 1)) == bits(&rows(&b, &kc, pos + 1)),
+                            "{what}: K"
+                        );
+                        assert!(
+                            bits(&rows(&b, &vcs[i], pos + 1)) == bits(&rows(&b, &vc, pos + 1)),
+                            "{what}: V"
+                        );
+                        if dtype == KvDtype::BF16 && seg == 16 {
+                            // The same attention on every kernel variant (bf16 dots included).
+                            for kern in Kernels::all_available() {
+                                let seqs: Vec<KvSeq<'_, _>> = kcs
+                                    .iter_mut()
+                                    .zip(vcs.iter_mut())
+                                    .zip(positions)
+                                    .map(|((k, v), &pos)| KvSeq { k, v, pos })
+                                    .collect();
+                                let mut all = vec![0f32; n * h * hd];
+                                attention_batch_kernels(kern, &r.attn, &qg, &seqs, &mut all);
+                                attention_kernels(kern, &attn1, &qg[i * qw..][..qw], &kc, &vc, &mut out1);
+                                let got = &all[i * h * hd..][..h * hd];
+                                assert!(bits(got) == bits(&out1), "{what}: {kern:?}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
 
     #[test]
     fn attention_path_matches_reference() {

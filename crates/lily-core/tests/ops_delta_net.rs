@@ -33,6 +33,88 @@ fn params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParam
 
 mod cpu {
     use super::*;
+    use lily_core::backend::{DeltaNetBatch, DeltaNetSeq, OneRow};
+
+    /// A batched decode step's conv and recurrence (`delta_net_batch`: every sequence in one pool
+    /// loop per op) against each row run alone through `delta_net_conv` and `delta_net` on its
+    /// own states: outputs and both states bit for bit, over steps that carry the states, with
+    /// 1, 3 and 5 sequences and 1280 channels (two conv blocks, the second partial).
+    #[test]
+    fn delta_net_batch_is_each_row_alone() {
+        let b = Cpu::new();
+        let (hk, hv, dk, dv, taps) = (4, 12, 64, 64, 4);
+        let c = 2 * hk * dk + hv * dv;
+        let w = rand_vec(c * taps, 1, -0.5, 0.5);
+        let (a_log, dt_bias) = (rand_vec(hv, 2, -1.0, 0.5), rand_vec(hv, 3, -0.5, 0.5));
+        for n in [1usize, 3, 5] {
+            let conv0: Vec<Vec<f32>> = (0..n)
+                .map(|i| rand_vec((taps - 1) * c, 10 + i as u64, -1.0, 1.0))
+                .collect();
+            let ssm0: Vec<Vec<f32>> = (0..n)
+                .map(|i| rand_vec(hv * dk * dv, 20 + i as u64, -0.3, 0.3))
+                .collect();
+            let (mut conv, mut ssm) = (conv0.clone(), ssm0.clone());
+            let (mut conv1, mut ssm1) = (conv0, ssm0);
+            for step in 0..3u64 {
+                let seed = 100 * step + n as u64;
+                let proj = rand_vec(n * c, seed, -1.0, 1.0);
+                let (a, bb) = (
+                    rand_vec(n * hv, seed + 1, -2.0, 2.0),
+                    rand_vec(n * hv, seed + 2, -2.0, 2.0),
+                );
+                let r = DeltaNetBatch::<Cpu> {
+                    conv: ConvParams {
+                        tokens: n as u32,
+                        channels: c as u32,
+                        taps: taps as u32,
+                    },
+                    delta: params(n, hk, hv, dk, dv),
+                    conv1d: &w,
+                    a_log: &a_log,
+                    dt_bias: &dt_bias,
+                    proj: &proj,
+                    a: &a,
+                    b: &bb,
+                };
+                let mut seqs: Vec<DeltaNetSeq<'_, Vec<f32>>> = conv
+                    .iter_mut()
+                    .zip(ssm.iter_mut())
+                    .map(|(conv, ssm)| DeltaNetSeq { conv, ssm })
+                    .collect();
+                let mut row = [(); 7].map(|_| vec![0f32; c.max(hv * dv)]);
+                let [p0, p1, p2, p3, p4, p5, p6] = &mut row;
+                let mut one = OneRow::<Cpu> {
+                    proj: p0,
+                    a: p1,
+                    b: p2,
+                    k: p3,
+                    v: p4,
+                    mixed: p5,
+                    core: p6,
+                };
+                let (mut mixed, mut core) = (vec![0f32; n * c], vec![0f32; n * hv * dv]);
+                b.delta_net_batch(&r, &mut seqs, &mut one, &mut mixed, &mut core)
+                    .unwrap();
+                for i in 0..n {
+                    let (mut mixed1, mut core1) = (vec![0f32; c], vec![0f32; hv * dv]);
+                    let conv_p = ConvParams { tokens: 1, ..r.conv };
+                    b.delta_net_conv(&conv_p, &w, &mut conv1[i], &proj[i * c..][..c].to_vec(), &mut mixed1);
+                    let p1 = params(1, hk, hv, dk, dv);
+                    let (ai, bi) = (a[i * hv..][..hv].to_vec(), bb[i * hv..][..hv].to_vec());
+                    let x = DeltaNetIn::new(&p1, &mixed1, &ai, &bi, &a_log, &dt_bias);
+                    b.delta_net(&x, &mut ssm1[i], &mut core1);
+                    let what = format!("{n} sequences, step {step}, row {i}");
+                    assert!(bits(&core[i * hv * dv..][..hv * dv]) == bits(&core1), "{what}: output");
+                    assert!(bits(&conv[i]) == bits(&conv1[i]), "{what}: conv state");
+                    assert!(bits(&ssm[i]) == bits(&ssm1[i]), "{what}: recurrent state");
+                }
+            }
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
 
     fn delta_net_case(t: usize, seed: u64) {
         delta_net_heads_case(t, seed, 2, 4);

@@ -396,6 +396,23 @@ pub trait Backend: Send + Sized + 'static {
         self.qk_norm_rope_store(rope, q_norm, k_norm, qg, k, v, k_cache, v_cache);
         self.attention(p, qg, k_cache, v_cache, out);
     }
+    /// `qk_norm_rope_store_attention` for a batched decode step: row i of qg [B, H, 2hd], k, v
+    /// [B, Hkv hd] is one token of sequence i, at position `seqs[i].pos` in that sequence's caches;
+    /// out [B, H hd] gets each row's gated attention (`r.rope` and `r.attn` give the head shapes,
+    /// their `tokens` the rows B, their `pos0` is not read). Each row's result is what the
+    /// one-sequence op gives it. A backend may run all rows' norms, stores and attention as one
+    /// pass per op; by default, each row alone through `one` (rows moved with `copy_rows`).
+    fn qk_norm_rope_store_attention_batch(
+        &self,
+        r: &AttentionBatch<'_, Self>,
+        seqs: &mut [KvSeq<'_, Self::Kv>],
+        qg: &mut Self::Buf,
+        k: &mut Self::Buf,
+        one: &mut OneRow<'_, Self>,
+        out: &mut Self::Buf,
+    ) -> Result<()> {
+        qk_norm_rope_store_attention_by_row(self, r, seqs, qg, k, one, out)
+    }
     /// out [T, H*hd] = softmax(q K^T * scale, causal) V, times sigmoid(gate) from qg.
     fn attention(
         &self,
@@ -426,6 +443,22 @@ pub trait Backend: Send + Sized + 'static {
         out: &mut Self::Buf,
     ) {
         delta_net_gated_unfused(self, r, conv_state, state, mixed, core, out)
+    }
+    /// `delta_net_conv` then `delta_net` for a batched decode step: row i of r.proj [B, C], r.a,
+    /// r.b [B, Hv] is one token of sequence i, on that sequence's states `seqs[i]`; mixed [B, C]
+    /// is scratch, core [B, Hv Dv] gets each row's output (`r.conv` and `r.delta` give the shapes,
+    /// their `tokens` the rows B). Each row's result is what the one-sequence ops give it. A
+    /// backend may run all rows as one pass per op; by default, each row alone through `one`
+    /// (rows moved with `copy_rows`).
+    fn delta_net_batch(
+        &self,
+        r: &DeltaNetBatch<'_, Self>,
+        seqs: &mut [DeltaNetSeq<'_, Self::Buf>],
+        one: &mut OneRow<'_, Self>,
+        mixed: &mut Self::Buf,
+        core: &mut Self::Buf,
+    ) -> Result<()> {
+        delta_net_batch_by_row(self, r, seqs, one, mixed, core)
     }
     /// ids/weights [T, K] from router logits [T, E].
     fn moe_route(&self, p: &RouteParams, logits: &Self::Buf, ids: &mut Self::Ids, weights: &mut Self::Buf);
@@ -619,6 +652,120 @@ pub(crate) fn delta_net_gated_unfused<B: Backend>(
         core,
     );
     b.rms_norm_gated(&r.norm, core, r.z, r.norm_w, out);
+}
+
+/// One sequence's DeltaNet layer state, as `delta_net_batch` updates it: the conv history
+/// [taps - 1, C] and the recurrent state [Hv, Dk, Dv].
+pub struct DeltaNetSeq<'a, Buf> {
+    pub conv: &'a mut Buf,
+    pub ssm: &'a mut Buf,
+}
+
+/// One sequence's attention layer caches and the position its new row goes to, as
+/// `qk_norm_rope_store_attention_batch` reads and appends them.
+pub struct KvSeq<'a, Kv> {
+    pub k: &'a mut Kv,
+    pub v: &'a mut Kv,
+    pub pos: usize,
+}
+
+/// One row of activations: where the batched mixer ops' defaults run a batch's sequences one at a
+/// time through the one-sequence ops. proj [max(C, H 2hd)], a, b [Hv], k, v [Hkv hd], mixed [C],
+/// core [max(Hv Dv, H hd)].
+pub struct OneRow<'a, B: Backend> {
+    pub proj: &'a mut B::Buf,
+    pub a: &'a mut B::Buf,
+    pub b: &'a mut B::Buf,
+    pub k: &'a mut B::Buf,
+    pub v: &'a mut B::Buf,
+    pub mixed: &'a mut B::Buf,
+    pub core: &'a mut B::Buf,
+}
+
+/// The operands of `delta_net_batch` that it only reads: the two ops' params (`tokens`: the
+/// batch's rows), the layer's weights and the step's projections.
+pub struct DeltaNetBatch<'a, B: Backend> {
+    pub conv: ConvParams,
+    pub delta: DeltaNetParams,
+    /// [C, taps], [Hv] f32, [Hv].
+    pub conv1d: &'a B::Buf,
+    pub a_log: &'a B::Buf,
+    pub dt_bias: &'a B::Buf,
+    /// [B, C] (q | k | v before the conv), [B, Hv], [B, Hv].
+    pub proj: &'a B::Buf,
+    pub a: &'a B::Buf,
+    pub b: &'a B::Buf,
+}
+
+/// `delta_net_batch` one row at a time (the trait's default, and the reference backend's).
+pub(crate) fn delta_net_batch_by_row<B: Backend>(
+    b: &B,
+    r: &DeltaNetBatch<'_, B>,
+    seqs: &mut [DeltaNetSeq<'_, B::Buf>],
+    one: &mut OneRow<'_, B>,
+    _mixed: &mut B::Buf,
+    core: &mut B::Buf,
+) -> Result<()> {
+    let (c, hv) = (r.conv.channels as usize, r.delta.value_heads as usize);
+    let width = hv * r.delta.value_dim as usize;
+    let conv = ConvParams { tokens: 1, ..r.conv };
+    let delta = DeltaNetParams { tokens: 1, ..r.delta };
+    for (i, sq) in seqs.iter_mut().enumerate() {
+        b.copy_rows(r.proj, i * c, one.proj, 0, c)?;
+        b.copy_rows(r.a, i * hv, one.a, 0, hv)?;
+        b.copy_rows(r.b, i * hv, one.b, 0, hv)?;
+        b.delta_net_conv(&conv, r.conv1d, sq.conv, one.proj, one.mixed);
+        let x = DeltaNetIn::new(&delta, one.mixed, one.a, one.b, r.a_log, r.dt_bias);
+        b.delta_net(&x, sq.ssm, one.core);
+        b.copy_rows(one.core, 0, core, i * width, width)?;
+    }
+    Ok(())
+}
+
+/// The operands of `qk_norm_rope_store_attention_batch` that it only reads: the ops' params
+/// (`tokens`: the batch's rows; `pos0` unused), the norms' weights [hd], v [B, Hkv hd].
+pub struct AttentionBatch<'a, B: Backend> {
+    pub rope: RopeParams,
+    pub attn: AttentionParams,
+    pub q_norm: &'a B::Buf,
+    pub k_norm: &'a B::Buf,
+    pub v: &'a B::Buf,
+}
+
+/// `qk_norm_rope_store_attention_batch` one row at a time (the trait's default, and the reference
+/// backend's).
+pub(crate) fn qk_norm_rope_store_attention_by_row<B: Backend>(
+    b: &B,
+    r: &AttentionBatch<'_, B>,
+    seqs: &mut [KvSeq<'_, B::Kv>],
+    qg: &mut B::Buf,
+    k: &mut B::Buf,
+    one: &mut OneRow<'_, B>,
+    out: &mut B::Buf,
+) -> Result<()> {
+    let (h, hd) = (r.rope.heads as usize, r.rope.head_dim as usize);
+    let (qw, kw, ow) = (h * 2 * hd, r.rope.kv_heads as usize * hd, h * hd);
+    for (i, sq) in seqs.iter_mut().enumerate() {
+        b.copy_rows(qg, i * qw, one.proj, 0, qw)?;
+        b.copy_rows(k, i * kw, one.k, 0, kw)?;
+        b.copy_rows(r.v, i * kw, one.v, 0, kw)?;
+        let pos0 = sq.pos as u32;
+        let rope = RopeParams {
+            tokens: 1,
+            pos0,
+            ..r.rope
+        };
+        let attn = AttentionParams {
+            tokens: 1,
+            pos0,
+            ..r.attn
+        };
+        b.qk_norm_rope_store_attention(
+            &rope, &attn, r.q_norm, r.k_norm, one.proj, one.k, one.v, sq.k, sq.v, one.core,
+        );
+        b.copy_rows(one.core, 0, out, i * ow, ow)?;
+    }
+    Ok(())
 }
 
 /// The read-only operands of `moe_add_rms_norm`: the routed experts and their routing, the shared

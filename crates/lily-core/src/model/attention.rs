@@ -7,7 +7,7 @@
 
 use super::state::{KvCache, Scratch};
 use crate::{
-    backend::{AttentionParams, Backend, MatmulParams, RopeParams},
+    backend::{AttentionBatch, AttentionParams, Backend, KvSeq, MatmulParams, RopeParams},
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -60,27 +60,25 @@ impl<B: Backend> Attention<B> {
         self.output(b, t, s);
     }
 
-    /// Row `i` of a batch (one token of its own sequence, at `pos`, cache `kv`): its projections
-    /// are moved into `one`, attended there, and its output moved back.
-    pub fn forward_row(
+    /// The attention core of a batched decode step: row i of s.proj, s.k, s.v is one token of
+    /// sequence i, appended to its caches at its position (`seqs[i]`); s.core gets each row's
+    /// output.
+    pub fn attend_batch(
         &self,
         b: &B,
-        i: usize,
-        pos: usize,
-        kv: &mut KvCache<B>,
+        seqs: &mut [KvSeq<'_, B::Kv>],
         s: &mut Scratch<B>,
         one: &mut Scratch<B>,
     ) -> Result<()> {
-        let (qg, kvw, o) = (
-            self.heads * 2 * self.head_dim,
-            self.kv_heads * self.head_dim,
-            self.heads * self.head_dim,
-        );
-        b.copy_rows(&s.proj, i * qg, &mut one.proj, 0, qg)?;
-        b.copy_rows(&s.k, i * kvw, &mut one.k, 0, kvw)?;
-        b.copy_rows(&s.v, i * kvw, &mut one.v, 0, kvw)?;
-        self.attend(b, 1, pos, kv, one);
-        b.copy_rows(&one.core, 0, &mut s.core, i * o, o)
+        let (rope, attn) = self.params(seqs.len(), 0);
+        let r = AttentionBatch {
+            rope,
+            attn,
+            q_norm: &self.q_norm,
+            k_norm: &self.k_norm,
+            v: &s.v,
+        };
+        b.qk_norm_rope_store_attention_batch(&r, seqs, &mut s.proj, &mut s.k, &mut one.one_row(), &mut s.core)
     }
 
     /// s.proj = [q | gate], s.k, s.v of s.h.
@@ -99,6 +97,23 @@ impl<B: Backend> Attention<B> {
 
     /// s.core = gated attention of s.proj over the cache, after appending s.k, s.v at pos0.
     fn attend(&self, b: &B, t: usize, pos0: usize, kv: &mut KvCache<B>, s: &mut Scratch<B>) {
+        let (rope, attn) = self.params(t, pos0);
+        b.qk_norm_rope_store_attention(
+            &rope,
+            &attn,
+            &self.q_norm,
+            &self.k_norm,
+            &mut s.proj,
+            &mut s.k,
+            &s.v,
+            &mut kv.k,
+            &mut kv.v,
+            &mut s.core,
+        );
+    }
+
+    /// The norm-RoPE's and the attention's params for `t` tokens from `pos0`.
+    fn params(&self, t: usize, pos0: usize) -> (RopeParams, AttentionParams) {
         let rope = RopeParams {
             tokens: t as u32,
             pos0: pos0 as u32,
@@ -117,18 +132,7 @@ impl<B: Backend> Attention<B> {
             head_dim: self.head_dim as u32,
             scale: 1.0 / (self.head_dim as f32).sqrt(),
         };
-        b.qk_norm_rope_store_attention(
-            &rope,
-            &attn,
-            &self.q_norm,
-            &self.k_norm,
-            &mut s.proj,
-            &mut s.k,
-            &s.v,
-            &mut kv.k,
-            &mut kv.v,
-            &mut s.core,
-        );
+        (rope, attn)
     }
 
     /// s.mix = o_proj s.core.

@@ -7,7 +7,9 @@
 
 use super::state::{DeltaNetState, Scratch};
 use crate::{
-    backend::{Backend, ConvParams, DeltaNetGated, DeltaNetIn, DeltaNetParams, MatmulParams, RmsNormParams},
+    backend::{
+        Backend, ConvParams, DeltaNetBatch, DeltaNetGated, DeltaNetParams, DeltaNetSeq, MatmulParams, RmsNormParams,
+    },
     config::ModelConfig,
     error::Result,
     weights::Loader,
@@ -76,23 +78,27 @@ impl<B: Backend> DeltaNet<B> {
         self.out_proj(b, t, s);
     }
 
-    /// Row `i` of a batch (one token of its own sequence, state `st`): its projections are moved
-    /// into `one`, run through the conv and the recurrence there, and its output moved back.
-    pub fn forward_row(
+    /// The conv and the recurrence of a batched decode step: row i of s.proj, s.a, s.b is one
+    /// token of sequence i, on its states `seqs[i]`; s.core gets each row's output.
+    pub fn recur_batch(
         &self,
         b: &B,
-        i: usize,
-        st: &mut DeltaNetState<B>,
+        seqs: &mut [DeltaNetSeq<'_, B::Buf>],
         s: &mut Scratch<B>,
         one: &mut Scratch<B>,
     ) -> Result<()> {
-        let (hv, vd) = (self.dims.value_heads as usize, self.dims.value_dim as usize);
-        let conv_dim = self.conv_dim() as usize;
-        b.copy_rows(&s.proj, i * conv_dim, &mut one.proj, 0, conv_dim)?;
-        b.copy_rows(&s.a, i * hv, &mut one.a, 0, hv)?;
-        b.copy_rows(&s.b, i * hv, &mut one.b, 0, hv)?;
-        self.recur(b, 1, st, one);
-        b.copy_rows(&one.core, 0, &mut s.core, i * hv * vd, hv * vd)
+        let t = seqs.len();
+        let r = DeltaNetBatch {
+            conv: self.conv_params(t),
+            delta: self.delta_params(t),
+            conv1d: &self.conv1d,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            proj: &s.proj,
+            a: &s.a,
+            b: &s.b,
+        };
+        b.delta_net_batch(&r, seqs, &mut one.one_row(), &mut s.conv, &mut s.core)
     }
 
     fn conv_dim(&self) -> u32 {
@@ -111,14 +117,6 @@ impl<B: Backend> DeltaNet<B> {
             &[&self.in_proj_qkv, &self.in_proj_z, &self.in_proj_b, &self.in_proj_a],
             &mut [&mut s.proj, &mut s.z, &mut s.b, &mut s.a],
         );
-    }
-
-    /// s.core = the recurrence's output of the conv of s.proj, advancing the states.
-    fn recur(&self, b: &B, t: usize, st: &mut DeltaNetState<B>, s: &mut Scratch<B>) {
-        b.delta_net_conv(&self.conv_params(t), &self.conv1d, &mut st.conv, &s.proj, &mut s.conv);
-        let p = self.delta_params(t);
-        let x = DeltaNetIn::new(&p, &s.conv, &s.a, &s.b, &self.a_log, &self.dt_bias);
-        b.delta_net(&x, &mut st.ssm, &mut s.core);
     }
 
     /// s.mix = out_proj(gated norm of s.core by s.z).

@@ -18,7 +18,7 @@ use moe::Moe;
 use state::{LayerState, Scratch, State};
 
 use crate::{
-    backend::{Backend, MatmulParams, RmsNormParams},
+    backend::{Backend, DeltaNetSeq, KvSeq, MatmulParams, RmsNormParams},
     config::{LayerKind, ModelConfig},
     error::Result,
     weights::Loader,
@@ -115,8 +115,9 @@ impl<B: Backend> Model<B> {
 
     /// One decode step of a batch: token i (in `s.ids`) appended to sequence i, `seqs[i]` = its
     /// state and position. Every weight is read once for the batch (matmuls over its rows, the
-    /// MoE grouped by expert across them); each row's attention / DeltaNet runs on its own state
-    /// through the one-row scratch `one`. Leaves the final-normed hidden states in `s.h`.
+    /// MoE grouped by expert across them); each row's attention / DeltaNet runs on its own state,
+    /// all rows in one batched op (`one`: its one-row scratch). Leaves the final-normed hidden
+    /// states in `s.h`.
     pub fn forward_batch(
         &self,
         b: &B,
@@ -126,28 +127,39 @@ impl<B: Backend> Model<B> {
     ) -> Result<()> {
         let t = seqs.len();
         let norm = self.norm_params(t);
+        // Each sequence's layers in order: layer l's states of every row, borrowed at once.
+        let mut rows: Vec<_> = seqs.iter_mut().map(|(st, pos)| (st.layers.iter_mut(), *pos)).collect();
+        let (mut delta_net, mut kv) = (Vec::with_capacity(t), Vec::with_capacity(t));
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
         b.rms_norm(&norm, &s.x, self.input_norm(0), &mut s.h);
         for (l, layer) in self.layers.iter().enumerate() {
+            let states = rows.iter_mut().map(|(layers, pos)| (layers.next(), *pos));
             match &layer.mixer {
                 Mixer::DeltaNet(m) => {
+                    delta_net.clear();
+                    delta_net.extend(states.map(|st| match st {
+                        (Some(LayerState::DeltaNet(st)), _) => DeltaNetSeq {
+                            conv: &mut st.conv,
+                            ssm: &mut st.ssm,
+                        },
+                        _ => unreachable!("state is built from the same layer kinds as the model"),
+                    }));
                     m.project(b, t, s);
-                    for (i, (state, _)) in seqs.iter_mut().enumerate() {
-                        let LayerState::DeltaNet(st) = &mut state.layers[l] else {
-                            unreachable!("state is built from the same layer kinds as the model")
-                        };
-                        m.forward_row(b, i, st, s, one)?;
-                    }
+                    m.recur_batch(b, &mut delta_net, s, one)?;
                     m.output(b, t, s);
                 }
                 Mixer::Attention(m) => {
+                    kv.clear();
+                    kv.extend(states.map(|st| match st {
+                        (Some(LayerState::Attention(c)), pos) => KvSeq {
+                            k: &mut c.k,
+                            v: &mut c.v,
+                            pos,
+                        },
+                        _ => unreachable!("state is built from the same layer kinds as the model"),
+                    }));
                     m.project(b, t, s);
-                    for (i, (state, pos)) in seqs.iter_mut().enumerate() {
-                        let LayerState::Attention(kv) = &mut state.layers[l] else {
-                            unreachable!("state is built from the same layer kinds as the model")
-                        };
-                        m.forward_row(b, i, *pos, kv, s, one)?;
-                    }
+                    m.attend_batch(b, &mut kv, s, one)?;
                     m.output(b, t, s);
                 }
             }

@@ -1,7 +1,7 @@
 //! Per-sequence state and the per-call scratch, allocated once when the engine is built.
 
 use crate::{
-    backend::{kv_segment_rows, Backend, KvDtype, KvSegment},
+    backend::{kv_segment_rows, Backend, KvDtype, KvSegment, OneRow},
     config::{LayerKind, ModelConfig},
     error::Result,
 };
@@ -286,5 +286,18 @@ impl<B: Backend> Scratch<B> {
             logits: b.alloc(logit_rows * cfg.vocab_size)?,
             logit_rows,
         })
+    }
+
+    /// The activations of its first row, as the batched mixer ops' one-row scratch.
+    pub fn one_row(&mut self) -> OneRow<'_, B> {
+        OneRow {
+            proj: &mut self.proj,
+            a: &mut self.a,
+            b: &mut self.b,
+            k: &mut self.k,
+            v: &mut self.v,
+            mixed: &mut self.conv,
+            core: &mut self.core,
+        }
     }
 }

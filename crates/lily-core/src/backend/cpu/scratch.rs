@@ -9,6 +9,7 @@ thread_local! {
     static TASK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static CALLER: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static CALLER_IDS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static CALLER_OUTS: RefCell<Vec<Out>> = const { RefCell::new(Vec::new()) };
 }
 
 fn lend<T: Copy + Default, R>(
@@ -46,13 +47,29 @@ pub fn with_caller_ids<R>(len: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
     lend(&CALLER_IDS, len, f)
 }
 
+/// Calling-thread scratch of `len` output pointers (contents unspecified): one state per sequence
+/// for the tasks of a batched op.
+pub fn with_caller_outs<R>(len: usize, f: impl FnOnce(&mut [Out]) -> R) -> R {
+    lend(&CALLER_OUTS, len, f)
+}
+
 /// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 pub struct Out(pub *mut f32);
+impl Default for Out {
+    fn default() -> Self {
+        Out(std::ptr::null_mut())
+    }
+}
 // SAFETY: every use writes a set of indices no other task touches, inside one parallel call.
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 impl Out {
+    /// The pointer `i` elements on (a row of a batch's output).
+    #[inline]
+    pub fn at(self, i: usize) -> Out {
+        Out(self.0.wrapping_add(i))
+    }
     /// # Safety
     /// `i` is in bounds of the buffer and written by this task alone.
     #[inline]

@@ -1,5 +1,7 @@
 //! The attention ops on the CPU: tiled causal attention with online softmax (prefill) and
-//! split decode attention; `qk_norm_rope` runs the reference's per-head loop on the pool.
+//! split decode attention; `qk_norm_rope` runs the reference's per-head loop on the pool. The
+//! `_batch` forms run one token of each sequence of a batched decode step (its own position and
+//! caches) as one pool loop over (sequence, task of the one-token form).
 
 use super::reference::norm_rope_head;
 use crate::backend::{
@@ -7,11 +9,11 @@ use crate::backend::{
         isa::{multiversion, Isa},
         kv::{CpuKv, KvRows},
         pool,
-        scratch::{with_caller, with_task, Out},
+        scratch::{with_caller, with_caller_ids, with_task, Out},
         simd,
     },
     params::{AttentionParams, KvStoreParams, RopeParams},
-    KvDtype,
+    KvDtype, KvSeq,
 };
 
 /// Rows kb..kb + kn (within one segment) of KV head kvh of a cache as f32: (values, row stride).
@@ -276,65 +278,225 @@ const DECODE_SPLIT: usize = 128;
 /// `hd` values, half of each row's lines, and the prefetchers fetch the other half too).
 /// Layout as `attention`; partials [splits, kv_n, group, hd + 2] in caller scratch.
 fn attention_decode(kern: Kernels, p: &AttentionParams, qg: &[f32], kc: &CpuKv, vc: &CpuKv, out: &mut [f32]) {
-    let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
-    let isa = kern.isa;
-    // avx512_bf16 on a bf16 cache: scores from q's bf16 parts (split and packed once per call per
-    // 8-row tile of each KV head, `simd::pack_q8_bf16`), P.V from the weights' parts (split per
-    // block in the task).
-    let bf16 = |c: &CpuKv| kern.bf16_dot && c.dtype == KvDtype::BF16 && pv_in_registers(isa, hd);
-    let (bf16_qk, bf16_pv) = (bf16(kc), bf16(vc));
-    let (group, len) = (h_n / kv_n, p.pos0 as usize + 1);
-    let want = 4 * pool::threads();
-    // Runs start on block boundaries, so no block of a run is cut short before the last.
-    let per = len
-        .div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1))
-        .next_multiple_of(SPLIT_BLOCK);
-    let splits = len.div_ceil(per);
-    let part = group * (hd + 2);
-    let rows8 = group.next_multiple_of(8);
+    let (h_n, hd) = (p.heads as usize, p.head_dim as usize);
+    let d = Decode::new(kern, p, kc, vc);
+    let (per, splits) = d.splits(p.pos0 as usize + 1);
     let o = Out(out.as_mut_ptr());
-    // Per KV head and 8-row tile, 16 hd bf16 values (8 hd floats), then room for one row's parts.
-    let qlen = if bf16_qk { kv_n * rows8 * hd + hd } else { 0 };
-    with_caller(splits * kv_n * part + qlen, |buf| {
-        let (parts, qb) = buf.split_at_mut(splits * kv_n * part);
-        let qb = as_u16(qb);
-        if bf16_qk {
-            let (qb, tmp) = qb.split_at_mut(kv_n * rows8 * 2 * hd);
-            for (t, tile) in qb.chunks_exact_mut(16 * hd).enumerate() {
-                let (kvh, i0) = (t / (rows8 / 8), t % (rows8 / 8) * 8);
-                let q_of = |a: usize| &qg[(kvh * group + (i0 + a).min(group - 1)) * 2 * hd..][..hd];
-                simd::pack_q8_bf16([0, 1, 2, 3, 4, 5, 6, 7].map(q_of), hd, tmp, tile);
-            }
-        }
-        let qb = bf16_qk.then_some(&*qb);
+    with_caller(splits * d.split_len() + d.q_len(), |buf| {
+        let (parts, qb) = buf.split_at_mut(splits * d.split_len());
+        let qb = d.pack_q(qg, as_u16(qb));
         let po = Out(parts.as_mut_ptr());
         pool::for_each(splits, |sp| {
-            let keys = (sp * per, ((sp + 1) * per).min(len));
-            with_task(rows8 * SPLIT_BLOCK + 8 * SPLIT_BLOCK + 2 * SPLIT_BLOCK * hd, |sc| {
-                // SAFETY: the partials of split `sp` are written by this task alone.
-                let dst = unsafe { po.slice(sp * kv_n * part, kv_n * part) };
-                attend_split(isa, p, qg, kc, vc, keys, (qb, bf16_pv), sc, dst)
-            });
+            // SAFETY: the partials of split `sp` are written by this task alone.
+            let dst = unsafe { po.slice(sp * d.split_len(), d.split_len()) };
+            d.split(
+                p,
+                qg,
+                kc,
+                vc,
+                (sp * per, ((sp + 1) * per).min(p.pos0 as usize + 1)),
+                qb,
+                dst,
+            );
         });
         let parts: &[f32] = parts;
-        pool::for_each(h_n, |h| {
-            let (kvh, r) = (h / group, h % group);
-            let part_of = |sp: usize| &parts[(sp * kv_n + kvh) * part..][..part];
-            let m = (0..splits).fold(f32::NEG_INFINITY, |m, sp| m.max(part_of(sp)[group * hd + r]));
-            // SAFETY: head h's output row is written by this task alone.
-            let y = unsafe { o.slice(h * hd, hd) };
-            y.fill(0.0);
-            let mut l = 0f32;
-            for sp in 0..splits {
-                let pt = part_of(sp);
-                let w = (pt[group * hd + r] - m).exp();
-                l += w * pt[group * (hd + 1) + r];
-                y.iter_mut().zip(&pt[r * hd..][..hd]).for_each(|(a, v)| *a += w * v);
+        // SAFETY: head h's output row is written by this task alone.
+        pool::for_each(h_n, |h| d.merge(qg, parts, splits, h, unsafe { o.slice(h * hd, hd) }));
+    });
+}
+
+/// `attention` of one token for each sequence of a batched decode step: row i of qg [B, H, 2hd]
+/// against the caches of `seqs[i]` (rows 0..=pos, the new one stored), into row i of out [B, H,
+/// hd]. Each sequence's keys are split into runs as [`attention_decode`] splits them alone, the
+/// runs of every sequence are one pool loop and the merges of every (sequence, query head) one
+/// more, each task running the one-sequence code: each row is bit for bit what `attention` gives
+/// it alone. Partials [sum of splits, kv_n, group, hd + 2] in caller scratch, each sequence's
+/// first split in caller ids.
+pub fn attention_batch(p: &AttentionParams, qg: &[f32], seqs: &[KvSeq<'_, CpuKv>], out: &mut [f32]) {
+    attention_batch_kernels(Kernels::of(Isa::get()), p, qg, seqs, out)
+}
+
+/// [`attention_batch`] on the kernels `kn`.
+pub fn attention_batch_kernels(
+    kern: Kernels,
+    p: &AttentionParams,
+    qg: &[f32],
+    seqs: &[KvSeq<'_, CpuKv>],
+    out: &mut [f32],
+) {
+    let (b_n, h_n, hd) = (seqs.len(), p.heads as usize, p.head_dim as usize);
+    let (qw, ow) = (h_n * 2 * hd, h_n * hd);
+    assert!(qg.len() >= b_n * qw && out.len() >= b_n * ow);
+    let Some(first) = seqs.first() else {
+        return;
+    };
+    if p.kv_heads == 0 {
+        return;
+    }
+    // The engine's caches share one dtype, so the kernels are chosen once.
+    let same = |s: &KvSeq<'_, CpuKv>| s.k.dtype == first.k.dtype && s.v.dtype == first.v.dtype;
+    assert!(seqs.iter().all(same), "attention_batch: caches of different dtypes");
+    let d = Decode::new(kern, p, first.k, first.v);
+    let o = Out(out.as_mut_ptr());
+    with_caller_ids(b_n + 1, |first_split| {
+        first_split[0] = 0;
+        for (i, sq) in seqs.iter().enumerate() {
+            first_split[i + 1] = first_split[i] + d.splits(sq.pos + 1).1 as u32;
+        }
+        let first_split: &[u32] = first_split;
+        let all = first_split[b_n] as usize;
+        let qlen = d.q_len();
+        with_caller(all * d.split_len() + b_n * qlen, |buf| {
+            let (parts, qbs) = buf.split_at_mut(all * d.split_len());
+            for (i, qb) in qbs.chunks_exact_mut(qlen.max(1)).enumerate().take(b_n) {
+                d.pack_q(&qg[i * qw..][..qw], as_u16(qb));
             }
-            let gate = &qg[h * 2 * hd + hd..][..hd];
-            y.iter_mut().zip(gate).for_each(|(a, g)| *a *= simd::sigmoid(*g) / l);
+            let qbs: &[f32] = qbs;
+            let po = Out(parts.as_mut_ptr());
+            pool::for_each(all, |sp| {
+                let i = first_split.partition_point(|&f| f as usize <= sp) - 1;
+                let (sq, (per, _)) = (&seqs[i], d.splits(seqs[i].pos + 1));
+                let k0 = (sp - first_split[i] as usize) * per;
+                let keys = (k0, (k0 + per).min(sq.pos + 1));
+                let qb = d
+                    .bf16_qk
+                    .then(|| &as_u16_ref(&qbs[i * qlen..][..qlen])[..2 * d.packed()]);
+                // SAFETY: the partials of split `sp` are written by this task alone.
+                let dst = unsafe { po.slice(sp * d.split_len(), d.split_len()) };
+                let p = AttentionParams {
+                    pos0: sq.pos as u32,
+                    ..*p
+                };
+                d.split(&p, &qg[i * qw..][..qw], sq.k, sq.v, keys, qb, dst);
+            });
+            let parts: &[f32] = parts;
+            pool::for_each(b_n * h_n, |task| {
+                let (i, h) = (task / h_n, task % h_n);
+                let (s0, s1) = (first_split[i] as usize, first_split[i + 1] as usize);
+                let parts = &parts[s0 * d.split_len()..s1 * d.split_len()];
+                // SAFETY: row i's head h output is written by this task alone.
+                let y = unsafe { o.slice(i * ow + h * hd, hd) };
+                d.merge(&qg[i * qw..][..qw], parts, s1 - s0, h, y);
+            });
         });
     });
+}
+
+/// How decode attention runs on a layer's caches: the kernels, the shapes, whether the bf16 dots
+/// apply, and the parts each task shares ([`attention_decode`], [`attention_batch`]).
+struct Decode {
+    isa: Isa,
+    kv_n: usize,
+    group: usize,
+    hd: usize,
+    rows8: usize,
+    /// avx512_bf16 on a bf16 cache: scores from q's bf16 parts (split and packed once per call per
+    /// 8-row tile of each KV head, `simd::pack_q8_bf16`), P.V from the weights' parts (split per
+    /// block in the task).
+    bf16_qk: bool,
+    bf16_pv: bool,
+}
+
+impl Decode {
+    fn new(kern: Kernels, p: &AttentionParams, kc: &CpuKv, vc: &CpuKv) -> Decode {
+        let (h_n, kv_n, hd) = (p.heads as usize, p.kv_heads as usize, p.head_dim as usize);
+        let isa = kern.isa;
+        let bf16 = |c: &CpuKv| kern.bf16_dot && c.dtype == KvDtype::BF16 && pv_in_registers(isa, hd);
+        let group = h_n / kv_n;
+        Decode {
+            isa,
+            kv_n,
+            group,
+            hd,
+            rows8: group.next_multiple_of(8),
+            bf16_qk: bf16(kc),
+            bf16_pv: bf16(vc),
+        }
+    }
+
+    /// (keys per run, runs) for a context of `len` keys: a few runs per thread of at most
+    /// DECODE_SPLIT keys, starting on block boundaries (no block of a run is cut short before the
+    /// last).
+    fn splits(&self, len: usize) -> (usize, usize) {
+        let want = 4 * pool::threads();
+        let per = len
+            .div_ceil(len.div_ceil(DECODE_SPLIT).min(want).max(1))
+            .next_multiple_of(SPLIT_BLOCK);
+        (per, len.div_ceil(per))
+    }
+
+    /// Floats of one run's partials: [kv_n, group, hd + 2].
+    fn split_len(&self) -> usize {
+        self.kv_n * self.group * (self.hd + 2)
+    }
+
+    /// u16 values of q's packed bf16 parts: per KV head and 8-row tile, 16 hd.
+    fn packed(&self) -> usize {
+        self.kv_n * self.rows8 * self.hd
+    }
+
+    /// Floats of q's packed parts and the room to split one row (0 without the bf16 dots).
+    fn q_len(&self) -> usize {
+        if self.bf16_qk {
+            self.packed() + self.hd
+        } else {
+            0
+        }
+    }
+
+    /// q's packed bf16 parts for the scores, in `qb` (`q_len` floats as u16), when the bf16 dots
+    /// apply.
+    fn pack_q<'a>(&self, qg: &[f32], qb: &'a mut [u16]) -> Option<&'a [u16]> {
+        if !self.bf16_qk {
+            return None;
+        }
+        let (hd, group, rows8) = (self.hd, self.group, self.rows8);
+        let (qb, tmp) = qb.split_at_mut(2 * self.packed());
+        for (t, tile) in qb.chunks_exact_mut(16 * hd).enumerate() {
+            let (kvh, i0) = (t / (rows8 / 8), t % (rows8 / 8) * 8);
+            let q_of = |a: usize| &qg[(kvh * group + (i0 + a).min(group - 1)) * 2 * hd..][..hd];
+            simd::pack_q8_bf16([0, 1, 2, 3, 4, 5, 6, 7].map(q_of), hd, tmp, tile);
+        }
+        Some(qb)
+    }
+
+    /// One run's partials (keys k0..k1, every KV head) into dst (`split_len` floats).
+    #[allow(clippy::too_many_arguments)]
+    fn split(
+        &self,
+        p: &AttentionParams,
+        qg: &[f32],
+        kc: &CpuKv,
+        vc: &CpuKv,
+        keys: (usize, usize),
+        qb: Option<&[u16]>,
+        dst: &mut [f32],
+    ) {
+        let (rows8, hd) = (self.rows8, self.hd);
+        with_task(rows8 * SPLIT_BLOCK + 8 * SPLIT_BLOCK + 2 * SPLIT_BLOCK * hd, |sc| {
+            attend_split(self.isa, p, qg, kc, vc, keys, (qb, self.bf16_pv), sc, dst)
+        });
+    }
+
+    /// Query head h's output y [hd] from the partials of `splits` runs: sum_s e^(m_s - m) acc_s /
+    /// sum_s e^(m_s - m) l_s, times the sigmoid gate.
+    fn merge(&self, qg: &[f32], parts: &[f32], splits: usize, h: usize, y: &mut [f32]) {
+        let (group, hd) = (self.group, self.hd);
+        let part = group * (hd + 2);
+        let (kvh, r) = (h / group, h % group);
+        let part_of = |sp: usize| &parts[(sp * self.kv_n + kvh) * part..][..part];
+        let m = (0..splits).fold(f32::NEG_INFINITY, |m, sp| m.max(part_of(sp)[group * hd + r]));
+        y.fill(0.0);
+        let mut l = 0f32;
+        for sp in 0..splits {
+            let pt = part_of(sp);
+            let w = (pt[group * hd + r] - m).exp();
+            l += w * pt[group * (hd + 1) + r];
+            y.iter_mut().zip(&pt[r * hd..][..hd]).for_each(|(a, v)| *a += w * v);
+        }
+        let gate = &qg[h * 2 * hd + hd..][..hd];
+        y.iter_mut().zip(gate).for_each(|(a, g)| *a *= simd::sigmoid(*g) / l);
+    }
 }
 
 multiversion! {
@@ -488,6 +650,12 @@ fn halves(rows: KvRows<'_>) -> &[u16] {
     }
 }
 
+/// The u16 view of f32 scratch read back (q's packed bf16 parts).
+fn as_u16_ref(v: &[f32]) -> &[u16] {
+    // SAFETY: as `as_u16`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 2) }
+}
+
 /// The u16 view of f32 scratch (bf16 parts of q and of the softmax weights).
 fn as_u16(v: &mut [f32]) -> &mut [u16] {
     // SAFETY: same allocation, two u16 per f32, u16 has no stricter alignment and every bit
@@ -636,6 +804,35 @@ pub fn qk_norm_rope(p: &RopeParams, q_norm: &[f32], k_norm: &[f32], qg: &mut [f3
     pool::for_chunks(&mut k[..t_n * p.kv_heads as usize * hd], hd, |i, head| {
         let pos = p.pos0 as usize + i / p.kv_heads as usize;
         norm_rope_head(head, k_norm, p.eps, rot, p.theta, pos);
+    });
+}
+
+/// `qk_norm_rope` of one token for each sequence of a batched decode step: row i of qg [B, H,
+/// 2hd] and k [B, Hkv, hd] at position `pos(i)` (p.tokens: the rows B; p.pos0 is not read).
+/// Threads: one task per (row, q or k head), every row's heads in one pool loop; each head runs
+/// the one-sequence op's code, so each row is bit for bit what `qk_norm_rope` gives it alone.
+pub fn qk_norm_rope_batch(
+    p: &RopeParams,
+    pos: impl Fn(usize) -> usize + Sync,
+    q_norm: &[f32],
+    k_norm: &[f32],
+    qg: &mut [f32],
+    k: &mut [f32],
+) {
+    let (b_n, h_n, kv_n) = (p.tokens as usize, p.heads as usize, p.kv_heads as usize);
+    let (hd, rot) = (p.head_dim as usize, p.rotary_dim as usize);
+    assert!(qg.len() >= b_n * h_n * 2 * hd && k.len() >= b_n * kv_n * hd);
+    let (q, kp) = (Out(qg.as_mut_ptr()), Out(k.as_mut_ptr()));
+    pool::for_each(b_n * (h_n + kv_n), |task| {
+        // SAFETY: each (row, head) vector is normed by this task alone.
+        let (i, head, w) = match task < b_n * h_n {
+            true => (task / h_n, unsafe { q.slice(task * 2 * hd, hd) }, q_norm),
+            false => {
+                let t = task - b_n * h_n;
+                (t / kv_n, unsafe { kp.slice(t * hd, hd) }, k_norm)
+            }
+        };
+        norm_rope_head(head, w, p.eps, rot, p.theta, pos(i));
     });
 }
 

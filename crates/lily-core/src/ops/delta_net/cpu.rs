@@ -1,15 +1,18 @@
 //! The DeltaNet ops on the CPU: the conv by channel blocks, the recurrence one value head per
-//! task (step form for one token, chunked form for more).
+//! task (step form for one token, chunked form for more). The `_batch` forms run one token of
+//! each sequence of a batched decode step, on its own states, as one pool loop over (sequence,
+//! task of the one-token form).
 
 use crate::{
     backend::{
         cpu::{
             isa::{multiversion, Isa},
             pool,
-            scratch::{with_task, Out},
+            scratch::{with_caller_outs, with_task, Out},
             simd,
         },
         params::{ConvParams, MAX_CONV_TAPS},
+        DeltaNetSeq,
     },
     ops::{delta_net::DeltaNetIn, matmul::cpu as matmul},
 };
@@ -53,6 +56,38 @@ pub fn delta_net(x: &DeltaNetIn, state: &mut [f32], out: &mut [f32]) {
                 }
             }
         })
+    });
+}
+
+/// `delta_net` of one token for each sequence of a batched decode step: row i of x (p.tokens:
+/// the rows B) on the recurrent state of `seqs[i]`, into row i of out [B, Hv, Dv]. Threads:
+/// (sequence, run of value heads) as `delta_net` splits one token's heads, every sequence in one
+/// pool loop; each head runs `delta_step` as there, so each row's output and state are bit for
+/// bit what `delta_net` gives that row alone.
+pub fn delta_net_batch(x: &DeltaNetIn, seqs: &mut [DeltaNetSeq<'_, Vec<f32>>], out: &mut [f32]) {
+    let isa = Isa::get();
+    let (b_n, _, hv, dk, dv) = x.p.dims();
+    assert!(seqs.len() == b_n && out.len() >= b_n * hv * dv);
+    let o = Out(out.as_mut_ptr());
+    let scratch = 3 * dk + 2 * dv + 3 + 3 * dv + 2 * dk;
+    let heads = hv.div_ceil(4 * pool::threads()).max(1);
+    let runs = hv.div_ceil(heads);
+    with_caller_outs(b_n, |states| {
+        for (st, sq) in states.iter_mut().zip(seqs.iter_mut()) {
+            assert!(sq.ssm.len() >= hv * dk * dv);
+            *st = Out(sq.ssm.as_mut_ptr());
+        }
+        let states: &[Out] = states;
+        pool::for_each(b_n * runs, |task| {
+            let (i, j0) = (task / runs, task % runs * heads);
+            // SAFETY: heads j0..j0 + n of sequence i's state belong to this task alone.
+            let run = unsafe { states[i].slice(j0 * dk * dv, heads.min(hv - j0) * dk * dv) };
+            with_task(scratch, |scr| {
+                for (jj, s) in run.chunks_exact_mut(dk * dv).enumerate() {
+                    delta_step(isa, x, i, j0 + jj, s, scr, o);
+                }
+            })
+        });
     });
 }
 
@@ -259,71 +294,108 @@ fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: 
 /// vectorize. One token (decode) reads the weights in place: the transpose would cost as much as
 /// the conv.
 pub fn delta_net_conv(p: &ConvParams, w: &[f32], state: &mut [f32], x: &[f32], out: &mut [f32]) {
-    const CONV_BLOCK: usize = 1024;
     let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
     assert!((1..=MAX_CONV_TAPS).contains(&taps), "delta_net_conv: {taps} taps");
-    let hist = taps - 1;
+    assert!(state.len() >= (taps - 1) * c_n && x.len() >= t_n * c_n && out.len() >= t_n * c_n);
     let (o, st) = (Out(out.as_mut_ptr()), Out(state.as_mut_ptr()));
-    pool::for_each(c_n.div_ceil(CONV_BLOCK), |blk| {
-        with_task((taps + 1) * CONV_BLOCK, |scr| {
-            let c0 = blk * CONV_BLOCK;
-            let n = CONV_BLOCK.min(c_n - c0);
-            let wb = &w[c0 * taps..(c0 + n) * taps];
-            let (wt, acc) = scr.split_at_mut(taps * CONV_BLOCK);
-            if t_n > 1 {
-                for (i, wc) in wb.chunks_exact(taps).enumerate() {
-                    for j in 0..taps {
-                        wt[j * CONV_BLOCK + i] = wc[j];
-                    }
-                }
-            }
-            // SAFETY: this task alone reads and writes channels c0..c0 + n of the state and out.
-            let state_row = |i: usize| unsafe { &*st.slice(i * c_n + c0, n) };
-            // Row i of [state; x], this block's channels.
-            let row = |i: usize| {
-                if i < hist {
-                    state_row(i)
-                } else {
-                    &x[(i - hist) * c_n + c0..][..n]
-                }
-            };
-            for t in 0..t_n {
-                let acc = &mut acc[..n];
-                if t_n == 1 {
-                    acc.fill(0.0);
-                    for j in 0..taps {
-                        let r = row(j);
-                        for (i, a) in acc.iter_mut().enumerate() {
-                            *a += wb[i * taps + j] * r[i];
-                        }
-                    }
-                } else {
-                    acc.fill(0.0);
-                    for (j, wj) in wt.chunks_exact(CONV_BLOCK).enumerate() {
-                        for ((a, &wv), &v) in acc.iter_mut().zip(&wj[..n]).zip(row(t + j)) {
-                            *a += wv * v;
-                        }
-                    }
-                }
-                // SAFETY: as above.
-                let ot = unsafe { o.slice(t * c_n + c0, n) };
-                for (y, &a) in ot.iter_mut().zip(acc.iter()) {
-                    *y = simd::silu(a);
-                }
-            }
-            // New state: the last `hist` rows of [state; x]. Rows still coming from the old state
-            // (T < hist) move up, so go in increasing order (a row only reads from a later one).
-            for i in 0..hist {
-                let src = t_n + i;
-                if src < hist {
-                    // SAFETY: as above; src > i, distinct rows.
-                    let (from, to) = unsafe { (st.slice(src * c_n + c0, n), st.slice(i * c_n + c0, n)) };
-                    to.copy_from_slice(from);
-                } else {
-                    // SAFETY: as above.
-                    unsafe { st.slice(i * c_n + c0, n) }.copy_from_slice(&x[(src - hist) * c_n + c0..][..n]);
-                }
-            }
-        })
+    pool::for_each(c_n.div_ceil(CONV_BLOCK), |blk| conv_block(p, blk, w, st, x, o));
+}
+
+/// `delta_net_conv` of one token for each sequence of a batched decode step: row i of x [B, C]
+/// on the conv state of `seqs[i]`, into row i of out (p.tokens: the rows B). Threads: (sequence,
+/// block of CONV_BLOCK channels), every sequence in one pool loop; each block runs as
+/// `delta_net_conv` runs it for one token, so each row is what that op gives it alone.
+pub fn delta_net_conv_batch(
+    p: &ConvParams,
+    w: &[f32],
+    seqs: &mut [DeltaNetSeq<'_, Vec<f32>>],
+    x: &[f32],
+    out: &mut [f32],
+) {
+    let (c_n, taps, b_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
+    assert!((1..=MAX_CONV_TAPS).contains(&taps), "delta_net_conv_batch: {taps} taps");
+    assert!(seqs.len() == b_n && x.len() >= b_n * c_n && out.len() >= b_n * c_n);
+    let one = ConvParams { tokens: 1, ..*p };
+    let (o, blocks) = (Out(out.as_mut_ptr()), c_n.div_ceil(CONV_BLOCK));
+    with_caller_outs(b_n, |states| {
+        for (st, sq) in states.iter_mut().zip(seqs.iter_mut()) {
+            assert!(sq.conv.len() >= (taps - 1) * c_n);
+            *st = Out(sq.conv.as_mut_ptr());
+        }
+        let states: &[Out] = states;
+        pool::for_each(b_n * blocks, |task| {
+            let (i, blk) = (task / blocks, task % blocks);
+            conv_block(&one, blk, w, states[i], &x[i * c_n..][..c_n], o.at(i * c_n));
+        });
     });
+}
+
+/// Channels per conv task.
+const CONV_BLOCK: usize = 1024;
+
+/// `delta_net_conv`'s task: channels blk * CONV_BLOCK.. of every token, and of the state.
+#[inline(always)]
+fn conv_block(p: &ConvParams, blk: usize, w: &[f32], st: Out, x: &[f32], o: Out) {
+    let (c_n, taps, t_n) = (p.channels as usize, p.taps as usize, p.tokens as usize);
+    let hist = taps - 1;
+    with_task((taps + 1) * CONV_BLOCK, |scr| {
+        let c0 = blk * CONV_BLOCK;
+        let n = CONV_BLOCK.min(c_n - c0);
+        let wb = &w[c0 * taps..(c0 + n) * taps];
+        let (wt, acc) = scr.split_at_mut(taps * CONV_BLOCK);
+        if t_n > 1 {
+            for (i, wc) in wb.chunks_exact(taps).enumerate() {
+                for j in 0..taps {
+                    wt[j * CONV_BLOCK + i] = wc[j];
+                }
+            }
+        }
+        // SAFETY: this task alone reads and writes channels c0..c0 + n of the state and out.
+        let state_row = |i: usize| unsafe { &*st.slice(i * c_n + c0, n) };
+        // Row i of [state; x], this block's channels.
+        let row = |i: usize| {
+            if i < hist {
+                state_row(i)
+            } else {
+                &x[(i - hist) * c_n + c0..][..n]
+            }
+        };
+        for t in 0..t_n {
+            let acc = &mut acc[..n];
+            if t_n == 1 {
+                acc.fill(0.0);
+                for j in 0..taps {
+                    let r = row(j);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a += wb[i * taps + j] * r[i];
+                    }
+                }
+            } else {
+                acc.fill(0.0);
+                for (j, wj) in wt.chunks_exact(CONV_BLOCK).enumerate() {
+                    for ((a, &wv), &v) in acc.iter_mut().zip(&wj[..n]).zip(row(t + j)) {
+                        *a += wv * v;
+                    }
+                }
+            }
+            // SAFETY: as above.
+            let ot = unsafe { o.slice(t * c_n + c0, n) };
+            for (y, &a) in ot.iter_mut().zip(acc.iter()) {
+                *y = simd::silu(a);
+            }
+        }
+        // New state: the last `hist` rows of [state; x]. Rows still coming from the old state
+        // (T < hist) move up, so go in increasing order (a row only reads from a later one).
+        for i in 0..hist {
+            let src = t_n + i;
+            if src < hist {
+                // SAFETY: as above; src > i, distinct rows.
+                let (from, to) = unsafe { (st.slice(src * c_n + c0, n), st.slice(i * c_n + c0, n)) };
+                to.copy_from_slice(from);
+            } else {
+                // SAFETY: as above.
+                unsafe { st.slice(i * c_n + c0, n) }.copy_from_slice(&x[(src - hist) * c_n + c0..][..n]);
+            }
+        }
+    })
 }
