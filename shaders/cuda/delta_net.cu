@@ -360,8 +360,8 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
 // it): the v channels of block (j, g)'s columns are read and written by that block alone, after
 // its reads. The q/k channels of key head kh are read by all its blocks at their start, before
 // they count themselves on counts[kh]; the last one writes their new state. S: each block reads and
-// writes its own columns. The weights (conv_w, a_log, dt_bias, norm_w) are read before the
-// programmatic-launch wait, everything else after it. f32 throughout.
+// writes its own columns. Every load of a thread (weights, conv state, its 8 rows of S, the first
+// token's inputs) is issued before the first barrier. f32 throughout.
 #define DNG_DK DELTA_NET_GATED_DIM_MAX  // Dk and Dv at most
 #define DNG_THREADS 512                 // 16 warps: a warp per row group of 32 columns
 #define DNG_RW (DNG_THREADS / 32)       // row warps
@@ -392,8 +392,9 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
   __shared__ float red[2][DNG_THREADS];
   __shared__ float part[3][DNG_QK_WARPS];
   __shared__ uint last[1];
-  grid_dep_launch();  // grid_dep_wait() below, after the weight loads
+  kernel_start();
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
+  if (T == 0) return;  // nothing to advance (the token loop below runs at least once)
   const uint C = cp.channels, taps = cp.taps, hist = taps - 1;
   const uint j = blockIdx.x, tid = threadIdx.x, rg = tid / 32, lane = tid % 32;
   const uint per = Hv / Hk, kh = j / per, c = 32 * blockIdx.y + lane;
@@ -413,8 +414,7 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
     wr0[i] = ch0 < C && k < taps ? conv_w[(size_t)ch0 * taps + (taps - 1 - k)] : 0.0f;
     wr1[i] = ch1 < C && k < taps ? conv_w[(size_t)ch1 * taps + (taps - 1 - k)] : 0.0f;
   }
-  const float decay_rate = -expf(a_log[j]), dtb = dt_bias[j], wn = col ? norm_w[c] : 0.0f;
-  grid_dep_wait();
+  const float al = a_log[j], dtb = dt_bias[j], wn = col ? norm_w[c] : 0.0f;
   // Every read of the old conv state happens here, before this block counts itself.
 #pragma unroll
   for (uint i = 0; i < DNG_W; ++i) {
@@ -429,31 +429,37 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
     const uint d = rg + DNG_RW * i;
     s[i] = col && d < Dk ? S[d * Dv + c] : 0.0f;  // d Dv + c < 2^14
   }
-  const float q_scale = rsqrtf((float)Dk);
-  for (uint t = 0; t < T; ++t) {
+  // Token t's inputs. The first token's are loaded here, with the state, in one group of loads
+  // with no branch or use between them (a load behind another's use adds a memory latency to the
+  // chain); a later token's at the end of the token before.
+  float x0, x1, at, bt, zt;
+  auto inputs = [&](uint t) {
+    x0 = ch0 < C ? proj[(size_t)t * C + ch0] : 0.0f;
+    x1 = ch1 < C ? proj[(size_t)t * C + ch1] : 0.0f;
+    at = a[(size_t)t * Hv + j];
+    bt = b[(size_t)t * Hv + j];
+    zt = rg == 0 && col ? z[((size_t)t * Hv + j) * Dv + c] : 0.0f;
+  };
+  inputs(0);
+  const float q_scale = rsqrtf((float)Dk), decay_rate = -expf(al);
+  for (uint t = 0;;) {
     const uint bf = t & 1u;
     const size_t o_at = ((size_t)t * Hv + j) * Dv + c;
-    const float zt = rg == 0 && col ? z[o_at] : 0.0f;
-    const float bt = b[(size_t)t * Hv + j], at = a[(size_t)t * Hv + j];
-    float y0 = 0.0f, y1 = 0.0f;
-    if (ch0 < C) {
+    // The conv of this thread's channels (a thread without one: zero weights and window, y 0).
 #pragma unroll
-      for (uint i = 0; i + 1 < DNG_W; ++i) win0[i] = win0[i + 1];
-      win0[DNG_W - 1] = proj[(size_t)t * C + ch0];
-      float acc = 0.0f;
-#pragma unroll
-      for (uint i = 0; i < DNG_W; ++i) acc += wr0[i] * win0[i];
-      y0 = silu(acc);
+    for (uint i = 0; i + 1 < DNG_W; ++i) {
+      win0[i] = win0[i + 1];
+      win1[i] = win1[i + 1];
     }
-    if (ch1 < C) {
+    win0[DNG_W - 1] = x0;
+    win1[DNG_W - 1] = x1;
+    float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll
-      for (uint i = 0; i + 1 < DNG_W; ++i) win1[i] = win1[i + 1];
-      win1[DNG_W - 1] = proj[(size_t)t * C + ch1];
-      float acc = 0.0f;
-#pragma unroll
-      for (uint i = 0; i < DNG_W; ++i) acc += wr1[i] * win1[i];
-      y1 = silu(acc);
+    for (uint i = 0; i < DNG_W; ++i) {
+      acc0 += wr0[i] * win0[i];
+      acc1 += wr1[i] * win1[i];
     }
+    const float y0 = silu(acc0), y1 = silu(acc1);
     if (qk) {
       qs[bf][tid] = y0;
       kn[bf][tid] = y1;
@@ -514,6 +520,8 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
       const float oo = warp_sum(o * o);
       if (lane == 0) core[((size_t)t * Hv + j) * gridDim.y + blockIdx.y] = oo;
     }
+    if (++t == T) break;
+    inputs(t);
   }
   __threadfence();  // out and the sums of squares reach device scope before the count
   __syncthreads();
