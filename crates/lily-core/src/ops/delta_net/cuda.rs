@@ -101,8 +101,8 @@ pub fn delta_net<X: Executor>(
     c.launch(F::DeltaNet, shape([div(dv, 32), hv as u32, 1], 128), args);
 }
 
-/// `delta_net_gated`: one `delta_net_gated` launch up to `gemv_tokens` tokens with Dk, Dv <= 128
-/// (the model's); otherwise, or with `LILY_CUDA_FUSED_DELTA_NET=0`, its parts (`delta_net_conv`,
+/// `delta_net_gated`: one `delta_net_gated` launch (a block per 32 value columns of a head) up to
+/// `gemv_tokens` tokens with Dk, Dv <= 128 (the model's); otherwise, or with `LILY_CUDA_FUSED_DELTA_NET=0`, its parts (`delta_net_conv`,
 /// `delta_net`, `rms_norm_gated`). The fused kernel leaves mixed alone and keeps its sums of
 /// squares in core.
 pub fn delta_net_gated<X: Executor>(
