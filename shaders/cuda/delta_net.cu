@@ -332,159 +332,232 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
 // the kernels above and rms_norm.cu's rms_norm_gated composed, without their round trips.
 // proj [T, C] (q | k | v before the conv, C = 2 Hk Dk + Hv Dv), conv_w [C, taps], conv_state
 // [taps - 1, C] (oldest first, in/out), a / b [T, Hv], a_log / dt_bias [Hv], norm_w [Dv], z / out
-// [T, Hv Dv], state [Hv, Dk, Dv] f32 (in/out), counts [Hk] u32 (zero; left zero). Dk, Dv <= 128.
+// [T, Hv Dv], state [Hv, Dk, Dv] f32 (in/out), core [T, Hv, ceil(Dv / 32)] f32 (scratch: the
+// caller's core buffer), counts [Hk] u32 (zero; left zero). Dk, Dv <= 128, taps <= 4.
 // Arguments: DeltaNetParams p, ConvParams cp (channels C, taps), RmsNormParams np (eps), conv_w,
-// conv_state, proj, a, b, a_log, dt_bias, norm_w, z, state, out, counts.
-// Grid (Hv), 512 threads = 16 warps: block j is value head j, key head kh = j / (Hv / Hk).
-// - Conv: thread i < Dk owns q channel i of key head kh, Dk <= i < 2 Dk its k channel i - Dk, and
-//   thread 2 DNG_DK + c the v channel c of head j; each keeps its channel's last taps rows in a
-//   register window across the T tokens (as delta_net_conv with one tile) and puts each token's
-//   silu(conv) in shared memory (qs, kn, vs).
-// - Recurrence: warp w holds columns c = 32 (w % 4) + lane and rows d = w / 4 + 4 i of S_j in
-//   registers for all T tokens (delta_net's layout, the 4 column blocks of a head in one block);
-//   S^T k and S^T q are summed over the 4 row warps of a column through shared memory.
-// - Norm: the head's Dv outputs are in the block (warps 0-3): one block_sum of their squares,
-//   then out = o / rms * norm_w * silu(z).
+// conv_state, proj, a, b, a_log, dt_bias, norm_w, z, state, out, core, counts.
+// Grid (Hv, ceil(Dv / 32)), 512 threads = 16 warps: block (j, g) is value head j (key head
+// kh = j / (Hv / Hk)) and its value columns c = 32 g + lane (4 blocks a head at Dv = 128: 128
+// blocks for the model's 32 heads, where one block per head left 100 of 132 SMs idle and streamed
+// a head's 64 KB of state through one SM).
+// - Conv: thread i < Dk owns q channel i and k channel i of key head kh (every block of kh
+//   recomputes them: 2 Dk channels), thread 128 + l the v channel of the block's column 32 g + l;
+//   each keeps its channels' last taps rows in a register window across the T tokens (as
+//   delta_net_conv with one tile) and puts each token's silu(conv) in shared memory (qs, kn, vs,
+//   double-buffered by token parity); warps 0-3 also sum q.q, k.k and q.k per warp.
+// - Recurrence: warp w holds rows d = w + 16 i (i < 8) of the block's 32 columns of S_j in
+//   registers for all T tokens. Per token one pass over the old S gives both partial sums S^T k
+//   and S^T q (k, q as conv'd, their norms applied after), summed over the 16 warps through shared
+//   memory; then, as delta_net_scan: delta = beta (v - alpha S^T k_n), o = alpha S^T q_n + (k_n .
+//   q_n) delta (= S_new^T q_n), S <- alpha S + k_n delta^T. Two block barriers a token.
+// - Norm (couples a head's Dv columns, spread over its blocks): warp 0 stores o * norm_w * silu(z)
+//   into out and the sum of its 32 columns' o^2 into core; the last block of key head kh to finish
+//   (last-block-done, as moe_router: every block fences its stores to device scope, then one
+//   atomicAdd on counts[kh]; the block that sees Hv / Hk * gridDim.y - 1 is the last, and sets the
+//   count back to 0 for the next launch, graph replays included) reads the sums of its Hv / Hk
+//   value heads back and scales their out by 1 / rms.
 // Conv state ownership (each channel updated exactly once, never read after another block updated
-// it): the v channels of head j are read and written by block j alone, after its reads. The q/k
-// channels of key head kh are read by the Hv / Hk blocks of its value heads; each block, done with
-// its reads, counts itself on counts[kh] (a device-scope fence, then atomicAdd; last-block-done as
-// moe_router), and the last one writes their new state and sets the count back to 0. f32 throughout.
-#define DNG_DK DELTA_NET_GATED_DIM_MAX // Dk and Dv at most
-#define DNG_THREADS 512 // 4 column warps x 4 row warps of 32 lanes
-#define DNG_ROWS (DNG_DK / 4)
-extern "C" __global__ void __launch_bounds__(DNG_THREADS) delta_net_gated(const DeltaNetParams p, const ConvParams cp,
-                                                                         const RmsNormParams np,
-                                                                         const float* __restrict__ conv_w,
-                                                                         float* __restrict__ conv_state,
-                                                                         const float* __restrict__ proj,
-                                                                         const float* __restrict__ a,
-                                                                         const float* __restrict__ b,
-                                                                         const float* __restrict__ a_log,
-                                                                         const float* __restrict__ dt_bias,
-                                                                         const float* __restrict__ norm_w,
-                                                                         const float* __restrict__ z,
-                                                                         float* __restrict__ state,
-                                                                         float* __restrict__ out, uint* __restrict__ counts) {
-  kernel_start();
-  __shared__ float qs[DNG_DK];
-  __shared__ float kn[DNG_DK];
-  __shared__ float vs[DNG_DK];
-  __shared__ float red[DNG_THREADS];
-  __shared__ float partial[32];
+// it): the v channels of block (j, g)'s columns are read and written by that block alone, after
+// its reads. The q/k channels of key head kh are read by all its blocks at their start, before
+// they count themselves on counts[kh]; the last one writes their new state. S: each block reads and
+// writes its own columns. Every load of a thread (weights, conv state, its 8 rows of S, the first
+// token's inputs) is issued before the first barrier. f32 throughout.
+#define DNG_DK DELTA_NET_GATED_DIM_MAX  // Dk and Dv at most
+#define DNG_THREADS 512                 // 16 warps: a warp per row group of 32 columns
+#define DNG_RW (DNG_THREADS / 32)       // row warps
+#define DNG_NR (DNG_DK / DNG_RW)        // rows of S per thread
+#define DNG_QK_WARPS (DNG_DK / 32)      // the warps of the q/k conv threads
+#define DNG_W DELTA_NET_GATED_TAPS_MAX  // conv window (the host checks taps <= DNG_W)
+// At most 64 registers (two blocks' worth fit an SM): under programmatic launch a block of the
+// kernel before or after this one can be resident beside one of these.
+extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(const DeltaNetParams p, const ConvParams cp,
+                                                                            const RmsNormParams np,
+                                                                            const float* __restrict__ conv_w,
+                                                                            float* __restrict__ conv_state,
+                                                                            const float* __restrict__ proj,
+                                                                            const float* __restrict__ a,
+                                                                            const float* __restrict__ b,
+                                                                            const float* __restrict__ a_log,
+                                                                            const float* __restrict__ dt_bias,
+                                                                            const float* __restrict__ norm_w,
+                                                                            const float* __restrict__ z,
+                                                                            float* __restrict__ state,
+                                                                            float* __restrict__ out,
+                                                                            float* __restrict__ core,
+                                                                            uint* __restrict__ counts) {
+  __shared__ float qs[2][DNG_DK];
+  __shared__ float kn[2][DNG_DK];
+  __shared__ float vs[2][32];
+  // red: per thread, its rows' share of S^T k and S^T q; part: per q/k warp, q.q, k.k and q.k.
+  __shared__ float red[2][DNG_THREADS];
+  __shared__ float part[3][DNG_QK_WARPS];
   __shared__ uint last[1];
+  kernel_start();
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
+  if (T == 0) return;  // nothing to advance (the token loop below runs at least once)
   const uint C = cp.channels, taps = cp.taps, hist = taps - 1;
-  const uint j = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const uint kh = j / (Hv / Hk);
-  // This thread's conv channel (C: none) and where its output goes.
-  uint ch = C;
-  float* dst = vs;
-  if (tid < Dk) {
-    ch = kh * Dk + tid;
-    dst = qs + tid;
-  } else if (tid < 2 * Dk) {
-    ch = Hk * Dk + kh * Dk + (tid - Dk);
-    dst = kn + (tid - Dk);
-  } else if (tid >= 2 * DNG_DK && tid < 2 * DNG_DK + Dv) {
-    ch = 2 * Hk * Dk + j * Dv + (tid - 2 * DNG_DK);
-    dst = vs + (tid - 2 * DNG_DK);
-  }
-  const bool conv = ch < C, qk = tid < 2 * Dk;
-  // Window as delta_net_conv's, of W = DELTA_NET_GATED_TAPS_MAX (the host checks taps <= W):
-  // win[W - 1 - k] holds row t - k (rows -hist .. -1 are the state), wr[W - 1 - k] = w[ch, taps - 1 - k]
-  // (0 for k >= taps). Every read of the old conv state happens here, before any write.
-  float win[DELTA_NET_GATED_TAPS_MAX], wr[DELTA_NET_GATED_TAPS_MAX];
-#pragma unroll
-  for (uint i = 0; i < DELTA_NET_GATED_TAPS_MAX; ++i) {
-    const uint k = DELTA_NET_GATED_TAPS_MAX - 1 - i;
-    wr[i] = conv && k < taps ? conv_w[(size_t)ch * taps + (taps - 1 - k)] : 0.0f;
-    win[i] = conv && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch] : 0.0f;
-  }
-  const uint cg = warp % 4, rg = warp / 4, c = 32 * cg + lane;
+  const uint j = blockIdx.x, tid = threadIdx.x, rg = tid / 32, lane = tid % 32;
+  const uint per = Hv / Hk, kh = j / per, c = 32 * blockIdx.y + lane;
   const bool col = c < Dv;
+  // This thread's conv channels (C: none): q and k channel tid, or the v channel of column cv.
+  const bool qk = tid < Dk;
+  const uint vt = tid >= DNG_DK ? tid - DNG_DK : 32, cv = 32 * blockIdx.y + vt;
+  const bool vch = vt < 32 && cv < Dv;
+  const uint ch0 = qk ? kh * Dk + tid : vch ? 2 * Hk * Dk + j * Dv + cv : C;
+  const uint ch1 = qk ? Hk * Dk + kh * Dk + tid : C;
+  // Windows as delta_net_conv's: win[W - 1 - k] holds row t - k (rows -hist .. -1 are the state),
+  // wr[W - 1 - k] = w[ch, taps - 1 - k] (0 for k >= taps).
+  float win0[DNG_W], win1[DNG_W], wr0[DNG_W], wr1[DNG_W];
+#pragma unroll
+  for (uint i = 0; i < DNG_W; ++i) {
+    const uint k = DNG_W - 1 - i;
+    wr0[i] = ch0 < C && k < taps ? conv_w[(size_t)ch0 * taps + (taps - 1 - k)] : 0.0f;
+    wr1[i] = ch1 < C && k < taps ? conv_w[(size_t)ch1 * taps + (taps - 1 - k)] : 0.0f;
+  }
+  const float al = a_log[j], dtb = dt_bias[j], wn = col ? norm_w[c] : 0.0f;
+  // Every read of the old conv state happens here, before this block counts itself.
+#pragma unroll
+  for (uint i = 0; i < DNG_W; ++i) {
+    const uint k = DNG_W - 1 - i;
+    win0[i] = ch0 < C && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch0] : 0.0f;
+    win1[i] = ch1 < C && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch1] : 0.0f;
+  }
   float* S = state + (size_t)j * Dk * Dv;
-  float s[DNG_ROWS];  // rows rg + 4 i; indexed only by unrolled loops: registers
+  float s[DNG_NR];  // rows rg + 16 i; indexed only by unrolled loops: registers
 #pragma unroll
-  for (uint i = 0; i < DNG_ROWS; ++i) {
-    const uint d = rg + 4 * i;
-    s[i] = col && d < Dk ? S[(size_t)d * Dv + c] : 0.0f;
+  for (uint i = 0; i < DNG_NR; ++i) {
+    const uint d = rg + DNG_RW * i;
+    s[i] = col && d < Dk ? S[d * Dv + c] : 0.0f;  // d Dv + c < 2^14
   }
-  const float q_scale = rsqrtf((float)Dk), decay_rate = -expf(a_log[j]), dtb = dt_bias[j];
-  const float wn = col ? norm_w[c] : 0.0f;
-  for (uint t = 0; t < T; ++t) {
-    const size_t o_at = ((size_t)t * Hv + j) * Dv + c;
-    const float zt = rg == 0 && col ? z[o_at] : 0.0f;
-    const float bt = b[(size_t)t * Hv + j], at = a[(size_t)t * Hv + j];
-    float y = 0.0f;
-    if (conv) {
-#pragma unroll
-      for (uint i = 0; i + 1 < DELTA_NET_GATED_TAPS_MAX; ++i) win[i] = win[i + 1];
-      win[DELTA_NET_GATED_TAPS_MAX - 1] = proj[(size_t)t * C + ch];
-      float acc = 0.0f;
-#pragma unroll
-      for (uint i = 0; i < DELTA_NET_GATED_TAPS_MAX; ++i) acc += wr[i] * win[i];
-      y = silu(acc);
-      *dst = y;
-    }
-    const float q_inv = rsqrtf(block_sum(tid < Dk ? y * y : 0.0f, partial) + 1e-6f) * q_scale;
-    // block_sum's barriers also publish qs, kn and vs
-    const float k_inv = rsqrtf(block_sum(qk && tid >= Dk ? y * y : 0.0f, partial) + 1e-6f);
-    const float beta = sigmoid(bt), alpha = expf(decay_rate * softplus(at + dtb));
-    float pred = 0.0f;
-#pragma unroll
-    for (uint i = 0; i < DNG_ROWS; ++i) {
-      const uint d = rg + 4 * i;
-      if (d < Dk) {
-        s[i] *= alpha;
-        pred += s[i] * kn[d];
-      }
-    }
-    red[tid] = pred;
-    __syncthreads();
-    pred = 0.0f;
-#pragma unroll
-    for (uint r = 0; r < 4; ++r) pred += red[(4 * r + cg) * 32 + lane];
-    const float delta = beta * ((col ? vs[c] : 0.0f) - pred * k_inv);
-    float o = 0.0f;
-#pragma unroll
-    for (uint i = 0; i < DNG_ROWS; ++i) {
-      const uint d = rg + 4 * i;
-      if (d < Dk) {
-        s[i] += kn[d] * k_inv * delta;
-        o += s[i] * qs[d];
-      }
-    }
-    __syncthreads();  // every warp has read red (pred) before it is overwritten
-    red[tid] = o;
-    __syncthreads();
-    o = 0.0f;
-#pragma unroll
-    for (uint r = 0; r < 4; ++r) o += red[(4 * r + cg) * 32 + lane];
-    o *= q_inv;
-    // The gated norm over the head's Dv columns (warps 0-3 hold each once). Its barriers also
-    // order this token's reads of qs, kn, vs and red before the next token's writes.
-    const float inv = rsqrtf(block_sum(rg == 0 && col ? o * o : 0.0f, partial) / (float)Dv + np.eps);
-    if (rg == 0 && col) out[o_at] = o * inv * wn * silu(zt);
-  }
-#pragma unroll
-  for (uint i = 0; i < DNG_ROWS; ++i) {
-    const uint d = rg + 4 * i;
-    if (col && d < Dk) S[(size_t)d * Dv + c] = s[i];
-  }
-  // The new conv state: the window ends at row T - 1; state row hist - 1 - k = row T - 1 - k.
-  auto store_conv = [&]() {
-#pragma unroll
-    for (uint k = 0; k + 1 < DELTA_NET_GATED_TAPS_MAX; ++k)
-      if (k < hist) conv_state[(size_t)(hist - 1 - k) * C + ch] = win[DELTA_NET_GATED_TAPS_MAX - 1 - k];
+  // Token t's inputs. The first token's are loaded here, with the state, in one group of loads
+  // with no branch or use between them (a load behind another's use adds a memory latency to the
+  // chain); a later token's at the end of the token before.
+  float x0, x1, at, bt, zt;
+  auto inputs = [&](uint t) {
+    x0 = ch0 < C ? proj[(size_t)t * C + ch0] : 0.0f;
+    x1 = ch1 < C ? proj[(size_t)t * C + ch1] : 0.0f;
+    at = a[(size_t)t * Hv + j];
+    bt = b[(size_t)t * Hv + j];
+    zt = rg == 0 && col ? z[((size_t)t * Hv + j) * Dv + c] : 0.0f;
   };
-  if (conv && !qk) store_conv();  // v channels: this block's alone
-  __syncthreads();                // every read of the q/k state in this block is done (consumed)
-  if (tid == 0) {
-    __threadfence();
-    last[0] = atomicAdd(&counts[kh], 1u) == Hv / Hk - 1 ? 1u : 0u;
-    if (last[0]) counts[kh] = 0u;  // every block of this key head has counted
+  inputs(0);
+  const float q_scale = rsqrtf((float)Dk), decay_rate = -expf(al);
+  for (uint t = 0;;) {
+    const uint bf = t & 1u;
+    const size_t o_at = ((size_t)t * Hv + j) * Dv + c;
+    // The conv of this thread's channels (a thread without one: zero weights and window, y 0).
+#pragma unroll
+    for (uint i = 0; i + 1 < DNG_W; ++i) {
+      win0[i] = win0[i + 1];
+      win1[i] = win1[i + 1];
+    }
+    win0[DNG_W - 1] = x0;
+    win1[DNG_W - 1] = x1;
+    float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+    for (uint i = 0; i < DNG_W; ++i) {
+      acc0 += wr0[i] * win0[i];
+      acc1 += wr1[i] * win1[i];
+    }
+    const float y0 = silu(acc0), y1 = silu(acc1);
+    if (qk) {
+      qs[bf][tid] = y0;
+      kn[bf][tid] = y1;
+    } else if (vch) {
+      vs[bf][vt] = y0;
+    }
+    if (rg < DNG_QK_WARPS) {  // q/k threads only (v threads start at DNG_DK)
+      const float qq = warp_sum(y0 * y0), kk = warp_sum(y1 * y1), qkd = warp_sum(y0 * y1);
+      if (lane == 0) {
+        part[0][rg] = qq;
+        part[1][rg] = kk;
+        part[2][rg] = qkd;
+      }
+    }
+    // This token's q, k, v and sums published. The buffers of token t - 1 (the other parity) may
+    // still be read behind this barrier; those of t - 2 (this parity) no longer: every thread
+    // passed the previous token's second barrier.
+    __syncthreads();
+    float qq = 0.0f, kk = 0.0f, qkd = 0.0f;
+#pragma unroll
+    for (uint w = 0; w < DNG_QK_WARPS; ++w) {
+      qq += part[0][w];
+      kk += part[1][w];
+      qkd += part[2][w];
+    }
+    const float q_inv = rsqrtf(qq + 1e-6f) * q_scale, k_inv = rsqrtf(kk + 1e-6f);
+    const float beta = sigmoid(bt), alpha = expf(decay_rate * softplus(at + dtb));
+    float pk = 0.0f, pq = 0.0f;
+#pragma unroll
+    for (uint i = 0; i < DNG_NR; ++i) {
+      const uint d = rg + DNG_RW * i;
+      if (d < Dk) {
+        pk += s[i] * kn[bf][d];
+        pq += s[i] * qs[bf][d];
+      }
+    }
+    red[0][tid] = pk;
+    red[1][tid] = pq;
+    const float v = col ? vs[bf][lane] : 0.0f;
+    // The partial sums published (and every read of part done: the next token rewrites it).
+    __syncthreads();
+    float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+    for (uint r = 0; r < DNG_RW; ++r) {
+      sk += red[0][r * 32 + lane];
+      sq += red[1][r * 32 + lane];
+    }
+    // red is rewritten after the next token's first barrier, which every thread reaches after this.
+    const float delta = beta * (v - alpha * k_inv * sk), kd = k_inv * delta;
+#pragma unroll
+    for (uint i = 0; i < DNG_NR; ++i) {
+      const uint d = rg + DNG_RW * i;
+      if (d < Dk) s[i] = alpha * s[i] + kn[bf][d] * kd;
+    }
+    if (rg == 0) {  // warp 0: the block's outputs, gated, and their sums of squares
+      const float o = col ? q_inv * (alpha * sq + kd * qkd) : 0.0f;
+      if (col) out[o_at] = o * wn * silu(zt);
+      const float oo = warp_sum(o * o);
+      if (lane == 0) core[((size_t)t * Hv + j) * gridDim.y + blockIdx.y] = oo;
+    }
+    if (++t == T) break;
+    inputs(t);
   }
+  __threadfence();  // out and the sums of squares reach device scope before the count
   __syncthreads();
-  if (last[0] && conv && qk) store_conv();
+  if (tid == 0) {
+    last[0] = atomicAdd(&counts[kh], 1u) == per * gridDim.y - 1 ? 1u : 0u;
+    if (last[0] != 0u) counts[kh] = 0u;  // every block of this key head has counted
+  }
+  // S is read by no other block of this launch: stored after the count, outside the fence's wait.
+#pragma unroll
+  for (uint i = 0; i < DNG_NR; ++i) {
+    const uint d = rg + DNG_RW * i;
+    if (col && d < Dk) S[d * Dv + c] = s[i];
+  }
+  __syncthreads();  // last published
+  if (last[0] != 0u) __threadfence();
+  // The new conv state: the window ends at row T - 1; state row hist - 1 - k = row T - 1 - k. The v
+  // channels are this block's alone; the q/k channels are written by the last block of kh, every
+  // block of which has read their old state by then.
+  const bool qk_last = qk && last[0] != 0u;
+#pragma unroll
+  for (uint k = 0; k + 1 < DNG_W; ++k) {
+    if (k >= hist) continue;
+    float* row = conv_state + (size_t)(hist - 1 - k) * C;
+    if (vch || qk_last) row[ch0] = win0[DNG_W - 1 - k];
+    if (qk_last) row[ch1] = win1[DNG_W - 1 - k];
+  }
+  if (last[0] == 0u) return;  // whole block
+  // The gated norm of kh's value heads: out *= 1 / sqrt(mean(o^2) + eps), through L2 (volatile:
+  // other blocks of this launch wrote them; never a stale L1 line).
+  const uint n = per * Dv;
+  for (uint e = tid; e < T * n; e += DNG_THREADS) {
+    const uint t = e / n, jj = kh * per + (e % n) / Dv;
+    const volatile float* sums = core + ((size_t)t * Hv + jj) * gridDim.y;
+    float ss = 0.0f;
+    for (uint q = 0; q < gridDim.y; ++q) ss += sums[q];
+    volatile float* o = out + ((size_t)t * Hv + jj) * Dv + e % Dv;
+    *o = *o * rsqrtf(ss / (float)Dv + np.eps);
+  }
 }

@@ -249,8 +249,8 @@ gpu_tests!(
 // threads of each threadgroup (block) run in reverse order: a missing barrier changes the result.
 // Metal: the chunked prefill's two kernels; delta_net_gated (the conv outputs, the normed q / k and
 // the recurrence outputs between its simdgroups). CUDA: delta_net_scan (each token's k and q
-// between its warps); delta_net_gated (each token's conv outputs and partial sums between warps);
-// the conv.
+// between its warps); delta_net_gated (each token's conv outputs and partial sums between warps,
+// and, in reverse block order, another block is the last of each key head); the conv.
 #[cfg(unix)]
 gpu_module!(metal_sim_reversed, crate::gpu_common::metal_sim_reversed, 1.0;
     delta_net_chunked_matches_reference delta_net_gated_matches_reference);
@@ -440,14 +440,16 @@ fn delta_net_chunked_matches_reference<X: Executor>(dev: &mut Metal<X>, tolx: f3
 }
 
 /// `delta_net_gated` (conv, recurrence and gated norm; CUDA: one kernel up to its GEMV token
-/// limit, a block per value head) against its parts on the reference, over consecutive calls that
-/// carry the conv and recurrent states from nonzero ones, for several sequences in turn (each its
-/// own states, as a batch's rows): the model's widths (16 key heads, 32 value heads, Dk = Dv =
-/// 128, 4 taps) in decode steps of 1 token and calls of 2 and 8 (the GEMV limit: the
-/// fused kernel loops over the tokens); an odd small config (3 value heads per key head, Dk = 24,
-/// Dv = 40, 3 taps) including a 12-token call (CUDA: the parts) between fused ones; one value head
-/// per key head, 2 taps (a history shorter than some calls); 6 taps (CUDA: the parts). Each call's gated output, then every
-/// sequence's final conv and recurrent state.
+/// limit, a block per 32 value columns, the last block of each key head writing its q/k conv
+/// state and finishing its value heads' norms) against its parts on the reference, over
+/// consecutive calls that carry the conv and recurrent states from nonzero ones, for several
+/// sequences in turn (each its own states, as a batch's rows): the model's widths (16 key heads,
+/// 32 value heads, Dk = Dv = 128, 4 taps: 8 blocks a key head) in decode steps of 1 token and
+/// calls of 2 and 8 (the GEMV limit: the fused kernel loops over the tokens); an odd small config
+/// (3 value heads per key head, Dk = 24, Dv = 40: a head's second block has 8 columns, 3 taps)
+/// including a 12-token call (CUDA: the parts) between fused ones; one value head per key head,
+/// 2 taps (a history shorter than some calls); 6 taps (CUDA: the parts). Each call's gated
+/// output, then every sequence's final conv and recurrent state.
 fn delta_net_gated_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
     // (Hk, Hv, Dk, Dv, taps, sequences, tokens of each call: call i runs sequence i % sequences)
     type Case = (usize, usize, usize, usize, usize, usize, &'static [usize]);

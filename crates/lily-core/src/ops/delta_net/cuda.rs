@@ -101,10 +101,10 @@ pub fn delta_net<X: Executor>(
     c.launch(F::DeltaNet, shape([div(dv, 32), hv as u32, 1], 128), args);
 }
 
-/// `delta_net_gated`: one `delta_net_gated` launch (a block per value head) up to `gemv_tokens`
-/// tokens with Dk, Dv <= 128 (the model's); otherwise, or with `LILY_CUDA_FUSED_DELTA_NET=0`, its
-/// parts (`delta_net_conv`, `delta_net`, `rms_norm_gated`). The fused kernel leaves mixed and
-/// core alone.
+/// `delta_net_gated`: one `delta_net_gated` launch (a block per 32 value columns of a head) up to
+/// `gemv_tokens` tokens with Dk, Dv <= 128 (the model's); otherwise, or with `LILY_CUDA_FUSED_DELTA_NET=0`, its parts (`delta_net_conv`,
+/// `delta_net`, `rms_norm_gated`). The fused kernel leaves mixed alone and keeps its sums of
+/// squares in core.
 pub fn delta_net_gated<X: Executor>(
     c: &Cuda<X>,
     r: &DeltaNetGated<'_, Cuda<X>>,
@@ -160,6 +160,7 @@ pub fn delta_net_gated<X: Executor>(
         ("z", r.z.len, n),
         delta[5],
         ("out", out.len, n),
+        ("core", core.len, t * hv * div(dv, 32) as usize),
     ];
     if !c.fits("delta_net_gated", &checks) {
         return;
@@ -183,6 +184,8 @@ pub fn delta_net_gated<X: Executor>(
         .ptr(r.z.ptr())
         .ptr(state.ptr())
         .ptr(out.ptr())
+        .ptr(core.ptr())
         .ptr(counts);
-    c.launch(F::DeltaNetGated, shape([hv as u32, 1, 1], 512), args);
+    // A block per 32 value columns of a head (4 a head at Dv = 128).
+    c.launch(F::DeltaNetGated, shape([hv as u32, div(dv, 32), 1], 512), args);
 }
