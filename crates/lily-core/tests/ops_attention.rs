@@ -22,7 +22,7 @@ use lily_core::{
 mod cpu {
     use super::*;
     use lily_core::{
-        backend::{AttentionBatch, KvSeq, OneRow},
+        backend::{params::RopeParams, AttentionBatch, KvSeq, OneRow},
         ops::attention::cpu::{attention_batch_kernels, attention_kernels, Kernels},
     };
 
@@ -63,7 +63,7 @@ mod cpu {
             for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
                 for seg in [16, 1024] {
                     let cache = |i: usize, seed: u64| {
-                        let mut c = filled(&b, width, positions[i], 512, dtype, seg, seed + 10 * i as u64);
+                        let mut c = filled_cache(&b, width, positions[i], 512, dtype, seg, seed + 10 * i as u64);
                         b.kv_reserve(&mut c, positions[i] + 1).unwrap();
                         c
                     };
