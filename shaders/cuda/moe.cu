@@ -1,7 +1,7 @@
 // Mixture of experts: routing on the GPU and the routed experts (only the selected ones are read).
 // The expert ids never leave the device: the expert kernels read them, so a layer needs no host
 // round trip.
-#include "norm.cuh"
+#include "common.cuh"
 
 #define ROUTE_E_MAX 1024
 #define ROUTE_K_MAX 64
@@ -325,47 +325,6 @@ __device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m_e
     gemv_block<W, 2>(wr, base, blockIdx.x, ks, act + (size_t)tk * m.cols, y + (size_t)tk * m.rows, xs, part);
 }
 
-// The MoE block's end as moe_down_add_rms_norm's tail (MoeEnd in args.rs): experts_add_norm_row's
-// operands (norm.cuh; y is the kernel's own output) and counts [T] u32, 0 between launches.
-struct MoeEnd {
-  RmsNormParams np;
-  uint pad;
-  u64 y_stride, shared_stride;
-  const float* weights;
-  float* x;
-  const float* shared;
-  const float* gate;
-  const float* w;
-  float* out;
-  uint* counts;
-};
-static_assert(sizeof(MoeEnd) == 88, "MoeEnd");
-// moe_down_add_rms_norm_<w>: moe_down, then the MoE block's end (moe_experts_add_rms_norm's work)
-// by the last block of each token: every block fences its y rows to device scope and counts itself
-// on counts[t] (t = blockIdx.y / KP); the one that sees gridDim.x KP - 1 reads the token's KP rows
-// back through L2 (load_f4_l2), runs experts_add_norm_row for row t and sets counts[t] back to 0
-// (graph replays). One launch fewer per MoE layer than moe_down + moe_experts_add_rms_norm, same
-// arithmetic in the same order. Arguments: moe_down's, then MoeEnd e. Grid and threads: moe_down's.
-template <typename W>
-__device__ __forceinline__ void moe_down_add_rms_norm(const MoeParams p, const CudaMatrix m, const uchar* w,
-                                                      const uchar* s, const uchar* b, const uint ks, const uint lanes,
-                                                      const MoeShared& sh, const uint* __restrict__ ids,
-                                                      const float* __restrict__ act, float* y, const MoeEnd& e) {
-  __shared__ uint last[1];
-  __shared__ float partial[32];
-  moe_down<W>(p, m, w, s, b, ks, lanes, sh, ids, act, y);
-  const uint t = blockIdx.y / (p.top_k + sh.shared);
-  __threadfence();  // this block's y rows reach device scope before its count
-  __syncthreads();
-  if (threadIdx.x == 0) last[0] = atomicAdd(&e.counts[t], 1u) == gridDim.x * (p.top_k + sh.shared) - 1 ? 1u : 0u;
-  __syncthreads();
-  if (last[0] == 0u) return;  // whole block
-  __threadfence();
-  if (threadIdx.x == 0) e.counts[t] = 0u;  // every block of this token has counted
-  experts_add_norm_row(e.np, p, e.y_stride, e.weights, y, e.x, e.shared, e.shared_stride, e.gate, e.w, e.out, t,
-                       partial);
-}
-
 // moe_combine: out [T, D] = sum_k weights[t, k] * y[t*K + k, :] (k ascending, f32). Arguments:
 // MoeParams p, RowsParams (T, D), weights [T, K], y [T*K, D], out. Grid (ceil(D / 256), T).
 extern "C" __global__ void moe_combine(const MoeParams p, const RowsParams rp, const float* __restrict__ weights,
@@ -538,14 +497,6 @@ FOR_EACH_WEIGHT(MOE_ROUTER)
     moe_down<W_##sfx>(p, m, w, s, b, ks, lanes, sh, ids, act, y);                                                           \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_add_rms_norm_##sfx(          \
-      const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
-      const uint lanes, const MoeShared sh, const uint* __restrict__ ids, const float* __restrict__ act, float* y, \
-      const MoeEnd e) {                                                                                          \
-    kernel_start(); \
-    moe_down_add_rms_norm<W_##sfx>(p, m, w, s, b, ks, lanes, sh, ids, act, y, e);                                \
-  }                                                                                                              \
-  SIM_EXPORT(moe_down_add_rms_norm_##sfx)                                                                        \
   extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(W_##sfx)) moe_gemm_gate_up_##sfx(                                      \
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const float* __restrict__ x,            \

@@ -84,22 +84,7 @@ pub struct MoeShared {
     pub ptrs: [DevPtr; 9],
 }
 
-/// The MoE block's end in `moe_down_add_rms_norm`'s last block of each token (`MoeEnd` in
-/// moe.cu): the residual norm's parameters, the strides of the expert rows and of the shared
-/// expert's row in y, then (weights, x, shared, gate, norm w, out, counts): `experts_add_norm_row`'s
-/// operands (norm.cuh) and the per-token block counters (0 between launches).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct MoeEnd {
-    pub norm: RmsNormParams,
-    pub pad: u32,
-    pub y_stride: u64,
-    pub shared_stride: u64,
-    pub ptrs: [DevPtr; 7],
-}
-
 const _: () = assert!(size_of::<CudaMatrix>() == 32);
-const _: () = assert!(size_of::<MoeEnd>() == 88);
 const _: () = assert!(size_of::<MoeShared>() == 176);
 const _: () = assert!(size_of::<KvDesc>() == 24);
 const _: () = assert!(size_of::<MoeSortArgs>() == 8);
@@ -136,7 +121,6 @@ params!(
     KvDesc,
     MoeSortArgs,
     MoeShared,
-    MoeEnd,
     GemvMulti,
     u32,
     u64,
@@ -156,9 +140,9 @@ pub struct Args {
 impl Args {
     /// The most arguments of one kernel (matmul_gemv_multi takes 23).
     pub const MAX: usize = 24;
-    /// Bytes of argument values / 8 (the largest launch, moe_down_add_rms_norm with its
-    /// `MoeShared` and `MoeEnd`, takes 368 bytes).
-    pub const WORDS: usize = 48;
+    /// Bytes of argument values / 8 (the largest launch, moe_gate_up with its `MoeShared`, takes
+    /// 328 bytes).
+    pub const WORDS: usize = 41;
 
     pub fn new() -> Args {
         Args {

@@ -17,7 +17,6 @@ macro_rules! source {
 pub const HEADERS: &[(&str, &str)] = &[
     ("params.h", include_str!("../../../../../shaders/params.h")),
     source!("cuda", "common.cuh"),
-    source!("cuda", "norm.cuh"),
 ];
 
 /// One `.cu` per family of ops (each its own NVRTC program / object).
@@ -149,7 +148,6 @@ pub enum WeightOp {
     MoeGateUp,
     GateUpSwiglu,
     MoeDown,
-    MoeDownAddRmsNorm,
     MoeGemmGateUp,
     MoeGemmDown,
 }
@@ -164,7 +162,6 @@ impl WeightOp {
         WeightOp::MoeGateUp,
         WeightOp::GateUpSwiglu,
         WeightOp::MoeDown,
-        WeightOp::MoeDownAddRmsNorm,
         WeightOp::MoeGemmGateUp,
         WeightOp::MoeGemmDown,
     ];
@@ -178,7 +175,6 @@ impl WeightOp {
             WeightOp::MoeGateUp => "moe_gate_up",
             WeightOp::GateUpSwiglu => "gate_up_swiglu",
             WeightOp::MoeDown => "moe_down",
-            WeightOp::MoeDownAddRmsNorm => "moe_down_add_rms_norm",
             WeightOp::MoeGemmGateUp => "moe_gemm_gate_up",
             WeightOp::MoeGemmDown => "moe_gemm_down",
         }

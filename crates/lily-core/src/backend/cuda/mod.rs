@@ -43,7 +43,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeEnd, MoeShared, MoeSortArgs};
+pub use args::{Args, CudaMatrix, DevPtr, GemvMulti, KvDesc, KvElem, MoeShared, MoeSortArgs};
 pub use executor::{Executor, Launch, Null};
 use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
@@ -211,9 +211,6 @@ pub struct Cuda<X: Executor> {
     /// `delta_net_gated` as one kernel for a decode step (default; `LILY_CUDA_FUSED_DELTA_NET=0`:
     /// its parts, `delta_net_conv`, `delta_net`, `rms_norm_gated`).
     pub fused_delta_net: bool,
-    /// The MoE block's end (`moe_experts_add_rms_norm`) in `moe_down`'s last block of each token
-    /// for a decode step (default; `LILY_CUDA_FUSED_MOE_END=0`: its own launch after `moe_down`).
-    pub fused_moe_end: bool,
     /// Key splits of decode attention (default [`DECODE_SPLITS`]; `LILY_CUDA_DECODE_SPLITS`,
     /// 1 ..= [`DECODE_SPLITS_MAX`], for measuring other splits).
     pub decode_splits: u32,
@@ -293,7 +290,6 @@ impl<X: Executor> Cuda<X> {
             .unwrap_or(GEMV_TOKENS);
         let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
         let fused_delta_net = std::env::var("LILY_CUDA_FUSED_DELTA_NET").map_or(true, |v| v != "0");
-        let fused_moe_end = std::env::var("LILY_CUDA_FUSED_MOE_END").map_or(true, |v| v != "0");
         let decode_splits = match std::env::var("LILY_CUDA_DECODE_SPLITS") {
             Err(_) => DECODE_SPLITS,
             Ok(v) => match v.parse::<u32>() {
@@ -328,7 +324,6 @@ impl<X: Executor> Cuda<X> {
             gemv_tokens,
             fused_router,
             fused_delta_net,
-            fused_moe_end,
             decode_splits,
         })
     }

@@ -5,9 +5,8 @@
 use crate::backend::{
     cuda::{
         div, gemv_lanes, gemv_split,
-        kernels::{Fixed as F, Kernel, Weight, WeightOp},
-        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, Launch, MoeEnd, MoeShared, MoeSortArgs,
-        GEMV_TOKENS,
+        kernels::{Fixed as F, Kernel, WeightOp},
+        rows_launch, shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, MoeShared, MoeSortArgs, GEMV_TOKENS,
     },
     gate_up_swiglu_unfused, moe_add_rms_norm_unfused, moe_router_unfused,
     params::{MoeParams, RmsNormParams, RouteParams, RowsParams},
@@ -143,9 +142,7 @@ pub fn moe_experts<X: Executor>(
     out: &mut CudaBuf<X>,
 ) {
     let (t, d, out_ptr, weights) = (p.tokens as usize, e.gate.desc.cols, out.ptr(), e.weights);
-    moe_experts_then(c, p, e, x, None, tmp, out, |down| {
-        let y = down.y;
-        down.run(c);
+    moe_experts_then(c, p, e, x, None, tmp, out, |y| {
         let rows = RowsParams {
             tokens: p.tokens,
             dim: d,
@@ -153,31 +150,6 @@ pub fn moe_experts<X: Executor>(
         let args = Args::new().push(*p).push(rows).ptr(weights.ptr()).ptr(y).ptr(out_ptr);
         c.launch(F::MoeCombine, rows_launch(d as usize, t), args);
     })
-}
-
-/// `moe_down`'s launch as [`moe_experts_then`] prepared it, for its `combine` to make: alone
-/// (`run`), or with the MoE block's end in its last block of each token (`run_with_end`:
-/// `moe_down_add_rms_norm`, one launch fewer). `y`: the device address of its output [T*KP, D].
-pub(crate) struct DownLaunch {
-    weight: Weight,
-    shape: Launch,
-    args: Args,
-    pub y: u64,
-}
-
-impl DownLaunch {
-    pub(crate) fn run<X: Executor>(self, c: &Cuda<X>) {
-        c.launch(Kernel::weight(WeightOp::MoeDown, self.weight), self.shape, self.args);
-    }
-
-    pub(crate) fn run_with_end<X: Executor>(self, c: &Cuda<X>, end: MoeEnd) {
-        let args = self.args.push(end);
-        c.launch(
-            Kernel::weight(WeightOp::MoeDownAddRmsNorm, self.weight),
-            self.shape,
-            args,
-        );
-    }
 }
 
 /// Whether `moe_experts` runs per (token, slot) pair (the GEMVs of a decode step) rather than
@@ -192,11 +164,10 @@ pub(crate) type SharedPair<'a, X> = [&'a CudaMat<X>; 3];
 
 /// `moe_experts` up to its sum: where [`decodes_per_pair`], the per-pair GEMVs into y [T*KP, D]
 /// (in tmp, after act [T*KP, I]; KP = K, or K + 1 with `shared`: the shared expert as each token's
-/// last pair, which the caller has checked to be in the experts' format and shape): `moe_gate_up`
-/// is launched, then `combine(down)` launches `moe_down` and what sums the KP rows of each token
-/// (into `out`, or folded into the residual norm: `ops::norm::cuda::experts_add_rms_norm`, in
-/// `moe_down`'s own launch there); otherwise the expert-sorted path, which writes `out` itself
-/// (`combine` is not called; `shared` must then be None).
+/// last pair, which the caller has checked to be in the experts' format and shape), then
+/// `combine(y's address)` launches what sums the KP rows of each token (into `out`, or folded into
+/// the residual norm: `ops::norm::cuda::moe_experts_add_rms_norm`); otherwise the expert-sorted
+/// path, which writes `out` itself (`combine` is not called; `shared` must then be None).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_experts_then<X: Executor>(
     c: &Cuda<X>,
@@ -206,7 +177,7 @@ pub(crate) fn moe_experts_then<X: Executor>(
     shared: Option<SharedPair<'_, X>>,
     tmp: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
-    combine: impl FnOnce(DownLaunch),
+    combine: impl FnOnce(u64),
 ) {
     let ([gate, up, down], ids, weights) = (e.matrices(), e.ids, e.weights);
     let (t, k) = (p.tokens as usize, p.top_k as usize);
@@ -273,12 +244,9 @@ pub(crate) fn moe_experts_then<X: Executor>(
         .ptr(ids.ptr())
         .ptr(act)
         .ptr(y);
-    combine(DownLaunch {
-        weight: down.weight,
-        shape: shape([div(d, 32 / ks as usize * 32 / lanes as usize), pairs as u32, 1], 256),
-        args,
-        y,
-    });
+    let launch = shape([div(d, 32 / ks as usize * 32 / lanes as usize), pairs as u32, 1], 256);
+    c.launch(Kernel::weight(WeightOp::MoeDown, down.weight), launch, args);
+    combine(y);
 }
 
 /// `moe_add_rms_norm`: for a decode step (T <= `gemv_tokens`) whose shared expert has the routed

@@ -4,7 +4,7 @@
 
 use crate::{
     backend::{
-        cuda::{kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor, MoeEnd, GEMV_TOKENS},
+        cuda::{kernels::Fixed as F, shape, Args, Cuda, CudaBuf, Executor},
         moe_experts_add_rms_norm_unfused,
         params::{MoeParams, RmsNormParams},
         GatedAdd, MoeAddNorm,
@@ -148,54 +148,23 @@ pub(crate) fn experts_add_rms_norm<X: Executor>(
         Some(_) => ((k + 1) * dim, (k + 1) * dim),
         None => (k * dim, dim),
     };
-    // The router's per-token counters serve moe_down_add_rms_norm too: each kernel leaves them 0,
-    // and the two never run at once (the stream orders them; both count after their grid wait).
-    let counts = match c.fused_moe_end {
-        true => c.scratch(p.rows.max(GEMV_TOKENS as u32) as usize, "router counts", |s| {
-            &mut s.router_counts
-        }),
-        false => None,
-    };
-    moe_experts_then(c, moe, &r.experts, h, shared, tmp, mix, |down| {
-        let y = down.y;
-        let shared_row = if shared.is_some() {
-            y + k * dim * 4
-        } else {
-            r.shared.ptr()
-        };
-        let ptrs = [
-            r.experts.weights.ptr(),
-            x_ptr,
-            shared_row,
-            r.shared_gate.ptr(),
-            r.norm_w.ptr(),
-            h_ptr,
-        ];
-        if let Some(counts) = counts {
-            let [weights, x, shared, gate, w, out] = ptrs;
-            let end = MoeEnd {
-                norm: *p,
-                pad: 0,
-                y_stride,
-                shared_stride,
-                ptrs: [weights, x, shared, gate, w, out, counts],
-            };
-            return down.run_with_end(c, end);
-        }
-        down.run(c);
-        let [weights, x, shared, gate, w, out] = ptrs;
+    moe_experts_then(c, moe, &r.experts, h, shared, tmp, mix, |y| {
         let args = Args::new()
             .push(*p)
             .push(*moe)
             .push(y_stride)
-            .ptr(weights)
+            .ptr(r.experts.weights.ptr())
             .ptr(y)
-            .ptr(x)
-            .ptr(shared)
+            .ptr(x_ptr)
+            .ptr(if shared.is_some() {
+                y + k * dim * 4
+            } else {
+                r.shared.ptr()
+            })
             .push(shared_stride)
-            .ptr(gate)
-            .ptr(w)
-            .ptr(out);
+            .ptr(r.shared_gate.ptr())
+            .ptr(r.norm_w.ptr())
+            .ptr(h_ptr);
         c.launch(F::MoeExpertsAddRmsNorm, shape([p.rows, 1, 1], 256), args);
     });
 }
