@@ -7,7 +7,9 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, attention_params, filled_cache, rand_vec, rope_params, run_attention};
+use common::{
+    assert_close, attention_params, filled_cache, one_row, one_row_buffers, rand_vec, rope_params, run_attention,
+};
 use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
@@ -22,7 +24,7 @@ use lily_core::{
 mod cpu {
     use super::*;
     use lily_core::{
-        backend::{params::RopeParams, AttentionBatch, KvSeq, OneRow},
+        backend::{params::RopeParams, AttentionBatch, KvSeq},
         ops::attention::cpu::{attention_batch_kernels, attention_kernels, Kernels},
     };
 
@@ -88,17 +90,8 @@ mod cpu {
                         k_norm: &kn,
                         v: &v,
                     };
-                    let mut row = [(); 7].map(|_| vec![0f32; qw]);
-                    let [p0, p1, p2, p3, p4, p5, p6] = &mut row;
-                    let mut one = OneRow::<Cpu> {
-                        proj: p0,
-                        a: p1,
-                        b: p2,
-                        k: p3,
-                        v: p4,
-                        mixed: p5,
-                        core: p6,
-                    };
+                    let mut row = one_row_buffers(qw);
+                    let mut one = one_row(&mut row);
                     let (mut qg, mut k, mut out) = (qg0.clone(), k0.clone(), vec![0f32; n * h * hd]);
                     b.qk_norm_rope_store_attention_batch(&r, &mut seqs, &mut qg, &mut k, &mut one, &mut out)
                         .unwrap();

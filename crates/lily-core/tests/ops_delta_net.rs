@@ -8,7 +8,7 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, rand_vec};
+use common::{assert_close, one_row, one_row_buffers, rand_vec};
 use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
@@ -33,7 +33,7 @@ fn params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParam
 
 mod cpu {
     use super::*;
-    use lily_core::backend::{DeltaNetBatch, DeltaNetSeq, OneRow};
+    use lily_core::backend::{DeltaNetBatch, DeltaNetSeq};
 
     /// A batched decode step's conv and recurrence (`delta_net_batch`: every sequence in one pool
     /// loop per op) against each row run alone through `delta_net_conv` and `delta_net` on its
@@ -81,17 +81,8 @@ mod cpu {
                     .zip(ssm.iter_mut())
                     .map(|(conv, ssm)| DeltaNetSeq { conv, ssm })
                     .collect();
-                let mut row = [(); 7].map(|_| vec![0f32; c.max(hv * dv)]);
-                let [p0, p1, p2, p3, p4, p5, p6] = &mut row;
-                let mut one = OneRow::<Cpu> {
-                    proj: p0,
-                    a: p1,
-                    b: p2,
-                    k: p3,
-                    v: p4,
-                    mixed: p5,
-                    core: p6,
-                };
+                let mut row = one_row_buffers(c.max(hv * dv));
+                let mut one = one_row(&mut row);
                 let (mut mixed, mut core) = (vec![0f32; n * c], vec![0f32; n * hv * dv]);
                 b.delta_net_batch(&r, &mut seqs, &mut one, &mut mixed, &mut core)
                     .unwrap();

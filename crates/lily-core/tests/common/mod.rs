@@ -4,9 +4,9 @@
 
 use lily_core::{
     backend::{
-        cpu::kv::CpuKv,
+        cpu::{kv::CpuKv, Cpu},
         params::{AttentionParams, KvStoreParams, RmsNormParams, RopeParams},
-        Backend, KvDtype,
+        Backend, KvDtype, OneRow,
     },
     ops::attention,
     quant::{Format, Groups, Matrix},
@@ -294,4 +294,24 @@ pub fn run_attention<B: Backend>(
         pos += n;
     }
     outs
+}
+
+/// A batched mixer op's one-row scratch (`OneRow`) over seven buffers of `len` floats, which the
+/// caller keeps: `let mut row = one_row_buffers(len); let mut one = one_row(&mut row);`.
+pub fn one_row_buffers(len: usize) -> [Vec<f32>; 7] {
+    [(); 7].map(|_| vec![0f32; len])
+}
+
+/// See [`one_row_buffers`].
+pub fn one_row(row: &mut [Vec<f32>; 7]) -> OneRow<'_, Cpu> {
+    let [proj, a, b, k, v, mixed, core] = row;
+    OneRow {
+        proj,
+        a,
+        b,
+        k,
+        v,
+        mixed,
+        core,
+    }
 }
