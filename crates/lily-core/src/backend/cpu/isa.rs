@@ -2,9 +2,9 @@
 //! the CPU supports, or `LILY_CPU_ISA=portable|avx2|avx512` to force a lower one), and every
 //! kernel takes it as an argument, so tests can run each path against the portable one.
 //! One extension rides on AVX-512 without being an ISA of its own: avx512_bf16 (`vdpbf16ps`,
-//! [`Isa::bf16_dot`]), used by decode attention on a bf16 cache where the CPU has it and is an
-//! AMD one (measured faster there, slower on Intel's Sapphire Rapids); `LILY_CPU_ISA=avx512` runs
-//! AVX-512 without it, `avx512bf16` with it on any CPU that has it.
+//! [`Isa::bf16_dot`]), which decode attention on a bf16 cache uses only when asked for
+//! (`LILY_CPU_ISA=avx512bf16`: measured slower than the widening kernels so far); `avx512` and
+//! the default run AVX-512 without it.
 //! [`multiversion!`] compiles one `#[inline(always)]` body per vector width.
 
 use std::sync::OnceLock;
@@ -81,20 +81,15 @@ impl Isa {
         false
     }
 
-    /// Whether the production kernels of this ISA use avx512_bf16: available, and either asked
-    /// for (`LILY_CPU_ISA=avx512bf16`) or, by default, on AMD CPUs only; `LILY_CPU_ISA=avx512`
-    /// turns it off. Why by vendor: the bf16 decode attention measured 1.3-1.6x faster than the
-    /// widening kernels on Zen 5 (this project's EPYC), but 1.4x slower at 16 threads and 1.9x
-    /// slower at 2 on the H200 host's Sapphire Rapids Xeon (2026-12-02, `bin/attention`, bf16 KV
-    /// at 32K and 128K). Decided once.
+    /// Whether the production kernels of this ISA use avx512_bf16: available and asked for
+    /// (`LILY_CPU_ISA=avx512bf16`). Off by default: measured quietly, the bf16 decode attention was
+    /// slower than the widening kernels on both machines this project measures (2 threads, bf16 KV
+    /// at 32K / 128K, `bench attention`: Sapphire Rapids 10.9 / 42.2 ms against 5.9 / 23.9, Zen 5
+    /// 3.6-3.9 / 15.1-15.3 against 3.2 / 13.0; 2026-12-02). Decided once.
     pub fn bf16_dot(self) -> bool {
-        static ALLOWED: OnceLock<bool> = OnceLock::new();
+        static ASKED: OnceLock<bool> = OnceLock::new();
         self.bf16_dot_available()
-            && *ALLOWED.get_or_init(|| match std::env::var("LILY_CPU_ISA").as_deref() {
-                Ok("avx512") => false,
-                Ok("avx512bf16") => true,
-                _ => cpu_is_amd(),
-            })
+            && *ASKED.get_or_init(|| std::env::var("LILY_CPU_ISA").as_deref() == Ok("avx512bf16"))
     }
 
     /// Every ISA this CPU can run, best last (the tests run each).
@@ -124,19 +119,4 @@ impl Isa {
             }
         })
     }
-}
-
-/// Whether the CPU's vendor string (cpuid leaf 0) is AMD's.
-fn cpu_is_amd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let r = std::arch::x86_64::__cpuid(0);
-        let mut v = [0u8; 12];
-        v[..4].copy_from_slice(&r.ebx.to_le_bytes());
-        v[4..8].copy_from_slice(&r.edx.to_le_bytes());
-        v[8..].copy_from_slice(&r.ecx.to_le_bytes());
-        &v == b"AuthenticAMD"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
