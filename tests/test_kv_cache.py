@@ -79,8 +79,9 @@ def test_16bit_cache_matches_mlx_past_8k(lily, long_case, kv_dtype):
 
 
 def test_bf16_cache_decode_matches_mlx_past_8k(lily, long_case):
-    """Decode attention (one token a step: split over the keys, on AVX-512 with avx512_bf16 the vdpbf16ps
-    kernels with q and the softmax weights split into bf16 hi + lo) over the last positions of the long case,
+    """Decode attention (one token a step: split over the keys; the widening kernels by default, the vdpbf16ps
+    kernels with q and the softmax weights split into bf16 hi + lo under LILY_CPU_ISA=avx512bf16, which the op
+    tests check against the reference) over the last positions of the long case,
     against MLX-LM: the prefill test above never runs the decode kernels. Against MLX-LM with the same bf16
     cache only summation order and the split (2^-16 relative) differ: ~1e-12 KL, held to 1e-6 (this tiny model
     stays within the bf16-path tolerance even with every second V row dropped: 3.9e-4 KL, top-1 98.4 %)."""
