@@ -88,8 +88,7 @@ impl Isa {
     /// 3.6-3.9 / 15.1-15.3 against 3.2 / 13.0; 2026-12-02). Decided once.
     pub fn bf16_dot(self) -> bool {
         static ASKED: OnceLock<bool> = OnceLock::new();
-        self.bf16_dot_available()
-            && *ASKED.get_or_init(|| std::env::var("LILY_CPU_ISA").as_deref() == Ok("avx512bf16"))
+        self.bf16_dot_available() && *ASKED.get_or_init(|| std::env::var("LILY_CPU_ISA").as_deref() == Ok("avx512bf16"))
     }
 
     /// Every ISA this CPU can run, best last (the tests run each).
