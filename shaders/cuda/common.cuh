@@ -280,17 +280,8 @@ __device__ __forceinline__ float block_max(float v, float* partial) {
 
 // ---------------------------------------------------------------- weight readers
 // Scales / biases of affine weights by element type.
-template <typename S> __device__ __forceinline__ float load_scale(const uchar* p, size_t i);
-template <> __device__ __forceinline__ float load_scale<float>(const uchar* p, size_t i) {
-  return reinterpret_cast<const float*>(p)[i];
-}
-template <> __device__ __forceinline__ float load_scale<ushort>(const uchar* p, size_t i) {  // bf16
-  return bf16_float(reinterpret_cast<const ushort*>(p)[i]);
-}
+// Scale / bias types of the affine formats: float, ushort (bf16) and Half (f16).
 struct Half { ushort b; };
-template <> __device__ __forceinline__ float load_scale<Half>(const uchar* p, size_t i) {
-  return f16_float(reinterpret_cast<const ushort*>(p)[i]);
-}
 // A scale's stored bits (loaded, not yet converted) and their value: a GEMV's items keep the bits,
 // so the conversion waits for the load only where the dot product needs the value. Converting at
 // load time made each of a lane's 8 loads-ahead wait for its scale (a DRAM round trip) before the
@@ -305,6 +296,10 @@ template <typename S> __device__ __forceinline__ float scale_value(uint bits);
 template <> __device__ __forceinline__ float scale_value<float>(uint bits) { return __uint_as_float(bits); }
 template <> __device__ __forceinline__ float scale_value<ushort>(uint bits) { return bf16_float((ushort)bits); }
 template <> __device__ __forceinline__ float scale_value<Half>(uint bits) { return f16_float((ushort)bits); }
+// Scale i, loaded and converted at once (the element paths, which use it where they load it).
+template <typename S> __device__ __forceinline__ float load_scale(const uchar* p, size_t i) {
+  return scale_value<S>(scale_bits<S>(p, i));
+}
 
 // Dense weights: E elements of type T (0 f32, 1 bf16, 2 f16) per row. EPC: elements per 16 bytes.
 template <int KIND> struct DenseW {
