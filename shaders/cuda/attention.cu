@@ -400,6 +400,14 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows), col0 = kvh * hd;
   const size_t qi = (size_t)t * p.heads + h;  // (token, head)
   const float* qh = qg + qi * 2 * hd;
+  // Fused (one token): the cache rows before the new one were written by earlier steps (earlier
+  // graph launches), so the first stage's loads are issued before waiting for the kernel before
+  // this one (programmatic dependent launch); the new row, which this launch writes, is skipped
+  // by the staging. Not fused, the rows of this step were written by the kernel before: after.
+  AttAhead a;
+  if (rope.q_norm && s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
+  grid_dep_wait();
+  if (!rope.q_norm && s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
   float q[NS], o[NS];
 #pragma unroll
   for (uint i = 0; i < NS; ++i) {
@@ -407,8 +415,6 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     o[i] = 0.0f;
   }
   float mx = NEG_BIG, l = 0.0f;
-  AttAhead a;
-  if (s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
   // Fused (one token): q normed and roped by every block for its G heads, in registers only (the
   // other splits read qg too: it is not written back). The new row len - 1 is read by one block
   // only, the split that holds it: that block norms and ropes k into the cache row and copies v
@@ -490,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(
     const AttentionParams p, const uint splits, const uint* __restrict__ step, const KvDesc kd, const KvDesc vd,
     const float* __restrict__ qg, uint* counts, float* part, float* __restrict__ out, const RopeParams rp,
     const float* q_norm, const float* k_norm, const float* k, const float* v) {
-  kernel_start();
+  grid_dep_launch();  // grid_dep_wait(): attention_decode, after its first cache loads
   __shared__ uint4 ks[ATT_STAGE_BYTES / 16];
   __shared__ uint4 vs[ATT_STAGE_BYTES / 16];
   __shared__ float nk[ATT_HD_MAX];
