@@ -787,32 +787,32 @@ __device__ __forceinline__ void gemv_combine(float* v, float (*part)[R], uint ks
 // staged: xs holds this x already (gemv_staged). LG < 32 (short rows: gemv_lanes on the host):
 // 32 / LG lane groups a warp, group j of warp group g owning rows ((b (8 / ks) + g) 32 / LG + j) 4
 // .. + 4 (a block covers 32 / ks * 32 / LG rows), part with 8 * 32 / LG rows.
-template <typename W, int NC, uint LG = 32>
+template <typename W, int NC, uint LG = 32, uint R = GEMV_ROWS>
 __device__ __forceinline__ void gemv_block(const W& wr, size_t base, uint b, uint ks, const float* __restrict__ x,
-                                           float* __restrict__ out, float4* xs, float (*part)[GEMV_ROWS],
+                                           float* __restrict__ out, float4* xs, float (*part)[R],
                                            bool staged = false) {
   const CudaMatrix m = wr.m;
   const uint warp = threadIdx.x / 32, s = warp % ks, lane = threadIdx.x % 32;
-  const uint r0 = ((b * (8 / ks) + warp / ks) * (32 / LG) + lane / LG) * GEMV_ROWS;
+  const uint r0 = ((b * (8 / ks) + warp / ks) * (32 / LG) + lane / LG) * R;
   const bool active = r0 < m.rows;  // whole lane group
-  const uint nr = active ? min((uint)GEMV_ROWS, m.rows - r0) : 1;
-  uint rows[GEMV_ROWS];  // stored rows (< 2^32): half the registers of size_t
+  const uint nr = active ? min(R, m.rows - r0) : 1;
+  uint rows[R];  // stored rows (< 2^32): half the registers of size_t
 #pragma unroll
-  for (uint r = 0; r < GEMV_ROWS; ++r) rows[r] = (uint)(base + r0 + min(r, nr - 1));
-  float acc[GEMV_ROWS];
+  for (uint r = 0; r < R; ++r) rows[r] = (uint)(base + r0 + min(r, nr - 1));
+  float acc[R];
 #pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   const auto load = [&](int r, uint c) { return wr.load(rows[r], c); };
   const auto dot = [&](int r, const typename W::Item& it, uint c, const auto& xv) {
     acc[r] += wr.dot_x(rows[r], it, c, xv);
   };
-  const uint done = gemv_staged<W, GEMV_ROWS, NC, decltype(load), decltype(dot), LG>(m, m.vec, m.cols, x, xs, active,
-                                                                                    s, ks, load, dot, staged);
-  if (active && s == 0) rows_dot_tail<W, GEMV_ROWS, uint, LG>(wr, rows, done, m.cols, x, acc);
-  gemv_combine<GEMV_ROWS, LG>(acc, part, ks);
+  const uint done = gemv_staged<W, R, NC, decltype(load), decltype(dot), LG>(m, m.vec, m.cols, x, xs, active, s, ks,
+                                                                            load, dot, staged);
+  if (active && s == 0) rows_dot_tail<W, R, uint, LG>(wr, rows, done, m.cols, x, acc);
+  gemv_combine<R, LG>(acc, part, ks);
   if (active && s == 0 && lane % LG == 0) {
 #pragma unroll
-    for (uint r = 0; r < GEMV_ROWS; ++r)
+    for (uint r = 0; r < R; ++r)
       if (r < nr) out[r0 + r] = acc[r];
   }
 }

@@ -73,8 +73,18 @@ pub const GEMV_BLOCKS: usize = 264;
 /// gate/up at 9 pairs went from 144 to 288 blocks that way, 14.9 us on the H200) and each warp
 /// keeps at least one 32-chunk step of K.
 pub(crate) fn gemv_split(rows: usize, chunks: usize, grid_y: usize) -> u32 {
+    gemv_split_rows(rows, chunks, grid_y, GEMV_ROWS)
+}
+
+/// Rows a warp group of the staged GEMV owns (common.cuh's GEMV_ROWS), where the kernel does not
+/// say otherwise (`matmul_gemv_multi` at 4 bits: ops/matmul/cuda.rs).
+pub const GEMV_ROWS: usize = 4;
+
+/// [`gemv_split`] for a kernel whose warp groups own `warp_rows` rows each (a block then covers
+/// 8 / ks * warp_rows rows).
+pub(crate) fn gemv_split_rows(rows: usize, chunks: usize, grid_y: usize, warp_rows: usize) -> u32 {
     let mut ks = 1;
-    while ks < 8 && rows.div_ceil(32 / (2 * ks)) * grid_y <= GEMV_BLOCKS && chunks >= 64 * ks {
+    while ks < 8 && rows.div_ceil(8 / (2 * ks) * warp_rows) * grid_y <= GEMV_BLOCKS && chunks >= 64 * ks {
         ks *= 2;
     }
     ks as u32

@@ -4,9 +4,9 @@
 
 use crate::backend::{
     cuda::{
-        div, gemv_split,
-        kernels::{Kernel, WeightOp},
-        shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, GEMV_BLOCKS,
+        div, gemv_split, gemv_split_rows,
+        kernels::{Kernel, Weight, WeightOp},
+        shape, Args, Cuda, CudaBuf, CudaMat, Executor, GemvMulti, GEMV_BLOCKS, GEMV_ROWS,
     },
     params::MatmulParams,
 };
@@ -16,6 +16,22 @@ use crate::backend::{
 pub const MMA_TOKENS: usize = 64;
 pub const MMA_ROWS: usize = 128;
 pub const MMA_THREADS: u32 = 256;
+
+/// Rows a warp group owns in `matmul_gemv_multi` at 4 bits (matmul.cu's GEMV_WIDE_ROWS; checked
+/// against the source by `gemv_wide_rows_match_the_shaders`): 6, so a layer's input projections
+/// take one wave of blocks (DeltaNet's 12,352 rows: 259 blocks of 48 rows, where 386 blocks of 32
+/// were 1.46 waves of [`GEMV_BLOCKS`]); other formats keep [`GEMV_ROWS`]. (`matmul_gemv`'s looping
+/// blocks take as many; its grid, set here, does not depend on it.)
+pub const GEMV_WIDE_ROWS_Q4: usize = 6;
+
+/// The rows a warp group of `matmul_gemv_multi` owns for weights `w`.
+fn gemv_multi_rows(w: Weight) -> usize {
+    if w.suffix().starts_with("q4_") {
+        GEMV_WIDE_ROWS_Q4
+    } else {
+        GEMV_ROWS
+    }
+}
 
 pub fn matmul<X: Executor>(c: &Cuda<X>, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {
     let (t, n, k) = (p.tokens as usize, w.desc.rows as usize, w.desc.cols as usize);
@@ -97,11 +113,12 @@ pub fn matmuls<X: Executor>(
             .map(|&j| ws[j].desc.row_bytes as usize / 16)
             .min()
             .unwrap_or(0);
-        let ks = gemv_split(rows, chunks, t);
+        let warp_rows = gemv_multi_rows(w0.weight);
+        let ks = gemv_split_rows(rows, chunks, t, warp_rows);
         g.ks = ks;
         let mut end = 0;
         for (e, &j) in g.ends.iter_mut().zip(&group[..n]) {
-            end += div(ws[j].desc.rows as usize, 32 / ks as usize);
+            end += div(ws[j].desc.rows as usize, 8 / ks as usize * warp_rows);
             *e = end;
         }
         // Unused slots repeat the group's last matrix (never reached: the grid ends at ends[n - 1]).
@@ -145,6 +162,27 @@ mod tests {
         ] {
             let line = format!("#define {name} {value} ");
             assert!(common.contains(&line), "common.cuh lacks `{line}`");
+        }
+    }
+
+    #[test]
+    fn gemv_wide_rows_match_the_shaders() {
+        let source = |file: &str| {
+            crate::backend::cuda::kernels::SOURCES
+                .iter()
+                .chain(crate::backend::cuda::kernels::HEADERS)
+                .find(|(name, _)| *name == file)
+                .map(|(_, src)| *src)
+                .unwrap_or_else(|| panic!("{file} among the sources"))
+        };
+        let line = format!("#define GEMV_ROWS {GEMV_ROWS}\n");
+        assert!(source("common.cuh").contains(&line), "common.cuh lacks `{line}`");
+        let line = format!("#define GEMV_WIDE_ROWS(W) ((W::EPC) == 32 ? {GEMV_WIDE_ROWS_Q4} : GEMV_ROWS)\n");
+        assert!(source("matmul.cu").contains(&line), "matmul.cu lacks `{line}`");
+        // Only the 4-bit formats are 32 weights to a 16-byte chunk (W::EPC == 32).
+        for s in crate::backend::cuda::kernels::WEIGHT_SUFFIXES {
+            let w = Weight::from_suffix(s).unwrap();
+            assert_eq!(gemv_multi_rows(w) == GEMV_WIDE_ROWS_Q4, s.starts_with("q4_"), "{s}");
         }
     }
 }
