@@ -404,10 +404,11 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   // graph launches), so the first stage's loads are issued before waiting for the kernel before
   // this one (programmatic dependent launch); the new row, which this launch writes, is skipped
   // by the staging. Not fused, the rows of this step were written by the kernel before: after.
+  // (grid_dep_wait twice: the second returns at once; one copy of att_fetch's code.)
   AttAhead a;
-  if (rope.q_norm && s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
+  if (!rope.q_norm) grid_dep_wait();
+  if (s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
   grid_dep_wait();
-  if (!rope.q_norm && s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
   float q[NS], o[NS];
 #pragma unroll
   for (uint i = 0; i < NS; ++i) {
@@ -424,21 +425,52 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   if (rope.q_norm) {
     float* xs = reinterpret_cast<float*>(ks) + warp * hd;  // scratch until the first stage
     float* ys = reinterpret_cast<float*>(vs) + warp * hd;
-    att_norm_rope<P>(rope.p, q, rope.q_norm, (float)row, hd, lane, xs, ys, q);
-    if (skip == row && warp == 0) {
+    const bool has_k = skip == row && warp == 0;
+    float kx[NS];
+#pragma unroll
+    for (uint i = 0; i < NS; ++i) kx[i] = has_k && i < nd ? rope.k[col0 + att_dim<P>(i, lane)] : 0.0f;
+    // q, then (the new row's block, warp 0) k through one copy of the norm + RoPE code: the kernel
+    // runs once per block, so its code size is fetched, not amortized (Nsight Compute, 19:12: 40 %
+    // of the stall samples instruction-cache misses at depth ~516).
+#pragma unroll 1
+    for (uint pass = 0; pass < (has_k ? 2u : 1u); ++pass) {
       float x[NS], y[NS];
 #pragma unroll
-      for (uint i = 0; i < NS; ++i) x[i] = i < nd ? rope.k[col0 + att_dim<P>(i, lane)] : 0.0f;
-      att_norm_rope<P>(rope.p, x, rope.k_norm, (float)row, hd, lane, xs, ys, y);
+      for (uint i = 0; i < NS; ++i) x[i] = pass != 0 ? kx[i] : q[i];
+      att_norm_rope<P>(rope.p, x, pass != 0 ? rope.k_norm : rope.q_norm, (float)row, hd, lane, xs, ys, y);
 #pragma unroll
       for (uint i = 0; i < NS; ++i) {
-        if (i < nd) {
-          const uint d = att_dim<P>(i, lane);
-          const float v = rope.v[col0 + d];
-          kv_put(kd, row, col0 + d, y[i]);
-          kv_put(vd, row, col0 + d, v);
-          nk[d] = kv_round(kd.dtype, y[i]);
-          nv[d] = kv_round(vd.dtype, v);
+        kx[i] = pass != 0 ? y[i] : kx[i];
+        q[i] = pass != 0 ? q[i] : y[i];
+      }
+    }
+    if (has_k) {
+      if constexpr (BF) {  // the cache's dtype is bf16: the row's stores without kv_put's dtype cases
+        const size_t at = (size_t)(row & ((1u << kd.seg_shift) - 1)) * kd.width + col0;
+        ushort* kr = reinterpret_cast<ushort*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at;
+        ushort* vr = reinterpret_cast<ushort*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at;
+#pragma unroll
+        for (uint i = 0; i < NS; ++i) {
+          if (i < nd) {
+            const uint d = att_dim<P>(i, lane);
+            const ushort kb = float_bf16(kx[i]), vb = float_bf16(rope.v[col0 + d]);
+            kr[d] = kb;
+            vr[d] = vb;
+            nk[d] = bf16_float(kb);
+            nv[d] = bf16_float(vb);
+          }
+        }
+      } else {
+#pragma unroll
+        for (uint i = 0; i < NS; ++i) {
+          if (i < nd) {
+            const uint d = att_dim<P>(i, lane);
+            const float v = rope.v[col0 + d];
+            kv_put(kd, row, col0 + d, kx[i]);
+            kv_put(vd, row, col0 + d, v);
+            nk[d] = kv_round(kd.dtype, kx[i]);
+            nv[d] = kv_round(vd.dtype, v);
+          }
         }
       }
     }
@@ -467,29 +499,33 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     for (uint r0 = 0; r0 < n; r0 += ATT_SUB) att_tile<P, BF, ATT_SUB>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
     __syncthreads();  // the stage is refilled next
   }
-  // Level 1: the partial of this split; the group's last block combines the group's.
+  // Level 1: the partial of this split; the group's last block combines the group's. Level 2: the
+  // group's partial; the last group's block combines them all. One copy of the code for both
+  // levels (a loop that is not unrolled: see the norm + RoPE above).
   const uint groups = (splits + ATT_GROUP - 1) / ATT_GROUP, g = split / ATT_GROUP;
   const uint in_group = min((uint)ATT_GROUP, splits - g * ATT_GROUP);
   float* part1 = part + qi * splits * (hd + 2);
   float* part2 = part + (size_t)T * p.heads * splits * (hd + 2) + qi * groups * (hd + 2);
   uint* cnt = counts + ((size_t)t * p.kv_heads + kvh) * (groups + 1);
-  att_put_partial<P>(part1 + (size_t)split * (hd + 2), hd, lane, mx, l, o);
-  if (!att_last(cnt + g, in_group, flag)) return;  // whole block
-  att_combine<P>(part1 + (size_t)g * ATT_GROUP * (hd + 2), in_group, hd, lane, mx, l, o);
-  // Level 2: the group's partial; the last group's block combines them all.
-  if (groups > 1) {
-    att_put_partial<P>(part2 + (size_t)g * (hd + 2), hd, lane, mx, l, o);
-    if (!att_last(cnt + groups, groups, flag)) return;  // whole block
-    att_combine<P>(part2, groups, hd, lane, mx, l, o);
+#pragma unroll 1
+  for (uint level = 0; level < (groups > 1 ? 2u : 1u); ++level) {
+    float* base = level == 0 ? part1 : part2;
+    const uint at = level == 0 ? split : g, of = level == 0 ? in_group : groups;
+    att_put_partial<P>(base + (size_t)at * (hd + 2), hd, lane, mx, l, o);
+    if (!att_last(cnt + (level == 0 ? g : groups), of, flag)) return;  // whole block
+    att_combine<P>(base + (size_t)(level == 0 ? g * ATT_GROUP : 0) * (hd + 2), of, hd, lane, mx, l, o);
   }
+  // out = o / l * sigmoid(gate), through the warp's hd floats of the K stage (free since the last
+  // stage's barrier) so the gate's expf runs in a loop, not unrolled for the 8 slots.
   const float* gate = qh + hd;
+  float* os = reinterpret_cast<float*>(ks) + warp * hd;
+  const float inv_l = 1.0f / l;
 #pragma unroll
-  for (uint i = 0; i < NS; ++i) {
-    if (i < nd) {
-      const uint d = att_dim<P>(i, lane);
-      out[qi * hd + d] = o[i] / l * sigmoid(gate[d]);
-    }
-  }
+  for (uint i = 0; i < NS; ++i)
+    if (i < nd) os[att_dim<P>(i, lane)] = o[i] * inv_l;
+  __syncwarp();
+#pragma unroll 1
+  for (uint d = lane; d < hd; d += 32) out[qi * hd + d] = os[d] * sigmoid(gate[d]);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) attention(
