@@ -31,11 +31,13 @@ __device__ __forceinline__ void kv_widen(uint dtype, const uint4 v, float* dst) 
   }
 }
 
-// The 16 bytes of K and V cache row `row` from column c on (same dtype and segment size).
+// The 16 bytes of K and V cache row `row` from column c on (same dtype and segment size), the
+// segment table and the rows through L2 only (load16_l2, load_u64_l2: the decode attention loads
+// its first stage before its grid_dep_wait()).
 __device__ __forceinline__ void kv_load16(const KvDesc kd, const KvDesc vd, uint row, uint c, uint4& k, uint4& v) {
   const size_t at = ((size_t)(row & ((1u << kd.seg_shift) - 1)) * kd.width + c) * (kd.dtype == 0 ? 4 : 2);
-  k = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(kd.seg)[row >> kd.seg_shift]) + at);
-  v = load16(reinterpret_cast<const uchar*>(reinterpret_cast<const u64*>(vd.seg)[row >> vd.seg_shift]) + at);
+  k = load16_l2(reinterpret_cast<const uchar*>(load_u64_l2(reinterpret_cast<const u64*>(kd.seg) + (row >> kd.seg_shift))) + at);
+  v = load16_l2(reinterpret_cast<const uchar*>(load_u64_l2(reinterpret_cast<const u64*>(vd.seg) + (row >> vd.seg_shift))) + at);
 }
 
 // ---------------------------------------------------------------- q/k norm + RoPE (+ the cache store)
@@ -402,8 +404,9 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   const float* qh = qg + qi * 2 * hd;
   // Fused (one token): the cache rows before the new one were written by earlier steps (earlier
   // graph launches), so the first stage's loads are issued before waiting for the kernel before
-  // this one (programmatic dependent launch); the new row, which this launch writes, is skipped
-  // by the staging. Not fused, the rows of this step were written by the kernel before: after.
+  // this one (programmatic dependent launch), through L2 (kv_load16: not a stale line of L1); the
+  // new row, which this launch writes, is skipped by the staging. Not fused, the rows of this step
+  // were written by the kernel before: after.
   // (grid_dep_wait twice: the second returns at once; one copy of att_fetch's code.)
   AttAhead a;
   if (!rope.q_norm) grid_dep_wait();

@@ -392,12 +392,9 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
   __shared__ float red[2][DNG_THREADS];
   __shared__ float part[3][DNG_QK_WARPS];
   __shared__ uint last[1];
-  grid_dep_launch();  // grid_dep_wait() below, once the loads of the weights and the state are issued
+  kernel_start();
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
-  if (T == 0) {  // nothing to advance (the token loop below runs at least once)
-    grid_dep_wait();  // still: a kernel ends after the ones before it (the next one waits on it alone)
-    return;
-  }
+  if (T == 0) return;  // nothing to advance (the token loop below runs at least once)
   const uint C = cp.channels, taps = cp.taps, hist = taps - 1;
   const uint j = blockIdx.x, tid = threadIdx.x, rg = tid / 32, lane = tid % 32;
   const uint per = Hv / Hk, kh = j / per, c = 32 * blockIdx.y + lane;
@@ -443,10 +440,6 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
     bt = b[(size_t)t * Hv + j];
     zt = rg == 0 && col ? z[((size_t)t * Hv + j) * Dv + c] : 0.0f;
   };
-  // The conv state and S of this layer were last written by this kernel in an earlier step (an
-  // earlier graph launch), so their loads above go out before waiting for the kernel before this
-  // one (programmatic dependent launch); proj, a, b, z come from that kernel: after the wait.
-  grid_dep_wait();
   inputs(0);
   const float q_scale = rsqrtf((float)Dk), decay_rate = -expf(al);
   for (uint t = 0;;) {
