@@ -13,40 +13,29 @@
 // (rb (8 / ks) + w / ks) 4 .. + 4; lane l takes 16-byte chunks l, l + 32, .. of its share of K, loads
 // GEMV_NC of them per row ahead (8 loads a lane in flight before x is staged) and multiplies each
 // with its x chunk (staged in shared memory): a warp's weight reads are 512 contiguous bytes of a
-// row. Blocks that loop (g < ceil(N / (32 / ks))) at 4 bits take row blocks of 8 / ks *
-// GEMV_WIDE_ROWS rows instead (the grid is the host's either way). x is staged once per block when
-// K fits one pass (gemv_one_pass): the host caps g for the
+// row. x is staged once per block when K fits one pass (gemv_one_pass): the host caps g for the
 // vocabulary projection (7,760 row blocks at Qwen3.6's shapes, each staging x itself: 191 us on the
 // H200, Nsight Compute 08:42, for 286 MB of weights). Accumulation: f32.
 #define GEMV_NC 2
-// Rows a warp group owns in matmul_gemv_multi and in matmul_gemv's looping blocks (GEMV_ROWS
-// elsewhere): 6 at 4 bits, 12 loads a lane in flight. A layer's input projections then take one
-// wave of blocks (DeltaNet's 12,352 rows: 386 blocks of 32 rows were 1.46 waves of the 264 that fit
-// the H200's SMs, 259 of 48 rows are one); the vocabulary projection's blocks loop 20 times, not
-// 30, each with half as many bytes again in flight. The host's copy: GEMV_WIDE_ROWS_Q4 in
-// ops/matmul/cuda.rs (matmul_gemv's grid does not depend on it).
+// Rows a warp group owns in matmul_gemv_multi (GEMV_ROWS elsewhere): 6 at 4 bits, 12 loads a lane
+// in flight, so a layer's input projections take one wave of blocks (DeltaNet's 12,352 rows: 386
+// blocks of 32 rows were 1.46 waves of the 264 that fit the H200's SMs, 259 of 48 rows are one).
+// The host's copy: GEMV_WIDE_ROWS_Q4 in ops/matmul/cuda.rs. Not for matmul_gemv's looping blocks
+// (the vocabulary projection): there the 4-bit instance spilled and took 112.6 us, not 99.4
+// (Nsight Compute, H200, 2026-12-02 20:13).
 #define GEMV_WIDE_ROWS(W) ((W::EPC) == 32 ? 6 : GEMV_ROWS)
 template <typename W>
 __device__ __forceinline__ void matmul_gemv(const MatmulParams p, const CudaMatrix m, const uchar* w,
                                             const uchar* scales, const uchar* biases, const uint ks,
                                             const float* __restrict__ x, float* __restrict__ out) {
-  constexpr uint RW = GEMV_WIDE_ROWS(W);
   __shared__ __align__(16) float4 xs[GEMV_XS / 4];
-  __shared__ float part[8][RW];
+  __shared__ float part[8][GEMV_ROWS];
   const uint t = blockIdx.y, blocks = (m.rows + 32 / ks - 1) / (32 / ks);
   const W wr = make_w<W>(w, scales, biases, m);
   const bool keep = gemv_one_pass<W>(m);
-  const float* xt = x + (size_t)(p.x_row0 + t) * m.cols;
-  float* ot = out + (size_t)t * m.rows;
-  if (RW != GEMV_ROWS && blocks > gridDim.x) {  // looping blocks: RW rows a warp group
-    const uint wide = (m.rows + 8 / ks * RW - 1) / (8 / ks * RW);
-    for (uint b = blockIdx.x; b < wide; b += gridDim.x)
-      gemv_block<W, GEMV_NC, 32, RW>(wr, m.row_offset, b, ks, xt, ot, xs, part, keep && b != blockIdx.x);
-    return;
-  }
   for (uint b = blockIdx.x; b < blocks; b += gridDim.x)
-    gemv_block<W, GEMV_NC>(wr, m.row_offset, b, ks, xt, ot, xs, reinterpret_cast<float(*)[GEMV_ROWS]>(part),
-                           keep && b != blockIdx.x);
+    gemv_block<W, GEMV_NC>(wr, m.row_offset, b, ks, x + (size_t)(p.x_row0 + t) * m.cols, out + (size_t)t * m.rows,
+                           xs, part, keep && b != blockIdx.x);
 }
 // matmul_gemv_multi_<w>: the GEMV of up to 4 matrices (one weight format, one K) reading the same x,
 // in one launch (a layer's input projections: fewer launches per decode step). Arguments:

@@ -20,8 +20,7 @@ pub const MMA_THREADS: u32 = 256;
 /// Rows a warp group owns in `matmul_gemv_multi` at 4 bits (matmul.cu's GEMV_WIDE_ROWS; checked
 /// against the source by `gemv_wide_rows_match_the_shaders`): 6, so a layer's input projections
 /// take one wave of blocks (DeltaNet's 12,352 rows: 259 blocks of 48 rows, where 386 blocks of 32
-/// were 1.46 waves of [`GEMV_BLOCKS`]); other formats keep [`GEMV_ROWS`]. (`matmul_gemv`'s looping
-/// blocks take as many; its grid, set here, does not depend on it.)
+/// were 1.46 waves of [`GEMV_BLOCKS`]); other formats, and `matmul_gemv`, keep [`GEMV_ROWS`].
 pub const GEMV_WIDE_ROWS_Q4: usize = 6;
 
 /// The rows a warp group of `matmul_gemv_multi` owns for weights `w`.
