@@ -49,8 +49,9 @@ use crate::{
     error::{Error, Result},
     memory::{gb, grouped, Footprint},
     model::{
+        recycle,
         state::{LayerState, Scratch, State},
-        Model,
+        BatchLists, Model,
     },
     safetensors::FileWatch,
     weights::Loader,
@@ -90,6 +91,8 @@ pub struct Runner<B: Backend> {
     scratch: Scratch<B>,
     /// One row of activations: a batched decode runs each sequence's attention / DeltaNet here.
     one: Scratch<B>,
+    /// The batched decode step's lists, kept between steps so that a warm step allocates nothing.
+    batch: StepLists<B>,
     max_seq: usize,
     kv_dtype: KvDtype,
     /// Tells snapshots of this engine from those of another.
@@ -100,6 +103,28 @@ pub struct Runner<B: Backend> {
     /// What the engine chose for the caller, in words (the backend `auto` picked and why, a
     /// `max_seq` fitted to the device).
     notes: Vec<String>,
+}
+
+/// What a batched decode step lists, kept empty between steps (their allocations reused: a warm
+/// step allocates nothing; `'static` only while empty, [`recycle`] lends them at the step's
+/// lifetimes): the tokens, the batch's sequences in batch order, their states and positions, and
+/// the model's own lists.
+struct StepLists<B: Backend> {
+    tokens: Vec<u32>,
+    seqs: Vec<Option<&'static mut Seq<B>>>,
+    states: Vec<(&'static mut State<B>, usize)>,
+    model: BatchLists<B>,
+}
+
+impl<B: Backend> Default for StepLists<B> {
+    fn default() -> Self {
+        StepLists {
+            tokens: Vec::new(),
+            seqs: Vec::new(),
+            states: Vec::new(),
+            model: BatchLists::default(),
+        }
+    }
 }
 
 /// The sequence state at one position: DeltaNet conv + recurrent states and the token prefix.
@@ -259,6 +284,7 @@ impl<B: Backend> Runner<B> {
             next_seq: DEFAULT_SEQ + 1,
             scratch,
             one,
+            batch: StepLists::default(),
             max_seq,
             kv_dtype: opts.kv_dtype,
             id,
@@ -285,11 +311,11 @@ impl<B: Backend> Runner<B> {
     /// The result of a call that changes the states of `ids`: a device error marks them
     /// untrusted (and the KV rows past their positions, which the call may have written,
     /// forgotten).
-    fn guard<T>(&mut self, ids: &[SeqId], r: Result<T>) -> Result<T> {
+    fn guard<T>(&mut self, ids: impl IntoIterator<Item = SeqId>, r: Result<T>) -> Result<T> {
         match r {
             Err(Error::Device(msg)) => {
                 for id in ids {
-                    if let Some(seq) = self.seqs.get_mut(id) {
+                    if let Some(seq) = self.seqs.get_mut(&id) {
                         seq.cached.truncate(seq.pos);
                         seq.error = Some(msg.clone());
                     }
@@ -354,7 +380,7 @@ impl<B: Backend> Runner<B> {
             };
             // One backend session per chunk, so that `proceed` runs outside it.
             let r = B::run(|| self.forward_chunk(id, chunk, all_logits, logits));
-            self.guard(&[id], r)?;
+            self.guard([id], r)?;
             done += t;
         }
         Ok(out)
@@ -390,7 +416,7 @@ impl<B: Backend> Runner<B> {
             self.decode_step(id, token)?;
             self.b.read(&self.scratch.logits, 0, out)
         });
-        self.guard(&[id], r)?;
+        self.guard([id], r)?;
         self.advance(id, token)
     }
 
@@ -401,7 +427,7 @@ impl<B: Backend> Runner<B> {
             self.decode_step(id, token)?;
             self.b.argmax(&self.scratch.logits, self.model.vocab())
         });
-        let next = self.guard(&[id], r)?;
+        let next = self.guard([id], r)?;
         self.advance(id, token)?;
         Ok(next)
     }
@@ -516,33 +542,44 @@ impl<B: Backend> Runner<B> {
             seq.state.writable(&self.b, seq.pos, 1)?;
         }
         let r = B::run(|| self.decode_batch_here(batch, out));
-        let ids: Vec<SeqId> = batch.iter().map(|&(id, _)| id).collect();
-        self.guard(&ids, r)
+        self.guard(batch.iter().map(|&(id, _)| id), r)
     }
 
     fn decode_batch_here(&mut self, batch: &[(SeqId, u32)], out: BatchOut<'_>) -> Result<()> {
         let t = batch.len();
+        let mut tokens = std::mem::take(&mut self.batch.tokens);
+        tokens.clear();
+        tokens.extend(batch.iter().map(|&(_, token)| token));
         // The batch's sequences in batch order (each found once: ids are distinct, checked).
-        let mut rows: Vec<Option<&mut Seq<B>>> = (0..t).map(|_| None).collect();
+        let mut seqs = recycle(std::mem::take(&mut self.batch.seqs));
+        seqs.resize_with(t, || None);
         for (id, seq) in self.seqs.iter_mut() {
             if let Some(i) = batch.iter().position(|(b, _)| b == id) {
-                rows[i] = Some(seq);
+                seqs[i] = Some(seq);
             }
         }
-        let mut seqs: Vec<&mut Seq<B>> = rows.into_iter().map(|s| s.expect("checked")).collect();
-        let tokens: Vec<u32> = batch.iter().map(|&(_, token)| token).collect();
         self.b.begin(StreamKind::Decode)?;
         self.b.write_ids(&mut self.scratch.ids, &tokens)?;
-        {
-            let mut states: Vec<(&mut State<B>, usize)> = seqs.iter_mut().map(|s| (&mut s.state, s.pos)).collect();
-            self.model
-                .forward_batch(&self.b, &mut states, &mut self.scratch, &mut self.one)?;
-        }
+        let mut states = recycle(std::mem::take(&mut self.batch.states));
+        states.extend(seqs.iter_mut().map(|s| {
+            let s = s.as_mut().expect("checked");
+            (&mut s.state, s.pos)
+        }));
+        self.model.forward_batch(
+            &self.b,
+            &mut states,
+            &mut self.scratch,
+            &mut self.one,
+            &mut self.batch.model,
+        )?;
+        self.batch.states = recycle(states);
         for (seq, &token) in seqs.iter_mut().zip(&tokens) {
+            let seq = seq.as_mut().expect("checked");
             seq.cached.truncate(seq.pos);
             seq.cached.push(token);
             seq.pos += 1;
         }
+        (self.batch.seqs, self.batch.tokens) = (recycle(seqs), tokens);
         match out {
             BatchOut::Logits(out) => read_logits(&self.b, &self.model, &mut self.scratch, t, out),
             BatchOut::Greedy(out) => greedy_ids(&self.b, &self.model, &mut self.scratch, out),
@@ -591,7 +628,7 @@ impl<B: Backend> Runner<B> {
             return Err(stale());
         }
         let r = self.copy_states(id, bufs);
-        self.guard(&[id], r)?;
+        self.guard([id], r)?;
         let seq = seq_mut(&mut self.seqs, id)?;
         // Rows below `n` were written by calls that completed: the state is whole again.
         seq.error = None;
@@ -618,7 +655,7 @@ impl<B: Backend> Runner<B> {
     fn reset(&mut self, id: SeqId) -> Result<()> {
         let seq = seq_mut(&mut self.seqs, id)?;
         let r = seq.state.reset(&self.b);
-        self.guard(&[id], r)?;
+        self.guard([id], r)?;
         let seq = seq_mut(&mut self.seqs, id)?;
         seq.error = None;
         // The KV rows past the retained first segment are gone: so is what they could be reused for.
@@ -668,7 +705,7 @@ impl<B: Backend> Runner<B> {
         let mut to = self.seqs.remove(&dst).ok_or(Error::NoSequence(dst))?;
         let done = self.copy_state(src, &mut to);
         self.seqs.insert(dst, to);
-        self.guard(&[dst], done)
+        self.guard([dst], done)
     }
 
     /// The KV rows are shared, not copied: `dst`'s caches become new ones holding `src`'s whole

@@ -104,7 +104,7 @@ impl<B: Backend> Runner<B> {
         self.seq(id)?;
         self.check_import(st)?;
         let r = self.write_state(id, st);
-        self.guard(&[id], r)?;
+        self.guard([id], r)?;
         let seq = seq_mut(&mut self.seqs, id)?;
         seq.pos = st.position();
         seq.cached.clear();

@@ -46,6 +46,35 @@ pub struct Model<B: Backend> {
     eps: f32,
 }
 
+/// The lists [`Model::forward_batch`] borrows its sequences' states into (each row's layers, then
+/// one layer's DeltaNet or KV states), kept empty between steps so that a warm step reuses their
+/// allocations (`'static` only while empty: [`recycle`] hands them out at the step's lifetimes).
+pub struct BatchLists<B: Backend> {
+    rows: Vec<(std::slice::IterMut<'static, LayerState<B>>, usize)>,
+    delta_net: Vec<DeltaNetSeq<'static, B::Buf>>,
+    kv: Vec<KvSeq<'static, B::Kv>>,
+}
+
+impl<B: Backend> Default for BatchLists<B> {
+    fn default() -> Self {
+        BatchLists {
+            rows: Vec::new(),
+            delta_net: Vec::new(),
+            kv: Vec::new(),
+        }
+    }
+}
+
+/// `v` emptied, as a list of another element type of the same size and alignment (here: the same
+/// type at other lifetimes) on the same allocation: the batched step's lists of borrowed states
+/// outlive each step's borrows this way. Collecting a vector's own `into_iter` reuses its buffer
+/// when the layouts match (std's in-place collection; no element is produced), so this allocates
+/// nothing; `tests/cpu_alloc.rs` holds that for the whole batched step.
+pub(crate) fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!("the list was emptied")).collect()
+}
+
 impl<B: Backend> Model<B> {
     /// Load every weight through `w`, layer by layer; `progress(done, total)` after each layer
     /// (an error from it stops the load).
@@ -117,19 +146,23 @@ impl<B: Backend> Model<B> {
     /// state and position. Every weight is read once for the batch (matmuls over its rows, the
     /// MoE grouped by expert across them); each row's attention / DeltaNet runs on its own state,
     /// all rows in one batched op (`one`: its one-row scratch). Leaves the final-normed hidden
-    /// states in `s.h`.
+    /// states in `s.h`. `lists` holds the step's lists of borrowed states between steps, so a
+    /// warm step allocates nothing.
     pub fn forward_batch(
         &self,
         b: &B,
         seqs: &mut [(&mut State<B>, usize)],
         s: &mut Scratch<B>,
         one: &mut Scratch<B>,
+        lists: &mut BatchLists<B>,
     ) -> Result<()> {
         let t = seqs.len();
         let norm = self.norm_params(t);
         // Each sequence's layers in order: layer l's states of every row, borrowed at once.
-        let mut rows: Vec<_> = seqs.iter_mut().map(|(st, pos)| (st.layers.iter_mut(), *pos)).collect();
-        let (mut delta_net, mut kv) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        let mut rows = recycle(std::mem::take(&mut lists.rows));
+        rows.extend(seqs.iter_mut().map(|(st, pos)| (st.layers.iter_mut(), *pos)));
+        let mut delta_net = recycle(std::mem::take(&mut lists.delta_net));
+        let mut kv = recycle(std::mem::take(&mut lists.kv));
         b.embed(t, &self.embed_tokens, &s.ids, &mut s.x);
         b.rms_norm(&norm, &s.x, self.input_norm(0), &mut s.h);
         for (l, layer) in self.layers.iter().enumerate() {
@@ -165,6 +198,7 @@ impl<B: Backend> Model<B> {
             }
             self.moe_block(b, t, l, &norm, s);
         }
+        (lists.rows, lists.delta_net, lists.kv) = (recycle(rows), recycle(delta_net), recycle(kv));
         Ok(())
     }
 
