@@ -131,6 +131,17 @@ pub(crate) fn check_rows(src_len: usize, src_off: usize, dst_len: usize, dst_off
     }
 }
 
+/// The `Backend` ops of a GPU backend that are their family's encoder: `encoders! { gpu;
+/// family::op(args); ... }` writes `fn op(&self, args) { family::gpu::op(self, args) }` for each
+/// (`gpu`: `metal` or `cuda`, the encoder's file in `ops/<family>/`; the encoder takes the trait
+/// method's arguments after the device), so an impl is one line per op.
+macro_rules! encoders {
+    ($gpu:ident; $($family:ident::$op:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {
+        $(fn $op(&self, $($arg: $ty),*) { $family::$gpu::$op(self, $($arg),*) })*
+    };
+}
+pub(crate) use encoders;
+
 pub trait Backend: Send + Sized + 'static {
     /// f32 activations, state and scratch.
     type Buf: Send + 'static;
