@@ -71,6 +71,37 @@ impl KvDtype {
     }
 }
 
+/// Host-name suffixes of the weight formats that have GPU kernels, one list for both GPU
+/// backends: `FOR_EACH_WEIGHT` in shaders/metal/common.h and in shaders/cuda/common.cuh, same
+/// order (a kernel family's instance for a format is named `<stem>_<suffix>`).
+pub const WEIGHT_SUFFIXES: &[&str] = &[
+    "f32", "f16", "bf16", "q2_bf16", "q4_bf16", "q8_bf16", "q2_f16", "q4_f16", "q8_f16", "q2_f32", "q4_f32", "q8_f32",
+];
+
+/// A weight format that has GPU kernels: its place in [`WEIGHT_SUFFIXES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Weight(u8);
+
+impl Weight {
+    pub fn from_suffix(suffix: &str) -> Option<Weight> {
+        WEIGHT_SUFFIXES
+            .iter()
+            .position(|s| *s == suffix)
+            .map(|i| Weight(i as u8))
+    }
+    /// Host-name suffix (`q4_bf16`, `bf16`, ...).
+    pub fn suffix(self) -> &'static str {
+        WEIGHT_SUFFIXES[self.0 as usize]
+    }
+    /// Its place in [`WEIGHT_SUFFIXES`].
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+    pub fn all() -> impl Iterator<Item = Weight> {
+        (0..WEIGHT_SUFFIXES.len()).map(|i| Weight(i as u8))
+    }
+}
+
 /// Rows per KV-cache segment: the cache grows by whole segments as the sequence does, so an
 /// engine holding a 2K conversation holds 2K rows (rounded up to a segment), not `max_seq`.
 /// [`KV_SEGMENT_ROWS`] unless `LILY_KV_SEGMENT_ROWS` (a power of two, at least 16) says otherwise
