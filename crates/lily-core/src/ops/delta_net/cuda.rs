@@ -114,13 +114,13 @@ pub fn delta_net_gated<X: Executor>(
     core: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let p = &r.delta;
+    let (o, p) = (&r.ops, &r.ops.delta);
     let (t, hk, hv, dk, dv) = p.dims();
     let fused = c.fused_delta_net
         && t <= c.gemv_tokens
         && dk <= DELTA_NET_GATED_DIM_MAX
         && dv <= DELTA_NET_GATED_DIM_MAX
-        && r.conv.taps as usize <= DELTA_NET_GATED_TAPS_MAX
+        && o.conv.taps as usize <= DELTA_NET_GATED_TAPS_MAX
         && super::gated_parts_agree(r);
     if !fused {
         return delta_net_gated_unfused(c, r, conv_state, state, mixed, core, out);
@@ -141,15 +141,15 @@ pub fn delta_net_gated<X: Executor>(
     };
     let args = Args::new()
         .push(*p)
-        .push(r.conv)
+        .push(o.conv)
         .push(r.norm)
-        .ptr(r.conv1d.ptr())
+        .ptr(o.conv1d.ptr())
         .ptr(conv_state.ptr())
-        .ptr(r.proj.ptr())
-        .ptr(r.a.ptr())
-        .ptr(r.b.ptr())
-        .ptr(r.a_log.ptr())
-        .ptr(r.dt_bias.ptr())
+        .ptr(o.proj.ptr())
+        .ptr(o.a.ptr())
+        .ptr(o.b.ptr())
+        .ptr(o.a_log.ptr())
+        .ptr(o.dt_bias.ptr())
         .ptr(r.norm_w.ptr())
         .ptr(r.z.ptr())
         .ptr(state.ptr())

@@ -166,7 +166,7 @@ pub fn delta_net_gated<X: Executor>(
     core: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let p = &r.delta;
+    let (o, p) = (&r.ops, &r.ops.delta);
     let (t, hk, hv, dk, dv) = p.dims();
     // Threadgroup memory: qk [T, 2 Dk], vo [T, G Dv], gates [T, 2 G] (G = Hv / Hk; hk = 0 or a
     // G that is not whole fails the checks below, in the parts).
@@ -189,15 +189,15 @@ pub fn delta_net_gated<X: Executor>(
     }
     let args = [
         Arg::Bytes(bytes_of(p)),
-        Arg::Bytes(bytes_of(&r.conv)),
+        Arg::Bytes(bytes_of(&o.conv)),
         Arg::Bytes(bytes_of(&r.norm)),
-        r.conv1d.arg(),
+        o.conv1d.arg(),
         conv_state.arg(),
-        r.proj.arg(),
-        r.a.arg(),
-        r.b.arg(),
-        r.a_log.arg(),
-        r.dt_bias.arg(),
+        o.proj.arg(),
+        o.a.arg(),
+        o.b.arg(),
+        o.a_log.arg(),
+        o.dt_bias.arg(),
         r.norm_w.arg(),
         r.z.arg(),
         state.arg(),

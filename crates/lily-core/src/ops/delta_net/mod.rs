@@ -77,9 +77,9 @@ pub fn delta_net_checks(p: &DeltaNetParams, have: [usize; 7]) -> Result<[(&'stat
 /// kernel reads them: the conv over the T tokens' q | k | v rows (2 Hk Dk + Hv Dv channels), the
 /// norm over each of the T Hv value heads' Dv outputs.
 pub fn gated_parts_agree<B: Backend>(r: &DeltaNetGated<'_, B>) -> bool {
-    let (t, hk, hv, dk, dv) = r.delta.dims();
-    r.conv.tokens == r.delta.tokens
-        && r.conv.channels as usize == 2 * hk * dk + hv * dv
+    let (o, (t, hk, hv, dk, dv)) = (&r.ops, r.ops.delta.dims());
+    o.conv.tokens == o.delta.tokens
+        && o.conv.channels as usize == 2 * hk * dk + hv * dv
         && r.norm.rows as usize == t * hv
         && r.norm.dim as usize == dv
 }
@@ -93,11 +93,12 @@ pub fn gated_checks<B: Backend>(
     len: impl Fn(&B::Buf) -> usize,
     have: [usize; 3],
 ) -> Result<[(&'static str, usize, usize); 11], String> {
-    let ([conv_state, state, out], [conv1d, proj, a, b]) = (have, [r.conv1d, r.proj, r.a, r.b].map(&len));
-    let [a_log, dt_bias, norm_w, z] = [r.a_log, r.dt_bias, r.norm_w, r.z].map(&len);
-    let conv = conv_checks(&r.conv, [conv1d, conv_state, proj, usize::MAX])?;
-    let delta = delta_net_checks(&r.delta, [proj, a, b, a_log, dt_bias, state, out])?;
-    let (t, hk, hv, dk, dv) = r.delta.dims();
+    let o = &r.ops;
+    let ([conv_state, state, out], [conv1d, proj, a, b]) = (have, [o.conv1d, o.proj, o.a, o.b].map(&len));
+    let [a_log, dt_bias, norm_w, z] = [o.a_log, o.dt_bias, r.norm_w, r.z].map(&len);
+    let conv = conv_checks(&o.conv, [conv1d, conv_state, proj, usize::MAX])?;
+    let delta = delta_net_checks(&o.delta, [proj, a, b, a_log, dt_bias, state, out])?;
+    let (t, hk, hv, dk, dv) = o.delta.dims();
     let n = t * hv * dv;
     Ok([
         conv[0],
