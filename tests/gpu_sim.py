@@ -1,5 +1,5 @@
-"""What the simulated-GPU test files (test_metal_sim.py, test_cuda_sim.py) share: the clang-19 requirement
-and the decode check against the CPU backend and MLX-LM."""
+"""What the simulated-GPU test files (test_metal_sim.py, test_cuda_sim.py) share: the clang-19 requirement,
+opening an engine, the decode check against the CPU backend and MLX-LM, and the errors every engine raises."""
 
 from __future__ import annotations
 
@@ -23,9 +23,19 @@ def require_clang(gpu: str) -> None:
     pytest.skip(why)
 
 
-def check_decode(eng, cpu, oracle_cache, ckpts, name: str, n_prefill: int, n_tokens: int) -> None:
-    """Prefill ``n_prefill`` tokens, then decode the rest of the first ``n_tokens`` teacher-forced, on ``eng`` and
-    on the CPU backend ``cpu``: each step's logits within SELF_TOL of the CPU's and ORACLE_TOL of MLX-LM's."""
+def engine(lily, ckpts, name: str, backend: str, max_seq: int, kv_dtype: str = "f32"):
+    """An engine on ``backend`` for checkpoint ``name``; an f32 KV cache unless asked (the fp32 tolerances are
+    checked against it)."""
+    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=max_seq, kv_dtype=kv_dtype)
+    assert eng.backend == backend
+    return eng
+
+
+def check_decode(lily, ckpts, oracle_cache, backend: str, name: str, n_prefill: int, n_tokens: int, max_seq: int):
+    """Prefill ``n_prefill`` tokens, then decode the rest of the first ``n_tokens`` teacher-forced, on ``backend``
+    and on the CPU backend: each step's logits within SELF_TOL of the CPU's and ORACLE_TOL of MLX-LM's."""
+    eng = engine(lily, ckpts, name, backend, max_seq)
+    cpu = engine(lily, ckpts, name, "cpu", max_seq)
     toks = tokens_for(ckpts, name)[:n_tokens]
     steps = [eng.prefill(toks[:n_prefill].tolist())] + [eng.decode(t) for t in toks[n_prefill:].tolist()]
     got = np.stack(steps[:-1])
@@ -35,3 +45,11 @@ def check_decode(eng, cpu, oracle_cache, ckpts, name: str, n_prefill: int, n_tok
     print(compare(got, want, SELF_TOL, f"{name} {eng.backend} decode vs cpu decode"))
     print(compare(got, ref, ORACLE_TOL, f"{name} {eng.backend} decode vs MLX-LM"))
     assert eng.position == n_tokens
+
+
+def check_errors(lily, eng, max_seq: int) -> None:
+    """A token id past the vocabulary is a ValueError, a prompt of ``max_seq`` tokens a ContextFullError."""
+    with pytest.raises(ValueError):
+        eng.decode(10**6)
+    with pytest.raises(lily.ContextFullError):
+        eng.prefill(list(range(max_seq)))

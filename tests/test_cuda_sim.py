@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_sim import check_decode, require_clang
+from gpu_sim import check_decode, check_errors, engine, require_clang
 from test_oracle import ORACLE_TOL, compare, tokens_for
 
 N_TOKENS = 40
@@ -29,10 +29,7 @@ def _need_clang():
 
 
 def _engine(lily, ckpts, name, backend="cuda-sim", kv_dtype="f32"):
-    # An f32 KV cache where fp32 tolerances are checked; the bf16-tolerance test uses the default bf16.
-    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ, kv_dtype=kv_dtype)
-    assert eng.backend == backend
-    return eng
+    return engine(lily, ckpts, name, backend, MAX_SEQ, kv_dtype)
 
 
 def compare_bf16(got: np.ndarray, ref: np.ndarray, what: str) -> str:
@@ -76,15 +73,7 @@ def test_cuda_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeypa
     # A short prefill (T <= 8: the f32 GEMVs), then decode steps: split attention, step recurrence,
     # per-token MoE, and from the third step on the same command list every step.
     name, n_prefill = "tiny-s1-theta1e3", 6
-    check_decode(
-        _engine(lily, ckpts, name),
-        _engine(lily, ckpts, name, backend="cpu"),
-        oracle_cache,
-        ckpts,
-        name,
-        n_prefill,
-        N_TOKENS,
-    )
+    check_decode(lily, ckpts, oracle_cache, "cuda-sim", name, n_prefill, N_TOKENS, MAX_SEQ)
 
 
 def test_cuda_sim_reset_snapshot_and_errors(lily, ckpts):
@@ -96,10 +85,7 @@ def test_cuda_sim_reset_snapshot_and_errors(lily, ckpts):
     np.testing.assert_array_equal(eng.decode(4), b)
     eng.reset()
     np.testing.assert_array_equal(eng.prefill([1, 2, 3]), a)
-    with pytest.raises(ValueError):
-        eng.decode(10**6)
-    with pytest.raises(lily.ContextFullError):
-        eng.prefill(list(range(MAX_SEQ)))
+    check_errors(lily, eng, MAX_SEQ)
 
 
 def test_missing_compiler_is_a_device_error(lily, ckpts, monkeypatch, tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_sim import check_decode, require_clang
+from gpu_sim import check_decode, check_errors, engine, require_clang
 from test_oracle import ORACLE_TOL, SELF_TOL, compare, tokens_for
 
 N_TOKENS = 40
@@ -28,9 +28,7 @@ def _need_clang():
 
 
 def _engine(lily, ckpts, name, backend="metal-sim", kv_dtype="f32"):
-    eng = lily.Engine(str(ckpts.path(name)), backend=backend, max_seq=MAX_SEQ, kv_dtype=kv_dtype)
-    assert eng.backend == backend
-    return eng
+    return engine(lily, ckpts, name, backend, MAX_SEQ, kv_dtype)
 
 
 @pytest.mark.parametrize("name", ["tiny-s0", "tiny-s0-q4g64", "tiny-s1-q8g32", "real-s0-q4g64"])
@@ -54,15 +52,7 @@ def test_metal_sim_decode_matches_cpu_and_mlx(lily, ckpts, oracle_cache, monkeyp
     else:
         monkeypatch.setenv("LILY_METAL_FAMILY", family)
     name, n_prefill = "tiny-s1-theta1e3", 24
-    check_decode(
-        _engine(lily, ckpts, name),
-        _engine(lily, ckpts, name, backend="cpu"),
-        oracle_cache,
-        ckpts,
-        name,
-        n_prefill,
-        N_TOKENS,
-    )
+    check_decode(lily, ckpts, oracle_cache, "metal-sim", name, n_prefill, N_TOKENS, MAX_SEQ)
 
 
 def test_metal_sim_reset_and_errors(lily, ckpts):
@@ -71,10 +61,7 @@ def test_metal_sim_reset_and_errors(lily, ckpts):
     eng.reset()
     b = eng.prefill([1, 2, 3])
     np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError):
-        eng.decode(10**6)
-    with pytest.raises(lily.ContextFullError):
-        eng.prefill(list(range(MAX_SEQ)))
+    check_errors(lily, eng, MAX_SEQ)
 
 
 def test_bad_gpu_family_is_a_device_error(lily, ckpts, monkeypatch):

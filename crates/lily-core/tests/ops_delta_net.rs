@@ -15,7 +15,7 @@ use lily_core::{
         cpu::Cpu,
         metal::{Executor, Metal},
         params::{ConvParams, DeltaNetParams, RmsNormParams, DELTA_NET_CHUNK, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
-        Backend, DeltaNetGated,
+        Backend, DeltaNetGated, DeltaNetOps,
     },
     ops::delta_net::{cpu::CHUNK, reference, DeltaNetIn},
 };
@@ -33,7 +33,7 @@ fn params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParam
 
 mod cpu {
     use super::*;
-    use lily_core::backend::{DeltaNetBatch, DeltaNetSeq};
+    use lily_core::backend::DeltaNetSeq;
 
     /// A batched decode step's conv and recurrence (`delta_net_batch`: every sequence in one pool
     /// loop per op) against each row run alone through `delta_net_conv` and `delta_net` on its
@@ -62,7 +62,7 @@ mod cpu {
                     rand_vec(n * hv, seed + 1, -2.0, 2.0),
                     rand_vec(n * hv, seed + 2, -2.0, 2.0),
                 );
-                let r = DeltaNetBatch::<Cpu> {
+                let r = DeltaNetOps::<Cpu> {
                     conv: ConvParams {
                         tokens: n as u32,
                         channels: c as u32,
@@ -471,16 +471,18 @@ fn delta_net_gated_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
                 let (proj, a) = (up(rand_vec(t * width, k, -2.0, 2.0)), up(rand_vec(t * hv, k + 1, -2.0, 2.0)));
                 let (bb, z) = (up(rand_vec(t * hv, k + 2, -2.0, 2.0)), up(rand_vec(t * hv * dv, k + 3, -2.0, 2.0)));
                 let r = DeltaNetGated {
-                    conv: ConvParams { tokens: t as u32, channels: width as u32, taps: taps as u32 },
-                    delta: params(t, hk, hv, dk, dv),
+                    ops: DeltaNetOps {
+                        conv: ConvParams { tokens: t as u32, channels: width as u32, taps: taps as u32 },
+                        delta: params(t, hk, hv, dk, dv),
+                        conv1d: &conv1d,
+                        a_log: &a_log,
+                        dt_bias: &dt_bias,
+                        proj: &proj,
+                        a: &a,
+                        b: &bb,
+                    },
                     norm: RmsNormParams { rows: (t * hv) as u32, dim: dv as u32, eps: 1e-6 },
-                    conv1d: &conv1d,
-                    a_log: &a_log,
-                    dt_bias: &dt_bias,
                     norm_w: &norm_w,
-                    proj: &proj,
-                    a: &a,
-                    b: &bb,
                     z: &z,
                 };
                 let (mut mixed, mut core) = (b.alloc(t * width).unwrap(), b.alloc(t * hv * dv).unwrap());

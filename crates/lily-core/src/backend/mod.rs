@@ -71,6 +71,37 @@ impl KvDtype {
     }
 }
 
+/// Host-name suffixes of the weight formats that have GPU kernels, one list for both GPU
+/// backends: `FOR_EACH_WEIGHT` in shaders/metal/common.h and in shaders/cuda/common.cuh, same
+/// order (a kernel family's instance for a format is named `<stem>_<suffix>`).
+pub const WEIGHT_SUFFIXES: &[&str] = &[
+    "f32", "f16", "bf16", "q2_bf16", "q4_bf16", "q8_bf16", "q2_f16", "q4_f16", "q8_f16", "q2_f32", "q4_f32", "q8_f32",
+];
+
+/// A weight format that has GPU kernels: its place in [`WEIGHT_SUFFIXES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Weight(u8);
+
+impl Weight {
+    pub fn from_suffix(suffix: &str) -> Option<Weight> {
+        WEIGHT_SUFFIXES
+            .iter()
+            .position(|s| *s == suffix)
+            .map(|i| Weight(i as u8))
+    }
+    /// Host-name suffix (`q4_bf16`, `bf16`, ...).
+    pub fn suffix(self) -> &'static str {
+        WEIGHT_SUFFIXES[self.0 as usize]
+    }
+    /// Its place in [`WEIGHT_SUFFIXES`].
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+    pub fn all() -> impl Iterator<Item = Weight> {
+        (0..WEIGHT_SUFFIXES.len()).map(|i| Weight(i as u8))
+    }
+}
+
 /// Rows per KV-cache segment: the cache grows by whole segments as the sequence does, so an
 /// engine holding a 2K conversation holds 2K rows (rounded up to a segment), not `max_seq`.
 /// [`KV_SEGMENT_ROWS`] unless `LILY_KV_SEGMENT_ROWS` (a power of two, at least 16) says otherwise
@@ -130,6 +161,17 @@ pub(crate) fn check_rows(src_len: usize, src_off: usize, dst_len: usize, dst_off
         )))
     }
 }
+
+/// The `Backend` ops of a GPU backend that are their family's encoder: `encoders! { gpu;
+/// family::op(args); ... }` writes `fn op(&self, args) { family::gpu::op(self, args) }` for each
+/// (`gpu`: `metal` or `cuda`, the encoder's file in `ops/<family>/`; the encoder takes the trait
+/// method's arguments after the device), so an impl is one line per op.
+macro_rules! encoders {
+    ($gpu:ident; $($family:ident::$op:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {
+        $(fn $op(&self, $($arg: $ty),*) { $family::$gpu::$op(self, $($arg),*) })*
+    };
+}
+pub(crate) use encoders;
 
 pub trait Backend: Send + Sized + 'static {
     /// f32 activations, state and scratch.
@@ -452,7 +494,7 @@ pub trait Backend: Send + Sized + 'static {
     /// (rows moved with `copy_rows`).
     fn delta_net_batch(
         &self,
-        r: &DeltaNetBatch<'_, Self>,
+        r: &DeltaNetOps<'_, Self>,
         seqs: &mut [DeltaNetSeq<'_, Self::Buf>],
         one: &mut OneRow<'_, Self>,
         mixed: &mut Self::Buf,
@@ -615,22 +657,39 @@ pub struct MoeAddNorm<'a, B: Backend> {
     pub norm_w: &'a B::Buf,
 }
 
-/// The operands of `delta_net_gated` that it only reads: the params of its three parts, the
-/// layer's weights and the step's projections.
-pub struct DeltaNetGated<'a, B: Backend> {
-    /// T tokens, C channels, taps; T tokens, heads and head dims; T Hv rows of Dv, eps.
+/// The operands of a DeltaNet layer's conv and recurrence (`delta_net_conv`, then `delta_net`)
+/// that they only read: the two ops' params, the layer's weights and the step's projections.
+/// `delta_net_batch` reads them (`tokens`: the batch's rows), `delta_net_gated` reads them and
+/// its norm's.
+pub struct DeltaNetOps<'a, B: Backend> {
+    /// T tokens, C channels, taps; T tokens, heads and head dims.
     pub conv: ConvParams,
     pub delta: DeltaNetParams,
-    pub norm: RmsNormParams,
-    /// [C, taps], [Hv] f32, [Hv], [Dv].
+    /// [C, taps], [Hv] f32, [Hv].
     pub conv1d: &'a B::Buf,
     pub a_log: &'a B::Buf,
     pub dt_bias: &'a B::Buf,
-    pub norm_w: &'a B::Buf,
-    /// [T, C] (q | k | v before the conv), [T, Hv], [T, Hv], [T, Hv Dv].
+    /// [T, C] (q | k | v before the conv), [T, Hv], [T, Hv].
     pub proj: &'a B::Buf,
     pub a: &'a B::Buf,
     pub b: &'a B::Buf,
+}
+
+impl<B: Backend> DeltaNetOps<'_, B> {
+    /// What `delta_net` reads besides its state, the conv's output being `mixed`.
+    pub fn input<'s>(&'s self, mixed: &'s B::Buf) -> DeltaNetIn<'s, B::Buf> {
+        DeltaNetIn::new(&self.delta, mixed, self.a, self.b, self.a_log, self.dt_bias)
+    }
+}
+
+/// The operands of `delta_net_gated` that it only reads: its conv's and recurrence's, then its
+/// norm's.
+pub struct DeltaNetGated<'a, B: Backend> {
+    pub ops: DeltaNetOps<'a, B>,
+    /// T Hv rows of Dv, eps.
+    pub norm: RmsNormParams,
+    /// [Dv], [T, Hv Dv].
+    pub norm_w: &'a B::Buf,
     pub z: &'a B::Buf,
 }
 
@@ -645,12 +704,9 @@ pub(crate) fn delta_net_gated_unfused<B: Backend>(
     core: &mut B::Buf,
     out: &mut B::Buf,
 ) {
-    b.delta_net_conv(&r.conv, r.conv1d, conv_state, r.proj, mixed);
-    b.delta_net(
-        &DeltaNetIn::new(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias),
-        state,
-        core,
-    );
+    let o = &r.ops;
+    b.delta_net_conv(&o.conv, o.conv1d, conv_state, o.proj, mixed);
+    b.delta_net(&o.input(mixed), state, core);
     b.rms_norm_gated(&r.norm, core, r.z, r.norm_w, out);
 }
 
@@ -682,25 +738,10 @@ pub struct OneRow<'a, B: Backend> {
     pub core: &'a mut B::Buf,
 }
 
-/// The operands of `delta_net_batch` that it only reads: the two ops' params (`tokens`: the
-/// batch's rows), the layer's weights and the step's projections.
-pub struct DeltaNetBatch<'a, B: Backend> {
-    pub conv: ConvParams,
-    pub delta: DeltaNetParams,
-    /// [C, taps], [Hv] f32, [Hv].
-    pub conv1d: &'a B::Buf,
-    pub a_log: &'a B::Buf,
-    pub dt_bias: &'a B::Buf,
-    /// [B, C] (q | k | v before the conv), [B, Hv], [B, Hv].
-    pub proj: &'a B::Buf,
-    pub a: &'a B::Buf,
-    pub b: &'a B::Buf,
-}
-
 /// `delta_net_batch` one row at a time (the trait's default, and the reference backend's).
 pub(crate) fn delta_net_batch_by_row<B: Backend>(
     b: &B,
-    r: &DeltaNetBatch<'_, B>,
+    r: &DeltaNetOps<'_, B>,
     seqs: &mut [DeltaNetSeq<'_, B::Buf>],
     one: &mut OneRow<'_, B>,
     _mixed: &mut B::Buf,

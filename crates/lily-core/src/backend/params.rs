@@ -261,11 +261,13 @@ constants! {
     /// threadgroup memory for the rotation).
     pub const ROPE_HEAD_DIM_MAX: usize = 1024;
 
-    /// The most experts of the Metal routing (`moe_route`: one key per expert in threadgroup
-    /// memory) and expert sort (`moe_scan`: one thread per expert in one threadgroup).
+    /// The most experts of the routing (`moe_route`: one key per expert in threadgroup / shared
+    /// memory; CUDA's moe.cu calls it ROUTE_E_MAX) and of the expert sort (Metal `moe_scan`, CUDA
+    /// `moe_sort`: one thread per expert in one threadgroup / block).
     pub const MOE_EXPERTS_MAX: usize = 1024;
 
-    /// The most experts per token of the Metal `moe_route` (the picks kept in threadgroup memory).
+    /// The most experts per token of `moe_route` (the picks kept in threadgroup / shared memory;
+    /// CUDA's moe.cu calls it ROUTE_K_MAX).
     pub const ROUTE_TOP_K_MAX: usize = 64;
 
     /// u32 words of the Metal routing's threadgroup scratch (`route_token` in moe.metal: three

@@ -8,7 +8,7 @@
 use super::state::{DeltaNetState, Scratch};
 use crate::{
     backend::{
-        Backend, ConvParams, DeltaNetBatch, DeltaNetGated, DeltaNetParams, DeltaNetSeq, MatmulParams, RmsNormParams,
+        Backend, ConvParams, DeltaNetGated, DeltaNetOps, DeltaNetParams, DeltaNetSeq, MatmulParams, RmsNormParams,
     },
     config::ModelConfig,
     error::Result,
@@ -62,16 +62,9 @@ impl<B: Backend> DeltaNet<B> {
         self.project(b, t, s);
         // s.gated = gated norm of the recurrence's output of the conv of s.proj, by s.z
         let r = DeltaNetGated {
-            conv: self.conv_params(t),
-            delta: self.delta_params(t),
+            ops: self.ops(t, [&s.proj, &s.a, &s.b]),
             norm: self.norm_params(t),
-            conv1d: &self.conv1d,
-            a_log: &self.a_log,
-            dt_bias: &self.dt_bias,
             norm_w: &self.norm,
-            proj: &s.proj,
-            a: &s.a,
-            b: &s.b,
             z: &s.z,
         };
         b.delta_net_gated(&r, &mut st.conv, &mut st.ssm, &mut s.conv, &mut s.core, &mut s.gated);
@@ -87,18 +80,23 @@ impl<B: Backend> DeltaNet<B> {
         s: &mut Scratch<B>,
         one: &mut Scratch<B>,
     ) -> Result<()> {
-        let t = seqs.len();
-        let r = DeltaNetBatch {
+        let r = self.ops(seqs.len(), [&s.proj, &s.a, &s.b]);
+        b.delta_net_batch(&r, seqs, &mut one.one_row(), &mut s.conv, &mut s.core)
+    }
+
+    /// The conv's and the recurrence's operands for `t` tokens (rows) of the projections proj, a,
+    /// b (the scratch's).
+    fn ops<'a>(&'a self, t: usize, [proj, a, b]: [&'a B::Buf; 3]) -> DeltaNetOps<'a, B> {
+        DeltaNetOps {
             conv: self.conv_params(t),
             delta: self.delta_params(t),
             conv1d: &self.conv1d,
             a_log: &self.a_log,
             dt_bias: &self.dt_bias,
-            proj: &s.proj,
-            a: &s.a,
-            b: &s.b,
-        };
-        b.delta_net_batch(&r, seqs, &mut one.one_row(), &mut s.conv, &mut s.core)
+            proj,
+            a,
+            b,
+        }
     }
 
     fn conv_dim(&self) -> u32 {

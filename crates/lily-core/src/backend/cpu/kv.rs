@@ -224,15 +224,7 @@ impl CpuKv {
 
     /// Rows row0.. widened to f32 into `out` (whole rows).
     pub fn read(&self, row0: usize, out: &mut [f32]) -> Result<()> {
-        let rows = out.len() / self.width;
-        if out.len() % self.width != 0 || row0 + rows > self.rows() {
-            return Err(Error::InvalidArgument(format!(
-                "kv_read: rows {row0}..{} of a cache of {} rows of {} values",
-                row0 + rows,
-                self.rows(),
-                self.width
-            )));
-        }
+        check_read(self.width, self.rows(), row0, out.len())?;
         for (i, o) in out.chunks_exact_mut(self.width).enumerate() {
             self.row_f32(row0 + i, 0, o);
         }
@@ -300,6 +292,19 @@ pub fn touched(row0: usize, rows: usize, shift: u32, held: usize) -> std::ops::R
 pub fn segment_rows(rows: usize, shift: u32) -> impl Iterator<Item = usize> {
     let seg = 1usize << shift;
     (0..rows.div_ceil(seg)).map(move |s| (rows - s * seg).min(seg))
+}
+
+/// The rows a `kv_read` of `len` values from row `row0` reads from a cache of `held` rows of
+/// `width` values (every backend's check): whole rows, all of them held.
+pub fn check_read(width: usize, held: usize, row0: usize, len: usize) -> Result<usize> {
+    let rows = len / width.max(1);
+    if len % width != 0 || row0 + rows > held {
+        return Err(Error::InvalidArgument(format!(
+            "kv_read: rows {row0}..{} of a cache of {held} rows of {width} values",
+            row0 + rows
+        )));
+    }
+    Ok(rows)
 }
 
 /// Whether `rows` rows can be copied between caches of (width, dtype, segment shift, rows held):

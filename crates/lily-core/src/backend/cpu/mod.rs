@@ -20,7 +20,7 @@ pub use int8::Precision;
 
 use super::{
     check_rows, delta_net_batch_by_row, moe_router_unfused, params::*, qk_norm_rope_store_attention_by_row,
-    AttentionBatch, Backend, DeltaNetBatch, DeltaNetIn, DeltaNetSeq, KvDtype, KvSegment, KvSeq, MoeExperts, OneRow,
+    AttentionBatch, Backend, DeltaNetIn, DeltaNetOps, DeltaNetSeq, KvDtype, KvSegment, KvSeq, MoeExperts, OneRow,
     Router, Routing, StreamKind,
 };
 use crate::{
@@ -319,7 +319,7 @@ impl Backend for Cpu {
     /// Every sequence's conv in one pool loop, every sequence's recurrence in one more.
     fn delta_net_batch(
         &self,
-        r: &DeltaNetBatch<'_, Self>,
+        r: &DeltaNetOps<'_, Self>,
         seqs: &mut [DeltaNetSeq<'_, Vec<f32>>],
         one: &mut OneRow<'_, Self>,
         mixed: &mut Vec<f32>,
@@ -331,7 +331,7 @@ impl Backend for Cpu {
         profile::timed("delta_net_conv_batch", 0, || {
             ops::delta_net::cpu::delta_net_conv_batch(&r.conv, r.conv1d, seqs, r.proj, mixed)
         });
-        let x = DeltaNetIn::new(&r.delta, mixed, r.a, r.b, r.a_log, r.dt_bias);
+        let x = r.input(mixed);
         profile::timed("delta_net_batch", 0, || {
             ops::delta_net::cpu::delta_net_batch(&x.slices(), seqs, core)
         });

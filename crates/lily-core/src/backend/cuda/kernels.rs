@@ -30,26 +30,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     source!("cuda", "rms_norm.cu"),
 ];
 
-/// Host-name suffixes of the weight formats (`FOR_EACH_WEIGHT` in common.cuh, same order).
-pub const WEIGHT_SUFFIXES: &[&str] = &[
-    "f32", "f16", "bf16", "q2_bf16", "q4_bf16", "q8_bf16", "q2_f16", "q4_f16", "q8_f16", "q2_f32", "q4_f32", "q8_f32",
-];
-
-/// A weight format that has kernels: its place in [`WEIGHT_SUFFIXES`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Weight(u8);
-
-impl Weight {
-    pub fn from_suffix(suffix: &str) -> Option<Weight> {
-        WEIGHT_SUFFIXES
-            .iter()
-            .position(|s| *s == suffix)
-            .map(|i| Weight(i as u8))
-    }
-    pub fn suffix(self) -> &'static str {
-        WEIGHT_SUFFIXES[self.0 as usize]
-    }
-}
+pub use crate::backend::{Weight, WEIGHT_SUFFIXES};
 
 /// Kernels with one instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -195,7 +176,7 @@ impl Kernel {
         Kernel(f as u16)
     }
     pub fn weight(op: WeightOp, w: Weight) -> Kernel {
-        Kernel((FIXED_END + op as usize * N_WEIGHTS + w.0 as usize) as u16)
+        Kernel((FIXED_END + op as usize * N_WEIGHTS + w.index()) as u16)
     }
     pub fn index(self) -> usize {
         self.0 as usize

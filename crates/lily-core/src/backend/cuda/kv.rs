@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::{Alloc, Cuda, Executor, KvDesc, KvElem};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, check_share, segment_list, segment_rows, touched, widen},
+        cpu::kv::{check_copy, check_read, check_share, segment_list, segment_rows, touched, widen},
         KvDtype, KvSegment,
     },
     error::{Error, Result},
@@ -178,14 +178,7 @@ impl<X: Executor> Cuda<X> {
     /// Rows row0.. of `kv` widened to f32 (pending work first: it may write them).
     pub(super) fn kv_read(&self, kv: &CudaKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
         let w = kv.width;
-        let rows = out.len() / w;
-        if out.len() % w != 0 || row0 + rows > kv.rows() {
-            return Err(Error::InvalidArgument(format!(
-                "kv_read: rows {row0}..{} of a cache of {} rows of {w} values",
-                row0 + rows,
-                kv.rows()
-            )));
-        }
+        let rows = check_read(w, kv.rows(), row0, out.len())?;
         self.flush()?;
         let (size, mask) = (kv.dtype.size(), (1usize << kv.shift) - 1);
         let mut bytes = Vec::new();

@@ -49,8 +49,8 @@ use kernels::{Fixed as F, Kernel, Weight};
 pub use kv::CudaKv;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm,
-    MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
+    check_rows, encoders, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment,
+    MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::ops::{attention, delta_net, elementwise, embed, matmul, moe, norm};
 use crate::{
@@ -770,190 +770,32 @@ impl<X: Executor> Backend for Cuda<X> {
         self.flush()
     }
 
-    fn embed(&self, tokens: usize, table: &CudaMat<X>, ids: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        embed::cuda::embed(self, tokens, table, ids, out)
-    }
-
-    fn rms_norm(&self, p: &RmsNormParams, x: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        norm::cuda::rms_norm(self, p, x, w, out)
-    }
-
-    fn rms_norm_gated(&self, p: &RmsNormParams, x: &CudaBuf<X>, z: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        norm::cuda::rms_norm_gated(self, p, x, z, w, out)
-    }
-
-    fn add(&self, p: &RowsParams, x: &mut CudaBuf<X>, y: &CudaBuf<X>) {
-        elementwise::cuda::add(self, p, x, y)
-    }
-
-    fn add_rms_norm(
-        &self,
-        p: &RmsNormParams,
-        x: &mut CudaBuf<X>,
-        y: &CudaBuf<X>,
-        w: &CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        norm::cuda::add_rms_norm(self, p, x, y, w, out)
-    }
-
-    fn add_gated_rms_norm(
-        &self,
-        p: &RmsNormParams,
-        x: &mut CudaBuf<X>,
-        add: &GatedAdd<'_, Self>,
-        w: &CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        norm::cuda::add_gated_rms_norm(self, p, x, add, w, out)
-    }
-
-    fn moe_experts_add_rms_norm(
-        &self,
-        moe: &MoeParams,
-        norm: &RmsNormParams,
-        r: &MoeAddNorm<'_, Self>,
-        tmp: &mut CudaBuf<X>,
-        mix: &mut CudaBuf<X>,
-        x: &mut CudaBuf<X>,
-        h: &mut CudaBuf<X>,
-    ) {
-        norm::cuda::moe_experts_add_rms_norm(self, moe, norm, r, tmp, mix, x, h)
-    }
-
-    fn moe_add_rms_norm(
-        &self,
-        moe: &MoeParams,
-        norm: &RmsNormParams,
-        r: &MoeBlock<'_, Self>,
-        s: &mut MoeScratch<'_, Self>,
-        x: &mut CudaBuf<X>,
-        h: &mut CudaBuf<X>,
-    ) {
-        moe::cuda::moe_add_rms_norm(self, moe, norm, r, s, x, h)
-    }
-
-    fn matmul(&self, p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        matmul::cuda::matmul(self, p, w, x, out)
-    }
-
-    fn matmuls(&self, p: &MatmulParams, x: &CudaBuf<X>, ws: &[&CudaMat<X>], outs: &mut [&mut CudaBuf<X>]) {
-        matmul::cuda::matmuls(self, p, x, ws, outs)
-    }
-
-    fn qk_norm_rope(
-        &self,
-        p: &RopeParams,
-        q_norm: &CudaBuf<X>,
-        k_norm: &CudaBuf<X>,
-        qg: &mut CudaBuf<X>,
-        k: &mut CudaBuf<X>,
-    ) {
-        attention::cuda::qk_norm_rope(self, p, q_norm, k_norm, qg, k)
-    }
-
-    fn kv_store(&self, p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>) {
-        attention::cuda::kv_store(self, p, x, cache)
-    }
-
-    fn qk_norm_rope_store(
-        &self,
-        p: &RopeParams,
-        q_norm: &CudaBuf<X>,
-        k_norm: &CudaBuf<X>,
-        qg: &mut CudaBuf<X>,
-        k: &mut CudaBuf<X>,
-        v: &CudaBuf<X>,
-        k_cache: &mut CudaKv<X>,
-        v_cache: &mut CudaKv<X>,
-    ) {
-        attention::cuda::qk_norm_rope_store(self, p, q_norm, k_norm, qg, k, v, k_cache, v_cache)
-    }
-
-    fn qk_norm_rope_store_attention(
-        &self,
-        rope: &RopeParams,
-        p: &AttentionParams,
-        q_norm: &CudaBuf<X>,
-        k_norm: &CudaBuf<X>,
-        qg: &mut CudaBuf<X>,
-        k: &mut CudaBuf<X>,
-        v: &CudaBuf<X>,
-        k_cache: &mut CudaKv<X>,
-        v_cache: &mut CudaKv<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        attention::cuda::qk_norm_rope_store_attention(self, rope, p, q_norm, k_norm, qg, k, v, k_cache, v_cache, out)
-    }
-
-    fn attention(&self, p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>) {
-        attention::cuda::attention(self, p, qg, k, v, out)
-    }
-
-    fn delta_net_conv(
-        &self,
-        p: &ConvParams,
-        w: &CudaBuf<X>,
-        state: &mut CudaBuf<X>,
-        x: &CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        delta_net::cuda::delta_net_conv(self, p, w, state, x, out)
-    }
-
-    fn delta_net(&self, x: &DeltaNetIn<'_, CudaBuf<X>>, state: &mut CudaBuf<X>, out: &mut CudaBuf<X>) {
-        delta_net::cuda::delta_net(self, x, state, out)
-    }
-
-    fn delta_net_gated(
-        &self,
-        r: &DeltaNetGated<'_, Self>,
-        conv_state: &mut CudaBuf<X>,
-        state: &mut CudaBuf<X>,
-        mixed: &mut CudaBuf<X>,
-        core: &mut CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        delta_net::cuda::delta_net_gated(self, r, conv_state, state, mixed, core, out)
-    }
-
-    fn moe_route(&self, p: &RouteParams, logits: &CudaBuf<X>, ids: &mut CudaBuf<X>, weights: &mut CudaBuf<X>) {
-        moe::cuda::moe_route(self, p, logits, ids, weights)
-    }
-
-    fn moe_router(&self, p: &RouteParams, x: &CudaBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>) {
-        moe::cuda::moe_router(self, p, x, r, out)
-    }
-
-    fn moe_experts(
-        &self,
-        p: &MoeParams,
-        e: &MoeExperts<'_, Self>,
-        x: &CudaBuf<X>,
-        tmp: &mut CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        moe::cuda::moe_experts(self, p, e, x, tmp, out)
-    }
-
-    fn gate_up_swiglu(
-        &self,
-        p: &RowsParams,
-        w: &GateUp<'_, Self>,
-        x: &CudaBuf<X>,
-        g: &mut CudaBuf<X>,
-        u: &mut CudaBuf<X>,
-        out: &mut CudaBuf<X>,
-    ) {
-        moe::cuda::gate_up_swiglu(self, p, w, x, g, u, out)
-    }
-
-    fn swiglu(&self, p: &RowsParams, gate: &CudaBuf<X>, up: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        elementwise::cuda::swiglu(self, p, gate, up, out)
-    }
-
-    fn sigmoid_gate_add(&self, p: &RowsParams, y: &CudaBuf<X>, gate: &CudaBuf<X>, out: &mut CudaBuf<X>) {
-        elementwise::cuda::sigmoid_gate_add(self, p, y, gate, out)
+    // Each op is its family's encoder, which takes the trait method's arguments after the device.
+    encoders! { cuda;
+        embed::embed(tokens: usize, table: &CudaMat<X>, ids: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        norm::rms_norm(p: &RmsNormParams, x: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        norm::rms_norm_gated(p: &RmsNormParams, x: &CudaBuf<X>, z: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        elementwise::add(p: &RowsParams, x: &mut CudaBuf<X>, y: &CudaBuf<X>);
+        norm::add_rms_norm(p: &RmsNormParams, x: &mut CudaBuf<X>, y: &CudaBuf<X>, w: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        norm::add_gated_rms_norm(p: &RmsNormParams, x: &mut CudaBuf<X>, add: &GatedAdd<'_, Self>, w: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        norm::moe_experts_add_rms_norm(moe: &MoeParams, norm: &RmsNormParams, r: &MoeAddNorm<'_, Self>, tmp: &mut CudaBuf<X>, mix: &mut CudaBuf<X>, x: &mut CudaBuf<X>, h: &mut CudaBuf<X>);
+        moe::moe_add_rms_norm(moe: &MoeParams, norm: &RmsNormParams, r: &MoeBlock<'_, Self>, s: &mut MoeScratch<'_, Self>, x: &mut CudaBuf<X>, h: &mut CudaBuf<X>);
+        matmul::matmul(p: &MatmulParams, w: &CudaMat<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        matmul::matmuls(p: &MatmulParams, x: &CudaBuf<X>, ws: &[&CudaMat<X>], outs: &mut [&mut CudaBuf<X>]);
+        attention::qk_norm_rope(p: &RopeParams, q_norm: &CudaBuf<X>, k_norm: &CudaBuf<X>, qg: &mut CudaBuf<X>, k: &mut CudaBuf<X>);
+        attention::kv_store(p: &KvStoreParams, x: &CudaBuf<X>, cache: &mut CudaKv<X>);
+        attention::qk_norm_rope_store(p: &RopeParams, q_norm: &CudaBuf<X>, k_norm: &CudaBuf<X>, qg: &mut CudaBuf<X>, k: &mut CudaBuf<X>, v: &CudaBuf<X>, k_cache: &mut CudaKv<X>, v_cache: &mut CudaKv<X>);
+        attention::qk_norm_rope_store_attention(rope: &RopeParams, p: &AttentionParams, q_norm: &CudaBuf<X>, k_norm: &CudaBuf<X>, qg: &mut CudaBuf<X>, k: &mut CudaBuf<X>, v: &CudaBuf<X>, k_cache: &mut CudaKv<X>, v_cache: &mut CudaKv<X>, out: &mut CudaBuf<X>);
+        attention::attention(p: &AttentionParams, qg: &CudaBuf<X>, k: &CudaKv<X>, v: &CudaKv<X>, out: &mut CudaBuf<X>);
+        delta_net::delta_net_conv(p: &ConvParams, w: &CudaBuf<X>, state: &mut CudaBuf<X>, x: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        delta_net::delta_net(x: &DeltaNetIn<'_, CudaBuf<X>>, state: &mut CudaBuf<X>, out: &mut CudaBuf<X>);
+        delta_net::delta_net_gated(r: &DeltaNetGated<'_, Self>, conv_state: &mut CudaBuf<X>, state: &mut CudaBuf<X>, mixed: &mut CudaBuf<X>, core: &mut CudaBuf<X>, out: &mut CudaBuf<X>);
+        moe::moe_route(p: &RouteParams, logits: &CudaBuf<X>, ids: &mut CudaBuf<X>, weights: &mut CudaBuf<X>);
+        moe::moe_router(p: &RouteParams, x: &CudaBuf<X>, r: &Router<'_, Self>, out: &mut Routing<'_, Self>);
+        moe::moe_experts(p: &MoeParams, e: &MoeExperts<'_, Self>, x: &CudaBuf<X>, tmp: &mut CudaBuf<X>, out: &mut CudaBuf<X>);
+        moe::gate_up_swiglu(p: &RowsParams, w: &GateUp<'_, Self>, x: &CudaBuf<X>, g: &mut CudaBuf<X>, u: &mut CudaBuf<X>, out: &mut CudaBuf<X>);
+        elementwise::swiglu(p: &RowsParams, gate: &CudaBuf<X>, up: &CudaBuf<X>, out: &mut CudaBuf<X>);
+        elementwise::sigmoid_gate_add(p: &RowsParams, y: &CudaBuf<X>, gate: &CudaBuf<X>, out: &mut CudaBuf<X>);
     }
 }
 

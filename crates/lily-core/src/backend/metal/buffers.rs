@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{Arg, Executor, Metal, Weight};
 use crate::{
     backend::{
-        cpu::kv::{check_copy, check_share, segment_list, segment_rows, touched, widen},
+        cpu::kv::{check_copy, check_read, check_share, segment_list, segment_rows, touched, widen},
         params::{KvLayout, MatrixDesc},
         KvDtype, KvSegment,
     },
@@ -351,14 +351,8 @@ impl<X: Executor> Metal<X> {
     /// Rows row0.. of `kv` widened to f32 (pending work first: the rows may be written by it).
     pub(super) fn kv_read(&self, kv: &MetalKv<X>, row0: usize, out: &mut [f32]) -> Result<()> {
         self.flush()?;
-        let (w, rows) = (kv.width, out.len() / kv.width.max(1));
-        if out.len() % w != 0 || row0 + rows > kv.rows() {
-            return Err(Error::InvalidArgument(format!(
-                "kv_read: rows {row0}..{} of a cache of {} rows of {w} values",
-                row0 + rows,
-                kv.rows()
-            )));
-        }
+        let w = kv.width;
+        check_read(w, kv.rows(), row0, out.len())?;
         let mask = (1usize << kv.shift) - 1;
         for (i, o) in out.chunks_exact_mut(w).enumerate() {
             let r = row0 + i;

@@ -33,34 +33,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     shader!("norm.metal"),
 ];
 
-/// Host-name suffixes of the weight formats (`FOR_EACH_WEIGHT` in common.h).
-pub const WEIGHT_SUFFIXES: &[&str] = &[
-    "f32", "f16", "bf16", "q2_bf16", "q4_bf16", "q8_bf16", "q2_f16", "q4_f16", "q8_f16", "q2_f32", "q4_f32", "q8_f32",
-];
-
-/// A weight format that has Metal kernels: its place in [`WEIGHT_SUFFIXES`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Weight(u8);
-
-impl Weight {
-    pub fn from_suffix(suffix: &str) -> Option<Weight> {
-        WEIGHT_SUFFIXES
-            .iter()
-            .position(|s| *s == suffix)
-            .map(|i| Weight(i as u8))
-    }
-    /// Host-name suffix (`q4_bf16`, `bf16`, ...).
-    pub fn suffix(self) -> &'static str {
-        WEIGHT_SUFFIXES[self.0 as usize]
-    }
-    /// Its place in [`WEIGHT_SUFFIXES`].
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-    pub fn all() -> impl Iterator<Item = Weight> {
-        (0..WEIGHT_SUFFIXES.len()).map(|i| Weight(i as u8))
-    }
-}
+pub use crate::backend::{Weight, WEIGHT_SUFFIXES};
 
 /// An enum of kernels (or kernel families) and their host names (stems), in table order.
 macro_rules! kernel_enum {
@@ -295,15 +268,15 @@ impl Kernel {
         Kernel(f as u16)
     }
     pub fn per_weight(op: WeightOp, w: Weight) -> Kernel {
-        Kernel((FIXED_END + op as usize * N_WEIGHTS + w.0 as usize) as u16)
+        Kernel((FIXED_END + op as usize * N_WEIGHTS + w.index()) as u16)
     }
     pub fn gemv(op: GemvOp, w: Weight, rows: GemvRows) -> Kernel {
         let n = GemvRows::ALL.len();
-        Kernel((WEIGHT_END + (op as usize * N_WEIGHTS + w.0 as usize) * n + rows as usize) as u16)
+        Kernel((WEIGHT_END + (op as usize * N_WEIGHTS + w.index()) * n + rows as usize) as u16)
     }
     pub fn gemm(op: GemmOp, w: Weight, tile: GemmTile) -> Kernel {
         let n = GemmTile::ALL.len();
-        Kernel((GEMV_END + (op as usize * N_WEIGHTS + w.0 as usize) * n + tile as usize) as u16)
+        Kernel((GEMV_END + (op as usize * N_WEIGHTS + w.index()) * n + tile as usize) as u16)
     }
 
     /// Its place in the table (0 .. `Kernel::COUNT`).

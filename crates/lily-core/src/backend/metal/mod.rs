@@ -51,8 +51,8 @@ pub use kernels::{Fixed, GemmOp, GemmTile, GemvOp, GemvRows, Kernel, Variants, W
 use stream::Stream;
 
 use super::{
-    check_rows, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment, MoeAddNorm,
-    MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
+    check_rows, encoders, params::*, Backend, DeltaNetGated, DeltaNetIn, GateUp, GatedAdd, KvDtype, KvSegment,
+    MoeAddNorm, MoeBlock, MoeExperts, MoeScratch, Router, Routing, StreamKind,
 };
 use crate::{
     error::{Error, Result},
@@ -297,15 +297,6 @@ pub(crate) fn norm_threads(dim: usize) -> u32 {
     (dim.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
-/// The `Backend` ops that are their family's encoder: `family::op(args)` writes
-/// `fn op(&self, args) { family::metal::op(self, args) }` (the encoder takes the trait method's
-/// arguments after the device), so the impl is one line per op.
-macro_rules! encoders {
-    ($($family:ident::$op:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {
-        $(fn $op(&self, $($arg: $ty),*) { $family::metal::$op(self, $($arg),*) })*
-    };
-}
-
 impl<X: Executor> Backend for Metal<X> {
     type Buf = MetalBuf<X>;
     type Ids = MetalBuf<X>;
@@ -451,7 +442,7 @@ impl<X: Executor> Backend for Metal<X> {
     }
 
     // Each op is its family's encoder, which takes the trait method's arguments after the device.
-    encoders! {
+    encoders! { metal;
         embed::embed(tokens: usize, table: &MetalMatrix<X>, ids: &MetalBuf<X>, out: &mut MetalBuf<X>);
         norm::rms_norm(p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>);
         norm::rms_norm_gated(p: &RmsNormParams, x: &MetalBuf<X>, z: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>);

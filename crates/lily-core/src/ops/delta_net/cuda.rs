@@ -114,55 +114,25 @@ pub fn delta_net_gated<X: Executor>(
     core: &mut CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let p = &r.delta;
+    let (o, p) = (&r.ops, &r.ops.delta);
     let (t, hk, hv, dk, dv) = p.dims();
-    let width = 2 * hk * dk + hv * dv;
     let fused = c.fused_delta_net
         && t <= c.gemv_tokens
         && dk <= DELTA_NET_GATED_DIM_MAX
         && dv <= DELTA_NET_GATED_DIM_MAX
-        && r.conv.taps as usize <= DELTA_NET_GATED_TAPS_MAX
-        && r.conv.tokens == p.tokens
-        && r.conv.channels as usize == width
-        && r.norm.rows as usize == t * hv
-        && r.norm.dim as usize == dv;
+        && o.conv.taps as usize <= DELTA_NET_GATED_TAPS_MAX
+        && super::gated_parts_agree(r);
     if !fused {
         return delta_net_gated_unfused(c, r, conv_state, state, mixed, core, out);
     }
-    // The parts' own checks (taps, head shapes, every buffer the kernel reads or writes).
-    let conv = match super::conv_checks(&r.conv, [r.conv1d.len, conv_state.len, r.proj.len, usize::MAX]) {
+    // The parts' own checks (taps, head shapes), every buffer the kernel reads or writes, and the
+    // sums of squares it keeps in core.
+    let sums = ("core", core.len, t * hv * div(dv, 32) as usize);
+    let checks = match super::gated_checks(r, |b| b.len, [conv_state.len, state.len, out.len]) {
         Ok(checks) => checks,
         Err(e) => return c.fail(e),
     };
-    let have = [
-        r.proj.len,
-        r.a.len,
-        r.b.len,
-        r.a_log.len,
-        r.dt_bias.len,
-        state.len,
-        out.len,
-    ];
-    let delta = match super::delta_net_checks(p, have) {
-        Ok(checks) => checks,
-        Err(e) => return c.fail(e),
-    };
-    let n = t * hv * dv;
-    let checks = [
-        conv[0],
-        ("conv_state", conv[1].1, conv[1].2),
-        ("proj", r.proj.len, t * width),
-        delta[1],
-        delta[2],
-        delta[3],
-        delta[4],
-        ("norm_w", r.norm_w.len, dv),
-        ("z", r.z.len, n),
-        delta[5],
-        ("out", out.len, n),
-        ("core", core.len, t * hv * div(dv, 32) as usize),
-    ];
-    if !c.fits("delta_net_gated", &checks) {
+    if !c.fits("delta_net_gated", &checks) || !c.fits("delta_net_gated", &[sums]) {
         return;
     }
     // One counter per key head; room for any model's (never regrown under a recorded launch).
@@ -171,15 +141,15 @@ pub fn delta_net_gated<X: Executor>(
     };
     let args = Args::new()
         .push(*p)
-        .push(r.conv)
+        .push(o.conv)
         .push(r.norm)
-        .ptr(r.conv1d.ptr())
+        .ptr(o.conv1d.ptr())
         .ptr(conv_state.ptr())
-        .ptr(r.proj.ptr())
-        .ptr(r.a.ptr())
-        .ptr(r.b.ptr())
-        .ptr(r.a_log.ptr())
-        .ptr(r.dt_bias.ptr())
+        .ptr(o.proj.ptr())
+        .ptr(o.a.ptr())
+        .ptr(o.b.ptr())
+        .ptr(o.a_log.ptr())
+        .ptr(o.dt_bias.ptr())
         .ptr(r.norm_w.ptr())
         .ptr(r.z.ptr())
         .ptr(state.ptr())

@@ -166,9 +166,8 @@ pub fn delta_net_gated<X: Executor>(
     core: &mut MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let p = &r.delta;
+    let (o, p) = (&r.ops, &r.ops.delta);
     let (t, hk, hv, dk, dv) = p.dims();
-    let width = 2 * hk * dk + hv * dv;
     // Threadgroup memory: qk [T, 2 Dk], vo [T, G Dv], gates [T, 2 G] (G = Hv / Hk; hk = 0 or a
     // G that is not whole fails the checks below, in the parts).
     let g = hv.checked_div(hk).unwrap_or(0);
@@ -176,59 +175,29 @@ pub fn delta_net_gated<X: Executor>(
     let fused = m.fused_delta_net
         && (1..=GATED_TOKENS).contains(&t)
         && tg_mem.iter().map(|b| b.next_multiple_of(16)).sum::<usize>() <= THREADGROUP_BYTES
-        && r.conv.tokens == p.tokens
-        && r.conv.channels as usize == width
-        && r.norm.rows as usize == t * hv
-        && r.norm.dim as usize == dv;
+        && super::gated_parts_agree(r);
     if !fused {
         return delta_net_gated_unfused(m, r, conv_state, state, mixed, core, out);
     }
-    // The parts' own checks (taps, head shapes, every buffer the kernel reads or writes).
-    let conv = match super::conv_checks(&r.conv, [r.conv1d.len(), conv_state.len(), r.proj.len(), usize::MAX]) {
+    // The parts' own checks (taps, head shapes), then every buffer the kernel reads or writes.
+    let checks = match super::gated_checks(r, |b| b.len(), [conv_state.len(), state.len(), out.len()]) {
         Ok(checks) => checks,
         Err(e) => return m.fail(e),
     };
-    let have = [
-        r.proj.len(),
-        r.a.len(),
-        r.b.len(),
-        r.a_log.len(),
-        r.dt_bias.len(),
-        state.len(),
-        out.len(),
-    ];
-    let delta = match super::delta_net_checks(p, have) {
-        Ok(checks) => checks,
-        Err(e) => return m.fail(e),
-    };
-    let n = t * hv * dv;
-    let checks = [
-        conv[0],
-        ("conv_state", conv[1].1, conv[1].2),
-        ("proj", r.proj.len(), t * width),
-        delta[1],
-        delta[2],
-        delta[3],
-        delta[4],
-        ("norm_w", r.norm_w.len(), dv),
-        ("z", r.z.len(), n),
-        delta[5],
-        ("out", out.len(), n),
-    ];
     if !m.fits("delta_net_gated", &checks) {
         return;
     }
     let args = [
         Arg::Bytes(bytes_of(p)),
-        Arg::Bytes(bytes_of(&r.conv)),
+        Arg::Bytes(bytes_of(&o.conv)),
         Arg::Bytes(bytes_of(&r.norm)),
-        r.conv1d.arg(),
+        o.conv1d.arg(),
         conv_state.arg(),
-        r.proj.arg(),
-        r.a.arg(),
-        r.b.arg(),
-        r.a_log.arg(),
-        r.dt_bias.arg(),
+        o.proj.arg(),
+        o.a.arg(),
+        o.b.arg(),
+        o.a_log.arg(),
+        o.dt_bias.arg(),
         r.norm_w.arg(),
         r.z.arg(),
         state.arg(),

@@ -16,7 +16,10 @@ pub mod metal;
 pub mod reference;
 
 use crate::{
-    backend::params::{ConvParams, DeltaNetParams, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
+    backend::{
+        params::{ConvParams, DeltaNetParams, DELTA_NET_KEY_DIM_MAX, MAX_CONV_TAPS},
+        Backend, DeltaNetGated,
+    },
     ops::{sigmoid, softplus},
 };
 
@@ -68,6 +71,48 @@ pub fn delta_net_checks(p: &DeltaNetParams, have: [usize; 7]) -> Result<[(&'stat
     ];
     let names = ["qkv", "a", "b", "a_log", "dt_bias", "state", "out"];
     Ok(std::array::from_fn(|i| (names[i], have[i], need[i])))
+}
+
+/// Whether the params of `delta_net_gated`'s three parts describe one layer's step, as a fused
+/// kernel reads them: the conv over the T tokens' q | k | v rows (2 Hk Dk + Hv Dv channels), the
+/// norm over each of the T Hv value heads' Dv outputs.
+pub fn gated_parts_agree<B: Backend>(r: &DeltaNetGated<'_, B>) -> bool {
+    let (o, (t, hk, hv, dk, dv)) = (&r.ops, r.ops.delta.dims());
+    o.conv.tokens == o.delta.tokens
+        && o.conv.channels as usize == 2 * hk * dk + hv * dv
+        && r.norm.rows as usize == t * hv
+        && r.norm.dim as usize == dv
+}
+
+/// As [`conv_checks`] for a fused `delta_net_gated` dispatch: the parts' own checks (taps, head
+/// shapes), then (name, have, need) per buffer the kernel reads or writes, in its argument order.
+/// `len`: a buffer's length in the backend (r's buffers); `have`: the lengths of conv_state,
+/// state, out.
+pub fn gated_checks<B: Backend>(
+    r: &DeltaNetGated<'_, B>,
+    len: impl Fn(&B::Buf) -> usize,
+    have: [usize; 3],
+) -> Result<[(&'static str, usize, usize); 11], String> {
+    let o = &r.ops;
+    let ([conv_state, state, out], [conv1d, proj, a, b]) = (have, [o.conv1d, o.proj, o.a, o.b].map(&len));
+    let [a_log, dt_bias, norm_w, z] = [o.a_log, o.dt_bias, r.norm_w, r.z].map(&len);
+    let conv = conv_checks(&o.conv, [conv1d, conv_state, proj, usize::MAX])?;
+    let delta = delta_net_checks(&o.delta, [proj, a, b, a_log, dt_bias, state, out])?;
+    let (t, hk, hv, dk, dv) = o.delta.dims();
+    let n = t * hv * dv;
+    Ok([
+        conv[0],
+        ("conv_state", conv[1].1, conv[1].2),
+        ("proj", proj, t * (2 * hk * dk + hv * dv)),
+        delta[1],
+        delta[2],
+        delta[3],
+        delta[4],
+        ("norm_w", norm_w, dv),
+        ("z", z, n),
+        delta[5],
+        ("out", out, n),
+    ])
 }
 
 /// The operands of `delta_net` that it only reads, in buffers of a backend (`Backend::delta_net`

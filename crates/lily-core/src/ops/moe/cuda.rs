@@ -14,19 +14,6 @@ use crate::backend::{
 };
 use crate::ops::matmul::cuda::{MMA_ROWS, MMA_THREADS, MMA_TOKENS};
 
-/// Whether `route_token` (moe.cu) takes top `p.top_k` of `p.experts` (E <= 1024, K <= min(E, 64));
-/// records the error for `op` otherwise.
-fn route_fits<X: Executor>(c: &Cuda<X>, op: &str, p: &RouteParams) -> bool {
-    let (e, k) = (p.experts as usize, p.top_k as usize);
-    let ok = e > 0 && e <= 1024 && k > 0 && k <= e.min(64);
-    if !ok {
-        c.fail(format!(
-            "{op}: top {k} of {e} experts unsupported (E <= 1024, K <= min(E, 64))"
-        ));
-    }
-    ok
-}
-
 pub fn moe_route<X: Executor>(
     c: &Cuda<X>,
     p: &RouteParams,
@@ -34,22 +21,15 @@ pub fn moe_route<X: Executor>(
     ids: &mut CudaBuf<X>,
     weights: &mut CudaBuf<X>,
 ) {
-    let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
-    if !route_fits(c, "moe_route", p) {
-        return;
-    }
-    if !c.fits(
-        "moe_route",
-        &[
-            ("logits", logits.len, t * e),
-            ("ids", ids.len, t * k),
-            ("weights", weights.len, t * k),
-        ],
-    ) {
+    let checks = match super::route_checks(p, [logits.len, ids.len, weights.len]) {
+        Ok(checks) => checks,
+        Err(e) => return c.fail(e),
+    };
+    if !c.fits("moe_route", &checks) {
         return;
     }
     let args = Args::new().push(*p).ptr(logits.ptr()).ptr(ids.ptr()).ptr(weights.ptr());
-    c.launch(F::MoeRoute, shape([t as u32, 1, 1], 256), args);
+    c.launch(F::MoeRoute, shape([p.tokens, 1, 1], 256), args);
 }
 
 /// `moe_router`: one `moe_router` launch up to `gemv_tokens` tokens (router [E, D] and shared gate
@@ -78,18 +58,19 @@ pub fn moe_router<X: Executor>(
     if t == 0 || t > c.gemv_tokens || !one_launch {
         return moe_router_unfused(c, p, x, r, out);
     }
-    if !route_fits(c, "moe_router", p)
-        || !c.fits(
-            "moe_router",
-            &[
-                ("x", x.len, t * d),
-                ("logits", out.logits.len, t * e),
-                ("shared", out.shared.len, t),
-                ("ids", out.ids.len, t * k),
-                ("weights", out.weights.len, t * k),
-            ],
-        )
-    {
+    if let Err(e) = super::route_supported("moe_router", p) {
+        return c.fail(e);
+    }
+    if !c.fits(
+        "moe_router",
+        &[
+            ("x", x.len, t * d),
+            ("logits", out.logits.len, t * e),
+            ("shared", out.shared.len, t),
+            ("ids", out.ids.len, t * k),
+            ("weights", out.weights.len, t * k),
+        ],
+    ) {
         return;
     }
     // Room for the default GEMV token limit at once, so decode never regrows it (a test that raises
@@ -189,17 +170,8 @@ pub(crate) fn moe_experts_then<X: Executor>(
         ));
         return;
     }
-    if !c.fits(
-        "moe_experts",
-        &[
-            ("x", x.len, t * d),
-            ("ids", ids.len, t * k),
-            ("weights", weights.len, t * k),
-            ("tmp", tmp.len, pairs * (i + d)),
-            ("out", out.len, t * d),
-        ],
-    ) || pairs == 0
-    {
+    let have = [x.len, ids.len, weights.len, tmp.len, out.len];
+    if !c.fits("moe_experts", &super::experts_checks(p, pairs, [i, d], have)) || pairs == 0 {
         return;
     }
     if !decodes_per_pair(c, p) {
@@ -332,13 +304,11 @@ pub fn gate_up_swiglu<X: Executor>(
     if t == 0 || t > c.gemv_tokens || !same {
         return gate_up_swiglu_unfused(c, p, w, x, g, u, out);
     }
-    if n != p.dim as usize {
-        return c.fail(format!(
-            "gate_up_swiglu: {n} matrix rows for an output of width {}",
-            p.dim
-        ));
-    }
-    if !c.fits("gate_up_swiglu", &[("x", x.len, t * k), ("out", out.len, t * n)]) {
+    let checks = match super::gate_up_checks(p, [n, k], [x.len, out.len]) {
+        Ok(checks) => checks,
+        Err(e) => return c.fail(e),
+    };
+    if !c.fits("gate_up_swiglu", &checks) {
         return;
     }
     let (args, ks) = gate_up_args(Args::new().push(*p), gate, up, n, t);
@@ -366,13 +336,10 @@ fn experts_sorted<X: Executor>(
     let (t, k) = (p.tokens as usize, p.top_k as usize);
     let (i, d, e) = (gate.desc.rows as usize, gate.desc.cols as usize, gate.experts as usize);
     let pairs = t * k;
-    if e == 0 || e > 1024 {
-        c.fail(format!(
-            "moe_experts: {e} experts unsupported by the sorted path (1..=1024)"
-        ));
-        return;
-    }
-    let max_tiles = pairs.div_ceil(MMA_TOKENS) + e.min(pairs);
+    let max_tiles = match super::sorted_blocks(pairs, e, MMA_TOKENS) {
+        Ok(n) => n,
+        Err(e) => return c.fail(e),
+    };
     let Some(sc) = c.scratch(4 + 4 * max_tiles + 2 * pairs, "moe sort", |s| &mut s.moe_scratch) else {
         return;
     };

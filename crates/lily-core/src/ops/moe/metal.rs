@@ -15,7 +15,6 @@ use crate::{
         moe_add_rms_norm_unfused, moe_router_unfused,
         params::{
             MoeParams, MoeSortDesc, RmsNormParams, RouteParams, RowsParams, MOE_EXPERTS_MAX, MOE_TILE, ROUTE_TG_WORDS,
-            ROUTE_TOP_K_MAX,
         },
         Backend, GateUp, MoeBlock, MoeExperts, MoeScratch, Router, Routing,
     },
@@ -56,19 +55,6 @@ fn groups_128(n: usize, rows: usize, y: usize) -> Grid {
     }
 }
 
-/// Whether `route_token` (moe.metal) takes top `p.top_k` of `p.experts`; fails the stream for
-/// `op` otherwise.
-fn route_fits<X: Executor>(m: &Metal<X>, op: &str, p: &RouteParams) -> bool {
-    let (e, k) = (p.experts as usize, p.top_k as usize);
-    let ok = e > 0 && e <= MOE_EXPERTS_MAX && k <= ROUTE_TOP_K_MAX && k <= e;
-    if !ok {
-        m.fail(format!(
-            "{op}: top {k} of {e} experts unsupported (1 <= E <= {MOE_EXPERTS_MAX}, K <= {ROUTE_TOP_K_MAX})"
-        ));
-    }
-    ok
-}
-
 pub fn moe_route<X: Executor>(
     m: &Metal<X>,
     p: &RouteParams,
@@ -76,22 +62,15 @@ pub fn moe_route<X: Executor>(
     ids: &mut MetalBuf<X>,
     weights: &mut MetalBuf<X>,
 ) {
-    let (t, e, k) = (p.tokens as usize, p.experts as usize, p.top_k as usize);
-    if !route_fits(m, "moe_route", p) {
-        return;
-    }
-    if !m.fits(
-        "moe_route",
-        &[
-            ("logits", logits.len(), t * e),
-            ("ids", ids.len(), t * k),
-            ("weights", weights.len(), t * k),
-        ],
-    ) {
+    let checks = match super::route_checks(p, [logits.len(), ids.len(), weights.len()]) {
+        Ok(checks) => checks,
+        Err(e) => return m.fail(e),
+    };
+    if !m.fits("moe_route", &checks) {
         return;
     }
     let grid = Grid::Groups {
-        count: [t as u32, 1, 1],
+        count: [p.tokens, 1, 1],
         size: [256, 1, 1],
     };
     m.encode(
@@ -127,17 +106,18 @@ pub fn moe_router<X: Executor>(
     if !one_dispatch {
         return moe_router_unfused(m, p, x, r, out);
     }
-    if !route_fits(m, "moe_router", p)
-        || !m.fits(
-            "moe_router",
-            &[
-                ("x", x.len(), d),
-                ("shared", out.shared.len(), 1),
-                ("ids", out.ids.len(), k),
-                ("weights", out.weights.len(), k),
-            ],
-        )
-    {
+    if let Err(e) = super::route_supported("moe_router", p) {
+        return m.fail(e);
+    }
+    if !m.fits(
+        "moe_router",
+        &[
+            ("x", x.len(), d),
+            ("shared", out.shared.len(), 1),
+            ("ids", out.ids.len(), k),
+            ("weights", out.weights.len(), k),
+        ],
+    ) {
         return;
     }
     // The E logits in flight, then the counter (the largest E seen: a model's layers share one).
@@ -213,14 +193,8 @@ pub(crate) fn experts_fit<X: Executor>(
         ));
         return false;
     }
-    let checks = [
-        ("x", x.len(), t * d),
-        ("ids", ids.len(), t * k),
-        ("weights", weights.len(), t * k),
-        ("tmp", tmp.len(), t * k * (i + d)),
-        ("out", out.len(), t * d),
-    ];
-    m.fits("moe_experts", &checks)
+    let have = [x.len(), ids.len(), weights.len(), tmp.len(), out.len()];
+    m.fits("moe_experts", &super::experts_checks(p, t * k, [i, d], have))
 }
 
 /// Whether `moe_experts` runs per (token, slot) pair (two GEMV dispatches, `expert_gemvs`) rather
@@ -346,13 +320,11 @@ pub fn gate_up_swiglu<X: Executor>(
     if !fused {
         return gate_up_swiglu_unfused(m, p, w, x, g, u, out);
     }
-    if n != p.dim as usize {
-        return m.fail(format!(
-            "gate_up_swiglu: {n} matrix rows for an output of width {}",
-            p.dim
-        ));
-    }
-    if !m.fits("gate_up_swiglu", &[("x", x.len(), t * k), ("out", out.len(), t * n)]) {
+    let checks = match super::gate_up_checks(p, [n, k], [x.len(), out.len()]) {
+        Ok(checks) => checks,
+        Err(e) => return m.fail(e),
+    };
+    if !m.fits("gate_up_swiglu", &checks) {
         return;
     }
     let args = gate_up_bindings!(m, Arg::Bytes(bytes_of(p)), gate, up; x.arg(), out.arg());
@@ -393,13 +365,13 @@ fn encode_moe_sort<X: Executor>(
     let (t, k, e) = (p.tokens as usize, p.top_k as usize, experts);
     let pairs = t * k;
     let token_blocks = t.div_ceil(MOE_SORT_TOKENS);
-    let max_blocks = pairs.div_ceil(MOE_TILE) + e.min(pairs);
-    if e == 0 || e > MOE_EXPERTS_MAX {
-        m.fail(format!(
-            "moe_experts: {e} experts unsupported by the sorted path (1..={MOE_EXPERTS_MAX})"
-        ));
-        return None;
-    }
+    let max_blocks = match super::sorted_blocks(pairs, e, MOE_TILE) {
+        Ok(n) => n,
+        Err(e) => {
+            m.fail(e);
+            return None;
+        }
+    };
     if !m.fits("moe_experts", &[("ids", ids.len(), pairs)]) {
         return None;
     }
