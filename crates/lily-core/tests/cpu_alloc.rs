@@ -6,44 +6,16 @@
 
 #![cfg(unix)]
 
+mod alloc_common;
 mod common;
 mod gpu_common;
 mod metal_common;
-
-use std::{
-    alloc::{GlobalAlloc, Layout, System},
-    sync::atomic::{AtomicUsize, Ordering},
-};
 
 use lily_core::{
     backend::cpu::int8::Precision,
     engine::{BackendKind, Engine, Options},
 };
 use metal_common::TinyCheckpoint;
-
-/// Counts every allocation of every thread.
-struct Counting;
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-// SAFETY: forwards to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 /// The fewest allocations that one of three rounds of `steps` calls of `step` made. A per-step
 /// allocation shows in every round; the rare legitimate ones (a sequence's token list doubling,
@@ -52,11 +24,11 @@ static GLOBAL: Counting = Counting;
 fn fewest_allocations(steps: usize, mut step: impl FnMut()) -> usize {
     (0..3)
         .map(|_| {
-            let before = ALLOCS.load(Ordering::SeqCst);
+            let before = alloc_common::all_allocations();
             for _ in 0..steps {
                 step();
             }
-            ALLOCS.load(Ordering::SeqCst) - before
+            alloc_common::all_allocations() - before
         })
         .min()
         .unwrap_or(0)

@@ -2,14 +2,9 @@
 //! ISA forced through the function argument, so AVX-512, AVX2 and the portable fallback all run
 //! on any machine that has them. Plus: the decode-step kernels allocate nothing once warm.
 
-use std::{
-    alloc::{GlobalAlloc, Layout, System},
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Mutex,
-    },
-};
+use std::sync::Mutex;
 
+mod alloc_common;
 mod common;
 
 use common::{assert_close, cpu_cache, matrix, rand_vec};
@@ -24,29 +19,6 @@ use lily_core::{
     safetensors::DType,
 };
 
-/// Counts every allocation, so a test can check that warm decode kernels make none.
-struct Counting;
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-// SAFETY: forwards to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 /// Tests of this file run one at a time so the allocation count sees only its own test.
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -566,11 +538,11 @@ fn decode_kernels_do_not_allocate_once_warm() {
     // per-step allocation must show in every round; a stray one in a single round is not ours.
     let n = (0..3)
         .map(|_| {
-            let before = ALLOCS.load(Ordering::SeqCst);
+            let before = alloc_common::all_allocations();
             for _ in 0..20 {
                 step(&mut s);
             }
-            ALLOCS.load(Ordering::SeqCst) - before
+            alloc_common::all_allocations() - before
         })
         .min()
         .unwrap_or(0);

@@ -1,12 +1,17 @@
-//! The shared harness of the allocation tests (`cuda_alloc.rs`, `metal_alloc.rs`): a counting
-//! global allocator that forwards to the system allocator and counts this thread's allocations
-//! while armed, so a test asserts what its own thread allocates (the test harness allocates on
-//! its own threads; a test crate that declares this module gets it as its `#[global_allocator]`),
-//! and the prefill chunk and decode step that the tests encode warm on any backend.
+//! The shared harness of the allocation tests (`cuda_alloc.rs`, `metal_alloc.rs`, `cpu_alloc.rs`,
+//! `cpu_simd.rs`): a counting global allocator that forwards to the system allocator and counts
+//! this thread's allocations while armed, so a test asserts what its own thread allocates (the
+//! test harness allocates on its own threads; a test crate that declares this module gets it as
+//! its `#[global_allocator]`), and every thread's (the CPU backend's pool threads allocate for the
+//! caller: `all_allocations`, for test binaries that run one test at a time); and the prefill
+//! chunk and decode step that the tests encode warm on any backend.
+
+#![allow(dead_code)] // each test binary uses the subset it needs
 
 use std::{
     alloc::{GlobalAlloc, Layout, System},
     cell::Cell,
+    sync::atomic::{AtomicUsize, Ordering},
 };
 
 use lily_core::{
@@ -25,7 +30,11 @@ thread_local! {
     static COUNT: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Every thread's allocations since the process started.
+static ALL: AtomicUsize = AtomicUsize::new(0);
+
 fn note() {
+    ALL.fetch_add(1, Ordering::Relaxed);
     if ARMED.try_with(Cell::get).unwrap_or(false) {
         let _ = COUNT.try_with(|c| c.set(c.get() + 1));
     }
@@ -52,6 +61,12 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
+
+/// The allocations (alloc, alloc_zeroed, realloc) of every thread so far: a test that runs alone
+/// in its binary takes the difference around what it checks.
+pub fn all_allocations() -> usize {
+    ALL.load(Ordering::SeqCst)
+}
 
 /// The allocations (alloc, alloc_zeroed, realloc) this thread makes while `f` runs.
 pub fn allocations_in<R>(f: impl FnOnce() -> R) -> (usize, R) {
