@@ -11,10 +11,7 @@ mod common;
 mod gpu_common;
 mod metal_common;
 
-use lily_core::{
-    backend::cpu::int8::Precision,
-    engine::{BackendKind, Engine, Options},
-};
+use lily_core::{backend::cpu::int8::Precision, engine::Engine};
 use metal_common::TinyCheckpoint;
 
 /// The fewest allocations that one of three rounds of `steps` calls of `step` made. A per-step
@@ -39,13 +36,7 @@ fn warm_decode_steps_do_not_allocate_one_sequence_or_a_batch() {
     // DeltaNet, attention, DeltaNet, attention.
     let ckpt = TinyCheckpoint::with_layers(4, 2);
     for precision in [Precision::Exact, Precision::Fast] {
-        let opts = Options {
-            backend: BackendKind::Cpu,
-            max_seq: Some(256),
-            precision,
-            ..Options::default()
-        };
-        let mut e = Engine::load(&ckpt.dir, &opts, &mut |_, _| Ok(())).unwrap();
+        let mut e = ckpt.cpu_engine(precision);
         let v = e.vocab_size();
         // Four sequences at their own positions; the batch's tokens are the last step's greedy ids.
         let mut batch: Vec<(usize, u32)> = Vec::new();

@@ -9,22 +9,13 @@ mod common;
 mod gpu_common;
 mod metal_common;
 
-use lily_core::{
-    backend::cpu::int8::Precision,
-    engine::{BackendKind, Engine, Options},
-};
+use lily_core::backend::cpu::int8::Precision;
 use metal_common::TinyCheckpoint;
 
 fn batched_decode_is_each_sequence_alone(precision: Precision) {
     // DeltaNet, attention, DeltaNet, attention.
     let ckpt = TinyCheckpoint::with_layers(4, 2);
-    let opts = Options {
-        backend: BackendKind::Cpu,
-        max_seq: Some(256),
-        precision,
-        ..Options::default()
-    };
-    let mut e = Engine::load(&ckpt.dir, &opts, &mut |_, _| Ok(())).unwrap();
+    let mut e = ckpt.cpu_engine(precision);
     let v = e.vocab_size();
     for n in [1usize, 3, 6] {
         let mut seqs = Vec::new();

@@ -139,6 +139,19 @@ impl TinyCheckpoint {
         Self::with_layers(2, 2)
     }
 
+    /// An engine on this checkpoint through the public API: the CPU backend in `precision`, room
+    /// for 256 positions.
+    pub fn cpu_engine(&self, precision: lily_core::backend::cpu::int8::Precision) -> lily_core::engine::Engine {
+        use lily_core::engine::{BackendKind, Engine, Options};
+        let opts = Options {
+            backend: BackendKind::Cpu,
+            max_seq: Some(256),
+            precision,
+            ..Options::default()
+        };
+        Engine::load(&self.dir, &opts, &mut |_, _| Ok(())).unwrap()
+    }
+
     /// `layers` layers, every `interval`-th one full attention and the others DeltaNet (the
     /// real model: 40 and 4), at the tiny dimensions.
     pub fn with_layers(layers: usize, interval: usize) -> TinyCheckpoint {
