@@ -32,12 +32,14 @@ __device__ __forceinline__ void kv_widen(uint dtype, const uint4 v, float* dst) 
 }
 
 // The 16 bytes of K and V cache row `row` from column c on (same dtype and segment size), the
-// segment table and the rows through L2 only (load16_l2, load_u64_l2: the decode attention loads
-// its first stage before its grid_dep_wait()).
+// segment table and the rows through L2 only (load_l2: the decode attention loads its first stage
+// before its grid_dep_wait()).
 __device__ __forceinline__ void kv_load16(const KvDesc kd, const KvDesc vd, uint row, uint c, uint4& k, uint4& v) {
   const size_t at = ((size_t)(row & ((1u << kd.seg_shift) - 1)) * kd.width + c) * (kd.dtype == 0 ? 4 : 2);
-  k = load16_l2(reinterpret_cast<const uchar*>(load_u64_l2(reinterpret_cast<const u64*>(kd.seg) + (row >> kd.seg_shift))) + at);
-  v = load16_l2(reinterpret_cast<const uchar*>(load_u64_l2(reinterpret_cast<const u64*>(vd.seg) + (row >> vd.seg_shift))) + at);
+  const uchar* kb = reinterpret_cast<const uchar*>(load_l2(reinterpret_cast<const u64*>(kd.seg) + (row >> kd.seg_shift)));
+  const uchar* vb = reinterpret_cast<const uchar*>(load_l2(reinterpret_cast<const u64*>(vd.seg) + (row >> vd.seg_shift)));
+  k = load_l2(reinterpret_cast<const uint4*>(kb + at));
+  v = load_l2(reinterpret_cast<const uint4*>(vb + at));
 }
 
 // ---------------------------------------------------------------- q/k norm + RoPE (+ the cache store)
@@ -542,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(
   __shared__ float nv[ATT_HD_MAX];
   __shared__ uint flag[1];
   const AttRope rope{rp, q_norm, k_norm, k, v};
-  const uint len = step[0] + blockIdx.y + 1;
+  const uint len = load_l2(step) + blockIdx.y + 1;  // before the wait (attention_decode): through L2
   const bool pairs = p.head_dim % 64 == 0, full = p.head_dim == ATT_HD_MAX;
   if (kd.dtype == 1) {
     if (full)

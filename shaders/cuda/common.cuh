@@ -162,27 +162,19 @@ __device__ __forceinline__ uint4 load16(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 #endif
 }
-// load16 through L2 only (ld.global.cg), never a line of this SM's L1: for data that earlier
-// steps wrote and a kernel reads before its grid_dep_wait() (the decode attention's first KV
-// stage). L1 is not coherent: a block of an earlier step on this SM may have left a stale copy of
-// the line in it (measured: delta_net_gated's state read that way before the wait, through L1, gave
-// wrong results under programmatic launch on the H200, 2026-12-02 19:52); L2 is coherent.
-__device__ __forceinline__ uint4 load16_l2(const void* p) {
+// *p through L2 only (ld.global.cg), never a line of this SM's L1 (T: uint, u64, uint4): for what
+// earlier steps or the host wrote and a kernel reads before its grid_dep_wait() (the decode
+// attention's position, segment table and first KV stage). L1 is not coherent: a block of an
+// earlier step on this SM may have left a stale copy of the line in it (measured: delta_net_gated's
+// state read that way before the wait, through L1, gave wrong results under programmatic launch on
+// the H200, 2026-12-02 19:52); L2 is coherent.
+template <typename T> __device__ __forceinline__ T load_l2(const T* p) {
 #if defined(LILY_CUDA_SIM)
-  uint4 v;
-  memcpy(&v, p, 16);
+  T v;
+  memcpy(&v, p, sizeof(T));  // the simulator's buffers may start anywhere
   return v;
 #else
-  return __ldcg(reinterpret_cast<const uint4*>(p));
-#endif
-}
-// A segment base address of a KvDesc table through L2 only, as load16_l2 (the host writes an entry
-// when it adds a segment; a stale L1 copy of the old entry would be a wild address).
-__device__ __forceinline__ u64 load_u64_l2(const u64* p) {
-#if defined(LILY_CUDA_SIM)
-  return *p;
-#else
-  return __ldcg(reinterpret_cast<const unsigned long long*>(p));
+  return __ldcg(p);
 #endif
 }
 __device__ __forceinline__ float4 load_f4(const float* p) {
