@@ -35,7 +35,11 @@ __device__ __forceinline__ void grid_dep_wait() {
 // called it (or exited): its blocks become resident and run up to their grid_dep_wait() (a GEMV issues
 // its first weight loads) while this kernel drains. Correctness does not depend on where it is called,
 // since the dependent still waits in grid_dep_wait() for this kernel's completion and memory flush;
-// every kernel calls it at its start, with grid_dep_wait(): kernel_start().
+// every kernel calls it at its start, with grid_dep_wait(): kernel_start(). A kernel so scheduled
+// early may schedule the next one at its own start, so before its grid_dep_wait() a kernel cannot
+// assume that any kernel before it has finished, except where the kernel before it calls this only
+// after its own wait: moe_gate_up does, so that moe_down may read the routing (which the router,
+// the kernel before moe_gate_up, wrote) before its wait and fetch its experts' weights early.
 __device__ __forceinline__ void grid_dep_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(LILY_CUDA_SIM)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -316,7 +316,12 @@ __device__ __forceinline__ void moe_down(const MoeParams p, const CudaMatrix m_e
   const uint tk = blockIdx.y, kp = p.top_k + sh.shared, t = tk / kp, k = tk % kp;
   const bool shared = k == p.top_k;  // whole block: the shared expert's pair
   const CudaMatrix m = shared ? sh.dm : m_e;
-  const uint e = shared ? 0u : ids[t * p.top_k + k];
+  // The expert is known before this kernel's grid_dep_wait(): moe_gate_up, the kernel before it,
+  // lets it be scheduled only after its own wait, so the router that wrote ids has finished and its
+  // writes are visible in L2 (read through it: an earlier layer's ids may sit in this SM's L1). So
+  // the expert's weights stream in while moe_gate_up still runs, not after it (gemv_staged issues
+  // them, then waits for act).
+  const uint e = shared ? 0u : load_l2(ids + t * p.top_k + k);
   const W wr = shared ? make_w<W>(sh.dw, sh.ds, sh.db, m) : make_w<W>(w, s, b, m);
   const size_t base = (size_t)e * m.expert_stride + m.row_offset;
   if (lanes == 8)
@@ -486,14 +491,15 @@ FOR_EACH_WEIGHT(MOE_ROUTER)
       const MoeParams p, const CudaMatrix gm, const CudaMatrix um, const uchar* gw, const uchar* gs,             \
       const uchar* gb, const uchar* uw, const uchar* us, const uchar* ub, const uint ks, const MoeShared sh,     \
       const float* __restrict__ x, const uint* __restrict__ ids, float* __restrict__ act) {                     \
-    kernel_start(); \
+    grid_dep_wait(); /* then launch moe_down, which reads the ids before its own wait (moe_down) */ \
+    grid_dep_launch(); \
     moe_gate_up<W_##sfx>(p, gm, um, gw, gs, gb, uw, us, ub, ks, sh, x, ids, act);                                    \
   }                                                                                                              \
   SIM_EXPORT(moe_gate_up_##sfx)                                                                                  \
   extern "C" __global__ void __launch_bounds__(256, GEMV_MIN_BLOCKS(W_##sfx)) moe_down_##sfx(                                              \
       const MoeParams p, const CudaMatrix m, const uchar* w, const uchar* s, const uchar* b, const uint ks,      \
       const uint lanes, const MoeShared sh, const uint* __restrict__ ids, const float* __restrict__ act, float* __restrict__ y) {  \
-    kernel_start(); \
+    grid_dep_launch(); /* grid_dep_wait(): in gemv_staged, after the first weight loads (moe_down) */ \
     moe_down<W_##sfx>(p, m, w, s, b, ks, lanes, sh, ids, act, y);                                                           \
   }                                                                                                              \
   SIM_EXPORT(moe_down_##sfx)                                                                                     \
