@@ -45,6 +45,7 @@ bit patterns) used here and by the error tests to corrupt files on purpose.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import shutil
 import struct
@@ -164,6 +165,8 @@ def read_checkpoint_tensors(folder) -> dict:
 
 def make_config(preset: str = "tiny", *, vocab_size=None, num_layers=None, rope_theta=None,
                 max_position_embeddings=8192, bos_id=None, eos_id=None) -> dict:
+    """The released Qwen3.6-35B-A3B config.json (``lily synth``'s preset) at the sizes of ``preset``: its
+    dims, layer pattern, special ids, context, RoPE base and a small vision tower."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = dict(PRESETS[preset])
@@ -171,82 +174,20 @@ def make_config(preset: str = "tiny", *, vocab_size=None, num_layers=None, rope_
         p["vocab_size"] = int(vocab_size)
     if num_layers is not None:
         p["num_hidden_layers"] = int(num_layers)
-    L = p["num_hidden_layers"]
-    theta = 10_000_000 if rope_theta is None else rope_theta
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)]
-    text = {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "attn_output_gate": True,
-        "bos_token_id": bos_id,
-        "dtype": "bfloat16",
-        "eos_token_id": bos_id if eos_id is None else eos_id,
-        "full_attention_interval": 4,
-        "head_dim": p["head_dim"],
-        "hidden_act": "silu",
-        "hidden_size": p["hidden_size"],
-        "initializer_range": 0.02,
-        "layer_types": layer_types,
-        "linear_conv_kernel_dim": p["linear_conv_kernel_dim"],
-        "linear_key_head_dim": p["linear_key_head_dim"],
-        "linear_num_key_heads": p["linear_num_key_heads"],
-        "linear_num_value_heads": p["linear_num_value_heads"],
-        "linear_value_head_dim": p["linear_value_head_dim"],
-        "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": max_position_embeddings,
-        "model_type": "qwen3_5_moe_text",
-        "moe_intermediate_size": p["moe_intermediate_size"],
-        "mtp_num_hidden_layers": 1,
-        "mtp_use_dedicated_embeddings": False,
-        "num_attention_heads": p["num_attention_heads"],
-        "num_experts": p["num_experts"],
-        "num_experts_per_tok": p["num_experts_per_tok"],
-        "num_hidden_layers": L,
-        "num_key_value_heads": p["num_key_value_heads"],
-        "output_router_logits": False,
-        "pad_token_id": None,
-        "partial_rotary_factor": 0.25,
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": {
-            "mrope_interleaved": True,
-            "mrope_section": [11, 11, 10],
-            "partial_rotary_factor": 0.25,
-            "rope_theta": theta,
-            "rope_type": "default",
-        },
-        "router_aux_loss_coef": 0.001,
-        "shared_expert_intermediate_size": p["shared_expert_intermediate_size"],
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "vocab_size": p["vocab_size"],
-    }
-    return {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "image_token_id": 248056,
-        "model_type": "qwen3_5_moe",
-        "text_config": text,
-        "tie_word_embeddings": False,
-        "transformers_version": "4.57.1",
-        "video_token_id": 248057,
-        "vision_config": {
-            "deepstack_visual_indexes": [],
-            "depth": 1,
-            "hidden_act": "gelu_pytorch_tanh",
-            "hidden_size": 32,
-            "in_channels": 3,
-            "initializer_range": 0.02,
-            "intermediate_size": 64,
-            "model_type": "qwen3_5_moe",
-            "num_heads": 2,
-            "num_position_embeddings": 16,
-            "out_hidden_size": p["hidden_size"],
-            "patch_size": 4,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        "vision_end_token_id": 248054,
-        "vision_start_token_id": 248053,
-    }
+    config = copy.deepcopy(PRESETS_SYNTH[DEFAULT_PRESET])
+    text = config["text_config"]
+    text.update(p)
+    text.update(
+        bos_token_id=bos_id,
+        eos_token_id=bos_id if eos_id is None else eos_id,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(p["num_hidden_layers"])],
+        max_position_embeddings=max_position_embeddings,
+    )
+    text["rope_parameters"]["rope_theta"] = 10_000_000 if rope_theta is None else rope_theta
+    config["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                   num_position_embeddings=16, out_hidden_size=p["hidden_size"], patch_size=4)
+    return config
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,6 +44,16 @@ def read_response(sock: socket.socket, already: bytes = b"") -> tuple[int, dict]
     return int(lines[0].split()[1]), json.loads(body)
 
 
+def answer(server, request: bytes) -> tuple[int, dict]:
+    """Status and JSON body of the server's answer to the raw bytes ``request`` on a new connection."""
+    s = raw_socket(server)
+    s.sendall(request)
+    try:
+        return read_response(s)
+    finally:
+        s.close()
+
+
 def long_token() -> int:
     """A token whose text is long, so that a stream fills socket buffers quickly."""
     tok = tokenizer()
@@ -115,12 +125,9 @@ def test_a_disconnect_cancels_the_generation(stream):
 def test_bodies_are_bounded_before_they_are_read():
     with running(scripted("ok"), limits=Limits(max_body=4096)) as server:
         # A declared length over the bound: refused at once, with nothing read.
-        s = raw_socket(server)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000000000000\r\n\r\n")
-        status, body = read_response(s)
+        status, body = answer(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: 1000000000000\r\n\r\n")
         assert status == 413 and body["error"]["message"]
-        s.close()
         # A chunked body (no declared length) is counted as it arrives and refused past the bound.
         s = raw_socket(server)
         s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -156,12 +163,9 @@ def test_slow_headers_and_bodies_time_out():
                 closed = True
                 break
         assert closed and time.monotonic() - t0 < 4, "a dribbling request head kept its connection"
-        s = raw_socket(server)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"messages\"")
-        status, body = read_response(s)
+        status, body = answer(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messages\"")
         assert status == 408 and body["error"]["message"]
-        s.close()
 
 
 def test_a_burst_of_50_clients_queues():

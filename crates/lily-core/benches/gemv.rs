@@ -35,17 +35,8 @@ fn matrix(experts: usize, rows: usize, cols: usize, format: Format) -> Matrix {
         // bf16 values with a small exponent: the top byte 0x3c.
         _ => ((0..n).flat_map(|i| [(i * 37) as u8, 0x3c]).collect(), None),
     };
-    Matrix {
-        name: "bench".into(),
-        format,
-        experts,
-        rows,
-        cols,
-        expert_stride: rows,
-        row_offset: 0,
-        data: Bytes::from_slice(&data),
-        groups,
-    }
+    let data = Bytes::from_slice(&data);
+    Matrix::whole("bench".into(), format, [experts, rows, cols], data, groups)
 }
 
 fn main() {

@@ -64,6 +64,28 @@ pub fn read_scalar(dtype: DType, b: &[u8], i: usize) -> f32 {
 }
 
 impl Matrix {
+    /// A whole stored tensor `[experts, rows, cols]`, not a view: expert e's rows follow expert
+    /// e - 1's.
+    pub fn whole(
+        name: String,
+        format: Format,
+        [experts, rows, cols]: [usize; 3],
+        data: Bytes,
+        groups: Option<Groups>,
+    ) -> Matrix {
+        Matrix {
+            name,
+            format,
+            experts,
+            rows,
+            cols,
+            expert_stride: rows,
+            row_offset: 0,
+            data,
+            groups,
+        }
+    }
+
     /// Bytes of packed data per stored row.
     pub fn row_bytes(&self) -> usize {
         match self.format {

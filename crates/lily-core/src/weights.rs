@@ -253,17 +253,8 @@ impl<'a> Loader<'a> {
         if dt.shape != [e, d, inter] {
             return Err(shape_error(&down_name, &[e, d, inter], &dt.shape));
         }
-        let down = Matrix {
-            name: down_name.clone(),
-            format: float_format(&down_name, dt.dtype, &dt.dtype_name)?,
-            experts: e,
-            rows: d,
-            cols: inter,
-            expert_stride: d,
-            row_offset: 0,
-            data: dt.bytes.clone(),
-            groups: None,
-        };
+        let down_format = float_format(&down_name, dt.dtype, &dt.dtype_name)?;
+        let down = Matrix::whole(down_name, down_format, [e, d, inter], dt.bytes.clone(), None);
         Ok((half(0), half(inter), down))
     }
 }
@@ -300,17 +291,13 @@ pub fn matrix(
         if w.shape != expected {
             return Err(shape_error(&wname, &expected, &w.shape));
         }
-        return Ok(Matrix {
-            name: wname,
+        return Ok(Matrix::whole(
+            wname,
             format,
-            experts: experts.max(1),
-            rows,
-            cols,
-            expert_stride: rows,
-            row_offset: 0,
-            data: w.bytes.clone(),
-            groups: None,
-        });
+            [experts.max(1), rows, cols],
+            w.bytes.clone(),
+            None,
+        ));
     };
     let q = quantization.ok_or_else(|| {
         Error::weight(
@@ -373,19 +360,16 @@ pub fn matrix(
             ),
         ));
     }
-    Ok(Matrix {
-        name: wname,
-        format: Format::Affine { bits: spec.bits, group },
-        experts: experts.max(1),
-        rows,
-        cols,
-        expert_stride: rows,
-        row_offset: 0,
-        data: w.bytes.clone(),
-        groups: Some(Groups {
-            dtype: scales.dtype,
-            scales: scales.bytes.clone(),
-            biases: biases.bytes.clone(),
-        }),
-    })
+    let groups = Groups {
+        dtype: scales.dtype,
+        scales: scales.bytes.clone(),
+        biases: biases.bytes.clone(),
+    };
+    Ok(Matrix::whole(
+        wname,
+        Format::Affine { bits: spec.bits, group },
+        [experts.max(1), rows, cols],
+        w.bytes.clone(),
+        Some(groups),
+    ))
 }

@@ -16,28 +16,20 @@ use lily_core::{
         cuda::{Cuda, Null},
         Backend, KvDtype, StreamKind,
     },
-    config::{LayerKind, ModelConfig},
-    model::{
-        state::{Scratch, State},
-        Model,
-    },
-    weights::Loader,
+    config::LayerKind,
+    model::state::{Scratch, State},
 };
-use metal_common::TinyCheckpoint;
+use metal_common::{state_and_scratch, TinyCheckpoint};
 
 #[test]
 fn warm_forward_passes_do_not_allocate_and_decode_replays_one_graph() {
     let ckpt = TinyCheckpoint::write();
     let c = Cuda::new(Null::new(false)).unwrap();
-    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
-    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&c, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
+    let (cfg, model) = ckpt.model(&c);
     let (prompt, decode) = TinyCheckpoint::tokens();
     let vocab = cfg.vocab_size;
     let mut logits = vec![0f32; 16 * vocab];
-    let mut state = State::new(&c, &cfg, 64, KvDtype::BF16).unwrap();
-    state.reserve(&c, 64).unwrap();
-    let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
+    let (mut state, mut s) = state_and_scratch(&c, &cfg, KvDtype::BF16);
     let b = &c;
     let mut prefill = |s: &mut Scratch<Cuda<Null>>, state: &mut State<Cuda<Null>>| {
         alloc_common::prefill(b, &model, &prompt, s, state, &mut logits)
@@ -93,12 +85,8 @@ fn a_decode_step_launches_the_expected_kernels() {
     let ckpt = TinyCheckpoint::write();
     let mut c = Cuda::new(Null::new(true)).unwrap();
     c.graphs = false;
-    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
-    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&c, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
-    let mut state = State::new(&c, &cfg, 64, KvDtype::BF16).unwrap();
-    state.reserve(&c, 64).unwrap();
-    let mut s = Scratch::new(&c, &cfg, 64, 16).unwrap();
+    let (cfg, model) = ckpt.model(&c);
+    let (mut state, mut s) = state_and_scratch(&c, &cfg, KvDtype::BF16);
     c.executor().take_log();
     c.begin(StreamKind::Decode).unwrap();
     c.write_ids(&mut s.ids, &[5]).unwrap();

@@ -61,6 +61,15 @@ fn engine_on(
     e
 }
 
+/// The tiny checkpoint and an engine on it (`max_seq`, no variables set), or `None` where the
+/// simulator is not built (`gpu_common::metal_sim` says so; the test then passes).
+fn checkpoint_and_engine(max_seq: Option<usize>) -> Option<(TinyCheckpoint, Engine)> {
+    let ckpt = TinyCheckpoint::write();
+    gpu_common::metal_sim()?;
+    let e = engine(&ckpt, max_seq, &[]).unwrap();
+    Some((ckpt, e))
+}
+
 fn device_error<T>(r: lily_core::Result<T>) -> String {
     match r {
         Err(Error::Device(m)) => m,
@@ -71,8 +80,7 @@ fn device_error<T>(r: lily_core::Result<T>) -> String {
 
 #[test]
 fn max_seq_is_checked_and_fitted_to_the_gpu_memory() {
-    let ckpt = TinyCheckpoint::write();
-    let Some(full) = gpu_common::metal_sim().map(|_| engine(&ckpt, None, &[]).unwrap()) else {
+    let Some((ckpt, full)) = checkpoint_and_engine(None) else {
         return;
     };
     assert_eq!(full.max_seq(), 256, "no limit: the config's max_position_embeddings");
@@ -114,8 +122,7 @@ fn max_seq_is_checked_and_fitted_to_the_gpu_memory() {
 /// an offset that is not a multiple of 4 cannot be wrapped (the device's rule) and is copied.
 #[test]
 fn copied_weights_are_counted() {
-    let ckpt = TinyCheckpoint::write();
-    let Some(e) = gpu_common::metal_sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
+    let Some((ckpt, e)) = checkpoint_and_engine(Some(64)) else {
         return;
     };
     let file = std::fs::read(ckpt.dir.join("model.safetensors")).unwrap();
@@ -136,11 +143,10 @@ fn copied_weights_are_counted() {
 
 #[test]
 fn a_device_error_leaves_the_state_untrusted_until_reset() {
-    let ckpt = TinyCheckpoint::write();
-    let (prompt, decode) = TinyCheckpoint::tokens();
-    let Some(mut fresh) = gpu_common::metal_sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
+    let Some((ckpt, mut fresh)) = checkpoint_and_engine(Some(64)) else {
         return;
     };
+    let (prompt, decode) = TinyCheckpoint::tokens();
     let want = fresh.prefill(&prompt, false).unwrap();
     let want_next = fresh.decode(decode[0]).unwrap();
 
@@ -162,11 +168,10 @@ fn a_device_error_leaves_the_state_untrusted_until_reset() {
 
 #[test]
 fn restore_brings_back_the_last_good_state() {
-    let ckpt = TinyCheckpoint::write();
-    let (prompt, decode) = TinyCheckpoint::tokens();
-    let Some(mut fresh) = gpu_common::metal_sim().map(|_| engine(&ckpt, Some(64), &[]).unwrap()) else {
+    let Some((ckpt, mut fresh)) = checkpoint_and_engine(Some(64)) else {
         return;
     };
+    let (prompt, decode) = TinyCheckpoint::tokens();
     fresh.prefill(&prompt, false).unwrap();
     let want = [fresh.decode(decode[0]).unwrap(), fresh.decode(decode[1]).unwrap()];
 

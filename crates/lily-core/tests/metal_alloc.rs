@@ -28,15 +28,11 @@ use lily_core::{
         metal::{Arg, Executor, GpuFamily, Grid, Metal, ParamBytes, StreamLabel, Variants},
         Backend, KvDtype, StreamKind,
     },
-    config::{LayerKind, ModelConfig},
+    config::LayerKind,
     error::Result,
-    model::{
-        state::{Scratch, State},
-        Model,
-    },
-    weights::Loader,
+    model::state::{Scratch, State},
 };
-use metal_common::TinyCheckpoint;
+use metal_common::{state_and_scratch, TinyCheckpoint};
 
 // ---- An executor that checks and counts dispatches, and runs nothing ---------------------------
 
@@ -190,9 +186,7 @@ fn the_counter_counts() {
 fn warm_forward_passes_do_not_allocate() {
     let ckpt = TinyCheckpoint::write();
     let mut m = Metal::new(NullExec::default()).unwrap();
-    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
-    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&m, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
+    let (cfg, model) = ckpt.model(&m);
     let (prompt, decode) = TinyCheckpoint::tokens();
     let tok = decode[0];
     let vocab = cfg.vocab_size;
@@ -202,9 +196,7 @@ fn warm_forward_passes_do_not_allocate() {
         // Decode attention at 40+ cache rows: one pass under 256 rows, split past 16.
         m.split_rows = split_rows;
         let what = format!("{family} variants, split past {split_rows} rows");
-        let mut state = State::new(&m, &cfg, 64, KvDtype::BF16).unwrap();
-        state.reserve(&m, 64).unwrap();
-        let mut s = Scratch::new(&m, &cfg, 64, 16).unwrap();
+        let (mut state, mut s) = state_and_scratch(&m, &cfg, KvDtype::BF16);
         let b = &m;
         let mut prefill = |s: &mut Scratch<Metal<NullExec>>, state: &mut State<Metal<NullExec>>| {
             alloc_common::prefill(b, &model, &prompt, s, state, &mut logits)
@@ -260,13 +252,11 @@ fn decode_step_dispatches_for_the_real_layer_structure() {
     const REFERENCE_ENGINE: usize = 795;
     let ckpt = TinyCheckpoint::with_layers(40, 4);
     let m = Metal::new(NullExec::default()).unwrap();
-    let cfg = ModelConfig::from_file(&ckpt.dir.join("config.json")).unwrap();
+    let (cfg, model) = ckpt.model(&m);
     assert_eq!(
         cfg.layer_types.iter().filter(|k| **k == LayerKind::Attention).count(),
         10
     );
-    let loader = Loader::open(&ckpt.dir, &cfg).unwrap();
-    let model = Model::load(&m, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
     let mut s = Scratch::new(&m, &cfg, 16, 16).unwrap();
     let mut counts = Vec::new();
     for context in [256usize, 32 * 1024] {

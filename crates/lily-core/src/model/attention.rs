@@ -124,15 +124,7 @@ impl<B: Backend> Attention<B> {
             eps: self.eps,
             theta: self.theta,
         };
-        let attn = AttentionParams {
-            tokens: t as u32,
-            pos0: pos0 as u32,
-            heads: self.heads as u32,
-            kv_heads: self.kv_heads as u32,
-            head_dim: self.head_dim as u32,
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
-        };
-        (rope, attn)
+        (rope, rope.attention())
     }
 
     /// s.mix = o_proj s.core.

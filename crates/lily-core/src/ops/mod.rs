@@ -45,6 +45,15 @@ pub fn check_sizes(op: &str, checks: &[(&str, usize, usize)]) -> Result<(), Stri
     }
 }
 
+/// [`check_sizes`] of (buffer name, buffer, elements the op needs) entries, `len` giving a
+/// buffer's elements: the check of encoders that list their buffers once for checking and binding.
+pub fn check_bufs<Buf>(op: &str, bufs: &[(&str, &Buf, usize)], len: impl Fn(&Buf) -> usize) -> Result<(), String> {
+    match bufs.iter().find(|&&(_, b, need)| len(b) < need) {
+        Some(&(what, b, need)) => Err(format!("{op}: {what} has {} elements, needs {need}", len(b))),
+        None => Ok(()),
+    }
+}
+
 /// x sigmoid(x).
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())

@@ -117,17 +117,8 @@ pub fn matrix(experts: usize, rows: usize, cols: usize, format: Format, sdtype: 
             )
         }
     };
-    Matrix {
-        name: "test".into(),
-        format,
-        experts,
-        rows,
-        cols,
-        expert_stride: rows,
-        row_offset: 0,
-        data: Bytes::from_slice(&data),
-        groups,
-    }
+    let data = Bytes::from_slice(&data);
+    Matrix::whole("test".into(), format, [experts, rows, cols], data, groups)
 }
 
 /// A random matrix of `stored` rows x `cols` in `format` (scales of `sdtype` for affine), one

@@ -36,6 +36,14 @@ pub fn every_kernel_is_compiled<X: Executor>(dev: &Metal<X>) {
 
 // ---- End to end: a tiny checkpoint through the whole model ------------------------------------
 
+/// One sequence's state on `b` with KV rows of `kv` and 64 positions reserved, and the scratch of
+/// prefill chunks of up to 16 tokens: what the tiny checkpoint's runs use.
+pub fn state_and_scratch<B: Backend>(b: &B, cfg: &ModelConfig, kv: KvDtype) -> (State<B>, Scratch<B>) {
+    let mut state = State::new(b, cfg, 64, kv).unwrap();
+    state.reserve(b, 64).unwrap();
+    (state, Scratch::new(b, cfg, 64, 16).unwrap())
+}
+
 /// A tiny Qwen3.5-MoE checkpoint in the MLX layout, written to a fresh folder (removed on drop):
 /// 2 layers (DeltaNet, then attention), D = 96, vocabulary 250, 8 experts (top 2, I = 64), every
 /// matrix 4-bit group 32 with bf16 scales except the routers (`mlp.gate`,
@@ -319,15 +327,19 @@ impl TinyCheckpoint {
         (all[..40].to_vec(), all[40..].to_vec())
     }
 
-    /// The model on backend `b`: logits of every prompt position (prefill, all logits), then of
-    /// each decode step, as the engine computes them.
-    pub fn logits<B: Backend>(&self, b: &B) -> Vec<Vec<f32>> {
+    /// The checkpoint's config and its model loaded on backend `b`.
+    pub fn model<B: Backend>(&self, b: &B) -> (ModelConfig, Model<B>) {
         let cfg = ModelConfig::from_file(&self.dir.join("config.json")).unwrap();
         let loader = Loader::open(&self.dir, &cfg).unwrap();
         let model = Model::load(b, &loader, &cfg, &mut |_, _| Ok(())).unwrap();
-        let mut state = State::new(b, &cfg, 64, KvDtype::F32).unwrap();
-        state.reserve(b, 64).unwrap();
-        let mut s = Scratch::new(b, &cfg, 64, 16).unwrap();
+        (cfg, model)
+    }
+
+    /// The model on backend `b`: logits of every prompt position (prefill, all logits), then of
+    /// each decode step, as the engine computes them.
+    pub fn logits<B: Backend>(&self, b: &B) -> Vec<Vec<f32>> {
+        let (cfg, model) = self.model(b);
+        let (mut state, mut s) = state_and_scratch(b, &cfg, KvDtype::F32);
         let vocab = cfg.vocab_size;
         let (prompt, decode) = Self::tokens();
         let mut outs = Vec::new();

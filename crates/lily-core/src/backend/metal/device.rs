@@ -658,7 +658,75 @@ impl Executor for Device {
         grid: Grid,
         tg_mem: &[usize],
     ) {
-        self.encode(e, name, p, args, grid, tg_mem)
+        if e.error.is_some() {
+            return;
+        }
+        let (Grid::Groups { size: tg, .. } | Grid::Threads { size: tg, .. }) = grid;
+        let threads = tg.iter().map(|&v| v as usize).product::<usize>();
+        if threads > p.max_threads {
+            e.error = Some(Error::Device(format!(
+                "Metal: {name} needs {threads} threads per threadgroup, the pipeline allows {} on {}",
+                p.max_threads, self.info.name
+            )));
+            return;
+        }
+        let empty = match grid {
+            Grid::Groups { count, .. } => count.contains(&0),
+            Grid::Threads { threads, .. } => threads.contains(&0),
+        };
+        if empty {
+            return; // nothing to run (Metal rejects empty grids)
+        }
+        for a in args {
+            if let Arg::Buf(b, off, len) = a {
+                if *off + *len > b.0.buf.length() {
+                    e.error = Some(Error::Device(format!(
+                        "Metal: {name}: binding {len} bytes at offset {off} of a {}-byte buffer",
+                        b.0.buf.length()
+                    )));
+                    return;
+                }
+            }
+        }
+        // Everything below is encoded: the debug group is always popped.
+        if self.labels.is_some() {
+            e.enc.pushDebugGroup(&p.label.0);
+        }
+        e.enc.setComputePipelineState(&p.state);
+        for (i, a) in args.iter().enumerate() {
+            match a {
+                Arg::Bytes(b) => {
+                    let b = b.as_slice();
+                    let Some(ptr) = NonNull::new(b.as_ptr() as *mut c_void) else {
+                        continue;
+                    };
+                    // SAFETY: `b` holds b.len() bytes (a parameter struct, under setBytes' 4 KiB
+                    // limit); Metal copies them into the command buffer before returning.
+                    unsafe { e.enc.setBytes_length_atIndex(ptr, b.len(), i) };
+                }
+                Arg::Buf(b, off, _) => {
+                    // SAFETY: a live buffer of this device; the binding lies inside it (checked
+                    // above).
+                    unsafe { e.enc.setBuffer_offset_atIndex(Some(&b.0.buf), *off, i) };
+                    if b.0._keep.is_some() {
+                        e.keep.push((*b).clone());
+                    }
+                }
+            }
+        }
+        for (i, &bytes) in tg_mem.iter().enumerate() {
+            // SAFETY: a length rounded up to 16 bytes (Metal's rule) for `[[threadgroup(i)]]`;
+            // the kernels need at most 20 KiB in all (moe_gemm_gate_up_*_n64, delta_net_chunk at
+            // Dk = 256), under every Apple7+ GPU's 32 KiB.
+            unsafe { e.enc.setThreadgroupMemoryLength_atIndex(bytes.div_ceil(16) * 16, i) };
+        }
+        match grid {
+            Grid::Groups { count, size: s } => e.enc.dispatchThreadgroups_threadsPerThreadgroup(size(count), size(s)),
+            Grid::Threads { threads, size: s } => e.enc.dispatchThreads_threadsPerThreadgroup(size(threads), size(s)),
+        }
+        if self.labels.is_some() {
+            e.enc.popDebugGroup();
+        }
     }
 
     fn commit(&self, mut e: DeviceEncoder) -> Result<DevicePending> {
@@ -736,86 +804,6 @@ impl Device {
             error: None,
             pool: None,
         })
-    }
-
-    fn encode(
-        &self,
-        e: &mut DeviceEncoder,
-        name: &str,
-        p: &DevicePipeline,
-        args: &[Arg<'_, DeviceBuffer>],
-        grid: Grid,
-        tg_mem: &[usize],
-    ) {
-        if e.error.is_some() {
-            return;
-        }
-        let (Grid::Groups { size: tg, .. } | Grid::Threads { size: tg, .. }) = grid;
-        let threads = tg.iter().map(|&v| v as usize).product::<usize>();
-        if threads > p.max_threads {
-            e.error = Some(Error::Device(format!(
-                "Metal: {name} needs {threads} threads per threadgroup, the pipeline allows {} on {}",
-                p.max_threads, self.info.name
-            )));
-            return;
-        }
-        let empty = match grid {
-            Grid::Groups { count, .. } => count.contains(&0),
-            Grid::Threads { threads, .. } => threads.contains(&0),
-        };
-        if empty {
-            return; // nothing to run (Metal rejects empty grids)
-        }
-        for a in args {
-            if let Arg::Buf(b, off, len) = a {
-                if *off + *len > b.0.buf.length() {
-                    e.error = Some(Error::Device(format!(
-                        "Metal: {name}: binding {len} bytes at offset {off} of a {}-byte buffer",
-                        b.0.buf.length()
-                    )));
-                    return;
-                }
-            }
-        }
-        // Everything below is encoded: the debug group is always popped.
-        if self.labels.is_some() {
-            e.enc.pushDebugGroup(&p.label.0);
-        }
-        e.enc.setComputePipelineState(&p.state);
-        for (i, a) in args.iter().enumerate() {
-            match a {
-                Arg::Bytes(b) => {
-                    let b = b.as_slice();
-                    let Some(ptr) = NonNull::new(b.as_ptr() as *mut c_void) else {
-                        continue;
-                    };
-                    // SAFETY: `b` holds b.len() bytes (a parameter struct, under setBytes' 4 KiB
-                    // limit); Metal copies them into the command buffer before returning.
-                    unsafe { e.enc.setBytes_length_atIndex(ptr, b.len(), i) };
-                }
-                Arg::Buf(b, off, _) => {
-                    // SAFETY: a live buffer of this device; the binding lies inside it (checked
-                    // above).
-                    unsafe { e.enc.setBuffer_offset_atIndex(Some(&b.0.buf), *off, i) };
-                    if b.0._keep.is_some() {
-                        e.keep.push((*b).clone());
-                    }
-                }
-            }
-        }
-        for (i, &bytes) in tg_mem.iter().enumerate() {
-            // SAFETY: a length rounded up to 16 bytes (Metal's rule) for `[[threadgroup(i)]]`;
-            // the kernels need at most 20 KiB in all (moe_gemm_gate_up_*_n64, delta_net_chunk at
-            // Dk = 256), under every Apple7+ GPU's 32 KiB.
-            unsafe { e.enc.setThreadgroupMemoryLength_atIndex(bytes.div_ceil(16) * 16, i) };
-        }
-        match grid {
-            Grid::Groups { count, size: s } => e.enc.dispatchThreadgroups_threadsPerThreadgroup(size(count), size(s)),
-            Grid::Threads { threads, size: s } => e.enc.dispatchThreads_threadsPerThreadgroup(size(threads), size(s)),
-        }
-        if self.labels.is_some() {
-            e.enc.popDebugGroup();
-        }
     }
 
     fn complete(&self, mut p: DevicePending) -> Result<()> {

@@ -18,3 +18,20 @@ pub mod cpu;
 pub mod cuda;
 pub mod metal;
 pub mod reference;
+
+use crate::backend::params::{AttentionParams, RopeParams};
+
+impl RopeParams {
+    /// `attention`'s params for the tokens, position and heads of this `qk_norm_rope`, the scores
+    /// scaled by 1 / sqrt(head_dim).
+    pub fn attention(&self) -> AttentionParams {
+        AttentionParams {
+            tokens: self.tokens,
+            pos0: self.pos0,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        }
+    }
+}

@@ -64,6 +64,16 @@ pub fn delta_net<X: Executor>(
     if !c.fits("delta_net", &checks) {
         return;
     }
+    // The recurrence's inputs, bound first by the prep and the one-kernel step.
+    let inputs = || {
+        Args::new()
+            .push(*p)
+            .ptr(qkv.ptr())
+            .ptr(a.ptr())
+            .ptr(b.ptr())
+            .ptr(a_log.ptr())
+            .ptr(dt_bias.ptr())
+    };
     // Prefill (Dk <= 128): the per-token normalisation, k . q and gates in parallel, then the
     // scan with each value column of S in the registers of 4 lanes. Decode: the one-kernel step.
     if t > c.gemv_tokens && dk <= 128 {
@@ -71,15 +81,7 @@ pub fn delta_net<X: Executor>(
         let Some(sc) = c.scratch(need, "delta_net scratch", |s| &mut s.delta_scratch) else {
             return;
         };
-        let args = Args::new()
-            .push(*p)
-            .ptr(qkv.ptr())
-            .ptr(a.ptr())
-            .ptr(b.ptr())
-            .ptr(a_log.ptr())
-            .ptr(dt_bias.ptr())
-            .ptr(sc);
-        c.launch(F::DeltaNetPrep, shape([t as u32, 1, 1], 256), args);
+        c.launch(F::DeltaNetPrep, shape([t as u32, 1, 1], 256), inputs().ptr(sc));
         let args = Args::new()
             .push(*p)
             .ptr(qkv.ptr())
@@ -89,15 +91,7 @@ pub fn delta_net<X: Executor>(
         c.launch(F::DeltaNetScan, shape([div(dv, 32), hv as u32, 1], 128), args);
         return;
     }
-    let args = Args::new()
-        .push(*p)
-        .ptr(qkv.ptr())
-        .ptr(a.ptr())
-        .ptr(b.ptr())
-        .ptr(a_log.ptr())
-        .ptr(dt_bias.ptr())
-        .ptr(state.ptr())
-        .ptr(out.ptr());
+    let args = inputs().ptr(state.ptr()).ptr(out.ptr());
     c.launch(F::DeltaNet, shape([div(dv, 32), hv as u32, 1], 128), args);
 }
 

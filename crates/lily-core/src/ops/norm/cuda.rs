@@ -15,12 +15,8 @@ use crate::{
 /// Launch a norm kernel over `p.rows` rows (one block of 256 threads per row) after checking
 /// each buffer's length: `bufs` are (name, buffer, elements needed) in the kernel's argument order.
 fn row_norm<X: Executor>(c: &Cuda<X>, op: &str, kernel: F, p: &RmsNormParams, bufs: &[(&str, &CudaBuf<X>, usize)]) {
-    let mut checks = [("", 0, 0); 6]; // no allocation: encoders run inside the decode loop
-    for (check, &(name, b, need)) in checks.iter_mut().zip(bufs) {
-        *check = (name, b.len, need);
-    }
-    if !c.fits(op, &checks[..bufs.len()]) {
-        return;
+    if let Err(e) = crate::ops::check_bufs(op, bufs, |b| b.len) {
+        return c.fail(e);
     }
     let args = bufs
         .iter()
@@ -73,16 +69,7 @@ pub fn add_gated_rms_norm<X: Executor>(
     w: &CudaBuf<X>,
     out: &mut CudaBuf<X>,
 ) {
-    let GatedAdd { y, shared, gate } = *add;
-    let (n, d, rows) = ((p.rows * p.dim) as usize, p.dim as usize, p.rows as usize);
-    let bufs = [
-        ("x", &*x, n),
-        ("y", y, n),
-        ("shared", shared, n),
-        ("gate", gate, rows),
-        ("w", w, d),
-        ("out", &*out, n),
-    ];
+    let bufs = super::add_gated_bufs(p, x, add, w, out);
     row_norm(c, "add_gated_rms_norm", F::AddGatedRmsNorm, p, &bufs);
 }
 

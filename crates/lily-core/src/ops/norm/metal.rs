@@ -11,13 +11,32 @@ use crate::{
     ops::moe::metal::{decodes_per_pair, expert_gemvs, experts_fit, SharedPair},
 };
 
-pub fn rms_norm<X: Executor>(m: &Metal<X>, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
-    let n = (p.rows * p.dim) as usize;
-    let checks = [("x", x.len(), n), ("w", w.len(), p.dim as usize), ("out", out.len(), n)];
-    if m.fits("rms_norm", &checks) {
-        let args = [Arg::Bytes(bytes_of(p)), x.arg(), w.arg(), out.arg()];
-        m.encode(Fixed::RmsNorm, &args, rows(p));
+/// Encode a norm kernel over `p.rows` rows (one threadgroup per row) after checking each buffer's
+/// length: `bufs` are (name, buffer, elements needed) in the kernel's argument order, after the
+/// params (as CUDA's `row_norm`).
+fn row_norm<X: Executor>(
+    m: &Metal<X>,
+    op: &str,
+    kernel: Fixed,
+    p: &RmsNormParams,
+    bufs: &[(&str, &MetalBuf<X>, usize)],
+) {
+    if let Err(e) = crate::ops::check_bufs(op, bufs, MetalBuf::len) {
+        return m.fail(e);
     }
+    let params = bytes_of(p);
+    // Slot 0 the params, then the buffers; the slots past them are not bound.
+    let args: [Arg<'_, X::Buffer>; 7] = std::array::from_fn(|i| match i.checked_sub(1).and_then(|j| bufs.get(j)) {
+        Some((_, b, _)) => b.arg(),
+        None => Arg::Bytes(params),
+    });
+    m.encode(kernel, &args[..=bufs.len()], rows(p));
+}
+
+pub fn rms_norm<X: Executor>(m: &Metal<X>, p: &RmsNormParams, x: &MetalBuf<X>, w: &MetalBuf<X>, out: &mut MetalBuf<X>) {
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    let bufs = [("x", x, n), ("w", w, d), ("out", &*out, n)];
+    row_norm(m, "rms_norm", Fixed::RmsNorm, p, &bufs);
 }
 
 pub fn rms_norm_gated<X: Executor>(
@@ -28,17 +47,9 @@ pub fn rms_norm_gated<X: Executor>(
     w: &MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let n = (p.rows * p.dim) as usize;
-    let checks = [
-        ("x", x.len(), n),
-        ("z", z.len(), n),
-        ("w", w.len(), p.dim as usize),
-        ("out", out.len(), n),
-    ];
-    if m.fits("rms_norm_gated", &checks) {
-        let args = [Arg::Bytes(bytes_of(p)), x.arg(), z.arg(), w.arg(), out.arg()];
-        m.encode(Fixed::RmsNormGated, &args, rows(p));
-    }
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    let bufs = [("x", x, n), ("z", z, n), ("w", w, d), ("out", &*out, n)];
+    row_norm(m, "rms_norm_gated", Fixed::RmsNormGated, p, &bufs);
 }
 
 /// x += y, then out = rms_norm(x, w), in one pass (`add_rms_norm`).
@@ -50,17 +61,9 @@ pub fn add_rms_norm<X: Executor>(
     w: &MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let n = (p.rows * p.dim) as usize;
-    let checks = [
-        ("x", x.len(), n),
-        ("y", y.len(), n),
-        ("w", w.len(), p.dim as usize),
-        ("out", out.len(), n),
-    ];
-    if m.fits("add_rms_norm", &checks) {
-        let args = [Arg::Bytes(bytes_of(p)), x.arg(), y.arg(), w.arg(), out.arg()];
-        m.encode(Fixed::AddRmsNorm, &args, rows(p));
-    }
+    let (n, d) = ((p.rows * p.dim) as usize, p.dim as usize);
+    let bufs = [("x", &*x, n), ("y", y, n), ("w", w, d), ("out", &*out, n)];
+    row_norm(m, "add_rms_norm", Fixed::AddRmsNorm, p, &bufs);
 }
 
 /// x += y + sigmoid(gate[row]) * shared, then out = rms_norm(x, w), in one pass
@@ -73,28 +76,8 @@ pub fn add_gated_rms_norm<X: Executor>(
     w: &MetalBuf<X>,
     out: &mut MetalBuf<X>,
 ) {
-    let GatedAdd { y, shared, gate } = *add;
-    let n = (p.rows * p.dim) as usize;
-    let checks = [
-        ("x", x.len(), n),
-        ("y", y.len(), n),
-        ("shared", shared.len(), n),
-        ("gate", gate.len(), p.rows as usize),
-        ("w", w.len(), p.dim as usize),
-        ("out", out.len(), n),
-    ];
-    if m.fits("add_gated_rms_norm", &checks) {
-        let args = [
-            Arg::Bytes(bytes_of(p)),
-            x.arg(),
-            y.arg(),
-            shared.arg(),
-            gate.arg(),
-            w.arg(),
-            out.arg(),
-        ];
-        m.encode(Fixed::AddGatedRmsNorm, &args, rows(p));
-    }
+    let bufs = super::add_gated_bufs(p, x, add, w, out);
+    row_norm(m, "add_gated_rms_norm", Fixed::AddGatedRmsNorm, p, &bufs);
 }
 
 /// x += moe_experts(h) + sigmoid(gate[row]) * shared, then h = rms_norm(x, w): for a decode step

@@ -20,3 +20,25 @@ pub mod cpu;
 pub mod cuda;
 pub mod metal;
 pub mod reference;
+
+use crate::backend::{params::RmsNormParams, Backend, GatedAdd};
+
+/// `add_gated_rms_norm`'s buffers in its GPU kernels' argument order (after the params), as (name,
+/// buffer, elements needed): x, y, shared, out [rows, dim], gate [rows], w [dim].
+pub fn add_gated_bufs<'a, B: Backend>(
+    p: &RmsNormParams,
+    x: &'a B::Buf,
+    add: &GatedAdd<'a, B>,
+    w: &'a B::Buf,
+    out: &'a B::Buf,
+) -> [(&'static str, &'a B::Buf, usize); 6] {
+    let (n, d, rows) = ((p.rows * p.dim) as usize, p.dim as usize, p.rows as usize);
+    [
+        ("x", x, n),
+        ("y", add.y, n),
+        ("shared", add.shared, n),
+        ("gate", add.gate, rows),
+        ("w", w, d),
+        ("out", out, n),
+    ]
+}
