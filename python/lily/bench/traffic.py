@@ -285,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prefill must be >= 0")
     if (a.project_with is None) != (a.project_to is None):
         ap.error("--project-with and --project-to go together")
-    steps = measure(a.model, a.contexts, a.prefill, a.kv_dtype)
     if a.project_with is None:
-        print(report(a.model, steps, a.kv_dtype, a.efficiency))
+        print(report(a.model, measure(a.model, a.contexts, a.prefill, a.kv_dtype), a.kv_dtype, a.efficiency))
         return 0
     layers = tuple(int(text_config(read_config(Path(m)))["num_hidden_layers"]) for m in (a.model, a.project_with))
     if not layers[0] < layers[1]:
         ap.error(f"--project-with needs more layers than {a.model} ({layers[0]}), has {layers[1]}")
+    steps = measure(a.model, a.contexts, a.prefill, a.kv_dtype)
     more = measure(a.project_with, a.contexts, a.prefill, a.kv_dtype)
     small = [s.totals(a.model, a.kv_dtype) for s in steps]
     large = [s.totals(a.project_with, a.kv_dtype) for s in more]
