@@ -104,6 +104,25 @@ def test_traffic_kernel_families():
     assert family("moe_histogram_u32") == "moe_histogram"
 
 
+def test_traffic_projection_is_linear_in_layers():
+    # 4 and 8 layers -> 40: x(4) + 9 (x(8) - x(4)) for each count, the minimum too; a family only one
+    # checkpoint has is projected from zero.
+    from lily.bench.traffic import Totals, project
+
+    def mn(w: float) -> dict[str, float]:
+        return {"weights": w, "state": 1.0, "kv": 2.0, "total": w + 3.0}
+
+    small = Totals("decode at context 256", {"gemv": [48.0, 400.0, 8.0]}, 256, mn(100.0))
+    large = Totals("decode at context 256", {"gemv": [93.0, 550.0, 16.0], "attention": [1.0, 2.0, 0.0]}, 256,
+                   mn(130.0))
+    p = project(small, large, (4, 8), 40)
+    assert p.families == {"gemv": [453.0, 1750.0, 80.0], "attention": [9.0, 18.0, 0.0]}
+    assert p.minimum == {"weights": 370.0, "state": 1.0, "kv": 2.0, "total": 373.0}
+    assert p.context == 256 and p.projected and p.dispatches == 462
+    with pytest.raises(ValueError):
+        project(small, large, (8, 4), 40)
+
+
 def test_metal_sim_sequences_and_batched_decode(lily, ckpts):
     # Fork (kv_copy of the segments) and a batched decode step (copy_rows kernels in the stream) on the
     # Metal command stream: each sequence's logits as when decoded alone, and as on the CPU backend.

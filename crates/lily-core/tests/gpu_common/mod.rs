@@ -24,21 +24,35 @@ pub fn metal_sim() -> Option<Metal<lily_core::backend::metal::sim::Sim>> {
     )
 }
 
-/// The real Metal device (Apple silicon). `None` (with a message) only where this Mac can have
-/// no usable Metal GPU: a virtual machine (`device::in_virtual_machine`: GitHub's hosted runners
-/// expose a paravirtual GPU below family Apple7) or an Intel Mac; even there a failure under
-/// LILY_REQUIRE_METAL=1. On Apple-silicon hardware a GPU that `probe` does not find (say, the
-/// CoreGraphics link missing) or that fails (a shader the compiler rejects, a pipeline, an old
-/// macOS) fails the test.
+/// The real Metal device (Apple silicon, GPU family Apple7+). `None` (with a message) only where
+/// Metal lists no device at all (`device::any_device`) and this Mac is a virtual machine
+/// (`device::in_virtual_machine`), unless LILY_REQUIRE_METAL=1. Everything else fails the test,
+/// with the reason: a Metal device Lily cannot run on (a virtual machine's paravirtual GPU, as on
+/// GitHub's hosted runners; an Intel Mac's GPU; any GPU below family Apple7), no device listed on
+/// Mac hardware (every Mac that runs macOS 13 has a Metal GPU: discovery is broken, say the
+/// CoreGraphics link missing), and a GPU that is found but fails (a shader the compiler rejects,
+/// a pipeline, an old macOS).
 #[cfg(target_os = "macos")]
 pub fn metal_device() -> Option<Metal<lily_core::backend::metal::device::Device>> {
+    use lily_core::backend::metal::device::{any_device, in_virtual_machine};
     if let Err(why) = lily_core::backend::metal::probe() {
-        let vm = lily_core::backend::metal::device::in_virtual_machine();
-        let no_gpu_here = vm || cfg!(not(target_arch = "aarch64"));
-        if !no_gpu_here || std::env::var("LILY_REQUIRE_METAL").is_ok_and(|v| v == "1") {
-            panic!("no Metal GPU found on this Mac (virtual machine: {vm}): {why}");
+        let (vm, listed) = (in_virtual_machine(), any_device());
+        let required = std::env::var("LILY_REQUIRE_METAL").is_ok_and(|v| v == "1");
+        if listed {
+            panic!(
+                "this Mac has a Metal device, but none of GPU family Apple7 or later, which Lily's kernels \
+                 need (an M1 or newer; a virtual machine's paravirtual GPU and an Intel Mac's GPU are below \
+                 it). This machine: {}, virtual machine: {vm}. {why}",
+                std::env::consts::ARCH
+            );
         }
-        eprintln!("SKIPPED: no Metal GPU (a virtual machine or an Intel Mac): {why}");
+        if !vm {
+            panic!("Metal lists no device on this Mac's hardware, which has a Metal GPU: discovery is broken: {why}");
+        }
+        if required {
+            panic!("LILY_REQUIRE_METAL=1, and this virtual machine has no Metal device: {why}");
+        }
+        eprintln!("SKIPPED: no Metal device at all in this virtual machine: {why}");
         return None;
     }
     Some(Metal::device().unwrap_or_else(|e| panic!("this Mac has a Metal GPU, but the backend fails: {e}")))
