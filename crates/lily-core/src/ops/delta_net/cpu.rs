@@ -185,7 +185,8 @@ fn chunk_scratch(n: usize, dk: usize, dv: usize) -> usize {
 /// GEMM of row-major operands ([`simd::gemm_nn`]; K is transposed once per chunk so K K^T, Q K^T
 /// and the state update read it row-major too). The forward substitution for U and W runs in
 /// blocks of [`SUBST_BLOCK`] rows: the rows before a block enter it by one GEMM, the block's own
-/// triangle by row updates, the same sums as row-by-row substitution in another order.
+/// triangle by row updates, the same sums as row-by-row substitution in another order. The
+/// decays exp(gam_i - gam_r) use the vectorizable [`simd::exp`].
 #[inline(always)]
 fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out) {
     let (_, _, hv, dk, dv) = x.p.dims();
@@ -231,14 +232,12 @@ fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: 
     amat.fill(0.0);
     simd::gemm_nn(isa, &gemm(n, n, dk, dk, n, n, false, false), k, kt, amat);
     for i in 0..n {
-        for r in 0..n {
-            let a = &mut amat[i * n + r];
-            *a = if r < i {
-                beta[i] * *a * (gam[i] - gam[r]).exp()
-            } else {
-                0.0
-            };
-        }
+        let (row, bi, gi) = (&mut amat[i * n..][..n], beta[i], gam[i]);
+        row[..i]
+            .iter_mut()
+            .zip(&gam[..i])
+            .for_each(|(a, g)| *a = bi * *a * simd::exp(gi - g));
+        row[i..].fill(0.0);
     }
     // Solve (I + A) U = beta V and (I + A) W = beta exp(gam) K by forward substitution, by blocks.
     for b0 in (0..n).step_by(SUBST_BLOCK) {
@@ -275,10 +274,12 @@ fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: 
     amat.fill(0.0);
     simd::gemm_nn(isa, &gemm(n, n, dk, dk, n, n, false, false), q, kt, amat);
     for i in 0..n {
-        for r in 0..n {
-            let a = &mut amat[i * n + r];
-            *a = if r <= i { *a * (gam[i] - gam[r]).exp() } else { 0.0 };
-        }
+        let (row, gi) = (&mut amat[i * n..][..n], gam[i]);
+        row[..=i]
+            .iter_mut()
+            .zip(&gam[..=i])
+            .for_each(|(a, g)| *a *= simd::exp(gi - g));
+        row[i + 1..].fill(0.0);
         let eg = gam[i].exp();
         q[i * dk..][..dk].iter_mut().for_each(|x| *x *= eg);
     }
@@ -293,10 +294,10 @@ fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: 
     let gn = gam[n - 1];
     let en = gn.exp();
     s.iter_mut().for_each(|x| *x *= en);
+    let f = beta; // beta is no longer needed: f_r = exp(gam_n - gam_r)
+    f.iter_mut().zip(gam.iter()).for_each(|(f, g)| *f = simd::exp(gn - g));
     for d in 0..dk {
-        for (r, x) in kt[d * n..][..n].iter_mut().enumerate() {
-            *x *= (gn - gam[r]).exp();
-        }
+        kt[d * n..][..n].iter_mut().zip(f.iter()).for_each(|(x, f)| *x *= f);
     }
     simd::gemm_nn(isa, &gemm(dk, dv, n, n, dv, dv, false, false), kt, u, s);
 }
