@@ -268,6 +268,119 @@ fn moe_case(isa: Isa, prec: Precision, t: usize, format: Format) {
     }
 }
 
+/// `simd::gemm_nn` on every ISA against f64 sums: row counts around the 4-row block, column counts
+/// around the vector widths and the 64 / 16-column blocks (masked tails), K = 0, strides wider
+/// than the rows, C += and C -=, and lower-triangular A (whose skipped products are zeros).
+#[test]
+fn gemm_nn_every_isa_matches_naive() {
+    let _g = serial();
+    for isa in Isa::all_available() {
+        let mut seed = 500;
+        for &(m, n, k) in &[
+            (1usize, 1usize, 1usize),
+            (3, 7, 5),
+            (4, 8, 64),
+            (5, 15, 3),
+            (6, 16, 17),
+            (7, 17, 0),
+            (9, 63, 33),
+            (4, 64, 128),
+            (13, 65, 40),
+            (64, 128, 64),
+            (22, 130, 22),
+        ] {
+            for (sub, lower) in [(false, false), (true, false), (false, true), (true, true)] {
+                seed += 1;
+                let (lda, ldb, ldc) = (k + 3, n + 5, n + 2);
+                let mut a = rand_vec(m * lda, seed, -1.0, 1.0);
+                if lower {
+                    for i in 0..m {
+                        for p in i + 1..k {
+                            a[i * lda + p] = 0.0;
+                        }
+                    }
+                }
+                let b = rand_vec(k.max(1) * ldb, seed + 1, -1.0, 1.0);
+                let c0 = rand_vec(m * ldc, seed + 2, -1.0, 1.0);
+                let mut want = c0.clone();
+                for i in 0..m {
+                    for j in 0..n {
+                        let s: f64 = (0..k).map(|p| a[i * lda + p] as f64 * b[p * ldb + j] as f64).sum();
+                        let c = c0[i * ldc + j] as f64;
+                        want[i * ldc + j] = if sub { c - s } else { c + s } as f32;
+                    }
+                }
+                let mut c = c0.clone();
+                let g = simd::GemmNn {
+                    m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldc,
+                    sub,
+                    lower,
+                };
+                simd::gemm_nn(isa, &g, &a, &b, &mut c);
+                // Columns past n of each C row are left as they were.
+                for i in 0..m {
+                    assert_eq!(
+                        c[i * ldc + n..][..ldc - n],
+                        c0[i * ldc + n..][..ldc - n],
+                        "{isa:?} {g:?}: C past n"
+                    );
+                }
+                assert_close(&c, &want, 1e-5, &format!("gemm_nn {isa:?} {g:?}"));
+            }
+        }
+    }
+}
+
+/// The chunked DeltaNet (`delta_net_with`: its products on `simd::gemm_nn`, the substitution in
+/// blocks) on every ISA against the step recurrence and the chunked twin (`delta_net::reference`),
+/// from a nonzero state: full chunks and a partial one (150 = 64 + 64 + 22), 65 (a chunk and one
+/// step), 17 (one substitution block and one row), over the real head dims and small odd ones.
+#[test]
+fn delta_net_every_isa_matches_reference() {
+    let _g = serial();
+    for isa in Isa::all_available() {
+        for &(hk, hv, dk, dv, t) in &[
+            (2usize, 4usize, 128usize, 128usize, 150usize),
+            (1, 2, 24, 40, 65),
+            (1, 1, 16, 8, 17),
+            (1, 2, 48, 24, 150),
+        ] {
+            let seed = (dk * 7 + dv + t) as u64;
+            let width = 2 * hk * dk + hv * dv;
+            let qkv = rand_vec(t * width, seed, -1.0, 1.0);
+            let a = rand_vec(t * hv, seed + 1, -3.0, 3.0);
+            let b = rand_vec(t * hv, seed + 2, -3.0, 3.0);
+            let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
+            let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
+            let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
+            let p = DeltaNetParams {
+                tokens: t as u32,
+                key_heads: hk as u32,
+                value_heads: hv as u32,
+                key_dim: dk as u32,
+                value_dim: dv as u32,
+            };
+            let x: delta_net::DeltaNetIn = delta_net::DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
+            let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
+            let n = t * hv * dv;
+            let (mut oa, mut ob, mut oc) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            delta_net::cpu::delta_net_with(isa, &x, &mut sa, &mut oa);
+            delta_net::reference::delta_net(&x.slices(), &mut sb, &mut ob);
+            delta_net::reference::delta_net_chunked(&x.slices(), &mut sc, &mut oc, delta_net::cpu::CHUNK);
+            let what = format!("delta_net {isa:?} Dk={dk} Dv={dv} T={t}");
+            assert_close(&oa, &ob, 2e-5, &format!("{what}: out vs the step recurrence"));
+            assert_close(&sa, &sb, 2e-5, &format!("{what}: state vs the step recurrence"));
+            assert_close(&oa, &oc, 5e-6, &format!("{what}: out vs the chunked twin"));
+            assert_close(&sa, &sc, 5e-6, &format!("{what}: state vs the chunked twin"));
+        }
+    }
+}
+
 #[test]
 fn moe_every_isa_matches_reference() {
     let _g = serial();

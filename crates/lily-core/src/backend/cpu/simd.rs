@@ -7,7 +7,8 @@
 //! - prefill GEMM tiles: an outer-product kernel on a K-major weight tile (32 or 16 rows x up to 6
 //!   activation rows, AVX-512 / AVX2) with the dequantization straight into that layout, and a
 //!   4 x 4 register-blocked dot tile (4 weight rows x 4 activation rows) elsewhere;
-//! - fast row dequantization into f32 (GEMM tiles, embedding rows).
+//! - fast row dequantization into f32 (GEMM tiles, embedding rows);
+//! - small row-major f32 products by outer products ([`gemm_nn`]: the chunked DeltaNet's).
 //!
 //! 4-bit rows are multiplied by x written as integer planes, with the CPU's byte dot products
 //! ([`int8`]); 8-bit and dense rows dequantize in registers against f32 x. The affine group form
@@ -780,6 +781,80 @@ pub fn tile_kxn_wide(
     let (head, _) = out.split_at_mut(6);
     let head: &mut [[f32; 32]; 6] = head.try_into().expect("6 rows");
     tile_kxn(isa, wt, std::array::from_fn(|t| x[t]), n, k, head)
+}
+
+/// The shape of a [`gemm_nn`] call: C [m, n] (row stride `ldc`) plus or minus A [m, k] (row
+/// stride `lda`) times B [k, n] (row stride `ldb`), all row-major f32.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmNn {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+    /// C -= A B instead of C += A B.
+    pub sub: bool,
+    /// A is lower triangular (a[i][p] = 0 for p > i): the products with those zeros may be
+    /// skipped (the result is the same: each skipped term adds an exact zero).
+    pub lower: bool,
+}
+
+/// c[i ldc + j] += (or -= when `g.sub`) sum_p a[i lda + p] b[p ldb + j] for i < m, j < n, p < k:
+/// the small dense products of the chunked DeltaNet (ops/delta_net/cpu.rs), where both operands
+/// are row-major. Outer products: a register block of C (4 rows x 64 columns on AVX-512, 4 x 16 on
+/// AVX2: 16 / 8 accumulators) takes, per p, one row of B in vectors and a broadcast of each A
+/// element, so no horizontal sums and no transposes; column tails are masked. Accumulation: each
+/// output is one f32 FMA chain from its value in C, over p in order (portable: mul then add).
+pub fn gemm_nn(isa: Isa, g: &GemmNn, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let GemmNn {
+        m, n, k, lda, ldb, ldc, ..
+    } = *g;
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        lda >= k
+            && ldb >= n
+            && ldc >= n
+            && a.len() >= (m - 1) * lda + k
+            && (k == 0 || b.len() >= (k - 1) * ldb + n)
+            && c.len() >= (m - 1) * ldc + n,
+        "gemm_nn: {g:?} with A {}, B {}, C {} floats",
+        a.len(),
+        b.len(),
+        c.len()
+    );
+    match isa {
+        // SAFETY: the ISA was checked available; the extents were checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::gemm_nn_avx512(g, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::gemm_nn_avx2(g, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) },
+        _ => gemm_nn_portable(g, a, b, c),
+    }
+}
+
+/// [`gemm_nn`] in plain loops (row-outer, so the j loop vectorizes to the build's baseline).
+pub fn gemm_nn_portable(g: &GemmNn, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let GemmNn {
+        m,
+        n,
+        k,
+        lda,
+        ldb,
+        ldc,
+        sub,
+        lower,
+    } = *g;
+    for i in 0..m {
+        let ci = &mut c[i * ldc..][..n];
+        let kend = if lower { k.min(i + 1) } else { k };
+        for p in 0..kend {
+            let av = if sub { -a[i * lda + p] } else { a[i * lda + p] };
+            ci.iter_mut().zip(&b[p * ldb..][..n]).for_each(|(x, y)| *x += av * y);
+        }
+    }
 }
 
 /// The K-major tile of rows `rows` of expert `e` of `m`: wt[j * R + i] = W[rows.start + i][j] for
@@ -1674,6 +1749,165 @@ mod x86 {
             for (t, ct) in c.iter().enumerate() {
                 _mm512_storeu_ps(out[t].as_mut_ptr(), ct[0]);
                 _mm512_storeu_ps(out[t].as_mut_ptr().add(16), ct[1]);
+            }
+        }
+    }
+
+    /// [`super::gemm_nn`] with AVX-512: C blocks of up to 4 rows x 64 columns (16 accumulators; per
+    /// p, 4 row loads of B and 4 broadcast A elements per 16 FMAs), the column tail 16 at a time
+    /// with masked loads and stores.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub unsafe fn gemm_nn_avx512(g: &super::GemmNn, a: *const f32, b: *const f32, c: *mut f32) {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        #[inline]
+        unsafe fn block<const MR: usize, const NV: usize, const SUB: bool>(
+            g: &super::GemmNn,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            kend: usize,
+            mask: [__mmask16; NV],
+        ) {
+            unsafe {
+                let mut acc: [[__m512; NV]; MR] = std::array::from_fn(|i| {
+                    std::array::from_fn(|v| _mm512_maskz_loadu_ps(mask[v], c.add(i * g.ldc + 16 * v)))
+                });
+                for p in 0..kend {
+                    let bv: [__m512; NV] =
+                        std::array::from_fn(|v| _mm512_maskz_loadu_ps(mask[v], b.add(p * g.ldb + 16 * v)));
+                    for (i, ai) in acc.iter_mut().enumerate() {
+                        let av = _mm512_set1_ps(*a.add(i * g.lda + p));
+                        for (x, &y) in ai.iter_mut().zip(&bv) {
+                            *x = if SUB {
+                                _mm512_fnmadd_ps(av, y, *x)
+                            } else {
+                                _mm512_fmadd_ps(av, y, *x)
+                            };
+                        }
+                    }
+                }
+                for (i, ai) in acc.iter().enumerate() {
+                    for (v, &x) in ai.iter().enumerate() {
+                        _mm512_mask_storeu_ps(c.add(i * g.ldc + 16 * v), mask[v], x);
+                    }
+                }
+            }
+        }
+        unsafe {
+            let (m, n, k) = (g.m, g.n, g.k);
+            macro_rules! rows {
+                ($nv:literal, $i0:expr, $j0:expr, $kend:expr, $mask:expr) => {{
+                    let (a, b, c) = (a.add($i0 * g.lda), b.add($j0), c.add($i0 * g.ldc + $j0));
+                    match (m - $i0, g.sub) {
+                        (1, false) => block::<1, $nv, false>(g, a, b, c, $kend, $mask),
+                        (2, false) => block::<2, $nv, false>(g, a, b, c, $kend, $mask),
+                        (3, false) => block::<3, $nv, false>(g, a, b, c, $kend, $mask),
+                        (_, false) => block::<4, $nv, false>(g, a, b, c, $kend, $mask),
+                        (1, true) => block::<1, $nv, true>(g, a, b, c, $kend, $mask),
+                        (2, true) => block::<2, $nv, true>(g, a, b, c, $kend, $mask),
+                        (3, true) => block::<3, $nv, true>(g, a, b, c, $kend, $mask),
+                        (_, true) => block::<4, $nv, true>(g, a, b, c, $kend, $mask),
+                    }
+                }};
+            }
+            for i0 in (0..m).step_by(4) {
+                let kend = if g.lower { k.min(i0 + 4) } else { k };
+                let mut j0 = 0;
+                while j0 + 64 <= n {
+                    rows!(4, i0, j0, kend, [0xffff; 4]);
+                    j0 += 64;
+                }
+                while j0 < n {
+                    let left = (n - j0).min(16);
+                    let mask = ((1u32 << left) - 1) as __mmask16;
+                    rows!(1, i0, j0, kend, [mask]);
+                    j0 += 16;
+                }
+            }
+        }
+    }
+
+    /// [`super::gemm_nn`] with AVX2: C blocks of up to 4 rows x 16 columns (8 accumulators; per p,
+    /// 2 row loads of B and 4 broadcasts per 8 FMAs), the column tail 8 at a time with masked loads
+    /// and stores.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemm_nn_avx2(g: &super::GemmNn, a: *const f32, b: *const f32, c: *mut f32) {
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        unsafe fn block<const MR: usize, const NV: usize, const SUB: bool, const MASKED: bool>(
+            g: &super::GemmNn,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            kend: usize,
+            mask: __m256i,
+        ) {
+            unsafe {
+                let ld = |p: *const f32| {
+                    if MASKED {
+                        _mm256_maskload_ps(p, mask)
+                    } else {
+                        _mm256_loadu_ps(p)
+                    }
+                };
+                let mut acc: [[__m256; NV]; MR] =
+                    std::array::from_fn(|i| std::array::from_fn(|v| ld(c.add(i * g.ldc + 8 * v))));
+                for p in 0..kend {
+                    let bv: [__m256; NV] = std::array::from_fn(|v| ld(b.add(p * g.ldb + 8 * v)));
+                    for (i, ai) in acc.iter_mut().enumerate() {
+                        let av = _mm256_set1_ps(*a.add(i * g.lda + p));
+                        for (x, &y) in ai.iter_mut().zip(&bv) {
+                            *x = if SUB {
+                                _mm256_fnmadd_ps(av, y, *x)
+                            } else {
+                                _mm256_fmadd_ps(av, y, *x)
+                            };
+                        }
+                    }
+                }
+                for (i, ai) in acc.iter().enumerate() {
+                    for (v, &x) in ai.iter().enumerate() {
+                        let p = c.add(i * g.ldc + 8 * v);
+                        if MASKED {
+                            _mm256_maskstore_ps(p, mask, x)
+                        } else {
+                            _mm256_storeu_ps(p, x)
+                        }
+                    }
+                }
+            }
+        }
+        unsafe {
+            let (m, n, k) = (g.m, g.n, g.k);
+            macro_rules! rows {
+                ($nv:literal, $masked:literal, $i0:expr, $j0:expr, $kend:expr, $mask:expr) => {{
+                    let (a, b, c) = (a.add($i0 * g.lda), b.add($j0), c.add($i0 * g.ldc + $j0));
+                    match (m - $i0, g.sub) {
+                        (1, false) => block::<1, $nv, false, $masked>(g, a, b, c, $kend, $mask),
+                        (2, false) => block::<2, $nv, false, $masked>(g, a, b, c, $kend, $mask),
+                        (3, false) => block::<3, $nv, false, $masked>(g, a, b, c, $kend, $mask),
+                        (_, false) => block::<4, $nv, false, $masked>(g, a, b, c, $kend, $mask),
+                        (1, true) => block::<1, $nv, true, $masked>(g, a, b, c, $kend, $mask),
+                        (2, true) => block::<2, $nv, true, $masked>(g, a, b, c, $kend, $mask),
+                        (3, true) => block::<3, $nv, true, $masked>(g, a, b, c, $kend, $mask),
+                        (_, true) => block::<4, $nv, true, $masked>(g, a, b, c, $kend, $mask),
+                    }
+                }};
+            }
+            let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            for i0 in (0..m).step_by(4) {
+                let kend = if g.lower { k.min(i0 + 4) } else { k };
+                let mut j0 = 0;
+                while j0 + 16 <= n {
+                    rows!(2, false, i0, j0, kend, lane);
+                    j0 += 16;
+                }
+                while j0 < n {
+                    let left = (n - j0).min(8) as i32;
+                    let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);
+                    rows!(1, true, i0, j0, kend, mask);
+                    j0 += 8;
+                }
             }
         }
     }

@@ -14,7 +14,7 @@ use crate::{
         params::{ConvParams, MAX_CONV_TAPS},
         DeltaNetSeq,
     },
-    ops::{delta_net::DeltaNetIn, matmul::cpu as matmul},
+    ops::delta_net::DeltaNetIn,
 };
 
 /// Chunk length of the parallel DeltaNet form (FLA / transformers use 64).
@@ -28,11 +28,15 @@ pub const CHUNK: usize = 64;
 /// of CHUNK tokens, whose products are blocked matrix loops over the task's scratch.
 /// Accumulation: f32; only exponentials of non-positive numbers.
 pub fn delta_net(x: &DeltaNetIn, state: &mut [f32], out: &mut [f32]) {
-    let isa = Isa::get();
+    delta_net_with(Isa::get(), x, state, out)
+}
+
+/// [`delta_net`] on the ISA `isa` (the tests run every one).
+pub fn delta_net_with(isa: Isa, x: &DeltaNetIn, state: &mut [f32], out: &mut [f32]) {
     let (t_n, _, hv, dk, dv) = x.p.dims();
     let o = Out(out.as_mut_ptr());
     let n = t_n.min(CHUNK);
-    let scratch = n * (3 * dk + 2 * dv + 2 + n) + 3 * dv + 2 * dk;
+    let scratch = chunk_scratch(n, dk, dv).max(3 * dv + 2 * dk);
     // Decode: runs of heads per task (~4 tasks per thread), so a thread's state reads are long
     // forward streams: 164 vs 179 us per layer on this VM with one head per task.
     let heads = if t_n == 1 {
@@ -171,120 +175,135 @@ multiversion! {
     ) = delta_chunk_body;
 }
 
-/// The chunked form (architecture.md §6.1) for tokens t0..t0+n of value head j, as blocked
-/// matrix products over [n, Dk] / [n, Dv] panels and the [Dk, Dv] state.
+/// Scratch floats of [`delta_chunk`] for chunks of up to n tokens.
+fn chunk_scratch(n: usize, dk: usize, dv: usize) -> usize {
+    n * (4 * dk + 2 * dv + 2 + n)
+}
+
+/// The chunked form (architecture.md §6.1) for tokens t0..t0+n of value head j: every product
+/// over the [n, Dk] / [n, Dv] panels and the [Dk, Dv] state is a register-blocked outer-product
+/// GEMM of row-major operands ([`simd::gemm_nn`]; K is transposed once per chunk so K K^T, Q K^T
+/// and the state update read it row-major too). The forward substitution for U and W runs in
+/// blocks of [`SUBST_BLOCK`] rows: the rows before a block enter it by one GEMM, the block's own
+/// triangle by row updates, the same sums as row-by-row substitution in another order. The
+/// decays exp(gam_i - gam_r) use the vectorizable [`simd::exp`].
 #[inline(always)]
 fn delta_chunk_body(isa: Isa, x: &DeltaNetIn, t0: usize, n: usize, j: usize, s: &mut [f32], scr: &mut [f32], o: Out) {
     let (_, _, hv, dk, dv) = x.p.dims();
     let (q, rest) = scr.split_at_mut(n * dk);
     let (k, rest) = rest.split_at_mut(n * dk);
+    let (kt, rest) = rest.split_at_mut(dk * n); // K^T [Dk, n]
     let (w, rest) = rest.split_at_mut(n * dk);
     let (u, rest) = rest.split_at_mut(n * dv);
-    let (v, rest) = rest.split_at_mut(n * dv);
+    let (ob, rest) = rest.split_at_mut(n * dv);
     let (beta, rest) = rest.split_at_mut(n);
     let (gam, rest) = rest.split_at_mut(n); // cumulative log-decay
-    let (amat, rest) = rest.split_at_mut(n * n);
-    let oi = &mut rest[..dv];
+    let amat = &mut rest[..n * n];
     let mut acc = 0f32;
     for i in 0..n {
         let (vi, bi, gi) = delta_inputs(isa, x, t0 + i, j, &mut q[i * dk..][..dk], &mut k[i * dk..][..dk]);
-        v[i * dv..][..dv].copy_from_slice(vi);
+        // U starts as beta V, W as beta exp(gam) K (the substitution below subtracts from them).
+        u[i * dv..][..dv].iter_mut().zip(vi).for_each(|(y, v)| *y = bi * v);
         beta[i] = bi;
         acc += gi;
         gam[i] = acc;
     }
-    let (q, k): (&[f32], &[f32]) = (q, k);
-    // A[i, j'] = beta_i (k_i . k_j') exp(gam_i - gam_j') for j' < i (K K^T by 4 x 4 tiles).
-    amat.fill(0.0);
-    matmul::tile_products(
-        isa,
-        k,
-        n,
-        dk,
-        n,
-        |jj| &k[jj * dk..][..dk],
-        |jj, i, kk| {
-            if jj < i {
-                amat[i * n + jj] = beta[i] * kk * (gam[i] - gam[jj]).exp();
-            }
-        },
-    );
-    // Solve (I + A) U = beta V and (I + A) W = beta exp(gam) K by forward substitution.
     for i in 0..n {
-        let eg = gam[i].exp();
-        let (done_u, cur_u) = u.split_at_mut(i * dv);
-        let (done_w, cur_w) = w.split_at_mut(i * dk);
-        let (ui, wi) = (&mut cur_u[..dv], &mut cur_w[..dk]);
-        ui.iter_mut()
-            .zip(&v[i * dv..][..dv])
-            .for_each(|(x, vv)| *x = beta[i] * vv);
-        wi.iter_mut()
+        let eg = beta[i] * gam[i].exp();
+        w[i * dk..][..dk]
+            .iter_mut()
             .zip(&k[i * dk..][..dk])
-            .for_each(|(x, kv)| *x = beta[i] * eg * kv);
-        for jj in 0..i {
-            let aij = amat[i * n + jj];
-            if aij != 0.0 {
-                ui.iter_mut()
-                    .zip(&done_u[jj * dv..][..dv])
-                    .for_each(|(x, y)| *x -= aij * y);
-                wi.iter_mut()
-                    .zip(&done_w[jj * dk..][..dk])
-                    .for_each(|(x, y)| *x -= aij * y);
+            .for_each(|(y, kv)| *y = eg * kv);
+        for (d, &kv) in k[i * dk..][..dk].iter().enumerate() {
+            kt[d * n + i] = kv;
+        }
+    }
+    let gemm = |m, nn, kk, lda, ldb, ldc, sub, lower| simd::GemmNn {
+        m,
+        n: nn,
+        k: kk,
+        lda,
+        ldb,
+        ldc,
+        sub,
+        lower,
+    };
+    // A[i, r] = beta_i (k_i . k_r) exp(gam_i - gam_r) for r < i, else 0 (K K^T).
+    amat.fill(0.0);
+    simd::gemm_nn(isa, &gemm(n, n, dk, dk, n, n, false, false), k, kt, amat);
+    for i in 0..n {
+        let (row, bi, gi) = (&mut amat[i * n..][..n], beta[i], gam[i]);
+        row[..i]
+            .iter_mut()
+            .zip(&gam[..i])
+            .for_each(|(a, g)| *a = bi * *a * simd::exp(gi - g));
+        row[i..].fill(0.0);
+    }
+    // Solve (I + A) U = beta V and (I + A) W = beta exp(gam) K by forward substitution, by blocks.
+    for b0 in (0..n).step_by(SUBST_BLOCK) {
+        let bn = SUBST_BLOCK.min(n - b0);
+        if b0 > 0 {
+            let (done_u, cur_u) = u.split_at_mut(b0 * dv);
+            let (done_w, cur_w) = w.split_at_mut(b0 * dk);
+            let arows = &amat[b0 * n..];
+            simd::gemm_nn(isa, &gemm(bn, dv, b0, n, dv, dv, true, false), arows, done_u, cur_u);
+            simd::gemm_nn(isa, &gemm(bn, dk, b0, n, dk, dk, true, false), arows, done_w, cur_w);
+        }
+        for i in b0 + 1..b0 + bn {
+            let (done_u, cur_u) = u.split_at_mut(i * dv);
+            let (done_w, cur_w) = w.split_at_mut(i * dk);
+            let (ui, wi) = (&mut cur_u[..dv], &mut cur_w[..dk]);
+            for r in b0..i {
+                let air = amat[i * n + r];
+                if air != 0.0 {
+                    ui.iter_mut()
+                        .zip(&done_u[r * dv..][..dv])
+                        .for_each(|(x, y)| *x -= air * y);
+                    wi.iter_mut()
+                        .zip(&done_w[r * dk..][..dk])
+                        .for_each(|(x, y)| *x -= air * y);
+                }
             }
         }
     }
-    // V' = U - W S  ([n, Dv]).
+    // V' = U - W S ([n, Dv]), in place of U.
+    simd::gemm_nn(isa, &gemm(n, dv, dk, dk, dv, dv, true, false), w, s, u);
+    let u: &[f32] = u;
+    // O_i = exp(gam_i) q_i S + sum_{r <= i} (q_i . k_r) exp(gam_i - gam_r) V'_r: the masked Q K^T
+    // into amat (A is no longer needed), then both products into ob.
+    amat.fill(0.0);
+    simd::gemm_nn(isa, &gemm(n, n, dk, dk, n, n, false, false), q, kt, amat);
     for i in 0..n {
-        let ui = &mut u[i * dv..][..dv];
-        for d in 0..dk {
-            let wd = w[i * dk + d];
-            ui.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x -= wd * sv);
-        }
-    }
-    // O_i = exp(gam_i) q_i S + sum_{j' <= i} (q_i . k_j') exp(gam_i - gam_j') V'_j'.
-    // (q_i . k_j') for all pairs by 4 x 4 tiles into amat (A is no longer needed).
-    matmul::tile_products(
-        isa,
-        q,
-        n,
-        dk,
-        n,
-        |jj| &k[jj * dk..][..dk],
-        |jj, i, qk| {
-            amat[i * n + jj] = if jj <= i { qk * (gam[i] - gam[jj]).exp() } else { 0.0 };
-        },
-    );
-    for i in 0..n {
-        oi.fill(0.0);
+        let (row, gi) = (&mut amat[i * n..][..n], gam[i]);
+        row[..=i]
+            .iter_mut()
+            .zip(&gam[..=i])
+            .for_each(|(a, g)| *a *= simd::exp(gi - g));
+        row[i + 1..].fill(0.0);
         let eg = gam[i].exp();
-        for d in 0..dk {
-            let qd = q[i * dk + d] * eg;
-            oi.iter_mut().zip(&s[d * dv..][..dv]).for_each(|(x, sv)| *x += qd * sv);
-        }
-        for jj in 0..=i {
-            let c = amat[i * n + jj];
-            oi.iter_mut().zip(&u[jj * dv..][..dv]).for_each(|(x, vv)| *x += c * vv);
-        }
-        for c in 0..dv {
-            // SAFETY: value head j's outputs belong to this task.
-            unsafe { o.set(((t0 + i) * hv + j) * dv + c, oi[c]) };
-        }
+        q[i * dk..][..dk].iter_mut().for_each(|x| *x *= eg);
     }
-    // S <- exp(gam_n) S + sum_j' exp(gam_n - gam_j') k_j' (x) V'_j'.
+    ob.fill(0.0);
+    simd::gemm_nn(isa, &gemm(n, dv, dk, dk, dv, dv, false, false), q, s, ob);
+    simd::gemm_nn(isa, &gemm(n, dv, n, n, dv, dv, false, true), amat, u, ob);
+    for i in 0..n {
+        // SAFETY: value head j's outputs belong to this task.
+        unsafe { o.slice(((t0 + i) * hv + j) * dv, dv) }.copy_from_slice(&ob[i * dv..][..dv]);
+    }
+    // S <- exp(gam_n) S + sum_r exp(gam_n - gam_r) k_r (x) V'_r, i.e. S += (K^T diag(f)) V'.
     let gn = gam[n - 1];
     let en = gn.exp();
     s.iter_mut().for_each(|x| *x *= en);
-    for jj in 0..n {
-        let f = (gn - gam[jj]).exp();
-        for d in 0..dk {
-            let kd = k[jj * dk + d] * f;
-            s[d * dv..][..dv]
-                .iter_mut()
-                .zip(&u[jj * dv..][..dv])
-                .for_each(|(x, vv)| *x += kd * vv);
-        }
+    let f = beta; // beta is no longer needed: f_r = exp(gam_n - gam_r)
+    f.iter_mut().zip(gam.iter()).for_each(|(f, g)| *f = simd::exp(gn - g));
+    for d in 0..dk {
+        kt[d * n..][..n].iter_mut().zip(f.iter()).for_each(|(x, f)| *x *= f);
     }
+    simd::gemm_nn(isa, &gemm(dk, dv, n, n, dv, dv, false, false), kt, u, s);
 }
+
+/// Rows per block of [`delta_chunk`]'s forward substitution.
+const SUBST_BLOCK: usize = 16;
 
 /// Causal depthwise conv + SiLU over the rows of [state; x] (x [T, C], state [taps - 1, C], w
 /// [C, taps]). Threads: blocks of CONV_BLOCK channels. Within a block the loops run token-outer,

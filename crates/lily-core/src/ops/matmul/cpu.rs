@@ -11,7 +11,7 @@
 //!   an f32 tile (per-thread scratch), K-major for the outer-product kernel where the ISA has one
 //!   (32 x up to 12 activation rows per pass on AVX-512, 16 x 6 on AVX2), else row-major for 4 x 4 dot tiles
 //!   ([`simd::dot4x4`]); row blocks are the parallel tasks ([`tile_sweep`]). The MoE experts
-//!   reuse the sweep, the chunked DeltaNet the 4 x 4 tiles ([`tile_products`]).
+//!   reuse the sweep; the chunked DeltaNet runs its products on [`simd::gemm_nn`].
 
 use crate::{
     backend::{
