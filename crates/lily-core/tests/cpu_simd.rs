@@ -7,7 +7,7 @@ use std::sync::Mutex;
 mod alloc_common;
 mod common;
 
-use common::{assert_close, cpu_cache, matrix, rand_vec};
+use common::{assert_close, cpu_cache, delta_net_inputs, matrix, rand_vec, DeltaNetInputs};
 use lily_core::{
     backend::{
         cpu::{isa::Isa, kv::CpuKv, simd, Cpu, Precision},
@@ -351,13 +351,14 @@ fn delta_net_every_isa_matches_reference() {
             (1, 2, 48, 24, 150),
         ] {
             let seed = (dk * 7 + dv + t) as u64;
-            let width = 2 * hk * dk + hv * dv;
-            let qkv = rand_vec(t * width, seed, -1.0, 1.0);
-            let a = rand_vec(t * hv, seed + 1, -3.0, 3.0);
-            let b = rand_vec(t * hv, seed + 2, -3.0, 3.0);
-            let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
-            let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
-            let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
+            let DeltaNetInputs {
+                qkv,
+                a,
+                b,
+                a_log,
+                dt_bias,
+                s0,
+            } = delta_net_inputs(t, [hk, hv, dk, dv], seed);
             let p = DeltaNetParams {
                 tokens: t as u32,
                 key_heads: hk as u32,

@@ -8,7 +8,7 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, one_row, one_row_buffers, rand_vec};
+use common::{assert_close, delta_net_inputs, one_row, one_row_buffers, rand_vec, DeltaNetInputs};
 use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
@@ -114,13 +114,14 @@ mod cpu {
     fn delta_net_heads_case(t: usize, seed: u64, hk: usize, hv: usize) {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         let (dk, dv) = (128usize, 128usize);
-        let width = 2 * hk * dk + hv * dv;
-        let qkv = rand_vec(t * width, seed, -1.0, 1.0);
-        let a = rand_vec(t * hv, seed + 1, -3.0, 3.0);
-        let b = rand_vec(t * hv, seed + 2, -3.0, 3.0);
-        let a_log = rand_vec(hv, seed + 3, -5.0, 0.7);
-        let dt_bias = rand_vec(hv, seed + 4, -1.0, 1.0);
-        let s0 = rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1);
+        let DeltaNetInputs {
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            s0,
+        } = delta_net_inputs(t, [hk, hv, dk, dv], seed);
         let p = params(t, hk, hv, dk, dv);
         let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
         let n = t * hv * dv;

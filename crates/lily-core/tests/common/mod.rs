@@ -27,6 +27,31 @@ pub fn cpu_cache(data: &[f32], width: usize, dtype: KvDtype, seg: usize) -> CpuK
     kv
 }
 
+/// Random inputs of a DeltaNet recurrence over `t` tokens (hk key heads, hv value heads, dims dk,
+/// dv), drawn from `seed`, in the ranges the model's values take: qkv [t, 2 hk dk + hv dv], a and b
+/// [t, hv], a_log and dt_bias [hv], the initial state s0 [hv, dk, dv].
+#[allow(dead_code)] // not every test binary that includes this module uses it
+pub struct DeltaNetInputs {
+    pub qkv: Vec<f32>,
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+    pub a_log: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    pub s0: Vec<f32>,
+}
+
+#[allow(dead_code)]
+pub fn delta_net_inputs(t: usize, [hk, hv, dk, dv]: [usize; 4], seed: u64) -> DeltaNetInputs {
+    DeltaNetInputs {
+        qkv: rand_vec(t * (2 * hk * dk + hv * dv), seed, -1.0, 1.0),
+        a: rand_vec(t * hv, seed + 1, -3.0, 3.0),
+        b: rand_vec(t * hv, seed + 2, -3.0, 3.0),
+        a_log: rand_vec(hv, seed + 3, -5.0, 0.7),
+        dt_bias: rand_vec(hv, seed + 4, -1.0, 1.0),
+        s0: rand_vec(hv * dk * dv, seed + 5, -0.1, 0.1),
+    }
+}
+
 /// Deterministic pseudo-random values in [lo, hi) (xorshift; no dependency needed).
 pub fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
