@@ -438,6 +438,96 @@ fn kv_elems(rows: KvRows) -> (u8, *const u8, usize) {
     }
 }
 
+/// Cache lines walked into L2 (`prefetcht1`) a few at a time by the decode-attention kernels: the
+/// next block's K and V rows (two byte ranges), spread over every inner step of the current
+/// block's score and P.V passes so the memory stream runs at a steady rate for the whole block.
+/// (Fetching ahead only inside the first KV head's score pass, about a quarter of a block's work,
+/// asked for the rows at four times one core's share of the bandwidth there and left memory idle
+/// for the other three quarters: on the Xeon a 16-bit key took ~1.7x its in-cache time.) Into
+/// L2, not L1: the rows are read a whole block later and a block (128 KiB at bf16 and Qwen3.6's
+/// shapes) is larger than L1. `step` issues `rate / 256` lines on average; a hint that never
+/// faults, kept inside the ranges it was given.
+#[derive(Clone, Copy, Debug)]
+pub struct Fetch {
+    cur: usize,
+    end: usize,
+    then: (usize, usize),
+    rate: u32,
+    credit: u32,
+}
+
+impl Fetch {
+    /// Nothing to fetch.
+    pub fn none() -> Fetch {
+        Fetch {
+            cur: 0,
+            end: 0,
+            then: (0, 0),
+            rate: 0,
+            credit: 0,
+        }
+    }
+
+    /// The cache lines of `first`, then of `second`, spread evenly over `steps` calls of `step`.
+    pub fn new(first: KvRows, second: KvRows, steps: usize) -> Fetch {
+        let range = |rows: KvRows| {
+            let (e, ptr, len) = kv_elems(rows);
+            let bytes = len * if e == x86_elem::F32 { 4 } else { 2 };
+            (ptr as usize, ptr as usize + bytes)
+        };
+        let (a, b) = (range(first), range(second));
+        let lines = (a.1 - a.0).div_ceil(64) + (b.1 - b.0).div_ceil(64);
+        Fetch {
+            cur: a.0,
+            end: a.1,
+            then: b,
+            rate: (256 * lines).div_ceil(steps.max(1)).min(u32::MAX as usize) as u32,
+            credit: 0,
+        }
+    }
+
+    /// One inner step's share of the lines.
+    #[inline(always)]
+    pub fn step(&mut self) {
+        self.credit += self.rate;
+        while self.credit >= 256 {
+            self.credit -= 256;
+            if self.cur >= self.end {
+                if self.then.0 >= self.then.1 {
+                    self.rate = 0;
+                    self.credit = 0;
+                    return;
+                }
+                (self.cur, self.end) = self.then;
+                self.then = (0, 0);
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: prefetch is a hint on an address inside the rows this was made from.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                _mm_prefetch::<_MM_HINT_T1>(self.cur as *const i8)
+            };
+            self.cur += 64;
+        }
+    }
+}
+
+/// Inner steps of [`qk8`] on `isa` for kn keys of hd values: [`Fetch::step`] calls.
+pub fn qk8_steps(isa: Isa, kn: usize, hd: usize) -> usize {
+    match isa {
+        Isa::Avx512 => kn.div_ceil(2) * (hd / 16),
+        _ => kn * (hd / 8),
+    }
+}
+
+/// Inner steps of one [`pv8x32`] call on `isa` for kn keys: [`Fetch::step`] calls.
+pub fn pv8x32_steps(isa: Isa, kn: usize) -> usize {
+    match isa {
+        Isa::Avx512 => kn,
+        _ => 4 * kn,
+    }
+}
+
 /// Element loaders of the attention kernels (a const generic: one kernel body per dtype).
 mod x86_elem {
     pub const F32: u8 = 0;
@@ -460,8 +550,8 @@ macro_rules! by_elem {
 /// acc[r][..] += sum over s < kn of p[r * kn + s] * v[s * stride..][..32], for 8 rows r: the
 /// decode-attention P.V tile (8 query heads x 32 dims, V rows `stride` values apart, f32 or 16-bit
 /// widened in registers). AVX-512 and AVX2 (the caller picks it for those ISAs: the portable loop
-/// does not vectorize into registers).
-pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mut [[f32; 32]; 8]) {
+/// does not vectorize into registers). `fetch` steps once per key of each pass ([`pv8x32_steps`]).
+pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mut [[f32; 32]; 8], fetch: &mut Fetch) {
     assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "pv8x32: AVX-512 or AVX2 only");
     if kn == 0 {
         return;
@@ -476,21 +566,19 @@ pub fn pv8x32(isa: Isa, p: &[f32], kn: usize, v: KvRows, stride: usize, acc: &mu
     unsafe {
         let rows = std::array::from_fn(|r| p.as_ptr().add(r * kn));
         match isa {
-            Isa::Avx512 => by_elem!(elem, x86::avx512::pv8x32(rows, v, stride, kn, acc)),
-            _ => by_elem!(elem, x86::avx2::pv8x32(rows, v, stride, kn, acc)),
+            Isa::Avx512 => by_elem!(elem, x86::avx512::pv8x32(rows, v, stride, kn, acc, fetch)),
+            _ => by_elem!(elem, x86::avx2::pv8x32(rows, v, stride, kn, acc, fetch)),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (acc, v, elem); // Isa::Avx512 and Avx2 exist only on x86_64
+    let _ = (acc, v, elem, fetch); // Isa::Avx512 and Avx2 exist only on x86_64
 }
 
 /// out[r * ostride + s] = scale * q[r] . k[s * stride..][..hd] for 8 query rows r and keys s < kn: the
 /// decode-attention scores of a GQA group (the query heads of one KV head), each K row (f32, or
 /// 16-bit widened in registers) loaded once for all 8 rows. AVX-512 and AVX2, hd a multiple of 16.
-/// `ahead`: two streams of rows (rows, values `stride` apart, values per row) whose row s is
-/// prefetched as key s is scored, where the stream has it: the caller passes K rows a few keys
-/// ahead and the V rows of the same keys, so the misses stay in flight at a steady rate (a burst of
-/// a block's prefetches overflows the core's miss buffers and is dropped or stalls).
+/// `fetch` steps once per inner step ([`qk8_steps`]): the caller's rows for later blocks, fetched
+/// at a steady rate.
 #[allow(clippy::too_many_arguments)]
 pub fn qk8(
     isa: Isa,
@@ -500,7 +588,7 @@ pub fn qk8(
     hd: usize,
     scale: f32,
     (out, ostride): (&mut [f32], usize),
-    ahead: [(KvRows, usize, usize); 2],
+    fetch: &mut Fetch,
 ) {
     assert!(matches!(isa, Isa::Avx512 | Isa::Avx2), "qk8: AVX-512 or AVX2 only");
     if kn == 0 {
@@ -516,35 +604,19 @@ pub fn qk8(
         "qk8: short input"
     );
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the ISA is available; the reads and writes stay inside q, k and out (checked above),
-    // the prefetches inside the `ahead` rows (counted from their lengths).
+    // SAFETY: the ISA is available; the reads and writes stay inside q, k and out (checked above).
     unsafe {
         let (q, o) = (q.map(|r| r.as_ptr()), out.as_mut_ptr());
-        let ahead = ahead.map(|(rows, stride, width)| {
-            let (e, ptr, len) = kv_elems(rows);
-            let size = if e == x86_elem::F32 { 4 } else { 2 };
-            let n = if len >= width {
-                (len - width) / stride.max(1) + 1
-            } else {
-                0
-            };
-            x86::Ahead {
-                ptr,
-                stride: stride * size,
-                bytes: width * size,
-                n,
-            }
-        });
         match isa {
             Isa::Avx512 => by_elem!(
                 elem,
-                x86::avx512::qk8(q, (k, stride), kn, hd, scale, (o, ostride), ahead)
+                x86::avx512::qk8(q, (k, stride), kn, hd, scale, (o, ostride), fetch)
             ),
-            _ => by_elem!(elem, x86::avx2::qk8(q, (k, stride), kn, hd, scale, (o, ostride), ahead)),
+            _ => by_elem!(elem, x86::avx2::qk8(q, (k, stride), kn, hd, scale, (o, ostride), fetch)),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (q, k, elem, scale, out, ostride, ahead);
+    let _ = (q, k, elem, scale, out, ostride, fetch);
 }
 
 /// x split into two bf16 parts, hi = bf16(x) and lo = bf16(x - hi) (both round to nearest even;
@@ -952,6 +1024,7 @@ mod x86 {
     //! safe wrappers check.
     use std::arch::x86_64::*;
 
+    use super::Fetch;
     use crate::quant::{Format, Matrix};
 
     /// Bytes ahead of the current weight read to prefetch: the 4/8-bit kernels spend enough
@@ -1179,8 +1252,9 @@ mod x86 {
                     stride: usize,
                     kn: usize,
                     acc: &mut [[f32; 32]; 8],
+                    fetch: &mut Fetch,
                 ) {
-                    unsafe { super::pv8x32::<$w, E, { <$w as Width>::PV_ROWS }>(p, v, stride, kn, acc) }
+                    unsafe { super::pv8x32::<$w, E, { <$w as Width>::PV_ROWS }>(p, v, stride, kn, acc, fetch) }
                 }
                 #[allow(clippy::too_many_arguments)]
                 #[target_feature(enable = $feat)]
@@ -1191,9 +1265,9 @@ mod x86 {
                     hd: usize,
                     scale: f32,
                     out: (*mut f32, usize),
-                    ahead: [Ahead; 2],
+                    fetch: &mut Fetch,
                 ) {
-                    unsafe { super::qk8::<$w, E>(q, k, kn, hd, scale, out, ahead) }
+                    unsafe { super::qk8::<$w, E>(q, k, kn, hd, scale, out, fetch) }
                 }
             }
         };
@@ -1426,6 +1500,7 @@ mod x86 {
         stride: usize,
         kn: usize,
         acc: &mut [[f32; 32]; 8],
+        fetch: &mut Fetch,
     ) {
         unsafe {
             for pass in 0..8 / R {
@@ -1439,6 +1514,7 @@ mod x86 {
                         ]
                     });
                     for s in 0..kn {
+                        fetch.step();
                         let row = v.add(s * stride * elem_size(E));
                         let (v0, v1) = (W::elems::<E>(row, d0), W::elems::<E>(row, d0 + W::L));
                         for r in 0..R {
@@ -1498,7 +1574,7 @@ mod x86 {
         hd: usize,
         scale: f32,
         out: (*mut f32, usize),
-        ahead: [Ahead; 2],
+        fetch: &mut Fetch,
     ) {
         unsafe {
             let row = |s: usize| k.add(s * stride * elem_size(E));
@@ -1506,9 +1582,7 @@ mod x86 {
                 let keys: [*const u8; 2] = std::array::from_fn(|t| row(if s + t < kn { s + t } else { s }));
                 let mut a = [[W::zero(); 2]; 8];
                 for j in (0..hd).step_by(W::L) {
-                    for t in 0..W::QK_KEYS {
-                        prefetch_part(&ahead, s + t, j / W::L, hd / W::L);
-                    }
+                    fetch.step();
                     let x: [W::F; 2] = std::array::from_fn(|t| {
                         if t < W::QK_KEYS {
                             W::elems::<E>(keys[t], j)

@@ -10,7 +10,7 @@ use crate::backend::{
         kv::{CpuKv, KvRows},
         pool,
         scratch::{with_caller, with_caller_ids, with_task, Out},
-        simd,
+        simd::{self, Fetch},
     },
     params::{AttentionParams, KvStoreParams, RopeParams},
     KvDtype, KvSeq,
@@ -218,11 +218,10 @@ fn attend_block_body(
             // keep the 4 x 4 tiles (fewer loads per FMA than qk8's 8 q loads per K load: ~6 %
             // faster on AVX2; they are read in place there too).
             let krows = kc.block(kb, kn, kvh * hd);
-            let none = (krows.skip(krows.values()), kc.width, hd);
             for i0 in (0..nr).step_by(8) {
                 let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(nr - 1)));
                 let out = (&mut sc[i0 * kn..], kn);
-                simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, [none; 2]);
+                simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, &mut Fetch::none());
             }
             (vc.block(kb, kn, kvh * hd), vc.width)
         } else {
@@ -251,7 +250,18 @@ fn attend_block_body(
                 (mx[i], l[i]) = (m, l[i] * *c + simd::sum(&sr[..vis]));
             }
             let rows = (nr - i0).min(8);
-            pv_tile(isa, &sc[i0 * kn..], kn, rows, hd, &corr, vrows, &mut acc[i0 * hd..]);
+            let fetch = &mut Fetch::none();
+            pv_tile(
+                isa,
+                &sc[i0 * kn..],
+                kn,
+                rows,
+                hd,
+                &corr,
+                vrows,
+                &mut acc[i0 * hd..],
+                fetch,
+            );
         }
         kb += kn;
     }
@@ -559,42 +569,51 @@ fn attend_split_body(
     let mut kb = k0;
     while kb < k1 {
         let kn = block_len(kc, kb, k1, SPLIT_BLOCK);
+        // The widening kernels fetch the next block's K and V rows (every KV head) into L2 over
+        // this block's passes, a line or two per inner step ([`Fetch`]).
+        let in_regs = pv_in_registers(isa, hd);
+        let mut fetch = match in_regs && qb.is_none() && kb + kn < k1 {
+            true => {
+                let nn = block_len(kc, kb + kn, k1, SPLIT_BLOCK);
+                let pv = hd / 32 * simd::pv8x32_steps(isa, kn);
+                let steps = kv_n * (rows8 / 8) * (simd::qk8_steps(isa, kn, hd) + pv);
+                Fetch::new(kc.block(kb + kn, nn, 0), vc.block(kb + kn, nn, 0), steps)
+            }
+            false => Fetch::none(),
+        };
         for (kvh, d) in dst.chunks_exact_mut(part).enumerate() {
             let (acc, ml) = d.split_at_mut(group * hd);
             let (mx, l) = ml.split_at_mut(group);
             let q_of = |i: usize| &qg[(kvh * group + i) * 2 * hd..][..hd];
-            let vrows = if pv_in_registers(isa, hd) {
+            let vrows = if in_regs {
                 // K and V read in place, 16-bit rows widened in registers; each K row loaded once
-                // per 8 query rows. The first KV head's pass prefetches as key s is scored: whole
-                // K row s + K_AHEAD and V row s (every KV head: the later heads' passes find
-                // them in cache); the first K_AHEAD rows of the next block at the end of the last
-                // head's scores, so they arrive during its P.V pass.
+                // per 8 query rows.
                 let (krows, vrows) = (kc.block(kb, kn, kvh * hd), vc.block(kb, kn, kvh * hd));
-                let (kall, vall) = (kc.block(kb, kn, 0), vc.block(kb, kn, 0));
                 for i0 in (0..group).step_by(8) {
                     let qs = [0, 1, 2, 3, 4, 5, 6, 7].map(|a| q_of((i0 + a).min(group - 1)));
-                    let ahead = match kvh == 0 && i0 == 0 && kn > K_AHEAD {
-                        true => [(kall.skip(K_AHEAD * kc.width), kc.width), (vall, vc.width)],
-                        // Fetched already: empty streams.
-                        false => [
-                            (kall.skip(kall.values()), kc.width),
-                            (vall.skip(vall.values()), vc.width),
-                        ],
-                    };
                     let out = (&mut sc[i0 * kn..], kn);
                     match qb {
                         Some(qb) => {
+                            // avx512_bf16: the first KV head's pass prefetches whole K row s +
+                            // K_AHEAD and V row s as key s is scored (the later heads' passes find
+                            // them in cache), the last head's the next block's first K_AHEAD rows.
+                            let (kall, vall) = (kc.block(kb, kn, 0), vc.block(kb, kn, 0));
+                            let ahead = match kvh == 0 && i0 == 0 && kn > K_AHEAD {
+                                true => [(kall.skip(K_AHEAD * kc.width), kc.width), (vall, vc.width)],
+                                // Fetched already: empty streams.
+                                false => [
+                                    (kall.skip(kall.values()), kc.width),
+                                    (vall.skip(vall.values()), vc.width),
+                                ],
+                            };
                             let qs = &qb[(kvh * rows8 + i0) * 2 * hd..][..16 * hd];
                             let ahead = ahead.map(|(rows, stride)| (halves(rows), stride, stride));
                             simd::qk8_bf16(qs, (halves(krows), kc.width), kn, hd, p.scale, out, ahead);
                         }
-                        None => {
-                            let ahead = ahead.map(|(rows, stride)| (rows, stride, stride));
-                            simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, ahead);
-                        }
+                        None => simd::qk8(isa, qs, (krows, kc.width), kn, hd, p.scale, out, &mut fetch),
                     }
                 }
-                if kb + kn < k1 && kvh + 1 == kv_n {
+                if qb.is_some() && kb + kn < k1 && kvh + 1 == kv_n {
                     let next = block_len(kc, kb + kn, k1, K_AHEAD);
                     (kb + kn..kb + kn + next).for_each(|s| kc.prefetch_row(s, 0, kc.width));
                 }
@@ -633,7 +652,7 @@ fn attend_split_body(
                 let (psc, acc) = (&sc[i0 * kn..], &mut acc[i0 * hd..]);
                 match bf16_pv {
                     true => pv_tile_bf16(psc, kn, rows, hd, &corr, (halves(vrows.0), vrows.1), pb, acc),
-                    false => pv_tile(isa, psc, kn, rows, hd, &corr, vrows, acc),
+                    false => pv_tile(isa, psc, kn, rows, hd, &corr, vrows, acc, &mut fetch),
                 }
             }
         }
@@ -713,6 +732,7 @@ fn pv_tile(
     corr: &[f32; 8],
     (v, stride): (KvRows, usize),
     acc: &mut [f32],
+    fetch: &mut Fetch,
 ) {
     if pv_in_registers(isa, hd) {
         for j0 in (0..hd).step_by(32) {
@@ -721,7 +741,7 @@ fn pv_tile(
                 let src = &acc[r * hd + j0..][..32];
                 ar.iter_mut().zip(src).for_each(|(x, y)| *x = y * corr[r]);
             }
-            simd::pv8x32(isa, p, kn, v.skip(j0), stride, &mut a);
+            simd::pv8x32(isa, p, kn, v.skip(j0), stride, &mut a, fetch);
             for (r, ar) in a.iter().enumerate().take(rows) {
                 acc[r * hd + j0..][..32].copy_from_slice(ar);
             }
