@@ -521,8 +521,9 @@ multiversion! {
 /// KV heads' passes.
 const SPLIT_BLOCK: usize = 64;
 
-/// Keys ahead of the one being scored whose K row the decode kernel prefetches: enough misses in
-/// flight to cover the memory latency at one core's rate, few enough for its miss buffers.
+/// Keys ahead of the one being scored whose K row the avx512_bf16 decode kernels prefetch (the
+/// widening kernels fetch a block ahead instead, [`Fetch`]): enough misses in flight to cover the
+/// memory latency at one core's rate, few enough for its miss buffers.
 const K_AHEAD: usize = 8;
 
 /// One task's decode-attention partials: keys k0..k1 of every KV head against the `group` query
