@@ -24,7 +24,7 @@ use crate::{
         },
         params::MatmulParams,
     },
-    quant::Matrix,
+    quant::{Format, Matrix},
 };
 
 /// Weight rows per prefill tile: 16 rows x 2048 inputs = 128 KiB of f32, resident in L2 while
@@ -146,10 +146,17 @@ pub fn gemv_many(
                 let o = unsafe { out_p[i].slice(r0, rows.len()) };
                 return with_task(sb_len, |sb| gemv_rows(isa, m, e, r0, view(m, i, 0), sb, o));
             }
-            with_task(sb_len + ROWS_BATCH * GEMV_BATCH_ROWS, |scr| {
+            // 4-bit rows and tokens for one call of the batched kernel (a decode step; it passes
+            // over each 4 rows once per 4 tokens while they are in L1): the task's rows as one
+            // block, so the kernel's four row streams are the task's quarters, long forward
+            // streams as at one token (blocks of 32 rows made them 8 rows each, restarted every
+            // 32 KiB). Otherwise blocks of GEMV_BATCH_ROWS, in cache across the token passes.
+            let one_call = tokens <= ROWS_BATCH && matches!(m.format, Format::Affine { bits: 4, .. });
+            let block = if one_call { chunk[i] } else { GEMV_BATCH_ROWS };
+            with_task(sb_len + ROWS_BATCH * block, |scr| {
                 let (sb, y) = scr.split_at_mut(sb_len);
-                for b0 in rows.clone().step_by(GEMV_BATCH_ROWS) {
-                    let rn = GEMV_BATCH_ROWS.min(rows.end - b0);
+                for b0 in rows.clone().step_by(block) {
+                    let rn = block.min(rows.end - b0);
                     for t0 in (0..tokens).step_by(ROWS_BATCH) {
                         let tn = ROWS_BATCH.min(tokens - t0);
                         let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| view(m, i, t0 + j.min(tn - 1)));
