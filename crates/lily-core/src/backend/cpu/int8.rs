@@ -970,7 +970,8 @@ mod x86 {
 
     /// [`super::rows`] for one width and byte dot. Per row: for each chunk of `CG` groups, the
     /// scales times x's steps (one register: the chunk's lane-scale table) and one FMA of the
-    /// biases with x's group sums; per block of B weight bytes, the planes' byte dots, and
+    /// biases with x's group sums; per block of B weight bytes (per pair of blocks at one plane:
+    /// module docs), the planes' byte dots, and
     /// t += cvt(acc) * table[lane's group] (a permute by a per-call index table). One
     /// horizontal sum per row. Four rows at a time, one from each quarter of the run: x's plane
     /// loads (six of a block's eight loads) serve all four, and each quarter is still a plain
@@ -1084,14 +1085,16 @@ mod x86 {
     /// [`super::rows_batch`] for one width and byte dot: [`rows_kernel`]'s loop with a token
     /// dimension. R rows (one from each R-th of the run, as there) times T <= `BATCH_TOKENS`
     /// tokens per pass: per chunk, each row's scales and biases are converted once and meet
-    /// every token's steps and group sums (R x T lane-scale tables); per block, each row's
+    /// every token's steps and group sums (R x T lane-scale tables); per block (per pair of
+    /// blocks at one plane, interleaved once for all tokens), each row's
     /// weight bytes are loaded and split into nibbles once, then dotted with every token's
     /// planes, the planes chained in the accumulator (acc = dot(acc << 8, next plane): the same
     /// i32 as the row kernel's sum of shifted plane dots). The f32 steps per (row, token) are the
     /// row kernel's, in its order, so the results are bit-identical to it. R = 1 on 256 bits
     /// (16 registers: 4 accumulators, a row's 2 nibble vectors, a token's up to 6 plane vectors;
-    /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers).
-    /// Further tokens run in further
+    /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers; the
+    /// pairs' 16 nibble vectors leave a few f32 sums on the stack: ~7 spills per pass of 224
+    /// instructions, off the dot port). Further tokens run in further
     /// passes over the same R rows (in L1 by then); a tail of fewer than R rows repeats its
     /// last row (the duplicate writes the same value).
     macro_rules! rows_batch_kernel {

@@ -68,10 +68,12 @@ pub const MANY: usize = 8;
 /// [tokens, k] (decode: one token; a batched decode step: up to [`GEMV_BATCH_MAX`]): x prepared
 /// once per token and distinct format and width, and every matrix's row ranges are the tasks of
 /// one pool loop (one fork-join and one tail instead of one per matrix; a layer's small
-/// projections cost ~15 us each on their own). Several tokens: each block of
-/// [`GEMV_BATCH_ROWS`] weight rows is dotted from its packed bytes with every token while it is in
-/// cache, up to [`ROWS_BATCH`] tokens per pass of the batched row kernel ([`gemv_rows_batch`]);
-/// each token's result is bit for bit what it gets alone. outs[i] holds tokens x W_i's rows.
+/// projections cost ~15 us each on their own). Several tokens: weight rows are dotted from their
+/// packed bytes with every token while in cache, up to [`ROWS_BATCH`] tokens per call of the
+/// batched row kernel ([`gemv_rows_batch`]): a decode step's 4-bit matrices over each task's whole
+/// row range (the kernel's four row streams as long as at one token), more tokens or other formats
+/// in blocks of [`GEMV_BATCH_ROWS`] rows; each token's result is bit for bit what it gets alone.
+/// outs[i] holds tokens x W_i's rows.
 pub fn gemv_many(
     isa: Isa,
     prec: Precision,
@@ -177,8 +179,9 @@ pub fn gemv_many(
 /// it the dequantized-tile [`gemm`] amortizes its dequantization better.
 pub const GEMV_BATCH_MAX: usize = 8;
 
-/// Weight rows per inner block of [`gemv_many`] over several tokens: 32 rows of a 2048-wide 4-bit
-/// matrix (32 KiB) stay in L1/L2 while every activation row is dotted with them.
+/// Weight rows per inner block of [`gemv_many`] over more tokens than one kernel call takes (or
+/// rows without the batched 4-bit kernel): 32 rows of a 2048-wide 4-bit matrix (32 KiB) stay in
+/// L1/L2 while every activation row is dotted with them.
 const GEMV_BATCH_ROWS: usize = 32;
 
 /// out[t * n + r] = W[r] . x[t] for t < tokens (a batched decode step, up to [`GEMV_BATCH_MAX`];
