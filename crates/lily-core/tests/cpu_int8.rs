@@ -40,14 +40,13 @@ fn lane_scales(s: &[f32], dx: &[f32], group: usize) -> Vec<f32> {
 /// Both precisions' plane counts.
 const MODES: [usize; 2] = [PLANES, 1];
 
-/// Element i of x rebuilt from `n` planes of `dot`'s layout: d_g (q0 + q1 / 256 + q2 / 256^2).
-fn rebuilt(dot: Dot, n: usize, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
-    let b = dot.block();
-    let (blk, k) = (i / (2 * b), i % (2 * b));
-    let pos = blk * 2 * b * n + (k % 2) * b + k / 2;
+/// Element i of x rebuilt from `n` planes of `dot`'s layout (`int8::x_pos`, x rows of `cols`):
+/// d_g (q0 + q1 / 256 + q2 / 256^2).
+fn rebuilt(dot: Dot, n: usize, cols: usize, xq: &[i8], dx: &[f32], group: usize, i: usize) -> f32 {
+    let pos = int8::x_pos(dot, n, cols, i);
     let mut v = 0f64;
     for p in 0..n {
-        v += xq[pos + p * 2 * b] as f64 / 256f64.powi(p as i32);
+        v += xq[pos + p * 2 * dot.block()] as f64 / 256f64.powi(p as i32);
     }
     (v * dx[i / group] as f64) as f32
 }
@@ -79,7 +78,7 @@ fn planes_rebuild_x_within_their_bound() {
                 let bound = amax / (127.0 * 2.0 * 256f32.powi(n as i32 - 1)) + 1.2e-7 * amax;
                 for (j, &v) in xg.iter().enumerate() {
                     let i = g * group + j;
-                    let err = (rebuilt(dot, n, &xq, &dx, group, i) - v).abs();
+                    let err = (rebuilt(dot, n, cols, &xq, &dx, group, i) - v).abs();
                     assert!(
                         err <= bound,
                         "{dot:?} {n} planes, group {group}: element {i} off by {err:e} (bound {bound:e})"
@@ -122,7 +121,7 @@ fn every_dot_kernel_matches_the_portable_twin() {
                 let s = rand_vec(cols / group, 9, 0.001, 0.02);
                 let cl = lane_scales(&s, &dx, group);
                 let got = int8::dot(dot, n, &w, &xq, &cl);
-                let want = int8::dot_portable(n, &w, &xq, &cl, b);
+                let want = int8::dot_portable(dot, n, &w, &xq, &cl);
                 // Same integer lane sums; only the f32 order of the lane totals differs.
                 let mag: f32 = cl.iter().map(|c| c.abs()).sum::<f32>() * 8.0 * 15.0 * 127.0;
                 assert!(
@@ -417,7 +416,7 @@ fn half_step_residuals_carry_into_the_plane_before() {
         assert_eq!(dx[0], 1.0);
         for (i, &v) in x.iter().enumerate().take(64) {
             // Every value here is exact in three planes of 256x steps.
-            assert_eq!(rebuilt(dot, PLANES, &xq, &dx, 64, i), v, "{dot:?} element {i}");
+            assert_eq!(rebuilt(dot, PLANES, cols, &xq, &dx, 64, i), v, "{dot:?} element {i}");
         }
         assert!(xq.contains(&-128), "{dot:?}: no carry taken");
     }

@@ -1,7 +1,8 @@
 //! Batched decode on the CPU (`Engine::decode_batch`: the dense matmuls over the batch's rows, each
 //! sequence's DeltaNet conv / recurrence and attention in one batched op per layer): every
 //! sequence's logits are bit for bit those of the same token decoded alone, for sequences at
-//! different positions, in both precisions, over steps that carry the states.
+//! different positions, in both precisions, over steps that carry the states; at two hidden sizes
+//! (96, and 384 for the x86 fused kernels).
 
 #![cfg(unix)]
 
@@ -12,9 +13,9 @@ mod metal_common;
 use lily_core::backend::cpu::int8::Precision;
 use metal_common::TinyCheckpoint;
 
-fn batched_decode_is_each_sequence_alone(precision: Precision) {
-    // DeltaNet, attention, DeltaNet, attention.
-    let ckpt = TinyCheckpoint::with_layers(4, 2);
+fn batched_decode_is_each_sequence_alone(precision: Precision, d: usize) {
+    // DeltaNet, attention, DeltaNet, attention; hidden size d.
+    let ckpt = TinyCheckpoint::with_width(4, 2, d);
     let mut e = ckpt.cpu_engine(precision);
     let v = e.vocab_size();
     for n in [1usize, 3, 6] {
@@ -57,10 +58,20 @@ fn batched_decode_is_each_sequence_alone(precision: Precision) {
 
 #[test]
 fn batched_decode_is_each_sequence_alone_exact() {
-    batched_decode_is_each_sequence_alone(Precision::Exact);
+    batched_decode_is_each_sequence_alone(Precision::Exact, 96);
 }
 
 #[test]
 fn batched_decode_is_each_sequence_alone_fast() {
-    batched_decode_is_each_sequence_alone(Precision::Fast);
+    batched_decode_is_each_sequence_alone(Precision::Fast, 96);
+}
+
+/// Hidden size 384: the hidden-input matrices (projections, routed and shared experts' gate /
+/// up, lm_head) on the x86 fused kernels, whose fast form reads blocks in pairs (the 96-wide
+/// model's 96 columns fit only the 16-byte kernels there).
+#[test]
+fn batched_decode_is_each_sequence_alone_wide() {
+    for precision in [Precision::Fast, Precision::Exact] {
+        batched_decode_is_each_sequence_alone(precision, 384);
+    }
 }

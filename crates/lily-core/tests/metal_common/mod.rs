@@ -163,6 +163,13 @@ impl TinyCheckpoint {
     /// `layers` layers, every `interval`-th one full attention and the others DeltaNet (the
     /// real model: 40 and 4), at the tiny dimensions.
     pub fn with_layers(layers: usize, interval: usize) -> TinyCheckpoint {
+        Self::with_width(layers, interval, 96)
+    }
+
+    /// [`Self::with_layers`] with hidden size `d` (a multiple of 32): 96 leaves the CPU's
+    /// hidden-input matrices to its 16-byte kernels; 384 gives them the x86 kernels' 2 x 64- and
+    /// 3 x 128-element blocks (pairs of blocks and an odd last block in the fast precision).
+    pub fn with_width(layers: usize, interval: usize, d: usize) -> TinyCheckpoint {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -171,7 +178,7 @@ impl TinyCheckpoint {
             N.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let (d, v) = (96usize, 250usize);
+        let v = 250usize;
         let (h, kv, hd) = (4usize, 2usize, 32usize);
         let (hk, hv, dk, dv, taps) = (2usize, 4usize, 32usize, 32usize, 4usize);
         let (e, inter, shared) = (8usize, 64usize, 64usize);

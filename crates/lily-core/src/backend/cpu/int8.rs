@@ -27,6 +27,16 @@
 //! - lanes: 4 weight bytes (8 elements) feed one i32 accumulator lane, so lane L always covers
 //!   elements 8L..8L+7 whatever B is; `cl` [cols / 8] holds s_g d_g per lane (the row's scale
 //!   times x's step; groups are multiples of 8 elements).
+//! - paired blocks ([`Dot::paired`]: the x86 kernels at one plane, the fast precision): two
+//!   consecutive blocks of a row (2p, 2p+1)
+//!   are read as one, their 8-byte pieces interleaved as `unpacklo / unpackhi_epi64` interleave
+//!   them (slot 0: per 16 bytes, block 2p's first 8 then block 2p+1's first 8; slot 1: the second
+//!   8 of each), and x's two block slots hold their elements in that order ([`x_pos`]). Each i32
+//!   lane then sees one 16-byte piece of each block, and a 16-byte piece (32 elements) lies in one
+//!   group (groups of 32k), so a lane's sums over both blocks share one scale: one convert, one
+//!   scale permute and one FMA per lane and *pair* instead of per block (on Intel server cores
+//!   the convert shares port 0 with the byte dots, which bound a batched step's lm_head). The
+//!   last block of a row with an odd block count stays alone, in the plain order.
 //!
 //! Per lane the planes combine in i32 by shifts: acc = ((a0 << 8) + a1) << 8 + a2, where a_p sums
 //! the lane's 8 code x q_p products (|acc| <= 8 * 15 * 128 * (2^16 + 2^8 + 1) < 2^31).
@@ -117,6 +127,14 @@ impl Dot {
         }
     }
 
+    /// Whether x's `planes` planes pair consecutive blocks (module docs): the x86 kernels at one
+    /// plane. (Three planes: a pair saves one convert of ~7 port-0 uops per block and token,
+    /// while the batched kernel's 12 plane vectors per token and pair spilled: measured 20-30 %
+    /// slower in cache, so they keep one block at a time.)
+    pub fn paired(self, planes: usize) -> bool {
+        planes == 1 && !matches!(self, Dot::Portable | Dot::NeonSdot)
+    }
+
     /// The vector ISA the kernel belongs to (it is used only when that ISA is allowed).
     fn isa(self) -> Isa {
         match self {
@@ -187,7 +205,39 @@ pub fn quantize(isa: Isa, dot: Dot, planes: usize, x: &[f32], group: usize, dx: 
         dx.len() >= cols / group && xq.len() >= planes * cols,
         "int8: buffers too small"
     );
-    quantize_isa(isa, b, planes, x, group, dx, xq)
+    quantize_isa(isa, b, planes, x, group, dx, xq);
+    if dot.paired(planes) {
+        // Per pair of blocks, plane and half: block 2p's odd 8-byte pieces trade places with
+        // block 2p+1's even ones (the `unpacklo / unpackhi_epi64` order, module docs).
+        for pair in xq[..planes * cols].chunks_exact_mut(2 * 2 * b * planes) {
+            let (s0, s1) = pair.split_at_mut(2 * b * planes);
+            for (h0, h1) in s0.chunks_exact_mut(b).zip(s1.chunks_exact_mut(b)) {
+                for (c0, c1) in h0.chunks_exact_mut(16).zip(h1.chunks_exact_mut(16)) {
+                    c0[8..].swap_with_slice(&mut c1[..8]);
+                }
+            }
+        }
+    }
+}
+
+/// (x's block slot, byte position in it) of weight byte `byte` of block `blk` of a row of
+/// `blocks` blocks, in `dot`'s layout for `planes` planes (module docs: paired blocks).
+#[inline]
+fn slot_of(dot: Dot, planes: usize, blocks: usize, blk: usize, byte: usize) -> (usize, usize) {
+    if dot.paired(planes) && (blk | 1) < blocks {
+        ((blk & !1) | (byte >> 3 & 1), (byte & !8) | ((blk & 1) << 3))
+    } else {
+        (blk, byte)
+    }
+}
+
+/// Where element `i` of a row of `cols` sits in plane 0 of [`quantize`]'s output for `dot` and
+/// `planes` planes (plane p is `p * 2 * dot.block()` further).
+pub fn x_pos(dot: Dot, planes: usize, cols: usize, i: usize) -> usize {
+    let b = dot.block();
+    let (blk, k) = (i / (2 * b), i % (2 * b));
+    let (slot, j) = slot_of(dot, planes, cols / (2 * b), blk, k / 2);
+    slot * 2 * b * planes + (k % 2) * b + j
 }
 
 multiversion! {
@@ -476,28 +526,30 @@ pub fn dot(dot: Dot, planes: usize, w: &[u8], xq: &[i8], cl: &[f32]) -> f32 {
             #[cfg(target_arch = "aarch64")]
             Dot::NeonSdot => neon::sdot16(planes, w, xq, cl, blocks),
             _ => dot_portable(
+                dot,
                 planes,
                 std::slice::from_raw_parts(w, blocks * b),
                 std::slice::from_raw_parts(xq, blocks * 2 * b * planes),
                 std::slice::from_raw_parts(cl, blocks * b / 4),
-                b,
             ),
         }
     }
 }
 
-/// The twin every kernel is tested against: the same sums with plain integer loops, any B.
-pub fn dot_portable(planes: usize, w: &[u8], xq: &[i8], cl: &[f32], b: usize) -> f32 {
+/// The twin every kernel is tested against: the same sums with plain integer loops, in `dot`'s
+/// x layout (its B, its pairing), one block and lane at a time.
+pub fn dot_portable(dot: Dot, planes: usize, w: &[u8], xq: &[i8], cl: &[f32]) -> f32 {
+    let b = dot.block();
+    let blocks = w.len() / b;
     let mut tot = 0f32;
     for (blk, wb) in w.chunks_exact(b).enumerate() {
-        let xb = &xq[blk * 2 * b * planes..][..2 * b * planes];
         for (l, wl) in wb.chunks_exact(4).enumerate() {
             let mut acc = 0i32;
             for p in 0..planes {
-                let (even, odd) = xb[p * 2 * b..][..2 * b].split_at(b);
                 acc <<= SHIFT;
                 for (i, &byte) in wl.iter().enumerate() {
-                    let j = 4 * l + i;
+                    let (slot, j) = slot_of(dot, planes, blocks, blk, 4 * l + i);
+                    let (even, odd) = xq[slot * 2 * b * planes + p * 2 * b..][..2 * b].split_at(b);
                     acc += (byte & 15) as i32 * even[j] as i32 + (byte >> 4) as i32 * odd[j] as i32;
                 }
             }
@@ -649,6 +701,7 @@ mod x86 {
          load = $load:ident, loadh = $loadh:ident, loadf = $loadf:ident, set1 = $set1:ident, set1f = $set1f:ident,
          and = $and:ident, srli = $srli:ident, slli32 = $slli32:ident, shl8 = $shl8:path, addi = $addi:ident, zero = $zero:ident, zerof = $zerof:ident,
          cvt = $cvt:ident, fma = $fma:ident, mul = $mul:ident, hsum = $hsum:path, perm = $perm:expr,
+         unpacklo = $unpacklo:ident, unpackhi = $unpackhi:ident,
          widen16 = $widen16:ident, cvtph = $cvtph:ident, cast = $cast:ident, part = $part:ident) => {
             mod $m {
                 use std::arch::x86_64::*;
@@ -677,6 +730,13 @@ mod x86 {
                 pub fn nibbles(v: I) -> (I, I) {
                     let m = $set1(15);
                     ($and(v, m), $and($srli::<4>(v), m))
+                }
+                /// Two consecutive blocks' weight bytes as the paired slots (module docs): per
+                /// 16 bytes, 8 of `v0` then 8 of `v1`; the first 8 of each, then the second 8.
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub fn pair(v0: I, v1: I) -> (I, I) {
+                    ($unpacklo(v0, v1), $unpackhi(v0, v1))
                 }
                 /// v << 8 per i32 lane (chaining the planes).
                 #[target_feature(enable = $feat)]
@@ -742,6 +802,21 @@ mod x86 {
                     for (j, v) in idx.iter_mut().enumerate().take(CG * group / (2 * B)) {
                         for (l, e) in v.iter_mut().enumerate() {
                             *e = ((2 * B * j + 8 * l) / group) as i32;
+                        }
+                    }
+                    idx
+                }
+
+                /// The `perm` index of each pair q of blocks of a chunk (paired slots, module
+                /// docs): lane L's first byte came from block 2q + (4L / 8 mod 2), byte 4L with
+                /// bit 3 cleared, and the lane's bytes in both slots lie in that byte's group.
+                #[inline(always)]
+                pub fn pair_groups(group: usize) -> [[i32; LANES]; 8] {
+                    let mut idx = [[0i32; LANES]; 8];
+                    for (q, v) in idx.iter_mut().enumerate().take(CG * group / (4 * B)) {
+                        for (l, e) in v.iter_mut().enumerate() {
+                            let (blk, byte) = (2 * q + (4 * l >> 3 & 1), 4 * l & !8);
+                            *e = ((2 * B * blk + 2 * byte) / group) as i32;
                         }
                     }
                     idx
@@ -853,6 +928,8 @@ mod x86 {
         mul = _mm512_mul_ps,
         hsum = _mm512_reduce_add_ps,
         perm = |i, t| _mm512_permutexvar_ps(i, t),
+        unpacklo = _mm512_unpacklo_epi64,
+        unpackhi = _mm512_unpackhi_epi64,
         widen16 = _mm512_cvtepu16_epi32,
         cvtph = _mm512_cvtph_ps,
         cast = _mm512_castsi512_ps,
@@ -883,6 +960,8 @@ mod x86 {
         mul = _mm256_mul_ps,
         hsum = super::hsum256,
         perm = |i, t| _mm256_permutevar8x32_ps(t, i),
+        unpacklo = _mm256_unpacklo_epi64,
+        unpackhi = _mm256_unpackhi_epi64,
         widen16 = _mm256_cvtepu16_epi32,
         cvtph = _mm256_cvtph_ps,
         cast = _mm256_castsi256_ps,
@@ -891,7 +970,8 @@ mod x86 {
 
     /// [`super::rows`] for one width and byte dot. Per row: for each chunk of `CG` groups, the
     /// scales times x's steps (one register: the chunk's lane-scale table) and one FMA of the
-    /// biases with x's group sums; per block of B weight bytes, the planes' byte dots, and
+    /// biases with x's group sums; per block of B weight bytes (per pair of blocks at one plane:
+    /// module docs), the planes' byte dots, and
     /// t += cvt(acc) * table[lane's group] (a permute by a per-call index table). One
     /// horizontal sum per row. Four rows at a time, one from each quarter of the run: x's plane
     /// loads (six of a block's eight loads) serve all four, and each quarter is still a plain
@@ -911,7 +991,7 @@ mod x86 {
                 unsafe fn run<const R: usize, const P: usize>(
                     m: &Rows,
                     x: &Planes,
-                    idx: &[[i32; LANES]; 16],
+                    (idx, pidx): (&[[i32; LANES]; 16], &[[i32; LANES]; 8]),
                     rows: [usize; R],
                     out: &mut [f32],
                 ) {
@@ -931,15 +1011,48 @@ mod x86 {
                                 table[i] = mul(s, step);
                                 t[i] = fma(b, gsum, t[i]);
                             }
-                            for ix in idx.iter().take(ng * m.group / (2 * B)) {
+                            // Blocks of this chunk, and pairs of them (one plane: module docs).
+                            let nb = ng * m.group / (2 * B);
+                            let np = if P == 1 { nb / 2 } else { 0 };
+                            for ix in pidx.iter().take(np) {
+                                // x's two slots of the pair, plane p of slot s at (s P + p) 2B.
+                                let xb = xq.add(blk * 2 * B * P);
+                                let xp: [[(I, I); P]; 2] = std::array::from_fn(|s| {
+                                    std::array::from_fn(|p| {
+                                        let o = (s * P + p) * 2 * B;
+                                        (load(xb.add(o)), load(xb.add(o + B)))
+                                    })
+                                });
+                                for i in 0..R {
+                                    for s in 0..2 {
+                                        let at = w[i].wrapping_add((blk + s) * B + PREFETCH);
+                                        _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+                                    }
+                                    let (u0, u1) = pair(
+                                        load(w[i].add(blk * B) as *const i8),
+                                        load(w[i].add((blk + 1) * B) as *const i8),
+                                    );
+                                    let ((l0, h0), (l1, h1)) = (nibbles(u0), nibbles(u1));
+                                    // The planes' dots side by side (short dependency chains), each
+                                    // over both slots, then ((a0 << 8) + a1) << 8 + a2.
+                                    let a: [I; P] = std::array::from_fn(|p| {
+                                        let a = $dot2(zero(), l0, xp[0][p].0, h0, xp[0][p].1);
+                                        $dot2(a, l1, xp[1][p].0, h1, xp[1][p].1)
+                                    });
+                                    let acc = a[1..].iter().fold(a[0], |acc, &ap| add(shift(acc), ap));
+                                    t[i] = fma_i(acc, perm(ix.as_ptr(), table[i]), t[i]);
+                                }
+                                blk += 2;
+                            }
+                            // One block at a time: the row's odd last block, or every block
+                            // (three planes).
+                            for ix in &idx[2 * np..nb] {
                                 let xb = xq.add(blk * 2 * B * P);
                                 let xp: [(I, I); P] =
                                     std::array::from_fn(|p| (load(xb.add(p * 2 * B)), load(xb.add(p * 2 * B + B))));
                                 for i in 0..R {
                                     _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(blk * B + PREFETCH) as *const i8);
                                     let (lo, hi) = nibbles(load(w[i].add(blk * B) as *const i8));
-                                    // The planes' dots side by side (short dependency chains), then
-                                    // ((a0 << 8) + a1) << 8 + a2.
                                     let a: [I; P] = std::array::from_fn(|p| $dot2(zero(), lo, xp[p].0, hi, xp[p].1));
                                     let acc = a[1..].iter().fold(a[0], |acc, &ap| add(shift(acc), ap));
                                     t[i] = fma_i(acc, perm(ix.as_ptr(), table[i]), t[i]);
@@ -954,15 +1067,15 @@ mod x86 {
                 }
 
                 unsafe {
-                    let idx = lane_groups(m.group);
+                    let (idx, pidx) = (lane_groups(m.group), pair_groups(m.group));
                     // Four sequential streams (one per quarter of the rows), so each stays a plain
                     // forward stream for the hardware prefetcher.
                     let q = out.len() / 4;
                     for k in 0..q {
-                        run::<4, P>(m, x, &idx, [k, k + q, k + 2 * q, k + 3 * q], out);
+                        run::<4, P>(m, x, (&idx, &pidx), [k, k + q, k + 2 * q, k + 3 * q], out);
                     }
                     for r in 4 * q..out.len() {
-                        run::<1, P>(m, x, &idx, [r], out);
+                        run::<1, P>(m, x, (&idx, &pidx), [r], out);
                     }
                 }
             }
@@ -972,14 +1085,16 @@ mod x86 {
     /// [`super::rows_batch`] for one width and byte dot: [`rows_kernel`]'s loop with a token
     /// dimension. R rows (one from each R-th of the run, as there) times T <= `BATCH_TOKENS`
     /// tokens per pass: per chunk, each row's scales and biases are converted once and meet
-    /// every token's steps and group sums (R x T lane-scale tables); per block, each row's
+    /// every token's steps and group sums (R x T lane-scale tables); per block (per pair of
+    /// blocks at one plane, interleaved once for all tokens), each row's
     /// weight bytes are loaded and split into nibbles once, then dotted with every token's
     /// planes, the planes chained in the accumulator (acc = dot(acc << 8, next plane): the same
     /// i32 as the row kernel's sum of shifted plane dots). The f32 steps per (row, token) are the
     /// row kernel's, in its order, so the results are bit-identical to it. R = 1 on 256 bits
     /// (16 registers: 4 accumulators, a row's 2 nibble vectors, a token's up to 6 plane vectors;
-    /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers).
-    /// Further tokens run in further
+    /// R = 2 spilled and measured no faster on this loaded VM), 4 on 512 (32 registers; the
+    /// pairs' 16 nibble vectors leave a few f32 sums on the stack: ~7 spills per pass of 224
+    /// instructions, off the dot port). Further tokens run in further
     /// passes over the same R rows (in L1 by then); a tail of fewer than R rows repeats its
     /// last row (the duplicate writes the same value).
     macro_rules! rows_batch_kernel {
@@ -994,7 +1109,7 @@ mod x86 {
                 unsafe fn run<const T: usize, const P: usize>(
                     m: &Rows,
                     xs: [&Planes; T],
-                    idx: &[[i32; LANES]; 16],
+                    (idx, pidx): (&[[i32; LANES]; 16], &[[i32; LANES]; 8]),
                     rows: [usize; R],
                     out: *mut f32,
                     stride: usize,
@@ -1018,7 +1133,46 @@ mod x86 {
                                     t[i][j] = fma(b, gsum[j], t[i][j]);
                                 }
                             }
-                            for ix in idx.iter().take(ng * m.group / (2 * B)) {
+                            // Blocks of this chunk, and pairs of them (one plane: module docs).
+                            let nb = ng * m.group / (2 * B);
+                            let np = if P == 1 { nb / 2 } else { 0 };
+                            for ix in pidx.iter().take(np) {
+                                // Each row's pair of blocks, interleaved and split once for all tokens.
+                                let wn: [[(I, I); 2]; R] = std::array::from_fn(|i| {
+                                    for s in 0..2 {
+                                        let at = w[i].wrapping_add((blk + s) * B + PREFETCH);
+                                        _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+                                    }
+                                    let (u0, u1) = pair(
+                                        load(w[i].add(blk * B) as *const i8),
+                                        load(w[i].add((blk + 1) * B) as *const i8),
+                                    );
+                                    [nibbles(u0), nibbles(u1)]
+                                });
+                                for j in 0..T {
+                                    let xb = xq[j].add(blk * 2 * B * P);
+                                    let xp: [[(I, I); P]; 2] = std::array::from_fn(|s| {
+                                        std::array::from_fn(|p| {
+                                            let o = (s * P + p) * 2 * B;
+                                            (load(xb.add(o)), load(xb.add(o + B)))
+                                        })
+                                    });
+                                    for i in 0..R {
+                                        let [(l0, h0), (l1, h1)] = wn[i];
+                                        let mut acc = $dot2(zero(), l0, xp[0][0].0, h0, xp[0][0].1);
+                                        acc = $dot2(acc, l1, xp[1][0].0, h1, xp[1][0].1);
+                                        for p in 1..P {
+                                            acc = $dot2(shift(acc), l0, xp[0][p].0, h0, xp[0][p].1);
+                                            acc = $dot2(acc, l1, xp[1][p].0, h1, xp[1][p].1);
+                                        }
+                                        t[i][j] = fma_i(acc, perm(ix.as_ptr(), table[i][j]), t[i][j]);
+                                    }
+                                }
+                                blk += 2;
+                            }
+                            // One block at a time: the row's odd last block, or every block
+                            // (three planes).
+                            for ix in &idx[2 * np..nb] {
                                 let wn: [(I, I); R] = std::array::from_fn(|i| {
                                     _mm_prefetch::<_MM_HINT_T0>(w[i].wrapping_add(blk * B + PREFETCH) as *const i8);
                                     nibbles(load(w[i].add(blk * B) as *const i8))
@@ -1048,7 +1202,7 @@ mod x86 {
                 }
 
                 unsafe {
-                    let idx = lane_groups(m.group);
+                    let (idx, pidx) = (lane_groups(m.group), pair_groups(m.group));
                     let o = out.as_mut_ptr();
                     let q = n / R;
                     let tail = n - R * q;
@@ -1062,10 +1216,10 @@ mod x86 {
                             let x = &xs[t0..];
                             let o = o.add(t0 * stride);
                             match x.len() {
-                                1 => run::<1, P>(m, [&x[0]], &idx, rows, o, stride),
-                                2 => run::<2, P>(m, [&x[0], &x[1]], &idx, rows, o, stride),
-                                3 => run::<3, P>(m, [&x[0], &x[1], &x[2]], &idx, rows, o, stride),
-                                _ => run::<4, P>(m, [&x[0], &x[1], &x[2], &x[3]], &idx, rows, o, stride),
+                                1 => run::<1, P>(m, [&x[0]], (&idx, &pidx), rows, o, stride),
+                                2 => run::<2, P>(m, [&x[0], &x[1]], (&idx, &pidx), rows, o, stride),
+                                3 => run::<3, P>(m, [&x[0], &x[1], &x[2]], (&idx, &pidx), rows, o, stride),
+                                _ => run::<4, P>(m, [&x[0], &x[1], &x[2], &x[3]], (&idx, &pidx), rows, o, stride),
                             }
                         }
                     }

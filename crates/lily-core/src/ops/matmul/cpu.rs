@@ -24,7 +24,7 @@ use crate::{
         },
         params::MatmulParams,
     },
-    quant::Matrix,
+    quant::{Format, Matrix},
 };
 
 /// Weight rows per prefill tile: 16 rows x 2048 inputs = 128 KiB of f32, resident in L2 while
@@ -68,10 +68,12 @@ pub const MANY: usize = 8;
 /// [tokens, k] (decode: one token; a batched decode step: up to [`GEMV_BATCH_MAX`]): x prepared
 /// once per token and distinct format and width, and every matrix's row ranges are the tasks of
 /// one pool loop (one fork-join and one tail instead of one per matrix; a layer's small
-/// projections cost ~15 us each on their own). Several tokens: each block of
-/// [`GEMV_BATCH_ROWS`] weight rows is dotted from its packed bytes with every token while it is in
-/// cache, up to [`ROWS_BATCH`] tokens per pass of the batched row kernel ([`gemv_rows_batch`]);
-/// each token's result is bit for bit what it gets alone. outs[i] holds tokens x W_i's rows.
+/// projections cost ~15 us each on their own). Several tokens: weight rows are dotted from their
+/// packed bytes with every token while in cache, up to [`ROWS_BATCH`] tokens per call of the
+/// batched row kernel ([`gemv_rows_batch`]): a decode step's 4-bit matrices over each task's whole
+/// row range (the kernel's four row streams as long as at one token), more tokens or other formats
+/// in blocks of [`GEMV_BATCH_ROWS`] rows; each token's result is bit for bit what it gets alone.
+/// outs[i] holds tokens x W_i's rows.
 pub fn gemv_many(
     isa: Isa,
     prec: Precision,
@@ -146,10 +148,17 @@ pub fn gemv_many(
                 let o = unsafe { out_p[i].slice(r0, rows.len()) };
                 return with_task(sb_len, |sb| gemv_rows(isa, m, e, r0, view(m, i, 0), sb, o));
             }
-            with_task(sb_len + ROWS_BATCH * GEMV_BATCH_ROWS, |scr| {
+            // 4-bit rows and tokens for one call of the batched kernel (a decode step; it passes
+            // over each 4 rows once per 4 tokens while they are in L1): the task's rows as one
+            // block, so the kernel's four row streams are the task's quarters, long forward
+            // streams as at one token (blocks of 32 rows made them 8 rows each, restarted every
+            // 32 KiB). Otherwise blocks of GEMV_BATCH_ROWS, in cache across the token passes.
+            let one_call = tokens <= ROWS_BATCH && matches!(m.format, Format::Affine { bits: 4, .. });
+            let block = if one_call { chunk[i] } else { GEMV_BATCH_ROWS };
+            with_task(sb_len + ROWS_BATCH * block, |scr| {
                 let (sb, y) = scr.split_at_mut(sb_len);
-                for b0 in rows.clone().step_by(GEMV_BATCH_ROWS) {
-                    let rn = GEMV_BATCH_ROWS.min(rows.end - b0);
+                for b0 in rows.clone().step_by(block) {
+                    let rn = block.min(rows.end - b0);
                     for t0 in (0..tokens).step_by(ROWS_BATCH) {
                         let tn = ROWS_BATCH.min(tokens - t0);
                         let xr: [XRow; ROWS_BATCH] = std::array::from_fn(|j| view(m, i, t0 + j.min(tn - 1)));
@@ -170,8 +179,9 @@ pub fn gemv_many(
 /// it the dequantized-tile [`gemm`] amortizes its dequantization better.
 pub const GEMV_BATCH_MAX: usize = 8;
 
-/// Weight rows per inner block of [`gemv_many`] over several tokens: 32 rows of a 2048-wide 4-bit
-/// matrix (32 KiB) stay in L1/L2 while every activation row is dotted with them.
+/// Weight rows per inner block of [`gemv_many`] over more tokens than one kernel call takes (or
+/// rows without the batched 4-bit kernel): 32 rows of a 2048-wide 4-bit matrix (32 KiB) stay in
+/// L1/L2 while every activation row is dotted with them.
 const GEMV_BATCH_ROWS: usize = 32;
 
 /// out[t * n + r] = W[r] . x[t] for t < tokens (a batched decode step, up to [`GEMV_BATCH_MAX`];
