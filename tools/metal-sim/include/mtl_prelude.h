@@ -702,7 +702,7 @@ struct tg_binder {
 #include <pthread.h>
 namespace mtl_rt {
 enum State { READY, WAIT_TG, WAIT_SIMD, DONE };
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__ELF__)
 // A suspended fiber: its stack pointer; the stack holds the callee-saved registers and the return
 // address (mtl_rt_switch). The MXCSR and x87 control words are not switched: every fiber runs
 // kernel code, which never changes them.
