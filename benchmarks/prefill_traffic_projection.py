@@ -6,7 +6,7 @@ layer, executed per GPU thread on the CPU: a 4096-token chunk is out of reach on
 256-token one is not. Per kernel family the counted bytes are a constant plus a part proportional to T:
 
 * constant: the weights a family reads (every expert of every layer is picked at least once in a long
-  chunk: read once, counted once per page), the lm_head (the last token's logits), and the DeltaNet
+  chunk: read once, counted once per page), the lm_head GEMV (the last token's logits), and the DeltaNet
   recurrent state that ``delta_net_chunk`` reads and writes;
 * proportional to T: everything else (activations in and out, the embedding rows, K/V rows written and read
   by the causal attention, the DeltaNet chunk scratch, the MoE sort's buffers).
@@ -88,6 +88,8 @@ def main() -> None:
     state = decode_bytes_model(ckpt, kv_bytes=2)["state"] / mib / 2
     const_read["delta_net_chunk"] = state
     const_written = {"delta_net_chunk": state}
+    # The lm_head GEMV reads its weights and the last token's row and writes one row of logits: all constant.
+    const_read["matmul_gemv"] = const_written["matmul_gemv"] = float("inf")
     k = a.to / t0
     proj = {}
     for f, (n, r, w) in fams.items():
@@ -107,7 +109,7 @@ def main() -> None:
     n, r, w = (sum(v[i] for v in proj.values()) for i in range(3))
     print(f"| total | {n:,.0f} | {r:,.2f} | {w:,.2f} |")
     per_layer = sum(const_read.get(f, 0.0) for f in ("matmul_mma", "moe_gemm_gate_up", "moe_gemm_down"))
-    weights = const_read.get("matmul_gemv", 0.0) + per_layer * scale
+    weights = weights_by_family(ckpt).get("matmul_gemv", 0) / mib + per_layer * scale
     print()
     print(f"weights read once: {weights:,.2f} MiB; per token: {(r + w) / a.to:,.3f} MiB moved")
 
