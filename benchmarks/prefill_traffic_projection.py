@@ -11,9 +11,10 @@ layer, executed per GPU thread on the CPU: a 4096-token chunk is out of reach on
 * proportional to T: everything else (activations in and out, the embedding rows, K/V rows written and read
   by the causal attention, the DeltaNet chunk scratch, the MoE sort's buffers).
 
-So x_f(T) = c_f + T / T0 * (x_f(T0) - c_f) from one measured chunk of T0 tokens. Checked on ``real-s0``
-(``tests/fixtures.py`` ``real_heads``), measured at 256 and 1024 tokens: the 1024-token chunk predicted from
-the 256-token one within 0.4 % per family (docs/2026-12-01-metal-on-a-mac.md, 2026-12-06). Layers: the
+So x_f(T) = c_f + T / T0 * (x_f(T0) - c_f) from one measured chunk of T0 tokens. Checked at the real widths
+(``lily synth --layers 4``, chunks of 256, 512 and 1024 tokens measured: the longer ones predicted from 256
+tokens within 0.05 % in total, 2 % for the smallest family) and on ``real-s0`` (``tests/fixtures.py``
+``real_heads``, 256 -> 1024 tokens, 0.5 %; docs/2026-12-01-metal-on-a-mac.md, 2026-12-06). Layers: the
 embedding, the final norm and the lm_head run once per chunk, everything else once per layer; a checkpoint of
 4 layers (3 DeltaNet + 1 attention, one period of Qwen3.6's layout) projects to L layers as
 once + L / 4 * (x - once).
