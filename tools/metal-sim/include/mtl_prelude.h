@@ -429,6 +429,9 @@ void *tg_buffer_ptr(int i);
 // same call site, return their values (32 slots) and the active-lane mask.
 const unsigned char *simd_exchange(const void *v, unsigned n, unsigned site, unsigned *mask);
 void tg_barrier();
+// The running simdgroup's 64-float scratch for the collective just released; *stale: it does
+// not hold this release's result yet (the caller computes it, and the lanes after it read it).
+float *sg_cache(bool *stale);
 enum { SLOT = 256 };
 } // namespace mtl_rt
 
@@ -572,20 +575,28 @@ inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, 8, 8> &d, s
   Pack p = {(float)a.e[0], (float)a.e[1], (float)b.e[0], (float)b.e[1], (float)c.e[0], (float)c.e[1]};
   unsigned m;
   const Pack *all = _lanes(p, &m, _site);
-  float A[8][8], B[8][8], Cm[8][8];
-  for (uint l = 0; l < 32; ++l) {
-    ushort2 cc = _sgm_coord(l);
-    const Pack &q = MTL_LANE(Pack, all, l);
-    A[cc.y][cc.x] = q.a0; A[cc.y][cc.x + 1] = q.a1;
-    B[cc.y][cc.x] = q.b0; B[cc.y][cc.x + 1] = q.b1;
-    Cm[cc.y][cc.x] = q.c0; Cm[cc.y][cc.x + 1] = q.c1;
+  // The product depends on the gathered operands only: the first lane after the release computes
+  // all 64 elements (each summed in the same order as one lane would), the others read theirs.
+  bool stale;
+  float *D = mtl_rt::sg_cache(&stale);
+  if (stale) {
+    float A[8][8], B[8][8], Cm[8][8];
+    for (uint l = 0; l < 32; ++l) {
+      ushort2 cc = _sgm_coord(l);
+      const Pack &q = MTL_LANE(Pack, all, l);
+      A[cc.y][cc.x] = q.a0; A[cc.y][cc.x + 1] = q.a1;
+      B[cc.y][cc.x] = q.b0; B[cc.y][cc.x + 1] = q.b1;
+      Cm[cc.y][cc.x] = q.c0; Cm[cc.y][cc.x + 1] = q.c1;
+    }
+    for (int r = 0; r < 8; ++r)
+      for (int c = 0; c < 8; ++c) {
+        float s = Cm[r][c];
+        for (int k = 0; k < 8; ++k) s += A[r][k] * B[k][c];
+        D[r * 8 + c] = s;
+      }
   }
   ushort2 me = _sgm_coord(mtl_rt::ids().lane);
-  for (int j = 0; j < 2; ++j) {
-    float s = Cm[me.y][me.x + j];
-    for (int k = 0; k < 8; ++k) s += A[me.y][k] * B[k][me.x + j];
-    d.e[j] = (T)s;
-  }
+  for (int j = 0; j < 2; ++j) d.e[j] = (T)D[me.y * 8 + me.x + j];
 }
 template <class T, class U, class V>
 inline void simdgroup_multiply(thread simdgroup_matrix<T, 8, 8> &d, simdgroup_matrix<U, 8, 8> a,
@@ -676,31 +687,87 @@ struct tg_binder {
 #define host_name(s) clang::annotate("host_name", s)
 
 // ---------------------------------------------------------------- EXEC runtime
+// Each threadgroup runs its threads as fibers on one OS thread; a fiber runs until it reaches a
+// barrier or a simd collective (or returns), then the next runnable fiber of the pass runs (in
+// thread order, or reversed with MTL_SCHED=reverse); when none is left, the scheduler releases
+// the simdgroups whose lanes all wait at one collective (else a threadgroup barrier) and starts
+// the next pass. The order is that of a loop over the threads per pass, but a fiber switches
+// straight to the next one (not through the scheduler), and on x86-64 with a few instructions
+// (callee-saved registers and the stack pointer) instead of swapcontext, whose signal-mask
+// system call cost more than the emulated work. The threadgroups of a dispatch are shared out
+// over MTL_THREADS OS threads (default: the online CPUs), each with its own fibers and
+// threadgroup memory: threadgroups of one dispatch are independent on a GPU too (they may run
+// in any order, or at once), and a kernel that relies on their order is wrong there.
 #if defined(MTL_EXEC)
+#include <pthread.h>
 namespace mtl_rt {
 enum State { READY, WAIT_TG, WAIT_SIMD, DONE };
+#if defined(__x86_64__) && defined(__ELF__)
+// A suspended fiber: its stack pointer; the stack holds the callee-saved registers and the return
+// address (mtl_rt_switch). The MXCSR and x87 control words are not switched: every fiber runs
+// kernel code, which never changes them.
+struct Cont { void *sp; };
+asm(".text\n"
+    ".p2align 4\n"
+    ".type mtl_rt_switch,@function\n"
+    "mtl_rt_switch:\n"  // (void **save_sp [rdi], void *load_sp [rsi])
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size mtl_rt_switch, .-mtl_rt_switch\n");
+extern "C" __attribute__((visibility("hidden"))) void mtl_rt_switch(void **save_sp, void *load_sp);
+inline void cont_switch(Cont *save, Cont *load) { mtl_rt_switch(&save->sp, load->sp); }
+// A fresh fiber: `entry` runs on `stack` (it never returns).
+inline void cont_make(Cont *k, char *stack, size_t size, void (*entry)()) {
+  unsigned long top = ((unsigned long)stack + size) & ~15ul;
+  void **sp = (void **)top;
+  *--sp = nullptr;          // entry's return address (it never returns): rsp = 8 mod 16 at entry
+  *--sp = (void *)entry;    // popped by mtl_rt_switch's ret
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12 r13 r14 r15
+  k->sp = sp;
+}
+#else
+struct Cont { ucontext_t uc; };
+inline void cont_switch(Cont *save, Cont *load) { swapcontext(&save->uc, &load->uc); }
+inline void cont_make(Cont *k, char *stack, size_t size, void (*entry)()) {
+  getcontext(&k->uc);
+  k->uc.uc_stack.ss_sp = stack;
+  k->uc.uc_stack.ss_size = size;
+  k->uc.uc_link = nullptr;  // entry never returns
+  makecontext(&k->uc, entry, 0);
+}
+#endif
 struct Fiber {
-  ucontext_t uc;
+  Cont k;
   State st;
   bool outside;  // beyond the grid of a non-uniform dispatch: never existed
   unsigned site;
+  unsigned size;  // bytes of `slot` the waiting collective exchanges
   ThreadIds ids;
   alignas(16) unsigned char slot[SLOT];
 };
 struct Ctx {
   void (*fn)();
   Fiber *f = nullptr;
-  unsigned nf = 0, cap = 0;
+  unsigned n = 0;    // threads of the threadgroup
+  unsigned pos = 0;  // the running fiber's place in this pass's order
   char *stacks = nullptr;
   size_t stack_sz = 256 * 1024;
   int cur = -1;
-  ucontext_t sched;
+  Cont sched;
   void **bufs = nullptr;
   int nbufs = 0;
   void **tgbufs = nullptr;
   int ntg = 0;
   alignas(16) unsigned char snap[32][32 * SLOT];
   unsigned snap_mask[32];
+  // Releases of each simdgroup so far, and the release whose 8x8 matrix product sg_cache holds
+  // (the first lane after a release computes it for all).
+  unsigned snap_gen[32];
+  unsigned cache_gen[32];
+  float cache[32][64];
   const char *err = nullptr;
   bool reverse = false;
 };
@@ -714,9 +781,28 @@ inline void *tg_buffer_ptr(int i) {
   if (i < 0 || i >= g_ctx->ntg) { fprintf(stderr, "mtl: threadgroup(%d) not bound\n", i); abort(); }
   return g_ctx->tgbufs[i];
 }
+inline float *sg_cache(bool *stale) {
+  Ctx &c = *g_ctx;
+  unsigned sg = c.f[c.cur].ids.sgid;
+  *stale = c.cache_gen[sg] != c.snap_gen[sg];
+  c.cache_gen[sg] = c.snap_gen[sg];
+  return c.cache[sg];
+}
+// Suspend the running fiber (its state already set): run the next READY fiber of this pass, or
+// go back to the scheduler when there is none.
 inline void _yield() {
-  Fiber &me = g_ctx->f[g_ctx->cur];
-  swapcontext(&me.uc, &g_ctx->sched);
+  Ctx &c = *g_ctx;
+  Cont *me = &c.f[c.cur].k;
+  for (unsigned p = c.pos + 1; p < c.n; ++p) {
+    unsigned t = c.reverse ? c.n - 1 - p : p;  // MTL_SCHED=reverse exposes missing barriers
+    if (c.f[t].st == READY) {
+      c.pos = p;
+      c.cur = (int)t;
+      cont_switch(me, &c.f[t].k);
+      return;
+    }
+  }
+  cont_switch(me, &c.sched);
 }
 inline void tg_barrier() {
   g_ctx->f[g_ctx->cur].st = WAIT_TG;
@@ -725,6 +811,7 @@ inline void tg_barrier() {
 inline const unsigned char *simd_exchange(const void *v, unsigned n, unsigned site, unsigned *mask) {
   Fiber &me = g_ctx->f[g_ctx->cur];
   memcpy(me.slot, v, n);
+  me.size = n;
   me.st = WAIT_SIMD;
   me.site = site;
   _yield();
@@ -735,13 +822,15 @@ inline const unsigned char *simd_exchange(const void *v, unsigned n, unsigned si
 inline void _entry() {
   g_ctx->fn();
   g_ctx->f[g_ctx->cur].st = DONE;
-  // returning switches to uc_link (the scheduler)
+  _yield();  // never resumed
+  abort();
 }
 // Runs one threadgroup; returns 0 or -1 on deadlock/divergence.
 inline int _run_group(const uint3 tgpig, const uint3 tptg, const uint3 tgpg, const uint3 grid_threads) {
   Ctx &c = *g_ctx;
   unsigned n = tptg.x * tptg.y * tptg.z;
   unsigned nsg = (n + 31) / 32;
+  c.n = n;
   for (unsigned t = 0; t < n; ++t) {
     Fiber &f = c.f[t];
     f.st = READY;
@@ -762,20 +851,21 @@ inline int _run_group(const uint3 tgpig, const uint3 tptg, const uint3 tgpg, con
       f.outside = true;
       continue;
     }
-    getcontext(&f.uc);
-    f.uc.uc_stack.ss_sp = c.stacks + (size_t)t * c.stack_sz;
-    f.uc.uc_stack.ss_size = c.stack_sz;
-    f.uc.uc_link = &c.sched;
-    makecontext(&f.uc, (void (*)())_entry, 0);
+    // The stacks' tops are staggered (by 1104 bytes a thread, modulo 32 KiB): stacks exactly
+    // stack_sz apart would put every fiber's live frames in the same cache sets.
+    cont_make(&f.k, c.stacks + (size_t)t * c.stack_sz, c.stack_sz - t * 1104 % 32768, _entry);
   }
   for (;;) {
+    // A pass: the first READY fiber in order runs; each one hands over to the next (_yield).
     bool ran = false;
-    for (unsigned i = 0; i < n; ++i) {
-      unsigned t = c.reverse ? n - 1 - i : i;  // MTL_SCHED=reverse exposes missing barriers
+    for (unsigned p = 0; p < n; ++p) {
+      unsigned t = c.reverse ? n - 1 - p : p;
       if (c.f[t].st == READY) {
+        c.pos = p;
         c.cur = (int)t;
-        swapcontext(&c.sched, &c.f[t].uc);
+        cont_switch(&c.sched, &c.f[t].k);
         ran = true;
+        break;
       }
     }
     if (ran) continue;
@@ -795,9 +885,10 @@ inline int _run_group(const uint3 tgpig, const uint3 tptg, const uint3 tgpg, con
       for (unsigned t = lo; t < hi; ++t)
         if (c.f[t].st == WAIT_SIMD && c.f[t].site == site) {
           mask |= 1u << (t - lo);
-          memcpy(c.snap[sg] + (t - lo) * SLOT, c.f[t].slot, SLOT);
+          memcpy(c.snap[sg] + (t - lo) * SLOT, c.f[t].slot, c.f[t].size);
         }
       c.snap_mask[sg] = mask;
+      ++c.snap_gen[sg];
       for (unsigned t = lo; t < hi; ++t)
         if (mask & (1u << (t - lo))) c.f[t].st = READY;
       released = true;
@@ -829,7 +920,7 @@ inline thread_local int g_schedule = -1;
 // Guarded copies: each buffer is copied so that its last byte sits right before a
 // PROT_NONE page; any read/write past the end faults and is reported.
 struct Guarded { char *base; size_t total; char *data; void *user; size_t n; };
-inline thread_local Guarded *g_guards = nullptr;
+inline thread_local Guarded *g_guards = nullptr;  // of the dispatch this OS thread runs a part of
 inline thread_local int g_nguards = 0;
 inline void _segv(int, siginfo_t *si, void *) {
   char *a = (char *)si->si_addr;
@@ -857,6 +948,72 @@ inline Guarded guard_copy(void *user, size_t n) {
   if (user) memcpy(G.data, user, n);
   return G;
 }
+// One dispatch shared by its OS threads: each takes the next threadgroup (x fastest) until none
+// is left or one fails.
+struct Job {
+  void (*fn)();
+  uint3 tptg, tgpg, grid;
+  void **bufs;
+  int nbufs;
+  const unsigned long *tg_bytes;
+  int ntg;
+  bool reverse;
+  Guarded *guards;  // with bounds checking (else null), for the fault handler's message
+  int nguards;
+  unsigned long groups;
+  unsigned long next;  // atomic: the next threadgroup to take
+  int rc;              // atomic: the first failure
+  const char *err;     // written by the thread that set rc
+  uint3 err_group;
+};
+inline void _run_groups(Job &j) {
+  unsigned n = j.tptg.x * j.tptg.y * j.tptg.z;
+  Ctx *c = new Ctx();
+  g_ctx = c;
+  g_guards = j.guards;
+  g_nguards = j.nguards;
+  c->fn = j.fn;
+  c->reverse = j.reverse;
+  c->f = new Fiber[n];
+  c->stacks = (char *)mmap(nullptr, c->stack_sz * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  c->bufs = j.bufs;
+  c->nbufs = j.nbufs;
+  c->ntg = j.ntg;
+  c->tgbufs = (void **)calloc(j.ntg > 0 ? j.ntg : 1, sizeof(void *));
+  for (int i = 0; i < j.ntg; ++i) c->tgbufs[i] = calloc(1, j.tg_bytes[i] ? j.tg_bytes[i] : 1);
+  for (;;) {
+    unsigned long g = __atomic_fetch_add(&j.next, 1ul, __ATOMIC_RELAXED);
+    if (g >= j.groups || __atomic_load_n(&j.rc, __ATOMIC_RELAXED)) break;
+    uint3 tg = uint3((uint)(g % j.tgpg.x), (uint)(g / j.tgpg.x % j.tgpg.y), (uint)(g / j.tgpg.x / j.tgpg.y));
+    for (int i = 0; i < j.ntg; ++i) memset(c->tgbufs[i], 0xff, j.tg_bytes[i]);  // poison: NaN / 0xffff...
+    if (_run_group(tg, j.tptg, j.tgpg, j.grid)) {
+      int none = 0;
+      if (__atomic_compare_exchange_n(&j.rc, &none, -1, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        j.err = c->err;
+        j.err_group = tg;
+      }
+      break;
+    }
+  }
+  for (int i = 0; i < j.ntg; ++i) free(c->tgbufs[i]);
+  free(c->tgbufs);
+  munmap(c->stacks, c->stack_sz * n);
+  delete[] c->f;
+  delete c;
+  g_ctx = nullptr;
+  g_guards = nullptr;
+  g_nguards = 0;
+}
+inline void *_worker(void *job) {
+  _run_groups(*(Job *)job);
+  return nullptr;
+}
+// OS threads per dispatch: MTL_THREADS, else the CPUs online.
+inline unsigned _threads() {
+  const char *e = getenv("MTL_THREADS");
+  long v = e && *e ? atol(e) : sysconf(_SC_NPROCESSORS_ONLN);
+  return v < 1 ? 1u : v > 64 ? 64u : (unsigned)v;
+}
 } // namespace mtl_rt
 
 // buf_bytes == nullptr: buffers are used in place (no bounds checking).
@@ -873,8 +1030,6 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
       guards[i] = guard_copy(bufs_in[i], buf_bytes[i]);
       bufs[i] = bufs_in[i] ? guards[i].data : nullptr;
     }
-    g_guards = guards;
-    g_nguards = nbufs;
     static char altstack[65536];
     stack_t ss; ss.ss_sp = altstack; ss.ss_size = sizeof altstack; ss.ss_flags = 0;
     sigaltstack(&ss, nullptr);
@@ -883,43 +1038,45 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
     sigaction(SIGSEGV, &sa, nullptr);
     sigaction(SIGBUS, &sa, nullptr);
   }
-  Ctx *c = new Ctx();
-  g_ctx = c;
-  c->fn = fn;
-  c->reverse = g_schedule >= 0 ? g_schedule == 1 : getenv("MTL_SCHED") && !strcmp(getenv("MTL_SCHED"), "reverse");
-  uint3 tptg = uint3(tg_size[0], tg_size[1], tg_size[2]);
-  uint3 tgpg;
-  uint3 grid;
+  Job j;
+  j.fn = fn;
+  j.reverse = g_schedule >= 0 ? g_schedule == 1 : getenv("MTL_SCHED") && !strcmp(getenv("MTL_SCHED"), "reverse");
+  j.tptg = uint3(tg_size[0], tg_size[1], tg_size[2]);
   if (grid_threads && grid_threads[0]) {
-    grid = uint3(grid_threads[0], grid_threads[1], grid_threads[2]);
-    tgpg = (grid + tptg - 1u) / tptg;
+    j.grid = uint3(grid_threads[0], grid_threads[1], grid_threads[2]);
+    j.tgpg = (j.grid + j.tptg - 1u) / j.tptg;
   } else {
-    tgpg = uint3(tg_count[0], tg_count[1], tg_count[2]);
-    grid = tgpg * tptg;
+    j.tgpg = uint3(tg_count[0], tg_count[1], tg_count[2]);
+    j.grid = j.tgpg * j.tptg;
   }
-  unsigned n = tptg.x * tptg.y * tptg.z;
-  if (n == 0 || n > 1024) { fprintf(stderr, "mtl: bad threadgroup size %u\n", n); return -2; }
-  c->f = new Fiber[n];
-  c->stacks = (char *)mmap(nullptr, c->stack_sz * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  c->bufs = bufs;
-  c->nbufs = nbufs;
-  c->ntg = ntg;
-  c->tgbufs = (void **)calloc(ntg > 0 ? ntg : 1, sizeof(void *));
-  for (int i = 0; i < ntg; ++i) c->tgbufs[i] = calloc(1, tg_bytes[i] ? tg_bytes[i] : 1);
+  unsigned n = j.tptg.x * j.tptg.y * j.tptg.z;
   int rc = 0;
-  for (uint z = 0; z < tgpg.z && !rc; ++z)
-    for (uint y = 0; y < tgpg.y && !rc; ++y)
-      for (uint x = 0; x < tgpg.x && !rc; ++x) {
-        for (int i = 0; i < ntg; ++i) memset(c->tgbufs[i], 0xff, tg_bytes[i]);  // poison: NaN / 0xffff...
-        rc = _run_group(uint3(x, y, z), tptg, tgpg, grid);
-      }
-  if (rc) fprintf(stderr, "mtl: %s (threadgroup %u,%u,%u)\n", c->err, c->f[0].ids.tgpig.x, c->f[0].ids.tgpig.y, c->f[0].ids.tgpig.z);
-  for (int i = 0; i < ntg; ++i) free(c->tgbufs[i]);
-  free(c->tgbufs);
-  munmap(c->stacks, c->stack_sz * n);
-  delete[] c->f;
-  delete c;
-  g_ctx = nullptr;
+  if (n == 0 || n > 1024) {
+    fprintf(stderr, "mtl: bad threadgroup size %u\n", n);
+    rc = -2;
+  } else {
+    j.bufs = bufs;
+    j.nbufs = nbufs;
+    j.guards = guards;
+    j.nguards = guards ? nbufs : 0;
+    j.tg_bytes = tg_bytes;
+    j.ntg = ntg;
+    j.groups = (unsigned long)j.tgpg.x * j.tgpg.y * j.tgpg.z;
+    j.next = 0;
+    j.rc = 0;
+    j.err = nullptr;
+    j.err_group = uint3(0, 0, 0);
+    unsigned want = _threads();
+    unsigned extra = j.groups < want ? (unsigned)j.groups - (j.groups > 0) : want - 1;
+    pthread_t th[64];
+    unsigned started = 0;
+    for (; started < extra; ++started)
+      if (pthread_create(&th[started], nullptr, _worker, &j)) break;  // fewer threads: still correct
+    _run_groups(j);
+    for (unsigned i = 0; i < started; ++i) pthread_join(th[i], nullptr);
+    rc = j.rc;
+    if (rc) fprintf(stderr, "mtl: %s (threadgroup %u,%u,%u)\n", j.err, j.err_group.x, j.err_group.y, j.err_group.z);
+  }
   if (guards) {
     for (int i = 0; i < nbufs; ++i) {
       // Copied back only where the kernel changed it: a read-only binding (weights wrapped in
@@ -928,8 +1085,6 @@ mtl_dispatch(void (*fn)(), const unsigned *tg_count, const unsigned *tg_size, co
         memcpy(guards[i].user, guards[i].data, guards[i].n);
       munmap(guards[i].base, guards[i].total);
     }
-    g_guards = nullptr;
-    g_nguards = 0;
     delete[] guards;
     delete[] bufs;
   }

@@ -1,7 +1,9 @@
 //! The simulated Metal device: the same `.metal` sources, compiled with clang-19 against the
 //! tools/metal-sim prelude (`-DMTL_EXEC`) into one shared library per file, and dispatched on
-//! the CPU through its `mtl_dispatch` (threadgroups as fibers, simd collectives emulated at 32
-//! lanes, threadgroup memory poisoned, every buffer bounds-checked behind a guard page).
+//! the CPU through its `mtl_dispatch` (the threads of a threadgroup as fibers, simd collectives
+//! emulated at 32 lanes, threadgroup memory poisoned, every buffer bounds-checked behind a guard
+//! page; the threadgroups of a dispatch shared out over `MTL_THREADS` OS threads, default the
+//! CPUs online).
 //!
 //! Libraries are cached under `$LILY_METAL_SIM_CACHE` (default: `<tmp>/lily-metal-sim`) by a
 //! hash of the sources, the prelude and the flags. `LILY_METAL_SIM_CXX` overrides `clang++-19`;

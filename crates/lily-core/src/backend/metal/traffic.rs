@@ -11,7 +11,9 @@
 //! Read or write: on x86-64 the fault's error code says which; elsewhere a first fault counts as
 //! a read and the write faults again (a page only written then counts as read and written).
 //! Only one counted dispatch runs at a time in a process ([`count`] holds a lock): the handler's
-//! page table is process-wide.
+//! page table is process-wide. The dispatch itself may fault from several OS threads at once
+//! (the simulator shares a dispatch's threadgroups out over them): the handler only or-s flags
+//! into the page table and widens a page's protection.
 
 use std::{
     cell::UnsafeCell,
@@ -88,18 +90,23 @@ extern "C" fn on_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut c
             let pages = &*pages;
             if let Ok(i) = pages.binary_search_by_key(&addr, |p| p.addr) {
                 let p = &pages[i];
-                let seen = p.seen.load(Ordering::Relaxed);
                 let write = match fault_is_write(ctx) {
                     Some(w) => w,
-                    None => seen & READ != 0, // the second fault of a page can only be a write
+                    // the second fault of a page can only be a write
+                    None => p.seen.load(Ordering::Relaxed) & READ != 0,
                 };
                 if !write || p.writable {
-                    let (flag, prot) = if write {
-                        (WRITTEN, libc::PROT_READ | libc::PROT_WRITE)
+                    let flag = if write { WRITTEN } else { READ };
+                    // The simulator's OS threads fault at once (the threadgroups of a dispatch
+                    // run in parallel): the flags are or-ed in, and the page opened as far as
+                    // every access so far needs (a late read never closes it to writes; a write
+                    // that still faults after a racing read lands here again).
+                    let seen = p.seen.fetch_or(flag, Ordering::Relaxed) | flag;
+                    let prot = if seen & WRITTEN != 0 {
+                        libc::PROT_READ | libc::PROT_WRITE
                     } else {
-                        (READ, libc::PROT_READ)
+                        libc::PROT_READ
                     };
-                    p.seen.store(seen | flag, Ordering::Relaxed);
                     if libc::mprotect(addr as *mut c_void, PAGE, prot) == 0 {
                         return;
                     }
