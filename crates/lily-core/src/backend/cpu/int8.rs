@@ -738,6 +738,38 @@ mod x86 {
                 pub fn pair(v0: I, v1: I) -> (I, I) {
                     ($unpacklo(v0, v1), $unpackhi(v0, v1))
                 }
+                /// Blocks `blk` and `blk + 1` of the row at `w` as the paired slots, each split
+                /// into its (lo, hi) nibbles; both blocks' bytes PREFETCH on are fetched first.
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub unsafe fn pair_nibbles(w: *const u8, blk: usize) -> [(I, I); 2] {
+                    unsafe {
+                        for s in 0..2 {
+                            let at = w.wrapping_add((blk + s) * B + super::PREFETCH);
+                            _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+                        }
+                        let (u0, u1) = pair(
+                            load(w.add(blk * B) as *const i8),
+                            load(w.add((blk + 1) * B) as *const i8),
+                        );
+                        [nibbles(u0), nibbles(u1)]
+                    }
+                }
+                /// x's two slots of the pair at block `blk` (plane p of slot s at (s P + p) 2B):
+                /// each plane's two halves.
+                #[target_feature(enable = $feat)]
+                #[inline]
+                pub unsafe fn pair_x<const P: usize>(xq: *const i8, blk: usize) -> [[(I, I); P]; 2] {
+                    unsafe {
+                        let xb = xq.add(blk * 2 * B * P);
+                        std::array::from_fn(|s| {
+                            std::array::from_fn(|p| {
+                                let o = (s * P + p) * 2 * B;
+                                (load(xb.add(o)), load(xb.add(o + B)))
+                            })
+                        })
+                    }
+                }
                 /// v << 8 per i32 lane (chaining the planes).
                 #[target_feature(enable = $feat)]
                 #[inline]
@@ -1015,24 +1047,9 @@ mod x86 {
                             let nb = ng * m.group / (2 * B);
                             let np = if P == 1 { nb / 2 } else { 0 };
                             for ix in pidx.iter().take(np) {
-                                // x's two slots of the pair, plane p of slot s at (s P + p) 2B.
-                                let xb = xq.add(blk * 2 * B * P);
-                                let xp: [[(I, I); P]; 2] = std::array::from_fn(|s| {
-                                    std::array::from_fn(|p| {
-                                        let o = (s * P + p) * 2 * B;
-                                        (load(xb.add(o)), load(xb.add(o + B)))
-                                    })
-                                });
+                                let xp = pair_x::<P>(xq, blk);
                                 for i in 0..R {
-                                    for s in 0..2 {
-                                        let at = w[i].wrapping_add((blk + s) * B + PREFETCH);
-                                        _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-                                    }
-                                    let (u0, u1) = pair(
-                                        load(w[i].add(blk * B) as *const i8),
-                                        load(w[i].add((blk + 1) * B) as *const i8),
-                                    );
-                                    let ((l0, h0), (l1, h1)) = (nibbles(u0), nibbles(u1));
+                                    let [(l0, h0), (l1, h1)] = pair_nibbles(w[i], blk);
                                     // The planes' dots side by side (short dependency chains), each
                                     // over both slots, then ((a0 << 8) + a1) << 8 + a2.
                                     let a: [I; P] = std::array::from_fn(|p| {
@@ -1138,25 +1155,9 @@ mod x86 {
                             let np = if P == 1 { nb / 2 } else { 0 };
                             for ix in pidx.iter().take(np) {
                                 // Each row's pair of blocks, interleaved and split once for all tokens.
-                                let wn: [[(I, I); 2]; R] = std::array::from_fn(|i| {
-                                    for s in 0..2 {
-                                        let at = w[i].wrapping_add((blk + s) * B + PREFETCH);
-                                        _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-                                    }
-                                    let (u0, u1) = pair(
-                                        load(w[i].add(blk * B) as *const i8),
-                                        load(w[i].add((blk + 1) * B) as *const i8),
-                                    );
-                                    [nibbles(u0), nibbles(u1)]
-                                });
+                                let wn: [[(I, I); 2]; R] = std::array::from_fn(|i| pair_nibbles(w[i], blk));
                                 for j in 0..T {
-                                    let xb = xq[j].add(blk * 2 * B * P);
-                                    let xp: [[(I, I); P]; 2] = std::array::from_fn(|s| {
-                                        std::array::from_fn(|p| {
-                                            let o = (s * P + p) * 2 * B;
-                                            (load(xb.add(o)), load(xb.add(o + B)))
-                                        })
-                                    });
+                                    let xp = pair_x::<P>(xq[j], blk);
                                     for i in 0..R {
                                         let [(l0, h0), (l1, h1)] = wn[i];
                                         let mut acc = $dot2(zero(), l0, xp[0][0].0, h0, xp[0][0].1);
