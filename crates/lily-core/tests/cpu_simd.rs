@@ -7,7 +7,7 @@ use std::sync::Mutex;
 mod alloc_common;
 mod common;
 
-use common::{assert_close, cpu_cache, delta_net_inputs, matrix, rand_vec, DeltaNetInputs};
+use common::{assert_close, cpu_cache, delta_net_inputs, delta_net_params, matrix, rand_vec, DeltaNetInputs};
 use lily_core::{
     backend::{
         cpu::{isa::Isa, kv::CpuKv, simd, Cpu, Precision},
@@ -359,13 +359,7 @@ fn delta_net_every_isa_matches_reference() {
                 dt_bias,
                 s0,
             } = delta_net_inputs(t, [hk, hv, dk, dv], seed);
-            let p = DeltaNetParams {
-                tokens: t as u32,
-                key_heads: hk as u32,
-                value_heads: hv as u32,
-                key_dim: dk as u32,
-                value_dim: dv as u32,
-            };
+            let p = delta_net_params(t, hk, hv, dk, dv);
             let x: delta_net::DeltaNetIn = delta_net::DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
             let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
             let n = t * hv * dv;
@@ -604,13 +598,7 @@ fn decode_step_kernels(isa: Isa, s: &mut DecodeBufs) {
         &mut s.tmp,
         &mut s.out,
     );
-    let dp = DeltaNetParams {
-        tokens: 1,
-        key_heads: 2,
-        value_heads: 4,
-        key_dim: 32,
-        value_dim: 32,
-    };
+    let dp = delta_net_params(1, 2, 4, 32, 32);
     let (a, rest) = s.gates.split_at(4);
     let (b, rest) = rest.split_at(4);
     let (alog, dtb) = rest.split_at(4);

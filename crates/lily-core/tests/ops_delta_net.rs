@@ -8,7 +8,7 @@ mod common;
 #[macro_use]
 mod gpu_common;
 
-use common::{assert_close, delta_net_inputs, one_row, one_row_buffers, rand_vec, DeltaNetInputs};
+use common::{assert_close, delta_net_inputs, delta_net_params, one_row, one_row_buffers, rand_vec, DeltaNetInputs};
 use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
@@ -19,17 +19,6 @@ use lily_core::{
     },
     ops::delta_net::{cpu::CHUNK, reference, DeltaNetIn},
 };
-
-/// The params of a DeltaNet call of `t` tokens, Hk / Hv heads of Dk / Dv.
-fn params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParams {
-    DeltaNetParams {
-        tokens: t as u32,
-        key_heads: hk as u32,
-        value_heads: hv as u32,
-        key_dim: dk as u32,
-        value_dim: dv as u32,
-    }
-}
 
 mod cpu {
     use super::*;
@@ -68,7 +57,7 @@ mod cpu {
                         channels: c as u32,
                         taps: taps as u32,
                     },
-                    delta: params(n, hk, hv, dk, dv),
+                    delta: delta_net_params(n, hk, hv, dk, dv),
                     conv1d: &w,
                     a_log: &a_log,
                     dt_bias: &dt_bias,
@@ -90,7 +79,7 @@ mod cpu {
                     let (mut mixed1, mut core1) = (vec![0f32; c], vec![0f32; hv * dv]);
                     let conv_p = ConvParams { tokens: 1, ..r.conv };
                     b.delta_net_conv(&conv_p, &w, &mut conv1[i], &proj[i * c..][..c].to_vec(), &mut mixed1);
-                    let p1 = params(1, hk, hv, dk, dv);
+                    let p1 = delta_net_params(1, hk, hv, dk, dv);
                     let (ai, bi) = (a[i * hv..][..hv].to_vec(), bb[i * hv..][..hv].to_vec());
                     let x = DeltaNetIn::new(&p1, &mixed1, &ai, &bi, &a_log, &dt_bias);
                     b.delta_net(&x, &mut ssm1[i], &mut core1);
@@ -122,7 +111,7 @@ mod cpu {
             dt_bias,
             s0,
         } = delta_net_inputs(t, [hk, hv, dk, dv], seed);
-        let p = params(t, hk, hv, dk, dv);
+        let p = delta_net_params(t, hk, hv, dk, dv);
         let (mut sa, mut sb, mut sc) = (s0.clone(), s0.clone(), s0);
         let n = t * hv * dv;
         let (mut oa, mut ob, mut oc) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
@@ -159,7 +148,7 @@ mod cpu {
         let (fast, refr) = (Cpu::new(), Cpu::reference());
         let (hk, hv, dk, dv) = (1usize, 2usize, 128usize, 128usize);
         let width = 2 * hk * dk + hv * dv;
-        let p = params(1, hk, hv, dk, dv);
+        let p = delta_net_params(1, hk, hv, dk, dv);
         let (a_log, dt_bias) = (rand_vec(hv, 1, -4.0, 0.5), rand_vec(hv, 2, -1.0, 1.0));
         let (mut sa, mut sb) = (vec![0f32; hv * dk * dv], vec![0f32; hv * dk * dv]);
         let (mut oa, mut ob) = (vec![0f32; hv * dv], vec![0f32; hv * dv]);
@@ -214,7 +203,7 @@ mod cpu {
             );
             let (a_log, dt_bias) = (rand_vec(hv, seed + 3, -3.0, 0.7), rand_vec(hv, seed + 4, -1.0, 1.0));
             let s0 = rand_vec(hv * dk * dv, seed + 5, -0.5, 0.5);
-            let p = params(t, hk, hv, dk, dv);
+            let p = delta_net_params(t, hk, hv, dk, dv);
             let x: DeltaNetIn = DeltaNetIn::new(&p, &qkv, &a, &b, &a_log, &dt_bias);
             let (mut s_step, mut o_step) = (s0.clone(), vec![0f32; t * hv * dv]);
             reference::delta_net(&x, &mut s_step, &mut o_step);
@@ -325,7 +314,7 @@ fn delta_net_conv_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
 /// dispatch; the same shared check (`ops::delta_net::delta_net_checks`) guards every GPU backend.
 fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     for (hk, hv, dk) in [(2, 3, 16), (1, 2, DELTA_NET_KEY_DIM_MAX + 32), (0, 2, 16)] {
-        let p = params(2, hk, hv, dk, 16);
+        let p = delta_net_params(2, hk, hv, dk, 16);
         let err = delta_net_error(dev, &p, 2 * (2 * hk * dk + hv * 16));
         assert!(
             err.contains(&format!("{hv} value heads on {hk} key heads of dim {dk}")),
@@ -335,7 +324,7 @@ fn delta_net_rejects_unsupported_heads<B: Backend>(dev: &mut B, _tolx: f32) {
     // A supported shape with a buffer one element short: the size check names it.
     let (t, hk, hv, dk, dv) = (2, 1, 2, 16, 16);
     let need = t * (2 * hk * dk + hv * dv);
-    let err = delta_net_error(dev, &params(t, hk, hv, dk, dv), need - 1);
+    let err = delta_net_error(dev, &delta_net_params(t, hk, hv, dk, dv), need - 1);
     assert!(
         err.contains(&format!("delta_net: qkv has {} elements, needs {need}", need - 1)),
         "{err}"
@@ -474,7 +463,7 @@ fn delta_net_gated_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
                 let r = DeltaNetGated {
                     ops: DeltaNetOps {
                         conv: ConvParams { tokens: t as u32, channels: width as u32, taps: taps as u32 },
-                        delta: params(t, hk, hv, dk, dv),
+                        delta: delta_net_params(t, hk, hv, dk, dv),
                         conv1d: &conv1d,
                         a_log: &a_log,
                         dt_bias: &dt_bias,
@@ -529,7 +518,7 @@ fn delta_inputs(s: &DeltaShape, calls: &[usize]) -> DeltaCalls {
         .iter()
         .enumerate()
         .map(|(i, &t)| {
-            let p = params(t, hk, hv, dk, dv);
+            let p = delta_net_params(t, hk, hv, dk, dv);
             let k = seed + 10 * (i as u64 + 1);
             let qkv = rand_vec(t * width, k, -1.0, 1.0);
             (

@@ -5,7 +5,7 @@
 use lily_core::{
     backend::{
         cpu::{kv::CpuKv, Cpu},
-        params::{AttentionParams, KvStoreParams, RmsNormParams, RopeParams},
+        params::{AttentionParams, DeltaNetParams, KvStoreParams, RmsNormParams, RopeParams},
         Backend, KvDtype, OneRow,
     },
     ops::attention,
@@ -25,6 +25,17 @@ pub fn cpu_cache(data: &[f32], width: usize, dtype: KvDtype, seg: usize) -> CpuK
     };
     attention::reference::kv_store(&p, data, &mut kv);
     kv
+}
+
+/// The params of a DeltaNet call of `t` tokens, Hk / Hv heads of Dk / Dv.
+pub fn delta_net_params(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> DeltaNetParams {
+    DeltaNetParams {
+        tokens: t as u32,
+        key_heads: hk as u32,
+        value_heads: hv as u32,
+        key_dim: dk as u32,
+        value_dim: dv as u32,
+    }
 }
 
 /// Random inputs of a DeltaNet recurrence over `t` tokens (hk key heads, hv value heads, dims dk,
