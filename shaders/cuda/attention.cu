@@ -127,15 +127,18 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // flash-decoding in ONE launch (the split pass and the combine; prefill, T > 1, runs
 // attention_prefill below). q / gate from qg [T, H, 2*hd] (q then gate per head); token t sees
 // cache rows 0 .. pos0 + t (pos0 = step[0]).
-// Split pass: one block per (KV head, token, split) with G = H / Hkv warps, one per query head
-// sharing that KV head. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
+// Split pass: one block per (KV head, token, split) with G = H / Hkv query heads sharing that KV
+// head and W warps per head (W = 2 where 2 G warps fit 512 threads, the host's ATTENTION_WARPS):
+// warp w serves head w % G. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
 // range, rows = ceil(len / splits) rounded up to ATT_TILE, so the grid does not depend on the
 // position (a decode graph stays valid). The split's rows go through shared memory in stages of
-// 32 rows (bf16 caches, staged as their bits: half the shared-memory bytes the G warps read) or
+// 32 rows (bf16 caches, staged as their bits: half the shared-memory bytes the warps read) or
 // 16 rows (f32 and f16 caches, widened to f32); the 16-byte loads of the NEXT stage are issued
 // into registers (AttAhead) before this stage is scored, so their latency hides behind the
-// arithmetic instead of following a barrier. A warp scores ATT_TILE rows together (independent
-// lane partials and warp sums), then rescales once per tile: online softmax in f32. Lanes hold
+// arithmetic instead of following a barrier. A warp scores ATT_SUB rows together (independent
+// lane partials and warp sums), then rescales once: online softmax in f32; the W warps of a head
+// take every W-th group of ATT_SUB rows of a stage and merge their (max, sum, o) through shared
+// memory at the end (at depth 4K a block's 2 warps a scheduler were the issue limit). Lanes hold
 // ATT_HD_MAX / 32 dims (att_dim: pairs 64 i + 2 lane + {0, 1} when hd % 64 == 0, read as one
 // 4- or 8-byte shared load, else 32 i + lane).
 // Combine (last-block-done, the pattern of moe_router): each block stores its partial (running
@@ -149,11 +152,12 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // weighs nothing. counts [T, Hkv, groups + 1] u32: groups level-1 counters, then the level-2 one.
 // Fused qk_norm_rope_store (q_norm not null; T = 1, the host's qk_norm_rope_store_attention):
 // qg holds q as the projection left it; every block norms and ropes its G heads' q (registers
-// only); the block whose split holds the new row len - 1 norms and ropes k [Hkv, hd] into it and
-// copies v [Hkv, hd] (AttRope; the other blocks never read that row).
+// only; the RoPE's cos / sin of the new row, whose position is known before the grid wait, are
+// tabled in shared memory then); the block whose split holds the new row len - 1 norms and ropes
+// k [Hkv, hd] into it and copies v [Hkv, hd] (AttRope; the other blocks never read that row).
 // Arguments: AttentionParams p (pos0 unused), uint splits, step, KvDesc k, KvDesc v, qg, counts,
 // part (part1 then part2), out, RopeParams rp (pos0 unused), q_norm, k_norm, k, v (all null when
-// not fused). Grid (Hkv, T, splits), G * 32 threads (G * hd <= 4096 when fused: the q scratch).
+// not fused). Grid (Hkv, T, splits), W * G * 32 threads (W * G * hd <= 4096 when fused: the q scratch).
 #define KV_BATCH 4
 #define ATT_TILE 16
 // Rows a warp scores together (att_tile; a loop over them, not unrolled, covers a stage): the
@@ -303,30 +307,32 @@ __device__ __forceinline__ void att_put_partial(float* dst, uint hd, uint lane, 
     if (i < hd / 32) dst[2 + att_dim<P>(i, lane)] = o[i];
 }
 
-// The n partials src, src + (2 + hd), ... of one head combined by its warp into (mx, l, o). Read
-// through L2 (volatile: other blocks of this launch wrote them; never a stale L1 line); the loads
-// of one pass do not depend on each other.
+// The n <= 32 partials src, src + (2 + hd), ... of one head combined by its warp into (mx, l, o).
+// Read through L2 (load_l2: other blocks of this launch wrote them; never a stale L1 line). Lane z
+// loads partial z's max and sum, so the maximum is one round trip and a warp reduction, and no
+// load of the o rows depends on it (the weights come by shuffle): the o rows of a pass are in
+// flight with the max / sum loads.
 template <int P>
-__device__ __forceinline__ void att_combine(const volatile float* src, uint n, uint hd, uint lane, float& mx,
-                                            float& l, float* o) {
+__device__ __forceinline__ void att_combine(const float* src, uint n, uint hd, uint lane, float& mx, float& l,
+                                            float* o) {
   constexpr uint NS = ATT_HD_MAX / 32;
   const uint nd = hd / 32;
-  float m = NEG_BIG;
-  for (uint z = 0; z < n; ++z) m = fmaxf(m, src[(size_t)z * (hd + 2)]);
-  float lz = 0.0f, acc[NS];
+  const float mz = lane < n ? load_l2(src + (size_t)lane * (hd + 2)) : NEG_BIG;
+  const float sz = lane < n ? load_l2(src + (size_t)lane * (hd + 2) + 1) : 0.0f;
+  float acc[NS];
 #pragma unroll
   for (uint i = 0; i < NS; ++i) acc[i] = 0.0f;
+  mx = warp_max(mz);
+  const float w = lane < n ? expf(mz - mx) : 0.0f;  // an empty partial: exp(-FLT_MAX - m) = 0, or 1 times l = 0
+  l = warp_sum(sz * w);
 #pragma unroll 4
   for (uint z = 0; z < n; ++z) {
-    const volatile float* s = src + (size_t)z * (hd + 2);
-    const float w = expf(s[0] - m);  // an empty partial: exp(-FLT_MAX - m) = 0, or 1 times l = 0
-    lz += s[1] * w;
+    const float* s = src + (size_t)z * (hd + 2) + 2;
+    const float wz = __shfl_sync(FULL_MASK, w, z);
 #pragma unroll
     for (uint i = 0; i < NS; ++i)
-      if (i < nd) acc[i] += s[2 + att_dim<P>(i, lane)] * w;
+      if (i < nd) acc[i] += load_l2(s + att_dim<P>(i, lane)) * wz;
   }
-  mx = m;
-  l = lz;
 #pragma unroll
   for (uint i = 0; i < NS; ++i) o[i] = acc[i];
 }
@@ -354,18 +360,26 @@ struct AttRope {
   const float* k_norm;
   const float* k;  // [Hkv, hd] the new row's k before norm + RoPE
   const float* v;  // [Hkv, hd]
+  float* cs;       // shared [2 hd]: cos, sin of the new row's angle for each rotated dim (att_rope_table)
 };
 
-// One warp's head x [hd] (this lane's dims in x[], P as att_dim) normed with weight w and roped at
-// pos into y[] (qk_norm_rope_store's math: stage_normed, rope_at); xs, ys: two of the warp's hd
-// floats of shared scratch (RoPE pairs dims across lanes). The rotation runs in a loop that is not
-// unrolled, through ys: rope_at (powf, sincosf with its large-argument path) unrolled for each of a
-// lane's 8 slots, for q and for k, was most of the decode kernel's ~7,600 SASS instructions, which a
-// block runs once, straight through: 59 % of its stall samples were instruction-cache misses
-// (Nsight Compute, 2026-12-02 13:01, depth ~516).
+// The block's table of cos, sin at row `pos` for the rotated dims (rope_at's angles), before the
+// grid wait: the position is known then, so no powf / sincosf is left between q's arrival and its
+// first score.
+__device__ __forceinline__ void att_rope_table(const RopeParams rp, float pos, uint hd, float* cs) {
+  const uint rot = min(rp.rotary_dim, hd);
+  for (uint d = threadIdx.x; d < rot; d += blockDim.x) {
+    const float inv_freq = powf(rp.theta, -2.0f * (float)(d % (rp.rotary_dim / 2)) / (float)rp.rotary_dim);
+    sincosf(pos * inv_freq, &cs[2 * d + 1], &cs[2 * d]);
+  }
+}
+
+// One warp's head x [hd] (this lane's dims in x[], P as att_dim) normed with weight w and roped
+// into y[] with the block's table cs (qk_norm_rope_store's math: stage_normed, rope_at); xs: the
+// warp's hd floats of shared scratch (RoPE pairs dims across lanes).
 template <int P>
 __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* x, const float* __restrict__ w,
-                                              float pos, uint hd, uint lane, float* xs, float* ys, float* y) {
+                                              const float* cs, uint hd, uint lane, float* xs, float* y) {
   constexpr uint NS = ATT_HD_MAX / 32;
   const uint nd = hd / 32;
   float ss = 0.0f;
@@ -377,12 +391,16 @@ __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* 
   for (uint i = 0; i < NS; ++i)
     if (i < nd) xs[att_dim<P>(i, lane)] = x[i] * inv * w[att_dim<P>(i, lane)];
   __syncwarp();
-#pragma unroll 1
-  for (uint i = 0; i < nd; ++i) ys[att_dim<P>(i, lane)] = rope_at(rp, xs, att_dim<P>(i, lane), pos);
-  __syncwarp();
+  const uint rot = rp.rotary_dim, half = rot / 2;
 #pragma unroll
-  for (uint i = 0; i < NS; ++i) y[i] = i < nd ? ys[att_dim<P>(i, lane)] : 0.0f;
-  __syncwarp();  // xs, ys may be reused
+  for (uint i = 0; i < NS; ++i) {
+    const uint d = att_dim<P>(i, lane);
+    y[i] = i >= nd ? 0.0f
+           : d >= rot ? xs[d]
+           : d < half ? xs[d] * cs[2 * d] - xs[d + half] * cs[2 * d + 1]
+                      : xs[d] * cs[2 * d] + xs[d - half] * cs[2 * d + 1];
+  }
+  __syncwarp();  // xs may be reused
 }
 
 // HD: the head dimension when known at compile time (0: p.head_dim). The model's 256 gets its own
@@ -397,8 +415,10 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
                                                  uint4* ks, uint4* vs, float* nk, float* nv, uint* flag) {
   constexpr uint NS = ATT_HD_MAX / 32, SR = BF ? 2 * ATT_TILE : ATT_TILE;  // rows a stage
   const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z, T = gridDim.y;
-  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint hd = HD != 0 ? HD : p.head_dim, nd = hd / 32, group = p.heads / p.kv_heads, h = kvh * group + warp;
+  const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = p.heads / p.kv_heads;
+  // Warp w serves head w % G and scores the sub-tiles w / G, w / G + halves, ... of each stage.
+  const uint hw = warp % group, half = warp / group, halves = blockDim.x / (32 * group);
+  const uint hd = HD != 0 ? HD : p.head_dim, nd = hd / 32, h = kvh * group + hw;
   const uint per = (len + splits - 1) / splits;
   const uint rows = (per + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
   const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows), col0 = kvh * hd;
@@ -413,6 +433,10 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   AttAhead a;
   if (!rope.q_norm) grid_dep_wait();
   if (s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
+  if (rope.q_norm) {
+    att_rope_table(rope.p, (float)(len - 1), hd, rope.cs);
+    __syncthreads();
+  }
   grid_dep_wait();
   float q[NS], o[NS];
 #pragma unroll
@@ -429,7 +453,6 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   const uint row = len - 1, skip = rope.q_norm && s0 <= row && row < s1 ? row : 0xffffffffu;
   if (rope.q_norm) {
     float* xs = reinterpret_cast<float*>(ks) + warp * hd;  // scratch until the first stage
-    float* ys = reinterpret_cast<float*>(vs) + warp * hd;
     const bool has_k = skip == row && warp == 0;
     float kx[NS];
 #pragma unroll
@@ -442,7 +465,7 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
       float x[NS], y[NS];
 #pragma unroll
       for (uint i = 0; i < NS; ++i) x[i] = pass != 0 ? kx[i] : q[i];
-      att_norm_rope<P>(rope.p, x, pass != 0 ? rope.k_norm : rope.q_norm, (float)row, hd, lane, xs, ys, y);
+      att_norm_rope<P>(rope.p, x, pass != 0 ? rope.k_norm : rope.q_norm, rope.cs, hd, lane, xs, y);
 #pragma unroll
       for (uint i = 0; i < NS; ++i) {
         kx[i] = pass != 0 ? y[i] : kx[i];
@@ -501,8 +524,26 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     __syncthreads();
     if (base + SR < s1) att_fetch(kd, vd, base + SR, min(SR, s1 - base - SR), col0, hd, a);  // during the scores
 #pragma unroll 1
-    for (uint r0 = 0; r0 < n; r0 += ATT_SUB) att_tile<P, BF, ATT_SUB>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
+    for (uint r0 = half * ATT_SUB; r0 < n; r0 += halves * ATT_SUB) att_tile<P, BF, ATT_SUB>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
     __syncthreads();  // the stage is refilled next
+  }
+  // The gate of this warp's head, loaded now (the last block to combine needs it at the very end).
+  float gv[NS];
+#pragma unroll
+  for (uint i = 0; i < NS; ++i) gv[i] = i < nd ? qh[hd + 32 * i + lane] : 0.0f;
+  if (halves > 1) {  // the second half's (mx, l, o) into the first's, through the free K stage
+    float* other = reinterpret_cast<float*>(ks) + hw * (hd + 2);
+    if (half == 1) att_put_partial<P>(other, hd, lane, mx, l, o);
+    __syncthreads();
+    if (half == 0) {
+      const float m = fmaxf(mx, other[0]), w0 = expf(mx - m), w1 = expf(other[0] - m);
+      l = l * w0 + other[1] * w1;
+#pragma unroll
+      for (uint i = 0; i < NS; ++i)
+        if (i < nd) o[i] = o[i] * w0 + other[2 + att_dim<P>(i, lane)] * w1;
+      mx = m;
+    }
+    __syncthreads();  // the K stage is scratch again below
   }
   // Level 1: the partial of this split; the group's last block combines the group's. Level 2: the
   // group's partial; the last group's block combines them all. One copy of the code for both
@@ -516,21 +557,21 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   for (uint level = 0; level < (groups > 1 ? 2u : 1u); ++level) {
     float* base = level == 0 ? part1 : part2;
     const uint at = level == 0 ? split : g, of = level == 0 ? in_group : groups;
-    att_put_partial<P>(base + (size_t)at * (hd + 2), hd, lane, mx, l, o);
+    if (half == 0) att_put_partial<P>(base + (size_t)at * (hd + 2), hd, lane, mx, l, o);
     if (!att_last(cnt + (level == 0 ? g : groups), of, flag)) return;  // whole block
     att_combine<P>(base + (size_t)(level == 0 ? g * ATT_GROUP : 0) * (hd + 2), of, hd, lane, mx, l, o);
   }
   // out = o / l * sigmoid(gate), through the warp's hd floats of the K stage (free since the last
-  // stage's barrier) so the gate's expf runs in a loop, not unrolled for the 8 slots.
-  const float* gate = qh + hd;
+  // stage's barrier): o in att_dim order in, out in plain order (dim 32 i + lane, as gv) out.
   float* os = reinterpret_cast<float*>(ks) + warp * hd;
   const float inv_l = 1.0f / l;
 #pragma unroll
   for (uint i = 0; i < NS; ++i)
     if (i < nd) os[att_dim<P>(i, lane)] = o[i] * inv_l;
   __syncwarp();
-#pragma unroll 1
-  for (uint d = lane; d < hd; d += 32) out[qi * hd + d] = os[d] * sigmoid(gate[d]);
+#pragma unroll
+  for (uint i = 0; i < NS; ++i)
+    if (i < nd && half == 0) out[qi * hd + 32 * i + lane] = os[32 * i + lane] * sigmoid(gv[i]);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) attention(
@@ -543,7 +584,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(
   __shared__ float nk[ATT_HD_MAX];
   __shared__ float nv[ATT_HD_MAX];
   __shared__ uint flag[1];
-  const AttRope rope{rp, q_norm, k_norm, k, v};
+  __shared__ float cs[2 * ATT_HD_MAX];
+  const AttRope rope{rp, q_norm, k_norm, k, v, cs};
   const uint len = load_l2(step) + blockIdx.y + 1;  // before the wait (attention_decode): through L2
   const bool pairs = p.head_dim % 64 == 0, full = p.head_dim == ATT_HD_MAX;
   if (kd.dtype == 1) {

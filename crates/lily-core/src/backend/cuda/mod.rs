@@ -109,6 +109,9 @@ pub(crate) fn gemv_lanes(chunks: usize, ks: u32) -> u32 {
 pub const DECODE_SPLITS: u32 = 64;
 /// The most key splits `LILY_CUDA_DECODE_SPLITS` may ask for.
 pub const DECODE_SPLITS_MAX: u32 = 256;
+/// Warps per query head of a decode-attention block (each scores every other sub-tile of a stage),
+/// where the block stays within 512 threads; `LILY_CUDA_ATTENTION_WARPS` (1 or 2) for measuring.
+pub const ATTENTION_WARPS: u32 = 2;
 
 /// Tokens per forward call during prefill: enough rows for the tensor-core GEMMs to pay.
 pub const PREFILL_CHUNK: usize = 1024;
@@ -224,6 +227,8 @@ pub struct Cuda<X: Executor> {
     /// Key splits of decode attention (default [`DECODE_SPLITS`]; `LILY_CUDA_DECODE_SPLITS`,
     /// 1 ..= [`DECODE_SPLITS_MAX`], for measuring other splits).
     pub decode_splits: u32,
+    /// Warps per query head of decode attention (default [`ATTENTION_WARPS`]).
+    pub attention_warps: u32,
 }
 
 #[cfg(unix)]
@@ -311,6 +316,17 @@ impl<X: Executor> Cuda<X> {
                 }
             },
         };
+        let attention_warps = match std::env::var("LILY_CUDA_ATTENTION_WARPS") {
+            Err(_) => ATTENTION_WARPS,
+            Ok(v) => match v.parse::<u32>() {
+                Ok(n) if (1..=2).contains(&n) => n,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "LILY_CUDA_ATTENTION_WARPS={v}: expected 1 or 2"
+                    )))
+                }
+            },
+        };
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
@@ -335,6 +351,7 @@ impl<X: Executor> Cuda<X> {
             fused_router,
             fused_delta_net,
             decode_splits,
+            attention_warps,
         })
     }
 

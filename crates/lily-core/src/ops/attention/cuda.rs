@@ -265,10 +265,16 @@ fn attention_launch<X: Executor>(
         .ptr(scratch)
         .ptr(scratch + 4 * ATT_COUNTERS as u64)
         .ptr(out.ptr());
+    let fused = rope.is_some();
     let (rp, [qn, kn, kr, vr]) = rope.unwrap_or_default();
     let args = args.push(rp).ptr(qn).ptr(kn).ptr(kr).ptr(vr);
+    // Warps: attention_warps per query head where they fit the kernel's 512 threads and, fused,
+    // the q scratch (one stage of 4096 floats: a warp's hd each); else one.
+    let (heads, per_head) = (h / kvh, c.attention_warps as usize);
+    let fits = heads * per_head <= 16 && (!fused || heads * per_head * hd <= 4096);
+    let warps = if fits { heads * per_head } else { heads };
     let grid = [kvh as u32, 1, splits];
-    c.launch(F::Attention, shape(grid, (h / kvh * 32) as u32), args);
+    c.launch(F::Attention, shape(grid, warps as u32 * 32), args);
 }
 
 /// Splits (then groups) one last block of decode attention combines (ATT_GROUP in attention.cu).
