@@ -130,7 +130,7 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // Split pass: one block per (KV head, token, split) with G = H / Hkv query heads sharing that KV
 // head and W warps per head (W = 2 where 2 G warps fit 512 threads, the host's ATTENTION_WARPS):
 // warp w serves head w % G. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
-// range, rows = ceil(len / splits) rounded up to ATT_TILE, so the grid does not depend on the
+// range, rows = ceil(len / splits) rounded up to ATT_SUB, so the grid does not depend on the
 // position (a decode graph stays valid). The split's rows go through shared memory in stages of
 // 32 rows (bf16 caches, staged as their bits: half the shared-memory bytes the warps read) or
 // 16 rows (f32 and f16 caches, widened to f32); the 16-byte loads of the NEXT stage are issued
@@ -420,7 +420,7 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   const uint hw = warp % group, half = warp / group, halves = blockDim.x / (32 * group);
   const uint hd = HD != 0 ? HD : p.head_dim, nd = hd / 32, h = kvh * group + hw;
   const uint per = (len + splits - 1) / splits;
-  const uint rows = (per + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+  const uint rows = (per + ATT_SUB - 1) / ATT_SUB * ATT_SUB;
   const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows), col0 = kvh * hd;
   const size_t qi = (size_t)t * p.heads + h;  // (token, head)
   const float* qh = qg + qi * 2 * hd;

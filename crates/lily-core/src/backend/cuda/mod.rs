@@ -103,9 +103,10 @@ pub(crate) fn gemv_lanes(chunks: usize, ks: u32) -> u32 {
 }
 
 /// Key splits of single-token attention (flash-decoding): fixed, so a decode graph does not
-/// depend on the position; each split covers ceil(len / splits) rows, rounded up to the 16-row
-/// tile (64 splits: 5 tiles a split at 4K rows, 128 blocks for 2 KV heads; the same launch
-/// combines them, in two levels of 8: attention.cu).
+/// depend on the position; each split covers ceil(len / splits) rows, rounded up to a 4-row
+/// sub-tile (64 splits at 4K rows: 68 rows a split, 61 splits busy; rounded to 16, as before
+/// 2026-12-07, 80 rows and 52 busy), 128 blocks for 2 KV heads; the same launch combines them,
+/// in two levels of 8: attention.cu.
 pub const DECODE_SPLITS: u32 = 64;
 /// The most key splits `LILY_CUDA_DECODE_SPLITS` may ask for.
 pub const DECODE_SPLITS_MAX: u32 = 256;
