@@ -14,6 +14,7 @@ use gpu_common::{assert_near, read_all, TOL};
 use lily_core::{
     backend::{
         cpu::Cpu,
+        cuda::{Cuda, Executor as CudaExecutor},
         metal::{Executor, Metal},
         params::{AttentionParams, KvStoreParams, RowsParams},
         Backend, KvDtype,
@@ -333,6 +334,7 @@ gpu_tests!(
     kv_share_copies_on_write;
     metal: attention_splits_match_reference;
     cuda: attention_decode_long_matches_reference, qk_norm_rope_store_attention_matches_reference,
+        attention_one_warp_a_head_matches_reference,
 );
 
 fn qk_norm_rope_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
@@ -491,6 +493,19 @@ fn attention_decode_long_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
         let what = format!(", decode at {pos0} rows");
         attention_case(&*dev, tolx, (16, 2, 256, pos0, 1, steps, dtype, seg), &what);
     }
+}
+
+/// CUDA's decode attention with one warp per query head (`LILY_CUDA_ATTENTION_WARPS=1`, and the
+/// path of shapes whose two warps a head would not fit a block): the default runs two, each
+/// scoring every other sub-tile and merging through shared memory, so this path is not otherwise
+/// taken at the real head shapes. The plain cases, long decodes, and the fused launch.
+fn attention_one_warp_a_head_matches_reference<X: CudaExecutor>(dev: &mut Cuda<X>, tolx: f32) {
+    let saved = dev.attention_warps;
+    dev.attention_warps = 1;
+    attention_cases(&*dev, tolx, ", one warp a head");
+    attention_decode_long_matches_reference(dev, tolx);
+    qk_norm_rope_store_attention_matches_reference(dev, tolx);
+    dev.attention_warps = saved;
 }
 
 /// `qk_norm_rope_store_attention` (CUDA: one launch for a decode step, the attention blocks norm
