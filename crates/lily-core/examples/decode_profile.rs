@@ -2,12 +2,14 @@
 //! warm, is timed), run decode steps, and print the per-kernel wall time (per weight matrix for
 //! matmuls, with the GB/s each reached; prefill and decode kernels apart).
 //!
-//! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT] [BATCH] [PRECISION]`
+//! `LILY_CPU_PROFILE=1 cargo run --release -p lily-core --example decode_profile -- MODEL [STEPS] [CONTEXT] [BATCH] [PRECISION] [fill]`
 //! (e.g. on `lily synth /tmp/synth4 --layers 4`; pin cores with `taskset` for stable numbers).
 //! BATCH > 1: BATCH - 1 more sequences, each prefilled with its own prompt (so each routes to its
 //! own experts, as independent requests do), and the steps are batched decode steps over all of
 //! them (`Engine::decode_batch`), each sequence fed its own token. PRECISION: the CPU's
 //! activation rounding, `exact` (default) or `fast` (one int8 plane, `lily bench --precision`).
+//! `fill` (batch 1): reach CONTEXT by `Engine::fill_context` (seeded K/V rows, as `lily.bench.depth`
+//! does past its prefilled depths) instead of a timed prefill, so a 128K step profiles in seconds.
 
 use std::{path::Path, time::Instant};
 
@@ -19,12 +21,17 @@ use lily_core::{
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let Some(dir) = args.get(1) else {
-        return Err("usage: decode_profile MODEL [STEPS=32] [CONTEXT=256] [BATCH=1] [PRECISION=exact]".into());
+        return Err("usage: decode_profile MODEL [STEPS=32] [CONTEXT=256] [BATCH=1] [PRECISION=exact] [fill]".into());
     };
     let steps: usize = args.get(2).map_or(Ok(32), |s| s.parse())?;
     let context: usize = args.get(3).map_or(Ok(256), |s| s.parse())?;
     let batch: usize = args.get(4).map_or(Ok(1), |s| s.parse())?;
     let precision = args.get(5).map_or(Ok(Precision::Exact), |s| Precision::parse(s))?;
+    let fill = match args.get(6).map(String::as_str) {
+        None => false,
+        Some("fill") if batch == 1 => true,
+        Some(other) => return Err(format!("the 6th argument is `fill` (batch 1 only), not {other:?}").into()),
+    };
     if std::env::var("LILY_CPU_PROFILE").is_err() {
         eprintln!("note: set LILY_CPU_PROFILE=1 for the per-kernel table");
     }
@@ -35,15 +42,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..Options::default()
     };
     let mut engine = Engine::load(Path::new(dir), &opts, &mut |_, _| Ok(()))?;
-    let prompt: Vec<u32> = (1..=context as u32).collect();
+    let prompt_len = if fill { context.min(256) } else { context };
+    let prompt: Vec<u32> = (1..=prompt_len as u32).collect();
     engine.prefill(&prompt, false)?; // warm-up: maps the weights in
     engine.reset()?;
-    let t = Instant::now();
-    engine.prefill(&prompt, false)?;
-    eprintln!(
-        "context {context}: {:.1} prefill tok/s (warm)",
-        context as f64 / t.elapsed().as_secs_f64()
-    );
+    if fill {
+        engine.fill_context(context, 1)?;
+        eprintln!("context {context}: filled (seeded K/V rows, no prefill)");
+    } else {
+        let t = Instant::now();
+        engine.prefill(&prompt, false)?;
+        eprintln!(
+            "context {context}: {:.1} prefill tok/s (warm)",
+            context as f64 / t.elapsed().as_secs_f64()
+        );
+    }
     let mut seqs = vec![0];
     for i in 1..batch as u32 {
         let s = engine.new_sequence()?;
