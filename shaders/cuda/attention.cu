@@ -63,15 +63,23 @@ __device__ __forceinline__ void stage_normed(const RopeParams p, const float* x,
   __syncthreads();
 }
 
+// The angle of rotated dim i (< rotary_dim) at position pos: rotate-half RoPE's frequencies.
+__device__ __forceinline__ float rope_angle(const RopeParams p, uint i, float pos) {
+  const float inv_freq = powf(p.theta, -2.0f * (float)(i % (p.rotary_dim / 2)) / (float)p.rotary_dim);
+  return pos * inv_freq;
+}
+
+// Value i (< rotary_dim) of head v rotated by (c, s): rotate-half pairs dim i with i +- rotary_dim / 2.
+__device__ __forceinline__ float rope_rotate(const float* v, uint i, uint half_rot, float c, float s) {
+  return i < half_rot ? v[i] * c - v[i + half_rot] * s : v[i] * c + v[i - half_rot] * s;
+}
+
 // Value i of the staged head v after partial rotate-half RoPE at position pos.
 __device__ __forceinline__ float rope_at(const RopeParams p, const float* v, uint i, float pos) {
   if (i >= p.rotary_dim) return v[i];
-  const uint half_rot = p.rotary_dim / 2;
-  const uint j = i % half_rot;
-  const float inv_freq = powf(p.theta, -2.0f * (float)j / (float)p.rotary_dim);
   float s, c;
-  sincosf(pos * inv_freq, &s, &c);
-  return i < half_rot ? v[i] * c - v[i + half_rot] * s : v[i] * c + v[i - half_rot] * s;
+  sincosf(rope_angle(p, i, pos), &s, &c);
+  return rope_rotate(v, i, p.rotary_dim / 2, c, s);
 }
 
 extern "C" __global__ void __launch_bounds__(128) qk_norm_rope(const RopeParams p, const uint* __restrict__ step,
@@ -363,19 +371,16 @@ struct AttRope {
   float* cs;       // shared [2 hd]: cos, sin of the new row's angle for each rotated dim (att_rope_table)
 };
 
-// The block's table of cos, sin at row `pos` for the rotated dims (rope_at's angles), before the
+// The block's table of cos, sin at row `pos` for the rotated dims (rope_angle), before the
 // grid wait: the position is known then, so no powf / sincosf is left between q's arrival and its
 // first score.
 __device__ __forceinline__ void att_rope_table(const RopeParams rp, float pos, uint hd, float* cs) {
   const uint rot = min(rp.rotary_dim, hd);
-  for (uint d = threadIdx.x; d < rot; d += blockDim.x) {
-    const float inv_freq = powf(rp.theta, -2.0f * (float)(d % (rp.rotary_dim / 2)) / (float)rp.rotary_dim);
-    sincosf(pos * inv_freq, &cs[2 * d + 1], &cs[2 * d]);
-  }
+  for (uint d = threadIdx.x; d < rot; d += blockDim.x) sincosf(rope_angle(rp, d, pos), &cs[2 * d + 1], &cs[2 * d]);
 }
 
 // One warp's head x [hd] (this lane's dims in x[], P as att_dim) normed with weight w and roped
-// into y[] with the block's table cs (qk_norm_rope_store's math: stage_normed, rope_at); xs: the
+// into y[] with the block's table cs (qk_norm_rope_store's math: stage_normed, rope_rotate); xs: the
 // warp's hd floats of shared scratch (RoPE pairs dims across lanes).
 template <int P>
 __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* x, const float* __restrict__ w,
@@ -395,10 +400,7 @@ __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* 
 #pragma unroll
   for (uint i = 0; i < NS; ++i) {
     const uint d = att_dim<P>(i, lane);
-    y[i] = i >= nd ? 0.0f
-           : d >= rot ? xs[d]
-           : d < half ? xs[d] * cs[2 * d] - xs[d + half] * cs[2 * d + 1]
-                      : xs[d] * cs[2 * d] + xs[d - half] * cs[2 * d + 1];
+    y[i] = i >= nd ? 0.0f : d >= rot ? xs[d] : rope_rotate(xs, d, half, cs[2 * d], cs[2 * d + 1]);
   }
   __syncwarp();  // xs may be reused
 }

@@ -288,6 +288,18 @@ pub(crate) fn shape(grid: [u32; 3], block: u32) -> Launch {
     }
 }
 
+/// A count from environment variable `var` (1 ..= `max`), `default` when unset; anything else is
+/// an error, not a silent default.
+fn env_count(var: &str, default: u32, max: u32) -> Result<u32> {
+    let Ok(v) = std::env::var(var) else {
+        return Ok(default);
+    };
+    match v.parse::<u32>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(Error::InvalidArgument(format!("{var}={v}: expected 1 to {max}"))),
+    }
+}
+
 impl<X: Executor> Cuda<X> {
     /// Load every kernel (so a missing one fails here) and allocate the step buffer.
     pub fn new(x: X) -> Result<Self> {
@@ -306,28 +318,8 @@ impl<X: Executor> Cuda<X> {
             .unwrap_or(GEMV_TOKENS);
         let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
         let fused_delta_net = std::env::var("LILY_CUDA_FUSED_DELTA_NET").map_or(true, |v| v != "0");
-        let decode_splits = match std::env::var("LILY_CUDA_DECODE_SPLITS") {
-            Err(_) => DECODE_SPLITS,
-            Ok(v) => match v.parse::<u32>() {
-                Ok(n) if (1..=DECODE_SPLITS_MAX).contains(&n) => n,
-                _ => {
-                    return Err(Error::InvalidArgument(format!(
-                        "LILY_CUDA_DECODE_SPLITS={v}: expected 1 to {DECODE_SPLITS_MAX}"
-                    )))
-                }
-            },
-        };
-        let attention_warps = match std::env::var("LILY_CUDA_ATTENTION_WARPS") {
-            Err(_) => ATTENTION_WARPS,
-            Ok(v) => match v.parse::<u32>() {
-                Ok(n) if (1..=2).contains(&n) => n,
-                _ => {
-                    return Err(Error::InvalidArgument(format!(
-                        "LILY_CUDA_ATTENTION_WARPS={v}: expected 1 or 2"
-                    )))
-                }
-            },
-        };
+        let decode_splits = env_count("LILY_CUDA_DECODE_SPLITS", DECODE_SPLITS, DECODE_SPLITS_MAX)?;
+        let attention_warps = env_count("LILY_CUDA_ATTENTION_WARPS", ATTENTION_WARPS, 2)?;
         Ok(Cuda {
             x,
             functions: functions.into_boxed_slice(),
