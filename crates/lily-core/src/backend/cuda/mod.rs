@@ -291,12 +291,31 @@ pub(crate) fn shape(grid: [u32; 3], block: u32) -> Launch {
 /// A count from environment variable `var` (1 ..= `max`), `default` when unset; anything else is
 /// an error, not a silent default.
 fn env_count(var: &str, default: u32, max: u32) -> Result<u32> {
-    let Ok(v) = std::env::var(var) else {
-        return Ok(default);
-    };
+    parse_count(var, std::env::var(var).ok().as_deref(), default, max)
+}
+
+/// [`env_count`] of the value `v` (None: unset).
+fn parse_count(var: &str, v: Option<&str>, default: u32, max: u32) -> Result<u32> {
+    let Some(v) = v else { return Ok(default) };
     match v.parse::<u32>() {
         Ok(n) if (1..=max).contains(&n) => Ok(n),
         _ => Err(Error::InvalidArgument(format!("{var}={v}: expected 1 to {max}"))),
+    }
+}
+
+/// A switch from environment variable `var`: `0` off, `1` on, `default` when unset; anything else
+/// is an error (a `false` or `off` must not silently mean on).
+fn env_flag(var: &str, default: bool) -> Result<bool> {
+    parse_flag(var, std::env::var(var).ok().as_deref(), default)
+}
+
+/// [`env_flag`] of the value `v` (None: unset).
+fn parse_flag(var: &str, v: Option<&str>, default: bool) -> Result<bool> {
+    match v {
+        None => Ok(default),
+        Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(Error::InvalidArgument(format!("{var}={v}: expected 0 or 1"))),
     }
 }
 
@@ -310,14 +329,11 @@ impl<X: Executor> Cuda<X> {
             ptr: x.alloc(16 + 8 * ARGMAX_BLOCKS, "step")?,
             x: x.clone(),
         });
-        let graphs = std::env::var("LILY_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let graphs = env_flag("LILY_CUDA_GRAPHS", true)?;
         // LILY_CUDA_GEMV_TOKENS raises the GEMV threshold (tests: a whole forward pass in f32).
-        let gemv_tokens = std::env::var("LILY_CUDA_GEMV_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(GEMV_TOKENS);
-        let fused_router = std::env::var("LILY_CUDA_FUSED_ROUTER").map_or(true, |v| v != "0");
-        let fused_delta_net = std::env::var("LILY_CUDA_FUSED_DELTA_NET").map_or(true, |v| v != "0");
+        let gemv_tokens = env_count("LILY_CUDA_GEMV_TOKENS", GEMV_TOKENS as u32, u32::MAX)? as usize;
+        let fused_router = env_flag("LILY_CUDA_FUSED_ROUTER", true)?;
+        let fused_delta_net = env_flag("LILY_CUDA_FUSED_DELTA_NET", true)?;
         let decode_splits = env_count("LILY_CUDA_DECODE_SPLITS", DECODE_SPLITS, DECODE_SPLITS_MAX)?;
         let attention_warps = env_count("LILY_CUDA_ATTENTION_WARPS", ATTENTION_WARPS, 2)?;
         Ok(Cuda {
@@ -811,7 +827,24 @@ impl<X: Executor> Backend for Cuda<X> {
 
 #[cfg(test)]
 mod tests {
-    use super::{gemv_lanes, gemv_split};
+    use super::{gemv_lanes, gemv_split, parse_count, parse_flag};
+
+    #[test]
+    fn tuning_variables_are_checked_not_defaulted() {
+        assert_eq!(parse_count("V", None, 8, 64).unwrap(), 8);
+        assert_eq!(parse_count("V", Some("64"), 8, 64).unwrap(), 64);
+        for bad in ["0", "65", "-1", "", "eight", "8 "] {
+            let e = parse_count("V", Some(bad), 8, 64).unwrap_err().to_string();
+            assert!(e.contains("expected 1 to 64"), "{bad:?}: {e}");
+        }
+        assert!(parse_flag("F", None, true).unwrap());
+        assert!(!parse_flag("F", Some("0"), true).unwrap());
+        assert!(parse_flag("F", Some("1"), false).unwrap());
+        for bad in ["false", "off", "", "2", "yes"] {
+            let e = parse_flag("F", Some(bad), true).unwrap_err().to_string();
+            assert!(e.contains("expected 0 or 1"), "{bad:?}: {e}");
+        }
+    }
 
     #[test]
     fn gemv_lanes_split_warps_only_for_short_rows() {
