@@ -150,6 +150,10 @@ BAD_CALLS = {
                        ValueError, "tools[0]"),
     "template_kwargs int": (lambda m: m.chat(MESSAGES, template_kwargs=5), TypeError, "template_kwargs"),
     "template_kwargs int key": (lambda m: m.chat(MESSAGES, template_kwargs={1: 2}), TypeError, "template_kwargs"),
+    # template_kwargs that are apply_chat_template's own arguments: tokenize=True made the prompt a list of ids
+    # (an AssertionError)
+    "template_kwargs tokenize": (lambda m: m.chat(MESSAGES, template_kwargs={"tokenize": True}), TypeError,
+                                 "tokenize"),
     "enable_thinking str": (lambda m: m.chat(MESSAGES, enable_thinking="no"), TypeError, "enable_thinking"),
     "stream str": (lambda m: m.chat(MESSAGES, stream="yes"), TypeError, "stream"),
     "tool call arguments not JSON": (lambda m: m.chat([

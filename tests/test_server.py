@@ -411,3 +411,15 @@ def test_values_json_or_utf8_cannot_carry_are_refused(path, body, param):
             assert ("surrogate" if param else "NaN") in err["message"]
         assert chat(server, {"messages": USER, "max_tokens": 2})[0] == 200  # still serving
 
+
+def test_chat_template_kwargs_cannot_change_what_the_template_returns():
+    """chat_template_kwargs {"tokenize": true} made the template return token ids, which the server took for the
+    prompt text: a 500 (AssertionError). Keys that are apply_chat_template's own arguments are a 400."""
+    with running(scripted("ok")) as server:
+        for key, value in (("tokenize", True), ("add_generation_prompt", False), ("tools", [])):
+            status, _, text = chat(server, {"messages": USER, "max_tokens": 2, "chat_template_kwargs": {key: value}})
+            err = json.loads(text)["error"]
+            assert status == 400 and err["param"] == f"chat_template_kwargs.{key}", text
+        status, _, text = chat(server, {"messages": USER, "max_tokens": 2,
+                                        "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "ok", text

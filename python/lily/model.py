@@ -20,7 +20,7 @@ from lily.template import ChatTemplate
 from lily.tokenizer import Tokenizer
 from lily.tools import tool_call_arguments_as_mappings
 
-__all__ = ["DEFAULT_MAX_TOKENS", "Model"]
+__all__ = ["DEFAULT_MAX_TOKENS", "TEMPLATE_ARGUMENTS", "Model"]
 
 #: default ``max_tokens`` when none is given
 DEFAULT_MAX_TOKENS = 4096
@@ -40,11 +40,18 @@ _SAMPLING_KEYS = frozenset(
 )
 
 
+#: ``apply_chat_template``'s own arguments: not template variables (``tokenize`` would make it return token ids)
+TEMPLATE_ARGUMENTS = frozenset(["messages", "tools", "add_generation_prompt", "tokenize"])
+
+
 def _keywords(name: str, value: Any) -> dict[str, Any]:
     out = dict(mapping(name, value if value is not None else {}))
     for k in out:
         if not isinstance(k, str):
             raise TypeError(f"{name} keys must be str, got {type(k).__name__} {k!r}")
+        if k in TEMPLATE_ARGUMENTS:
+            raise TypeError(f"{name} cannot set {k!r}: it is an argument of apply_chat_template, not a template "
+                            "variable")
     return out
 
 
