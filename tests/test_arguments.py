@@ -151,9 +151,19 @@ BAD_CALLS = {
     "template_kwargs int": (lambda m: m.chat(MESSAGES, template_kwargs=5), TypeError, "template_kwargs"),
     "template_kwargs int key": (lambda m: m.chat(MESSAGES, template_kwargs={1: 2}), TypeError, "template_kwargs"),
     # template_kwargs that are apply_chat_template's own arguments: tokenize=True made the prompt a list of ids
-    # (an AssertionError)
+    # (an AssertionError); image parts rendered a placeholder for a picture the text model never sees; a str part
+    # containing "text" rendered as nothing
     "template_kwargs tokenize": (lambda m: m.chat(MESSAGES, template_kwargs={"tokenize": True}), TypeError,
                                  "tokenize"),
+    "image part": (lambda m: m.chat([{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}]),
+                   ValueError, "messages[0]['content'][0]"),
+    "image_url part": (lambda m: m.chat([{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
+                       ValueError, "messages[0]['content'][1]"),
+    "video part": (lambda m: m.chat([{"role": "user", "content": [{"type": "video", "video": "x"}]}]), ValueError,
+                   "messages[0]['content'][0]"),
+    "str part": (lambda m: m.chat([{"role": "user", "content": ["some text"]}]), TypeError,
+                 "messages[0]['content'][0]"),
     "enable_thinking str": (lambda m: m.chat(MESSAGES, enable_thinking="no"), TypeError, "enable_thinking"),
     "stream str": (lambda m: m.chat(MESSAGES, stream="yes"), TypeError, "stream"),
     "tool call arguments not JSON": (lambda m: m.chat([

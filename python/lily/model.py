@@ -55,6 +55,24 @@ def _keywords(name: str, value: Any) -> dict[str, Any]:
     return out
 
 
+def _text_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse content parts the model cannot read. The chat template renders an image or video part as a
+    placeholder token (the model, text only, would answer about a picture it never sees) and a part that is not a
+    dict by substring tests (``["some text"]`` renders as nothing)."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, (str, bytes)) or not isinstance(content, (list, tuple)):
+            continue
+        for j, part in enumerate(content):
+            where = f"messages[{i}]['content'][{j}]"
+            if not isinstance(part, Mapping):
+                raise TypeError(f"{where} must be a dict such as {{'type': 'text', 'text': ...}}, got "
+                                f"{type(part).__name__}")
+            media = next((k for k in ("image", "image_url", "video") if k in part or part.get("type") == k), None)
+            if media is not None:
+                raise ValueError(f"{where}: {media} parts are not supported: the model reads text only")
+
+
 class Model:
     """An engine plus everything around it: tokenizer, chat template and generation defaults.
 
@@ -292,6 +310,7 @@ class Model:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping):
                 raise TypeError(f"messages[{i}] must be a dict (role, content, ...), got {type(m).__name__}")
+        _text_parts(messages)
         prompt = self.apply_chat_template(
             tool_call_arguments_as_mappings(messages),
             tools=tools,
