@@ -115,6 +115,7 @@ BAD_CALLS = {
     "logit_bias float key": (lambda m: m.generate("hi", logit_bias={1.5: 1}), TypeError, "logit_bias"),
     "logit_bias str value": (lambda m: m.generate("hi", logit_bias={1: "x"}), TypeError, "logit_bias[1]"),
     "logit_bias nan": (lambda m: m.generate("hi", logit_bias={1: float("nan")}), ValueError, "logit_bias"),
+    "logit_bias past the vocabulary": (lambda m: m.generate("hi", logit_bias={10**6: 5.0}), ValueError, "logit_bias"),
     "temperature str": (lambda m: m.generate("hi", temperature="hot"), TypeError, "temperature"),
     "temperature list": (lambda m: m.generate("hi", temperature=[1]), TypeError, "temperature"),
     "top_k str": (lambda m: m.generate("hi", top_k="5"), TypeError, "top_k"),

@@ -148,6 +148,15 @@ def tiny_model_dir(tmp_path_factory):
     return folder
 
 
+def test_a_logit_bias_past_the_vocabulary_is_a_usage_error(tiny_model_dir):
+    """Only the checkpoint knows its vocabulary: an id past it was accepted and biased nothing."""
+    r = run("generate", str(tiny_model_dir), "Hello", "--backend", "cpu", "--max-tokens", "2",
+            "--logit-bias", f"{10**7}=5")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lily generate: error: logit_bias"), r.stderr
+
+
 def test_generate_streams_with_stats(tiny_model_dir):
     r = run("generate", str(tiny_model_dir), "Hello", "--backend", "cpu", "--max-tokens", "8", "--seed", "1")
     assert r.returncode == 0, r.stderr

@@ -128,6 +128,7 @@ def test_greedy_is_argmax():
         assert Sampler(top_k=1, temperature=1.0)(row) == int(np.argmax(row))
 
 
+
 def test_repetition_penalty_follows_transformers():
     logits = np.array([2.0, 1.8, -1.0, -1.2], dtype=np.float32)
     s = Sampler(temperature=0, repetition_penalty=2.0)
@@ -178,6 +179,10 @@ def test_inputs_and_errors():
                 dict(repetition_penalty=0), dict(seed=-1), dict(logit_bias={-1: 1.0})):
         with pytest.raises(ValueError):
             Sampler(**bad)
+    # a bias on an id past the vocabulary would bias nothing: refused, not ignored
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampler(logit_bias={10: 1.0}, vocab_limit=10)
+    assert Sampler(logit_bias={9: 1.0}, vocab_limit=10, temperature=0)(np.zeros(10, dtype=np.float32)) == 9
     with pytest.raises(ValueError):
         Sampler()(np.full(10, -np.inf, dtype=np.float32))
     with pytest.raises(ValueError):

@@ -423,3 +423,15 @@ def test_chat_template_kwargs_cannot_change_what_the_template_returns():
         status, _, text = chat(server, {"messages": USER, "max_tokens": 2,
                                         "chat_template_kwargs": {"enable_thinking": False}})
         assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "ok", text
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused():
+    """A bias on an id past the tokenizer's vocabulary was accepted and biased nothing."""
+    with running(scripted("ok")) as server:
+        status, _, text = chat(server, {"messages": USER, "max_tokens": 2, "logit_bias": {str(10**9): 5}})
+        err = json.loads(text)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error" and "logit_bias" in err["message"], text
+        body = {"prompt": "x", "max_tokens": 2, "logit_bias": {str(len(tokenizer())): 5}}
+        assert http(server, "POST", "/v1/completions", body)[0] == 400
+        body["logit_bias"] = {str(len(tokenizer()) - 1): 5}
+        assert http(server, "POST", "/v1/completions", body)[0] == 200

@@ -293,6 +293,10 @@ def _run(args: argparse.Namespace) -> int:
                  precision=args.precision, prefix_cache_dir=args.prefix_cache_dir,
                  prefix_cache_dir_bytes=args.prefix_cache_dir_bytes,
                  prefix_cache_snapshot_every=args.prefix_cache_snapshot_every)
+    try:  # what only the checkpoint can tell: the --logit-bias ids are in its vocabulary
+        model.sampler(**_sampling(args))
+    except (TypeError, ValueError) as e:
+        raise CommandError(str(e)) from None
     if args.command == "generate":
         return _cmd_generate(model, args)
     return _cmd_chat(model, args)
