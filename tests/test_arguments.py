@@ -18,6 +18,13 @@ import pytest
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.fixture(scope="module")
 def model(tiny_hf):
     return lily.load(tiny_hf, backend="cpu", max_seq=256, progress=False)
@@ -170,6 +177,13 @@ BAD_CALLS = {
     "tool call arguments not JSON": (lambda m: m.chat([
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+        {"role": "user", "content": "y"}]), lily.TemplateError, "chat template"),
+    # nested past Python's recursion limit: a bare RecursionError
+    "message nested 3000 deep": (lambda m: m.chat([{"role": "user", "content": "x", "extra": _nested(3000)}]),
+                                 lily.TemplateError, "nest too deeply"),
+    "tool call arguments nested 5000 deep": (lambda m: m.chat([
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
         {"role": "user", "content": "y"}]), lily.TemplateError, "chat template"),
     "tokenize str": (lambda m: m.apply_chat_template(MESSAGES, tokenize="yes"), TypeError, "tokenize"),
     "encode int": (lambda m: m.tokenizer.encode(5), TypeError, "text"),
