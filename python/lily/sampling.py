@@ -140,7 +140,7 @@ class Sampler:
 
     def top_logprobs(self, logits: np.ndarray, k: int) -> list[tuple[int, float]]:
         """The ``k`` most likely ids of the model's own distribution (raw logits) with their logprobs."""
-        return self._native.top_logprobs(_row(logits), k)
+        return self._native.top_logprobs(_row(logits), integer("k", k, low=0))
 
     def __call__(self, logits: np.ndarray) -> int:
         return self.sample(logits)[0]
