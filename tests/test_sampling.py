@@ -129,6 +129,18 @@ def test_greedy_is_argmax():
 
 
 
+@pytest.mark.parametrize("temperature", [2e-39, 1e-40, 1e-45])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}])
+def test_a_temperature_near_zero_is_greedy(temperature, filters):
+    """A temperature valid in every API but so small that 1 / T overflows float32 made the weights NaN (0 * inf):
+    the draw then returned arbitrary tokens where it must return the argmax."""
+    rng = np.random.default_rng(3)
+    row = rng.normal(0, 3, REAL_VOCAB).astype(np.float32)
+    sampler = Sampler(temperature=temperature, seed=0, **filters)
+    sampler.reset()
+    assert {sampler(row) for _ in range(20)} == {int(np.argmax(row))}
+
+
 def test_repetition_penalty_follows_transformers():
     logits = np.array([2.0, 1.8, -1.0, -1.2], dtype=np.float32)
     s = Sampler(temperature=0, repetition_penalty=2.0)
