@@ -18,6 +18,13 @@ import pytest
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.fixture(scope="module")
 def model(tiny_hf):
     return lily.load(tiny_hf, backend="cpu", max_seq=256, progress=False)
@@ -115,6 +122,7 @@ BAD_CALLS = {
     "logit_bias float key": (lambda m: m.generate("hi", logit_bias={1.5: 1}), TypeError, "logit_bias"),
     "logit_bias str value": (lambda m: m.generate("hi", logit_bias={1: "x"}), TypeError, "logit_bias[1]"),
     "logit_bias nan": (lambda m: m.generate("hi", logit_bias={1: float("nan")}), ValueError, "logit_bias"),
+    "logit_bias past the vocabulary": (lambda m: m.generate("hi", logit_bias={10**6: 5.0}), ValueError, "logit_bias"),
     "temperature str": (lambda m: m.generate("hi", temperature="hot"), TypeError, "temperature"),
     "temperature list": (lambda m: m.generate("hi", temperature=[1]), TypeError, "temperature"),
     "top_k str": (lambda m: m.generate("hi", top_k="5"), TypeError, "top_k"),
@@ -150,11 +158,32 @@ BAD_CALLS = {
                        ValueError, "tools[0]"),
     "template_kwargs int": (lambda m: m.chat(MESSAGES, template_kwargs=5), TypeError, "template_kwargs"),
     "template_kwargs int key": (lambda m: m.chat(MESSAGES, template_kwargs={1: 2}), TypeError, "template_kwargs"),
+    # template_kwargs that are apply_chat_template's own arguments: tokenize=True made the prompt a list of ids
+    # (an AssertionError); image parts rendered a placeholder for a picture the text model never sees; a str part
+    # containing "text" rendered as nothing
+    "template_kwargs tokenize": (lambda m: m.chat(MESSAGES, template_kwargs={"tokenize": True}), TypeError,
+                                 "tokenize"),
+    "image part": (lambda m: m.chat([{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}]),
+                   ValueError, "messages[0]['content'][0]"),
+    "image_url part": (lambda m: m.chat([{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
+                       ValueError, "messages[0]['content'][1]"),
+    "video part": (lambda m: m.chat([{"role": "user", "content": [{"type": "video", "video": "x"}]}]), ValueError,
+                   "messages[0]['content'][0]"),
+    "str part": (lambda m: m.chat([{"role": "user", "content": ["some text"]}]), TypeError,
+                 "messages[0]['content'][0]"),
     "enable_thinking str": (lambda m: m.chat(MESSAGES, enable_thinking="no"), TypeError, "enable_thinking"),
     "stream str": (lambda m: m.chat(MESSAGES, stream="yes"), TypeError, "stream"),
     "tool call arguments not JSON": (lambda m: m.chat([
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+        {"role": "user", "content": "y"}]), lily.TemplateError, "chat template"),
+    # nested past Python's recursion limit: a bare RecursionError
+    "message nested 3000 deep": (lambda m: m.chat([{"role": "user", "content": "x", "extra": _nested(3000)}]),
+                                 lily.TemplateError, "nest too deeply"),
+    "tool call arguments nested 5000 deep": (lambda m: m.chat([
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
         {"role": "user", "content": "y"}]), lily.TemplateError, "chat template"),
     "tokenize str": (lambda m: m.apply_chat_template(MESSAGES, tokenize="yes"), TypeError, "tokenize"),
     "encode int": (lambda m: m.tokenizer.encode(5), TypeError, "text"),
@@ -171,6 +200,10 @@ BAD_CALLS = {
     "Sampler logits str": (lambda m: lily.Sampler().sample(["a"]), TypeError, "logits"),
     "Sampler reset str": (lambda m: lily.Sampler().reset(["a"]), TypeError, "prompt[0]"),
     "Sampler accept negative": (lambda m: lily.Sampler().accept(-1), ValueError, "token"),
+    "Sampler top_logprobs negative": (lambda m: lily.Sampler().top_logprobs(np.zeros(4, np.float32), -1), ValueError,
+                                      "k"),
+    "Sampler top_logprobs float": (lambda m: lily.Sampler().top_logprobs(np.zeros(4, np.float32), 2.0), TypeError,
+                                   "k"),
     "load int": (lambda m: lily.load(5), TypeError, "model"),
     "load max_seq str": (lambda m: lily.load("/nowhere", max_seq="5"), TypeError, "max_seq"),
     "load max_seq 0": (lambda m: lily.load("/nowhere", max_seq=0), ValueError, "max_seq"),

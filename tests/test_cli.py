@@ -91,6 +91,17 @@ def test_bad_flags_fail_before_the_model_is_touched(capsys, command, flag, value
     assert flag in err or named in err or "Unicode" in err, err
 
 
+@pytest.mark.parametrize("stdin, argv", [("ab\udcff", ["-"]), ("", ["-", "--raw"]), ("", ["", "--raw"])])
+def test_a_bad_prompt_fails_before_the_model_is_touched(monkeypatch, capsys, stdin, argv):
+    """A prompt read from standard input that is not UTF-8 (Python reads its bytes as lone surrogates) and an
+    empty --raw prompt were found only after loading the model, and exited 1 as if the work had failed."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = cli.main(["generate", "/nonexistent/model", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "nonexistent" not in err and "Traceback" not in err, err
+    assert err.startswith("lily generate: error: ") and "prompt" in err, err
+
+
 def test_serve_port_in_use_fails_before_loading(capsys):
     import socket
 
@@ -146,6 +157,15 @@ def tiny_model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cli") / "ckpt"
     fixtures.write_hf_checkpoint(folder, preset="tiny", seed=0, real_tokenizer=True)
     return folder
+
+
+def test_a_logit_bias_past_the_vocabulary_is_a_usage_error(tiny_model_dir):
+    """Only the checkpoint knows its vocabulary: an id past it was accepted and biased nothing."""
+    r = run("generate", str(tiny_model_dir), "Hello", "--backend", "cpu", "--max-tokens", "2",
+            "--logit-bias", f"{10**7}=5")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lily generate: error: logit_bias"), r.stderr
 
 
 def test_generate_streams_with_stats(tiny_model_dir):

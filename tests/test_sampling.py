@@ -128,6 +128,19 @@ def test_greedy_is_argmax():
         assert Sampler(top_k=1, temperature=1.0)(row) == int(np.argmax(row))
 
 
+
+@pytest.mark.parametrize("temperature", [2e-39, 1e-40, 1e-45])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}])
+def test_a_temperature_near_zero_is_greedy(temperature, filters):
+    """A temperature valid in every API but so small that 1 / T overflows float32 made the weights NaN (0 * inf):
+    the draw then returned arbitrary tokens where it must return the argmax."""
+    rng = np.random.default_rng(3)
+    row = rng.normal(0, 3, REAL_VOCAB).astype(np.float32)
+    sampler = Sampler(temperature=temperature, seed=0, **filters)
+    sampler.reset()
+    assert {sampler(row) for _ in range(20)} == {int(np.argmax(row))}
+
+
 def test_repetition_penalty_follows_transformers():
     logits = np.array([2.0, 1.8, -1.0, -1.2], dtype=np.float32)
     s = Sampler(temperature=0, repetition_penalty=2.0)
@@ -178,6 +191,10 @@ def test_inputs_and_errors():
                 dict(repetition_penalty=0), dict(seed=-1), dict(logit_bias={-1: 1.0})):
         with pytest.raises(ValueError):
             Sampler(**bad)
+    # a bias on an id past the vocabulary would bias nothing: refused, not ignored
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampler(logit_bias={10: 1.0}, vocab_limit=10)
+    assert Sampler(logit_bias={9: 1.0}, vocab_limit=10, temperature=0)(np.zeros(10, dtype=np.float32)) == 9
     with pytest.raises(ValueError):
         Sampler()(np.full(10, -np.inf, dtype=np.float32))
     with pytest.raises(ValueError):

@@ -185,7 +185,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
     ({"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"messages": USER, "stop": ["ok", "\ud800"]}, "stop"),
+    ({"messages": USER, "stop": ["ok", "\ud800"]}, "stop.1"),
 ]
 
 
@@ -375,3 +375,63 @@ def test_values_past_what_the_engine_takes_are_not_server_errors():
             out = json.loads(text)
             assert status == 400 and headers["content-type"] == "application/json", text
             assert out["error"]["type"] == "invalid_request_error" and "surrogate" in out["error"]["message"]
+
+
+ECHOED = [  # fields a response sends back as they came: a value that JSON or UTF-8 cannot carry broke the response
+    ("/v1/responses", {"input": "x", "metadata": {"note": float("nan")}}, None),
+    ("/v1/responses", {"input": "x", "metadata": {"note": "\ud800"}}, "metadata.note"),
+    ("/v1/responses", {"input": "x", "metadata": {"\udfff": "x"}}, "metadata.\\udfff"),
+    ("/v1/responses", {"input": "x", "reasoning": {"effort": "\ud800"}}, "reasoning.effort"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_object", "name": "\ud800"}}},
+     "text.format.name"),
+    ("/v1/chat/completions", {"model": "claude-\ud800", "messages": USER}, "model"),
+    ("/v1/messages", {"model": "claude-\ud800", "messages": USER}, "model"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", ECHOED, ids=range(len(ECHOED)))
+def test_values_json_or_utf8_cannot_carry_are_refused(path, body, param):
+    """NaN / Infinity (not JSON, though Python's json writes them) and lone surrogates (no UTF-8 form) in a field a
+    response echoes (metadata, reasoning.effort, a model name matching an alias...) came back as a 500, or a stream
+    cut after its 200: they are a 400 naming the field wherever they are."""
+    with running(scripted("ok"), aliases=["claude-*"]) as server:
+        for stream in (False, True):
+            extra = {"model": "test-model"} if path == "/v1/messages" and "model" not in body else {}
+            req = {"max_tokens": 2, "max_output_tokens": 2, **extra, **body, "stream": stream}
+            if path != "/v1/responses":
+                req.pop("max_output_tokens")
+            else:
+                req.pop("max_tokens")
+            status, headers, text = http(server, "POST", path, json.dumps(req).encode())
+            assert status == 400 and headers["content-type"] == "application/json", text
+            err = json.loads(text)["error"]
+            assert err["type"] == "invalid_request_error", text
+            if path != "/v1/messages":
+                assert err["param"] == param, text
+            assert ("surrogate" if param else "NaN") in err["message"]
+        assert chat(server, {"messages": USER, "max_tokens": 2})[0] == 200  # still serving
+
+
+def test_chat_template_kwargs_cannot_change_what_the_template_returns():
+    """chat_template_kwargs {"tokenize": true} made the template return token ids, which the server took for the
+    prompt text: a 500 (AssertionError). Keys that are apply_chat_template's own arguments are a 400."""
+    with running(scripted("ok")) as server:
+        for key, value in (("tokenize", True), ("add_generation_prompt", False), ("tools", [])):
+            status, _, text = chat(server, {"messages": USER, "max_tokens": 2, "chat_template_kwargs": {key: value}})
+            err = json.loads(text)["error"]
+            assert status == 400 and err["param"] == f"chat_template_kwargs.{key}", text
+        status, _, text = chat(server, {"messages": USER, "max_tokens": 2,
+                                        "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "ok", text
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused():
+    """A bias on an id past the tokenizer's vocabulary was accepted and biased nothing."""
+    with running(scripted("ok")) as server:
+        status, _, text = chat(server, {"messages": USER, "max_tokens": 2, "logit_bias": {str(10**9): 5}})
+        err = json.loads(text)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error" and "logit_bias" in err["message"], text
+        body = {"prompt": "x", "max_tokens": 2, "logit_bias": {str(len(tokenizer())): 5}}
+        assert http(server, "POST", "/v1/completions", body)[0] == 400
+        body["logit_bias"] = {str(len(tokenizer()) - 1): 5}
+        assert http(server, "POST", "/v1/completions", body)[0] == 200

@@ -203,7 +203,7 @@ def _run_chat_turn(model, messages, args, printer: _Printer):
 def _cmd_generate(model, args) -> int:
     out = sys.stdout
     printer = _Printer(out, _use_color(args.color, out), show_thinking=not args.hide_think)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = args.prompt_text
     if args.raw:
         last = None
         for chunk in model.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, **_sampling(args)):
@@ -285,14 +285,20 @@ def _run(args: argparse.Namespace) -> int:
         Sampler(**_sampling(args))
         strings("--stop", args.stop)
         strings("--system", args.system)
-        if args.command == "generate" and args.prompt != "-":
-            strings("the prompt", args.prompt)
+        if args.command == "generate":  # standard input too: its bytes may not be UTF-8 (read as lone surrogates)
+            args.prompt_text = strings("the prompt", sys.stdin.read() if args.prompt == "-" else args.prompt)[0]
+            if args.raw and not args.prompt_text:
+                raise ValueError("the prompt is empty (--raw uses it as is: there is nothing to continue)")
     except (TypeError, ValueError) as e:
         raise CommandError(str(e)) from None
     model = load(args.model, backend=args.backend, max_seq=args.max_seq, kv_dtype=args.kv_dtype,
                  precision=args.precision, prefix_cache_dir=args.prefix_cache_dir,
                  prefix_cache_dir_bytes=args.prefix_cache_dir_bytes,
                  prefix_cache_snapshot_every=args.prefix_cache_snapshot_every)
+    try:  # what only the checkpoint can tell: the --logit-bias ids are in its vocabulary
+        model.sampler(**_sampling(args))
+    except (TypeError, ValueError) as e:
+        raise CommandError(str(e)) from None
     if args.command == "generate":
         return _cmd_generate(model, args)
     return _cmd_chat(model, args)

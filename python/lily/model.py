@@ -20,7 +20,7 @@ from lily.template import ChatTemplate
 from lily.tokenizer import Tokenizer
 from lily.tools import tool_call_arguments_as_mappings
 
-__all__ = ["DEFAULT_MAX_TOKENS", "Model"]
+__all__ = ["DEFAULT_MAX_TOKENS", "TEMPLATE_ARGUMENTS", "Model"]
 
 #: default ``max_tokens`` when none is given
 DEFAULT_MAX_TOKENS = 4096
@@ -40,12 +40,37 @@ _SAMPLING_KEYS = frozenset(
 )
 
 
+#: ``apply_chat_template``'s own arguments: not template variables (``tokenize`` would make it return token ids)
+TEMPLATE_ARGUMENTS = frozenset(["messages", "tools", "add_generation_prompt", "tokenize"])
+
+
 def _keywords(name: str, value: Any) -> dict[str, Any]:
     out = dict(mapping(name, value if value is not None else {}))
     for k in out:
         if not isinstance(k, str):
             raise TypeError(f"{name} keys must be str, got {type(k).__name__} {k!r}")
+        if k in TEMPLATE_ARGUMENTS:
+            raise TypeError(f"{name} cannot set {k!r}: it is an argument of apply_chat_template, not a template "
+                            "variable")
     return out
+
+
+def _text_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse content parts the model cannot read. The chat template renders an image or video part as a
+    placeholder token (the model, text only, would answer about a picture it never sees) and a part that is not a
+    dict by substring tests (``["some text"]`` renders as nothing)."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, (str, bytes)) or not isinstance(content, (list, tuple)):
+            continue
+        for j, part in enumerate(content):
+            where = f"messages[{i}]['content'][{j}]"
+            if not isinstance(part, Mapping):
+                raise TypeError(f"{where} must be a dict such as {{'type': 'text', 'text': ...}}, got "
+                                f"{type(part).__name__}")
+            media = next((k for k in ("image", "image_url", "video") if k in part or part.get("type") == k), None)
+            if media is not None:
+                raise ValueError(f"{where}: {media} parts are not supported: the model reads text only")
 
 
 class Model:
@@ -285,6 +310,7 @@ class Model:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping):
                 raise TypeError(f"messages[{i}] must be a dict (role, content, ...), got {type(m).__name__}")
+        _text_parts(messages)
         prompt = self.apply_chat_template(
             tool_call_arguments_as_mappings(messages),
             tools=tools,

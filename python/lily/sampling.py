@@ -88,9 +88,11 @@ class Sampler:
         seed: int | None = None,
         vocab_limit: int | None = None,
     ):
+        self.vocab_limit = None if vocab_limit is None else integer("vocab_limit", vocab_limit, low=1)
         bias: dict[int, float] = {}
+        high = 2**32 - 1 if self.vocab_limit is None else self.vocab_limit - 1  # a bias on no token would do nothing
         for k, v in mapping("logit_bias", {} if logit_bias is None else logit_bias).items():
-            bias[integer("logit_bias key", k, low=0, high=2**32 - 1)] = number(f"logit_bias[{k}]", v)
+            bias[integer("logit_bias key", k, low=0, high=high)] = number(f"logit_bias[{k}]", v)
         self.temperature = number("temperature", temperature)
         self.top_k = integer("top_k", top_k, low=0)
         self.top_p = number("top_p", top_p)
@@ -100,7 +102,6 @@ class Sampler:
         self.frequency_penalty = number("frequency_penalty", frequency_penalty)
         self.logit_bias = bias
         self.seed = None if seed is None else integer("seed", seed, low=0, high=2**64 - 1)
-        self.vocab_limit = None if vocab_limit is None else integer("vocab_limit", vocab_limit, low=1)
         # Validates every value (ValueError naming the parameter).
         self._native = _lily.Sampler(
             temperature=self.temperature,
@@ -139,7 +140,7 @@ class Sampler:
 
     def top_logprobs(self, logits: np.ndarray, k: int) -> list[tuple[int, float]]:
         """The ``k`` most likely ids of the model's own distribution (raw logits) with their logprobs."""
-        return self._native.top_logprobs(_row(logits), k)
+        return self._native.top_logprobs(_row(logits), integer("k", k, low=0))
 
     def __call__(self, logits: np.ndarray) -> int:
         return self.sample(logits)[0]

@@ -242,9 +242,9 @@ class ChatTemplate:
             for document in documents:
                 if not isinstance(document, dict):
                     raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
-        variables = _plain({**self.special_tokens, **kwargs})
-        chat = _alias_reasoning(_plain(chat))
         try:
+            variables = _plain({**self.special_tokens, **kwargs})
+            chat = _alias_reasoning(_plain(chat))
             return compiled.render(
                 messages=chat,
                 tools=tool_schemas,
@@ -252,6 +252,8 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+        except RecursionError:
+            raise TemplateError("the messages nest too deeply to render (lists or dicts inside one another)") from None
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(str(e)) from e
         except (TypeError, ValueError) as e:  # a filter given what the template did not expect

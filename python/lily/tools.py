@@ -232,7 +232,7 @@ def tool_call_arguments_as_mappings(messages: Sequence[Mapping[str, Any]]) -> li
                         fn = dict(fn)
                         try:
                             fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-                        except json.JSONDecodeError:
+                        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
                             pass
                         call["function"] = fn
                 fixed.append(call)

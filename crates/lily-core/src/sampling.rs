@@ -353,7 +353,9 @@ impl Sampler {
 
     fn draw(&mut self, row: &[f32]) -> Result<u32> {
         let p = &self.params;
-        let greedy = p.temperature == 0.0 || p.top_k == 1;
+        // A temperature so small that 1 / T overflows (below ~2.9e-39) is greedy too: its weights are 1 for the
+        // maximum and 0 for the rest, where an infinite 1 / T would make them NaN (0 * inf) and the draw arbitrary.
+        let greedy = p.temperature == 0.0 || p.top_k == 1 || !(1.0 / p.temperature).is_finite();
         let (top_k, top_p) = (p.top_k, p.top_p);
         let inv_t = if greedy { 1.0 } else { 1.0 / p.temperature };
         let no_finite = || {
@@ -1075,6 +1077,37 @@ mod tests {
             sort_desc(&mut want);
             want.truncate(k);
             assert_eq!(got, want, "n={n} k={k}");
+        }
+    }
+
+    #[test]
+    fn a_temperature_whose_inverse_overflows_is_greedy() {
+        let mut row = patterned(1000, 2);
+        row[17] = 50.0;
+        for temperature in [2e-39, 1e-40, 1e-45] {
+            for (top_k, top_p, min_p) in [
+                (0, 1.0, 0.0),
+                (20, 1.0, 0.0),
+                (0, 0.9, 0.0),
+                (0, 1.0, 0.1),
+                (20, 0.9, 0.1),
+            ] {
+                let p = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..Default::default()
+                };
+                let mut s = sampler(p);
+                for _ in 0..20 {
+                    assert_eq!(
+                        s.sample(&row, false).unwrap().token,
+                        17,
+                        "T={temperature} k={top_k} p={top_p}"
+                    );
+                }
+            }
         }
     }
 

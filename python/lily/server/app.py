@@ -76,30 +76,65 @@ def error_response(error: ApiError, dialect: str, *, close: bool = False) -> JSO
 # ---- request bodies
 
 
-def _depth_ok(value: Any) -> bool:
-    """Whether ``value`` nests at most ``_MAX_DEPTH`` levels (checked without recursion)."""
+def _lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (``"\\ud800"``: no UTF-8 form), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _path_to(value: Any, target: str) -> str:
+    """The dotted path (``messages.0.content``) of the str ``target`` (a value or a key) inside ``value``."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, c in items:
+            here = f"{path}.{k}" if path else str(k)
+            if k is target or c is target:
+                return here.encode("utf-8", "backslashreplace").decode()
+            stack.append((c, here))
+    return ""
+
+
+def _check_values(value: Any) -> None:
+    """Refuse a body that nests more than ``_MAX_DEPTH`` levels or holds a str (a value or a key) that is not valid
+    Unicode: a lone surrogate could neither be tokenized nor sent back in a response that echoes it (``metadata``,
+    ``model``, ...). Checked without recursion."""
     stack = [(value, 1)]
     while stack:
         v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            if d > _MAX_DEPTH:
-                return False
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return True
+        if d > _MAX_DEPTH:
+            raise ApiError(f"request body nests more than {_MAX_DEPTH} levels")
+        for c in (v if isinstance(v, list) else [*v.keys(), *v.values()]):
+            if isinstance(c, str):
+                at = _lone_surrogate(c)
+                if at is not None:
+                    path = _path_to(value, c)
+                    raise ApiError(f"{path or 'request'}: not valid Unicode text: a lone surrogate {c[at]!r} at "
+                                   f"index {at}", param=path or None)
+            elif isinstance(c, (dict, list)):
+                stack.append((c, d + 1))
+
+
+def _not_json(constant: str) -> Any:
+    raise ApiError(f"request body is not valid JSON: {constant} is not a JSON number")
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, or a 400."""
+    """The JSON object of a request body, or a 400 (also for NaN / Infinity, which JSON does not have, and for
+    text that is not valid Unicode)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_not_json)
     except RecursionError:
         raise ApiError(f"request body nests more than {_MAX_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(f"request body must be a JSON object, got {type(data).__name__}")
-    if not _depth_ok(data):
-        raise ApiError(f"request body nests more than {_MAX_DEPTH} levels")
+    _check_values(data)
     return data
 
 

@@ -13,6 +13,7 @@ import pydantic
 from starlette.requests import Request
 from starlette.routing import Route
 
+from lily.model import TEMPLATE_ARGUMENTS
 from lily.server import schemas
 from lily.server.app import EventStream, Limits, WatchedJson, parse_body, validation_error
 from lily.server.errors import ApiError
@@ -167,6 +168,10 @@ class OpenAI:
         if req.top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
         kwargs = dict(req.chat_template_kwargs or {})
+        taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs))
+        if taken:  # tokenize would make the template return token ids
+            raise ApiError(f"chat_template_kwargs cannot set {taken[0]!r}: the request decides it",
+                           param=f"chat_template_kwargs.{taken[0]}")
         thinking = kwargs.pop("enable_thinking", req.enable_thinking)
         if thinking is not None and not isinstance(thinking, bool):
             raise ApiError("enable_thinking must be true or false", param="chat_template_kwargs.enable_thinking")
