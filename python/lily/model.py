@@ -61,7 +61,7 @@ def _text_parts(messages: Sequence[Mapping[str, Any]]) -> None:
     dict by substring tests (``["some text"]`` renders as nothing)."""
     for i, m in enumerate(messages):
         content = m.get("content")
-        if isinstance(content, (str, bytes)) or not isinstance(content, (list, tuple)):
+        if not isinstance(content, (list, tuple)):
             continue
         for j, part in enumerate(content):
             where = f"messages[{i}]['content'][{j}]"

@@ -353,11 +353,12 @@ impl Sampler {
 
     fn draw(&mut self, row: &[f32]) -> Result<u32> {
         let p = &self.params;
-        // A temperature so small that 1 / T overflows (below ~2.9e-39) is greedy too: its weights are 1 for the
-        // maximum and 0 for the rest, where an infinite 1 / T would make them NaN (0 * inf) and the draw arbitrary.
-        let greedy = p.temperature == 0.0 || p.top_k == 1 || !(1.0 / p.temperature).is_finite();
+        // Greedy: T = 0, or a T so small that 1 / T overflows (below ~2.9e-39): its weights are 1 for the maximum and
+        // 0 for the rest, where an infinite 1 / T would make them NaN (0 * inf) and the draw arbitrary.
+        let inv_t = 1.0 / p.temperature;
+        let greedy = p.top_k == 1 || !inv_t.is_finite();
         let (top_k, top_p) = (p.top_k, p.top_p);
-        let inv_t = if greedy { 1.0 } else { 1.0 / p.temperature };
+        let inv_t = if greedy { 1.0 } else { inv_t };
         let no_finite = || {
             Error::InvalidArgument(format!(
                 "sampling: no finite logit among the {} valid entries (all -inf or NaN)",

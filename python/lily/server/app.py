@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lily.arguments import text
 from lily.server.errors import ApiError
 from lily.server.worker import Job
 
@@ -76,47 +77,26 @@ def error_response(error: ApiError, dialect: str, *, close: bool = False) -> JSO
 # ---- request bodies
 
 
-def _lone_surrogate(text: str) -> int | None:
-    """Where ``text`` holds a lone surrogate (``"\\ud800"``: no UTF-8 form), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return e.start
-    return None
-
-
-def _path_to(value: Any, target: str) -> str:
-    """The dotted path (``messages.0.content``) of the str ``target`` (a value or a key) inside ``value``."""
-    stack: list[tuple[Any, str]] = [(value, "")]
-    while stack:
-        v, path = stack.pop()
-        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-        for k, c in items:
-            here = f"{path}.{k}" if path else str(k)
-            if k is target or c is target:
-                return here.encode("utf-8", "backslashreplace").decode()
-            stack.append((c, here))
-    return ""
-
-
 def _check_values(value: Any) -> None:
     """Refuse a body that nests more than ``_MAX_DEPTH`` levels or holds a str (a value or a key) that is not valid
     Unicode: a lone surrogate could neither be tokenized nor sent back in a response that echoes it (``metadata``,
-    ``model``, ...). Checked without recursion."""
-    stack = [(value, 1)]
+    ``model``, ...); the error names its dotted path (``messages.0.content``). Checked without recursion."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
     while stack:
-        v, d = stack.pop()
+        v, d, path = stack.pop()
         if d > _MAX_DEPTH:
             raise ApiError(f"request body nests more than {_MAX_DEPTH} levels")
-        for c in (v if isinstance(v, list) else [*v.keys(), *v.values()]):
-            if isinstance(c, str):
-                at = _lone_surrogate(c)
-                if at is not None:
-                    path = _path_to(value, c)
-                    raise ApiError(f"{path or 'request'}: not valid Unicode text: a lone surrogate {c[at]!r} at "
-                                   f"index {at}", param=path or None)
-            elif isinstance(c, (dict, list)):
-                stack.append((c, d + 1))
+        for k, c in enumerate(v) if isinstance(v, list) else v.items():
+            here = f"{path}.{k}" if path else str(k)
+            for s in (k, c):
+                if isinstance(s, str):
+                    try:
+                        text("", s)  # named below: the path itself may hold the surrogate (a key)
+                    except ValueError as e:
+                        where = here.encode("utf-8", "backslashreplace").decode()
+                        raise ApiError(f"{where}{e}", param=where) from None
+            if isinstance(c, (dict, list)):
+                stack.append((c, d + 1, here))
 
 
 def _not_json(constant: str) -> Any:
