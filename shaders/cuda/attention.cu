@@ -151,7 +151,7 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // 4- or 8-byte shared load, else 32 i + lane).
 // Combine (last-block-done, the pattern of moe_router): each block stores its partial (running
 // max, sum of exp, unnormalised o) per head into part1 [T, H, splits, 2 + hd]; the last block of
-// each group of ATT_GROUP splits to finish (a device-scope fence, then atomicAdd on its counter)
+// each group of ATT_GROUP splits to finish (last_block: a device-scope fence, then atomicAdd on its counter)
 // combines the group's partials into part2 [T, H, groups, 2 + hd]; the last group to finish
 // combines those into out [T, H * hd] with the sigmoid gate. Two levels of ATT_GROUP instead of
 // one block reading all `splits` partials of its G heads (half a megabyte at 64 splits: one SM's
@@ -343,22 +343,6 @@ __device__ __forceinline__ void att_combine(const float* src, uint n, uint hd, u
   }
 #pragma unroll
   for (uint i = 0; i < NS; ++i) o[i] = acc[i];
-}
-
-// Count this block on *count, after its stores (every thread of the block calls it): true in the
-// last of `of` blocks to arrive, which sets the count back to 0 and may then read what the others
-// stored (last-block-done: each thread fences its stores to device scope before the count).
-__device__ __forceinline__ bool att_last(uint* count, uint of, uint* flag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    flag[0] = atomicAdd(count, 1u) == of - 1 ? 1u : 0u;
-    if (flag[0] != 0u) *count = 0u;  // every block of this count has counted
-  }
-  __syncthreads();
-  const bool last = flag[0] != 0u;
-  if (last) __threadfence();
-  return last;
 }
 
 // The inputs of qk_norm_rope_store when decode attention does its work (q_norm null: not fused).
@@ -560,7 +544,7 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     float* base = level == 0 ? part1 : part2;
     const uint at = level == 0 ? split : g, of = level == 0 ? in_group : groups;
     if (half == 0) att_put_partial<P>(base + (size_t)at * (hd + 2), hd, lane, mx, l, o);
-    if (!att_last(cnt + (level == 0 ? g : groups), of, flag)) return;  // whole block
+    if (!last_block(cnt + (level == 0 ? g : groups), of, flag)) return;  // whole block
     att_combine<P>(base + (size_t)(level == 0 ? g * ATT_GROUP : 0) * (hd + 2), of, hd, lane, mx, l, o);
   }
   // out = o / l * sigmoid(gate), through the warp's hd floats of the K stage (free since the last

@@ -352,9 +352,9 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
 //   q_n) delta (= S_new^T q_n), S <- alpha S + k_n delta^T. Two block barriers a token.
 // - Norm (couples a head's Dv columns, spread over its blocks): warp 0 stores o * norm_w * silu(z)
 //   into out and the sum of its 32 columns' o^2 into core; the last block of key head kh to finish
-//   (last-block-done, as moe_router: every block fences its stores to device scope, then one
-//   atomicAdd on counts[kh]; the block that sees Hv / Hk * gridDim.y - 1 is the last, and sets the
-//   count back to 0 for the next launch, graph replays included) reads the sums of its Hv / Hk
+//   (last_block of common.cuh: one device-scope fence and one atomicAdd on counts[kh] a block; the
+//   block that sees Hv / Hk * gridDim.y - 1 is the last, and sets the count back to 0 for the next
+//   launch, graph replays included) reads the sums of its Hv / Hk
 //   value heads back and scales their out by 1 / rms.
 // Conv state ownership (each channel updated exactly once, never read after another block updated
 // it): the v channels of block (j, g)'s columns are read and written by that block alone, after
@@ -523,24 +523,17 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
     if (++t == T) break;
     inputs(t);
   }
-  __threadfence();  // out and the sums of squares reach device scope before the count
-  __syncthreads();
-  if (tid == 0) {
-    last[0] = atomicAdd(&counts[kh], 1u) == per * gridDim.y - 1 ? 1u : 0u;
-    if (last[0] != 0u) counts[kh] = 0u;  // every block of this key head has counted
-  }
-  // S is read by no other block of this launch: stored after the count, outside the fence's wait.
+  // S is read by no other block of this launch: stored after the count (last_block), outside its fences.
+  const bool is_last = last_block(&counts[kh], per * gridDim.y, last);
 #pragma unroll
   for (uint i = 0; i < DNG_NR; ++i) {
     const uint d = rg + DNG_RW * i;
     if (col && d < Dk) S[d * Dv + c] = s[i];
   }
-  __syncthreads();  // last published
-  if (last[0] != 0u) __threadfence();
   // The new conv state: the window ends at row T - 1; state row hist - 1 - k = row T - 1 - k. The v
   // channels are this block's alone; the q/k channels are written by the last block of kh, every
   // block of which has read their old state by then.
-  const bool qk_last = qk && last[0] != 0u;
+  const bool qk_last = qk && is_last;
 #pragma unroll
   for (uint k = 0; k + 1 < DNG_W; ++k) {
     if (k >= hist) continue;
@@ -548,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
     if (vch || qk_last) row[ch0] = win0[DNG_W - 1 - k];
     if (qk_last) row[ch1] = win1[DNG_W - 1 - k];
   }
-  if (last[0] == 0u) return;  // whole block
+  if (!is_last) return;  // whole block
   // The gated norm of kh's value heads: out *= 1 / sqrt(mean(o^2) + eps), through L2 (volatile:
   // other blocks of this launch wrote them; never a stale L1 line).
   const uint n = per * Dv;

@@ -47,8 +47,8 @@ extern "C" __global__ void copy_rows(const RowsParams p, const float* __restrict
 // parts [2 * gridDim.x] u32. Grid (g <= ARGMAX_BLOCKS), 256 threads: thread i of the grid scans x[i],
 // x[i + 256 g], .. keeping its first maximum; a warp and a block reduction on (value, index) keep the
 // larger value, then the lower index (the same pair in any order); block b stores its pair at
-// parts[2 b], fences it to device scope and counts itself; the last block to count combines the g
-// pairs (read through L2: another SM wrote them) and sets count back to 0 (graph replays).
+// parts[2 b] and counts itself (last_block); the last block to count combines the g pairs (read
+// through L2: another SM wrote them); last_block sets count back to 0 (graph replays).
 // (One block of 1024 threads scanning the 248,320 logits alone took 93 us on the H200, Nsight
 // Compute 08:42: the vocabulary projection before it took 191.)
 // The pair of (v, j) and (best, bi) that wins: the larger value, then the lower index.
@@ -86,12 +86,8 @@ extern "C" __global__ void __launch_bounds__(256) argmax(const uint n, const flo
   if (threadIdx.x == 0) {
     parts[2 * blockIdx.x] = __float_as_uint(best);
     parts[2 * blockIdx.x + 1] = bi;
-    __threadfence();  // the pair reaches device scope before the count
-    last[0] = atomicAdd(count, 1u) == gridDim.x - 1 ? 1u : 0u;
   }
-  __syncthreads();
-  if (last[0] == 0u) return;  // whole block
-  __threadfence();
+  if (!last_block(count, gridDim.x, last)) return;  // whole block
   const volatile uint* vp = parts;
   best = NEG_BIG;
   bi = 0xffffffffu;
@@ -99,6 +95,5 @@ extern "C" __global__ void __launch_bounds__(256) argmax(const uint n, const flo
   argmax_block(best, bi);
   if (threadIdx.x == 0) {
     out[0] = bi < n ? bi : 0u;
-    count[0] = 0u;
   }
 }

@@ -24,12 +24,12 @@ __device__ __forceinline__ uint route_key(float x, float m, float z) {
 
 // The routing of one token, run by a whole block: p = softmax(l) over all E experts, top K by p
 // (ties: lower id first), weights p / sum(top K p) when renorm != 0, into ids [K] and weights [K].
-// The token's logits l [E] are read once (volatile: moe_router's last block reads what the other
-// blocks of its grid wrote, through L2, never a stale L1 line) into key[], which then holds the
+// The token's logits l [E] are read once (through L2: moe_router's last block reads what the other
+// blocks of its grid wrote, never a stale L1 line) into key[], which then holds the
 // integer keys: the bits of p + 1, 0 once taken, so the K rounds of the block argmax (warp max, then
 // across the warps) always pick K distinct ids < E, the same on every run, whatever the input.
 // blockDim.x a multiple of 32 (<= 1024) striding over E (<= 1024); f32 throughout.
-__device__ __forceinline__ void route_token(const RouteParams p, const volatile float* l, uint* __restrict__ ids,
+__device__ __forceinline__ void route_token(const RouteParams p, const float* l, uint* __restrict__ ids,
                                             float* __restrict__ weights) {
   __shared__ float partial[32];
   __shared__ uint wkey[32];
@@ -42,7 +42,7 @@ __device__ __forceinline__ void route_token(const RouteParams p, const volatile 
   // Each thread reads and rewrites only its own entries e = tid + i blockDim.x of key[].
   float m = NEG_BIG;
   for (uint e = tid; e < E; e += blockDim.x) {
-    const float v = route_logit(l[e]);
+    const float v = route_logit(load_l2(l + e));
     key[e] = __float_as_uint(v);
     m = fmaxf(m, v);
   }
@@ -91,69 +91,109 @@ __device__ __forceinline__ void route_token(const RouteParams p, const volatile 
   }
 }
 
-// route_token's result computed by one warp, without a barrier, for E <= 32 ROUTE_WARP_KEYS and
-// K <= 32 (Qwen3.6: 256 experts, top 8): lane l holds the logits, then the keys, of experts l + 32 i
-// in registers; the max and the softmax sum are warp reductions, and each of the K rounds is a lane
-// max over its keys, then a warp max of the keys and a warp min of the ids holding it (ties: lower
-// id), the owner lane clearing the taken key. The picks are the block version's (same keys, same
-// order), its sum of the K picked p in pick order, so its weights; only the softmax denominator's
-// summation order differs (a last-bit difference in p). Called by the 32 threads of warp 0 only.
-// Why: the block version's 2 K + 4 barriers made the router's last block ~3-4 us of the 14 us
-// moe_router launch on the H200 (Nsight Compute 08:42).
-#define ROUTE_WARP_KEYS 8
-__device__ __forceinline__ void route_token_warp(const RouteParams p, const volatile float* l, uint* __restrict__ ids,
+// route_token's result for E <= blockDim.x <= 32 ROUTE_FAST_K and K <= ROUTE_FAST_K (Qwen3.6: 256
+// experts, top 8, 256 threads), with no serial step longer than a few instructions:
+// - thread e holds expert e: its logit (one load each, through L2), the max (a redux of
+//   order-preserving bits a warp, then across the warps) and the softmax sum (a warp sum, then across
+//   the warps in warp order), then its key (the block version's: bits of p + 1; 0 past E) in shared
+//   memory;
+// - warp 0 then selects: lane l takes the keys of experts 8 l .. 8 l + 7 as slots (key << 32 | ~id:
+//   larger key first, then the lower id, all distinct), sorts them (Batcher's network of 19
+//   compare-exchanges), and five butterfly rounds merge its list with lane l ^ o's (the top 8 of two
+//   sorted lists: a bitonic merge), so that every lane holds the top 8 of all E, sorted.
+// Same picks in the same order as the block version (the same keys and tie rule), its sum of the K
+// picked p in pick order, so its weights; only the softmax denominator's summation order differs (a
+// last-bit difference in p). Reached by every thread of the block.
+// Why: a clock64 probe of moe_router's last block (H100, 2026-12-07) found the earlier one-warp
+// version (8 logits a lane, then K rounds of a lane scan, a redux and a ballot) at ~2.6 us of
+// dependent latency: ~190 cycles a logit for the exp and the division, ~230 a round.
+#define ROUTE_FAST_K 8
+typedef unsigned long long RouteSlot;
+__device__ __forceinline__ void route_ce(RouteSlot& a, RouteSlot& b) {  // larger first
+  const RouteSlot hi = a > b ? a : b, lo = a > b ? b : a;
+  a = hi;
+  b = lo;
+}
+// Order-preserving unsigned bits of a finite float (larger float, larger bits), and back.
+__device__ __forceinline__ uint route_ordered(float x) {
+  const uint b = __float_as_uint(x);
+  return (b >> 31) != 0u ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float route_unordered(uint u) {
+  return __uint_as_float((u >> 31) != 0u ? u & 0x7fffffffu : ~u);
+}
+__device__ __forceinline__ void route_token_fast(const RouteParams p, const float* l, uint* __restrict__ ids,
                                                  float* __restrict__ weights) {
-  const uint lane = threadIdx.x % 32, E = p.experts, K = min(p.top_k, E);
-  uint key[ROUTE_WARP_KEYS];
-  float m = NEG_BIG;
+  __shared__ uint wmax[32];
+  __shared__ float wsum[32];
+  __shared__ uint key[32 * ROUTE_FAST_K];
+  const uint e = threadIdx.x, lane = e % 32, warp = e / 32, nw = blockDim.x / 32, E = p.experts;
+  const float x = e < E ? route_logit(load_l2(l + e)) : NEG_BIG;
+  const uint wm = __reduce_max_sync(FULL_MASK, route_ordered(x));
+  if (lane == 0) wmax[warp] = wm;
+  __syncthreads();
+  uint mo = wmax[0];
+  for (uint w = 1; w < nw; ++w) mo = max(mo, wmax[w]);
+  const float m = route_unordered(mo);
+  const float ws = warp_sum(e < E ? route_exp(x, m) : 0.0f);
+  if (lane == 0) wsum[warp] = ws;
+  __syncthreads();
+  float z = wsum[0];  // >= 1: the maximum contributes exp(0)
+  for (uint w = 1; w < nw; ++w) z += wsum[w];
+  if (e < 32 * ROUTE_FAST_K) key[e] = e < E ? route_key(x, m, z) : 0u;
+  __syncthreads();
+  if (warp != 0) return;
+  RouteSlot c[ROUTE_FAST_K];
 #pragma unroll
-  for (int i = 0; i < ROUTE_WARP_KEYS; ++i) {
-    const uint e = lane + 32 * i;
-    const float v = e < E ? route_logit(l[e]) : NEG_BIG;
-    key[i] = __float_as_uint(v);
-    m = fmaxf(m, v);
+  for (uint i = 0; i < ROUTE_FAST_K; ++i) {
+    const uint id = lane * ROUTE_FAST_K + i;
+    c[i] = ((RouteSlot)key[id] << 32) | (RouteSlot)(~id);
   }
-  m = warp_max(m);
-  float z = 0.0f;
+  static_assert(ROUTE_FAST_K == 8, "the networks below sort 8 slots");
+#define ROUTE_CE(a, b) route_ce(c[a], c[b])
+  ROUTE_CE(0, 1); ROUTE_CE(2, 3); ROUTE_CE(4, 5); ROUTE_CE(6, 7);
+  ROUTE_CE(0, 2); ROUTE_CE(1, 3); ROUTE_CE(4, 6); ROUTE_CE(5, 7);
+  ROUTE_CE(1, 2); ROUTE_CE(5, 6);
+  ROUTE_CE(0, 4); ROUTE_CE(1, 5); ROUTE_CE(2, 6); ROUTE_CE(3, 7);
+  ROUTE_CE(2, 4); ROUTE_CE(3, 5);
+  ROUTE_CE(1, 2); ROUTE_CE(3, 4); ROUTE_CE(5, 6);
+#pragma unroll 1
+  for (uint o = 1; o < 32; o <<= 1) {
+    // The top 8 of c and lane ^ o's list (both sorted): max(c[i], d[7 - i]) is bitonic and holds
+    // them; three half-cleaner stages sort it.
+    RouteSlot d[ROUTE_FAST_K];
 #pragma unroll
-  for (int i = 0; i < ROUTE_WARP_KEYS; ++i)
-    if (lane + 32 * i < E) z += route_exp(__uint_as_float(key[i]), m);
-  z = warp_sum(z);  // >= 1: the maximum contributes exp(0)
+    for (uint i = 0; i < ROUTE_FAST_K; ++i) d[i] = __shfl_xor_sync(FULL_MASK, c[i], o);
 #pragma unroll
-  for (int i = 0; i < ROUTE_WARP_KEYS; ++i) key[i] = lane + 32 * i >= E ? 0u : route_key(__uint_as_float(key[i]), m, z);
-  uint my_id = 0u;
-  float my_p = 0.0f, sum = 0.0f;
-  for (uint k = 0; k < K; ++k) {
-    uint best = 0u, best_id = E;
+    for (uint i = 0; i < ROUTE_FAST_K; ++i) c[i] = c[i] > d[ROUTE_FAST_K - 1 - i] ? c[i] : d[ROUTE_FAST_K - 1 - i];
+    ROUTE_CE(0, 4); ROUTE_CE(1, 5); ROUTE_CE(2, 6); ROUTE_CE(3, 7);
+    ROUTE_CE(0, 2); ROUTE_CE(1, 3); ROUTE_CE(4, 6); ROUTE_CE(5, 7);
+    ROUTE_CE(0, 1); ROUTE_CE(2, 3); ROUTE_CE(4, 5); ROUTE_CE(6, 7);
+  }
+#undef ROUTE_CE
+  // Every lane holds the top 8, sorted: lane k < K writes pick k.
+  const uint K = min(p.top_k, E);
+  float sum = 0.0f, mine = 0.0f;
+  uint id = 0u;
 #pragma unroll
-    for (int i = 0; i < ROUTE_WARP_KEYS; ++i)
-      if (key[i] > best) {
-        best = key[i];
-        best_id = lane + 32 * i;
-      }
-    // One warp reduction each (redux.sync, sm_80+), not five dependent shuffles: a round's latency.
-    const uint wbest = __reduce_max_sync(FULL_MASK, best);
-    const uint id = __reduce_min_sync(FULL_MASK, best == wbest ? best_id : 0xffffffffu);
-    const float pk = __uint_as_float(wbest - 1u);
-    sum += pk;
-#pragma unroll
-    for (int i = 0; i < ROUTE_WARP_KEYS; ++i)
-      if (lane + 32 * i == id) key[i] = 0u;  // taken
-    if (lane == k) {
-      my_id = id;
-      my_p = pk;
+  for (uint i = 0; i < ROUTE_FAST_K; ++i) {
+    const float pk = __uint_as_float((uint)(c[i] >> 32) - 1u);
+    if (i < K) sum += pk;
+    if (i == lane) {
+      mine = pk;
+      id = ~(uint)c[i];
     }
   }
   if (lane < K) {
-    ids[lane] = my_id;
-    weights[lane] = p.renorm != 0 ? my_p / sum : my_p;
+    ids[lane] = id;
+    weights[lane] = p.renorm != 0 ? mine / sum : mine;
   }
 }
-// route_token_warp where the shapes allow, else route_token. Reached by every thread of the block.
-__device__ __forceinline__ void route_token_any(const RouteParams p, const volatile float* l, uint* __restrict__ ids,
+// route_token_fast where the shapes allow, else route_token. Reached by every thread of the block.
+__device__ __forceinline__ void route_token_any(const RouteParams p, const float* l, uint* __restrict__ ids,
                                                 float* __restrict__ weights) {
-  if (p.experts <= 32 * ROUTE_WARP_KEYS && p.top_k <= 32) {
-    if (threadIdx.x < 32) route_token_warp(p, l, ids, weights);
+  if (p.experts <= blockDim.x && blockDim.x <= 32 * ROUTE_FAST_K && p.top_k <= ROUTE_FAST_K) {
+    route_token_fast(p, l, ids, weights);
   } else {
     route_token(p, l, ids, weights);
   }
@@ -177,9 +217,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const RouteParams p,
 // shared gate w / scales / biases, x [T, D], logits, shared, counts [T] u32 (0 between launches),
 // ids, weights. Grid (ends[1], T), 256 threads: each block runs the staged GEMV (gemv_block, the
 // layout of matmul_gemv_multi) on its rows of token blockIdx.y and stores them; then the last block
-// of the token to finish (last-block-done: every block fences its stores to device scope, then one
-// atomicAdd on counts[t]; the block that sees ends[1] - 1 is the last) reads the token's E logits
-// back and routes them, and sets counts[t] back to 0 for the next launch (graph replays included).
+// of the token to finish (last_block of common.cuh on counts[t], which it sets back to 0 for the
+// next launch, graph replays included) reads the token's E logits back and routes them.
 // Why many blocks and not one per token: the router is E x D = 256 x 2048 8-bit codes (~0.55 MB with
 // scales); one block streams it at one SM's share of the bandwidth, several times slower than the
 // GEMV's 16-64 blocks, while the routing tail (E values, K argmax rounds) costs the last block a few
@@ -201,13 +240,7 @@ __device__ __forceinline__ void moe_router(const RouteParams p, const GemvMulti 
   const W wr = make_w<W>(gate ? sw : rw, gate ? ss : rs, gate ? sb : rb, m);
   gemv_block<W, 2>(wr, m.row_offset, blockIdx.x - (gate ? g.ends[0] : 0u), g.ks, x + (size_t)t * m.cols,
                          gate ? shared + t : logits + (size_t)t * rm.rows, xs, part);
-  __threadfence();  // this block's stores reach device scope before its count
-  __syncthreads();
-  if (threadIdx.x == 0) last[0] = atomicAdd(&counts[t], 1u) == gridDim.x - 1 ? 1u : 0u;
-  __syncthreads();
-  if (last[0] == 0u) return;  // whole block
-  __threadfence();
-  if (threadIdx.x == 0) counts[t] = 0u;  // every block of this token has counted
+  if (!last_block(&counts[t], gridDim.x, last)) return;  // whole block
   route_token_any(p, logits + (size_t)t * rm.rows, ids + (size_t)t * p.top_k, weights + (size_t)t * p.top_k);
 }
 
