@@ -245,6 +245,45 @@ fn non_finite_rows(e: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
         ),
         ("huge ties", vec![f32::MAX; e]),
     ]
+    .into_iter()
+    .chain(tie_at_rank_rows(&base))
+    .collect()
+}
+
+/// Finite rows whose r-th largest logit (r = 1, 2, 8, 16, 64) is shared by three experts spread
+/// over the row (37 apart), the r - 1 above it distinct, every other logit lower (where E fits
+/// them): the top K stops inside or just before the tie, which must go to the lower ids.
+fn tie_at_rank_rows(base: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
+    let e = base.len();
+    let names = [
+        (1, "tie at rank 1"),
+        (2, "tie at rank 2"),
+        (8, "tie at rank 8"),
+        (16, "tie at rank 16"),
+        (64, "tie at rank 64"),
+    ];
+    names
+        .into_iter()
+        .filter(|&(r, _)| r + 2 <= e)
+        .map(|(r, name)| {
+            // Distinct ids spread over the row (37 is coprime with every E used here), the tied
+            // three last, in descending id order so that the lowest id is not the first placed.
+            let mut ids: Vec<usize> = Vec::new();
+            let mut i = 5;
+            while ids.len() < r + 2 {
+                if !ids.contains(&(i % e)) {
+                    ids.push(i % e);
+                }
+                i += 37;
+            }
+            ids[r - 1..].sort_unstable_by(|a, b| b.cmp(a));
+            let mut row: Vec<f32> = base.iter().map(|x| x - 10.0).collect();
+            for (j, &id) in ids.iter().enumerate() {
+                row[id] = if j < r - 1 { 100.0 - j as f32 } else { 50.0 };
+            }
+            (name, row)
+        })
+        .collect()
 }
 
 /// `moe_route` on router logits with NaN (of several bit patterns), +-inf, all-equal, all-NaN
