@@ -91,8 +91,8 @@ __device__ __forceinline__ void route_token(const RouteParams p, const float* l,
   }
 }
 
-// route_token's result for E <= blockDim.x <= 32 ROUTE_FAST_K and K <= ROUTE_FAST_K (Qwen3.6: 256
-// experts, top 8, 256 threads), with no serial step longer than a few instructions:
+// route_token's result for blockDim.x = 32 ROUTE_FAST_K = 256 threads, E <= 256 and K <=
+// ROUTE_FAST_K (Qwen3.6: 256 experts, top 8), with no serial step longer than a few instructions:
 // - thread e holds expert e: its logit (one load each, through L2), the max (a redux of
 //   order-preserving bits a warp, then across the warps) and the softmax sum (a warp sum, then across
 //   the warps in warp order), then its key (the block version's: bits of p + 1; 0 past E) in shared
@@ -140,7 +140,7 @@ __device__ __forceinline__ void route_token_fast(const RouteParams p, const floa
   __syncthreads();
   float z = wsum[0];  // >= 1: the maximum contributes exp(0)
   for (uint w = 1; w < nw; ++w) z += wsum[w];
-  if (e < 32 * ROUTE_FAST_K) key[e] = e < E ? route_key(x, m, z) : 0u;
+  key[e] = e < E ? route_key(x, m, z) : 0u;  // every slot: blockDim.x = 32 ROUTE_FAST_K
   __syncthreads();
   if (warp != 0) return;
   RouteSlot c[ROUTE_FAST_K];
@@ -192,7 +192,7 @@ __device__ __forceinline__ void route_token_fast(const RouteParams p, const floa
 // route_token_fast where the shapes allow, else route_token. Reached by every thread of the block.
 __device__ __forceinline__ void route_token_any(const RouteParams p, const float* l, uint* __restrict__ ids,
                                                 float* __restrict__ weights) {
-  if (p.experts <= blockDim.x && blockDim.x <= 32 * ROUTE_FAST_K && p.top_k <= ROUTE_FAST_K) {
+  if (blockDim.x == 32 * ROUTE_FAST_K && p.experts <= blockDim.x && p.top_k <= ROUTE_FAST_K) {
     route_token_fast(p, l, ids, weights);
   } else {
     route_token(p, l, ids, weights);
