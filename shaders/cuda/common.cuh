@@ -53,17 +53,7 @@ __device__ __forceinline__ void kernel_start() {
   grid_dep_wait();
 }
 
-// Last-block-done, for a kernel whose last block of a group reads what the group's other blocks
-// stored (moe_router's routing, the decode attention's combine, delta_net_gated's norm, argmax):
-// every thread of the block calls it after its stores. Thread 0 alone fences and counts: the
-// barrier orders the block's stores before its release fence (fence.acq_rel.gpu is cumulative),
-// then one atomicAdd on *count; the block that sees `of` - 1 is the last of the group, sets *count
-// back to 0 for the next launch (graph replays included) and fences again (acquire) before the
-// barrier that releases its threads to read the others' stores (through L2: load_l2 or volatile;
-// never a plain load, which may hit a stale L1 line of an earlier launch). Returns true in the last
-// block. Why not every thread's __threadfence(): 256 sequentially consistent fences a block, and a
-// second round of them in the last block, took 3,055 cycles of moe_router's tail on an H100, this
-// 2,032 (clock64 probe, 2026-12-07); CUDA's own grid barrier fences in one thread the same way.
+// fence.acq_rel at device scope (the simulator runs one block at a time: any fence will do).
 __device__ __forceinline__ void fence_acq_rel_gpu() {
 #if defined(LILY_CUDA_SIM)
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -71,6 +61,17 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 #endif
 }
+// Last-block-done, for a kernel whose last block of a group reads what the group's other blocks
+// stored (moe_router's routing, the decode attention's combine, delta_net_gated's norm, argmax):
+// every thread of the block calls it after its stores. Thread 0 alone fences and counts: the
+// barrier orders the block's stores before its release fence (fence.acq_rel.gpu is cumulative),
+// then one atomicAdd on *count; the block that sees `of` - 1 is the last of the group, sets *count
+// back to 0 for the next launch (graph replays included) and fences again (acquire) before the
+// barrier that releases its threads to read the others' stores (through L2: load_l2 or volatile;
+// never a plain load, which may hit a stale L1 line of an earlier launch). flag: the caller's
+// __shared__ uint[1]. Returns true in the last block. Why not every thread's __threadfence(): 256 sequentially consistent fences a block, and a
+// second round of them in the last block, took 3,055 cycles of moe_router's tail on an H100, this
+// 2,032 (clock64 probe, 2026-12-07); CUDA's own grid barrier fences in one thread the same way.
 __device__ __forceinline__ bool last_block(uint* count, uint of, uint* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -354,8 +354,8 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
 //   into out and the sum of its 32 columns' o^2 into core; the last block of key head kh to finish
 //   (last_block of common.cuh: one device-scope fence and one atomicAdd on counts[kh] a block; the
 //   block that sees Hv / Hk * gridDim.y - 1 is the last, and sets the count back to 0 for the next
-//   launch, graph replays included) reads the sums of its Hv / Hk
-//   value heads back and scales their out by 1 / rms.
+//   launch, graph replays included) reads the sums of its Hv / Hk value heads back and scales
+//   their out by 1 / rms.
 // Conv state ownership (each channel updated exactly once, never read after another block updated
 // it): the v channels of block (j, g)'s columns are read and written by that block alone, after
 // its reads. The q/k channels of key head kh are read by all its blocks at their start, before
