@@ -69,9 +69,10 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
 // back to 0 for the next launch (graph replays included) and fences again (acquire) before the
 // barrier that releases its threads to read the others' stores (through L2: load_l2 or volatile;
 // never a plain load, which may hit a stale L1 line of an earlier launch). flag: the caller's
-// __shared__ uint[1]. Returns true in the last block. Why not every thread's __threadfence(): 256 sequentially consistent fences a block, and a
-// second round of them in the last block, took 3,055 cycles of moe_router's tail on an H100, this
-// 2,032 (clock64 probe, 2026-12-07); CUDA's own grid barrier fences in one thread the same way.
+// __shared__ uint[1]. Returns true in the last block. Why not every thread's __threadfence(): 256
+// sequentially consistent fences a block, and a second round of them in the last block, took 3,055
+// cycles of moe_router's tail on an H100, this 2,032 (clock64 probe, 2026-12-07); CUDA's own grid
+// barrier fences in one thread the same way.
 __device__ __forceinline__ bool last_block(uint* count, uint of, uint* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
