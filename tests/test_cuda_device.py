@@ -83,6 +83,25 @@ def test_cuda_full_width_synthetic_matches_cpu(lily, tmp_path):
     print(f"{cuda.device}: peak {peak / 1e9:.2f} GB, copy bandwidth {bw:.0f} GB/s")
 
 
+def test_cuda_bf16_cache_decode_at_the_model_head_shape_matches_cpu(lily, tmp_path, monkeypatch):
+    # The decode attention's bf16-cache path at the model's own head shape (hd 256, 8 query heads a KV
+    # head: the tiny checkpoints and the f32-cache tests above never reach it), over 300 rows (several key
+    # splits, several staged rows a split). The CPU backend with a bf16 cache rounds every cache row the
+    # same way and, with every matmul on the f32 GEMV, nothing else differs: fp32 tolerance. (A decode
+    # attention that scored in bf16 halves passed the op tests and missed this by 100x: max |dlogit| 0.1.)
+    from lily import synth
+
+    monkeypatch.setenv("LILY_CUDA_GEMV_TOKENS", "100000")
+    out = tmp_path / "synth4"
+    assert synth.main([str(out), "--layers", "4", "-q"]) == 0
+    toks = [int(x) for x in np.random.default_rng(1).integers(0, 240000, 340)]
+    runs = {}
+    for backend in ("cuda", "cpu"):
+        eng = _engine(lily, out, backend=backend, max_seq=512, kv_dtype="bf16")
+        runs[backend] = [eng.prefill(toks[:300])] + [eng.decode(t) for t in toks[300:]]
+    print(compare(np.stack(runs["cuda"]), np.stack(runs["cpu"]), ORACLE_TOL, "bf16 cache, hd 256: cuda vs cpu"))
+
+
 def test_cuda_errors_leave_the_engine_usable(lily, ckpts):
     eng = _engine(lily, ckpts.path("tiny-s0"), max_seq=16)
     a = eng.prefill([1, 2, 3])
