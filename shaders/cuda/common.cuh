@@ -192,10 +192,10 @@ __device__ __forceinline__ void mma_bf16_16816(float d[4], const uint a[4], cons
 
 // *p for weights, which a decode step reads once each (T: uint4, uint, ushort): ld.global.cs, the
 // streaming hint (evict-first in L1 and L2), so the step's ~1.8 GB of weights passing through the
-// 50 MB L2 do not push out what is read again (activations, the DeltaNet state, the KV cache, the
-// kernels' code). Measured on an H100 against __ldg (12-layer full-width synthetic, three
-// alternating rounds, 2026-12-07): 0.708-0.712 against 0.715-0.716 ms a step at depth 512 and
-// 0.725-0.726 against 0.736-0.749 at 4,096; prefill unchanged.
+// 50 MB L2 go first rather than what the step reads again (activations, partials, the KV cache and
+// the DeltaNet state: which of these gains was not measured). Against __ldg on an H100 (12-layer
+// full-width synthetic, three alternating rounds, 2026-12-07): 0.708-0.712 against 0.715-0.716 ms
+// a step at depth 512 and 0.725-0.726 against 0.736-0.749 at 4,096; prefill unchanged.
 template <typename T> __device__ __forceinline__ T load_stream(const T* p) {
 #if defined(LILY_CUDA_SIM)
   T v;
