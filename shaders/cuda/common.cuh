@@ -25,16 +25,16 @@ typedef unsigned long long u64;
 // finished and its writes are visible; every kernel calls it before its first access to memory other
 // than weights (reads of weights, which no kernel writes, may come before it: a GEMV issues its
 // first weight loads, then waits), or to what only an earlier forward call wrote (every call ends
-// in a stream synchronization), read through L2 (load_l2): the decode attention's KV rows. ptxas
-// may schedule an ld.global.nc load (a `const __restrict__` pointer's, __ldg) above
-// griddepcontrol.wait (SASS ACQBULK): it did so in a variant of delta_net_gated whose state loads
-// preceded its wait (2026-12-07), which then read its input z stale. So in a kernel whose loads
-// precede its wait, what the kernels before it wrote is read after the wait through load_l2 (ptxas
-// keeps those after it). The nc loads after the waits of the kernels here (the GEMVs' x, the
-// attention's q) sit after them in the sm_90 SASS: scripts/cuda_wait_audit.py lists, kernel by
-// kernel, the loads issued before each wait (here: weights, load_l2's and a compiler constant
-// table). Without the attribute, below sm_90 and in the simulator it is a no-op, so the kernels
-// are correct either way.
+// in a stream synchronization), read through L2 (load_l2): the decode attention's KV rows,
+// delta_net_gated's states. ptxas may schedule an ld.global.nc load (a `const __restrict__`
+// pointer's, __ldg) above griddepcontrol.wait (SASS ACQBULK): it did so with delta_net_gated's z
+// once the state loads preceded the wait (2026-12-07), which then read z stale. So in a kernel
+// whose loads precede its wait, what the kernels before it wrote is read after the wait through
+// load_l2 (ptxas keeps those after it). The nc loads after the waits of the other kernels (the
+// GEMVs' x, the attention's q) sit after them in the sm_90 SASS: scripts/cuda_wait_audit.py
+// lists, kernel by kernel, the loads issued before each wait (here: weights, load_l2's and a
+// compiler constant table). Without the attribute, below sm_90 and in the simulator it is a
+// no-op, so the kernels are correct either way.
 __device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(LILY_CUDA_SIM)
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -362,6 +362,16 @@ extern "C" __global__ void __launch_bounds__(DN_SCAN_DK) delta_net_scan(const De
 // they count themselves on counts[kh]; the last one writes their new state. S: each block reads and
 // writes its own columns. Every load of a thread (weights, conv state, its 8 rows of S, the first
 // token's inputs) is issued before the first barrier. f32 throughout.
+// Programmatic launch: the weights, the conv state and S are loaded before grid_dep_wait(), so
+// their latency (S: 16 KB a block from DRAM) hides behind the input projection's tail. The states
+// were last written by this kernel in an earlier forward call, and every call ends in a stream
+// synchronization (the host's), so they are complete; they are read through L2 (load_l2: an
+// earlier call's block on this SM may have left a stale L1 line). The inputs, which the
+// projection just wrote, come after the wait through load_l2 too: as `const __restrict__` loads
+// (ld.global.nc) ptxas scheduled z's above griddepcontrol.wait, which read it stale (the decode
+// graph and programmatic-launch tests failed on an H100, 2026-12-07). Against every load after
+// the wait (H200, 2026-12-07, three alternating rounds): 40 layers 511-529 against 492-506 decode
+// tok/s at depth 512, 487-497 against 475-491 at 4,096.
 #define DNG_DK DELTA_NET_GATED_DIM_MAX  // Dk and Dv at most
 #define DNG_THREADS 512                 // 16 warps: a warp per row group of 32 columns
 #define DNG_RW (DNG_THREADS / 32)       // row warps
@@ -392,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
   __shared__ float red[2][DNG_THREADS];
   __shared__ float part[3][DNG_QK_WARPS];
   __shared__ uint last[1];
-  kernel_start();
+  grid_dep_launch();  // grid_dep_wait(): once the weights, conv state and S are in flight
   const uint Hk = p.key_heads, Hv = p.value_heads, Dk = p.key_dim, Dv = p.value_dim, T = p.tokens;
   if (T == 0) return;  // nothing to advance (the token loop below runs at least once)
   const uint C = cp.channels, taps = cp.taps, hist = taps - 1;
@@ -419,26 +429,27 @@ extern "C" __global__ void __launch_bounds__(DNG_THREADS, 2) delta_net_gated(con
 #pragma unroll
   for (uint i = 0; i < DNG_W; ++i) {
     const uint k = DNG_W - 1 - i;
-    win0[i] = ch0 < C && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch0] : 0.0f;
-    win1[i] = ch1 < C && k < hist ? conv_state[(size_t)(hist - 1 - k) * C + ch1] : 0.0f;
+    win0[i] = ch0 < C && k < hist ? load_l2(conv_state + (size_t)(hist - 1 - k) * C + ch0) : 0.0f;
+    win1[i] = ch1 < C && k < hist ? load_l2(conv_state + (size_t)(hist - 1 - k) * C + ch1) : 0.0f;
   }
   float* S = state + (size_t)j * Dk * Dv;
   float s[DNG_NR];  // rows rg + 16 i; indexed only by unrolled loops: registers
 #pragma unroll
   for (uint i = 0; i < DNG_NR; ++i) {
     const uint d = rg + DNG_RW * i;
-    s[i] = col && d < Dk ? S[d * Dv + c] : 0.0f;  // d Dv + c < 2^14
+    s[i] = col && d < Dk ? load_l2(S + d * Dv + c) : 0.0f;  // d Dv + c < 2^14
   }
-  // Token t's inputs. The first token's are loaded here, with the state, in one group of loads
-  // with no branch or use between them (a load behind another's use adds a memory latency to the
-  // chain); a later token's at the end of the token before.
+  grid_dep_wait();  // the inputs below are the kernels before this one's
+  // Token t's inputs (load_l2: never above the wait, see above). The first token's are loaded
+  // here, in one group of loads with no branch or use between them (a load behind another's use
+  // adds a memory latency to the chain); a later token's at the end of the token before.
   float x0, x1, at, bt, zt;
   auto inputs = [&](uint t) {
-    x0 = ch0 < C ? proj[(size_t)t * C + ch0] : 0.0f;
-    x1 = ch1 < C ? proj[(size_t)t * C + ch1] : 0.0f;
-    at = a[(size_t)t * Hv + j];
-    bt = b[(size_t)t * Hv + j];
-    zt = rg == 0 && col ? z[((size_t)t * Hv + j) * Dv + c] : 0.0f;
+    x0 = ch0 < C ? load_l2(proj + (size_t)t * C + ch0) : 0.0f;
+    x1 = ch1 < C ? load_l2(proj + (size_t)t * C + ch1) : 0.0f;
+    at = load_l2(a + (size_t)t * Hv + j);
+    bt = load_l2(b + (size_t)t * Hv + j);
+    zt = rg == 0 && col ? load_l2(z + ((size_t)t * Hv + j) * Dv + c) : 0.0f;
   };
   inputs(0);
   const float q_scale = rsqrtf((float)Dk), decay_rate = -expf(al);
