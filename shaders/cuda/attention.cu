@@ -136,17 +136,20 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // attention_prefill below). q / gate from qg [T, H, 2*hd] (q then gate per head); token t sees
 // cache rows 0 .. pos0 + t (pos0 = step[0]).
 // Split pass: one block per (KV head, token, split) with G = H / Hkv query heads sharing that KV
-// head and W warps per head (W = 2 where 2 G warps fit 512 threads, the host's ATTENTION_WARPS):
-// warp w serves head w % G. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
+// head, W G warps (W = 2 where 2 G warps fit 512 threads, the host's ATTENTION_WARPS). Scoring,
+// a warp serves HP heads (HP = 2 where G is even and hd = 256, the model's decode: each K / V value
+// read and widened once for both; else 1): warp w the heads HP (w % (G / HP)) + j, in part
+// w / (G / HP) of parts = W HP. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
 // range, rows = ceil(len / splits) rounded up to ATT_SUB, so the grid does not depend on the
 // position (a decode graph stays valid). The split's rows go through shared memory in stages of
 // 32 rows (bf16 caches, staged as their bits: half the shared-memory bytes the warps read) or
 // 16 rows (f32 and f16 caches, widened to f32); the 16-byte loads of the NEXT stage are issued
 // into registers (AttAhead) before this stage is scored, so their latency hides behind the
 // arithmetic instead of following a barrier. A warp scores ATT_SUB rows together (independent
-// lane partials and warp sums), then rescales once: online softmax in f32; the W warps of a head
-// take every W-th group of ATT_SUB rows of a stage and merge their (max, sum, o) through shared
-// memory at the end (at depth 4K a block's 2 warps a scheduler were the issue limit). Lanes hold
+// lane partials, one reduce-scatter for its HP ATT_SUB sums), then rescales once: online softmax
+// in f32; the parts take every parts-th group of ATT_SUB rows of a stage and merge their (max,
+// sum, o) through shared memory at the end (at depth 4K a block's 2 warps a scheduler were the
+// issue limit). Combining, a warp serves one head, w % G. Lanes hold
 // ATT_HD_MAX / 32 dims (att_dim: pairs 64 i + 2 lane + {0, 1} when hd % 64 == 0, read as one
 // 4- or 8-byte shared load, else 32 i + lane).
 // Combine (last-block-done, the pattern of moe_router): each block stores its partial (running
@@ -165,7 +168,8 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // k [Hkv, hd] into it and copies v [Hkv, hd] (AttRope; the other blocks never read that row).
 // Arguments: AttentionParams p (pos0 unused), uint splits, step, KvDesc k, KvDesc v, qg, counts,
 // part (part1 then part2), out, RopeParams rp (pos0 unused), q_norm, k_norm, k, v (all null when
-// not fused). Grid (Hkv, T, splits), W * G * 32 threads (W * G * hd <= 4096 when fused: the q scratch).
+// not fused). Grid (Hkv, T, splits), W * G * 32 threads (W * G * hd <= 4096 when fused: the q
+// scratch; W HP <= 4: the parts' merge uses the K and V stages as two regions of G (hd + 2) floats).
 #define KV_BATCH 4
 #define ATT_TILE 16
 // Rows a warp scores together (att_tile; a loop over them, not unrolled, covers a stage): the
@@ -184,16 +188,19 @@ __device__ __forceinline__ uint att_dim(uint i, uint lane) {
 
 // The K and V pieces (16 bytes of a cache row each) a thread loads ahead for one stage: piece
 // idx = j blockDim + tid is row idx / per_row, bytes 16 (idx % per_row) of the head's columns.
+template <uint B>
 struct AttAhead {
-  uint4 k[KV_BATCH], v[KV_BATCH];
+  static constexpr uint N = B;
+  uint4 k[B], v[B];
 };
 
-// Issue the loads of the first KV_BATCH * blockDim pieces of cache rows base .. base + n.
+// Issue the loads of the first A::N * blockDim pieces of cache rows base .. base + n.
+template <class A>
 __device__ __forceinline__ void att_fetch(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
-                                          AttAhead& a) {
+                                          A& a) {
   const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row;
 #pragma unroll
-  for (int j = 0; j < KV_BATCH; ++j) {
+  for (uint j = 0; j < A::N; ++j) {
     const uint idx = j * blockDim.x + threadIdx.x;
     if (idx < total) kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, a.k[j], a.v[j]);
   }
@@ -216,16 +223,16 @@ __device__ __forceinline__ void att_put(uint dtype, uint idx, uint per_row, uint
 // Stage cache rows base .. base + n: the pieces loaded ahead in `a`, then any past them (blocks
 // of fewer than 8 warps, f32 caches) loaded here; row `skip` left out (the new row of a fused
 // decode step: its caller stages it from registers, the loads of it are stale).
-template <bool BF>
+template <bool BF, class A>
 __device__ __forceinline__ void att_stage(const KvDesc kd, const KvDesc vd, uint base, uint n, uint col0, uint hd,
-                                          uint skip, const AttAhead& a, uint4* ks, uint4* vs) {
+                                          uint skip, const A& a, uint4* ks, uint4* vs) {
   const uint epv = kd.dtype == 0 ? 4 : 8, per_row = hd / epv, total = n * per_row;
 #pragma unroll
-  for (int j = 0; j < KV_BATCH; ++j) {
+  for (uint j = 0; j < A::N; ++j) {
     const uint idx = j * blockDim.x + threadIdx.x;
     if (idx < total && base + idx / per_row != skip) att_put<BF>(kd.dtype, idx, per_row, epv, hd, a.k[j], a.v[j], ks, vs);
   }
-  for (uint idx = KV_BATCH * blockDim.x + threadIdx.x; idx < total; idx += blockDim.x) {
+  for (uint idx = A::N * blockDim.x + threadIdx.x; idx < total; idx += blockDim.x) {
     if (base + idx / per_row == skip) continue;
     uint4 k, v;
     kv_load16(kd, vd, base + idx / per_row, col0 + (idx % per_row) * epv, k, v);
@@ -251,56 +258,94 @@ __device__ __forceinline__ void att_at(const uint4* s, uint at, float* v) {
   }
 }
 
-// Staged rows r0 .. r0 + n (n <= R) into this warp's online softmax (mx, l, o).
-template <int P, bool BF, uint R>
+// The warp's N partial sums v[0 .. N) (N a power of two <= 32) summed over its lanes, every lane
+// getting every sum: a reduce-scatter (each xor step keeps half the values a lane carries: one
+// shuffle a kept value instead of one a value a step), then one shuffle a sum to broadcast it.
+// 4 sums: 10 shuffles instead of 20; 8 sums: 17 instead of 40.
+template <uint N>
+__device__ __forceinline__ void warp_sum_all(float* v, uint lane) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N a power of two <= 32");
+  uint d = 16;
+#pragma unroll
+  for (uint m = N / 2; m >= 1; m /= 2, d /= 2) {  // lanes with bit d keep the upper m values
+    const bool up = (lane & d) != 0;
+#pragma unroll
+    for (uint i = 0; i < m; ++i) {
+      const float send = up ? v[i] : v[i + m], keep = up ? v[i + m] : v[i];
+      v[i] = keep + __shfl_xor_sync(FULL_MASK, send, d);
+    }
+  }
+  // Lane L now holds sum number L / (32 / N) over the N lanes that differ from it in the high
+  // bits; the 32 / N lanes that differ from it in the low bits hold parts of the same sum: add them.
+#pragma unroll
+  for (; d > 0; d /= 2) v[0] += __shfl_xor_sync(FULL_MASK, v[0], d);
+  const float mine = v[0];
+#pragma unroll
+  for (uint k = 0; k < N; ++k) v[k] = __shfl_sync(FULL_MASK, mine, k * (32 / N));
+}
+
+// Staged rows r0 .. r0 + n (n <= R) into this warp's online softmax (mx, l, o) of its HP heads
+// (q[j], o[j]: head j's dims of this lane): each K / V value is read from shared memory and
+// widened once for the HP heads.
+template <int P, bool BF, uint R, uint HP>
 __device__ __forceinline__ void att_tile(const uint4* ks, const uint4* vs, uint r0, uint n, uint hd, uint lane,
-                                         const float* q, float* o, float& mx, float& l) {
+                                         const float (*q)[ATT_HD_MAX / 32], float (*o)[ATT_HD_MAX / 32], float* mx,
+                                         float* l) {
   constexpr uint NS = ATT_HD_MAX / 32;
   const uint nd = hd / 32;
-  // Scores of the tile's rows (rows past n hold stale values: never used).
-  float sc[R];
+  // Scores of the tile's rows, sc[j * R + r] (rows past n hold stale values: never used).
+  float sc[HP * R];
 #pragma unroll
   for (uint r = 0; r < R; ++r) {
-    float a = 0.0f;
+#pragma unroll
+    for (uint j = 0; j < HP; ++j) sc[j * R + r] = 0.0f;
 #pragma unroll
     for (uint i = 0; i < NS; i += P) {
       if (i < nd) {
         float k[P];
         att_at<P, BF>(ks, (r0 + r) * hd + att_dim<P>(i, lane), k);
 #pragma unroll
-        for (int e = 0; e < P; ++e) a += q[i + e] * k[e];
+        for (uint j = 0; j < HP; ++j)
+#pragma unroll
+          for (int e = 0; e < P; ++e) sc[j * R + r] += q[j][i + e] * k[e];
       }
     }
-    sc[r] = a;
   }
+  warp_sum_all<HP * R>(sc, lane);
+  float m_new[HP];
 #pragma unroll
-  for (int d = 16; d > 0; d >>= 1)
+  for (uint j = 0; j < HP; ++j) {
+    m_new[j] = mx[j];
 #pragma unroll
-    for (uint r = 0; r < R; ++r) sc[r] += __shfl_xor_sync(FULL_MASK, sc[r], d);
-  float m_new = mx;
+    for (uint r = 0; r < R; ++r)
+      if (r < n) m_new[j] = fmaxf(m_new[j], sc[j * R + r]);
+    const float corr = expf(mx[j] - m_new[j]);
+    l[j] *= corr;
 #pragma unroll
-  for (uint r = 0; r < R; ++r)
-    if (r < n) m_new = fmaxf(m_new, sc[r]);
-  const float corr = expf(mx - m_new);
-  l *= corr;
-#pragma unroll
-  for (uint i = 0; i < NS; ++i) o[i] *= corr;
+    for (uint i = 0; i < NS; ++i) o[j][i] *= corr;
+    mx[j] = m_new[j];
+  }
 #pragma unroll
   for (uint r = 0; r < R; ++r) {
     if (r >= n) break;
-    const float e = expf(sc[r] - m_new);
-    l += e;
+    float e[HP];
+#pragma unroll
+    for (uint j = 0; j < HP; ++j) {
+      e[j] = expf(sc[j * R + r] - m_new[j]);
+      l[j] += e[j];
+    }
 #pragma unroll
     for (uint i = 0; i < NS; i += P) {
       if (i < nd) {
         float v[P];
         att_at<P, BF>(vs, (r0 + r) * hd + att_dim<P>(i, lane), v);
 #pragma unroll
-        for (int j = 0; j < P; ++j) o[i + j] += e * v[j];
+        for (uint j = 0; j < HP; ++j)
+#pragma unroll
+          for (int c = 0; c < P; ++c) o[j][i + c] += e[j] * v[c];
       }
     }
   }
-  mx = m_new;
 }
 
 // A head's partial (max, sum, this lane's dims of o) into dst [2 + hd].
@@ -394,7 +439,11 @@ __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* 
 // branch and reconvergence point (BSSY / BSYNC) per unrolled slot; the generic kernel was 79,552
 // SASS instructions, 32 % of its stall samples instruction-cache misses on the H200 (Nsight Compute,
 // 2026-12-02 10:00).
-template <int P, bool BF, uint HD>
+// HP: query heads a warp scores (1, or 2 where G is even: the model's decode). The scores are
+// issue-bound (2026-12-07: ~300 instructions a warp for 4 rows of one head, 4 warps a scheduler);
+// two heads a warp read and widen each K / V value once for both and sum 8 scores in one
+// reduce-scatter, ~25 % fewer instructions a row and head.
+template <int P, bool BF, uint HD, uint HP>
 __device__ __forceinline__ void attention_decode(const AttentionParams p, uint splits, uint len, const KvDesc kd,
                                                  const KvDesc vd, const float* __restrict__ qg, uint* counts,
                                                  float* part, float* __restrict__ out, const AttRope& rope,
@@ -402,21 +451,21 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   constexpr uint NS = ATT_HD_MAX / 32, SR = BF ? 2 * ATT_TILE : ATT_TILE;  // rows a stage
   const uint kvh = blockIdx.x, t = blockIdx.y, split = blockIdx.z, T = gridDim.y;
   const uint warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = p.heads / p.kv_heads;
-  // Warp w serves head w % G and scores the sub-tiles w / G, w / G + halves, ... of each stage.
-  const uint hw = warp % group, half = warp / group, halves = blockDim.x / (32 * group);
-  const uint hd = HD != 0 ? HD : p.head_dim, nd = hd / 32, h = kvh * group + hw;
+  // Scoring: warp w serves heads HP (w % (G / HP)) + j, j < HP, and scores the sub-tiles
+  // w / (G / HP), + parts, ... of each stage (parts = warps / (G / HP): 1, 2 or 4).
+  const uint slots = group / HP, hw = warp % slots, part_of = warp / slots, parts = blockDim.x / (32 * slots);
+  const uint hd = HD != 0 ? HD : p.head_dim, nd = hd / 32;
   const uint per = (len + splits - 1) / splits;
   const uint rows = (per + ATT_SUB - 1) / ATT_SUB * ATT_SUB;
   const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows), col0 = kvh * hd;
-  const size_t qi = (size_t)t * p.heads + h;  // (token, head)
-  const float* qh = qg + qi * 2 * hd;
+  const size_t q0 = (size_t)t * p.heads + kvh * group + hw * HP;  // (token, head) of the warp's first head
   // Fused (one token): the cache rows before the new one were written by earlier steps (earlier
   // graph launches), so the first stage's loads are issued before waiting for the kernel before
   // this one (programmatic dependent launch), through L2 (kv_load16: not a stale line of L1); the
   // new row, which this launch writes, is skipped by the staging. Not fused, the rows of this step
   // were written by the kernel before: after.
   // (grid_dep_wait twice: the second returns at once; one copy of att_fetch's code.)
-  AttAhead a;
+  AttAhead<HP == 2 ? 2 : KV_BATCH> a;  // two heads a warp: registers for 2 pieces (a stage at 512 threads)
   if (!rope.q_norm) grid_dep_wait();
   if (s0 < s1) att_fetch(kd, vd, s0, min(SR, s1 - s0), col0, hd, a);
   if (rope.q_norm) {
@@ -424,13 +473,18 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     __syncthreads();
   }
   grid_dep_wait();
-  float q[NS], o[NS];
+  float q[HP][NS], o[HP][NS], mx[HP], l[HP];
 #pragma unroll
-  for (uint i = 0; i < NS; ++i) {
-    q[i] = i < nd ? qh[att_dim<P>(i, lane)] : 0.0f;
-    o[i] = 0.0f;
+  for (uint j = 0; j < HP; ++j) {
+    const float* qh = qg + (q0 + j) * 2 * hd;
+#pragma unroll
+    for (uint i = 0; i < NS; ++i) {
+      q[j][i] = i < nd ? qh[att_dim<P>(i, lane)] : 0.0f;
+      o[j][i] = 0.0f;
+    }
+    mx[j] = NEG_BIG;
+    l[j] = 0.0f;
   }
-  float mx = NEG_BIG, l = 0.0f;
   // Fused (one token): q normed and roped by every block for its G heads, in registers only (the
   // other splits read qg too: it is not written back). The new row len - 1 is read by one block
   // only, the split that holds it: that block norms and ropes k into the cache row and copies v
@@ -443,19 +497,25 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     float kx[NS];
 #pragma unroll
     for (uint i = 0; i < NS; ++i) kx[i] = has_k && i < nd ? rope.k[col0 + att_dim<P>(i, lane)] : 0.0f;
-    // q, then (the new row's block, warp 0) k through one copy of the norm + RoPE code: the kernel
-    // runs once per block, so its code size is fetched, not amortized (Nsight Compute, 19:12: 40 %
-    // of the stall samples instruction-cache misses at depth ~516).
+    // The warp's q heads, then (the new row's block, warp 0) k through one copy of the norm + RoPE
+    // code: the kernel runs once per block, so its code size is fetched, not amortized (Nsight
+    // Compute, 19:12: 40 % of the stall samples instruction-cache misses at depth ~516). Pass
+    // `pass` < HP is q head `pass`, HP is k (selected, not indexed: q stays in registers).
 #pragma unroll 1
-    for (uint pass = 0; pass < (has_k ? 2u : 1u); ++pass) {
+    for (uint pass = 0; pass < HP + (has_k ? 1u : 0u); ++pass) {
       float x[NS], y[NS];
 #pragma unroll
-      for (uint i = 0; i < NS; ++i) x[i] = pass != 0 ? kx[i] : q[i];
-      att_norm_rope<P>(rope.p, x, pass != 0 ? rope.k_norm : rope.q_norm, rope.cs, hd, lane, xs, y);
+      for (uint i = 0; i < NS; ++i) {
+        x[i] = kx[i];
+#pragma unroll
+        for (uint j = 0; j < HP; ++j) x[i] = pass == j ? q[j][i] : x[i];
+      }
+      att_norm_rope<P>(rope.p, x, pass == HP ? rope.k_norm : rope.q_norm, rope.cs, hd, lane, xs, y);
 #pragma unroll
       for (uint i = 0; i < NS; ++i) {
-        kx[i] = pass != 0 ? y[i] : kx[i];
-        q[i] = pass != 0 ? q[i] : y[i];
+        kx[i] = pass == HP ? y[i] : kx[i];
+#pragma unroll
+        for (uint j = 0; j < HP; ++j) q[j][i] = pass == j ? y[i] : q[j][i];
       }
     }
     if (has_k) {
@@ -491,7 +551,9 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     __syncthreads();  // ks is staged next; nk / nv are read by every thread
   }
 #pragma unroll
-  for (uint i = 0; i < NS; ++i) q[i] *= p.scale;
+  for (uint j = 0; j < HP; ++j)
+#pragma unroll
+    for (uint i = 0; i < NS; ++i) q[j][i] *= p.scale;
   for (uint base = s0; base < s1; base += SR) {
     const uint n = min(SR, s1 - base);
     att_stage<BF>(kd, vd, base, n, col0, hd, skip, a, ks, vs);
@@ -510,54 +572,78 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
     __syncthreads();
     if (base + SR < s1) att_fetch(kd, vd, base + SR, min(SR, s1 - base - SR), col0, hd, a);  // during the scores
 #pragma unroll 1
-    for (uint r0 = half * ATT_SUB; r0 < n; r0 += halves * ATT_SUB) att_tile<P, BF, ATT_SUB>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
+    for (uint r0 = part_of * ATT_SUB; r0 < n; r0 += parts * ATT_SUB)
+      att_tile<P, BF, ATT_SUB, HP>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
     __syncthreads();  // the stage is refilled next
   }
-  // The gate of this warp's head, loaded now (the last block to combine needs it at the very end).
+  // Combining, one head a warp: warp w serves head ch = w % G (the warps past G repeat the work
+  // and store nothing). Its gate, loaded now (the last block to combine needs it at the very end).
+  const uint ch = warp % group;
+  const size_t qc = (size_t)t * p.heads + kvh * group + ch;
   float gv[NS];
 #pragma unroll
-  for (uint i = 0; i < NS; ++i) gv[i] = i < nd ? qh[hd + 32 * i + lane] : 0.0f;
-  if (halves > 1) {  // the second half's (mx, l, o) into the first's, through the free K stage
-    float* other = reinterpret_cast<float*>(ks) + hw * (hd + 2);
-    if (half == 1) att_put_partial<P>(other, hd, lane, mx, l, o);
-    __syncthreads();
-    if (half == 0) {
-      const float m = fmaxf(mx, other[0]), w0 = expf(mx - m), w1 = expf(other[0] - m);
-      l = l * w0 + other[1] * w1;
+  for (uint i = 0; i < NS; ++i) gv[i] = i < nd ? qg[qc * 2 * hd + hd + 32 * i + lane] : 0.0f;
+  // The parts' (mx, l, o) into part 0's, a tree through the free K and V stages: at each step the
+  // upper half of the parts left store into region (part - span) (the K stage, then the V stage;
+  // G (hd + 2) floats each), and the lower half merge them.
+#pragma unroll 1
+  for (uint span = parts / 2; span >= 1; span /= 2) {
+    const bool store = part_of >= span && part_of < 2 * span, merge = part_of < span;
+    float* region = reinterpret_cast<float*>((store ? part_of - span : part_of) == 0 ? ks : vs);
 #pragma unroll
-      for (uint i = 0; i < NS; ++i)
-        if (i < nd) o[i] = o[i] * w0 + other[2 + att_dim<P>(i, lane)] * w1;
-      mx = m;
+    for (uint j = 0; j < HP; ++j)
+      if (store) att_put_partial<P>(region + (hw * HP + j) * (hd + 2), hd, lane, mx[j], l[j], o[j]);
+    __syncthreads();
+#pragma unroll
+    for (uint j = 0; j < HP; ++j) {
+      if (merge) {
+        const float* other = region + (hw * HP + j) * (hd + 2);
+        const float m = fmaxf(mx[j], other[0]), w0 = expf(mx[j] - m), w1 = expf(other[0] - m);
+        l[j] = l[j] * w0 + other[1] * w1;
+#pragma unroll
+        for (uint i = 0; i < NS; ++i)
+          if (i < nd) o[j][i] = o[j][i] * w0 + other[2 + att_dim<P>(i, lane)] * w1;
+        mx[j] = m;
+      }
     }
-    __syncthreads();  // the K stage is scratch again below
+    __syncthreads();  // the stages are scratch again below
   }
-  // Level 1: the partial of this split; the group's last block combines the group's. Level 2: the
-  // group's partial; the last group's block combines them all. One copy of the code for both
-  // levels (a loop that is not unrolled: see the norm + RoPE above).
+  // Level 1: the partial of this split (part 0's warps, HP heads each); the group's last block
+  // combines the group's. Level 2: the group's partial (one head a warp); the last group's block
+  // combines them all. One copy of the code for both levels (a loop that is not unrolled: see the
+  // norm + RoPE above).
   const uint groups = (splits + ATT_GROUP - 1) / ATT_GROUP, g = split / ATT_GROUP;
   const uint in_group = min((uint)ATT_GROUP, splits - g * ATT_GROUP);
-  float* part1 = part + qi * splits * (hd + 2);
-  float* part2 = part + (size_t)T * p.heads * splits * (hd + 2) + qi * groups * (hd + 2);
+  float* part1 = part + (size_t)t * p.heads * splits * (hd + 2);
+  float* part2 = part + (size_t)T * p.heads * splits * (hd + 2) + qc * groups * (hd + 2);
   uint* cnt = counts + ((size_t)t * p.kv_heads + kvh) * (groups + 1);
+  float cmx = NEG_BIG, cl = 0.0f, co[NS] = {};
 #pragma unroll 1
   for (uint level = 0; level < (groups > 1 ? 2u : 1u); ++level) {
-    float* base = level == 0 ? part1 : part2;
-    const uint at = level == 0 ? split : g, of = level == 0 ? in_group : groups;
-    if (half == 0) att_put_partial<P>(base + (size_t)at * (hd + 2), hd, lane, mx, l, o);
-    if (!last_block(cnt + (level == 0 ? g : groups), of, flag)) return;  // whole block
-    att_combine<P>(base + (size_t)(level == 0 ? g * ATT_GROUP : 0) * (hd + 2), of, hd, lane, mx, l, o);
+    if (level == 0) {
+#pragma unroll
+      for (uint j = 0; j < HP; ++j)
+        if (part_of == 0)
+          att_put_partial<P>(part1 + ((q0 + j - (size_t)t * p.heads) * splits + split) * (hd + 2), hd, lane, mx[j],
+                             l[j], o[j]);
+    } else if (warp < group) {
+      att_put_partial<P>(part2 + (size_t)g * (hd + 2), hd, lane, cmx, cl, co);
+    }
+    if (!last_block(cnt + (level == 0 ? g : groups), level == 0 ? in_group : groups, flag)) return;  // whole block
+    const float* src = level == 0 ? part1 + ((size_t)(kvh * group + ch) * splits + g * ATT_GROUP) * (hd + 2) : part2;
+    att_combine<P>(src, level == 0 ? in_group : groups, hd, lane, cmx, cl, co);
   }
   // out = o / l * sigmoid(gate), through the warp's hd floats of the K stage (free since the last
-  // stage's barrier): o in att_dim order in, out in plain order (dim 32 i + lane, as gv) out.
+  // barrier): o in att_dim order in, out in plain order (dim 32 i + lane, as gv) out.
   float* os = reinterpret_cast<float*>(ks) + warp * hd;
-  const float inv_l = 1.0f / l;
+  const float inv_l = 1.0f / cl;
 #pragma unroll
   for (uint i = 0; i < NS; ++i)
-    if (i < nd) os[att_dim<P>(i, lane)] = o[i] * inv_l;
+    if (i < nd) os[att_dim<P>(i, lane)] = co[i] * inv_l;
   __syncwarp();
 #pragma unroll
   for (uint i = 0; i < NS; ++i)
-    if (i < nd && half == 0) out[qi * hd + 32 * i + lane] = os[32 * i + lane] * sigmoid(gv[i]);
+    if (i < nd && warp < group) out[qc * hd + 32 * i + lane] = os[32 * i + lane] * sigmoid(gv[i]);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) attention(
@@ -573,21 +659,25 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(
   __shared__ float cs[2 * ATT_HD_MAX];
   const AttRope rope{rp, q_norm, k_norm, k, v, cs};
   const uint len = load_l2(step) + blockIdx.y + 1;  // before the wait (attention_decode): through L2
-  const bool pairs = p.head_dim % 64 == 0, full = p.head_dim == ATT_HD_MAX;
+  const bool pairs = p.head_dim % 64 == 0, full = p.head_dim == ATT_HD_MAX, two = p.heads / p.kv_heads % 2 == 0;
   if (kd.dtype == 1) {
-    if (full)
-      attention_decode<2, true, ATT_HD_MAX>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+    if (full && two)
+      attention_decode<2, true, ATT_HD_MAX, 2>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+    else if (full)
+      attention_decode<2, true, ATT_HD_MAX, 1>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
     else if (pairs)
-      attention_decode<2, true, 0>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+      attention_decode<2, true, 0, 1>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
     else
-      attention_decode<1, true, 0>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+      attention_decode<1, true, 0, 1>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
   } else {
-    if (full)
-      attention_decode<2, false, ATT_HD_MAX>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+    if (full && two)
+      attention_decode<2, false, ATT_HD_MAX, 2>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+    else if (full)
+      attention_decode<2, false, ATT_HD_MAX, 1>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
     else if (pairs)
-      attention_decode<2, false, 0>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+      attention_decode<2, false, 0, 1>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
     else
-      attention_decode<1, false, 0>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
+      attention_decode<1, false, 0, 1>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);
   }
 }
 
