@@ -137,7 +137,7 @@ __device__ __forceinline__ float kv_round(uint dtype, float v) {
 // cache rows 0 .. pos0 + t (pos0 = step[0]).
 // Split pass: one block per (KV head, token, split) with G = H / Hkv query heads sharing that KV
 // head, W G warps (W = 2 where 2 G warps fit 512 threads, the host's ATTENTION_WARPS). Scoring,
-// a warp serves HP heads (HP = 2 where G is even and hd = 256, the model's decode: each K / V value
+// a warp serves HP heads (HP = 2 where G <= 15 is even and hd = 256, the model's decode: each K / V value
 // read and widened once for both; else 1): warp w the heads HP (w % (G / HP)) + j, in part
 // w / (G / HP) of parts = W HP. Split z of `splits` covers rows [z * rows, (z + 1) * rows) of the causal
 // range, rows = ceil(len / splits) rounded up to ATT_SUB, so the grid does not depend on the
@@ -439,7 +439,8 @@ __device__ __forceinline__ void att_norm_rope(const RopeParams rp, const float* 
 // branch and reconvergence point (BSSY / BSYNC) per unrolled slot; the generic kernel was 79,552
 // SASS instructions, 32 % of its stall samples instruction-cache misses on the H200 (Nsight Compute,
 // 2026-12-02 10:00).
-// HP: query heads a warp scores (1, or 2 where G is even: the model's decode). The scores are
+// HP: query heads a warp scores (1, or 2 where G is even and G (hd + 2) floats fit a stage: the
+// model's decode). The scores are
 // issue-bound (2026-12-07: ~300 instructions a warp for 4 rows of one head, 4 warps a scheduler);
 // two heads a warp read and widen each K / V value once for both and sum 8 scores in one
 // reduce-scatter, ~25 % fewer instructions a row and head.
@@ -659,7 +660,10 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention(
   __shared__ float cs[2 * ATT_HD_MAX];
   const AttRope rope{rp, q_norm, k_norm, k, v, cs};
   const uint len = load_l2(step) + blockIdx.y + 1;  // before the wait (attention_decode): through L2
-  const bool pairs = p.head_dim % 64 == 0, full = p.head_dim == ATT_HD_MAX, two = p.heads / p.kv_heads % 2 == 0;
+  // Two heads a warp where the group is even and the parts' merge regions (G (hd + 2) floats) fit a stage.
+  const uint group = p.heads / p.kv_heads;
+  const bool pairs = p.head_dim % 64 == 0, full = p.head_dim == ATT_HD_MAX;
+  const bool two = group % 2 == 0 && group * (ATT_HD_MAX + 2) <= ATT_STAGE_BYTES / 4;
   if (kd.dtype == 1) {
     if (full && two)
       attention_decode<2, true, ATT_HD_MAX, 2>(p, splits, len, kd, vd, qg, counts, part, out, rope, ks, vs, nk, nv, flag);

@@ -330,6 +330,7 @@ gpu_tests!(
     kv_store_matches_reference,
     attention_matches_reference,
     attention_peaky_scores_match_reference,
+    attention_other_head_groups_match_reference,
     unsupported_shape_is_an_error_not_a_panic,
     kv_copy_matches_reference,
     kv_share_copies_on_write;
@@ -488,6 +489,22 @@ fn attention_peaky_scores_match_reference<B: Backend>(dev: &mut B, tolx: f32) {
         (16, 2, 256, 9, 17, 0, KvDtype::BF16, 8),
     ] {
         attention_case_q(&*dev, tolx, case, ", q amplitude 12", 12.0);
+    }
+}
+
+/// Decode at hd 256 with GQA groups other than the model's 8, which change how a block's warps
+/// share the query heads (CUDA: two heads a warp where the group is even, one where it is odd or
+/// where the parts' merge would not fit a stage; one warp a head where two would not fit 512
+/// threads): 16 (32 heads on 2 KV heads), 6, 5 and 4, short and past 1024 rows, in every dtype.
+fn attention_other_head_groups_match_reference<B: Backend>(dev: &mut B, tolx: f32) {
+    for case in [
+        (32, 2, 256, 40, 1, 2, KvDtype::BF16, 16),
+        (32, 2, 256, 1100, 1, 1, KvDtype::BF16, 256),
+        (12, 2, 256, 1100, 1, 1, KvDtype::BF16, 1024),
+        (10, 2, 256, 77, 1, 2, KvDtype::F32, 32),
+        (8, 2, 256, 300, 1, 2, KvDtype::F16, 64),
+    ] {
+        attention_case(&*dev, tolx, case, ", other head groups");
     }
 }
 
