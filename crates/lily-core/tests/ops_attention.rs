@@ -336,7 +336,7 @@ gpu_tests!(
     kv_share_copies_on_write;
     metal: attention_splits_match_reference;
     cuda: attention_decode_long_matches_reference, qk_norm_rope_store_attention_matches_reference,
-        attention_one_warp_a_head_matches_reference,
+        attention_one_warp_a_head_matches_reference, decode_of_more_than_16_heads_a_kv_head_is_an_error,
 );
 
 fn qk_norm_rope_matches_reference<B: Backend>(dev: &mut B, tolx: f32) {
@@ -547,6 +547,35 @@ fn attention_one_warp_a_head_matches_reference<X: CudaExecutor>(dev: &mut Cuda<X
     attention_decode_long_matches_reference(dev, tolx);
     qk_norm_rope_store_attention_matches_reference(dev, tolx);
     dev.attention_warps = saved;
+}
+
+/// CUDA's decode attention runs a KV head's query heads in one block of at most 512 threads: a
+/// decode of 32 heads on one KV head is a typed error (a prefill chunk of them still runs), and the
+/// stream stays usable.
+fn decode_of_more_than_16_heads_a_kv_head_is_an_error<X: CudaExecutor>(dev: &mut Cuda<X>, tolx: f32) {
+    let m = &*dev;
+    let (h, kv, hd) = (32usize, 1usize, 64usize);
+    let p = AttentionParams {
+        tokens: 1,
+        pos0: 3,
+        heads: h as u32,
+        kv_heads: kv as u32,
+        head_dim: hd as u32,
+        scale: 1.0,
+    };
+    let qg = m.alloc(h * 2 * hd).unwrap();
+    let kc = filled_cache(m, kv * hd, 4, 64, KvDtype::BF16, 16, 1);
+    let mut out = m.alloc(h * hd).unwrap();
+    m.attention(&p, &qg, &kc, &kc, &mut out);
+    let err = m.finish().unwrap_err().to_string();
+    assert!(err.contains("32 query heads per KV head"), "{err}");
+    m.finish().unwrap();
+    attention_case(
+        m,
+        tolx,
+        (32, 1, 64, 3, 5, 0, KvDtype::BF16, 16),
+        ", 32 heads a KV head, prefill",
+    );
 }
 
 /// `qk_norm_rope_store_attention` (CUDA: one launch for a decode step, the attention blocks norm

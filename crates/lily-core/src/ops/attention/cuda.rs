@@ -197,7 +197,8 @@ fn attention_launch<X: Executor>(
         p.kv_heads as usize,
         p.head_dim as usize,
     );
-    // Decode: a warp per query head of a KV head, a lane per 32nd dim; prefill: hd / 8 m16n8
+    // Decode: one or two warps per query head of a KV head in one block of at most 512 threads
+    // (two heads a warp score together: attention.cu), a lane per 32nd dim; prefill: hd / 8 m16n8
     // output tiles per warp, the heads of a KV head inside one block's ATTENTION_QUERY_ROWS.
     if kvh == 0 || h % kvh != 0 || h / kvh > 32 || hd % 32 != 0 || hd == 0 || hd > ATTENTION_HEAD_DIM_MAX {
         c.fail(format!(
@@ -242,6 +243,13 @@ fn attention_launch<X: Executor>(
     // kernel) in a fixed room at the front, so that a call of another shape never finds its
     // counters where an earlier call stored partials; then part1 [H, splits, 2 + hd] and part2
     // [H, groups, 2 + hd].
+    if h / kvh > 16 {
+        c.fail(format!(
+            "attention: decoding {} query heads per KV head unsupported (at most 16: a block of 512 threads)",
+            h / kvh
+        ));
+        return;
+    }
     let splits = c.decode_splits;
     let groups = splits.div_ceil(ATT_GROUP) as usize;
     if kvh * (groups + 1) > ATT_COUNTERS {
