@@ -459,7 +459,8 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
   const uint per = (len + splits - 1) / splits;
   const uint rows = (per + ATT_SUB - 1) / ATT_SUB * ATT_SUB;
   const uint s0 = min(len, split * rows), s1 = min(len, s0 + rows), col0 = kvh * hd;
-  const size_t q0 = (size_t)t * p.heads + kvh * group + hw * HP;  // (token, head) of the warp's first head
+  const uint h0 = kvh * group + hw * HP;  // the warp's first head
+  const size_t q0 = (size_t)t * p.heads + h0;  // (token, head)
   // Fused (one token): the cache rows before the new one were written by earlier steps (earlier
   // graph launches), so the first stage's loads are issued before waiting for the kernel before
   // this one (programmatic dependent launch), through L2 (kv_load16: not a stale line of L1); the
@@ -577,10 +578,10 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
       att_tile<P, BF, ATT_SUB, HP>(ks, vs, r0, min((uint)ATT_SUB, n - r0), hd, lane, q, o, mx, l);
     __syncthreads();  // the stage is refilled next
   }
-  // Combining, one head a warp: warp w serves head ch = w % G (the warps past G repeat the work
+  // Combining, one head a warp: warp w serves head w % G of the group (the warps past G repeat the work
   // and store nothing). Its gate, loaded now (the last block to combine needs it at the very end).
-  const uint ch = warp % group;
-  const size_t qc = (size_t)t * p.heads + kvh * group + ch;
+  const uint hc = kvh * group + warp % group;
+  const size_t qc = (size_t)t * p.heads + hc;
   float gv[NS];
 #pragma unroll
   for (uint i = 0; i < NS; ++i) gv[i] = i < nd ? qg[qc * 2 * hd + hd + 32 * i + lane] : 0.0f;
@@ -625,13 +626,12 @@ __device__ __forceinline__ void attention_decode(const AttentionParams p, uint s
 #pragma unroll
       for (uint j = 0; j < HP; ++j)
         if (part_of == 0)
-          att_put_partial<P>(part1 + ((q0 + j - (size_t)t * p.heads) * splits + split) * (hd + 2), hd, lane, mx[j],
-                             l[j], o[j]);
+          att_put_partial<P>(part1 + ((size_t)(h0 + j) * splits + split) * (hd + 2), hd, lane, mx[j], l[j], o[j]);
     } else if (warp < group) {
       att_put_partial<P>(part2 + (size_t)g * (hd + 2), hd, lane, cmx, cl, co);
     }
     if (!last_block(cnt + (level == 0 ? g : groups), level == 0 ? in_group : groups, flag)) return;  // whole block
-    const float* src = level == 0 ? part1 + ((size_t)(kvh * group + ch) * splits + g * ATT_GROUP) * (hd + 2) : part2;
+    const float* src = level == 0 ? part1 + ((size_t)hc * splits + g * ATT_GROUP) * (hd + 2) : part2;
     att_combine<P>(src, level == 0 ? in_group : groups, hd, lane, cmx, cl, co);
   }
   // out = o / l * sigmoid(gate), through the warp's hd floats of the K stage (free since the last
