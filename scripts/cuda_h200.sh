@@ -8,9 +8,9 @@
 #      shapes at the same bits per weight (gen_gguf.py, Q4_0), build llama.cpp with CUDA from the carried
 #      sdist (once: the build is kept in $WORK and reused by a later call while the machine is warm);
 #   4. measure both engines one after the other, nothing else running: `lily bench --backend cuda`
-#      (prefill 512 / 4096, decode at depth 512 / 4096, GPU bandwidth measured in the same run, peak GPU
-#      memory) and `llama-bench -ngl 99 -fa 1` (prefill 512 / 4096, decode at depth 0 / 4096); print
-#      the ratios;
+#      (prefill 512 / 4096, decode at depth 512 / 4096 and 32768, GPU bandwidth measured in the same run,
+#      peak GPU memory) and `llama-bench -ngl 99 -fa 1` (prefill 512 / 4096, decode at depth 0 / 4096 and
+#      32768); print the ratios;
 #   5. (profile) per-kernel times of a 4096-token prefill and of decode steps (CUDA events,
 #      LILY_CUDA_PROFILE=1: inside the replayed decode graph), and both speeds unprofiled, with
 #      programmatic dependent launch on and off (LILY_CUDA_PDL=0).
@@ -188,19 +188,24 @@ if want bench; then
     step "lily bench --backend cuda (40 layers): prefill 512 / 4096, decode at those depths"
     python3 -m lily bench "$SYNTH" --backend cuda --lengths 512,4096 --decode-steps 128 --rounds 2 \
         --max-seq 8192 --json "$WORK/lily.json" || fail=1
+    step "lily bench --backend cuda (40 layers): decode at depth 32768 (a long agent context)"
+    python3 -m lily bench "$SYNTH" --backend cuda --lengths 32768 --decode-steps 64 --rounds 2 \
+        --max-seq 33280 --json "$WORK/lily32k.json" || fail=1
     if [ -x "$LLAMA" ]; then
-        step "llama-bench (CUDA, -ngl 99 -fa 1): prefill 512 / 4096, decode 128 at depth 0 / 4096"
+        step "llama-bench (CUDA, -ngl 99 -fa 1): prefill 512 / 4096, decode 128 at depth 0 / 4096, 64 at 32768"
         "$LLAMA" -m "$GGUF" -ngl 99 -fa 1 -p 512,4096 -n 128 -d 0,4096 -o json > "$WORK/llama.json" || fail=1
+        "$LLAMA" -m "$GGUF" -ngl 99 -fa 1 -p 0 -n 64 -d 32768 -r 2 -o json > "$WORK/llama32k.json" || fail=1
     else
         echo "llama.cpp is not built on this machine (run the llama or setup phase first): no ratios"
         echo '[]' > "$WORK/llama.json"
+        echo '[]' > "$WORK/llama32k.json"
     fi
     step "ratios"
-    python3 - "$WORK/lily.json" "$WORK/llama.json" <<'EOF'
+    python3 - "$WORK/lily.json" "$WORK/llama.json" "$WORK/lily32k.json" "$WORK/llama32k.json" <<'EOF'
 import json, sys
 lily = json.load(open(sys.argv[1]))
-llama = json.load(open(sys.argv[2]))
-rec = {r["prompt_tokens"]: r for r in lily["records"]}
+llama = json.load(open(sys.argv[2])) + json.load(open(sys.argv[4]))
+rec = {r["prompt_tokens"]: r for r in lily["records"] + json.load(open(sys.argv[3]))["records"]}
 def ll(kind, n, depth):
     for r in llama:
         if kind == "pp" and r["n_prompt"] == n and r["n_gen"] == 0 and r.get("n_depth", 0) == depth:
@@ -210,7 +215,8 @@ def ll(kind, n, depth):
 rows = [("prefill 512", rec[512]["prefill_tok_s"], ll("pp", 512, 0)),
         ("prefill 4096", rec[4096]["prefill_tok_s"], ll("pp", 4096, 0)),
         ("decode @512 (llama.cpp @0)", rec[512]["decode_tok_s"], ll("tg", 128, 0)),
-        ("decode @4096", rec[4096]["decode_tok_s"], ll("tg", 128, 4096))]
+        ("decode @4096", rec[4096]["decode_tok_s"], ll("tg", 128, 4096)),
+        ("decode @32768", rec[32768]["decode_tok_s"], ll("tg", 64, 32768))]
 print(f"{'':28} {'lily tok/s':>12} {'llama.cpp':>12} {'ratio':>7}")
 for name, a, b in rows:
     print(f"{name:28} {a:12.1f} {b or float('nan'):12.1f} {a / b if b else float('nan'):7.2f}")
@@ -218,7 +224,8 @@ m = lily["meta"]
 print(f"GPU copy bandwidth {m['memory_bandwidth_gbps']:.0f} GB/s; decode reads "
       f"{rec[512]['decode_bytes_per_token'] / 1e6:.0f} MB/token = {100 * rec[512]['decode_bandwidth_fraction']:.0f} % "
       f"of it at 512; peak GPU memory {rec[4096]['peak_memory_bytes'] / 1e9:.2f} GB "
-      f"(weights {lily['meta']['bytes_model']['weights_total'] / 1e9:.2f} GB)")
+      f"(weights {lily['meta']['bytes_model']['weights_total'] / 1e9:.2f} GB), "
+      f"{rec[32768]['peak_memory_bytes'] / 1e9:.2f} GB at depth 32768")
 EOF
 fi
 
