@@ -240,21 +240,26 @@ __device__ __forceinline__ void att_stage(const KvDesc kd, const KvDesc vd, uint
   }
 }
 
-// The P staged values at element `at` (at % P == 0) of s, as f32.
+// The P staged values of this lane's slot i (i % P == 0) in staged row `row` of s, as f32: one
+// P-element load at unit row (hd / P) + lane + (32 / P) i (att_dim / P). The row's pointer first,
+// then the slot's constant offset: the compiler folds the offset into the load; from an element
+// index divided by P it spent three integer instructions a load (SASS, 2026-12-07: a fifth of a
+// 4-row sub-tile's ~485), and a 32-bit unit index (which may wrap) still two.
 template <int P, bool BF>
-__device__ __forceinline__ void att_at(const uint4* s, uint at, float* v) {
+__device__ __forceinline__ void att_at(const uint4* s, uint row, uint hd, uint i, uint lane, float* v) {
+  const uint at = row * (hd / P) + lane;  // the same for every slot of a row
   if constexpr (BF && P == 2) {
-    const uint w = reinterpret_cast<const uint*>(s)[at / 2];
+    const uint w = (reinterpret_cast<const uint*>(s) + at)[16 * i];
     v[0] = bf16_float((ushort)(w & 0xffffu));
     v[1] = bf16_float((ushort)(w >> 16));
   } else if constexpr (BF) {
-    v[0] = bf16_float(reinterpret_cast<const ushort*>(s)[at]);
+    v[0] = bf16_float((reinterpret_cast<const ushort*>(s) + at)[32 * i]);
   } else if constexpr (P == 2) {
-    const float2 f = reinterpret_cast<const float2*>(s)[at / 2];
+    const float2 f = (reinterpret_cast<const float2*>(s) + at)[16 * i];
     v[0] = f.x;
     v[1] = f.y;
   } else {
-    v[0] = reinterpret_cast<const float*>(s)[at];
+    v[0] = (reinterpret_cast<const float*>(s) + at)[32 * i];
   }
 }
 
@@ -303,7 +308,7 @@ __device__ __forceinline__ void att_tile(const uint4* ks, const uint4* vs, uint 
     for (uint i = 0; i < NS; i += P) {
       if (i < nd) {
         float k[P];
-        att_at<P, BF>(ks, (r0 + r) * hd + att_dim<P>(i, lane), k);
+        att_at<P, BF>(ks, r0 + r, hd, i, lane, k);
 #pragma unroll
         for (uint j = 0; j < HP; ++j)
 #pragma unroll
@@ -338,7 +343,7 @@ __device__ __forceinline__ void att_tile(const uint4* ks, const uint4* vs, uint 
     for (uint i = 0; i < NS; i += P) {
       if (i < nd) {
         float v[P];
-        att_at<P, BF>(vs, (r0 + r) * hd + att_dim<P>(i, lane), v);
+        att_at<P, BF>(vs, r0 + r, hd, i, lane, v);
 #pragma unroll
         for (uint j = 0; j < HP; ++j)
 #pragma unroll
