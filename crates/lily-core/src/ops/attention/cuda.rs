@@ -238,11 +238,7 @@ fn attention_launch<X: Executor>(
         c.launch(F::AttentionPrefill, shape(grid, 128), args);
         return;
     }
-    // Decode: split over the keys, combined in the same launch (attention.cu: last-block-done in
-    // two levels of ATT_GROUP). Scratch: the counters (u32, zero as allocated, left 0 by the
-    // kernel) in a fixed room at the front, so that a call of another shape never finds its
-    // counters where an earlier call stored partials; then part1 [H, splits, 2 + hd] and part2
-    // [H, groups, 2 + hd].
+    // Decode: a KV head's query heads share one block of at most 512 threads (16 warps).
     if h / kvh > 16 {
         c.fail(format!(
             "attention: decoding {} query heads per KV head unsupported (at most 16: a block of 512 threads)",
@@ -250,6 +246,11 @@ fn attention_launch<X: Executor>(
         ));
         return;
     }
+    // Decode: split over the keys, combined in the same launch (attention.cu: last-block-done in
+    // two levels of ATT_GROUP). Scratch: the counters (u32, zero as allocated, left 0 by the
+    // kernel) in a fixed room at the front, so that a call of another shape never finds its
+    // counters where an earlier call stored partials; then part1 [H, splits, 2 + hd] and part2
+    // [H, groups, 2 + hd].
     let splits = c.decode_splits;
     let groups = splits.div_ceil(ATT_GROUP) as usize;
     if kvh * (groups + 1) > ATT_COUNTERS {
